@@ -1,0 +1,1 @@
+"""Native ops: the send_cache layer-completion signal and its CPU fallback."""

@@ -1,0 +1,1 @@
+"""Moving KV blocks: layer signals, registered memory, transfer engines, cache messager."""
