@@ -1,6 +1,19 @@
 """C extensions; everything else is declared in pyproject.toml."""
 from setuptools import Extension, setup
 
-EXTENSIONS: list[Extension] = []
+EXTENSIONS: list[Extension] = [
+    # Chained SHA-256 for the prefix cache; plain C, no -msha: SHA-NI code is per-function targeted.
+    Extension(
+        "kvcache.allocator._chainhash",
+        ["allocator/_chainhash.c"],
+        extra_compile_args=["-O3", "-std=gnu11", "-Wall", "-Wextra", "-Wno-missing-field-initializers"],
+    ),
+    # Batch lookups/inserts/removals of packed 32-byte hashes for the prefix index.
+    Extension(
+        "kvcache.allocator._hashtable",
+        ["allocator/_hashtable.c"],
+        extra_compile_args=["-O3", "-std=gnu11", "-Wall", "-Wextra"],
+    ),
+]
 
 setup(ext_modules=EXTENSIONS)

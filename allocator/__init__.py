@@ -3,5 +3,20 @@ from __future__ import annotations
 
 from kvcache.allocator.errors import KVCacheError
 from kvcache.allocator.layout import CacheSpec, QuantType, ScaleLayout, TensorSpec
+from kvcache.allocator.manager import Admission, KVCacheManager
+from kvcache.allocator.prefix import BlockHasher, PrefixIndex
+from kvcache.allocator.swa import Full, Window
 
-__all__ = ["CacheSpec", "KVCacheError", "QuantType", "ScaleLayout", "TensorSpec"]
+__all__ = [
+    "Admission",
+    "BlockHasher",
+    "CacheSpec",
+    "Full",
+    "KVCacheError",
+    "KVCacheManager",
+    "PrefixIndex",
+    "QuantType",
+    "ScaleLayout",
+    "TensorSpec",
+    "Window",
+]

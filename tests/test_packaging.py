@@ -20,14 +20,19 @@ def test_wheel_installs_and_runs_outside_the_source_tree(tmp_path):
     (wheel,) = (tmp_path / "dist").glob("kvcache-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     for expected in ("kvcache/allocator/layout.py", "kvcache/transfer/__init__.py", "kvcache/ops/__init__.py",
-                     "kvcache/examples/llama-3.1-70b.json", "kvcache/cli.py"):
+                     "kvcache/examples/llama-3.1-70b.json", "kvcache/cli.py", "kvcache/bench/allocator.py"):
         assert expected in names
+    for extension in ("kvcache/allocator/_chainhash", "kvcache/allocator/_hashtable"):
+        assert any(n.startswith(extension) and n.endswith(".so") for n in names), f"{extension} not built"
     site = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site), str(wheel)],
                    check=True, capture_output=True, timeout=300)
     env = dict(os.environ, PYTHONPATH=str(site))
     probe = (
         "import kvcache, kvcache.allocator, kvcache.transfer, kvcache.ops, json, sys;"
+        "from kvcache.allocator import BlockHasher, KVCacheManager;"
+        "assert BlockHasher(16).native;"
+        "m = KVCacheManager(8, 4); m.admit(0, list(range(9)));"
         "print(kvcache.__file__);"
         "from kvcache.cli import main; sys.exit(main(['plan', '--json']))"
     )

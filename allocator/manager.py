@@ -1,0 +1,524 @@
+"""KVCacheManager: the scheduler's API over block pool, sliding-window policy and prefix index.
+
+A scheduler calls ``admit`` once per request, ``extend`` each step the request
+grows (next prefill chunk, decoded tokens), and ``free`` when it ends. Every
+call that would need more blocks than are free returns None and changes
+nothing. Tables are int32 ``[num_rows, num_blocks]``; ``-1`` marks a slot a
+sliding-window row no longer holds.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, NamedTuple, Sequence, Union
+
+import numpy as np
+
+from kvcache.allocator.errors import KVCacheError
+from kvcache.allocator.events import AllBlocksCleared, BlockRemoved, BlockStored, CacheEvent
+from kvcache.allocator.pool import BlockPool, Usage, usage
+from kvcache.allocator.prefix import HASH_BYTES, BlockHash, BlockHasher, MMPlaceholder, PrefixIndex
+from kvcache.allocator.swa import AttentionPolicy, Full, Window, recyclable_blocks
+
+if TYPE_CHECKING:
+    from kvcache.allocator.layout import CacheSpec
+
+Tokens = Union[Sequence[int], np.ndarray]
+_MAX_TOKEN = 2**32 - 1
+
+
+class Admission(NamedTuple):
+    """What ``admit`` decided: the cached prefix, the table, and the tokens the table covers.
+
+    ``num_cached_tokens`` is a multiple of block_size and at most
+    ``len(prompt) - 1``; the step computes tokens ``[num_cached_tokens, num_tokens)``.
+    """
+
+    num_cached_tokens: int
+    table: np.ndarray
+    num_tokens: int
+
+
+class ManagerStats(NamedTuple):
+    """Counters for metrics: live requests, cached hashes, free blocks, prefix hit totals."""
+
+    num_requests: int
+    num_cached_hashes: int
+    min_free_blocks: int
+    prefix_queries: int
+    prefix_queried_tokens: int
+    prefix_hit_tokens: int
+
+
+@dataclasses.dataclass(slots=True)
+class _Request:
+    """One admitted request: its tokens, table and hashing progress (buffers grow by doubling)."""
+
+    tokens: np.ndarray  # uint32 [capacity]
+    num_tokens: int
+    table: np.ndarray  # int32 [num_rows, capacity_blocks]
+    num_blocks: int
+    num_hashed: int  # leading full blocks whose hashes are registered
+    last_hash: BlockHash | None
+    recycled: list[int]  # per window group: logical blocks [0, recycled) already given back
+    cache_salt: str | None
+    lora: str | None
+    mm: list[MMPlaceholder] | None
+
+
+class KVCacheManager:
+    """Per-row paged KV block allocation with sliding-window recycling and prefix caching.
+
+    ``rows`` holds one attention policy per allocation row: ``[Full()]`` for a
+    uniform cache (every head of every layer shares a block id), or one policy
+    per kv head for head-wise allocation, where SWA heads give blocks back as
+    their window slides. Not thread-safe: one owner calls it (the daemon gives
+    it a thread of its own).
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        rows: Sequence[AttentionPolicy] = (Full(),),
+        *,
+        enable_prefix_caching: bool = True,
+        hash_algorithm: str = "sha256",
+        hash_seed: bytes | str | None = None,
+        enable_events: bool = False,
+    ) -> None:
+        _check_count(num_blocks, "num_blocks", least=1)
+        _check_count(block_size, "block_size", least=1)
+        rows = tuple(rows)
+        if not rows:
+            raise KVCacheError("rows: need at least one row policy")
+        for i, policy in enumerate(rows):
+            if not isinstance(policy, (Full, Window)):
+                raise KVCacheError(f"rows[{i}]: expected Full() or Window(...), got {policy!r}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.rows = rows
+        self.enable_prefix_caching = enable_prefix_caching
+        self.enable_events = enable_events
+        self._pool = BlockPool(len(rows), num_blocks)
+        self._index = PrefixIndex(len(rows), num_blocks)
+        self._hasher = BlockHasher(block_size, hash_algorithm, hash_seed) if enable_prefix_caching else None
+        self._row_ids = np.arange(len(rows), dtype=np.intp)
+        self._row_col = self._row_ids[:, None]
+        self._full_rows = np.array([i for i, p in enumerate(rows) if isinstance(p, Full)], dtype=np.intp)
+        windows = sorted({p for p in rows if isinstance(p, Window)}, key=lambda w: (w.window_tokens, w.sink_tokens))
+        self._window_groups: list[tuple[Window, np.ndarray]] = [
+            (w, np.array([i for i, p in enumerate(rows) if p == w], dtype=np.intp)) for w in windows
+        ]
+        self._requests: dict[object, _Request] = {}
+        self._events: list[CacheEvent] = []
+        self._queries = self._queried_tokens = self._hit_tokens = 0
+
+    @classmethod
+    def from_spec(
+        cls,
+        spec: CacheSpec,
+        num_blocks: int,
+        *,
+        head_wise: bool = False,
+        policies: Sequence[AttentionPolicy] | None = None,
+        **options: object,
+    ) -> KVCacheManager:
+        """A manager for one TP rank of ``spec``: one row, or one row per kv head of the rank.
+
+        ``policies`` gives each of the rank's kv heads its policy (default all Full).
+        """
+        num_rows = spec.kv_heads_per_rank if head_wise else 1
+        if policies is None:
+            policies = [Full()] * num_rows
+        elif len(policies) != num_rows:
+            raise KVCacheError(f"policies: {len(policies)} given, the rank has {num_rows} row(s)")
+        return cls(num_blocks, spec.block_size, policies, **options)  # type: ignore[arg-type]
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.rows)
+
+    @property
+    def num_free_blocks(self) -> np.ndarray:
+        """Allocatable blocks per row (free plus cached-but-unused), int array ``[num_rows]``."""
+        return self._pool.num_free()
+
+    @property
+    def usage(self) -> Usage:
+        """Fraction of blocks in use per row and the largest, exact (never rounded to 0)."""
+        return usage(self._pool.num_free(), self.num_blocks)
+
+    def can_admit(self, num_tokens: int) -> bool:
+        """Whether a request of ``num_tokens`` tokens fits even with no prefix hit."""
+        _check_count(num_tokens, "num_tokens", least=0)
+        return self._pool.can_allocate(-(-num_tokens // self.block_size))
+
+    def lookup(self, prompt_tokens: Tokens, *, cache_salt: str | None = None, lora: str | None = None,
+               mm: Sequence[MMPlaceholder | tuple[str, int, int]] | None = None) -> int:
+        """Tokens of ``prompt_tokens`` that ``admit`` would find cached now (no state change)."""
+        tokens = _as_tokens(prompt_tokens)
+        if self._hasher is None or tokens.size < 2:
+            return 0
+        hashes = self._hasher.hash_blocks_packed(tokens[: tokens.size - 1], cache_salt=cache_salt, lora=lora, mm=mm)
+        return self._match(hashes)[0] * self.block_size
+
+    def table(self, request_id: object) -> np.ndarray:
+        """The request's block table, int32 ``[num_rows, num_blocks]`` (a read-only view)."""
+        req = self._get(request_id)
+        return _view(req)
+
+    def num_tokens(self, request_id: object) -> int:
+        """Tokens the request's table covers."""
+        return self._get(request_id).num_tokens
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._requests
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    def stats(self) -> ManagerStats:
+        return ManagerStats(
+            len(self._requests), len(self._index), int(self._pool.num_free().min()),
+            self._queries, self._queried_tokens, self._hit_tokens,
+        )
+
+    def take_events(self) -> list[CacheEvent]:
+        """Cache events since the last call, oldest first (empty unless ``enable_events``)."""
+        events, self._events = self._events, []
+        return events
+
+    # ------------------------------------------------------------------ actions
+
+    def admit(
+        self,
+        request_id: object,
+        prompt_tokens: Tokens,
+        *,
+        cache_salt: str | None = None,
+        lora: str | None = None,
+        mm: Sequence[MMPlaceholder | tuple[str, int, int]] | None = None,
+        num_tokens: int | None = None,
+    ) -> Admission | None:
+        """Take a new request: reuse its longest cached prefix and allocate blocks for the rest.
+
+        The table covers tokens ``[0, N)`` with ``N = max(num_tokens, hit + 1)``
+        capped at the prompt (``num_tokens`` defaults to the whole prompt; pass
+        less for chunked prefill and send the rest with ``extend``)::
+
+            prompt   |<-------------------- len(prompt) ------------------->|
+            blocks   | hit | hit | hit | new | new | new |                  |
+                     |<-- num_cached ->|<-- computed now -->|
+                     |<----------------- N ---------------->|
+
+        Returns None, changing nothing, when the blocks are short.
+        """
+        if request_id in self._requests:
+            raise KVCacheError(f"request_id: {request_id!r} is already admitted")
+        tokens = _as_tokens(prompt_tokens)
+        if tokens.size == 0:
+            raise KVCacheError("prompt_tokens: must hold at least one token")
+        if num_tokens is None:
+            num_tokens = int(tokens.size)
+        _check_count(num_tokens, "num_tokens", least=1)
+        if num_tokens > tokens.size:
+            raise KVCacheError(f"num_tokens: {num_tokens} exceeds the prompt's {tokens.size} tokens")
+        bs = self.block_size
+        hashes = b""
+        num_hit, hit = 0, None
+        if self._hasher is not None:
+            hashes = self._hasher.hash_blocks_packed(tokens, cache_salt=cache_salt, lora=lora, mm=mm)
+            num_hit, hit = self._match(hashes[: (tokens.size - 1) // bs * _H])
+        covered = min(int(tokens.size), max(num_tokens, num_hit * bs + 1))
+        num_blocks = -(-covered // bs)
+        num_new = num_blocks - num_hit
+        free = self._pool.num_free()
+        if hit is not None:
+            revived = (self._pool.refcount(self._row_col, hit) == 0) & (hit >= 0)
+            free = free - revived.sum(axis=1)
+        if (free < num_new).any():
+            return None
+        if hit is not None:
+            self._pool.incref(self._row_col, hit)
+        allocation = self._pool.allocate(num_new)
+        assert allocation is not None, "allocation failed after the free-block check"
+        self._forget(allocation.evicted_rows, allocation.evicted_blocks)
+        capacity = _grow(num_blocks, 4)
+        table = np.full((self.num_rows, capacity), -1, dtype=np.int32)
+        if hit is not None:
+            table[:, :num_hit] = hit
+        table[:, num_hit:num_blocks] = allocation.blocks
+        buffer = np.empty(_grow(covered, 64), dtype=np.uint32)
+        buffer[:covered] = tokens[:covered]
+        req = _Request(
+            tokens=buffer, num_tokens=covered, table=table, num_blocks=num_blocks, num_hashed=num_hit,
+            last_hash=hashes[(num_hit - 1) * _H: num_hit * _H] if num_hit else None,
+            recycled=[recyclable_blocks(w, num_hit * bs, bs).stop for w, _ in self._window_groups],
+            cache_salt=cache_salt, lora=lora, mm=list(mm) if mm else None,
+        )
+        self._requests[request_id] = req
+        if self._hasher is not None:
+            self._register(req, hashes[num_hit * _H: covered // bs * _H])
+            self._queries += 1
+            self._queried_tokens += int(tokens.size)
+            self._hit_tokens += num_hit * bs
+        return Admission(num_hit * bs, _view(req), covered)
+
+    def extend(self, request_id: object, tokens: Tokens, *, num_computed_tokens: int | None = None) -> np.ndarray | None:
+        """Append ``tokens`` (a prefill chunk or decoded tokens) and allocate the blocks they need.
+
+        Sliding-window rows first give back blocks no query from
+        ``num_computed_tokens`` on can see (default: every token before this
+        call, i.e. the previous step finished; pass less under asynchronous
+        scheduling so no block a step in flight still reads or writes is
+        freed). Newly full blocks enter the prefix index. Returns the table, or
+        None, changing nothing, when blocks are short.
+        """
+        req = self._get(request_id)
+        new_tokens = _as_tokens(tokens)
+        done = req.num_tokens if num_computed_tokens is None else num_computed_tokens
+        _check_count(done, "num_computed_tokens", least=0)
+        if done > req.num_tokens:
+            raise KVCacheError(f"num_computed_tokens: {done} exceeds the request's {req.num_tokens} tokens")
+        bs = self.block_size
+        total = req.num_tokens + int(new_tokens.size)
+        num_blocks = -(-total // bs)
+        num_new = num_blocks - req.num_blocks
+        rows, blocks, stops = self._recyclable(req, done)
+        if num_new:
+            free = self._pool.num_free()
+            if (free < num_new).any() and blocks.size:
+                returned = self._pool.refcount(rows, blocks) == 1
+                free = free + np.bincount(rows[returned], minlength=self.num_rows)
+            if (free < num_new).any():
+                return None
+        if blocks.size:
+            self._pool.decref(rows, blocks)
+            for g, (_, group) in enumerate(self._window_groups):
+                req.table[group, req.recycled[g]:stops[g]] = -1
+                req.recycled[g] = max(req.recycled[g], stops[g])
+        if num_new:
+            allocation = self._pool.allocate(num_new)
+            assert allocation is not None, "allocation failed after the free-block check"
+            self._forget(allocation.evicted_rows, allocation.evicted_blocks)
+            if num_blocks > req.table.shape[1]:
+                grown = np.full((self.num_rows, _grow(num_blocks, 4)), -1, dtype=np.int32)
+                grown[:, : req.num_blocks] = req.table[:, : req.num_blocks]
+                req.table = grown
+            req.table[:, req.num_blocks:num_blocks] = allocation.blocks
+            req.num_blocks = num_blocks
+        if total > req.tokens.size:
+            grown_tokens = np.empty(_grow(total, 64), dtype=np.uint32)
+            grown_tokens[: req.num_tokens] = req.tokens[: req.num_tokens]
+            req.tokens = grown_tokens
+        req.tokens[req.num_tokens:total] = new_tokens
+        req.num_tokens = total
+        if self._hasher is not None and total // bs > req.num_hashed:
+            start = req.num_hashed
+            hashes = self._hasher.hash_blocks_packed(
+                req.tokens[start * bs: (total // bs) * bs], cache_salt=req.cache_salt, lora=req.lora,
+                mm=req.mm, parent=req.last_hash, start_block=start,
+            )
+            self._register(req, hashes)
+        return _view(req)
+
+    def free(self, request_id: object) -> None:
+        """End a request: its blocks return to the pool; full ones stay cached for later hits.
+
+        Blocks are released tail first, so a prefix's last blocks are evicted
+        before its first ones (which more requests share).
+        """
+        req = self._get(request_id)
+        del self._requests[request_id]
+        self._pool.decref(self._row_col, req.table[:, req.num_blocks - 1::-1] if req.num_blocks else
+                          req.table[:, :0])
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix (live requests keep their blocks); returns the hashes dropped."""
+        dropped = self._index.clear()
+        self._pool.reset_cached()
+        if self.enable_events:
+            self._events.append(AllBlocksCleared())
+        return dropped
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError with the numbers if pool, index and tables disagree."""
+        self._pool.check_integrity()
+        self._index.check_integrity()
+        refs = np.zeros((self.num_rows, self.num_blocks), dtype=np.int64)
+        for req in self._requests.values():
+            t = req.table[:, : req.num_blocks]
+            r, c = np.nonzero(t >= 0)
+            np.add.at(refs, (r, t[r, c]), 1)
+            assert req.num_blocks == -(-req.num_tokens // self.block_size), "table length disagrees with tokens"
+        actual = self._pool.refcount(self._row_col, np.arange(self.num_blocks)[None, :])
+        bad = np.argwhere(refs != actual)
+        assert bad.size == 0, (
+            f"(row {bad[0][0]}, block {bad[0][1]}) is in {refs[tuple(bad[0])]} live tables "
+            f"but has refcount {actual[tuple(bad[0])]}" if bad.size else ""
+        )
+        rows, blocks = self._index.held_pairs()
+        cached = self._pool.is_cached(self._row_col, np.arange(self.num_blocks)[None, :])
+        held = np.zeros_like(cached)
+        held[rows, blocks] = True
+        assert (cached == held).all(), f"{int((cached != held).sum())} pairs cached in the pool but not the index"
+
+    # ------------------------------------------------------------------ internals
+
+    def _get(self, request_id: object) -> _Request:
+        try:
+            return self._requests[request_id]
+        except (KeyError, TypeError):
+            raise KVCacheError(f"request_id: {request_id!r} is not admitted") from None
+
+    def _match(self, hashes: bytes) -> tuple[int, np.ndarray | None]:
+        """Longest usable cached prefix in blocks, and its blocks ``[num_rows, L]`` (-1 where not needed).
+
+        Full rows need every block of the prefix; a Window row needs only its
+        sink blocks and the blocks the next query (at ``L * block_size``) sees.
+        """
+        found = self._index.match(hashes)  # [k, rows]
+        k = found.shape[0]
+        if k == 0:
+            return 0, None
+        present = found >= 0
+        usable = np.ones(k + 1, dtype=bool)  # usable[L] for L = 0..k
+        if self._full_rows.size:
+            complete = present[:, self._full_rows].all(axis=1)
+            first_gap = int(np.argmin(complete)) if not complete.all() else k
+            usable[first_gap + 1:] = False
+        bs = self.block_size
+        lengths = np.arange(k + 1)
+        windows = []
+        for policy, group in self._window_groups:
+            missing = np.concatenate([[0], np.cumsum(~present[:, group].all(axis=1))])
+            sink_stop = np.minimum(-(-np.minimum(policy.sink_tokens, lengths * bs) // bs), lengths)
+            first_seen = np.minimum(np.maximum(0, lengths * bs - policy.window_tokens + 1) // bs, lengths)
+            usable &= (missing[sink_stop] == 0) & (missing[lengths] - missing[first_seen] == 0)
+            windows.append((group, sink_stop, first_seen))
+        num_hit = int(np.flatnonzero(usable)[-1])
+        if num_hit == 0:
+            return 0, None
+        blocks = found[:num_hit].T.copy()
+        for group, sink_stop, first_seen in windows:
+            keep = np.zeros(num_hit, dtype=bool)
+            keep[: sink_stop[num_hit]] = True
+            keep[first_seen[num_hit]:] = True
+            blocks[np.ix_(group, np.flatnonzero(~keep))] = -1
+        return num_hit, blocks
+
+    def _recyclable(self, req: _Request, done: int) -> tuple[np.ndarray, np.ndarray, list[int]]:
+        """(rows, blocks) the window rows may give back before queries from ``done``, tail first."""
+        stops: list[int] = []
+        rows_parts, block_parts = [], []
+        for g, (policy, group) in enumerate(self._window_groups):
+            stop = min(recyclable_blocks(policy, done, self.block_size).stop, req.num_blocks)
+            stops.append(stop)
+            start = max(req.recycled[g], -(-policy.sink_tokens // self.block_size))
+            if stop <= start:
+                continue
+            part = req.table[group, start:stop][:, ::-1]
+            rows_parts.append(np.broadcast_to(group[:, None], part.shape).ravel())
+            block_parts.append(part.ravel())
+        if not rows_parts:
+            return _EMPTY, _EMPTY, stops
+        rows, blocks = np.concatenate(rows_parts), np.concatenate(block_parts)
+        live = blocks >= 0
+        return rows[live], blocks[live], stops
+
+    def _register(self, req: _Request, hashes: bytes) -> None:
+        """Enter the request's newly full blocks (packed ``hashes``, from block ``num_hashed`` on) in the index."""
+        if not hashes:
+            return
+        start = req.num_hashed
+        stop = start + len(hashes) // _H
+        blocks = req.table[:, start:stop].T
+        added = self._index.insert(hashes, blocks)
+        if added.any():
+            i, r = np.nonzero(added)
+            self._pool.mark_cached(r, blocks[i, r])
+            if self.enable_events:
+                self._store_events(req, hashes, start, added)
+        req.num_hashed = stop
+        req.last_hash = hashes[-_H:]
+
+    def _forget(self, rows: np.ndarray, blocks: np.ndarray) -> None:
+        """Drop evicted (row, block) pairs from the index and report the hashes that went."""
+        if rows.size == 0:
+            return
+        removed = self._index.remove(rows, blocks)
+        if self.enable_events and len(removed.hashes):
+            for row in np.unique(removed.rows).tolist():
+                picked = np.flatnonzero(removed.rows == row).tolist()
+                self._events.append(BlockRemoved(tuple(bytes(h) for h in removed.hashes[picked]), (row,)))
+
+    def _store_events(self, req: _Request, packed: bytes, start: int, added: np.ndarray) -> None:
+        """One BlockStored per run of consecutive blocks registered on the same rows."""
+        bs = self.block_size
+        hashes = [packed[i: i + _H] for i in range(0, len(packed), _H)]
+        patterns = np.packbits(added, axis=1, bitorder="little")
+        keys = [bytes(p) for p in patterns]
+        run_start = 0
+        for i in range(1, len(keys) + 1):
+            if i < len(keys) and keys[i] == keys[run_start]:
+                continue
+            rows = tuple(np.flatnonzero(added[run_start]).tolist())
+            if rows:
+                first = start + run_start
+                self._events.append(BlockStored(
+                    block_hashes=tuple(hashes[run_start:i]),
+                    parent_block_hash=hashes[run_start - 1] if run_start else (
+                        req.last_hash if start else None),
+                    token_ids=req.tokens[first * bs: (start + i) * bs].copy(),
+                    block_size=bs,
+                    rows=rows,
+                    lora=req.lora,
+                ))
+            run_start = i
+
+
+_EMPTY = np.empty(0, dtype=np.intp)
+_H = HASH_BYTES
+
+
+def _view(req: _Request) -> np.ndarray:
+    view = req.table[:, : req.num_blocks]
+    view.flags.writeable = False
+    return view
+
+
+def _grow(needed: int, least: int) -> int:
+    """Capacity for ``needed`` items: the next power of two, at least ``least``."""
+    return max(least, 1 << max(0, needed - 1).bit_length())
+
+
+def _check_count(value: object, field: str, least: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise KVCacheError(f"{field}: must be an integer, got {value!r}")
+    if value < least:
+        raise KVCacheError(f"{field}: must be at least {least}, got {value}")
+
+
+def _as_tokens(tokens: Tokens) -> np.ndarray:
+    """Tokens as a uint32 array; rejects non-integers and ids outside [0, 2**32)."""
+    if isinstance(tokens, np.ndarray):
+        if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
+            raise KVCacheError(f"tokens: expected a 1-D integer array, got {tokens.dtype} of shape {tokens.shape}")
+        arr = tokens
+    elif isinstance(tokens, (list, tuple, range)):
+        try:
+            arr = np.array(tokens, dtype=np.int64)
+        except (TypeError, ValueError, OverflowError):
+            raise KVCacheError("tokens: expected integers") from None
+        if arr.ndim != 1 or (len(tokens) and not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool)
+                                                      for t in (tokens[0], tokens[-1]))):
+            raise KVCacheError("tokens: expected a flat sequence of integers")
+    else:
+        raise KVCacheError(f"tokens: expected a list or numpy array of integers, got {type(tokens).__name__}")
+    if arr.size and (int(arr.min()) < 0 or int(arr.max()) > _MAX_TOKEN):
+        bad = arr[(arr < 0) | (arr > _MAX_TOKEN)][0]
+        raise KVCacheError(f"tokens: token id {int(bad)} is outside [0, 2**32)")
+    return arr.astype(np.uint32, copy=False)
+

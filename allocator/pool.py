@@ -1,0 +1,548 @@
+"""Per-row block pool: free heaps, reference counts and LRU of cached free blocks.
+
+A row is an independent block-id space over ``[0, num_blocks)`` (uniform mode:
+one row; head-wise mode: one row per kv head). Every operation is a handful of
+numpy array operations over all the (row, block) pairs it touches; Python
+loops run only over rows, and only on rare paths (ring compaction, reset).
+
+Free blocks live in one of two places per row:
+
+* the *free stack* holds uncached free blocks, reused LIFO (a just-freed block
+  is reused first, which keeps the working set small and GPU-local);
+* the *LRU ring* holds cached free blocks (refcount 0, ``cached`` set),
+  reused only when the stack is empty, oldest-released first. Reusing one
+  *evicts* it: the allocation reports the pair and the flag is cleared.
+
+The ring is a circular per-row buffer of block ids (a power of two >= 2 *
+num_blocks slots) between ``head`` and ``tail`` positions, with a
+per-(row, block) ``lru_pos``: ring entry ``g`` is live iff
+``lru_pos[row, ring[g]] == g``. Reviving (incref from 0) or uncaching a block
+sets ``lru_pos`` to -1, which makes its entry stale in O(1); popping skips
+stale entries; a ring filled with stale entries is compacted, amortised O(1).
+
+The pool knows nothing about hashes: ``cached`` is a flag its owner sets.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from kvcache.allocator.errors import KVCacheError
+
+_EMPTY_I32 = np.empty(0, dtype=np.int32)
+_ONE = np.int32(1)  # same dtype as the refcounts keeps np.add.at on its fast path
+
+
+class Allocation(NamedTuple):
+    """New blocks per row and the cached blocks evicted to provide them.
+
+    ``blocks[i]`` are row ``rows[i]``'s new blocks (int32): first those taken
+    from the free stack in LIFO order, then evicted ones oldest first.
+    ``evicted_rows``/``evicted_blocks`` (int32, parallel) list every evicted
+    pair row by row in the order rows were given, oldest first within a row;
+    the owner must drop whatever it keyed on those pairs (their hashes).
+    """
+
+    blocks: np.ndarray
+    evicted_rows: np.ndarray
+    evicted_blocks: np.ndarray
+
+
+class Usage(NamedTuple):
+    """Fraction of blocks in use per row (float64, exact: 1 of 10**6 is 1e-6) and its maximum."""
+
+    per_row: np.ndarray
+    max: float
+
+
+def usage(num_free: np.ndarray, num_blocks: int) -> Usage:
+    """Used fraction per row from free counts; never rounds a non-empty row down to 0."""
+    if num_blocks < 1:
+        raise KVCacheError(f"num_blocks: must be at least 1, got {num_blocks}")
+    free = np.asarray(num_free, dtype=np.float64)
+    per_row = (num_blocks - free) / num_blocks
+    return Usage(per_row, float(per_row.max()) if per_row.size else 0.0)
+
+
+class BlockPool:
+    """Reference-counted blocks for ``num_rows`` independent rows of ``num_blocks`` ids each.
+
+    Guarantees: deterministic (same calls, same ids; a fresh pool hands out
+    0, 1, 2, ... in every row); a failed ``allocate`` returns None and changes
+    nothing; cached free blocks are reused only when no uncached free block is
+    left, oldest-released first; a block with references is never handed out.
+    Pair arguments ``(rows, blocks)`` are int arrays that broadcast together
+    (e.g. ``rows[:, None]`` against a ``[rows, n]`` table); C order is the
+    order of the pairs; block -1 (a table hole) is skipped.
+    """
+
+    def __init__(self, num_rows: int, num_blocks: int) -> None:
+        """Every block free, uncached, refcount 0; the free stacks pop 0 first."""
+        for field, value in (("num_rows", num_rows), ("num_blocks", num_blocks)):
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+                raise KVCacheError(f"{field}: must be an integer >= 1, got {value!r}")
+        if num_blocks >= 2**31 - 1:
+            raise KVCacheError(f"num_blocks: block ids are int32, got {num_blocks}")
+        rows, n = int(num_rows), int(num_blocks)
+        self._rows, self._n = rows, n
+        # Ring slots per row: a power of two >= 2n, so positions wrap with a mask
+        # and, after compaction, at least n free slots remain.
+        self._cap = 1 << (2 * n - 1).bit_length()
+        self._mask = self._cap - 1
+        self._all_rows = np.arange(rows, dtype=np.intp)
+        self._ref = np.zeros(rows * n, dtype=np.int32)
+        self._cached = np.zeros(rows * n, dtype=bool)
+        # Stack bottom..top is n-1..0 so the first pops are 0, 1, 2, ...
+        self._stack2d = np.tile(np.arange(n - 1, -1, -1, dtype=np.int32), (rows, 1))
+        self._stack = self._stack2d.reshape(-1)  # flat view: slot row*n + i
+        self._top = np.full(rows, n, dtype=np.intp)
+        self._ring2d = np.zeros((rows, self._cap), dtype=np.int32)
+        self._ring = self._ring2d.reshape(-1)  # flat view: entry g = row*cap + (position & mask)
+        self._row_bounds = np.arange(rows + 1, dtype=np.intp)
+        self._lru_pos = np.full(rows * n, -1, dtype=np.intp)  # live ring entry g per (row, block), or -1
+        self._head = np.zeros(rows, dtype=np.intp)  # positions, not wrapped: entries are [head, tail)
+        self._tail = np.zeros(rows, dtype=np.intp)
+        self._lru_count = np.zeros(rows, dtype=np.intp)
+
+    @property
+    def num_rows(self) -> int:
+        """Number of independent rows."""
+        return self._rows
+
+    @property
+    def num_blocks(self) -> int:
+        """Block ids per row: ``[0, num_blocks)``."""
+        return self._n
+
+    # ----------------------------------------------------------------- queries
+
+    def num_free(self, rows: np.ndarray | None = None) -> np.ndarray:
+        """Allocatable blocks per row (intp): uncached free plus cached-but-unreferenced."""
+        r = self._row_ids(rows)
+        return self._top[r] + self._lru_count[r]
+
+    def num_cached_free(self, rows: np.ndarray | None = None) -> np.ndarray:
+        """Cached blocks with no references per row (intp): free, but evicted if reused."""
+        return self._lru_count[self._row_ids(rows)].copy()
+
+    def refcount(self, rows: np.ndarray, blocks: np.ndarray) -> np.ndarray:
+        """Reference counts (int32) in the broadcast shape of the pairs; holes (-1) read 0."""
+        flat, holes = self._lookup(rows, blocks)
+        out = self._ref[flat]
+        return out if holes is None else np.where(holes, np.int32(0), out)
+
+    def is_cached(self, rows: np.ndarray, blocks: np.ndarray) -> np.ndarray:
+        """Cached flags (bool) in the broadcast shape of the pairs; holes (-1) read False."""
+        flat, holes = self._lookup(rows, blocks)
+        out = self._cached[flat]
+        return out if holes is None else out & ~holes
+
+    def can_allocate(self, n: int, rows: np.ndarray | None = None) -> bool:
+        """Whether ``allocate(n, rows)`` would succeed (every row has ``n`` allocatable blocks)."""
+        self._check_n(n)
+        r = self._row_ids(rows)
+        return bool(((self._top[r] + self._lru_count[r]) >= n).all())
+
+    # ----------------------------------------------------------------- actions
+
+    def allocate(self, n: int, rows: np.ndarray | None = None) -> Allocation | None:
+        """Take ``n`` blocks in each of ``rows`` (None: all rows) with refcount 1.
+
+        Per row: pop the free stack (LIFO), then evict from the LRU ring
+        (oldest first). Returns None and changes nothing if any row has fewer
+        than ``n`` allocatable blocks.
+        """
+        self._check_n(n)
+        r = self._row_ids(rows)
+        top = self._top[r]
+        if ((top + self._lru_count[r]) < n).any():
+            return None
+        if n == 0:
+            return Allocation(np.empty((r.size, 0), dtype=np.int32), _EMPTY_I32, _EMPTY_I32)
+        t0 = int(top[0])
+        if t0 >= n and (top == t0).all():
+            # Common case: every row pops the same stack slice, no eviction.
+            stack = self._stack2d if rows is None else self._stack2d[r]
+            blocks = stack[:, t0 - n:t0][:, ::-1].copy()
+            self._top[r] = t0 - n
+            self._ref[(r * self._n)[:, None] + blocks] = 1
+            return Allocation(blocks, _EMPTY_I32, _EMPTY_I32)
+        take = np.minimum(top, n)
+        need = n - take
+        evicted_rows, evicted_blocks = _EMPTY_I32, _EMPTY_I32
+        if not take.any():
+            # Stacks empty (a full prefix cache): every block is an eviction.
+            blocks, evicted_rows, evicted_blocks = self._pop_lru(r, need)
+        else:
+            cols = np.arange(n)
+            from_stack = cols < take[:, None]
+            stack_idx = (r * self._n)[:, None] + np.where(from_stack, top[:, None] - 1 - cols, 0)
+            blocks = self._stack[stack_idx]
+            if need.any():
+                ev_mat, evicted_rows, evicted_blocks = self._pop_lru(r, need)
+                ev_cols = np.clip(cols - take[:, None], 0, ev_mat.shape[1] - 1)
+                blocks = np.where(from_stack, blocks, np.take_along_axis(ev_mat, ev_cols, axis=1))
+            self._top[r] = top - take
+        self._ref[(r * self._n)[:, None] + blocks] = 1
+        return Allocation(blocks, evicted_rows, evicted_blocks)
+
+    def incref(self, rows: np.ndarray, blocks: np.ndarray) -> None:
+        """Add one reference per pair (duplicates count); a cached free block is revived.
+
+        Reviving takes the block out of the LRU ring without evicting it (a
+        prefix hit). An incref of an uncached free block is an owner bug and
+        raises AssertionError before any change.
+        """
+        r, b, flat = self._pairs(rows, blocks)
+        if flat.size == 0:
+            return
+        before = self._ref[flat]
+        zero = before == 0
+        revive = zero.any()
+        if revive:
+            lost = self._lru_pos[flat[zero]] < 0
+            if lost.any():
+                rr, bb = r[zero][lost], b[zero][lost]
+                raise AssertionError(f"incref of {lost.sum()} free uncached blocks, "
+                                     f"first (row {rr[0]}, block {bb[0]})")
+        np.add.at(self._ref, flat, _ONE)
+        if revive:
+            rz, fz = r[zero], flat[zero]
+            if int(self._ref[flat].sum()) - int(before.sum()) != flat.size:
+                rz, _, fz, _ = _merge(rz, rz, fz, keep="first")  # a pair repeated: revive it once
+            self._lru_pos[fz] = -1
+            self._lru_count -= np.bincount(rz, minlength=self._rows)
+
+    def decref(self, rows: np.ndarray, blocks: np.ndarray) -> None:
+        """Drop one reference per pair (duplicates count); blocks reaching 0 become free.
+
+        Release order is the order of the pairs (a duplicated pair is released
+        at its last occurrence), exactly as if each pair were decref'd alone:
+        uncached blocks are pushed on the free stack (the last released is
+        reused first), cached ones appended to the LRU ring (the first released
+        is evicted first). So freeing a request in reverse logical order makes
+        a prefix's tail evicted before its head. Decref of a block with too few
+        references raises AssertionError before any change.
+        """
+        r, b, flat = self._pairs(rows, blocks)
+        if flat.size == 0:
+            return
+        before = self._ref[flat]
+        if before.min() < 1:
+            i = int(np.flatnonzero(before < 1)[0])
+            raise AssertionError(f"decref of a free block: (row {r[i]}, block {b[i]}) has 0 references")
+        np.subtract.at(self._ref, flat, _ONE)
+        after = self._ref[flat]
+        # Each pair repeated k times drops k at each of its k places, so the sum
+        # exceeds the number of pairs exactly when some pair repeats.
+        if int(before.sum()) - int(after.sum()) != flat.size:
+            np.add.at(self._ref, flat, _ONE)
+            r, b, flat, counts = _merge(r, b, flat, keep="last")
+            before = self._ref[flat]
+            short = before < counts
+            if short.any():
+                i = int(np.flatnonzero(short)[0])
+                raise AssertionError(f"decref below 0: (row {r[i]}, block {b[i]}) has {before[i]} "
+                                     f"references, dropping {counts[i]}")
+            after = before - counts
+            self._ref[flat] = after
+        if after.any():
+            released = after == 0
+            if not released.any():
+                return
+            r, b, flat = r[released], b[released], flat[released]
+        cached = self._cached[flat]
+        if not cached.any():
+            self._push_stack(r, b)
+        elif cached.all():
+            self._append_lru(r, b, flat)
+        else:
+            self._push_stack(r[~cached], b[~cached])
+            self._append_lru(r[cached], b[cached], flat[cached])
+
+    def mark_cached(self, rows: np.ndarray, blocks: np.ndarray) -> None:
+        """Set the cached flag of referenced (or already cached) blocks; idempotent.
+
+        Marking an uncached free block is an owner bug (AssertionError, no change):
+        only blocks holding written KV can hold a prefix.
+        """
+        r, b, flat = self._pairs(rows, blocks)
+        ok = self._ref[flat] > 0
+        if not ok.all():
+            ok |= self._cached[flat]
+        if not ok.all():
+            i = int(np.flatnonzero(~ok)[0])
+            raise AssertionError(f"mark_cached of {(~ok).sum()} free uncached blocks, "
+                                 f"first (row {r[i]}, block {b[i]})")
+        self._cached[flat] = True
+
+    def uncache(self, rows: np.ndarray, blocks: np.ndarray) -> None:
+        """Clear the cached flag; a cached free block moves to the free stack (in pair order).
+
+        Pairs that are not cached are ignored, so the call is idempotent.
+        """
+        r, b, flat = self._pairs(rows, blocks)
+        hit = self._cached[flat]
+        if not hit.any():
+            return
+        r, b, flat = r[hit], b[hit], flat[hit]
+        if flat.size > 1:  # rare call: a sort to apply a repeated pair once is fine
+            r, b, flat, _ = _merge(r, b, flat, keep="first")
+        self._cached[flat] = False
+        free = self._ref[flat] == 0
+        if free.any():
+            self._lru_pos[flat[free]] = -1
+            self._lru_count -= np.bincount(r[free], minlength=self._rows)
+            self._push_stack(r[free], b[free])
+
+    def reset_cached(self) -> tuple[np.ndarray, np.ndarray]:
+        """Clear every cached flag (reset_prefix_cache); returns the (rows, blocks) that had one.
+
+        Pairs come row-major, ascending block id (int32). Cached free blocks
+        move to the free stack oldest-released first, so the most recently
+        released is reused first.
+        """
+        rows, blocks = np.divmod(np.flatnonzero(self._cached), self._n)
+        for row in np.flatnonzero(self._lru_count):
+            live = self._live_ring(int(row))
+            k = live.size
+            self._stack2d[row, self._top[row]:self._top[row] + k] = live
+            self._top[row] += k
+        self._cached[:] = False
+        self._lru_pos[:] = -1
+        self._lru_count[:] = 0
+        self._head[:] = 0
+        self._tail[:] = 0
+        return rows.astype(np.int32), blocks.astype(np.int32)
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError with the numbers if any invariant is broken."""
+        n = self._n
+        ref, cached = self._ref.reshape(self._rows, n), self._cached.reshape(self._rows, n)
+        lru_pos = self._lru_pos.reshape(self._rows, n)
+        assert (ref >= 0).all(), f"negative refcounts at {np.argwhere(ref < 0)[:5].tolist()}"
+        for row in range(self._rows):
+            top, head, tail = int(self._top[row]), int(self._head[row]), int(self._tail[row])
+            assert 0 <= top <= n, f"row {row}: stack top {top} outside [0, {n}]"
+            assert 0 <= head <= tail <= head + self._cap, \
+                f"row {row}: ring head {head} tail {tail} cap {self._cap}"
+            stack = self._stack2d[row, :top]
+            assert ((stack >= 0) & (stack < n)).all(), f"row {row}: stack holds ids outside [0, {n})"
+            assert np.unique(stack).size == top, f"row {row}: stack of {top} has duplicates"
+            assert (ref[row, stack] == 0).all(), \
+                f"row {row}: referenced blocks on the free stack: {stack[ref[row, stack] != 0][:5].tolist()}"
+            assert not cached[row, stack].any(), \
+                f"row {row}: cached blocks on the free stack: {stack[cached[row, stack]][:5].tolist()}"
+            live = self._live_ring(row)
+            in_lru = np.flatnonzero(lru_pos[row] >= 0)
+            assert live.size == self._lru_count[row] == in_lru.size, \
+                f"row {row}: ring holds {live.size} live entries, count {self._lru_count[row]}, " \
+                f"lru_pos marks {in_lru.size}"
+            assert np.array_equal(np.sort(live), in_lru), f"row {row}: ring entries disagree with lru_pos"
+            slot = lru_pos[row, in_lru] - row * self._cap
+            assert ((slot >= 0) & (((slot - head) & self._mask) < tail - head)).all(), \
+                f"row {row}: lru_pos outside the ring's [{head}, {tail})"
+            expect = np.flatnonzero((ref[row] == 0) & cached[row])
+            assert np.array_equal(in_lru, expect), \
+                f"row {row}: LRU holds {in_lru.size} blocks, {expect.size} are cached with refcount 0"
+            free, used = int(np.count_nonzero(ref[row] == 0)), int(np.count_nonzero(ref[row]))
+            assert top + live.size == free and free + used == n, \
+                f"row {row}: stack {top} + lru {live.size} != free {free}, or free + used {used} != {n}"
+
+    # ---------------------------------------------------------------- internals
+
+    def _check_n(self, n: int) -> None:
+        """Reject a negative or non-integer block count (caller mistake)."""
+        if not isinstance(n, (int, np.integer)) or isinstance(n, bool) or n < 0:
+            raise KVCacheError(f"n: must be an integer >= 0, got {n!r}")
+
+    def _row_ids(self, rows: np.ndarray | None) -> np.ndarray:
+        """Validated distinct row ids (intp); None means every row."""
+        if rows is None:
+            return self._all_rows
+        r = np.asarray(rows, dtype=np.intp).reshape(-1)
+        if r.size and (r.min() < 0 or r.max() >= self._rows):
+            raise KVCacheError(f"rows: ids must lie in [0, {self._rows}), got {r.tolist()}")
+        if np.unique(r).size != r.size:
+            raise KVCacheError(f"rows: ids must be distinct, got {r.tolist()}")
+        return r
+
+    def _pairs(self, rows: np.ndarray, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Flatten pairs in C order, drop holes (-1), validate; returns (rows, blocks, row*n+block).
+
+        Rows and flat indices are intp (index-ready); blocks keep the caller's
+        int dtype. A ``[k, 1]`` rows column against a ``[k, L]`` table (the
+        usual call) is flattened without materialising the broadcast first.
+        """
+        r, b = np.asarray(rows), np.asarray(blocks)
+        if r.size and (r.min() < 0 or r.max() >= self._rows):
+            raise KVCacheError(f"rows: ids must lie in [0, {self._rows}), got {int(r.min())}..{int(r.max())}")
+        holes = False
+        if b.size:
+            low, high = b.min(), b.max()
+            if low < -1 or high >= self._n:
+                raise KVCacheError(f"blocks: ids must lie in [0, {self._n}) or be -1 (hole), "
+                                   f"got {int(low)}..{int(high)}")
+            holes = low == -1
+        r = r.astype(np.intp, copy=False)
+        if b.ndim == 2 and r.shape == (b.shape[0], 1):
+            flat = (r * self._n + b).reshape(-1)
+            r = np.repeat(r.reshape(-1), b.shape[1])
+        else:
+            if r.shape != b.shape:
+                shape = np.broadcast_shapes(r.shape, b.shape)
+                r, b = np.broadcast_to(r, shape), np.broadcast_to(b, shape)
+            r = r.reshape(-1)
+            flat = r * self._n + b.reshape(-1)
+        b = b.reshape(-1)
+        if holes:
+            keep = b >= 0
+            r, b, flat = r[keep], b[keep], flat[keep]
+        return r, b, flat
+
+    def _lookup(self, rows: np.ndarray, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        """Flat indices in the pairs' broadcast shape (holes point anywhere valid) and the hole mask."""
+        r, b = np.asarray(rows), np.asarray(blocks)
+        if (r.size and (r.min() < 0 or r.max() >= self._rows)) or \
+                (b.size and (b.min() < -1 or b.max() >= self._n)):
+            raise KVCacheError(f"pairs: rows must lie in [0, {self._rows}) and blocks in [-1, {self._n})")
+        flat = r.astype(np.intp, copy=False) * self._n + b  # a hole reads row*n - 1: in range, masked later
+        holes = b == -1 if b.size and b.min() == -1 else None
+        return flat, holes
+
+    def _slots(self, r: np.ndarray, base: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Per pair ``base[row]`` plus its rank among earlier pairs of its row; and pairs per row.
+
+        Pairs grouped by row (a table flattened row by row) take a sort-free path.
+        """
+        m = r.size
+        if self._rows == 1:
+            return base[0] + np.arange(m), np.array([m], dtype=np.intp)
+        if m < 2 or (r[1:] >= r[:-1]).all():
+            bounds = np.searchsorted(r, self._row_bounds)
+            counts = np.diff(bounds)
+            return np.arange(m) + np.repeat(base - bounds[:-1], counts), counts
+        counts = np.bincount(r, minlength=self._rows)
+        starts = np.cumsum(counts) - counts
+        order = np.argsort(r.astype(np.uint16 if self._rows < 2**16 else np.intp), kind="stable")
+        slot = np.empty(m, dtype=np.intp)
+        slot[order] = np.arange(m) + (base - starts)[r[order]]
+        return slot, counts
+
+    def _push_stack(self, r: np.ndarray, b: np.ndarray) -> None:
+        """Push uncached free blocks, in pair order, on their rows' stacks."""
+        slot, counts = self._slots(r, self._all_rows * self._n + self._top)
+        self._stack[slot] = b
+        self._top += counts
+
+    def _append_lru(self, r: np.ndarray, b: np.ndarray, flat: np.ndarray) -> None:
+        """Append cached free blocks, in pair order, at their rows' ring tails."""
+        empty = self._lru_count == 0  # every entry is stale: restart at 0
+        self._head[empty] = 0
+        self._tail[empty] = 0
+        start = self._tail & self._mask
+        g, counts = self._slots(r, self._all_rows * self._cap + start)
+        over = np.flatnonzero(self._tail - self._head + counts > self._cap)
+        if over.size:
+            for row in over:
+                self._compact(int(row))
+            start = self._tail & self._mask
+            g, counts = self._slots(r, self._all_rows * self._cap + start)
+        if (start + counts > self._cap).any():  # some row wraps around its ring's end
+            row_off = r * self._cap
+            g = row_off + ((g - row_off) & self._mask)
+        self._ring[g] = b
+        self._lru_pos[flat] = g
+        self._tail += counts
+        self._lru_count += counts
+
+    def _live_ring(self, row: int) -> np.ndarray:
+        """A row's live ring entries (int32 block ids), oldest first."""
+        head, tail = int(self._head[row]), int(self._tail[row])
+        g = row * self._cap + (np.arange(head, tail) & self._mask)
+        seg = self._ring[g]
+        return seg[self._lru_pos[row * self._n + seg] == g]
+
+    def _compact(self, row: int) -> None:
+        """Move a row's live ring entries to the front, dropping stale ones."""
+        live = self._live_ring(row)
+        k = live.size
+        self._ring2d[row, :k] = live
+        self._lru_pos[row * self._n + live] = row * self._cap + np.arange(k)
+        self._head[row] = 0
+        self._tail[row] = k
+
+    def _ring_entries(self, r: np.ndarray, head: np.ndarray, width: int) -> np.ndarray:
+        """Ring entries g of positions ``head[i] .. head[i] + width - 1`` of rows ``r``, wrapped."""
+        start = head & self._mask
+        if (start + width <= self._cap).all():
+            return (r * self._cap + start)[:, None] + np.arange(width)
+        return (r * self._cap)[:, None] + ((start[:, None] + np.arange(width)) & self._mask)
+
+    def _pop_lru(self, r: np.ndarray, need: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Evict ``need[i]`` oldest live entries of row ``r[i]``; callers checked there are enough.
+
+        Scans ``m`` ring positions past each head, doubling ``m`` until every
+        row finds enough live entries, so the cost follows the blocks evicted
+        plus the stale entries skipped, not the ring size. Returns ``[len(r),
+        max(need)]`` evicted ids (row i's first need[i] are valid, int32) and
+        the flat (rows, blocks) evicted, int32, row by row, oldest first.
+        """
+        head, tail = self._head[r], self._tail[r]
+        width = int(need.max())
+        row_base = (r * self._n)[:, None]
+        if (need == width).all() and (tail - head >= width).all():
+            # Steady state of a full cache: every row evicts its next ``width``
+            # entries and none of them is stale.
+            g = self._ring_entries(r, head, width)
+            blk = self._ring[g]
+            ev_flat = row_base + blk
+            if (self._lru_pos[ev_flat] == g).all():
+                self._lru_pos[ev_flat] = -1
+                self._cached[ev_flat] = False
+                self._head[r] = head + width
+                self._lru_count[r] -= width
+                return blk, np.repeat(r, width).astype(np.int32), blk.reshape(-1)
+        m = width
+        span = int((tail - head).max())
+        while True:
+            inside = np.arange(m) < (tail - head)[:, None]
+            g = self._ring_entries(r, head, m)
+            blk = self._ring[g]  # past the tail: old or zero ids, masked out by ``inside``
+            live = inside & (self._lru_pos[row_base + blk] == g)
+            seen = np.cumsum(live, axis=1)
+            if (seen[:, -1] >= need).all():
+                break
+            assert m < span, f"LRU ring of rows {r.tolist()} holds fewer than {need.tolist()} live entries"
+            m = min(2 * m, span)
+        chosen = live & (seen <= need[:, None])
+        row_idx = np.broadcast_to(np.arange(r.size)[:, None], chosen.shape)[chosen]
+        ev_blocks = blk[chosen]
+        ev_mat = np.zeros((r.size, width), dtype=np.int32)
+        ev_mat[row_idx, seen[chosen] - 1] = ev_blocks
+        last = np.argmax(seen >= need[:, None], axis=1)  # position of each row's last eviction
+        ev_rows = r[row_idx]
+        ev_flat = ev_rows * self._n + ev_blocks
+        self._lru_pos[ev_flat] = -1
+        self._cached[ev_flat] = False
+        self._head[r] = np.where(need > 0, head + last + 1, head)
+        self._lru_count[r] -= need
+        return ev_mat, ev_rows.astype(np.int32), ev_blocks.astype(np.int32)
+
+
+def _merge(r: np.ndarray, b: np.ndarray, flat: np.ndarray, keep: str
+           ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Collapse duplicate pairs to one with its count, ordered by first or last occurrence.
+
+    A sort: hot paths call it only after detecting that a pair repeats.
+    """
+    m = flat.size
+    if keep == "last":
+        uniq, idx, counts = np.unique(flat[::-1], return_index=True, return_counts=True)
+        idx = m - 1 - idx
+    else:
+        uniq, idx, counts = np.unique(flat, return_index=True, return_counts=True)
+    order = np.argsort(idx, kind="stable")
+    sel = idx[order]
+    return r[sel], b[sel], uniq[order], counts[order]

@@ -1,0 +1,614 @@
+"""Prefix cache: chained block hashes (`BlockHasher`) that identify cached full blocks.
+
+A block's hash covers its parent's hash, its tokens and its extra keys (cache salt, LoRA,
+multimodal items), so equal hashes mean equal prefixes:
+
+    tokens   | t0 .. t15 | t16 .. t31 | t32 .. t47 | t48 t49   (partial: never hashed)
+    hashes   |    h0     |    h1      |    h2      |
+    h0 = H(root, block 0, extra 0), h1 = H(h0, block 1, extra 1), ...
+
+The per-block loop runs in C (`_chainhash`); `_reference_chain_raw` / `_reference_chain_cbor`
+are the hashlib baseline it is tested against and the fallback when the extension is missing.
+"""
+from __future__ import annotations
+
+import array
+import hashlib
+import os
+from collections import deque
+from functools import partial
+from itertools import repeat, takewhile
+from operator import is_not
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, NamedTuple, NewType
+
+import numpy as np
+
+from kvcache.allocator import _hashtable
+from kvcache.allocator.errors import KVCacheError
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+try:
+    from kvcache.allocator import _chainhash
+except ImportError:  # a broken or missing build; tests assert the native module imports
+    _chainhash = None
+
+BlockHash = NewType("BlockHash", bytes)
+
+ALGORITHMS = ("sha256", "sha256_cbor")
+HASH_BYTES = 32
+_RAW_ROOT_TAG = b"kvcache-sha256-v1"
+_UINT32_LIMIT = 2**32
+
+assert array.array("I").itemsize == 4, "array('I') must hold uint32 on this platform"
+
+
+class MMPlaceholder(NamedTuple):
+    """A multimodal item: its identifier (e.g. the image's content hash) and token range.
+
+    `offset` and `length` are token positions in the whole request; the item covers
+    [offset, offset + length). Items of one request are sorted by offset and never overlap.
+    """
+
+    identifier: str
+    offset: int
+    length: int
+
+
+# --------------------------------------------------------------------------- canonical CBOR
+
+
+def cbor_encode(obj: object) -> bytes:
+    """Canonical CBOR (RFC 8949 shortest form) of None/bool/int/str/bytes/tuple/list.
+
+    Byte-identical to `cbor2.dumps(obj, canonical=True)` for these types, so hashes over it
+    match vLLM's `sha256_cbor` without cbor2 at run time.
+    """
+    out = bytearray()
+    _cbor_into(out, obj)
+    return bytes(out)
+
+
+def _cbor_head(out: bytearray, major: int, value: int) -> None:
+    """Append a CBOR head: major type and argument in the shortest form."""
+    mt = major << 5
+    if value < 24:
+        out.append(mt | value)
+    elif value < 0x100:
+        out += bytes((mt | 24, value))
+    elif value < 0x10000:
+        out.append(mt | 25)
+        out += value.to_bytes(2, "big")
+    elif value < 0x100000000:
+        out.append(mt | 26)
+        out += value.to_bytes(4, "big")
+    else:
+        out.append(mt | 27)
+        out += value.to_bytes(8, "big")
+
+
+def _cbor_into(out: bytearray, obj: object) -> None:
+    """Append the canonical CBOR of obj to out."""
+    if obj is None:
+        out.append(0xF6)
+    elif obj is True:
+        out.append(0xF5)
+    elif obj is False:
+        out.append(0xF4)
+    elif isinstance(obj, int):
+        if not -(2**64) <= obj < 2**64:
+            raise KVCacheError(f"extra key {obj} does not fit a 64-bit CBOR integer")
+        if obj >= 0:
+            _cbor_head(out, 0, obj)
+        else:
+            _cbor_head(out, 1, -1 - obj)
+    elif isinstance(obj, str):
+        data = obj.encode("utf-8")
+        _cbor_head(out, 3, len(data))
+        out += data
+    elif isinstance(obj, (bytes, bytearray, memoryview)):
+        data = bytes(obj)
+        _cbor_head(out, 2, len(data))
+        out += data
+    elif isinstance(obj, (tuple, list)):
+        _cbor_head(out, 4, len(obj))
+        for item in obj:
+            _cbor_into(out, item)
+    else:
+        raise KVCacheError(f"cannot CBOR-encode an extra key of type {type(obj).__name__}")
+
+
+# --------------------------------------------------------------------------- reference chains
+
+
+def _reference_chain_raw(
+    tokens: Sequence[int] | np.ndarray,
+    block_size: int,
+    parent: bytes,
+    extras: Sequence[bytes | None] | None = None,
+    *,
+    split: bool = False,
+) -> bytes | list[bytes]:
+    """hashlib baseline of `_chainhash.chain_raw`: SHA256(prev || tokens as uint32 LE || extra)."""
+    toks = np.asarray(tokens, dtype="<u4")
+    prev = bytes(parent)
+    digests = []
+    for i in range(len(toks) // block_size):
+        extra = (extras[i] if extras is not None else None) or b""
+        prev = hashlib.sha256(prev + toks[i * block_size : (i + 1) * block_size].tobytes() + extra).digest()
+        digests.append(prev)
+    return digests if split else b"".join(digests)
+
+
+def _reference_chain_cbor(
+    tokens: Sequence[int] | np.ndarray,
+    block_size: int,
+    parent: bytes,
+    extras: Sequence[bytes | None] | None = None,
+    *,
+    split: bool = False,
+) -> bytes | list[bytes]:
+    """hashlib baseline of `_chainhash.chain_cbor`: SHA256(cbor((prev, tuple(tokens), extra)))."""
+    toks = [int(t) for t in tokens]
+    prev = bytes(parent)
+    digests = []
+    for i in range(len(toks) // block_size):
+        extra = extras[i] if extras is not None else None
+        head = cbor_encode(prev) + cbor_encode(tuple(toks[i * block_size : (i + 1) * block_size]))
+        prev = hashlib.sha256(b"\x83" + head + (b"\xf6" if extra is None else extra)).digest()
+        digests.append(prev)
+    return digests if split else b"".join(digests)
+
+
+
+# --------------------------------------------------------------------------- BlockHasher
+
+
+class BlockHasher:
+    """Chained hashes of a request's full blocks for the prefix cache; immutable, thread-safe.
+
+    algorithm "sha256" (default, fast): h_i = SHA256(h_{i-1} || block_i as uint32 LE || extra_i),
+    extra_i being the canonical CBOR of [salt, lora, [[mm_id, mm_offset - block_start], ...]]
+    when the block has any of them, else nothing. root = SHA256(b"kvcache-sha256-v1" ||
+    block_size as uint32 LE || seed).
+
+    algorithm "sha256_cbor": byte-identical to vLLM's `sha256_cbor` prefix-cache hashes:
+    h_i = SHA256(cbor2.dumps((h_{i-1}, tuple(block_i), extra_keys_i), canonical=True)) with
+    vLLM's extra keys, and root = vLLM's NONE_HASH = sha256_cbor(seed) (seed = the
+    PYTHONHASHSEED string vLLM runs with). vLLM's prompt-embeds keys are not produced.
+
+    seed None draws a random root per hasher, so its hashes are only comparable with those
+    of the same hasher; pass a seed for hashes that are stable across processes and restarts.
+    """
+
+    __slots__ = ("block_size", "algorithm", "root", "native", "_chain")
+
+    def __init__(self, block_size: int, algorithm: str = "sha256", seed: bytes | str | None = None) -> None:
+        if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size < 1:
+            raise KVCacheError(f"block_size must be a positive int, got {block_size!r}")
+        if algorithm not in ALGORITHMS:
+            raise KVCacheError(f"algorithm must be one of {', '.join(ALGORITHMS)}; got {algorithm!r}")
+        if seed is not None and not isinstance(seed, (bytes, str)):
+            raise KVCacheError(f"seed must be bytes, str or None, got {type(seed).__name__}")
+        self.block_size: int = int(block_size)
+        self.algorithm: str = algorithm
+        self.root: BlockHash = _make_root(self.block_size, algorithm, seed)
+        self.native: bool = _chainhash is not None
+        self._chain: Callable[..., bytes | list[bytes]] = _pick_chain(algorithm, self.native)
+
+    def __repr__(self) -> str:
+        return (
+            f"BlockHasher(block_size={self.block_size}, algorithm={self.algorithm!r}, "
+            f"root={self.root.hex()[:16]}…, native={self.native})"
+        )
+
+    def hash_blocks(
+        self,
+        tokens: Sequence[int] | np.ndarray,
+        *,
+        cache_salt: str | None = None,
+        lora: str | None = None,
+        mm: Sequence[MMPlaceholder | tuple[str, int, int]] | None = None,
+        parent: bytes | None = None,
+        start_block: int = 0,
+    ) -> list[BlockHash]:
+        """One 32-byte hash per full block of tokens; a trailing partial block is not hashed.
+
+        `mm` lists the request's multimodal items as (identifier, offset, length) in request
+        token positions (`MMPlaceholder`), sorted and disjoint; each block's extra keys name
+        the items overlapping it. To continue a request chunk by chunk, pass the last hash so
+        far as `parent` and the request's index of the chunk's first block as `start_block`
+        (>= 1): the salt belongs to block 0 of the request only, and `mm` offsets still count
+        from the request's first token. An empty `cache_salt` counts as none, as in vLLM.
+        """
+        return self._hash(tokens, cache_salt, lora, mm, parent, start_block, split=True)  # type: ignore[return-value]
+
+    def hash_blocks_packed(
+        self,
+        tokens: Sequence[int] | np.ndarray,
+        *,
+        cache_salt: str | None = None,
+        lora: str | None = None,
+        mm: Sequence[MMPlaceholder | tuple[str, int, int]] | None = None,
+        parent: bytes | None = None,
+        start_block: int = 0,
+    ) -> bytes:
+        """``hash_blocks`` as one ``bytes`` of ``32 * num_full_blocks``: no object per block (what PrefixIndex takes)."""
+        return self._hash(tokens, cache_salt, lora, mm, parent, start_block, split=False)  # type: ignore[return-value]
+
+    def _hash(
+        self,
+        tokens: Sequence[int] | np.ndarray,
+        cache_salt: str | None,
+        lora: str | None,
+        mm: Sequence[MMPlaceholder | tuple[str, int, int]] | None,
+        parent: bytes | None,
+        start_block: int,
+        *,
+        split: bool,
+    ) -> list[BlockHash] | bytes:
+        toks = _as_uint32(tokens)
+        if isinstance(start_block, bool) or not isinstance(start_block, (int, np.integer)) or start_block < 0:
+            raise KVCacheError(f"start_block must be an int >= 0, got {start_block!r}")
+        start_block = int(start_block)
+        if parent is None:
+            if start_block:
+                raise KVCacheError(f"parent is required when start_block is {start_block} (> 0)")
+            parent = self.root
+        else:
+            if not isinstance(parent, (bytes, bytearray)) or len(parent) != HASH_BYTES:
+                raise KVCacheError(f"parent must be {HASH_BYTES} bytes, got {_describe(parent)}")
+            if start_block == 0:
+                raise KVCacheError("start_block must be >= 1 when parent is given (block 0 has no parent)")
+            parent = bytes(parent)
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise KVCacheError(f"cache_salt must be a str or None, got {type(cache_salt).__name__}")
+        if lora is not None and not isinstance(lora, str):
+            raise KVCacheError(f"lora must be a str (the LoRA name) or None, got {type(lora).__name__}")
+        items = _check_mm(mm)
+        num_blocks = len(toks) // self.block_size
+        if num_blocks == 0:
+            return [] if split else b""
+        extras = _block_extras(self.algorithm, self.block_size, num_blocks, start_block, cache_salt, lora, items)
+        return self._chain(toks, self.block_size, parent, extras, split=split)
+
+
+def _pick_chain(algorithm: str, native: bool) -> Callable[..., bytes | list[bytes]]:
+    """The chain function for an algorithm: the C loop, or the hashlib reference without it."""
+    if algorithm == "sha256":
+        return _chainhash.chain_raw if native else _reference_chain_raw
+    return _chainhash.chain_cbor if native else _reference_chain_cbor
+
+
+def _make_root(block_size: int, algorithm: str, seed: bytes | str | None) -> BlockHash:
+    """The hash standing in for block 0's parent (vLLM's NONE_HASH for sha256_cbor)."""
+    if algorithm == "sha256_cbor":
+        # vllm/v1/core/kv_cache_utils.py init_none_hash: hash_fn(PYTHONHASHSEED) or os.urandom(32).
+        if seed is None:
+            return BlockHash(os.urandom(HASH_BYTES))
+        return BlockHash(hashlib.sha256(cbor_encode(seed)).digest())
+    seed_bytes = os.urandom(16) if seed is None else seed.encode("utf-8") if isinstance(seed, str) else seed
+    return BlockHash(hashlib.sha256(_RAW_ROOT_TAG + block_size.to_bytes(4, "little") + seed_bytes).digest())
+
+
+def _describe(value: object) -> str:
+    """A short description of a bad argument for error messages."""
+    if isinstance(value, (bytes, bytearray)):
+        return f"{len(value)} bytes"
+    return type(value).__name__
+
+
+def _as_uint32(tokens: Sequence[int] | np.ndarray) -> np.ndarray | array.array:
+    """tokens as a C-contiguous uint32 buffer, or KVCacheError naming the first bad value."""
+    if isinstance(tokens, np.ndarray):
+        if tokens.ndim != 1:
+            raise KVCacheError(f"tokens must be 1-D, got shape {tokens.shape}")
+        if tokens.dtype == np.uint32:
+            return np.ascontiguousarray(tokens)
+        if tokens.dtype.kind not in "iu":
+            raise KVCacheError(f"tokens must be integers, got dtype {tokens.dtype}")
+        if tokens.size and (tokens.min() < 0 or tokens.max() >= _UINT32_LIMIT):
+            bad_at = int(np.flatnonzero((tokens < 0) | (tokens > _UINT32_LIMIT - 1))[0])
+            raise KVCacheError(f"tokens[{bad_at}] = {tokens[bad_at]} is outside [0, 2**32)")
+        return tokens.astype(np.uint32)
+    if isinstance(tokens, (str, bytes, bytearray)) or not isinstance(tokens, Sequence):
+        raise KVCacheError(f"tokens must be a sequence of ints or a numpy array, got {type(tokens).__name__}")
+    try:
+        return array.array("I", tokens)
+    except (TypeError, OverflowError, ValueError):
+        pass
+    for i, tok in enumerate(tokens):  # error path only: find the value to name
+        if isinstance(tok, bool) or not isinstance(tok, (int, np.integer)):
+            raise KVCacheError(f"tokens[{i}] = {tok!r} is not an int") from None
+        if not 0 <= tok < _UINT32_LIMIT:
+            raise KVCacheError(f"tokens[{i}] = {tok} is outside [0, 2**32)") from None
+    raise KVCacheError("tokens could not be read as uint32 values")
+
+
+def _check_mm(mm: Sequence[MMPlaceholder | tuple[str, int, int]] | None) -> list[MMPlaceholder]:
+    """Validated multimodal placeholders: str ids, offset >= 0, length >= 1, sorted, disjoint."""
+    if mm is None:
+        return []
+    if isinstance(mm, (str, bytes)) or not isinstance(mm, Sequence):
+        raise KVCacheError(f"mm must be a sequence of (identifier, offset, length), got {type(mm).__name__}")
+    items: list[MMPlaceholder] = []
+    end_prev = 0
+    for i, item in enumerate(mm):
+        if not isinstance(item, Sequence) or isinstance(item, (str, bytes)) or len(item) != 3:
+            raise KVCacheError(f"mm[{i}] must be (identifier, offset, length), got {item!r}")
+        ident, offset, length = item
+        if not isinstance(ident, str):
+            raise KVCacheError(f"mm[{i}].identifier must be a str, got {type(ident).__name__}")
+        for name, value, low in (("offset", offset, 0), ("length", length, 1)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+                raise KVCacheError(f"mm[{i}].{name} must be an int >= {low}, got {value!r}")
+        if offset < end_prev:
+            raise KVCacheError(
+                f"mm[{i}] at offset {offset} overlaps or precedes the item before it (ends at {end_prev})"
+            )
+        end_prev = int(offset) + int(length)
+        items.append(MMPlaceholder(ident, int(offset), int(length)))
+    return items
+
+
+def _block_extras(
+    algorithm: str,
+    block_size: int,
+    num_blocks: int,
+    start_block: int,
+    cache_salt: str | None,
+    lora: str | None,
+    mm: list[MMPlaceholder],
+) -> list[bytes | None] | None:
+    """Per-block pre-encoded extra keys (None = no extra), or None when no block has any.
+
+    Only blocks that overlap a multimodal item, and block 0 with a salt, get their own
+    encoding; the rest share one object, so a LoRA-only request costs no per-block work.
+    """
+    # Block b (request index) overlaps item [o, o+l) when b*bs < o+l and (b+1)*bs > o,
+    # the same set vLLM's _gen_mm_extra_hash_keys walks for sorted, disjoint items.
+    mm_keys: dict[int, list[tuple[str, int]]] = {}
+    first_token = start_block * block_size
+    end_token = (start_block + num_blocks) * block_size
+    for ident, offset, length in mm:
+        if offset + length <= first_token or offset >= end_token:
+            continue
+        first = max(offset // block_size, start_block)
+        last = min((offset + length - 1) // block_size, start_block + num_blocks - 1)
+        for b in range(first, last + 1):
+            mm_keys.setdefault(b - start_block, []).append((ident, offset - b * block_size))
+    salt = cache_salt if (cache_salt and start_block == 0) else None
+    if salt is None and lora is None and not mm_keys:
+        return None
+    special = set(mm_keys)
+    if salt is not None:
+        special.add(0)
+    if algorithm == "sha256_cbor":
+        base = cbor_encode((lora,)) if lora is not None else None
+    else:
+        base = cbor_encode([None, lora, []]) if lora is not None else None
+    extras: list[bytes | None] = [base] * num_blocks
+    for i in special:
+        keys = mm_keys.get(i, [])
+        block_salt = salt if i == 0 else None
+        if algorithm == "sha256_cbor":
+            extras[i] = cbor_encode(_vllm_extra_keys(lora, keys, block_salt))
+        else:
+            extras[i] = cbor_encode([block_salt, lora, [list(k) for k in keys]])
+    return extras
+
+
+def _vllm_extra_keys(lora: str | None, mm_keys: list[tuple[str, int]], salt: str | None) -> tuple[object, ...]:
+    """vLLM's extra-key tuple for one block: LoRA name, then mm keys, then the salt.
+
+    Source: vllm/v1/core/kv_cache_utils.py (vllm-project/vllm @ 001cabc1),
+    generate_block_hash_extra_keys: lora_extra_keys + mm_extra_keys + cache_salt_keys, where
+    _gen_lora_extra_hash_keys gives [lora_request.lora_name] and _gen_mm_extra_hash_keys gives
+    (mm_feature.identifier, offset - start_token_idx) per overlapping item.
+    """
+    keys: list[object] = []
+    if lora is not None:
+        keys.append(lora)
+    keys.extend(mm_keys)
+    if salt is not None:
+        keys.append(salt)
+    return tuple(keys)
+
+
+# --------------------------------------------------------------------------- PrefixIndex
+
+
+_PACKED = np.dtype(f"V{HASH_BYTES}")  # one packed hash as a numpy item
+
+
+class RemovedBlocks(NamedTuple):
+    """(row, block) pairs the index dropped and the hash each held (parallel, pair order).
+
+    ``hashes`` holds one packed hash per pair (numpy ``V32`` items; ``bytes(hashes[i])`` is one).
+    """
+
+    rows: np.ndarray
+    blocks: np.ndarray
+    hashes: np.ndarray
+
+
+class PrefixIndex:
+    """Chained block hash → the block each row holds for it (``-1`` where a row has none).
+
+    Hashes travel packed: ``bytes`` of ``32 * n`` (what ``BlockHasher.hash_blocks_packed``
+    returns), looked up in batches by a C hash table, so no per-block Python object is made.
+    The index knows nothing of reference counts or policies: the manager asks which blocks
+    a chain maps to and reports which (row, block) pairs gained or lost their KV. A hash
+    lives while at least one row holds a block for it; a pair holds at most one hash.
+    """
+
+    def __init__(self, num_rows: int, num_blocks: int) -> None:
+        self._rows = num_rows
+        self._seed = int.from_bytes(os.urandom(8), "little")
+        self._slot_keys = np.zeros((64, HASH_BYTES), dtype=np.uint8)
+        self._slot_vals = np.full(64, -1, dtype=np.int32)
+        self._hash_of = np.zeros(64, dtype=_PACKED)  # entry -> hash
+        self._blocks = np.full((64, num_rows), -1, dtype=np.int32)  # entry -> block per row
+        self._holders = np.zeros(64, dtype=np.int32)  # entry -> rows holding a block
+        self._entry_at = np.full((num_rows, num_blocks), -1, dtype=np.int32)  # (row, block) -> entry
+        self._num_entries = 0  # entry ids ever handed out: [0, _num_entries)
+        self._spare = np.empty(64, dtype=np.intp)  # stack of unused entry ids below _num_entries
+        self._num_spare = 0
+        self._count = 0
+
+    def __len__(self) -> int:
+        """Number of hashes with at least one row's block."""
+        return self._count
+
+    def __contains__(self, block_hash: object) -> bool:
+        if not isinstance(block_hash, bytes) or len(block_hash) != HASH_BYTES:
+            return False
+        return len(self._find(block_hash, stop_at_miss=True)) == 1
+
+    def match(self, hashes: bytes) -> np.ndarray:
+        """Blocks (int32 ``[k, num_rows]``, -1 = row lacks it) of the longest run of known leading hashes."""
+        return self._blocks[self._find(hashes, stop_at_miss=True)]
+
+    def insert(self, hashes: bytes, blocks: np.ndarray) -> np.ndarray:
+        """Record that row r's block ``blocks[i, r]`` (int32 ``[n, rows]``, -1 = none) holds hash i.
+
+        A row that already holds a block for a hash keeps it (the new block stays
+        unregistered, a duplicate). Hashes in one call must be distinct (a chain's are).
+        Returns the bool ``[n, rows]`` mask of pairs newly registered: the caller marks them cached.
+        """
+        entries = self._find(hashes, stop_at_miss=False).astype(np.intp)
+        fresh = np.flatnonzero(entries < 0)
+        packed = np.frombuffer(hashes, dtype=_PACKED)
+        if fresh.size:
+            new_ids = self._take_entries(fresh.size)
+            entries[fresh] = new_ids
+            self._hash_of[new_ids] = packed[fresh]
+        added = (self._blocks[entries] < 0) & (blocks >= 0)
+        i, r = np.nonzero(added)
+        b = blocks[i, r]
+        taken = self._entry_at[r, b]
+        assert (taken < 0).all(), f"block {b[taken >= 0][0]} of row {r[taken >= 0][0]} already holds a hash"
+        self._blocks[entries[i], r] = b
+        self._entry_at[r, b] = entries[i]
+        self._holders[entries] += added.sum(axis=1, dtype=np.int32)
+        if fresh.size:
+            kept = self._holders[entries[fresh]] > 0
+            if not kept.all():
+                self._push_spare(entries[fresh[~kept]])
+                fresh = fresh[kept]
+            self._add_keys(entries[fresh], packed[fresh])
+        return added
+
+    def remove(self, rows: np.ndarray, blocks: np.ndarray) -> RemovedBlocks:
+        """Forget what the given distinct (row, block) pairs hold (their KV is about to be overwritten).
+
+        Pairs holding no hash are ignored. A hash no row holds any more is gone.
+        """
+        rows = np.asarray(rows, dtype=np.intp).ravel()
+        blocks = np.asarray(blocks, dtype=np.intp).ravel()
+        entries = self._entry_at[rows, blocks]
+        held = entries >= 0
+        if not held.all():
+            rows, blocks, entries = rows[held], blocks[held], entries[held]
+        hashes = self._hash_of[entries]
+        if entries.size:
+            self._blocks[entries, rows] = -1
+            self._entry_at[rows, blocks] = -1
+            # Within one row the pairs name distinct entries, so plain fancy decrements are exact
+            # (ufunc.at is far slower), and an entry reaches 0 in exactly one row's pass.
+            parts = []
+            for row in range(self._rows) if self._rows > 1 else (None,):
+                mine = entries if row is None else entries[rows == row]
+                self._holders[mine] -= 1
+                parts.append(mine[self._holders[mine] == 0])
+            gone = parts[0] if len(parts) == 1 else np.concatenate(parts)
+            if gone.size:
+                _hashtable.remove(self._slot_keys, self._slot_vals, self._seed, self._hash_of[gone].tobytes())
+                self._count -= gone.size
+                self._push_spare(gone)
+        return RemovedBlocks(rows.astype(np.int32), blocks.astype(np.int32), hashes)
+
+    def clear(self) -> int:
+        """Forget everything; returns how many hashes there were."""
+        count = self._count
+        self._slot_vals[:] = -1
+        self._blocks[:] = -1
+        self._holders[:] = 0
+        self._entry_at[:] = -1
+        self._num_spare = 0
+        self._push_spare(np.arange(self._num_entries - 1, -1, -1, dtype=np.intp))
+        self._count = 0
+        return count
+
+    def held_pairs(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every (row, block) pair holding a hash, row-major (int32)."""
+        rows, blocks = np.nonzero(self._entry_at >= 0)
+        return rows.astype(np.int32), blocks.astype(np.int32)
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError with the numbers if the hash table and block maps disagree."""
+        n = self._num_entries
+        live = np.sort(self._slot_vals[self._slot_vals >= 0])
+        spare = np.sort(self._spare[: self._num_spare])
+        assert live.size == self._count, f"table holds {live.size} hashes, count says {self._count}"
+        assert np.unique(spare).size == spare.size, "spare entry listed twice"
+        assert np.intersect1d(live, spare).size == 0, "spare entry still in the table"
+        assert live.size + spare.size == n, f"{live.size} live + {spare.size} spare != {n} entries"
+        if live.size:
+            found = self._find(self._hash_of[live].tobytes(), stop_at_miss=False)
+            assert (found == live).all(), "a live entry's hash does not find the entry"
+        holders = (self._blocks[:n] >= 0).sum(axis=1)
+        assert (holders == self._holders[:n]).all(), "holder counts disagree with blocks"
+        assert (holders[live] > 0).all(), "a live hash is held by no row"
+        assert (holders[spare] == 0).all(), "a spare entry still holds blocks"
+        e, r = np.nonzero(self._blocks[:n] >= 0)
+        assert (self._entry_at[r, self._blocks[e, r]] == e).all(), "entry_at disagrees with blocks"
+        pairs = int((self._entry_at >= 0).sum())
+        assert pairs == e.size, f"{pairs} pairs hold a hash, entries list {e.size}"
+
+    def _find(self, hashes: bytes, *, stop_at_miss: bool) -> np.ndarray:
+        """Entry id (int32) of each packed hash, -1 if absent; with stop_at_miss only the leading hits."""
+        return np.frombuffer(
+            _hashtable.find(self._slot_keys, self._slot_vals, self._seed, hashes, stop_at_miss), dtype=np.int32
+        )
+
+    def _add_keys(self, entries: np.ndarray, packed: np.ndarray) -> None:
+        """Put ``entries`` under their hashes (``V32`` array), growing the table to keep its load <= 1/2."""
+        needed = 2 * (self._count + entries.size)
+        if needed > self._slot_vals.size:
+            live = self._slot_vals[self._slot_vals >= 0].astype(np.intp)
+            capacity = 1 << (needed - 1).bit_length()
+            self._slot_keys = np.zeros((capacity, HASH_BYTES), dtype=np.uint8)
+            self._slot_vals = np.full(capacity, -1, dtype=np.int32)
+            self._count = 0
+            entries = np.concatenate([live, entries])
+            packed = self._hash_of[entries]
+        self._count += _hashtable.insert(self._slot_keys, self._slot_vals, self._seed,
+                                         packed.tobytes(), entries.astype(np.int32).tobytes())
+
+    def _push_spare(self, entries: np.ndarray) -> None:
+        """Return entry ids to the spare stack (the last pushed is reused first)."""
+        end = self._num_spare + entries.size
+        if end > self._spare.size:
+            self._spare = np.concatenate([self._spare, np.empty(max(end, self._spare.size), dtype=np.intp)])
+        self._spare[self._num_spare:end] = entries
+        self._num_spare = end
+
+    def _take_entries(self, count: int) -> np.ndarray:
+        """``count`` unused entry ids: spare ones first (most recently freed first), then new ones."""
+        reuse = min(count, self._num_spare)
+        self._num_spare -= reuse
+        ids = self._spare[self._num_spare:self._num_spare + reuse][::-1]
+        grow = count - reuse
+        if grow:
+            start = self._num_entries
+            self._num_entries += grow
+            ids = np.concatenate([ids, np.arange(start, self._num_entries, dtype=np.intp)])
+            if self._num_entries > len(self._holders):
+                extra = max(self._num_entries, 2 * len(self._holders)) - len(self._holders)
+                self._blocks = np.concatenate([self._blocks, np.full((extra, self._rows), -1, dtype=np.int32)])
+                self._holders = np.concatenate([self._holders, np.zeros(extra, dtype=np.int32)])
+                self._hash_of = np.concatenate([self._hash_of, np.zeros(extra, dtype=_PACKED)])
+        return ids.copy()

@@ -1,0 +1,446 @@
+"""KVCacheManager: admit/extend/free, prefix hits, sliding-window recycling, and a model-based test."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from kvcache.allocator import CacheSpec, Full, KVCacheError, KVCacheManager, Window
+from kvcache.allocator.events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvcache.allocator.prefix import BlockHasher
+from reference_manager import ReferenceManager
+
+BS = 4
+
+
+def make_manager(num_blocks: int = 16, rows=(Full(),), block_size: int = BS, **options) -> KVCacheManager:
+    options.setdefault("hash_seed", b"test")
+    return KVCacheManager(num_blocks, block_size, rows, **options)
+
+
+def tokens(n: int, start: int = 0) -> list[int]:
+    return list(range(start, start + n))
+
+
+# -- admission and growth ------------------------------------------------------------------------
+
+def test_fresh_admit_allocates_blocks_in_order():
+    m = make_manager()
+    adm = m.admit("a", tokens(10))
+    assert adm.num_cached_tokens == 0 and adm.num_tokens == 10
+    assert adm.table.tolist() == [[0, 1, 2]]
+    assert m.num_free_blocks.tolist() == [13]
+    m.check_integrity()
+
+
+def test_extend_allocates_only_when_a_block_fills():
+    m = make_manager()
+    m.admit("a", tokens(7))
+    assert m.extend("a", [100]).tolist() == [[0, 1]]
+    assert m.extend("a", [101]).tolist() == [[0, 1, 2]]
+    assert m.num_tokens("a") == 9
+    m.check_integrity()
+
+
+def test_free_returns_every_block():
+    m = make_manager(rows=[Full(), Window(4), Window(8, 4)], enable_prefix_caching=False)
+    m.admit("a", tokens(30))
+    for step in range(20):
+        m.extend("a", [step])
+    m.free("a")
+    assert m.num_free_blocks.tolist() == [16, 16, 16]
+    assert "a" not in m and len(m) == 0
+    m.check_integrity()
+
+
+def test_failed_admit_returns_none_and_changes_nothing():
+    m = make_manager(num_blocks=4)
+    m.admit("a", tokens(8))
+    before = m.num_free_blocks.copy()
+    assert m.admit("b", tokens(12, 1000)) is None
+    assert "b" not in m
+    assert m.num_free_blocks.tolist() == before.tolist()
+    assert m.admit("b", tokens(8, 1000)).table.tolist() == [[2, 3]]
+    m.check_integrity()
+
+
+def test_failed_extend_returns_none_and_changes_nothing():
+    m = make_manager(num_blocks=2, enable_prefix_caching=False)
+    m.admit("a", tokens(8))
+    assert m.extend("a", [1]) is None
+    assert m.num_tokens("a") == 8
+    assert m.table("a").tolist() == [[0, 1]]
+
+
+def test_chunked_admit_covers_num_tokens_and_extend_continues():
+    m = make_manager()
+    adm = m.admit("a", tokens(10), num_tokens=5)
+    assert adm.num_tokens == 5 and adm.table.shape == (1, 2)
+    m.extend("a", tokens(5, 5))
+    assert m.num_tokens("a") == 10
+
+
+def test_can_admit_counts_blocks_of_every_row():
+    m = make_manager(num_blocks=4, rows=[Full(), Full()])
+    assert m.can_admit(16) and not m.can_admit(17)
+    m.admit("a", tokens(5))
+    assert m.can_admit(8) and not m.can_admit(9)
+
+
+def test_tables_are_read_only_views():
+    m = make_manager()
+    table = m.admit("a", tokens(5)).table
+    assert table.dtype == np.int32
+    with pytest.raises(ValueError):
+        table[0, 0] = 7
+
+
+def test_numpy_tokens_of_any_integer_dtype_are_accepted():
+    m = make_manager()
+    m.admit("a", np.arange(9, dtype=np.int64))
+    m.extend("a", np.array([3], dtype=np.uint16))
+    assert m.num_tokens("a") == 10
+
+
+# -- caller mistakes -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda m: m.admit("a", tokens(3)), "already admitted"),
+        (lambda m: m.extend("zzz", [1]), "not admitted"),
+        (lambda m: m.free("zzz"), "not admitted"),
+        (lambda m: m.table("zzz"), "not admitted"),
+        (lambda m: m.admit("b", []), "at least one token"),
+        (lambda m: m.admit("b", [1.5, 2.0]), "tokens"),
+        (lambda m: m.admit("b", ["x"]), "tokens"),
+        (lambda m: m.admit("b", [-1, 2]), "outside"),
+        (lambda m: m.admit("b", [2**32]), "outside"),
+        (lambda m: m.admit("b", np.zeros((2, 2), dtype=np.int32)), "1-D"),
+        (lambda m: m.admit("b", np.array([0.5])), "integer"),
+        (lambda m: m.admit("b", "hello"), "tokens"),
+        (lambda m: m.admit("b", tokens(3), num_tokens=4), "num_tokens"),
+        (lambda m: m.admit("b", tokens(3), num_tokens=0), "num_tokens"),
+        (lambda m: m.extend("a", [1], num_computed_tokens=99), "num_computed_tokens"),
+        (lambda m: m.extend("a", [1.0]), "tokens"),
+    ],
+)
+def test_caller_mistakes_raise_and_change_nothing(call, message):
+    m = make_manager()
+    m.admit("a", tokens(6))
+    free, table = m.num_free_blocks.copy(), m.table("a").copy()
+    with pytest.raises(KVCacheError, match=message):
+        call(m)
+    assert m.num_free_blocks.tolist() == free.tolist()
+    assert m.table("a").tolist() == table.tolist()
+    assert m.num_tokens("a") == 6
+    m.check_integrity()
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (dict(num_blocks=0), "num_blocks"),
+        (dict(block_size=0), "block_size"),
+        (dict(rows=[]), "rows"),
+        (dict(rows=["full"]), r"rows\[0\]"),
+        (dict(hash_algorithm="md5"), "algorithm"),
+    ],
+)
+def test_bad_construction_is_a_clear_error(args, message):
+    with pytest.raises(KVCacheError, match=message):
+        make_manager(**args)
+
+
+# -- prefix caching ------------------------------------------------------------------------------
+
+def test_identical_prompts_hit_all_but_the_last_token():
+    """A prompt of exactly k blocks hits k-1 blocks: the last token is always computed."""
+    m = make_manager()
+    first = m.admit("a", tokens(12)).table
+    m.free("a")
+    adm = m.admit("b", tokens(12))
+    assert adm.num_cached_tokens == 8
+    assert adm.table[0, :2].tolist() == first[0, :2].tolist()
+
+
+def test_a_shared_prefix_hits_while_the_first_request_runs():
+    m = make_manager()
+    m.admit("a", tokens(9))
+    adm = m.admit("b", tokens(8) + [999, 998])
+    assert adm.num_cached_tokens == 8
+    assert adm.table.tolist() == [[0, 1, 3]]
+    m.check_integrity()
+
+
+def test_partial_blocks_are_never_cached():
+    m = make_manager()
+    m.admit("a", tokens(7))
+    m.free("a")
+    assert m.stats().num_cached_hashes == 1
+    assert m.admit("b", tokens(7) + [50]).num_cached_tokens == 4
+
+
+def test_salt_changes_the_whole_chain():
+    m = make_manager()
+    m.admit("a", tokens(9), cache_salt="tenant-1")
+    m.free("a")
+    assert m.admit("b", tokens(9), cache_salt="tenant-2").num_cached_tokens == 0
+    assert m.admit("c", tokens(9)).num_cached_tokens == 0
+    assert m.admit("d", tokens(9), cache_salt="tenant-1").num_cached_tokens == 8
+
+
+def test_disabled_prefix_caching_never_hits():
+    m = make_manager(enable_prefix_caching=False)
+    m.admit("a", tokens(9))
+    m.free("a")
+    assert m.admit("b", tokens(9)).num_cached_tokens == 0
+    assert m.lookup(tokens(9)) == 0
+
+
+def test_lookup_reports_the_hit_without_taking_it():
+    m = make_manager()
+    m.admit("a", tokens(9))
+    free = m.num_free_blocks.copy()
+    assert m.lookup(tokens(9)) == 8
+    assert m.num_free_blocks.tolist() == free.tolist()
+
+
+def test_eviction_is_lru_among_unreferenced_cached_blocks():
+    """Uncached free blocks go first; then cached ones, oldest freed first, tail of a prefix first."""
+    m = make_manager(num_blocks=6)
+    m.admit("a", tokens(9))            # blocks 0,1,2 (0,1 full and cached)
+    m.admit("b", tokens(9, 100))       # blocks 3,4,5 (3,4 cached)
+    m.free("a")                        # released 2, then 1, 0 into the LRU
+    m.free("b")                        # released 5, then 4, 3
+    adm = m.admit("c", tokens(9, 500))
+    # Uncached free blocks 5 and 2 (LIFO), then the oldest cached block: a's tail, block 1.
+    assert adm.table.tolist() == [[5, 2, 1]]
+    assert m.lookup(tokens(9)) == 4     # a's chain lost its second block, keeps the first
+    assert m.lookup(tokens(9, 100)) == 8
+    m.check_integrity()
+
+
+def test_a_block_in_use_is_never_evicted():
+    """a holds cached blocks 0, 1 and partial block 2; b fits only once a is freed, and then
+    takes the uncached free blocks 2, 3 before touching a's cached prefix."""
+    m = make_manager(num_blocks=4)
+    m.admit("a", tokens(8))
+    m.extend("a", [1])
+    assert m.admit("b", tokens(8, 100)) is None
+    m.free("a")
+    assert m.admit("b", tokens(8, 100)).table.tolist() == [[2, 3]]
+    assert m.lookup(tokens(9)) == 8
+
+
+def test_reset_prefix_cache_forgets_every_hash():
+    m = make_manager(enable_events=True)
+    m.admit("a", tokens(9))
+    m.free("a")
+    assert m.reset_prefix_cache() == 2
+    assert m.lookup(tokens(9)) == 0
+    assert isinstance(m.take_events()[-1], AllBlocksCleared)
+    m.check_integrity()
+
+
+def test_events_report_stored_and_removed_hashes_with_rows():
+    m = make_manager(num_blocks=3, enable_events=True)
+    m.admit("a", tokens(9))
+    stored = m.take_events()
+    assert len(stored) == 1 and isinstance(stored[0], BlockStored)
+    hashes = BlockHasher(BS, seed=b"test").hash_blocks(tokens(8))
+    assert stored[0].block_hashes == tuple(hashes)
+    assert stored[0].parent_block_hash is None and stored[0].rows == (0,)
+    assert stored[0].token_ids.tolist() == tokens(8)
+    m.free("a")
+    m.admit("b", tokens(9, 100))
+    removed = [e for e in m.take_events() if isinstance(e, BlockRemoved)]
+    assert [e.block_hashes for e in removed] == [(hashes[1], hashes[0])]
+
+
+def test_stats_count_prefix_hits():
+    m = make_manager()
+    m.admit("a", tokens(9))
+    m.admit("b", tokens(9))
+    s = m.stats()
+    assert (s.num_requests, s.prefix_queries, s.prefix_queried_tokens, s.prefix_hit_tokens) == (2, 2, 18, 8)
+
+
+# -- sliding window ------------------------------------------------------------------------------
+
+def test_window_rows_recycle_dead_blocks_past_the_sink():
+    """Window(8, sink 4), block 4: after 20 tokens the query at 20 sees 13..20 and 0..3.
+
+        token  0..3 | 4..7 | 8..11 | 12..15 | 16..19 | 20
+        block  0    | 1    | 2     | 3      | 4      | 5
+               sink | dead | dead  | live   | live   | new
+    """
+    m = make_manager(rows=[Full(), Window(8, 4)], enable_prefix_caching=False)
+    m.admit("a", tokens(20))
+    table = m.extend("a", [7])
+    assert table[0].tolist() == [0, 1, 2, 3, 4, 5]
+    # Blocks 2 then 1 went back (tail first), and the new block 5 reuses the last released: 1.
+    assert table[1].tolist() == [0, -1, -1, 3, 4, 1]
+    assert m.num_free_blocks.tolist() == [10, 12]
+    m.check_integrity()
+
+
+def test_num_computed_tokens_holds_back_blocks_a_step_in_flight_reads():
+    m = make_manager(rows=[Window(4)], enable_prefix_caching=False)
+    m.admit("a", tokens(16))
+    assert m.extend("a", [1], num_computed_tokens=8).tolist() == [[-1, 1, 2, 3, 0]]
+    assert m.extend("a", [], num_computed_tokens=17).tolist() == [[-1, -1, -1, 3, 0]]
+
+
+def test_usage_is_exact_and_fractional():
+    m = make_manager(num_blocks=1000, rows=[Full(), Window(4)])
+    m.admit("a", tokens(1))
+    u = m.usage
+    assert u.per_row.tolist() == [0.001, 0.001]
+    assert u.max == 0.001
+
+
+def test_head_wise_hit_with_window_rows_reuses_sink_and_window_blocks():
+    """Rows [Full, Window(8, sink 4)], block 4: a 21-token prompt hits 5 blocks; the window row
+    takes only the sink block 0 and blocks 3, 4 (tokens 13..19 seen by query 20)."""
+    m = make_manager(num_blocks=32, rows=[Full(), Window(8, 4)])
+    first = m.admit("a", tokens(21)).table
+    m.free("a")
+    adm = m.admit("b", tokens(21))
+    assert adm.num_cached_tokens == 20
+    assert adm.table[0, :5].tolist() == first[0, :5].tolist()
+    assert adm.table[1, :5].tolist() == [first[1, 0], -1, -1, first[1, 3], first[1, 4]]
+    m.check_integrity()
+
+
+def test_window_hit_is_shortened_when_window_blocks_were_reused():
+    """The window row lost block 3 of the cached prompt: the hit stops where it is still usable."""
+    m = make_manager(num_blocks=8, rows=[Full(), Window(4)])
+    m.admit("a", tokens(17))
+    for t in range(4):
+        m.extend("a", [t])  # window row gives back blocks as the request grows
+    m.free("a")
+    m.admit("x", tokens(13, 900))  # reuses free blocks, evicting some cached ones
+    m.free("x")
+    reference = ReferenceManager(8, BS, [Full(), Window(4)], BlockHasher(BS, seed=b"test"))
+    reference.admit("a", tokens(17))
+    for t in range(4):
+        reference.extend("a", [t])
+    reference.free("a")
+    reference.admit("x", tokens(13, 900))
+    reference.free("x")
+    expected = reference.admit("b", tokens(22))
+    adm = m.admit("b", tokens(22))
+    assert (adm.num_cached_tokens, adm.table.tolist()) == expected[:2]
+    m.check_integrity()
+
+
+def test_from_spec_builds_one_row_per_kv_head_of_the_rank():
+    spec = CacheSpec(num_layers=2, num_kv_heads=8, head_dim=128, block_size=16, tp_size=2)
+    m = KVCacheManager.from_spec(spec, 64, head_wise=True, policies=[Full(), Full(), Window(64), Window(64)])
+    assert m.num_rows == 4 and m.block_size == 16
+    assert KVCacheManager.from_spec(spec, 64).num_rows == 1
+    with pytest.raises(KVCacheError, match="policies"):
+        KVCacheManager.from_spec(spec, 64, head_wise=True, policies=[Full()])
+
+
+# -- model-based: the fast manager against the plain-Python reference ------------------------------
+
+VOCAB_PREFIXES = [tokens(40, 0), tokens(40, 1000), tokens(12, 0) + tokens(28, 5000)]
+
+
+class ManagerMachine(RuleBasedStateMachine):
+    """Random admit/extend/free/reset sequences; after every step tables and free counts match."""
+
+    rows: list = [Full()]
+
+    @initialize(num_blocks=st.integers(6, 40), caching=st.booleans())
+    def setup(self, num_blocks, caching):
+        hasher = BlockHasher(BS, seed=b"machine") if caching else None
+        self.fast = KVCacheManager(num_blocks, BS, self.rows, enable_prefix_caching=caching,
+                                   hash_seed=b"machine", enable_events=True)
+        self.ref = ReferenceManager(num_blocks, BS, self.rows, hasher)
+        self.num_blocks = num_blocks
+        self.next_id = 0
+        self.live: list[int] = []
+
+    @rule(data=st.data())
+    def admit(self, data):
+        base = data.draw(st.sampled_from(VOCAB_PREFIXES))
+        keep = data.draw(st.integers(1, len(base)))
+        suffix = data.draw(st.lists(st.integers(0, 50), max_size=6))
+        prompt = base[:keep] + suffix
+        salt = data.draw(st.sampled_from([None, None, "s"]))
+        chunk = data.draw(st.one_of(st.none(), st.integers(1, len(prompt))))
+        rid = self.next_id
+        self.next_id += 1
+        got = self.fast.admit(rid, np.array(prompt), cache_salt=salt, num_tokens=chunk)
+        want = self.ref.admit(rid, prompt, salt=salt, num_tokens=chunk)
+        if want is None:
+            assert got is None
+            return
+        assert got is not None
+        assert (got.num_cached_tokens, got.table.tolist(), got.num_tokens) == want
+        assert got.num_cached_tokens % BS == 0 and got.num_cached_tokens <= len(prompt) - 1
+        self.live.append(rid)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def extend(self, data):
+        rid = data.draw(st.sampled_from(self.live))
+        new = data.draw(st.lists(st.integers(0, 50), min_size=0, max_size=3 * BS))
+        current = self.fast.num_tokens(rid)
+        done = data.draw(st.one_of(st.none(), st.integers(max(0, current - 2 * BS), current)))
+        got = self.fast.extend(rid, new, num_computed_tokens=done)
+        want = self.ref.extend(rid, new, num_computed=done)
+        if want is None:
+            assert got is None
+        else:
+            assert got is not None and got.tolist() == want
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def free(self, data):
+        rid = data.draw(st.sampled_from(self.live))
+        self.live.remove(rid)
+        self.fast.free(rid)
+        self.ref.free(rid)
+
+    @rule()
+    def reset(self):
+        self.fast.reset_prefix_cache()
+        self.ref.reset_prefix_cache()
+
+    @invariant()
+    def consistent(self):
+        if not hasattr(self, "fast"):
+            return
+        self.fast.check_integrity()
+        assert self.fast.num_free_blocks.tolist() == self.ref.num_free()
+        self.fast.take_events()
+
+    def teardown(self):
+        if not hasattr(self, "fast"):
+            return
+        for rid in list(self.live):
+            self.fast.free(rid)
+        self.fast.check_integrity()
+        assert self.fast.num_free_blocks.tolist() == [self.num_blocks] * len(self.rows)
+
+
+class UniformMachine(ManagerMachine):
+    rows = [Full()]
+
+
+class HeadWiseMachine(ManagerMachine):
+    rows = [Full(), Window(6, 2), Window(9), Full(), Window(6, 2)]
+
+
+MACHINE_SETTINGS = settings(max_examples=150, stateful_step_count=30, deadline=None,
+                            suppress_health_check=[HealthCheck.too_slow])
+TestUniformManager = UniformMachine.TestCase
+TestUniformManager.settings = MACHINE_SETTINGS
+TestHeadWiseManager = HeadWiseMachine.TestCase
+TestHeadWiseManager.settings = MACHINE_SETTINGS
