@@ -55,7 +55,8 @@ class _Request:
 
     tokens: np.ndarray  # uint32 [capacity]
     num_tokens: int
-    table: np.ndarray  # int32 [num_rows, capacity_blocks]
+    table: np.ndarray  # int32 [num_groups, capacity_blocks]: one row per distinct policy
+    heads: np.ndarray | None  # int32 [num_rows, capacity_blocks]: table expanded to rows, when they differ
     num_blocks: int
     num_hashed: int  # leading full blocks whose hashes are registered
     last_hash: BlockHash | None
@@ -71,8 +72,11 @@ class KVCacheManager:
     ``rows`` holds one attention policy per allocation row: ``[Full()]`` for a
     uniform cache (every head of every layer shares a block id), or one policy
     per kv head for head-wise allocation, where SWA heads give blocks back as
-    their window slides. Not thread-safe: one owner calls it (the daemon gives
-    it a thread of its own).
+    their window slides. Rows with equal policies always receive the same
+    operations, so their free heaps stay identical: they share one pool row (a
+    *group*) and tables are expanded to rows only when handed out, which keeps
+    8-row head-wise mode near the cost of its distinct policies. Not
+    thread-safe: one owner calls it (the daemon gives it a thread of its own).
     """
 
     def __init__(
@@ -99,15 +103,16 @@ class KVCacheManager:
         self.rows = rows
         self.enable_prefix_caching = enable_prefix_caching
         self.enable_events = enable_events
-        self._pool = BlockPool(len(rows), num_blocks)
-        self._index = PrefixIndex(len(rows), num_blocks)
+        groups = list(dict.fromkeys(rows))
+        self._row_group = np.array([groups.index(p) for p in rows], dtype=np.intp)
+        self._expand = len(groups) != len(rows)
+        self._pool = BlockPool(len(groups), num_blocks)
+        self._index = PrefixIndex(len(groups), num_blocks)
         self._hasher = BlockHasher(block_size, hash_algorithm, hash_seed) if enable_prefix_caching else None
-        self._row_ids = np.arange(len(rows), dtype=np.intp)
-        self._row_col = self._row_ids[:, None]
-        self._full_rows = np.array([i for i, p in enumerate(rows) if isinstance(p, Full)], dtype=np.intp)
-        windows = sorted({p for p in rows if isinstance(p, Window)}, key=lambda w: (w.window_tokens, w.sink_tokens))
+        self._group_col = np.arange(len(groups), dtype=np.intp)[:, None]
+        self._full_rows = np.array([g for g, p in enumerate(groups) if isinstance(p, Full)], dtype=np.intp)
         self._window_groups: list[tuple[Window, np.ndarray]] = [
-            (w, np.array([i for i, p in enumerate(rows) if p == w], dtype=np.intp)) for w in windows
+            (p, np.array([g], dtype=np.intp)) for g, p in enumerate(groups) if isinstance(p, Window)
         ]
         self._requests: dict[object, _Request] = {}
         self._events: list[CacheEvent] = []
@@ -143,12 +148,12 @@ class KVCacheManager:
     @property
     def num_free_blocks(self) -> np.ndarray:
         """Allocatable blocks per row (free plus cached-but-unused), int array ``[num_rows]``."""
-        return self._pool.num_free()
+        return self._pool.num_free()[self._row_group]
 
     @property
     def usage(self) -> Usage:
         """Fraction of blocks in use per row and the largest, exact (never rounded to 0)."""
-        return usage(self._pool.num_free(), self.num_blocks)
+        return usage(self.num_free_blocks, self.num_blocks)
 
     def can_admit(self, num_tokens: int) -> bool:
         """Whether a request of ``num_tokens`` tokens fits even with no prefix hit."""
@@ -236,24 +241,25 @@ class KVCacheManager:
         num_new = num_blocks - num_hit
         free = self._pool.num_free()
         if hit is not None:
-            revived = (self._pool.refcount(self._row_col, hit) == 0) & (hit >= 0)
+            revived = (self._pool.refcount(self._group_col, hit) == 0) & (hit >= 0)
             free = free - revived.sum(axis=1)
         if (free < num_new).any():
             return None
         if hit is not None:
-            self._pool.incref(self._row_col, hit)
+            self._pool.incref(self._group_col, hit)
         allocation = self._pool.allocate(num_new)
         assert allocation is not None, "allocation failed after the free-block check"
         self._forget(allocation.evicted_rows, allocation.evicted_blocks)
         capacity = _grow(num_blocks, 4)
-        table = np.full((self.num_rows, capacity), -1, dtype=np.int32)
+        table = np.full((len(self._group_col), capacity), -1, dtype=np.int32)
         if hit is not None:
             table[:, :num_hit] = hit
         table[:, num_hit:num_blocks] = allocation.blocks
         buffer = np.empty(_grow(covered, 64), dtype=np.uint32)
         buffer[:covered] = tokens[:covered]
         req = _Request(
-            tokens=buffer, num_tokens=covered, table=table, num_blocks=num_blocks, num_hashed=num_hit,
+            tokens=buffer, num_tokens=covered, table=table, heads=table[self._row_group] if self._expand else None,
+            num_blocks=num_blocks, num_hashed=num_hit,
             last_hash=hashes[(num_hit - 1) * _H: num_hit * _H] if num_hit else None,
             recycled=[recyclable_blocks(w, num_hit * bs, bs).stop for w, _ in self._window_groups],
             cache_salt=cache_salt, lora=lora, mm=list(mm) if mm else None,
@@ -291,23 +297,27 @@ class KVCacheManager:
             free = self._pool.num_free()
             if (free < num_new).any() and blocks.size:
                 returned = self._pool.refcount(rows, blocks) == 1
-                free = free + np.bincount(rows[returned], minlength=self.num_rows)
+                free = free + np.bincount(rows[returned], minlength=free.size)
             if (free < num_new).any():
                 return None
         if blocks.size:
             self._pool.decref(rows, blocks)
             for g, (_, group) in enumerate(self._window_groups):
                 req.table[group, req.recycled[g]:stops[g]] = -1
+                if req.heads is not None:
+                    req.heads[self._row_group == group[0], req.recycled[g]:stops[g]] = -1
                 req.recycled[g] = max(req.recycled[g], stops[g])
         if num_new:
             allocation = self._pool.allocate(num_new)
             assert allocation is not None, "allocation failed after the free-block check"
             self._forget(allocation.evicted_rows, allocation.evicted_blocks)
             if num_blocks > req.table.shape[1]:
-                grown = np.full((self.num_rows, _grow(num_blocks, 4)), -1, dtype=np.int32)
-                grown[:, : req.num_blocks] = req.table[:, : req.num_blocks]
-                req.table = grown
+                req.table = _widen(req.table, req.num_blocks, _grow(num_blocks, 4))
+                if req.heads is not None:
+                    req.heads = _widen(req.heads, req.num_blocks, req.table.shape[1])
             req.table[:, req.num_blocks:num_blocks] = allocation.blocks
+            if req.heads is not None:
+                req.heads[:, req.num_blocks:num_blocks] = allocation.blocks[self._row_group]
             req.num_blocks = num_blocks
         if total > req.tokens.size:
             grown_tokens = np.empty(_grow(total, 64), dtype=np.uint32)
@@ -332,8 +342,7 @@ class KVCacheManager:
         """
         req = self._get(request_id)
         del self._requests[request_id]
-        self._pool.decref(self._row_col, req.table[:, req.num_blocks - 1::-1] if req.num_blocks else
-                          req.table[:, :0])
+        self._pool.decref(self._group_col, req.table[:, req.num_blocks - 1::-1])
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix (live requests keep their blocks); returns the hashes dropped."""
@@ -347,20 +356,22 @@ class KVCacheManager:
         """Raise AssertionError with the numbers if pool, index and tables disagree."""
         self._pool.check_integrity()
         self._index.check_integrity()
-        refs = np.zeros((self.num_rows, self.num_blocks), dtype=np.int64)
+        refs = np.zeros((len(self._group_col), self.num_blocks), dtype=np.int64)
         for req in self._requests.values():
             t = req.table[:, : req.num_blocks]
             r, c = np.nonzero(t >= 0)
             np.add.at(refs, (r, t[r, c]), 1)
             assert req.num_blocks == -(-req.num_tokens // self.block_size), "table length disagrees with tokens"
-        actual = self._pool.refcount(self._row_col, np.arange(self.num_blocks)[None, :])
+            if req.heads is not None:
+                assert (req.heads[:, : req.num_blocks] == t[self._row_group]).all(), "rows disagree with their group"
+        actual = self._pool.refcount(self._group_col, np.arange(self.num_blocks)[None, :])
         bad = np.argwhere(refs != actual)
         assert bad.size == 0, (
             f"(row {bad[0][0]}, block {bad[0][1]}) is in {refs[tuple(bad[0])]} live tables "
             f"but has refcount {actual[tuple(bad[0])]}" if bad.size else ""
         )
         rows, blocks = self._index.held_pairs()
-        cached = self._pool.is_cached(self._row_col, np.arange(self.num_blocks)[None, :])
+        cached = self._pool.is_cached(self._group_col, np.arange(self.num_blocks)[None, :])
         held = np.zeros_like(cached)
         held[rows, blocks] = True
         assert (cached == held).all(), f"{int((cached != held).sum())} pairs cached in the pool but not the index"
@@ -450,9 +461,10 @@ class KVCacheManager:
             return
         removed = self._index.remove(rows, blocks)
         if self.enable_events and len(removed.hashes):
-            for row in np.unique(removed.rows).tolist():
-                picked = np.flatnonzero(removed.rows == row).tolist()
-                self._events.append(BlockRemoved(tuple(bytes(h) for h in removed.hashes[picked]), (row,)))
+            for group in np.unique(removed.rows).tolist():
+                picked = np.flatnonzero(removed.rows == group)
+                self._events.append(BlockRemoved(tuple(bytes(h) for h in removed.hashes[picked]),
+                                                 self._rows_of(np.array([group]))))
 
     def _store_events(self, req: _Request, packed: bytes, start: int, added: np.ndarray) -> None:
         """One BlockStored per run of consecutive blocks registered on the same rows."""
@@ -464,7 +476,7 @@ class KVCacheManager:
         for i in range(1, len(keys) + 1):
             if i < len(keys) and keys[i] == keys[run_start]:
                 continue
-            rows = tuple(np.flatnonzero(added[run_start]).tolist())
+            rows = self._rows_of(np.flatnonzero(added[run_start]))
             if rows:
                 first = start + run_start
                 self._events.append(BlockStored(
@@ -479,14 +491,26 @@ class KVCacheManager:
             run_start = i
 
 
+    def _rows_of(self, groups: np.ndarray) -> tuple[int, ...]:
+        """The rows (heads) that the given groups stand for, ascending."""
+        return tuple(np.flatnonzero(np.isin(self._row_group, groups)).tolist())
+
+
 _EMPTY = np.empty(0, dtype=np.intp)
 _H = HASH_BYTES
 
 
 def _view(req: _Request) -> np.ndarray:
-    view = req.table[:, : req.num_blocks]
+    view = (req.table if req.heads is None else req.heads)[:, : req.num_blocks]
     view.flags.writeable = False
     return view
+
+
+def _widen(table: np.ndarray, used: int, capacity: int) -> np.ndarray:
+    """A copy of ``table`` with ``capacity`` columns: the first ``used`` kept, the rest -1."""
+    grown = np.full((table.shape[0], capacity), -1, dtype=np.int32)
+    grown[:, :used] = table[:, :used]
+    return grown
 
 
 def _grow(needed: int, least: int) -> int:
