@@ -1,4 +1,8 @@
-"""Prefix-cache events: which block hashes rows gained or lost (vLLM's KV event kinds, plus rows)."""
+"""Prefix-cache events with vLLM's hash-level meaning: a hash is stored when it enters the index, removed when it leaves.
+
+A hash leaves when no row holds a block for it any more; in head-wise mode one
+row losing it (an SWA head's block reused) is not an event.
+"""
 from __future__ import annotations
 
 import dataclasses
@@ -9,7 +13,7 @@ import numpy as np
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class BlockStored:
-    """Consecutive full blocks entered the prefix index on ``rows``.
+    """Consecutive full blocks' hashes entered the prefix index, held on ``rows``.
 
     ``token_ids`` (uint32) are the blocks' tokens, ``len(block_hashes) *
     block_size`` of them; ``parent_block_hash`` is the hash before the first
@@ -27,10 +31,9 @@ class BlockStored:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class BlockRemoved:
-    """The blocks holding these hashes on ``rows`` were reused; those rows lost them."""
+    """These hashes left the prefix index: every block that held them was reused."""
 
     block_hashes: tuple[bytes, ...]
-    rows: tuple[int, ...]
     medium: str = "GPU"
 
 

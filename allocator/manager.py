@@ -16,7 +16,7 @@ import numpy as np
 from kvcache.allocator.errors import KVCacheError
 from kvcache.allocator.events import AllBlocksCleared, BlockRemoved, BlockStored, CacheEvent
 from kvcache.allocator.pool import BlockPool, Usage, usage
-from kvcache.allocator.prefix import HASH_BYTES, BlockHash, BlockHasher, MMPlaceholder, PrefixIndex
+from kvcache.allocator.prefix import HASH_BYTES, BlockHash, BlockHasher, Inserted, MMPlaceholder, PrefixIndex
 from kvcache.allocator.swa import AttentionPolicy, Full, Window, recyclable_blocks
 
 if TYPE_CHECKING:
@@ -64,6 +64,7 @@ class _Request:
     cache_salt: str | None
     lora: str | None
     mm: list[MMPlaceholder] | None
+    changed: np.ndarray  # int32 columns the last admit/extend set
 
 
 class KVCacheManager:
@@ -174,6 +175,13 @@ class KVCacheManager:
         req = self._get(request_id)
         return _view(req)
 
+    def changed_columns(self, request_id: object) -> np.ndarray:
+        """Columns (int32, ascending) the request's last admit or extend set: all of them after admit.
+
+        What a daemon sends workers as the table's delta instead of the whole table.
+        """
+        return self._get(request_id).changed
+
     def num_tokens(self, request_id: object) -> int:
         """Tokens the request's table covers."""
         return self._get(request_id).num_tokens
@@ -263,6 +271,7 @@ class KVCacheManager:
             last_hash=hashes[(num_hit - 1) * _H: num_hit * _H] if num_hit else None,
             recycled=[recyclable_blocks(w, num_hit * bs, bs).stop for w, _ in self._window_groups],
             cache_salt=cache_salt, lora=lora, mm=list(mm) if mm else None,
+            changed=np.arange(num_blocks, dtype=np.int32),
         )
         self._requests[request_id] = req
         if self._hasher is not None:
@@ -293,6 +302,7 @@ class KVCacheManager:
         num_blocks = -(-total // bs)
         num_new = num_blocks - req.num_blocks
         rows, blocks, stops = self._recyclable(req, done)
+        changed = [range(req.num_blocks, num_blocks)]
         if num_new:
             free = self._pool.num_free()
             if (free < num_new).any() and blocks.size:
@@ -303,6 +313,7 @@ class KVCacheManager:
         if blocks.size:
             self._pool.decref(rows, blocks)
             for g, (_, group) in enumerate(self._window_groups):
+                changed.append(range(req.recycled[g], stops[g]))
                 req.table[group, req.recycled[g]:stops[g]] = -1
                 if req.heads is not None:
                     req.heads[self._row_group == group[0], req.recycled[g]:stops[g]] = -1
@@ -325,6 +336,7 @@ class KVCacheManager:
             req.tokens = grown_tokens
         req.tokens[req.num_tokens:total] = new_tokens
         req.num_tokens = total
+        req.changed = _columns(changed)
         if self._hasher is not None and total // bs > req.num_hashed:
             start = req.num_hashed
             hashes = self._hasher.hash_blocks_packed(
@@ -446,50 +458,44 @@ class KVCacheManager:
         start = req.num_hashed
         stop = start + len(hashes) // _H
         blocks = req.table[:, start:stop].T
-        added = self._index.insert(hashes, blocks)
-        if added.any():
-            i, r = np.nonzero(added)
+        inserted = self._index.insert(hashes, blocks)
+        if inserted.added.any():
+            i, r = np.nonzero(inserted.added)
             self._pool.mark_cached(r, blocks[i, r])
-            if self.enable_events:
-                self._store_events(req, hashes, start, added)
+        if self.enable_events and inserted.new.any():
+            self._store_events(req, hashes, start, inserted)
         req.num_hashed = stop
         req.last_hash = hashes[-_H:]
 
     def _forget(self, rows: np.ndarray, blocks: np.ndarray) -> None:
-        """Drop evicted (row, block) pairs from the index and report the hashes that went."""
+        """Drop evicted (row, block) pairs from the index and report the hashes that left it."""
         if rows.size == 0:
             return
         removed = self._index.remove(rows, blocks)
-        if self.enable_events and len(removed.hashes):
-            for group in np.unique(removed.rows).tolist():
-                picked = np.flatnonzero(removed.rows == group)
-                self._events.append(BlockRemoved(tuple(bytes(h) for h in removed.hashes[picked]),
-                                                 self._rows_of(np.array([group]))))
+        if self.enable_events and len(removed.gone):
+            self._events.append(BlockRemoved(tuple(bytes(h) for h in removed.gone)))
 
-    def _store_events(self, req: _Request, packed: bytes, start: int, added: np.ndarray) -> None:
-        """One BlockStored per run of consecutive blocks registered on the same rows."""
+    def _store_events(self, req: _Request, packed: bytes, start: int, inserted: Inserted) -> None:
+        """One BlockStored per run of consecutive hashes new to the index and stored on the same rows."""
         bs = self.block_size
         hashes = [packed[i: i + _H] for i in range(0, len(packed), _H)]
-        patterns = np.packbits(added, axis=1, bitorder="little")
-        keys = [bytes(p) for p in patterns]
+        keys = [bytes(p) if new else None for p, new in
+                zip(np.packbits(inserted.added, axis=1, bitorder="little"), inserted.new.tolist())]
         run_start = 0
         for i in range(1, len(keys) + 1):
             if i < len(keys) and keys[i] == keys[run_start]:
                 continue
-            rows = self._rows_of(np.flatnonzero(added[run_start]))
-            if rows:
+            if keys[run_start] is not None:
                 first = start + run_start
                 self._events.append(BlockStored(
                     block_hashes=tuple(hashes[run_start:i]),
-                    parent_block_hash=hashes[run_start - 1] if run_start else (
-                        req.last_hash if start else None),
+                    parent_block_hash=hashes[run_start - 1] if run_start else req.last_hash,
                     token_ids=req.tokens[first * bs: (start + i) * bs].copy(),
                     block_size=bs,
-                    rows=rows,
+                    rows=self._rows_of(np.flatnonzero(inserted.added[run_start])),
                     lora=req.lora,
                 ))
             run_start = i
-
 
     def _rows_of(self, groups: np.ndarray) -> tuple[int, ...]:
         """The rows (heads) that the given groups stand for, ascending."""
@@ -504,6 +510,14 @@ def _view(req: _Request) -> np.ndarray:
     view = (req.table if req.heads is None else req.heads)[:, : req.num_blocks]
     view.flags.writeable = False
     return view
+
+
+def _columns(ranges: list[range]) -> np.ndarray:
+    """The union of column ranges as an ascending int32 array."""
+    parts = [np.arange(r.start, r.stop, dtype=np.int32) for r in ranges if r.stop > r.start]
+    if not parts:
+        return np.empty(0, dtype=np.int32)
+    return parts[0] if len(parts) == 1 else np.unique(np.concatenate(parts))
 
 
 def _widen(table: np.ndarray, used: int, capacity: int) -> np.ndarray:

@@ -423,15 +423,24 @@ def _vllm_extra_keys(lora: str | None, mm_keys: list[tuple[str, int]], salt: str
 _PACKED = np.dtype(f"V{HASH_BYTES}")  # one packed hash as a numpy item
 
 
+class Inserted(NamedTuple):
+    """What ``PrefixIndex.insert`` changed: pairs newly registered, and hashes new to the index."""
+
+    added: np.ndarray  # bool [n, rows]: row r now holds hash i with the given block
+    new: np.ndarray  # bool [n]: hash i was not in the index before
+
+
 class RemovedBlocks(NamedTuple):
     """(row, block) pairs the index dropped and the hash each held (parallel, pair order).
 
-    ``hashes`` holds one packed hash per pair (numpy ``V32`` items; ``bytes(hashes[i])`` is one).
+    ``hashes`` holds one packed hash per pair (numpy ``V32`` items; ``bytes(hashes[i])`` is
+    one); ``gone`` the hashes no row holds any more, which left the index.
     """
 
     rows: np.ndarray
     blocks: np.ndarray
     hashes: np.ndarray
+    gone: np.ndarray
 
 
 class PrefixIndex:
@@ -471,12 +480,12 @@ class PrefixIndex:
         """Blocks (int32 ``[k, num_rows]``, -1 = row lacks it) of the longest run of known leading hashes."""
         return self._blocks[self._find(hashes, stop_at_miss=True)]
 
-    def insert(self, hashes: bytes, blocks: np.ndarray) -> np.ndarray:
+    def insert(self, hashes: bytes, blocks: np.ndarray) -> Inserted:
         """Record that row r's block ``blocks[i, r]`` (int32 ``[n, rows]``, -1 = none) holds hash i.
 
         A row that already holds a block for a hash keeps it (the new block stays
         unregistered, a duplicate). Hashes in one call must be distinct (a chain's are).
-        Returns the bool ``[n, rows]`` mask of pairs newly registered: the caller marks them cached.
+        Returns the pairs newly registered (the caller marks them cached) and which hashes are new.
         """
         entries = self._find(hashes, stop_at_miss=False).astype(np.intp)
         fresh = np.flatnonzero(entries < 0)
@@ -493,13 +502,15 @@ class PrefixIndex:
         self._blocks[entries[i], r] = b
         self._entry_at[r, b] = entries[i]
         self._holders[entries] += added.sum(axis=1, dtype=np.int32)
+        new = np.zeros(len(entries), dtype=bool)
         if fresh.size:
             kept = self._holders[entries[fresh]] > 0
             if not kept.all():
                 self._push_spare(entries[fresh[~kept]])
                 fresh = fresh[kept]
             self._add_keys(entries[fresh], packed[fresh])
-        return added
+            new[fresh] = True
+        return Inserted(added, new)
 
     def remove(self, rows: np.ndarray, blocks: np.ndarray) -> RemovedBlocks:
         """Forget what the given distinct (row, block) pairs hold (their KV is about to be overwritten).
@@ -513,6 +524,7 @@ class PrefixIndex:
         if not held.all():
             rows, blocks, entries = rows[held], blocks[held], entries[held]
         hashes = self._hash_of[entries]
+        gone = entries[:0]
         if entries.size:
             self._blocks[entries, rows] = -1
             self._entry_at[rows, blocks] = -1
@@ -528,7 +540,7 @@ class PrefixIndex:
                 _hashtable.remove(self._slot_keys, self._slot_vals, self._seed, self._hash_of[gone].tobytes())
                 self._count -= gone.size
                 self._push_spare(gone)
-        return RemovedBlocks(rows.astype(np.int32), blocks.astype(np.int32), hashes)
+        return RemovedBlocks(rows.astype(np.int32), blocks.astype(np.int32), hashes, self._hash_of[gone])
 
     def clear(self) -> int:
         """Forget everything; returns how many hashes there were."""

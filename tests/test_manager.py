@@ -393,12 +393,19 @@ class ManagerMachine(RuleBasedStateMachine):
         new = data.draw(st.lists(st.integers(0, 50), min_size=0, max_size=3 * BS))
         current = self.fast.num_tokens(rid)
         done = data.draw(st.one_of(st.none(), st.integers(max(0, current - 2 * BS), current)))
+        before = self.fast.table(rid).copy()
         got = self.fast.extend(rid, new, num_computed_tokens=done)
         want = self.ref.extend(rid, new, num_computed=done)
         if want is None:
             assert got is None
         else:
             assert got is not None and got.tolist() == want
+            # The changed columns alone turn the old table into the new one (what workers receive).
+            cols = self.fast.changed_columns(rid)
+            rebuilt = np.full(got.shape, -1, dtype=np.int32)
+            rebuilt[:, : before.shape[1]] = before
+            rebuilt[:, cols] = got[:, cols]
+            assert rebuilt.tolist() == want
 
     @precondition(lambda self: self.live)
     @rule(data=st.data())

@@ -32,8 +32,8 @@ def test_match_returns_the_longest_run_of_known_leading_hashes():
 def test_insert_keeps_an_existing_block_and_fills_missing_rows():
     index = PrefixIndex(2, 16)
     index.insert(packed([1]), np.array([[5, -1]], dtype=np.int32))
-    added = index.insert(packed([1]), np.array([[6, 7]], dtype=np.int32))
-    assert added.tolist() == [[False, True]]
+    inserted = index.insert(packed([1]), np.array([[6, 7]], dtype=np.int32))
+    assert inserted.added.tolist() == [[False, True]] and inserted.new.tolist() == [False]
     assert index.match(packed([1])).tolist() == [[5, 7]]
     index.check_integrity()
 
@@ -44,8 +44,8 @@ def test_a_hash_lives_until_its_last_row_loses_it():
     removed = index.remove(np.array([0, 1, 1]), np.array([5, 8, 3]))
     assert removed.rows.tolist() == [0, 1] and removed.blocks.tolist() == [5, 8]
     assert [bytes(x) for x in removed.hashes] == [h(1), h(2)]
-    assert len(index) == 2
-    index.remove(np.array([1]), np.array([6]))
+    assert len(removed.gone) == 0 and len(index) == 2
+    assert [bytes(x) for x in index.remove(np.array([1]), np.array([6])).gone] == [h(1)]
     assert h(1) not in index and index.match(packed([1, 2])).shape == (0, 2)
     index.check_integrity()
 
