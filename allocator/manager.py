@@ -39,14 +39,20 @@ class Admission(NamedTuple):
 
 
 class ManagerStats(NamedTuple):
-    """Counters for metrics: live requests, cached hashes, free blocks, prefix hit totals."""
+    """Counters for metrics: live requests, cached hashes, free blocks, prefix hits, evictions, recycling.
+
+    Block counts are (row, block) pairs: a block of an 8-row table counts 8.
+    """
 
     num_requests: int
     num_cached_hashes: int
     min_free_blocks: int
     prefix_queries: int
+    prefix_hit_requests: int
     prefix_queried_tokens: int
     prefix_hit_tokens: int
+    evicted_blocks: int
+    recycled_blocks: int
 
 
 @dataclasses.dataclass(slots=True)
@@ -117,7 +123,9 @@ class KVCacheManager:
         ]
         self._requests: dict[object, _Request] = {}
         self._events: list[CacheEvent] = []
-        self._queries = self._queried_tokens = self._hit_tokens = 0
+        self._group_sizes = np.bincount(self._row_group)
+        self._queries = self._hit_requests = self._queried_tokens = self._hit_tokens = 0
+        self._evicted = self._recycled = 0
 
     @classmethod
     def from_spec(
@@ -195,7 +203,8 @@ class KVCacheManager:
     def stats(self) -> ManagerStats:
         return ManagerStats(
             len(self._requests), len(self._index), int(self._pool.num_free().min()),
-            self._queries, self._queried_tokens, self._hit_tokens,
+            self._queries, self._hit_requests, self._queried_tokens, self._hit_tokens,
+            self._evicted, self._recycled,
         )
 
     def take_events(self) -> list[CacheEvent]:
@@ -277,6 +286,7 @@ class KVCacheManager:
         if self._hasher is not None:
             self._register(req, hashes[num_hit * _H: covered // bs * _H])
             self._queries += 1
+            self._hit_requests += num_hit > 0
             self._queried_tokens += int(tokens.size)
             self._hit_tokens += num_hit * bs
         return Admission(num_hit * bs, _view(req), covered)
@@ -312,6 +322,7 @@ class KVCacheManager:
                 return None
         if blocks.size:
             self._pool.decref(rows, blocks)
+            self._recycled += int(self._group_sizes[rows].sum())
             for g, (_, group) in enumerate(self._window_groups):
                 changed.append(range(req.recycled[g], stops[g]))
                 req.table[group, req.recycled[g]:stops[g]] = -1
@@ -471,6 +482,7 @@ class KVCacheManager:
         """Drop evicted (row, block) pairs from the index and report the hashes that left it."""
         if rows.size == 0:
             return
+        self._evicted += int(self._group_sizes[rows].sum())
         removed = self._index.remove(rows, blocks)
         if self.enable_events and len(removed.gone):
             self._events.append(BlockRemoved(tuple(bytes(h) for h in removed.gone)))

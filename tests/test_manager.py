@@ -265,7 +265,18 @@ def test_stats_count_prefix_hits():
     m.admit("a", tokens(9))
     m.admit("b", tokens(9))
     s = m.stats()
-    assert (s.num_requests, s.prefix_queries, s.prefix_queried_tokens, s.prefix_hit_tokens) == (2, 2, 18, 8)
+    assert (s.num_requests, s.prefix_queries, s.prefix_hit_requests) == (2, 2, 1)
+    assert (s.prefix_queried_tokens, s.prefix_hit_tokens) == (18, 8)
+
+
+def test_stats_count_evicted_and_recycled_row_blocks():
+    m = make_manager(num_blocks=4, rows=[Full(), Window(4), Window(4)])
+    m.admit("a", tokens(8))
+    m.extend("a", tokens(5, 50))      # query 8 sees 5..8: both window rows give back block 0
+    assert m.stats().recycled_blocks == 2
+    m.free("a")
+    m.admit("b", tokens(16, 900))     # reuses every cached block of all 3 rows
+    assert m.stats().evicted_blocks > 0
 
 
 # -- sliding window ------------------------------------------------------------------------------
