@@ -144,6 +144,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"kvcache {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_plan(sub)
+    from kvcache import bench, serve
+
+    serve.add_parser(sub)
+    bench.add_parser(sub)
     return parser
 
 

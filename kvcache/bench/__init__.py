@@ -1,0 +1,13 @@
+"""`kvcache bench ...`: benchmarks users can run; each prints a ratio against a limit or peer measured in the same run."""
+from __future__ import annotations
+
+import argparse
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Register `kvcache bench` and its targets on the top-level subparsers."""
+    bench = sub.add_parser("bench", help="run a benchmark and print ratios against limits measured in the same run")
+    targets = bench.add_subparsers(dest="target", metavar="TARGET", required=True)
+    from kvcache.bench import allocator
+
+    allocator.add_parser(targets)

@@ -1,0 +1,270 @@
+"""CacheClient: KVCacheManager's methods over the daemon's socket, and a batch form for whole steps.
+
+Switching a scheduler from the library to the daemon is one line::
+
+    cache = KVCacheManager(num_blocks, block_size)      # in-process
+    cache = CacheClient("ipc:///run/kvcache.sock")       # shared daemon
+
+Every call has a deadline (``timeout`` seconds, default 5): a daemon that is
+down or stuck gives ``DaemonUnavailable`` instead of a hang. Not thread-safe:
+give each thread its own client.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import time
+import uuid
+from typing import Any, Sequence
+
+import numpy as np
+import zmq
+
+from kvcache.allocator.errors import KVCacheError
+from kvcache.allocator.manager import Admission
+from kvcache.allocator.pool import Usage
+from kvcache.protocol import PROTOCOL_VERSION, pack, unpack
+
+_MAX_REPLY_BYTES = 1 << 31
+
+
+class DaemonUnavailable(KVCacheError):
+    """The daemon did not answer within the deadline (down, unreachable or stuck)."""
+
+
+class DaemonError(KVCacheError):
+    """The daemon refused a request (its message names the field and the reason); nothing changed."""
+
+
+def _as_token_array(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
+    if isinstance(tokens, np.ndarray):
+        return tokens
+    try:
+        arr = np.array(tokens, dtype=np.int64)
+    except (TypeError, ValueError, OverflowError):
+        raise KVCacheError("tokens: expected a sequence of integers") from None
+    if arr.ndim != 1:
+        raise KVCacheError("tokens: expected a flat sequence of integers")
+    if len(tokens) and not isinstance(tokens[0], (int, np.integer)):  # np.array accepts floats
+        raise KVCacheError("tokens: expected integers")
+    return arr
+
+
+def _table_from_delta(old: np.ndarray | None, length: int, cols: np.ndarray, vals: np.ndarray) -> np.ndarray:
+    """The table ``old`` after a delta: ``length`` columns, ``cols`` set to ``vals``."""
+    rows = vals.shape[0] if old is None else old.shape[0]
+    table = np.full((rows, length), -1, dtype=np.int32)
+    if old is not None:
+        keep = min(length, old.shape[1])
+        table[:, :keep] = old[:, :keep]
+    table[:, cols] = vals
+    table.flags.writeable = False
+    return table
+
+
+class Batch:
+    """Operations collected for one round trip: ``client.batch()``, add ops, ``send()`` → results.
+
+    Results come in op order with the library's types (Admission or None,
+    table or None, True, ...); an op the daemon could not apply gives a
+    ``DaemonError`` instance in its place.
+    """
+
+    def __init__(self, client: CacheClient) -> None:
+        self._client = client
+        self._ops: list[dict[str, Any]] = []
+
+    def __len__(self) -> int:
+        return len(self._ops)
+
+    def admit(self, request_id: Any, prompt_tokens: Sequence[int] | np.ndarray, *, cache_salt: str | None = None,
+              lora: str | None = None, mm: Sequence[tuple[str, int, int]] | None = None,
+              num_tokens: int | None = None, slot: int | None = None) -> Batch:
+        op: dict[str, Any] = {"op": "admit", "req": request_id, "tokens": _as_token_array(prompt_tokens)}
+        for key, value in (("salt", cache_salt), ("lora", lora), ("num_tokens", num_tokens), ("slot", slot)):
+            if value is not None:
+                op[key] = value
+        if mm:
+            op["mm"] = [list(item) for item in mm]
+        self._ops.append(op)
+        return self
+
+    def extend(self, request_id: Any, tokens: Sequence[int] | np.ndarray, *,
+               num_computed_tokens: int | None = None) -> Batch:
+        op: dict[str, Any] = {"op": "extend", "req": request_id, "tokens": _as_token_array(tokens)}
+        if num_computed_tokens is not None:
+            op["num_computed"] = num_computed_tokens
+        self._ops.append(op)
+        return self
+
+    def free(self, request_id: Any) -> Batch:
+        self._ops.append({"op": "free", "req": request_id})
+        return self
+
+    def op(self, name: str, **fields: Any) -> Batch:
+        """Any other operation by its protocol name (table, lookup, can_admit, usage, stats, info, ...)."""
+        self._ops.append({"op": name, **fields})
+        return self
+
+    def send(self) -> list[Any]:
+        """Send every op in one message; returns their results in order."""
+        ops, self._ops = self._ops, []
+        reply = self._client._call(ops)
+        return [self._client._result(op, raw) for op, raw in zip(ops, reply["results"])]
+
+
+class CacheClient:
+    """A scheduler's connection to ``kvcache serve``, with the same methods and results as KVCacheManager."""
+
+    def __init__(self, endpoint: str, *, timeout: float = 5.0, name: str | None = None,
+                 context: zmq.Context | None = None) -> None:
+        if timeout <= 0:
+            raise KVCacheError(f"timeout: must be positive, got {timeout}")
+        self.endpoint = endpoint
+        self.timeout = timeout
+        self.name = name or f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        self.last_seq = -1
+        self._ctx = context or zmq.Context.instance()
+        self._ids = itertools.count(1)
+        self._tables: dict[Any, np.ndarray] = {}
+        self._slots: dict[Any, int] = {}
+        self._info: dict[str, Any] | None = None
+        self._sock = self._connect()
+
+    def _connect(self) -> zmq.Socket:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.connect(self.endpoint)
+        return sock
+
+    def close(self) -> None:
+        self._sock.close(0)
+
+    def __enter__(self) -> CacheClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ the manager's API
+
+    def admit(self, request_id: Any, prompt_tokens: Sequence[int] | np.ndarray, *, cache_salt: str | None = None,
+              lora: str | None = None, mm: Sequence[tuple[str, int, int]] | None = None,
+              num_tokens: int | None = None, slot: int | None = None) -> Admission | None:
+        """As KVCacheManager.admit; ``slot`` names the engine's batch slot (default: the daemon picks)."""
+        return self._single(self.batch().admit(request_id, prompt_tokens, cache_salt=cache_salt, lora=lora, mm=mm,
+                                               num_tokens=num_tokens, slot=slot))
+
+    def extend(self, request_id: Any, tokens: Sequence[int] | np.ndarray, *,
+               num_computed_tokens: int | None = None) -> np.ndarray | None:
+        return self._single(self.batch().extend(request_id, tokens, num_computed_tokens=num_computed_tokens))
+
+    def free(self, request_id: Any) -> None:
+        self._single(self.batch().free(request_id))
+
+    def table(self, request_id: Any) -> np.ndarray:
+        return self._single(self.batch().op("table", req=request_id))
+
+    def lookup(self, prompt_tokens: Sequence[int] | np.ndarray, *, cache_salt: str | None = None,
+               lora: str | None = None) -> int:
+        fields: dict[str, Any] = {"tokens": _as_token_array(prompt_tokens)}
+        if cache_salt is not None:
+            fields["salt"] = cache_salt
+        if lora is not None:
+            fields["lora"] = lora
+        return self._single(self.batch().op("lookup", **fields))
+
+    def can_admit(self, num_tokens: int) -> bool:
+        return self._single(self.batch().op("can_admit", num_tokens=num_tokens))
+
+    @property
+    def usage(self) -> Usage:
+        raw = self._single(self.batch().op("usage"))
+        return Usage(np.asarray(raw["per_row"]), float(raw["max"]))
+
+    @property
+    def num_free_blocks(self) -> np.ndarray:
+        return np.asarray(self.stats()["free_blocks"])
+
+    def stats(self) -> dict[str, Any]:
+        return self._single(self.batch().op("stats"))
+
+    def info(self) -> dict[str, Any]:
+        """The daemon's geometry and endpoints (cached after the first call)."""
+        if self._info is None:
+            self._info = self._single(self.batch().op("info"))
+        return self._info
+
+    def ping(self) -> bool:
+        return self._single(self.batch().op("ping")) == "pong"
+
+    def reset_prefix_cache(self) -> int:
+        return self._single(self.batch().op("reset_prefix_cache"))
+
+    def slot(self, request_id: Any) -> int:
+        """The batch slot the daemon gave a request this client admitted."""
+        try:
+            return self._slots[request_id]
+        except KeyError:
+            raise KVCacheError(f"request_id: {request_id!r} was not admitted by this client") from None
+
+    def batch(self) -> Batch:
+        """Collect a whole scheduling step's operations for one round trip."""
+        return Batch(self)
+
+    # ------------------------------------------------------------------ transport
+
+    def _single(self, batch: Batch) -> Any:
+        (result,) = batch.send()
+        if isinstance(result, DaemonError):
+            raise result
+        return result
+
+    def _call(self, ops: list[dict[str, Any]]) -> dict[str, Any]:
+        """One request/reply with a deadline; replies to earlier, timed-out requests are skipped."""
+        request_id = next(self._ids)
+        self._sock.send(pack({"v": PROTOCOL_VERSION, "client": self.name, "id": request_id, "ops": ops}))
+        deadline = time.monotonic() + self.timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not self._sock.poll(int(remaining * 1000) + 1, zmq.POLLIN):
+                # A reply may still come later; a fresh socket makes sure it is never taken for another one.
+                self._sock.close(0)
+                self._sock = self._connect()
+                raise DaemonUnavailable(f"daemon at {self.endpoint} did not answer within {self.timeout:g} s")
+            reply = unpack(self._sock.recv(), _MAX_REPLY_BYTES)
+            if isinstance(reply, dict) and reply.get("id") == request_id:
+                break
+        if not reply.get("ok"):
+            raise DaemonError(str(reply.get("error")))
+        self.last_seq = reply["seq"]
+        return reply
+
+    def _result(self, op: dict[str, Any], raw: Any) -> Any:
+        """A raw result in the library's types, keeping this client's table mirror current."""
+        if isinstance(raw, dict) and set(raw) == {"error"}:
+            return DaemonError(raw["error"])
+        kind = op["op"]
+        if kind == "admit":
+            if raw is None:
+                return None
+            table = np.asarray(raw["table"])
+            table.flags.writeable = False
+            self._tables[op["req"]] = table
+            self._slots[op["req"]] = raw["slot"]
+            return Admission(raw["cached"], table, raw["num_tokens"])
+        if kind == "extend":
+            if raw is None:
+                return None
+            if op["req"] not in self._tables:  # admitted by another client: fetch the whole table once
+                self._tables[op["req"]] = self.table(op["req"])
+                return self._tables[op["req"]]
+            table = _table_from_delta(self._tables[op["req"]], raw["len"], raw["cols"], raw["vals"])
+            self._tables[op["req"]] = table
+            return table
+        if kind == "free":
+            self._tables.pop(op["req"], None)
+            self._slots.pop(op["req"], None)
+            return None
+        return raw

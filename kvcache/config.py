@@ -1,0 +1,150 @@
+"""ServeConfig: everything `kvcache serve` needs, from flags or a TOML file, printed at start-up."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+from kvcache.allocator.errors import KVCacheError
+from kvcache.allocator.swa import AttentionPolicy, Full, Window
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
+
+
+def runtime_dir() -> Path:
+    """Where default ipc:// sockets live: $XDG_RUNTIME_DIR/kvcache, else /tmp/kvcache-$UID (mode 0700)."""
+    base = os.environ.get("XDG_RUNTIME_DIR")
+    path = Path(base) / "kvcache" if base else Path(f"/tmp/kvcache-{os.getuid()}")
+    return path
+
+
+@dataclasses.dataclass(slots=True)
+class ServeConfig:
+    """One daemon's configuration; sizes come from ``num_blocks`` or from a model and a memory budget."""
+
+    endpoint: str = ""
+    pub_endpoint: str = ""
+    replay_endpoint: str = ""
+    events_endpoint: str = ""
+    events_replay_endpoint: str = ""
+    num_blocks: int = 0
+    block_size: int = 64
+    rows: str = "full"
+    model: str = ""
+    gpu_memory: str = "80GiB"
+    utilization: float = 0.9
+    reserve: str = "0"
+    dtype: str = ""
+    quant: str = "none"
+    scale_layout: str = "default"
+    tp: int = 1
+    head_wise: bool = False
+    enable_prefix_caching: bool = True
+    hash_algorithm: str = "sha256"
+    hash_seed: str = ""
+    events: bool = False
+    events_format: str = "array"
+    metrics_port: int = 0
+    max_message_bytes: int = 64 * 2**20
+    max_tokens: int = 1 << 22
+    max_slots: int = 65_536
+    replay_buffer: int = 4096
+    dedupe_window: int = 1024
+    pub_hwm: int = 100_000
+
+    def resolved(self) -> ServeConfig:
+        """A copy with default endpoints filled in next to ``endpoint``."""
+        cfg = dataclasses.replace(self)
+        if not cfg.endpoint:
+            cfg.endpoint = f"ipc://{runtime_dir()}/kvcache.sock"
+        derived = derive_endpoints(cfg.endpoint)
+        for name, value in derived.items():
+            if not getattr(cfg, name):
+                setattr(cfg, name, value)
+        return cfg
+
+    def __post_init__(self) -> None:
+        if self.events_format not in ("array", "map"):
+            raise KVCacheError(f"events_format: {self.events_format!r} is neither 'array' nor 'map'")
+
+    def describe(self) -> str:
+        """One line per field, for the start-up log."""
+        return "\n".join(f"  {f.name} = {getattr(self, f.name)!r}" for f in dataclasses.fields(self))
+
+
+def derive_endpoints(endpoint: str) -> dict[str, str]:
+    """Default PUB/replay/event endpoints next to the scheduler endpoint (ipc: sibling files; tcp: next ports)."""
+    names = ("pub_endpoint", "replay_endpoint", "events_endpoint", "events_replay_endpoint")
+    if endpoint.startswith("ipc://"):
+        base = endpoint[len("ipc://"):]
+        stem = base[:-5] if base.endswith(".sock") else base
+        suffixes = ("-pub.sock", "-replay.sock", "-events.sock", "-events-replay.sock")
+        return {n: f"ipc://{stem}{s}" for n, s in zip(names, suffixes)}
+    match = re.fullmatch(r"tcp://(.+):(\d+)", endpoint)
+    if match:
+        host, port = match.group(1), int(match.group(2))
+        return {n: f"tcp://{host}:{port + i + 1}" for i, n in enumerate(names)}
+    raise KVCacheError(f"endpoint: {endpoint!r} is neither ipc://PATH nor tcp://HOST:PORT")
+
+
+def load_toml(path: str | Path) -> dict[str, Any]:
+    """Fields from a TOML file (top level or a [serve] table), checked against ServeConfig's names."""
+    try:
+        data = tomllib.loads(Path(path).read_text())
+    except OSError as exc:
+        raise KVCacheError(f"--config: cannot read {path}: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise KVCacheError(f"--config: {path} is not valid TOML: {exc}") from None
+    data = data.get("serve", data)
+    known = {f.name: f for f in dataclasses.fields(ServeConfig)}
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        name = key.replace("-", "_")
+        if name not in known:
+            raise KVCacheError(f"--config: unknown setting {key!r}")
+        out[name] = value
+    return out
+
+
+def parse_rows(spec: str, num_rows: int | None = None) -> list[AttentionPolicy]:
+    """Row policies from ``full``, ``window:W[:S]`` items, each optionally ``*N``, comma-separated.
+
+    ``"window:4096:64*6,full*2"`` is six sliding-window heads and two full ones.
+    A single item with ``num_rows`` given is repeated to that many rows.
+    """
+    rows: list[AttentionPolicy] = []
+    for item in (s.strip() for s in spec.split(",")):
+        body, _, count = item.partition("*")
+        times = 1
+        if count:
+            if not count.isdigit() or int(count) < 1:
+                raise KVCacheError(f"rows: bad repeat count in {item!r}")
+            times = int(count)
+        parts = body.split(":")
+        if parts == ["full"]:
+            policy: AttentionPolicy = Full()
+        elif parts[0] == "window" and len(parts) in (2, 3) and all(p.isdigit() for p in parts[1:]):
+            policy = Window(int(parts[1]), int(parts[2]) if len(parts) == 3 else 0)
+        else:
+            raise KVCacheError(f"rows: cannot read {item!r}; write full or window:W[:S], optionally *N")
+        rows.extend([policy] * times)
+    if num_rows is not None and len(rows) != num_rows:
+        if len(rows) == 1:
+            return rows * num_rows
+        raise KVCacheError(f"rows: {len(rows)} policies given, the model has {num_rows} kv heads")
+    return rows
+
+
+def describe_rows(rows: list[AttentionPolicy]) -> list[dict[str, Any]]:
+    """Row policies as plain maps (for the info reply)."""
+    return [
+        {"kind": "full"} if isinstance(p, Full) else {"kind": "window", "window": p.window_tokens,
+                                                      "sink": p.sink_tokens}
+        for p in rows
+    ]

@@ -1,0 +1,222 @@
+"""KV cache events on ZeroMQ in vLLM's publisher format, so a router built for vLLM can index this daemon's cache.
+
+Followed from vllm-project/vllm ``vllm/distributed/kv_events.py`` (``EventBatch``,
+``KVCacheEvent``, ``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``,
+``ZmqEventPublisher``) at commit b4e69e0af33f4698e157a262cc787fe61983cd3d (all
+structs ``array_like``) and at the later version whose ``KVCacheEvent`` dropped
+``array_like`` (vLLM PR #42892) and whose replay replies carry the topic, with
+``examples/online_serving/kv_events_subscriber.py`` at
+0ef0f42653bc5a0c7c44d26ce3a161e692b07a2c and
+``examples/features/kv_events/kv_events_subscriber.py`` at
+1bd773f6a52899e189c8237e55473cda0074f2fb as the consumers. The structs are
+msgspec ``omit_defaults=True, tag=True`` structs encoded with msgpack; we write
+the same bytes with msgpack directly::
+
+    live (PUB)       [topic, seq (8 bytes, big-endian), payload]
+    payload          [ts (float64), [event, ...], data_parallel_rank]
+    event, "array"   ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size,
+                      lora_id, medium, lora_name]
+                     ["BlockRemoved", block_hashes, medium]
+                     ["AllBlocksCleared"]
+    event, "map"     {"type": "BlockStored", "block_hashes": ..., ..., "lora_name": ...}
+    replay request   a REQ or DEALER peer sends [b"", start seq (8 bytes)] to the ROUTER
+    replay reply     [b"", (topic,) seq, payload] per buffered batch with seq >= start, then
+                     [b"", (b"",) END_SEQ, b""]; the topic frame only with ``replay_topic``
+
+msgspec writes every field of an ``array_like`` struct, defaults included
+(``omit_defaults`` does not shorten arrays), and decoders ignore trailing
+elements they do not know, so the array form stops after ``lora_name``, the
+last field without a default. In the map form ``omit_defaults`` drops fields
+left at their default (``extra_keys``, ``group_idx``, ``event_version``, ...);
+fields without a default are written even when None.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import logging
+import time
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
+
+import msgpack
+import zmq
+
+from kvcache.allocator.errors import KVCacheError
+from kvcache.allocator.events import AllBlocksCleared, BlockRemoved, BlockStored
+
+if TYPE_CHECKING:
+    from kvcache.allocator.events import CacheEvent
+
+log = logging.getLogger("kvcache.events")
+
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+_LOW_64 = (1 << 64) - 1
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EventWire:
+    """Which vLLM generation's encoding to speak: vLLM changed it, and routers decode one form or both.
+
+    ``layout="array"`` writes each event as a tagged array (vLLM before PR
+    #42892); ``"map"`` as a tagged map under ``"type"`` (vLLM after it).
+    ``replay_topic`` puts the topic frame in replay replies as newer vLLM
+    does. ``int_hashes`` sends each hash as the low 64 bits of its digest
+    (vLLM's default, ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``) instead of
+    the 32-byte digest. Current vLLM main is
+    ``EventWire(layout="map", replay_topic=True, int_hashes=True)``.
+    """
+
+    layout: str = "array"
+    replay_topic: bool = False
+    int_hashes: bool = False
+
+    def __post_init__(self) -> None:
+        if self.layout not in ("array", "map"):
+            raise KVCacheError(f"layout: expected 'array' or 'map', got {self.layout!r}")
+
+
+def encode_batch(events: Sequence[CacheEvent], *, ts: float, dp_rank: int, wire: EventWire = EventWire()) -> bytes:
+    """One ``KVEventBatch`` payload: ``[ts, [event, ...], data_parallel_rank]`` as msgpack."""
+    return msgpack.packb([float(ts), [_encode_event(e, wire) for e in events], dp_rank], use_bin_type=True)
+
+
+def _encode_event(event: CacheEvent, wire: EventWire) -> list[Any] | dict[str, Any]:
+    """One event as vLLM's tagged struct: fields in declaration order, tag first."""
+    if isinstance(event, BlockStored):
+        parent = event.parent_block_hash
+        fields: tuple[tuple[str, Any], ...] = (
+            ("block_hashes", [_hash(h, wire) for h in event.block_hashes]),
+            ("parent_block_hash", None if parent is None else _hash(parent, wire)),
+            ("token_ids", event.token_ids.tolist()),
+            ("block_size", event.block_size),
+            ("lora_id", None),
+            ("medium", event.medium),
+            ("lora_name", event.lora),
+        )
+    elif isinstance(event, BlockRemoved):
+        fields = (("block_hashes", [_hash(h, wire) for h in event.block_hashes]), ("medium", event.medium))
+    elif isinstance(event, AllBlocksCleared):
+        fields = ()
+    else:
+        raise TypeError(f"not a cache event: {type(event).__name__}")
+    tag = type(event).__name__
+    if wire.layout == "array":
+        return [tag, *(value for _, value in fields)]
+    return {"type": tag, **dict(fields)}
+
+
+def _hash(block_hash: bytes, wire: EventWire) -> bytes | int:
+    """A hash as vLLM's ``maybe_convert_block_hash`` publishes it: the digest, or its low 64 bits unsigned."""
+    if wire.int_hashes:
+        return int.from_bytes(block_hash, "big") & _LOW_64
+    return bytes(block_hash)
+
+
+class KVEventPublisher:
+    """vLLM's ``ZmqEventPublisher`` without its thread: PUB for live batches, ROUTER for replay.
+
+    The daemon's thread calls ``publish`` after each step and ``handle_replay``
+    when the poller reports ``replay_socket`` readable; neither blocks.
+    Sequence numbers start at 0 and grow by one per published batch; the last
+    ``buffer_steps`` batches stay available for replay. A batch the PUB socket
+    refuses (high-water mark) is still numbered and buffered, so subscribers
+    see the gap and replay it.
+
+    Replay streams several messages per request, as vLLM does: a DEALER peer
+    receives them all; a REQ peer (vLLM's example subscriber) receives only
+    the first, since a REQ socket takes one reply per request.
+    """
+
+    def __init__(
+        self,
+        context: zmq.Context,
+        endpoint: str,
+        replay_endpoint: str | None = None,
+        *,
+        topic: str = "",
+        buffer_steps: int = 10_000,
+        dp_rank: int = 0,
+        send_hwm: int = 100_000,
+        wire: EventWire = EventWire(),
+    ) -> None:
+        if buffer_steps < 1:
+            raise KVCacheError(f"buffer_steps: must be at least 1, got {buffer_steps}")
+        self.topic = topic.encode("utf-8")
+        self.dp_rank = dp_rank
+        self.wire = wire
+        self.next_seq = 0
+        self.num_dropped = 0
+        self._buffer: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=buffer_steps)
+        self._pub = context.socket(zmq.PUB)
+        self.replay_socket: zmq.Socket | None = None
+        try:
+            self._pub.setsockopt(zmq.SNDHWM, send_hwm)
+            self._pub.bind(endpoint)
+            if replay_endpoint:
+                self.replay_socket = context.socket(zmq.ROUTER)
+                # Room for one whole replay, so a replay is never cut short silently;
+                # mandatory routing turns a full or vanished peer into an error we can see.
+                self.replay_socket.setsockopt(zmq.SNDHWM, buffer_steps + 1)
+                self.replay_socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+                self.replay_socket.bind(replay_endpoint)
+        except zmq.ZMQError:
+            self.close()
+            raise
+
+    def publish(self, events: Sequence[CacheEvent]) -> int:
+        """Send ``events`` as one batch; returns its sequence number, or -1 when there is nothing to send."""
+        if not events:
+            return -1
+        payload = encode_batch(events, ts=time.time(), dp_rank=self.dp_rank, wire=self.wire)
+        seq = self.next_seq
+        self.next_seq += 1
+        self._buffer.append((seq, payload))
+        try:
+            self._pub.send_multipart((self.topic, seq.to_bytes(8, "big"), payload), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            self.num_dropped += 1
+        return seq
+
+    def handle_replay(self) -> None:
+        """Answer one pending replay request, if any: every buffered batch from its start seq, then the end marker.
+
+        A peer whose queue fills mid-replay gets no end marker (its request
+        times out and it asks again); a malformed request gets no reply, as in vLLM.
+        """
+        sock = self.replay_socket
+        if sock is None:
+            return
+        try:
+            frames = sock.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            return
+        if len(frames) != 3:
+            log.warning("replay: ignoring a request of %d frames (expected identity, empty, start seq)", len(frames))
+            return
+        client, _, start = frames
+        head = [client, b"", self.topic] if self.wire.replay_topic else [client, b""]
+        end = [client, b"", b"", END_SEQ, b""] if self.wire.replay_topic else [client, b"", END_SEQ, b""]
+        try:
+            for seq, payload in self._since(int.from_bytes(start, "big")):
+                sock.send_multipart([*head, seq.to_bytes(8, "big"), payload], flags=zmq.NOBLOCK)
+            sock.send_multipart(end, flags=zmq.NOBLOCK)
+        except zmq.Again:
+            log.warning("replay: peer's queue is full; replay cut short without an end marker")
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EHOSTUNREACH:
+                raise
+            log.info("replay: peer left before its replay was sent")
+
+    def close(self) -> None:
+        """Close both sockets at once (linger 0): unsent batches are dropped."""
+        self._pub.close(linger=0)
+        if self.replay_socket is not None:
+            self.replay_socket.close(linger=0)
+
+    def _since(self, start_seq: int) -> Iterator[tuple[int, bytes]]:
+        """Buffered (seq, payload) pairs with seq >= ``start_seq``, oldest first (seqs in the buffer are contiguous)."""
+        if not self._buffer:
+            return iter(())
+        skip = max(0, start_seq - self._buffer[0][0])
+        return itertools.islice(self._buffer, skip, None)

@@ -1,0 +1,237 @@
+"""The daemon's wire protocol: msgpack maps with a version, arrays as raw little-endian bytes.
+
+Scheduler → daemon (one ROUTER frame)::
+
+    {"v": 1, "client": str, "id": int, "ops": [op, ...]}
+
+``client`` names the sender (a random id per CacheClient unless given);
+``id`` is unique per client: a retried request with an answered ``(client,
+id)`` gets the first answer again and is not applied twice. Ops::
+
+    {"op": "admit",  "req": ID, "tokens": TOKENS, "salt"?: str, "lora"?: str,
+                     "mm"?: [[str, int, int], ...], "num_tokens"?: int, "slot"?: int}
+    {"op": "extend", "req": ID, "tokens": TOKENS, "num_computed"?: int}
+    {"op": "free",   "req": ID}
+    {"op": "table",  "req": ID}
+    {"op": "lookup", "tokens": TOKENS, "salt"?, "lora"?, "mm"?}
+    {"op": "can_admit", "num_tokens": int}
+    {"op": "usage"} | {"op": "stats"} | {"op": "info"} | {"op": "ping"} | {"op": "reset_prefix_cache"}
+
+``ID`` is a str (at most 256 characters) or an int in int64; ``TOKENS`` an
+integer array (or a list of ints). The whole message is validated, structure
+and request-id liveness in op order, before any op is applied: a bad message
+changes nothing. Reply::
+
+    {"v": 1, "id": int, "ok": true, "seq": int, "results": [result, ...]}
+    {"v": 1, "id": int, "ok": false, "error": "ops[2].tokens: token id -5 is outside [0, 2**32)"}
+
+``seq`` is the last table-delta sequence number published when the reply
+was sent. Results: admit → ``{"cached", "num_tokens", "table"}`` or None (no
+room); extend → a ``Delta`` map or None; table → array; others as named.
+
+Table deltas (PUB, multipart ``[b"T", seq as 8-byte big-endian, payload]``)::
+
+    {"v": 1, "seq": int, "changes": [{"req": ID, "slot": int|None, "len": int,
+                                      "cols": int32[k], "vals": int32[rows, k]}, ...],
+     "freed": [ID, ...], "reset": bool}
+
+A change sets columns ``cols`` of the request's table (now ``len`` columns
+wide, rows = every kv head of the model in head-wise mode) to ``vals``.
+
+Arrays: msgpack ExtType 1 whose data is ``dtype code (u8) | ndim (u8) |
+shape (ndim × u32 LE) | C-order little-endian bytes``.
+"""
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from kvcache.allocator.errors import KVCacheError
+
+PROTOCOL_VERSION = 1
+ARRAY_EXT = 1
+DELTA_TOPIC = b"T"
+MAX_ID_CHARS = 256
+MAX_OPS = 65_536
+
+_CODES = {
+    1: np.dtype("<i4"),
+    2: np.dtype("<u4"),
+    3: np.dtype("<i8"),
+    4: np.dtype("<u8"),
+    5: np.dtype("<f8"),
+    6: np.dtype("u1"),
+    7: np.dtype("<i2"),
+    8: np.dtype("<u2"),
+    9: np.dtype("i1"),
+    10: np.dtype("<f4"),
+}
+_CODE_OF = {dt: code for code, dt in _CODES.items()}
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+
+class ProtocolError(KVCacheError):
+    """A message that cannot be decoded or violates the protocol; the message names the field."""
+
+
+def encode_array(arr: np.ndarray) -> msgpack.ExtType:
+    """An array as the protocol's ExtType: dtype code, shape, raw little-endian bytes."""
+    code = _CODE_OF.get(arr.dtype.newbyteorder("<") if arr.dtype.itemsize > 1 else arr.dtype)
+    if code is None:
+        raise ProtocolError(f"array: dtype {arr.dtype} has no wire code")
+    data = np.ascontiguousarray(arr, dtype=_CODES[code])
+    header = struct.pack(f"<BB{data.ndim}I", code, data.ndim, *data.shape)
+    return msgpack.ExtType(ARRAY_EXT, header + data.tobytes())
+
+
+def _decode_ext(code: int, data: bytes) -> Any:
+    if code != ARRAY_EXT:
+        raise ProtocolError(f"unknown ext type {code}")
+    if len(data) < 2:
+        raise ProtocolError("array: truncated header")
+    dtype = _CODES.get(data[0])
+    if dtype is None:
+        raise ProtocolError(f"array: unknown dtype code {data[0]}")
+    ndim = data[1]
+    if ndim > 4:
+        raise ProtocolError(f"array: {ndim} dimensions, at most 4 allowed")
+    start = 2 + 4 * ndim
+    if len(data) < start:
+        raise ProtocolError("array: truncated shape")
+    shape = struct.unpack_from(f"<{ndim}I", data, 2)
+    count = 1
+    for n in shape:
+        count *= n
+    if len(data) - start != count * dtype.itemsize:
+        raise ProtocolError(f"array: shape {shape} of {dtype} needs {count * dtype.itemsize} bytes, "
+                            f"got {len(data) - start}")
+    return np.frombuffer(data, dtype=dtype, offset=start).reshape(shape)
+
+
+def _default(obj: Any) -> Any:
+    if isinstance(obj, np.ndarray):
+        return encode_array(obj)
+    if isinstance(obj, np.integer):
+        return int(obj)
+    if isinstance(obj, np.floating):
+        return float(obj)
+    raise TypeError(f"cannot encode {type(obj).__name__}")
+
+
+def pack(obj: Any) -> bytes:
+    """Encode a protocol message (numpy arrays become array exts)."""
+    return msgpack.packb(obj, default=_default, use_bin_type=True)
+
+
+def unpack(data: bytes, max_bytes: int) -> Any:
+    """Decode a protocol message, refusing it by size first; errors are ProtocolError."""
+    if len(data) > max_bytes:
+        raise ProtocolError(f"message: {len(data)} bytes exceeds the limit of {max_bytes}")
+    try:
+        return msgpack.unpackb(data, ext_hook=_decode_ext, raw=False, strict_map_key=False, use_list=True)
+    except ProtocolError:
+        raise
+    except Exception as exc:  # msgpack raises several types for malformed input
+        raise ProtocolError(f"message: not valid msgpack ({type(exc).__name__}: {exc})") from None
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def check_request_id(value: Any, field: str) -> str | int:
+    """A request id: a str of at most 256 characters or an int within int64."""
+    if isinstance(value, str):
+        if len(value) > MAX_ID_CHARS:
+            raise ProtocolError(f"{field}: request id longer than {MAX_ID_CHARS} characters")
+        return value
+    if isinstance(value, int) and not isinstance(value, bool):
+        if not _INT64_MIN <= value <= _INT64_MAX:
+            raise ProtocolError(f"{field}: request id {value} outside int64")
+        return value
+    raise ProtocolError(f"{field}: request id must be a str or int, got {type(value).__name__}")
+
+
+def check_int(value: Any, field: str, least: int = 0, most: int = _INT64_MAX) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ProtocolError(f"{field}: must be an integer, got {type(value).__name__}")
+    if not least <= value <= most:
+        raise ProtocolError(f"{field}: {value} is outside [{least}, {most}]")
+    return value
+
+
+def check_tokens(value: Any, field: str, max_tokens: int) -> np.ndarray:
+    """Tokens as a uint32 array: an integer array ext or a list of ints, ids in [0, 2**32)."""
+    if isinstance(value, np.ndarray):
+        if value.ndim != 1 or value.dtype.kind not in "iu":
+            raise ProtocolError(f"{field}: expected a 1-D integer array, got {value.dtype} {value.shape}")
+        arr = value
+    elif isinstance(value, list):
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+            raise ProtocolError(f"{field}: expected integers")
+        try:
+            arr = np.array(value, dtype=np.int64)
+        except OverflowError:
+            raise ProtocolError(f"{field}: token id outside [0, 2**32)") from None
+    else:
+        raise ProtocolError(f"{field}: expected an integer array, got {type(value).__name__}")
+    if arr.size > max_tokens:
+        raise ProtocolError(f"{field}: {arr.size} tokens exceed the limit of {max_tokens}")
+    if arr.size and (int(arr.min()) < 0 or int(arr.max()) > 2**32 - 1):
+        bad = int(arr[(arr < 0) | (arr > 2**32 - 1)][0])
+        raise ProtocolError(f"{field}: token id {bad} is outside [0, 2**32)")
+    return arr.astype(np.uint32, copy=False)
+
+
+def check_optional_str(op: dict, key: str, field: str, most: int = 4096) -> str | None:
+    value = op.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, str) or len(value) > most:
+        raise ProtocolError(f"{field}.{key}: must be a str of at most {most} characters")
+    return value
+
+
+def check_mm(value: Any, field: str) -> list[tuple[str, int, int]] | None:
+    """Multimodal placeholders: [[identifier, offset, length], ...]."""
+    if value is None:
+        return None
+    if not isinstance(value, list) or len(value) > 4096:
+        raise ProtocolError(f"{field}: must be a list of at most 4096 [identifier, offset, length]")
+    items = []
+    for i, item in enumerate(value):
+        if not (isinstance(item, list) and len(item) == 3 and isinstance(item[0], str) and len(item[0]) <= 1024):
+            raise ProtocolError(f"{field}[{i}]: must be [identifier (str), offset, length]")
+        items.append((item[0], check_int(item[1], f"{field}[{i}].offset"),
+                      check_int(item[2], f"{field}[{i}].length", least=1)))
+    return items
+
+
+def header(msg: Any, max_ops: int = MAX_OPS) -> tuple[str, int, list]:
+    """Check a request's envelope; returns (client, id, ops)."""
+    if not isinstance(msg, dict):
+        raise ProtocolError(f"message: must be a map, got {type(msg).__name__}")
+    if msg.get("v") != PROTOCOL_VERSION:
+        raise ProtocolError(f"v: protocol version {msg.get('v')!r} is not supported (expected {PROTOCOL_VERSION})")
+    client = msg.get("client", "")
+    if not isinstance(client, str) or len(client) > MAX_ID_CHARS:
+        raise ProtocolError(f"client: must be a str of at most {MAX_ID_CHARS} characters")
+    req_id = check_int(msg.get("id"), "id", least=_INT64_MIN)
+    ops = msg.get("ops")
+    if not isinstance(ops, list):
+        raise ProtocolError(f"ops: must be a list, got {type(ops).__name__}")
+    if len(ops) > max_ops:
+        raise ProtocolError(f"ops: {len(ops)} operations exceed the limit of {max_ops}")
+    return client, req_id, ops
+
+
+def error_reply(request_id: Any, message: str) -> bytes:
+    rid = request_id if isinstance(request_id, int) and not isinstance(request_id, bool) else None
+    return pack({"v": PROTOCOL_VERSION, "id": rid, "ok": False, "error": message})
+
+
+def seq_frame(seq: int) -> bytes:
+    """A sequence number as the 8-byte big-endian frame of PUB messages."""
+    return seq.to_bytes(8, "big", signed=True)

@@ -1,0 +1,145 @@
+"""`kvcache serve`: build the manager a ServeConfig describes and run the daemon until a signal."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import signal
+import sys
+from typing import Any
+
+from kvcache.allocator.errors import KVCacheError
+from kvcache.allocator.layout import CacheSpec
+from kvcache.allocator.manager import KVCacheManager
+from kvcache.allocator.swa import AttentionPolicy
+from kvcache.config import ServeConfig, load_toml, parse_rows
+from kvcache.units import parse_size
+
+HELP = {
+    "endpoint": "scheduler socket, ipc://PATH or tcp://HOST:PORT (default ipc://$XDG_RUNTIME_DIR/kvcache/kvcache.sock, "
+                "else /tmp/kvcache-$UID/kvcache.sock)",
+    "pub_endpoint": "PUB socket for table deltas (default: next to --endpoint: PATH-pub.sock, or port+1)",
+    "replay_endpoint": "ROUTER socket for missed deltas and snapshots (default: PATH-replay.sock, or port+2)",
+    "events_endpoint": "PUB socket for KV events in vLLM's format (default: PATH-events.sock, or port+3)",
+    "events_replay_endpoint": "ROUTER socket replaying KV events (default: PATH-events-replay.sock, or port+4)",
+    "num_blocks": "blocks per row; 0 = size from --model and --gpu-memory",
+    "block_size": "tokens per block (default 64)",
+    "rows": "row policies: full (uniform), or comma-separated full / window:W[:S] items with *N repeats, "
+            "e.g. 'window:4096:64*6,full*2'; with --head-wise a single item applies to every kv head",
+    "model": "HF config.json (or its folder, or a built-in example name) to size the cache from",
+    "gpu_memory": "GPU memory per rank for sizing with --model (default 80GiB)",
+    "utilization": "fraction of --gpu-memory for the cache (default 0.9)",
+    "reserve": "memory per GPU for weights and activations, subtracted before sizing (default 0)",
+    "dtype": "model dtype for sizing (default: the config's)",
+    "quant": "KV quant type for sizing (none, int8, fp8, int8_zp, int4_zp, block_wise_fp8, mla, mla_fp8)",
+    "scale_layout": "block_wise_fp8 scale layout for sizing (default, blackwell)",
+    "tp": "tensor-parallel ranks for sizing and worker row slicing (default 1)",
+    "head_wise": "one row per kv head of the model (needs --model); default one row for all heads",
+    "enable_prefix_caching": "reuse cached prefixes (default on; --no-enable-prefix-caching turns it off)",
+    "hash_algorithm": "prefix hash: sha256 (fast default) or sha256_cbor (byte-identical to vLLM's)",
+    "hash_seed": "seed for stable hashes across restarts and processes (sha256_cbor: vLLM's PYTHONHASHSEED); "
+                 "empty = random per daemon",
+    "events": "publish KV events in vLLM's format on --events-endpoint",
+    "events_format": "KV event encoding: array (vLLM before mid-2026, msgspec array_like structs) or map "
+                     "(current vLLM: events as maps, 64-bit int hashes, topic frame in replay) (default array)",
+    "metrics_port": "serve Prometheus metrics over HTTP on this port of 127.0.0.1 (0 = off)",
+    "max_message_bytes": "largest scheduler message accepted, refused by size before decoding (default 64 MiB)",
+    "max_tokens": "most tokens in one operation (default 4,194,304)",
+    "max_slots": "batch slots handed to requests (default 65,536)",
+    "replay_buffer": "deltas kept for replay before workers must resync from a snapshot (default 4096)",
+    "dedupe_window": "replies remembered per client for retried requests (default 1024)",
+    "pub_hwm": "messages queued per slow subscriber before it is dropped and must resync (default 100,000)",
+}
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Register `kvcache serve` with one flag per ServeConfig field."""
+    p = sub.add_parser("serve", help="run the cache daemon", description="Run the KV cache daemon: schedulers "
+                       "send steps of operations, workers subscribe to block-table deltas.")
+    p.add_argument("--config", metavar="TOML", help="read settings from a TOML file (flags given here win)")
+    for f in dataclasses.fields(ServeConfig):
+        flag = "--" + f.name.replace("_", "-")
+        if f.type in ("bool", bool):
+            p.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=HELP[f.name])
+        else:
+            kind = {"int": int, "float": float}.get(str(f.type), str)
+            p.add_argument(flag, dest=f.name, type=kind, default=None, help=HELP[f.name])
+    p.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    p.set_defaults(run=_run)
+
+
+def config_from_args(args: argparse.Namespace) -> ServeConfig:
+    """Defaults, then the TOML file, then flags."""
+    values: dict[str, Any] = load_toml(args.config) if args.config else {}
+    for f in dataclasses.fields(ServeConfig):
+        given = getattr(args, f.name, None)
+        if given is not None:
+            values[f.name] = given
+    try:
+        return ServeConfig(**values)
+    except TypeError as exc:
+        raise KVCacheError(f"--config: {exc}") from None
+
+
+def build_manager(cfg: ServeConfig) -> tuple[KVCacheManager, list[AttentionPolicy], dict[str, Any]]:
+    """The manager, its row policies and extra info (geometry) a config describes."""
+    extra: dict[str, Any] = {"tp_size": cfg.tp}
+    spec = None
+    if cfg.model:
+        from kvcache.cli import example_models, load_example
+
+        source: Any = load_example(cfg.model) if cfg.model in example_models() else cfg.model
+        fields: dict[str, Any] = {"block_size": cfg.block_size, "quant": cfg.quant, "scale_layout": cfg.scale_layout,
+                                  "tp_size": cfg.tp}
+        if cfg.dtype:
+            fields["dtype"] = cfg.dtype
+        spec = CacheSpec.from_hf_config(source, **fields)
+        extra["num_kv_heads"] = spec.num_kv_heads
+    num_blocks = cfg.num_blocks
+    if num_blocks <= 0:
+        if spec is None:
+            raise KVCacheError("num_blocks: give --num-blocks, or --model with --gpu-memory to size the cache")
+        budget = int(parse_size(cfg.gpu_memory, "--gpu-memory") * cfg.utilization) - parse_size(cfg.reserve,
+                                                                                                 "--reserve")
+        num_blocks = spec.num_blocks_for(max(0, budget))
+        if num_blocks < 1:
+            raise KVCacheError("gpu_memory: the budget fits no block")
+    if cfg.head_wise:
+        if spec is None:
+            raise KVCacheError("head_wise: needs --model to know the kv heads")
+        rows = parse_rows(cfg.rows, spec.num_kv_heads)
+    else:
+        rows = parse_rows(cfg.rows)
+    if spec is not None:
+        extra["cache_bytes_per_rank"] = spec.cache_bytes(num_blocks)
+    manager = KVCacheManager(num_blocks, cfg.block_size, rows, enable_prefix_caching=cfg.enable_prefix_caching,
+                             hash_algorithm=cfg.hash_algorithm, hash_seed=cfg.hash_seed or None,
+                             enable_events=cfg.events)
+    return manager, rows, extra
+
+
+def _run(args: argparse.Namespace) -> int:
+    from kvcache.server import CacheServer
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    log = logging.getLogger("kvcache.serve")
+    cfg = config_from_args(args).resolved()
+    manager, rows, extra = build_manager(cfg)
+    server = CacheServer(cfg, manager, rows, extra_info=extra)
+    stopping: list[int] = []
+
+    def stop(signum: int, _frame: Any) -> None:
+        stopping.append(signum)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    log.info("configuration:\n%s", cfg.describe())
+    log.warning("no journal: a restart loses every allocation (workers must drop their tables)")
+    print(f"kvcache serve: ready endpoint={cfg.endpoint} pub={cfg.pub_endpoint} replay={cfg.replay_endpoint} "
+          f"num_blocks={manager.num_blocks} rows={manager.num_rows}", flush=True)
+    try:
+        server.serve(lambda: bool(stopping))
+    finally:
+        server.close()
+        log.info("stopped (signal %s)", stopping[0] if stopping else "none")
+    return 0

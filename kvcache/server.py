@@ -1,0 +1,480 @@
+"""The cache daemon: one thread owns a KVCacheManager and serves schedulers and workers over ZMQ.
+
+Sockets (see protocol.py for the messages):
+
+    endpoint          ROUTER  schedulers and admin tools send steps of operations
+    pub_endpoint      PUB     sequence-numbered table deltas for workers
+    replay_endpoint   ROUTER  missed deltas by sequence number, or a snapshot
+    events_endpoint   PUB     KV events in vLLM's format (with --events)
+
+A step's deltas are published before its reply is sent, so a scheduler that
+has the reply (with its ``seq``) knows the deltas are on their way.
+"""
+from __future__ import annotations
+
+import collections
+import heapq
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import zmq
+
+from kvcache import __version__
+from kvcache.allocator.errors import KVCacheError
+from kvcache.allocator.manager import KVCacheManager
+from kvcache.allocator.swa import AttentionPolicy
+from kvcache.config import ServeConfig, describe_rows
+from kvcache.protocol import (
+    DELTA_TOPIC,
+    PROTOCOL_VERSION,
+    ProtocolError,
+    check_int,
+    check_mm,
+    check_optional_str,
+    check_request_id,
+    check_tokens,
+    error_reply,
+    header,
+    pack,
+    seq_frame,
+    unpack,
+)
+
+log = logging.getLogger("kvcache.server")
+
+
+@dataclass(slots=True)
+class _Op:
+    """One validated operation, ready to apply."""
+
+    kind: str
+    req: Any = None
+    tokens: np.ndarray | None = None
+    salt: str | None = None
+    lora: str | None = None
+    mm: list | None = None
+    number: int | None = None  # num_tokens (admit, can_admit) or num_computed (extend)
+    slot: int | None = None
+
+
+class _Dedupe:
+    """Replies to the last requests of each client, so a retried request is answered, not re-applied."""
+
+    def __init__(self, per_client: int, clients: int = 4096) -> None:
+        self._per_client = per_client
+        self._clients = clients
+        self._replies: collections.OrderedDict[str, collections.OrderedDict[int, bytes]] = collections.OrderedDict()
+
+    def get(self, client: str, request_id: int) -> bytes | None:
+        replies = self._replies.get(client)
+        return None if replies is None else replies.get(request_id)
+
+    def put(self, client: str, request_id: int, reply: bytes) -> None:
+        replies = self._replies.get(client)
+        if replies is None:
+            replies = self._replies[client] = collections.OrderedDict()
+            if len(self._replies) > self._clients:
+                self._replies.popitem(last=False)
+        else:
+            self._replies.move_to_end(client)
+        replies[request_id] = reply
+        if len(replies) > self._per_client:
+            replies.popitem(last=False)
+
+
+class _Slots:
+    """Which batch slot each live request holds: the one the scheduler named, else the lowest free."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.of: dict[Any, int] = {}  # request -> slot
+        self.owner: dict[int, Any] = {}  # slot -> request
+        self._free: list[int] = []  # min-heap of released slots; may hold stale (re-taken) entries
+        self._next = 0  # slots at and above this were never handed out automatically
+
+    def available(self, wanted: int | None) -> bool:
+        if wanted is not None:
+            return wanted not in self.owner
+        return len(self.owner) < self.limit
+
+    def take(self, req: Any, wanted: int | None) -> int:
+        if wanted is None:
+            while self._free and self._free[0] in self.owner:
+                heapq.heappop(self._free)
+            if self._free:
+                wanted = heapq.heappop(self._free)
+            else:
+                while self._next in self.owner:
+                    self._next += 1
+                wanted = self._next
+                self._next += 1
+        assert wanted not in self.owner and wanted < self.limit, f"slot {wanted} is not free"
+        self.of[req] = wanted
+        self.owner[wanted] = req
+        return wanted
+
+    def release(self, req: Any) -> None:
+        slot = self.of.pop(req)
+        del self.owner[slot]
+        heapq.heappush(self._free, slot)
+
+
+class CacheServer:
+    """The daemon's state and sockets; ``serve`` runs the loop in the calling thread (the owner)."""
+
+    def __init__(self, config: ServeConfig, manager: KVCacheManager, rows: list[AttentionPolicy],
+                 *, context: zmq.Context | None = None, extra_info: dict[str, Any] | None = None) -> None:
+        self.config = config.resolved()
+        self.manager = manager
+        self.rows = rows
+        self._extra_info = extra_info or {}
+        self._ctx = context or zmq.Context.instance()
+        self._sockets: list[zmq.Socket] = []
+        self._ipc_paths: list[Path] = []
+        self._dedupe = _Dedupe(self.config.dedupe_window)
+        self._slots = _Slots(self.config.max_slots)
+        self._seq = -1
+        self._history: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=self.config.replay_buffer)
+        self._metrics: Any = None
+        self._events: Any = None
+        self._subscribers: Any = None
+        self.router = self._bind(zmq.ROUTER, self.config.endpoint)
+        self.pub = self._bind(zmq.PUB, self.config.pub_endpoint, sndhwm=self.config.pub_hwm)
+        self.replay = self._bind(zmq.ROUTER, self.config.replay_endpoint)
+        self._setup_optional()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def _bind(self, kind: int, endpoint: str, *, sndhwm: int | None = None) -> zmq.Socket:
+        sock = self._ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        if sndhwm is not None:
+            sock.setsockopt(zmq.SNDHWM, sndhwm)
+        if kind == zmq.ROUTER:
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        if endpoint.startswith("ipc://"):
+            path = Path(endpoint[len("ipc://"):])
+            path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            if path.exists():
+                path.unlink()
+        old_umask = os.umask(0o077)  # ipc sockets: owner-only
+        try:
+            sock.bind(endpoint)
+        except zmq.ZMQError as exc:
+            sock.close(0)
+            raise KVCacheError(f"endpoint: cannot bind {endpoint}: {exc}") from None
+        finally:
+            os.umask(old_umask)
+        if endpoint.startswith("ipc://"):
+            self._ipc_paths.append(Path(endpoint[len("ipc://"):]))
+        self._sockets.append(sock)
+        return sock
+
+    def _setup_optional(self) -> None:
+        """Metrics, subscriber counting and KV events, when their modules and settings allow."""
+        try:
+            from kvcache.metrics import DaemonMetrics, SubscriberCounter
+        except ImportError:  # metrics are optional: prometheus-client may be absent
+            DaemonMetrics = SubscriberCounter = None  # type: ignore[assignment,misc]
+        if DaemonMetrics is not None:
+            self._metrics = DaemonMetrics(self.manager.num_rows)
+            if self.config.metrics_port:
+                self._metrics.serve_http(self.config.metrics_port)
+            self._subscribers = SubscriberCounter(self.pub)
+        if self.config.events:
+            from kvcache.events import EventWire, KVEventPublisher
+
+            wire = EventWire() if self.config.events_format == "array" else EventWire("map", True, True)
+            self._events = KVEventPublisher(self._ctx, self.config.events_endpoint,
+                                            self.config.events_replay_endpoint, wire=wire)
+            self.manager.enable_events = True
+
+    def close(self) -> None:
+        """Close every socket and remove the ipc files this daemon created."""
+        if self._events is not None:
+            self._events.close()
+        if self._metrics is not None:
+            self._metrics.close()
+        if self._subscribers is not None:
+            self._subscribers.close()
+        for sock in self._sockets:
+            sock.close(0)
+        self._sockets.clear()
+        for path in self._ipc_paths:
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                pass
+
+    def serve(self, should_stop: Callable[[], bool] = lambda: False, poll_ms: int = 100) -> None:
+        """Serve until ``should_stop()`` is true (checked at least every ``poll_ms``)."""
+        poller = zmq.Poller()
+        poller.register(self.router, zmq.POLLIN)
+        poller.register(self.replay, zmq.POLLIN)
+        handlers: dict[Any, Callable[[], None]] = {self.router: self._handle_step, self.replay: self._handle_replay}
+        if self._events is not None and self._events.replay_socket is not None:
+            poller.register(self._events.replay_socket, zmq.POLLIN)
+            handlers[self._events.replay_socket] = self._events.handle_replay
+        if self._subscribers is not None:
+            poller.register(self._subscribers.monitor_socket, zmq.POLLIN)
+            handlers[self._subscribers.monitor_socket] = self._count_subscribers
+        while not should_stop():
+            for sock, _ in poller.poll(poll_ms):
+                handlers[sock]()
+
+    # ------------------------------------------------------------------ scheduler steps
+
+    def _handle_step(self) -> None:
+        """Answer every scheduler message waiting on the ROUTER (bounded, so replay is not starved)."""
+        for _ in range(256):
+            try:
+                frames = self.router.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) < 2:
+                continue
+            envelope, payload = frames[:-1], frames[-1]
+            self.router.send_multipart([*envelope, self.handle(payload)])
+
+    def handle(self, payload: bytes) -> bytes:
+        """Apply one scheduler message and return its reply; never raises."""
+        start = time.perf_counter()
+        request_id: Any = None
+        try:
+            msg = unpack(payload, self.config.max_message_bytes)
+            if isinstance(msg, dict):
+                request_id = msg.get("id")
+            client, request_id, raw_ops = header(msg)
+        except ProtocolError as exc:
+            self._count_error("decode")
+            return error_reply(request_id, str(exc))
+        cached = self._dedupe.get(client, request_id)
+        if cached is not None:
+            return cached
+        try:
+            ops = self._validate(raw_ops)
+        except ProtocolError as exc:
+            self._count_error("validate")
+            reply = error_reply(request_id, str(exc))
+            self._dedupe.put(client, request_id, reply)
+            return reply
+        results, changes, freed, reset = self._apply(ops)
+        if changes or freed or reset:
+            self._publish(changes, freed, reset)
+        reply = pack({"v": PROTOCOL_VERSION, "id": request_id, "ok": True, "seq": self._seq, "results": results})
+        self._dedupe.put(client, request_id, reply)
+        if self._events is not None:
+            self._events.publish(self.manager.take_events())
+        if self._metrics is not None:
+            self._metrics.observe_step(collections.Counter(op.kind for op in ops), time.perf_counter() - start)
+            self._metrics.update(self.manager, now=time.monotonic())
+        return reply
+
+    def _validate(self, raw_ops: list) -> list[_Op]:
+        """Check every op before any is applied: fields, and request liveness in op order."""
+        cfg = self.config
+        live: dict[Any, bool] = {}  # this message's admits (True) and frees (False) so far
+        slots_taken: dict[int, bool] = {}
+        ops: list[_Op] = []
+
+        def is_live(req: Any) -> bool:
+            return live.get(req, req in self._slots.of)
+
+        for i, op in enumerate(raw_ops):
+            field = f"ops[{i}]"
+            if not isinstance(op, dict):
+                raise ProtocolError(f"{field}: must be a map, got {type(op).__name__}")
+            kind = op.get("op")
+            if kind in ("admit", "extend", "free", "table"):
+                req = check_request_id(op.get("req"), f"{field}.req")
+                if kind == "admit":
+                    if is_live(req):
+                        raise ProtocolError(f"{field}.req: request {req!r} is already admitted")
+                    tokens = check_tokens(op.get("tokens"), f"{field}.tokens", cfg.max_tokens)
+                    if tokens.size == 0:
+                        raise ProtocolError(f"{field}.tokens: must hold at least one token")
+                    number = op.get("num_tokens")
+                    if number is not None:
+                        check_int(number, f"{field}.num_tokens", least=1, most=int(tokens.size))
+                    slot = op.get("slot")
+                    if slot is not None:
+                        check_int(slot, f"{field}.slot", least=0, most=cfg.max_slots - 1)
+                        if slots_taken.get(slot, slot in self._slots.owner):
+                            raise ProtocolError(f"{field}.slot: slot {slot} is in use")
+                        slots_taken[slot] = True
+                    ops.append(_Op(kind, req, tokens, check_optional_str(op, "salt", field),
+                                   check_optional_str(op, "lora", field), check_mm(op.get("mm"), f"{field}.mm"),
+                                   number, slot))
+                    live[req] = True
+                    continue
+                if not is_live(req):
+                    raise ProtocolError(f"{field}.req: request {req!r} is not admitted")
+                if kind == "extend":
+                    tokens = check_tokens(op.get("tokens"), f"{field}.tokens", cfg.max_tokens)
+                    number = op.get("num_computed")
+                    if number is not None:
+                        check_int(number, f"{field}.num_computed")
+                    ops.append(_Op(kind, req, tokens, number=number))
+                else:
+                    ops.append(_Op(kind, req))
+                    if kind == "free":
+                        live[req] = False
+                        if req in self._slots.of:
+                            slots_taken[self._slots.of[req]] = False
+            elif kind == "lookup":
+                ops.append(_Op(kind, tokens=check_tokens(op.get("tokens"), f"{field}.tokens", cfg.max_tokens),
+                               salt=check_optional_str(op, "salt", field), lora=check_optional_str(op, "lora", field),
+                               mm=check_mm(op.get("mm"), f"{field}.mm")))
+            elif kind == "can_admit":
+                ops.append(_Op(kind, number=check_int(op.get("num_tokens"), f"{field}.num_tokens")))
+            elif kind in ("usage", "stats", "info", "ping", "reset_prefix_cache"):
+                ops.append(_Op(kind))
+            else:
+                raise ProtocolError(f"{field}.op: unknown operation {kind!r}")
+        return ops
+
+    def _apply(self, ops: list[_Op]) -> tuple[list[Any], list[dict], list[Any], bool]:
+        """Run validated ops in order; an op that still fails gets an error result, the rest go on."""
+        results: list[Any] = []
+        changes: list[dict] = []
+        freed: list[Any] = []
+        reset = False
+        m = self.manager
+        for op in ops:
+            try:
+                if op.kind == "admit":
+                    if not self._slots.available(op.slot):
+                        raise KVCacheError(f"slot: all {self._slots.limit} slots are in use" if op.slot is None
+                                           else f"slot: slot {op.slot} is in use")
+                    adm = m.admit(op.req, op.tokens, cache_salt=op.salt, lora=op.lora, mm=op.mm,
+                                  num_tokens=op.number)
+                    if adm is None:
+                        results.append(None)
+                        continue
+                    slot = self._slots.take(op.req, op.slot)
+                    changes.append({"req": op.req, "slot": slot, "len": adm.table.shape[1],
+                                    "cols": np.arange(adm.table.shape[1], dtype=np.int32), "vals": adm.table})
+                    results.append({"cached": adm.num_cached_tokens, "num_tokens": adm.num_tokens,
+                                    "table": adm.table, "slot": slot})
+                elif op.kind == "extend":
+                    table = m.extend(op.req, op.tokens, num_computed_tokens=op.number)
+                    if table is None:
+                        results.append(None)
+                        continue
+                    cols = m.changed_columns(op.req)
+                    delta = {"req": op.req, "slot": self._slots.of[op.req], "len": table.shape[1], "cols": cols,
+                             "vals": table[:, cols]}
+                    if cols.size:
+                        changes.append(delta)
+                    results.append({"len": delta["len"], "cols": cols, "vals": delta["vals"]})
+                elif op.kind == "free":
+                    m.free(op.req)
+                    self._slots.release(op.req)
+                    freed.append(op.req)
+                    results.append(True)
+                elif op.kind == "table":
+                    results.append(m.table(op.req))
+                elif op.kind == "lookup":
+                    results.append(m.lookup(op.tokens, cache_salt=op.salt, lora=op.lora, mm=op.mm))
+                elif op.kind == "can_admit":
+                    results.append(m.can_admit(op.number))
+                elif op.kind == "usage":
+                    usage = m.usage
+                    results.append({"per_row": usage.per_row, "max": usage.max})
+                elif op.kind == "stats":
+                    results.append(self.stats())
+                elif op.kind == "info":
+                    results.append(self.info())
+                elif op.kind == "ping":
+                    results.append("pong")
+                elif op.kind == "reset_prefix_cache":
+                    results.append(m.reset_prefix_cache())
+                    reset = True
+            except KVCacheError as exc:
+                results.append({"error": str(exc)})
+        return results, changes, freed, reset
+
+    def _publish(self, changes: list[dict], freed: list[Any], reset: bool) -> None:
+        self._seq += 1
+        payload = pack({"v": PROTOCOL_VERSION, "seq": self._seq, "changes": changes, "freed": freed, "reset": reset})
+        self._history.append((self._seq, payload))
+        try:
+            self.pub.send_multipart([DELTA_TOPIC, seq_frame(self._seq), payload], zmq.NOBLOCK)
+        except zmq.Again:  # PUB drops for slow subscribers rather than block; they resync by seq
+            pass
+        if self._metrics is not None:
+            self._metrics.observe_delta(len(changes), len(payload))
+
+    # ------------------------------------------------------------------ replay
+
+    def _handle_replay(self) -> None:
+        """Answer a worker that missed deltas: the buffered ones from its seq on, or a snapshot."""
+        for _ in range(64):
+            try:
+                frames = self.replay.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            envelope, payload = frames[:-1], frames[-1]
+            try:
+                msg = unpack(payload, 4096)
+                if not isinstance(msg, dict):
+                    raise ProtocolError("replay: message must be a map")
+                start = check_int(msg.get("from"), "from", least=0)
+            except ProtocolError as exc:
+                self.replay.send_multipart([*envelope, b"E", str(exc).encode()])
+                continue
+            oldest = self._history[0][0] if self._history else self._seq + 1
+            if start > self._seq:
+                self.replay.send_multipart([*envelope, b"D"])
+            elif start >= oldest:
+                skip = start - oldest
+                self.replay.send_multipart([*envelope, b"D", *(p for _, p in list(self._history)[skip:])])
+            else:
+                self.replay.send_multipart([*envelope, b"S", self.snapshot()])
+
+    def snapshot(self) -> bytes:
+        """Every live table with its slot, at the current seq (for workers that fell too far behind)."""
+        tables = [{"req": req, "slot": slot, "table": self.manager.table(req)} for req, slot in self._slots.of.items()]
+        return pack({"v": PROTOCOL_VERSION, "seq": self._seq, "tables": tables})
+
+    # ------------------------------------------------------------------ introspection
+
+    def info(self) -> dict[str, Any]:
+        cfg = self.config
+        return {
+            "version": __version__,
+            "protocol": PROTOCOL_VERSION,
+            "num_blocks": self.manager.num_blocks,
+            "block_size": self.manager.block_size,
+            "num_rows": self.manager.num_rows,
+            "rows": describe_rows(self.rows),
+            "pub_endpoint": cfg.pub_endpoint,
+            "replay_endpoint": cfg.replay_endpoint,
+            "events_endpoint": cfg.events_endpoint if cfg.events else None,
+            "events_replay_endpoint": cfg.events_replay_endpoint if cfg.events else None,
+            "prefix_caching": self.manager.enable_prefix_caching,
+            "hash_algorithm": cfg.hash_algorithm,
+            "max_slots": cfg.max_slots,
+            **self._extra_info,
+        }
+
+    def stats(self) -> dict[str, Any]:
+        out = dict(self.manager.stats()._asdict())
+        out["seq"] = self._seq
+        out["free_blocks"] = self.manager.num_free_blocks
+        out["subscribers"] = self._subscribers.count if self._subscribers is not None else None
+        return out
+
+    def _count_subscribers(self) -> None:
+        self._subscribers.handle()
+        if self._metrics is not None:
+            self._metrics.set_subscribers(self._subscribers.count)
+
+    def _count_error(self, kind: str) -> None:
+        if self._metrics is not None:
+            self._metrics.observe_error(kind)

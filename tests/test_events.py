@@ -1,0 +1,442 @@
+"""KV events: a router written only from vLLM's KV-event format mirrors the manager's prefix index.
+
+The subscriber below knows nothing of kvcache's publisher: it follows vLLM's
+``vllm/distributed/kv_events.py`` and its example subscriber (SUB socket,
+``[topic, seq, payload]``, msgpack ``[ts, events, dp_rank]`` with tagged events,
+replay over the ROUTER with an end marker of seq -1 and an empty payload).
+"""
+from __future__ import annotations
+
+import random
+import time
+from typing import Callable
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+
+from kvcache.allocator import Full, KVCacheManager, Window
+from kvcache.allocator.events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvcache.allocator.prefix import BlockHasher
+from kvcache.events import END_SEQ, EventWire, KVEventPublisher, encode_batch
+
+BS = 4
+SEED = b"events-test"
+TIMEOUT_S = 5.0
+
+# Field order of vLLM's structs (BlockStored/BlockRemoved, later fields have defaults).
+VLLM_FIELDS = {
+    "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
+                    "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window"),
+    "BlockRemoved": ("block_hashes", "medium", "group_idx"),
+    "AllBlocksCleared": (),
+}
+
+
+def decode_event(event: list | dict) -> tuple[str, dict]:
+    """A msgspec tagged struct: ``[tag, field, ...]`` (array_like) or ``{"type": tag, ...}`` (map)."""
+    if isinstance(event, list):
+        tag, *values = event
+        return tag, dict(zip(VLLM_FIELDS[tag], values))
+    fields = dict(event)
+    return fields.pop("type"), fields
+
+
+class VLLMRouterIndex:
+    """What a KV-aware router keeps: the set of block hashes an engine holds, fed by its KV events."""
+
+    def __init__(self, ctx: zmq.Context, endpoint: str, replay_endpoint: str, *,
+                 topic: bytes = b"", replay_topic: bool = False, hasher: BlockHasher | None = None,
+                 pump: Callable[[], None] = lambda: None) -> None:
+        self.sub = ctx.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.SUBSCRIBE, topic)
+        self.sub.connect(endpoint)
+        self.replay = ctx.socket(zmq.DEALER)  # a DEALER receives every reply of a streamed replay
+        self.replay.connect(replay_endpoint)
+        self.topic = topic
+        self.replay_topic = replay_topic
+        self.hasher = hasher
+        self.pump = pump  # runs the publisher's side while we wait (the daemon's poll loop, in one thread)
+        self.hashes: set[bytes | int] = set()
+        self.last_seq = -1
+        self.applied: list[tuple[int, str]] = []  # (seq, "live" | "replay")
+        self.tags: set[str] = set()
+        self.lora_names: set[str | None] = set()
+
+    def close(self) -> None:
+        self.sub.close(linger=0)
+        self.replay.close(linger=0)
+
+    def sync(self, until_seq: int) -> None:
+        """Apply batches up to ``until_seq``: live ones, and replayed ones for any gap or silence."""
+        deadline = time.monotonic() + TIMEOUT_S
+        while self.last_seq < until_seq:
+            assert time.monotonic() < deadline, f"stuck at seq {self.last_seq}, waiting for {until_seq}"
+            if not self.sub.poll(50):
+                self.fetch_replay(self.last_seq + 1)  # joined late, or the batch never came live
+                continue
+            topic, seq_bytes, payload = self.sub.recv_multipart()
+            assert topic == self.topic and len(seq_bytes) == 8
+            seq = int.from_bytes(seq_bytes, "big")
+            if seq > self.last_seq + 1:
+                self.fetch_replay(self.last_seq + 1)
+            if seq == self.last_seq + 1:
+                self.apply(seq, payload, "live")
+
+    def fetch_replay(self, start: int) -> list[int]:
+        """Ask the replay ROUTER for batches from ``start``; apply the ones next in line; returns the seqs sent."""
+        self.replay.send_multipart([b"", start.to_bytes(8, "big")])
+        seqs = []
+        deadline = time.monotonic() + TIMEOUT_S
+        while True:
+            while not self.replay.poll(10):
+                assert time.monotonic() < deadline, "replay: no end marker"
+                self.pump()
+            empty, *frames = self.replay.recv_multipart()
+            assert empty == b""
+            if self.replay_topic:
+                topic, *frames = frames
+                assert topic in (self.topic, b"")
+            seq_bytes, payload = frames
+            if seq_bytes == END_SEQ:
+                assert payload == b""
+                return seqs
+            seq = int.from_bytes(seq_bytes, "big")
+            seqs.append(seq)
+            if seq == self.last_seq + 1:
+                self.apply(seq, payload, "replay")
+
+    def apply(self, seq: int, payload: bytes, origin: str) -> None:
+        ts, events, dp_rank = msgpack.unpackb(payload, raw=False)
+        assert isinstance(ts, float) and abs(ts - time.time()) < 60 and dp_rank == 0
+        for event in events:
+            tag, fields = decode_event(event)
+            self.tags.add(tag)
+            if tag == "BlockStored":
+                hashes = fields["block_hashes"]
+                assert len(fields["token_ids"]) == len(hashes) * fields["block_size"]
+                assert fields["medium"] == "GPU" and fields["lora_id"] is None
+                self.lora_names.add(fields["lora_name"])
+                if self.hasher is not None:
+                    parent = fields["parent_block_hash"]
+                    expected = self.hasher.hash_blocks(fields["token_ids"], lora=fields["lora_name"], parent=parent,
+                                                       start_block=0 if parent is None else 1)
+                    assert hashes == expected, "block hashes do not follow from parent and tokens"
+                self.hashes.update(hashes)
+            elif tag == "BlockRemoved":
+                assert fields["medium"] == "GPU"
+                self.hashes.difference_update(fields["block_hashes"])
+            else:
+                assert tag == "AllBlocksCleared" and fields == {}
+                self.hashes.clear()
+        self.last_seq = seq
+        self.applied.append((seq, origin))
+
+
+@pytest.fixture
+def ctx():
+    context = zmq.Context()
+    yield context
+    context.destroy(linger=0)
+
+
+def endpoints(tmp_path) -> tuple[str, str]:
+    return f"ipc://{tmp_path}/ev.sock", f"ipc://{tmp_path}/evr.sock"
+
+
+def make_manager(num_blocks: int = 12, rows=(Full(),)) -> KVCacheManager:
+    return KVCacheManager(num_blocks, BS, rows, hash_seed=SEED, enable_events=True)
+
+
+def assert_mirrors(router: VLLMRouterIndex, manager: KVCacheManager) -> None:
+    """The router's hash set is exactly the manager's prefix index."""
+    assert len(router.hashes) == len(manager._index), (len(router.hashes), len(manager._index))
+    assert all(h in manager._index for h in router.hashes)
+
+
+def run_step(pub: KVEventPublisher, router: VLLMRouterIndex, manager: KVCacheManager, published: list[int]) -> None:
+    seq = pub.publish(manager.take_events())
+    if seq >= 0:
+        published.append(seq)
+        router.sync(seq)
+    assert_mirrors(router, manager)
+
+
+# -- the router's index follows the manager ------------------------------------------------------
+
+def test_router_index_follows_admits_frees_evictions_and_reset(ctx, tmp_path):
+    """Every event type reaches the router, and after each step its hashes are the manager's index."""
+    endpoint, replay = endpoints(tmp_path)
+    pub = KVEventPublisher(ctx, endpoint, replay, topic="kv")
+    router = VLLMRouterIndex(ctx, endpoint, replay, topic=b"kv", hasher=BlockHasher(BS, seed=SEED),
+                             pump=pub.handle_replay)
+    m = make_manager(num_blocks=12)
+    published: list[int] = []
+    try:
+        assert m.admit("a", list(range(10))) is not None              # 2 full blocks stored
+        run_step(pub, router, m, published)
+        assert m.admit("b", list(range(8)) + [100, 101, 102, 103, 104]).num_cached_tokens == 8  # 1 more stored
+        run_step(pub, router, m, published)
+        m.extend("a", [7, 7, 7, 7, 7, 7])                                # a reaches 16 tokens: 2 more
+        run_step(pub, router, m, published)
+        m.free("a")
+        m.free("b")
+        run_step(pub, router, m, published)                             # frees keep blocks cached: no batch
+        assert m.admit("c", list(range(1000, 1040))) is not None        # 10 blocks: evicts cached ones
+        run_step(pub, router, m, published)
+        m.reset_prefix_cache()
+        run_step(pub, router, m, published)
+        m.free("c")
+        assert m.admit("d", list(range(500, 509)), lora="adapter-1") is not None
+        run_step(pub, router, m, published)
+        assert router.tags == {"BlockStored", "BlockRemoved", "AllBlocksCleared"}
+        assert router.lora_names == {None, "adapter-1"}
+        assert published == [0, 1, 2, 3, 4, 5], "seqs start at 0 and grow by one per batch"
+        assert [seq for seq, _ in router.applied] == published
+    finally:
+        router.close()
+        pub.close()
+
+
+def test_late_router_catches_up_through_replay_then_follows_live(ctx, tmp_path):
+    """A router that connects after three batches asks the replay socket for 0..2, then takes the rest live."""
+    endpoint, replay = endpoints(tmp_path)
+    pub = KVEventPublisher(ctx, endpoint, replay)
+    m = make_manager(num_blocks=24)
+    published: list[int] = []
+    for i in range(3):
+        m.admit(i, list(range(10 * i, 10 * i + 9)))
+        published.append(pub.publish(m.take_events()))
+    router = VLLMRouterIndex(ctx, endpoint, replay, hasher=BlockHasher(BS, seed=SEED), pump=pub.handle_replay)
+    try:
+        router.sync(published[-1])
+        assert_mirrors(router, m)
+        assert router.applied == [(0, "replay"), (1, "replay"), (2, "replay")]
+        deadline = time.monotonic() + TIMEOUT_S
+        while router.applied[-1][1] == "replay":  # until the subscription has reached the PUB socket
+            assert time.monotonic() < deadline, "no batch ever arrived live"
+            n = len(published)
+            assert m.admit(n, list(range(100 * n, 100 * n + 9))) is not None
+            m.free(n)
+            run_step(pub, router, m, published)
+        assert [seq for seq, _ in router.applied] == published == list(range(len(published)))
+    finally:
+        router.close()
+        pub.close()
+
+
+@pytest.mark.parametrize("rows", [(Full(),), (Full(), Window(8), Window(8, 4))], ids=["uniform", "head-wise"])
+@pytest.mark.parametrize("wire", [EventWire(), EventWire(layout="map", replay_topic=True)], ids=["array", "map"])
+def test_router_index_follows_random_workload(ctx, tmp_path, rows, wire):
+    """Random admits, extends, frees and resets: after every step the router holds exactly the indexed hashes."""
+    endpoint, replay = endpoints(tmp_path)
+    pub = KVEventPublisher(ctx, endpoint, replay, wire=wire)
+    router = VLLMRouterIndex(ctx, endpoint, replay, replay_topic=wire.replay_topic, hasher=BlockHasher(BS, seed=SEED),
+                             pump=pub.handle_replay)
+    m = make_manager(num_blocks=24, rows=rows)
+    rng = random.Random(7)
+    prefixes = [[rng.randrange(50) for _ in range(rng.randrange(4, 20))] for _ in range(5)]
+    live: list[str] = []
+    published: list[int] = []
+    try:
+        for step in range(300):
+            action = rng.random()
+            if action < 0.45 or not live:
+                prompt = rng.choice(prefixes) + [rng.randrange(50) for _ in range(rng.randrange(1, 12))]
+                if m.admit(f"r{step}", prompt) is not None:
+                    live.append(f"r{step}")
+            elif action < 0.75:
+                m.extend(rng.choice(live), [rng.randrange(50) for _ in range(rng.randrange(1, 6))])
+            elif action < 0.98:
+                m.free(live.pop(rng.randrange(len(live))))
+            else:
+                m.reset_prefix_cache()
+            seq = pub.publish(m.take_events())
+            if seq >= 0:
+                published.append(seq)
+                router.sync(seq)
+            assert_mirrors(router, m)
+        assert router.tags == {"BlockStored", "BlockRemoved", "AllBlocksCleared"}
+        assert published == list(range(len(published)))
+        assert [seq for seq, _ in router.applied] == published
+    finally:
+        router.close()
+        pub.close()
+
+
+# -- replay --------------------------------------------------------------------------------------
+
+def publish_n(pub: KVEventPublisher, n: int) -> list[bytes]:
+    """Publish n one-event batches; returns the hash each stored."""
+    hashes = []
+    for i in range(n):
+        h = i.to_bytes(32, "big")
+        hashes.append(h)
+        assert pub.publish([BlockStored((h,), None, np.arange(BS, dtype=np.uint32), BS, (0,))]) == i
+    return hashes
+
+
+def replay_client(ctx: zmq.Context, endpoint: str) -> zmq.Socket:
+    """A DEALER: it receives every message of a streamed replay (a REQ takes only one)."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(endpoint)
+    return sock
+
+
+def ask_replay(pub: KVEventPublisher, client: zmq.Socket, start: int) -> None:
+    """Send vLLM's replay request ([empty delimiter, start seq]) and let the publisher answer it."""
+    client.send_multipart([b"", start.to_bytes(8, "big")])
+    serve_one_replay(pub)
+
+
+def serve_one_replay(pub: KVEventPublisher) -> None:
+    assert pub.replay_socket is not None and pub.replay_socket.poll(int(TIMEOUT_S * 1000)), "no replay request"
+    pub.handle_replay()
+
+
+def recv(sock: zmq.Socket) -> list[bytes]:
+    assert sock.poll(int(TIMEOUT_S * 1000)), "no reply"
+    return sock.recv_multipart()
+
+
+def collect(sock: zmq.Socket) -> list[tuple[int, bytes]]:
+    """Replayed (seq, payload) pairs up to the end marker [b"", seq -1, b""]."""
+    out = []
+    while True:
+        empty, seq_bytes, payload = recv(sock)
+        assert empty == b""
+        if seq_bytes == END_SEQ:
+            assert payload == b""
+            return out
+        out.append((int.from_bytes(seq_bytes, "big"), payload))
+
+
+def test_replay_sends_missed_batches_then_end_marker(ctx, tmp_path):
+    """A subscriber that missed batches 2.. asks from 2 and gets 2, 3, 4 with their payloads, then seq -1."""
+    endpoint, replay = endpoints(tmp_path)
+    pub = KVEventPublisher(ctx, endpoint, replay, topic="kv")
+    client = replay_client(ctx, replay)
+    try:
+        hashes = publish_n(pub, 5)  # nobody subscribed: every batch missed live
+        for start, expected in [(2, [2, 3, 4]), (0, [0, 1, 2, 3, 4]), (5, []), (99, [])]:
+            ask_replay(pub, client, start)
+            replayed = collect(client)
+            assert [seq for seq, _ in replayed] == expected
+            for seq, payload in replayed:
+                _, events, _ = msgpack.unpackb(payload, raw=False)
+                assert events[0][:2] == ["BlockStored", [hashes[seq]]]
+        pub.handle_replay()  # nothing pending: returns at once
+    finally:
+        client.close(linger=0)
+        pub.close()
+
+
+def test_replay_keeps_only_the_last_buffer_steps_batches(ctx, tmp_path):
+    """With buffer_steps=3, after 6 batches a replay from 0 returns 3, 4, 5: older ones are gone."""
+    endpoint, replay = endpoints(tmp_path)
+    pub = KVEventPublisher(ctx, endpoint, replay, buffer_steps=3)
+    client = replay_client(ctx, replay)
+    try:
+        publish_n(pub, 6)
+        ask_replay(pub, client, 0)
+        assert [seq for seq, _ in collect(client)] == [3, 4, 5]
+    finally:
+        client.close(linger=0)
+        pub.close()
+
+
+def test_replay_with_topic_frame_matches_newer_vllm(ctx, tmp_path):
+    """replay_topic: each reply is (topic, seq, payload) and the end marker (b"", -1, b"")."""
+    endpoint, replay = endpoints(tmp_path)
+    pub = KVEventPublisher(ctx, endpoint, replay, topic="kv", wire=EventWire(replay_topic=True))
+    client = replay_client(ctx, replay)
+    try:
+        publish_n(pub, 2)
+        ask_replay(pub, client, 0)
+        frames = [recv(client) for _ in range(3)]
+        assert [f[:3] for f in frames] == [[b"", b"kv", (0).to_bytes(8, "big")], [b"", b"kv", (1).to_bytes(8, "big")],
+                                           [b"", b"", END_SEQ]]
+        assert frames[2][3] == b"" and frames[0][3] and frames[1][3]
+    finally:
+        client.close(linger=0)
+        pub.close()
+
+
+def test_req_client_as_in_vllm_example_gets_the_first_missed_batch(ctx, tmp_path):
+    """vLLM's example subscriber replays over REQ: a REQ socket takes one reply per request, the first missed batch."""
+    endpoint, replay = endpoints(tmp_path)
+    pub = KVEventPublisher(ctx, endpoint, replay)
+    client = ctx.socket(zmq.REQ)
+    client.connect(replay)
+    try:
+        publish_n(pub, 4)
+        client.send((1).to_bytes(8, "big"))
+        serve_one_replay(pub)
+        seq_bytes, payload = recv(client)
+        assert int.from_bytes(seq_bytes, "big") == 1 and payload
+    finally:
+        client.close(linger=0)
+        pub.close()
+
+
+def test_malformed_replay_request_gets_no_reply_and_changes_nothing(ctx, tmp_path):
+    """A request without the empty delimiter frame is ignored, as vLLM's publisher does."""
+    endpoint, replay = endpoints(tmp_path)
+    pub = KVEventPublisher(ctx, endpoint, replay)
+    client = replay_client(ctx, replay)
+    try:
+        publish_n(pub, 2)
+        client.send((0).to_bytes(8, "big"))
+        serve_one_replay(pub)
+        assert not client.poll(200)
+        ask_replay(pub, client, 1)
+        assert [seq for seq, _ in collect(client)] == [1]
+    finally:
+        client.close(linger=0)
+        pub.close()
+
+
+# -- the exact encoding --------------------------------------------------------------------------
+
+H1, H2, H0 = b"\x01" * 32, b"\x02" * 32, b"\x00" * 24 + (2**64 - 1).to_bytes(8, "big")
+STORED = BlockStored((H1, H2), H0, np.arange(8, dtype=np.uint32), 4, (0, 1), lora="ad")
+
+
+def test_array_layout_is_msgspec_array_like_tagged_structs():
+    """Array form: [ts, [[tag, fields in vLLM's declaration order up to lora_name]], dp_rank]."""
+    payload = encode_batch([STORED, BlockRemoved((H1,)), AllBlocksCleared()], ts=1.5, dp_rank=3)
+    assert msgpack.unpackb(payload, raw=False) == [1.5, [
+        ["BlockStored", [H1, H2], H0, list(range(8)), 4, None, "GPU", "ad"],
+        ["BlockRemoved", [H1], "GPU"],
+        ["AllBlocksCleared"],
+    ], 3]
+    assert payload[:2] == b"\x93\xcb", "a 3-element array whose ts is a float64, as msgspec writes it"
+    assert b"\xc4\x20" + H1 in payload, "hashes travel as msgpack bin 8"
+
+
+def test_map_layout_with_int_hashes_matches_current_vllm():
+    """Map form: tag under "type", fields without defaults always present; hashes as the digest's low 64 bits."""
+    payload = encode_batch([STORED, BlockRemoved((H1,)), AllBlocksCleared()], ts=2.0, dp_rank=0,
+                           wire=EventWire(layout="map", int_hashes=True))
+    low = int.from_bytes(H1[-8:], "big")
+    ts, events, rank = msgpack.unpackb(payload, raw=False)
+    assert (ts, rank) == (2.0, 0)
+    assert events == [
+        {"type": "BlockStored", "block_hashes": [low, int.from_bytes(H2[-8:], "big")],
+         "parent_block_hash": 2**64 - 1, "token_ids": list(range(8)), "block_size": 4, "lora_id": None,
+         "medium": "GPU", "lora_name": "ad"},
+        {"type": "BlockRemoved", "block_hashes": [low], "medium": "GPU"},
+        {"type": "AllBlocksCleared"},
+    ]
+    assert list(events[0])[0] == "type", "the tag comes first, as msgspec writes it"
+
+
+def test_publish_without_events_sends_nothing(ctx, tmp_path):
+    endpoint, _ = endpoints(tmp_path)
+    pub = KVEventPublisher(ctx, endpoint)
+    try:
+        assert pub.publish([]) == -1 and pub.next_seq == 0 and pub.replay_socket is None
+        pub.handle_replay()
+    finally:
+        pub.close()

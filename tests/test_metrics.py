@@ -1,0 +1,231 @@
+"""Daemon metrics: exact counters from a real manager, the HTTP endpoint, and subscriber counting."""
+from __future__ import annotations
+
+import socket
+import time
+import urllib.request
+
+import pytest
+import zmq
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvcache.allocator import Full, KVCacheManager, Window
+from kvcache.metrics import DaemonMetrics, SubscriberCounter
+
+BS = 4
+TIMEOUT_S = 5.0
+
+
+def make_manager(num_blocks: int = 8, rows=(Full(),)) -> KVCacheManager:
+    return KVCacheManager(num_blocks, BS, rows, hash_seed=b"metrics-test")
+
+
+def scrape(text: bytes | str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of an exposition as {(name, sorted labels): value}."""
+    if isinstance(text, bytes):
+        text = text.decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def value(samples: dict, name: str, **labels: str) -> float:
+    return samples[(name, tuple(sorted(labels.items())))]
+
+
+def test_counters_follow_the_managers_prefix_hits_and_evictions_exactly():
+    """Two admits of a shared 8-token prefix, then an eviction: counters equal the manager's totals, counted once."""
+    m = make_manager(num_blocks=8)
+    metrics = DaemonMetrics(m.num_rows)
+    m.admit("a", list(range(10)))                       # 3 blocks, 2 full and cached
+    metrics.update(m)
+    m.admit("b", list(range(8)) + [50, 51, 52])         # hits 8 tokens, 1 new block
+    metrics.update(m)
+    metrics.update(m)                                   # a second update adds nothing
+    s = scrape(metrics.render())
+    assert value(s, "kvcache_prefix_queries_total") == 2
+    assert value(s, "kvcache_prefix_hit_requests_total") == 1
+    assert value(s, "kvcache_prefix_queried_tokens_total") == 21
+    assert value(s, "kvcache_prefix_hit_tokens_total") == 8
+    assert value(s, "kvcache_live_requests") == 2
+    assert value(s, "kvcache_cached_hashes") == 2
+    assert value(s, "kvcache_free_blocks", row="0") == 4
+    assert value(s, "kvcache_block_usage_ratio", row="0") == 0.5
+    assert value(s, "kvcache_evicted_blocks_total") == 0
+
+    m.free("a")
+    m.free("b")
+    assert m.admit("c", list(range(100, 132))) is not None  # 8 blocks: every cached block is evicted
+    metrics.update(m)
+    s = scrape(metrics.render())
+    assert value(s, "kvcache_evicted_blocks_total") == m.stats().evicted_blocks == 2
+    assert value(s, "kvcache_prefix_queries_total") == 3
+    assert value(s, "kvcache_free_blocks", row="0") == 0
+    assert value(s, "kvcache_block_usage_ratio", row="0") == 1.0
+    assert value(s, "kvcache_cached_hashes") == m.stats().num_cached_hashes
+
+
+def test_sliding_window_recycling_is_counted_per_row():
+    """A window row that gives back blocks adds its (row, block) pairs to the recycled counter; gauges are per row."""
+    m = make_manager(num_blocks=16, rows=(Full(), Window(4), Window(4)))
+    metrics = DaemonMetrics(m.num_rows)
+    m.admit("a", list(range(8)))
+    m.extend("a", list(range(8, 16)))
+    metrics.update(m)
+    s = scrape(metrics.render())
+    recycled = m.stats().recycled_blocks
+    assert recycled > 0 and value(s, "kvcache_swa_recycled_blocks_total") == recycled
+    free = m.num_free_blocks.tolist()
+    assert [value(s, "kvcache_free_blocks", row=str(r)) for r in range(3)] == free
+    assert free[0] < free[1] == free[2]
+
+
+def test_a_new_manager_is_a_counter_reset_not_a_negative_increment():
+    """Totals that go backwards (a restarted manager) restart the counter's growth instead of failing."""
+    m = make_manager()
+    metrics = DaemonMetrics(1)
+    m.admit("a", list(range(9)))
+    m.admit("b", list(range(9)))
+    metrics.update(m)
+    fresh = make_manager()
+    fresh.admit("x", list(range(5)))
+    metrics.update(fresh)
+    assert value(scrape(metrics.render()), "kvcache_prefix_queries_total") == 3
+
+
+def test_rate_limited_update_keeps_counters_exact_and_refreshes_gauges_every_100ms():
+    m = make_manager()
+    metrics = DaemonMetrics(1)
+    metrics.update(m, now=10.0)
+    m.admit("a", list(range(9)))
+    metrics.update(m, now=10.05)
+    s = scrape(metrics.render())
+    assert value(s, "kvcache_prefix_queries_total") == 1, "counters never wait"
+    assert value(s, "kvcache_live_requests") == 0, "gauges wait for 100 ms"
+    metrics.update(m, now=10.1)
+    assert value(scrape(metrics.render()), "kvcache_live_requests") == 1
+
+
+def test_steps_errors_and_deltas():
+    """Operations by type, the latency histogram, errors by kind and delta traffic are counted as observed."""
+    metrics = DaemonMetrics(2)
+    metrics.observe_step({"admit": 3, "extend": 5, "free": 0}, 20e-6)
+    metrics.observe_step({"extend": 2}, 0.2)
+    metrics.observe_error("decode")
+    metrics.observe_error("validate")
+    metrics.observe_error("validate")
+    metrics.observe_delta(4, 1000)
+    metrics.observe_delta(1, 24)
+    metrics.set_subscribers(3)
+    s = scrape(metrics.render())
+    assert value(s, "kvcache_operations_total", op="admit") == 3
+    assert value(s, "kvcache_operations_total", op="extend") == 7
+    assert ("kvcache_operations_total", (("op", "free"),)) not in s
+    assert value(s, "kvcache_step_seconds_count") == 2
+    assert value(s, "kvcache_step_seconds_bucket", le="1e-05") == 0
+    assert value(s, "kvcache_step_seconds_bucket", le="2.5e-05") == 1
+    assert value(s, "kvcache_step_seconds_bucket", le="0.1") == 1
+    assert value(s, "kvcache_step_seconds_bucket", le="+Inf") == 2
+    assert value(s, "kvcache_errors_total", kind="decode") == 1
+    assert value(s, "kvcache_errors_total", kind="validate") == 2
+    assert value(s, "kvcache_errors_total", kind="internal") == 0
+    assert value(s, "kvcache_deltas_published_total") == 2
+    assert value(s, "kvcache_delta_changes_total") == 5
+    assert value(s, "kvcache_delta_bytes_total") == 1024
+    assert value(s, "kvcache_subscribers") == 3
+
+
+def test_each_instance_has_its_own_registry():
+    a, b = DaemonMetrics(1), DaemonMetrics(1)
+    a.observe_error("decode")
+    assert value(scrape(b.render()), "kvcache_errors_total", kind="decode") == 0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_http_endpoint_serves_the_metrics():
+    """A real HTTP GET of /metrics on the chosen port returns the registry's text."""
+    m = make_manager()
+    m.admit("a", list(range(9)))
+    metrics = DaemonMetrics(1)
+    metrics.update(m)
+    port = free_port()
+    assert metrics.serve_http(port) == port
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=TIMEOUT_S) as reply:
+            assert reply.status == 200
+            body = reply.read()
+        s = scrape(body)
+        assert value(s, "kvcache_live_requests") == 1
+        assert value(s, "kvcache_prefix_queries_total") == 1
+    finally:
+        metrics.close()
+
+
+# -- SubscriberCounter ---------------------------------------------------------------------------
+
+@pytest.fixture
+def ctx():
+    context = zmq.Context()
+    yield context
+    context.destroy(linger=0)
+
+
+def wait_for_count(counter: SubscriberCounter, expected: int) -> None:
+    """Handle monitor events as the daemon's poller would, until the count is ``expected``."""
+    poller = zmq.Poller()
+    poller.register(counter.monitor_socket, zmq.POLLIN)
+    deadline = time.monotonic() + TIMEOUT_S
+    while counter.count != expected:
+        remaining = deadline - time.monotonic()
+        assert remaining > 0, f"subscriber count stuck at {counter.count}, expected {expected}"
+        if poller.poll(int(remaining * 1000) + 1):
+            counter.handle()
+
+
+def test_subscriber_counter_counts_connections_and_disconnections(ctx, tmp_path):
+    """Two SUB sockets connect: 2; one closes: 1. handle() never blocks."""
+    pub = ctx.socket(zmq.PUB)
+    pub.bind(f"ipc://{tmp_path}/pub.sock")
+    counter = SubscriberCounter(pub)
+    subs = []
+    try:
+        counter.handle()
+        assert counter.count == 0
+        for _ in range(2):
+            sub = ctx.socket(zmq.SUB)
+            sub.setsockopt(zmq.SUBSCRIBE, b"")
+            sub.connect(f"ipc://{tmp_path}/pub.sock")
+            subs.append(sub)
+        wait_for_count(counter, 2)
+        subs.pop().close(linger=0)
+        wait_for_count(counter, 1)
+        counter.handle()
+        assert counter.count == 1
+    finally:
+        for sub in subs:
+            sub.close(linger=0)
+        counter.close()
+        pub.close(linger=0)
+
+
+def test_subscriber_counter_counts_tcp_peers(ctx):
+    pub = ctx.socket(zmq.PUB)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    counter = SubscriberCounter(pub)
+    sub = ctx.socket(zmq.SUB)
+    try:
+        sub.connect(f"tcp://127.0.0.1:{port}")
+        wait_for_count(counter, 1)
+        sub.close(linger=0)
+        wait_for_count(counter, 0)
+    finally:
+        sub.close(linger=0)
+        counter.close()
+        pub.close(linger=0)

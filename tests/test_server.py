@@ -1,0 +1,214 @@
+"""The daemon's message handling: validation before any change, dedupe of retries, slots, deltas, replay."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import zmq
+
+from kvcache.allocator import Full, KVCacheManager, Window
+from kvcache.config import ServeConfig, derive_endpoints, parse_rows
+from kvcache.protocol import PROTOCOL_VERSION, ProtocolError, pack, unpack
+from kvcache.server import CacheServer
+
+
+@pytest.fixture
+def server(tmp_path):
+    rows = [Window(8, 4), Full()]
+    manager = KVCacheManager(64, 4, rows, hash_seed=b"s")
+    srv = CacheServer(ServeConfig(endpoint=f"ipc://{tmp_path}/k.sock", replay_buffer=4), manager, rows)
+    yield srv
+    srv.close()
+
+
+def call(server: CacheServer, ops, request_id: int = 1, client: str = "c") -> dict:
+    return unpack(server.handle(pack({"v": PROTOCOL_VERSION, "client": client, "id": request_id, "ops": ops})),
+                  1 << 30)
+
+
+def admit(req, n=10, **extra):
+    return {"op": "admit", "req": req, "tokens": np.arange(n, dtype=np.uint32), **extra}
+
+
+def test_a_step_applies_every_op_and_returns_results_in_order(server):
+    reply = call(server, [admit("a"), admit("b", 6), {"op": "extend", "req": "a", "tokens": [1, 2, 3]},
+                          {"op": "free", "req": "b"}, {"op": "ping"}])
+    assert reply["ok"] and reply["seq"] == 0
+    first, second, ext, freed, pong = reply["results"]
+    assert first["table"].shape == (2, 3) and first["slot"] == 0 and second["slot"] == 1
+    assert ext["len"] == 4 and ext["cols"].tolist() == [3]
+    assert freed is True and pong == "pong"
+    assert "b" not in server.manager and server.manager.num_tokens("a") == 13
+
+
+def test_a_bad_op_anywhere_rejects_the_whole_message(server):
+    before = server.manager.num_free_blocks.copy()
+    reply = call(server, [admit("a"), {"op": "extend", "req": "a", "tokens": [1, -5]}])
+    assert not reply["ok"]
+    assert reply["error"] == "ops[1].tokens: token id -5 is outside [0, 2**32)"
+    assert "a" not in server.manager
+    assert server.manager.num_free_blocks.tolist() == before.tolist()
+
+
+@pytest.mark.parametrize(
+    "ops, message",
+    [
+        ([{"op": "extend", "req": "zz", "tokens": [1]}], "ops[0].req: request 'zz' is not admitted"),
+        ([admit("a"), admit("a")], "ops[1].req: request 'a' is already admitted"),
+        ([admit("a"), {"op": "free", "req": "a"}, {"op": "free", "req": "a"}], "ops[2].req"),
+        ([{"op": "admit", "req": 1.5, "tokens": [1]}], "ops[0].req: request id must be a str or int"),
+        ([{"op": "admit", "req": "x" * 300, "tokens": [1]}], "longer than 256"),
+        ([{"op": "admit", "req": "a", "tokens": []}], "at least one token"),
+        ([{"op": "admit", "req": "a", "tokens": "abc"}], "ops[0].tokens"),
+        ([{"op": "admit", "req": "a", "tokens": [1.0]}], "expected integers"),
+        ([{"op": "admit", "req": "a", "tokens": [2**40]}], "outside [0, 2**32)"),
+        ([admit("a", num_tokens=11)], "ops[0].num_tokens: 11 is outside [1, 10]"),
+        ([admit("a", slot=-1)], "ops[0].slot"),
+        ([admit("a", slot=3), admit("b", slot=3)], "ops[1].slot: slot 3 is in use"),
+        ([admit("a", salt=7)], "ops[0].salt"),
+        ([admit("a", mm=[["img", 0]])], "ops[0].mm[0]"),
+        ([{"op": "explode"}], "ops[0].op: unknown operation 'explode'"),
+        (["admit"], "ops[0]: must be a map"),
+        ([{"op": "can_admit", "num_tokens": -1}], "ops[0].num_tokens"),
+    ],
+)
+def test_malformed_ops_get_an_error_naming_the_field_and_change_nothing(server, ops, message):
+    call(server, [admit("keep")], request_id=99)
+    before = (server.manager.num_free_blocks.tolist(), len(server.manager), server._seq)
+    reply = call(server, ops)
+    assert not reply["ok"] and message in reply["error"]
+    assert (server.manager.num_free_blocks.tolist(), len(server.manager), server._seq) == before
+
+
+@pytest.mark.parametrize(
+    "payload, message",
+    [
+        (b"\xc1", "not valid msgpack"),
+        (b"\x92\x01", "not valid msgpack"),
+        (pack([1, 2]), "must be a map"),
+        (pack({"v": 99, "id": 1, "ops": []}), "protocol version 99"),
+        (pack({"v": 1, "id": "x", "ops": []}), "id: must be an integer"),
+        (pack({"v": 1, "id": 1, "ops": {}}), "ops: must be a list"),
+        (pack({"v": 1, "id": 1, "ops": [], "client": 5}), "client"),
+        (b"\xc7\x03\x01\x01\x01\x01", "array"),
+    ],
+)
+def test_undecodable_messages_get_an_error_reply(server, payload, message):
+    reply = unpack(server.handle(payload), 1 << 20)
+    assert reply["ok"] is False and message in reply["error"]
+
+
+def test_oversized_messages_are_refused_before_decoding(tmp_path):
+    manager = KVCacheManager(8, 4)
+    srv = CacheServer(ServeConfig(endpoint=f"ipc://{tmp_path}/k.sock", max_message_bytes=100), manager, [Full()])
+    try:
+        reply = unpack(srv.handle(b"\x00" * 101), 1 << 20)
+        assert "101 bytes exceeds the limit of 100" in reply["error"]
+    finally:
+        srv.close()
+
+
+def test_a_retried_request_is_answered_once_not_applied_twice(server):
+    payload = pack({"v": PROTOCOL_VERSION, "client": "c", "id": 7, "ops": [admit("a")]})
+    first = server.handle(payload)
+    assert server.handle(payload) == first
+    assert len(server.manager) == 1 and server._seq == 0
+    other_client = call(server, [admit("a")], request_id=7, client="other")
+    assert not other_client["ok"] and "already admitted" in other_client["error"]
+
+
+def test_named_slots_are_kept_and_free_slots_reused_lowest_first(server):
+    reply = call(server, [admit("a", slot=5), admit("b"), admit("c")])
+    assert [r["slot"] for r in reply["results"]] == [5, 0, 1]
+    call(server, [{"op": "free", "req": "b"}], request_id=2)
+    assert call(server, [admit("d")], request_id=3)["results"][0]["slot"] == 0
+
+
+def test_no_room_is_a_none_result_not_an_error(server):
+    reply = call(server, [admit("big", 64 * 4 + 1), admit("small", 3)])
+    assert reply["ok"] and reply["results"][0] is None and reply["results"][1]["slot"] == 0
+
+
+def test_an_op_on_a_request_whose_admit_found_no_room_fails_alone(server):
+    reply = call(server, [admit("big", 64 * 4 + 1), {"op": "extend", "req": "big", "tokens": [1]}, {"op": "ping"}])
+    assert reply["results"][0] is None
+    assert "not admitted" in reply["results"][1]["error"]
+    assert reply["results"][2] == "pong"
+
+
+def _drain(sock: zmq.Socket, timeout_ms: int = 2000) -> list[list[bytes]]:
+    out = []
+    while sock.poll(timeout_ms if not out else 50):
+        out.append(sock.recv_multipart())
+    return out
+
+
+def test_deltas_are_published_with_contiguous_sequence_numbers(server):
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"T")
+    sub.connect(server.config.pub_endpoint)
+    try:
+        # PUB/SUB joins asynchronously: publish until the first message arrives.
+        for i in range(200):
+            call(server, [{"op": "ping"}, admit(f"warm{i}", 1)], request_id=1000 + i)
+            if sub.poll(10):
+                break
+        _drain(sub, 100)
+        start = server._seq
+        call(server, [admit("a", 9)], request_id=1)
+        call(server, [{"op": "extend", "req": "a", "tokens": [1, 2, 3, 4]}], request_id=2)
+        call(server, [{"op": "free", "req": "a"}], request_id=3)
+        messages = _drain(sub)
+        seqs = [int.from_bytes(m[1], "big", signed=True) for m in messages]
+        assert seqs == [start + 1, start + 2, start + 3]
+        bodies = [unpack(m[2], 1 << 20) for m in messages]
+        assert bodies[0]["changes"][0]["cols"].tolist() == [0, 1, 2]
+        assert bodies[1]["changes"][0]["cols"].tolist() == [3] and bodies[1]["changes"][0]["len"] == 4
+        assert bodies[2]["freed"] == ["a"] and bodies[2]["changes"] == []
+    finally:
+        sub.close(0)
+
+
+def _replay(server: CacheServer, start: int) -> list[bytes]:
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(server.config.replay_endpoint)
+    try:
+        dealer.send(pack({"v": 1, "from": start}))
+        for _ in range(100):
+            server._handle_replay()
+            if dealer.poll(20):
+                return dealer.recv_multipart()
+        raise AssertionError("no replay answer")
+    finally:
+        dealer.close(0)
+
+
+def test_replay_returns_buffered_deltas_then_a_snapshot_when_they_are_gone(server):
+    for i in range(3):
+        call(server, [admit(f"r{i}", 5)], request_id=i)
+    kind, *payloads = _replay(server, 1)
+    assert kind == b"D" and [unpack(p, 1 << 20)["seq"] for p in payloads] == [1, 2]
+    for i in range(3, 8):
+        call(server, [admit(f"r{i}", 5)], request_id=i)
+    kind, payload = _replay(server, 0)  # only the last 4 deltas are kept
+    snap = unpack(payload, 1 << 20)
+    assert kind == b"S" and snap["seq"] == 7
+    assert sorted(t["req"] for t in snap["tables"]) == [f"r{i}" for i in range(8)]
+    assert all(np.array_equal(t["table"], server.manager.table(t["req"])) for t in snap["tables"])
+    assert _replay(server, 8) == [b"D"]
+
+
+def test_config_helpers():
+    assert derive_endpoints("tcp://127.0.0.1:5555")["replay_endpoint"] == "tcp://127.0.0.1:5557"
+    assert derive_endpoints("ipc:///run/k.sock")["pub_endpoint"] == "ipc:///run/k-pub.sock"
+    assert parse_rows("window:4096:64*6,full*2") == [Window(4096, 64)] * 6 + [Full()] * 2
+    assert parse_rows("full", 4) == [Full()] * 4
+    for bad in ("window", "window:x", "full*0", "sliding"):
+        with pytest.raises(Exception, match="rows"):
+            parse_rows(bad)
+
+
+def test_protocol_errors_are_the_package_error():
+    with pytest.raises(ProtocolError):
+        unpack(b"\xc1", 10)
