@@ -8,6 +8,7 @@ sliding-window row no longer holds.
 """
 from __future__ import annotations
 
+import array
 import dataclasses
 from typing import TYPE_CHECKING, NamedTuple, Sequence, Union
 
@@ -24,6 +25,7 @@ if TYPE_CHECKING:
 
 Tokens = Union[Sequence[int], np.ndarray]
 _MAX_TOKEN = 2**32 - 1
+_UINT32 = "I" if array.array("I").itemsize == 4 else "L"  # the array typecode of a 4-byte unsigned int
 
 
 class Admission(NamedTuple):
@@ -71,6 +73,9 @@ class _Request:
     lora: str | None
     mm: list[MMPlaceholder] | None
     changed: np.ndarray  # int32 columns the last admit/extend set
+    view: np.ndarray | None = None  # cached read-only view of the table handed to callers
+    fast_limit: int = 0  # extends up to this many tokens need no block, hash or table change
+    next_recycle: float = 0  # first num_computed_tokens at which a window row would give a block back
 
 
 class KVCacheManager:
@@ -283,6 +288,7 @@ class KVCacheManager:
             changed=np.arange(num_blocks, dtype=np.int32),
         )
         self._requests[request_id] = req
+        self._refresh(req)
         if self._hasher is not None:
             self._register(req, hashes[num_hit * _H: covered // bs * _H])
             self._queries += 1
@@ -355,7 +361,53 @@ class KVCacheManager:
                 mm=req.mm, parent=req.last_hash, start_block=start,
             )
             self._register(req, hashes)
+        self._refresh(req)
         return _view(req)
+
+    def extend_many(self, request_ids: Sequence[object], tokens: Tokens, counts: Sequence[int] | np.ndarray,
+                    *, changes: list[np.ndarray] | None = None) -> list[np.ndarray | None]:
+        """``extend`` for many requests at once: request i gets the next ``counts[i]`` of ``tokens``.
+
+        A decode step's shape: most requests gain one token that lands in a block
+        they already hold, and those take a fast path with no block, hash or
+        table work. Equivalent to calling ``extend`` for each in order (each may
+        return None for lack of blocks, changing nothing for that request).
+        Unknown ids or bad tokens raise before any request changes. Tables are
+        live read-only views, so a request listed twice shows its final table
+        in both places. With ``changes`` (a list), each request's changed columns
+        are appended to it in order (what ``changed_columns`` gives after each extend).
+        """
+        flat = _as_tokens(tokens)
+        counts = np.asarray(counts)
+        if counts.ndim != 1 or counts.size != len(request_ids) or (counts.size and counts.dtype.kind not in "iu"):
+            raise KVCacheError(f"counts: need one integer per request ({len(request_ids)}), got {counts.shape}")
+        if counts.size and int(counts.min()) < 0:
+            raise KVCacheError("counts: must not be negative")
+        if int(counts.sum()) != flat.size:
+            raise KVCacheError(f"counts: sum to {int(counts.sum())} but {flat.size} tokens were given")
+        requests = self._requests
+        for rid in request_ids:
+            if rid not in requests:
+                self._get(rid)
+        out: list[np.ndarray | None] = []
+        offset = 0
+        for rid, k in zip(request_ids, counts.tolist()):
+            req = requests[rid]
+            t = req.num_tokens
+            if t < req.next_recycle and t + k <= req.fast_limit:
+                if k == 1:
+                    req.tokens[t] = flat[offset]
+                elif k:
+                    req.tokens[t:t + k] = flat[offset:offset + k]
+                req.num_tokens = t + k
+                req.changed = _NO_COLUMNS
+                out.append(req.view if req.view is not None else _view(req))
+            else:
+                out.append(self.extend(rid, flat[offset:offset + k]))
+            if changes is not None:
+                changes.append(req.changed if out[-1] is not None else _NO_COLUMNS)
+            offset += k
+        return out
 
     def free(self, request_id: object) -> None:
         """End a request: its blocks return to the pool; full ones stay cached for later hits.
@@ -418,6 +470,10 @@ class KVCacheManager:
         if k == 0:
             return 0, None
         present = found >= 0
+        if not self._window_groups:  # all rows Full: the hit is the leading run every row holds
+            complete = present.all(axis=1)
+            num_hit = k if complete.all() else int(np.argmin(complete))
+            return (num_hit, found[:num_hit].T.copy()) if num_hit else (0, None)
         usable = np.ones(k + 1, dtype=bool)  # usable[L] for L = 0..k
         if self._full_rows.size:
             complete = present[:, self._full_rows].all(axis=1)
@@ -509,18 +565,35 @@ class KVCacheManager:
                 ))
             run_start = i
 
+    def _refresh(self, req: _Request) -> None:
+        """After a table change: drop the cached view and recompute the fast-path limits."""
+        bs = self.block_size
+        req.view = None
+        limit = min(req.num_blocks * bs, req.tokens.size)
+        if self._hasher is not None:
+            limit = min(limit, (req.num_hashed + 1) * bs - 1)
+        req.fast_limit = limit
+        req.next_recycle = min(
+            ((req.recycled[g] + 1) * bs + policy.window_tokens - 1 for g, (policy, _) in
+             enumerate(self._window_groups)),
+            default=float("inf"),
+        )
+
     def _rows_of(self, groups: np.ndarray) -> tuple[int, ...]:
         """The rows (heads) that the given groups stand for, ascending."""
         return tuple(np.flatnonzero(np.isin(self._row_group, groups)).tolist())
 
 
 _EMPTY = np.empty(0, dtype=np.intp)
+_NO_COLUMNS = np.empty(0, dtype=np.int32)
 _H = HASH_BYTES
 
 
 def _view(req: _Request) -> np.ndarray:
+    """The request's table as a read-only view (cached until the table changes)."""
     view = (req.table if req.heads is None else req.heads)[:, : req.num_blocks]
     view.flags.writeable = False
+    req.view = view
     return view
 
 
@@ -558,13 +631,14 @@ def _as_tokens(tokens: Tokens) -> np.ndarray:
             raise KVCacheError(f"tokens: expected a 1-D integer array, got {tokens.dtype} of shape {tokens.shape}")
         arr = tokens
     elif isinstance(tokens, (list, tuple, range)):
+        # array('I') converts and range-checks every item in C; it refuses floats, strings, negatives.
         try:
-            arr = np.array(tokens, dtype=np.int64)
-        except (TypeError, ValueError, OverflowError):
-            raise KVCacheError("tokens: expected integers") from None
-        if arr.ndim != 1 or (len(tokens) and not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool)
-                                                      for t in (tokens[0], tokens[-1]))):
-            raise KVCacheError("tokens: expected a flat sequence of integers")
+            return np.frombuffer(array.array(_UINT32, tokens), dtype=np.uint32)
+        except OverflowError:
+            bad = next(t for t in tokens if not 0 <= t <= _MAX_TOKEN)
+            raise KVCacheError(f"tokens: token id {bad} is outside [0, 2**32)") from None
+        except TypeError:
+            raise KVCacheError("tokens: expected a flat sequence of integers") from None
     else:
         raise KVCacheError(f"tokens: expected a list or numpy array of integers, got {type(tokens).__name__}")
     if arr.size and (int(arr.min()) < 0 or int(arr.max()) > _MAX_TOKEN):

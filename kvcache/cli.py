@@ -144,9 +144,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"kvcache {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_plan(sub)
-    from kvcache import bench, serve
+    from kvcache import bench, serve, stats
 
     serve.add_parser(sub)
+    stats.add_parser(sub)
     bench.add_parser(sub)
     return parser
 
@@ -158,6 +159,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KVCacheError as exc:
         print(f"kvcache {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":

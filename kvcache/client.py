@@ -107,10 +107,51 @@ class Batch:
         return self
 
     def send(self) -> list[Any]:
-        """Send every op in one message; returns their results in order."""
+        """Send every op in one message; returns their results in order.
+
+        Runs of two or more plain extends travel as one ``extend_many`` op (a
+        decode step's shape), which the daemon applies in a single pass.
+        """
         ops, self._ops = self._ops, []
-        reply = self._client._call(ops)
-        return [self._client._result(op, raw) for op, raw in zip(ops, reply["results"])]
+        wire, spans = _coalesce(ops)
+        reply = self._client._call(wire)
+        results: list[Any] = [None] * len(ops)
+        for op, span, raw in zip(wire, spans, reply["results"]):
+            if op["op"] == "extend_many":
+                for index, result in zip(span, self._client._extend_many_results(ops, span, raw)):
+                    results[index] = result
+            else:
+                results[span[0]] = self._client._result(op, raw)
+        return results
+
+
+def _coalesce(ops: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[list[int]]]:
+    """Wire ops for a batch: runs of plain extends become one extend_many; spans map back to the ops."""
+    wire: list[dict[str, Any]] = []
+    spans: list[list[int]] = []
+    run: list[int] = []
+
+    def flush() -> None:
+        if len(run) == 1:
+            wire.append(ops[run[0]])
+            spans.append(list(run))
+        elif run:
+            parts = [ops[i]["tokens"] for i in run]
+            wire.append({"op": "extend_many", "reqs": [ops[i]["req"] for i in run],
+                         "tokens": np.concatenate(parts).astype(np.int64, copy=False),
+                         "counts": np.array([len(p) for p in parts], dtype=np.int64)})
+            spans.append(list(run))
+        run.clear()
+
+    for i, op in enumerate(ops):
+        if op["op"] == "extend" and "num_computed" not in op:
+            run.append(i)
+        else:
+            flush()
+            wire.append(op)
+            spans.append([i])
+    flush()
+    return wire, spans
 
 
 class CacheClient:
@@ -199,6 +240,10 @@ class CacheClient:
     def ping(self) -> bool:
         return self._single(self.batch().op("ping")) == "pong"
 
+    def check_integrity(self) -> None:
+        """Ask the daemon to verify pool, prefix index and tables agree; raises DaemonError naming the fault."""
+        self._single(self.batch().op("check_integrity"))
+
     def reset_prefix_cache(self) -> int:
         return self._single(self.batch().op("reset_prefix_cache"))
 
@@ -240,6 +285,26 @@ class CacheClient:
             raise DaemonError(str(reply.get("error")))
         self.last_seq = reply["seq"]
         return reply
+
+    def _extend_many_results(self, ops: list[dict[str, Any]], span: list[int], raw: Any) -> list[Any]:
+        """Per-extend results of one extend_many reply, keeping the table mirror current."""
+        if isinstance(raw, dict) and set(raw) == {"error"}:
+            return [DaemonError(raw["error"])] * len(span)
+        changed = {int(i): (cols, vals) for i, cols, vals in raw["changed"]}
+        out: list[Any] = []
+        for j, index in enumerate(span):
+            req = ops[index]["req"]
+            length = int(raw["lens"][j])
+            if length < 0:
+                out.append(None)
+                continue
+            if req not in self._tables:  # admitted by another client: fetch the whole table once
+                self._tables[req] = self.table(req)
+            elif j in changed:
+                cols, vals = changed[j]
+                self._tables[req] = _table_from_delta(self._tables[req], length, cols, vals)
+            out.append(self._tables[req])
+        return out
 
     def _result(self, op: dict[str, Any], raw: Any) -> Any:
         """A raw result in the library's types, keeping this client's table mirror current."""

@@ -15,7 +15,9 @@ id)`` gets the first answer again and is not applied twice. Ops::
     {"op": "table",  "req": ID}
     {"op": "lookup", "tokens": TOKENS, "salt"?, "lora"?, "mm"?}
     {"op": "can_admit", "num_tokens": int}
+    {"op": "extend_many", "reqs": [ID, ...], "tokens": TOKENS, "counts": int array}   (a decode step)
     {"op": "usage"} | {"op": "stats"} | {"op": "info"} | {"op": "ping"} | {"op": "reset_prefix_cache"}
+    {"op": "check_integrity"}   (admin: pool, index and tables agree; an error result names what does not)
 
 ``ID`` is a str (at most 256 characters) or an int in int64; ``TOKENS`` an
 integer array (or a list of ints). The whole message is validated, structure
@@ -27,7 +29,11 @@ changes nothing. Reply::
 
 ``seq`` is the last table-delta sequence number published when the reply
 was sent. Results: admit → ``{"cached", "num_tokens", "table"}`` or None (no
-room); extend → a ``Delta`` map or None; table → array; others as named.
+room); extend → ``{"len", "cols", "vals"}`` (the table's delta) or None;
+extend_many → ``{"lens": int32[n] (-1 = no room), "changed": [[i, cols, vals], ...]}``;
+table → array; others as named. An op that fails while applying (e.g. one on
+a request whose admit in the same message found no room) gets ``{"error": str}``
+as its result; the others still apply.
 
 Table deltas (PUB, multipart ``[b"T", seq as 8-byte big-endian, payload]``)::
 

@@ -31,6 +31,7 @@ from kvcache.allocator.swa import AttentionPolicy
 from kvcache.config import ServeConfig, describe_rows
 from kvcache.protocol import (
     DELTA_TOPIC,
+    MAX_OPS,
     PROTOCOL_VERSION,
     ProtocolError,
     check_int,
@@ -60,6 +61,8 @@ class _Op:
     mm: list | None = None
     number: int | None = None  # num_tokens (admit, can_admit) or num_computed (extend)
     slot: int | None = None
+    reqs: list | None = None  # extend_many: the requests
+    counts: np.ndarray | None = None  # extend_many: tokens per request
 
 
 class _Dedupe:
@@ -326,13 +329,28 @@ class CacheServer:
                         live[req] = False
                         if req in self._slots.of:
                             slots_taken[self._slots.of[req]] = False
+            elif kind == "extend_many":
+                reqs = op.get("reqs")
+                if not isinstance(reqs, list) or len(reqs) > MAX_OPS:
+                    raise ProtocolError(f"{field}.reqs: must be a list of at most {MAX_OPS} request ids")
+                for j, req in enumerate(reqs):
+                    check_request_id(req, f"{field}.reqs[{j}]")
+                    if not is_live(req):
+                        raise ProtocolError(f"{field}.reqs[{j}]: request {req!r} is not admitted")
+                tokens = check_tokens(op.get("tokens"), f"{field}.tokens", cfg.max_tokens)
+                counts = op.get("counts")
+                if not isinstance(counts, np.ndarray) or counts.dtype.kind not in "iu" or counts.shape != (len(reqs),):
+                    raise ProtocolError(f"{field}.counts: must be an integer array with one count per request")
+                if counts.size and (int(counts.min()) < 0 or int(counts.sum()) != tokens.size):
+                    raise ProtocolError(f"{field}.counts: must be non-negative and sum to the {tokens.size} tokens")
+                ops.append(_Op(kind, tokens=tokens, reqs=reqs, counts=counts))
             elif kind == "lookup":
                 ops.append(_Op(kind, tokens=check_tokens(op.get("tokens"), f"{field}.tokens", cfg.max_tokens),
                                salt=check_optional_str(op, "salt", field), lora=check_optional_str(op, "lora", field),
                                mm=check_mm(op.get("mm"), f"{field}.mm")))
             elif kind == "can_admit":
                 ops.append(_Op(kind, number=check_int(op.get("num_tokens"), f"{field}.num_tokens")))
-            elif kind in ("usage", "stats", "info", "ping", "reset_prefix_cache"):
+            elif kind in ("usage", "stats", "info", "ping", "reset_prefix_cache", "check_integrity"):
                 ops.append(_Op(kind))
             else:
                 raise ProtocolError(f"{field}.op: unknown operation {kind!r}")
@@ -372,6 +390,8 @@ class CacheServer:
                     if cols.size:
                         changes.append(delta)
                     results.append({"len": delta["len"], "cols": cols, "vals": delta["vals"]})
+                elif op.kind == "extend_many":
+                    results.append(self._extend_many(op, changes))
                 elif op.kind == "free":
                     m.free(op.req)
                     self._slots.release(op.req)
@@ -392,12 +412,35 @@ class CacheServer:
                     results.append(self.info())
                 elif op.kind == "ping":
                     results.append("pong")
+                elif op.kind == "check_integrity":
+                    try:
+                        self.manager.check_integrity()
+                        results.append(True)
+                    except AssertionError as exc:
+                        log.error("integrity check failed: %s", exc)
+                        results.append({"error": f"integrity: {exc}"})
                 elif op.kind == "reset_prefix_cache":
                     results.append(m.reset_prefix_cache())
                     reset = True
             except KVCacheError as exc:
                 results.append({"error": str(exc)})
         return results, changes, freed, reset
+
+    def _extend_many(self, op: _Op, changes: list[dict]) -> dict[str, Any]:
+        """Apply a batch of extends; the result lists every table's length and the changed ones' deltas."""
+        m = self.manager
+        assert op.reqs is not None and op.counts is not None
+        columns: list[np.ndarray] = []
+        tables = m.extend_many(op.reqs, op.tokens, op.counts, changes=columns)
+        lens = np.array([-1 if t is None else t.shape[1] for t in tables], dtype=np.int32)
+        changed = []
+        for i, (req, table, cols) in enumerate(zip(op.reqs, tables, columns)):
+            if cols.size:
+                vals = table[:, cols]
+                changed.append([i, cols, vals])
+                changes.append({"req": req, "slot": self._slots.of[req], "len": table.shape[1], "cols": cols,
+                                "vals": vals})
+        return {"lens": lens, "changed": changed}
 
     def _publish(self, changes: list[dict], freed: list[Any], reset: bool) -> None:
         self._seq += 1

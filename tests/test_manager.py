@@ -104,6 +104,29 @@ def test_numpy_tokens_of_any_integer_dtype_are_accepted():
     assert m.num_tokens("a") == 10
 
 
+def test_extend_many_gives_each_request_its_tokens_in_order():
+    m = make_manager(rows=[Full(), Window(4)])
+    m.admit("a", tokens(3))
+    m.admit("b", tokens(4, 100))
+    tables = m.extend_many(["a", "b", "a"], np.array([7, 8, 9, 10]), [1, 2, 1])
+    assert m.num_tokens("a") == 5 and m.num_tokens("b") == 6
+    assert tables[2].tolist() == m.table("a").tolist()
+    assert m.lookup(tokens(3) + [7, 10, 0]) == 4   # a's first block 0,1,2,7 is full and cached
+    assert m.changed_columns("a").tolist() == [1]   # the second extend of a opened block 1
+
+
+def test_extend_many_checks_everything_before_changing_anything():
+    m = make_manager()
+    m.admit("a", tokens(3))
+    for args, message in [((["a", "zz"], [1, 2], [1, 1]), "not admitted"),
+                          ((["a"], [1, 2], [1]), "counts"),
+                          ((["a"], [1], [-1]), "counts"),
+                          ((["a"], [-1], [1]), "outside")]:
+        with pytest.raises(KVCacheError, match=message):
+            m.extend_many(*args)
+        assert m.num_tokens("a") == 3
+
+
 # -- caller mistakes -----------------------------------------------------------------------------
 
 @pytest.mark.parametrize(
@@ -417,6 +440,24 @@ class ManagerMachine(RuleBasedStateMachine):
             rebuilt[:, : before.shape[1]] = before
             rebuilt[:, cols] = got[:, cols]
             assert rebuilt.tolist() == want
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def extend_many(self, data):
+        """A decode-style batch: several requests (repeats allowed) gain a few tokens each."""
+        rids = data.draw(st.lists(st.sampled_from(self.live), min_size=1, max_size=5))
+        counts = data.draw(st.lists(st.integers(0, 2), min_size=len(rids), max_size=len(rids)))
+        flat = data.draw(st.lists(st.integers(0, 50), min_size=sum(counts), max_size=sum(counts)))
+        got = self.fast.extend_many(rids, np.array(flat, dtype=np.int64), counts)
+        offset = 0
+        last = {rid: i for i, rid in enumerate(rids)}  # tables are live views: compare a request's last one
+        for i, (rid, k, table) in enumerate(zip(rids, counts, got)):
+            want = self.ref.extend(rid, flat[offset:offset + k])
+            offset += k
+            if want is None:
+                assert table is None
+            elif last[rid] == i:
+                assert table is not None and table.tolist() == want
 
     @precondition(lambda self: self.live)
     @rule(data=st.data())

@@ -212,3 +212,29 @@ def test_config_helpers():
 def test_protocol_errors_are_the_package_error():
     with pytest.raises(ProtocolError):
         unpack(b"\xc1", 10)
+
+
+def test_extend_many_reports_lengths_and_only_changed_tables(server):
+    call(server, [admit("a", 3), admit("b", 4)], request_id=1)
+    reply = call(server, [{"op": "extend_many", "reqs": ["a", "b", "a"], "tokens": np.array([1, 2, 3, 4]),
+                           "counts": np.array([1, 2, 1])}], request_id=2)
+    result = reply["results"][0]
+    assert result["lens"].tolist() == [1, 2, 2]
+    assert [c[0] for c in result["changed"]] == [1, 2] and result["changed"][1][1].tolist() == [1]
+
+
+@pytest.mark.parametrize(
+    "op, message",
+    [
+        ({"op": "extend_many", "reqs": ["a", "zz"], "tokens": np.array([1, 2]), "counts": np.array([1, 1])},
+         "ops[0].reqs[1]: request 'zz' is not admitted"),
+        ({"op": "extend_many", "reqs": ["a"], "tokens": np.array([1, 2]), "counts": np.array([1])}, "sum to"),
+        ({"op": "extend_many", "reqs": ["a"], "tokens": np.array([1]), "counts": [1]}, "counts: must be"),
+        ({"op": "extend_many", "reqs": "a", "tokens": np.array([1]), "counts": np.array([1])}, "reqs: must be"),
+    ],
+)
+def test_malformed_extend_many_changes_nothing(server, op, message):
+    call(server, [admit("a", 3)], request_id=1)
+    reply = call(server, [op], request_id=2)
+    assert not reply["ok"] and message in reply["error"]
+    assert server.manager.num_tokens("a") == 3

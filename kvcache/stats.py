@@ -1,0 +1,71 @@
+"""`kvcache stats`: a live summary of a running daemon for a person (or one JSON object)."""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+import numpy as np
+
+from kvcache.client import CacheClient
+from kvcache.config import ServeConfig
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("stats", help="print a running daemon's usage, prefix hits and traffic",
+                       description="Ask a running `kvcache serve` for its geometry, usage and counters.")
+    p.add_argument("endpoint", nargs="?", default="", help="the daemon's scheduler endpoint (default: the "
+                   "default of `kvcache serve`)")
+    p.add_argument("--watch", type=float, metavar="SECONDS", help="refresh every SECONDS until interrupted")
+    p.add_argument("--json", action="store_true", help="print one JSON object and exit")
+    p.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the daemon (default 3)")
+    p.set_defaults(run=_run)
+
+
+def collect(client: CacheClient) -> dict[str, Any]:
+    """Info, stats and usage in one round trip."""
+    info, stats, usage = client.batch().op("info").op("stats").op("usage").send()
+    return {"info": info, "stats": stats, "usage": usage}
+
+
+def render(snapshot: dict[str, Any], previous: dict[str, Any] | None = None, interval: float = 0.0) -> str:
+    """The summary as text; with a previous snapshot, rates over the interval."""
+    info, stats, usage = snapshot["info"], snapshot["stats"], snapshot["usage"]
+    per_row = np.asarray(usage["per_row"])
+    queried = stats["prefix_queried_tokens"]
+    lines = [
+        f"kvcache {info['version']} at {info.get('pub_endpoint', '')}: {info['num_blocks']:,} blocks x "
+        f"{info['num_rows']} row(s), block_size {info['block_size']}, prefix caching "
+        f"{'on (' + info['hash_algorithm'] + ')' if info['prefix_caching'] else 'off'}",
+        f"requests {stats['num_requests']:,}   cached hashes {stats['num_cached_hashes']:,}   "
+        f"min free blocks {stats['min_free_blocks']:,}   subscribers {stats.get('subscribers')}",
+        f"usage max {usage['max']:.4%}   per row " + " ".join(f"{u:.2%}" for u in per_row[:16])
+        + (" ..." if per_row.size > 16 else ""),
+        f"prefix hits {stats['prefix_hit_tokens']:,} of {queried:,} tokens "
+        f"({stats['prefix_hit_tokens'] / queried:.1%})" if queried else "prefix hits: no queries yet",
+        f"evicted {stats['evicted_blocks']:,}   SWA recycled {stats['recycled_blocks']:,}   "
+        f"delta seq {stats['seq']:,}",
+    ]
+    if previous is not None and interval > 0:
+        prev = previous["stats"]
+        lines.append(f"per second: deltas {(stats['seq'] - prev['seq']) / interval:,.0f}   admits "
+                     f"{(stats['prefix_queries'] - prev['prefix_queries']) / interval:,.0f}   evictions "
+                     f"{(stats['evicted_blocks'] - prev['evicted_blocks']) / interval:,.0f}")
+    return "\n".join(lines)
+
+
+def _run(args: argparse.Namespace) -> int:
+    endpoint = args.endpoint or ServeConfig().resolved().endpoint
+    with CacheClient(endpoint, timeout=args.timeout) as client:
+        snapshot = collect(client)
+        if args.json:
+            print(json.dumps(snapshot, default=lambda o: o.tolist() if isinstance(o, np.ndarray) else str(o)))
+            return 0
+        print(render(snapshot))
+        while args.watch:
+            time.sleep(args.watch)
+            previous, snapshot = snapshot, collect(client)
+            print()
+            print(render(snapshot, previous, args.watch))
+    return 0

@@ -1,0 +1,78 @@
+"""Shared fixtures: a real `kvcache serve` daemon in a subprocess."""
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Iterator
+
+import pytest
+
+READY = b"kvcache serve: ready"
+
+
+@dataclasses.dataclass
+class Daemon:
+    """A running `kvcache serve` process and the scheduler endpoint it listens on."""
+
+    endpoint: str
+    process: subprocess.Popen
+    folder: Path
+
+    def log(self) -> str:
+        """What the daemon wrote to stdout and stderr so far (for failure messages)."""
+        return "".join((self.folder / name).read_text(errors="replace") for name in ("stdout", "stderr"))
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """SIGTERM, then SIGKILL if it has not exited within ``timeout`` seconds."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout)
+
+    def kill(self) -> None:
+        """SIGKILL: the daemon dies without closing its sockets."""
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(5.0)
+
+
+@pytest.fixture
+def daemon() -> Iterator[Callable[..., Daemon]]:
+    """Factory: ``daemon("--num-blocks", "100", ...)`` starts `kvcache serve` and returns once it is ready.
+
+    Sockets live in a short /tmp folder (unix socket paths are limited to
+    about 107 bytes); every daemon is stopped and its folder removed at
+    teardown.
+    """
+    started: list[Daemon] = []
+
+    def start(*flags: str, ready_timeout: float = 30.0) -> Daemon:
+        folder = Path(tempfile.mkdtemp(prefix="kv-", dir="/tmp"))
+        endpoint = f"ipc://{folder}/k.sock"
+        with open(folder / "stdout", "wb") as out, open(folder / "stderr", "wb") as err:
+            process = subprocess.Popen([sys.executable, "-m", "kvcache", "serve", "--endpoint", endpoint, *flags],
+                                       stdout=out, stderr=err, stdin=subprocess.DEVNULL)
+        d = Daemon(endpoint, process, folder)
+        started.append(d)
+        deadline = time.monotonic() + ready_timeout
+        while READY not in (folder / "stdout").read_bytes():
+            if process.poll() is not None:
+                raise RuntimeError(f"kvcache serve exited with {process.returncode}:\n{d.log()}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"kvcache serve not ready within {ready_timeout:g} s:\n{d.log()}")
+            time.sleep(0.02)
+        return d
+
+    yield start
+    for d in started:
+        d.stop()
+        shutil.rmtree(d.folder, ignore_errors=True)

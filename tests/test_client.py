@@ -1,0 +1,148 @@
+"""CacheClient against a real `kvcache serve` subprocess: same results as the library, deadlines, batches."""
+from __future__ import annotations
+
+import multiprocessing
+import time
+
+import numpy as np
+import pytest
+
+from kvcache.allocator import Full, KVCacheError, KVCacheManager, Window
+from kvcache.client import CacheClient, DaemonError, DaemonUnavailable
+
+ROWS = "window:16:4*2,full*2"
+POLICIES = [Window(16, 4)] * 2 + [Full()] * 2
+
+
+def test_client_gives_the_same_results_as_the_library(daemon):
+    """The same random steps through the daemon and through an in-process manager agree exactly."""
+    d = daemon("--num-blocks", "40", "--block-size", "4", "--rows", ROWS, "--hash-seed", "s")
+    library = KVCacheManager(40, 4, POLICIES, hash_seed="s")
+    rng = np.random.default_rng(1)
+    live: list[int] = []
+    with CacheClient(d.endpoint) as client:
+        for step in range(300):
+            action = rng.integers(3) if live else 0
+            if action == 0:
+                prompt = np.concatenate([np.arange(rng.integers(1, 12)), rng.integers(0, 9, rng.integers(0, 6))])
+                got, want = client.admit(step, prompt), library.admit(step, prompt)
+                assert (got is None) == (want is None)
+                if want is not None:
+                    assert (got.num_cached_tokens, got.num_tokens) == (want.num_cached_tokens, want.num_tokens)
+                    assert np.array_equal(got.table, want.table)
+                    live.append(step)
+            elif action == 1:
+                rid = live[rng.integers(len(live))]
+                new = rng.integers(0, 9, rng.integers(0, 6))
+                got, want = client.extend(rid, new), library.extend(rid, new)
+                assert (got is None) == (want is None)
+                if want is not None:
+                    assert np.array_equal(got, want)
+            else:
+                rid = live.pop(rng.integers(len(live)))
+                client.free(rid)
+                library.free(rid)
+            assert client.num_free_blocks.tolist() == library.num_free_blocks.tolist()
+        for rid in live:
+            assert np.array_equal(client.table(rid), library.table(rid))
+        assert client.lookup(np.arange(9)) == library.lookup(np.arange(9))
+        assert np.array_equal(client.usage.per_row, library.usage.per_row)
+
+
+def test_a_batch_is_one_round_trip_and_extends_travel_together(daemon):
+    d = daemon("--num-blocks", "200", "--block-size", "4")
+    with CacheClient(d.endpoint) as client:
+        batch = client.batch()
+        for i in range(8):
+            batch.admit(i, np.arange(10) + 100 * i)
+        admissions = batch.send()
+        assert [a.num_tokens for a in admissions] == [10] * 8
+        seq_before = client.last_seq
+        step = client.batch()
+        for i in range(8):
+            step.extend(i, [1, 2, 3] if i % 2 else [1])
+        step.free(7).op("ping")
+        results = step.send()
+        assert [r.shape[1] for r in results[:8]] == [3, 4, 3, 4, 3, 4, 3]  + [4]
+        assert results[8] is None and results[9] == "pong"
+        assert client.last_seq == seq_before + 1  # one step, one delta message
+        for i in range(7):
+            assert np.array_equal(results[i], client.table(i))
+
+
+def test_errors_name_the_problem_and_keep_the_client_usable(daemon):
+    d = daemon("--num-blocks", "20", "--block-size", "4")
+    with CacheClient(d.endpoint) as client:
+        client.admit("a", [1, 2, 3])
+        with pytest.raises(DaemonError, match="already admitted"):
+            client.admit("a", [1])
+        with pytest.raises(DaemonError, match="not admitted"):
+            client.extend("b", [1])
+        with pytest.raises(DaemonError, match="outside"):
+            client.extend("a", [-3])
+        assert client.admit("big", np.arange(1000)) is None
+        assert client.extend("a", [4]).shape == (1, 1)
+
+
+def test_a_client_whose_daemon_is_gone_gets_an_error_within_its_timeout(daemon):
+    d = daemon("--num-blocks", "20")
+    client = CacheClient(d.endpoint, timeout=0.5)
+    assert client.ping()
+    d.kill()
+    start = time.monotonic()
+    with pytest.raises(DaemonUnavailable, match="did not answer within 0.5 s"):
+        client.admit("a", [1, 2, 3])
+    assert time.monotonic() - start < 1.5
+    client.close()
+
+
+def test_a_client_with_no_daemon_at_all_fails_fast(tmp_path):
+    with CacheClient(f"ipc://{tmp_path}/nothing.sock", timeout=0.3) as client:
+        with pytest.raises(DaemonUnavailable):
+            client.ping()
+
+
+def test_bad_client_arguments_are_refused_locally():
+    with pytest.raises(KVCacheError, match="timeout"):
+        CacheClient("ipc:///tmp/x.sock", timeout=0)
+
+
+def _scheduler(endpoint: str, name: int, steps: int, queue) -> None:
+    """A scheduler process: admits, extends in batches, frees; reports its live tables at the end."""
+    rng = np.random.default_rng(name)
+    live: list[str] = []
+    with CacheClient(endpoint, timeout=10) as client:
+        for step in range(steps):
+            batch = client.batch()
+            for rid in live:
+                batch.extend(rid, rng.integers(0, 50, rng.integers(1, 3)))
+            rid = f"{name}-{step}"
+            batch.admit(rid, rng.integers(0, 50, rng.integers(1, 20)))
+            results = batch.send()
+            if results[-1] is not None:
+                live.append(rid)
+            if len(live) > 4:
+                client.free(live.pop(0))
+        queue.put({rid: client.table(rid).tolist() for rid in live})
+
+
+def test_several_scheduler_processes_share_one_daemon_without_sharing_blocks(daemon):
+    d = daemon("--num-blocks", "400", "--block-size", "4", "--rows", ROWS)
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_scheduler, args=(d.endpoint, i, 60, queue)) for i in range(3)]
+    for p in procs:
+        p.start()
+    tables = {}
+    for _ in procs:
+        tables.update(queue.get(timeout=120))
+    for p in procs:
+        p.join(30)
+        assert p.exitcode == 0
+    with CacheClient(d.endpoint) as client:
+        assert client.stats()["num_requests"] == len(tables) == 12
+        for rid, table in tables.items():
+            assert client.table(rid).tolist() == table
+        # Reference counts equal table membership (a block in two tables only through a shared prefix),
+        # and free + used == total per row.
+        client.check_integrity()
