@@ -37,7 +37,8 @@ as its result; the others still apply.
 
 Table deltas (PUB, multipart ``[b"T", seq as 8-byte big-endian, payload]``)::
 
-    {"v": 1, "seq": int, "changes": [{"req": ID, "slot": int|None, "len": int,
+    {"v": 1, "seq": int, "t": int (daemon's CLOCK_MONOTONIC ns at publish),
+     "changes": [{"req": ID, "slot": int|None, "len": int,
                                       "cols": int32[k], "vals": int32[rows, k]}, ...],
      "freed": [ID, ...], "reset": bool}
 

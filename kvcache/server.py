@@ -444,7 +444,8 @@ class CacheServer:
 
     def _publish(self, changes: list[dict], freed: list[Any], reset: bool) -> None:
         self._seq += 1
-        payload = pack({"v": PROTOCOL_VERSION, "seq": self._seq, "changes": changes, "freed": freed, "reset": reset})
+        payload = pack({"v": PROTOCOL_VERSION, "seq": self._seq, "t": time.monotonic_ns(), "changes": changes,
+                        "freed": freed, "reset": reset})
         self._history.append((self._seq, payload))
         try:
             self.pub.send_multipart([DELTA_TOPIC, seq_frame(self._seq), payload], zmq.NOBLOCK)
