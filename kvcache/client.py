@@ -165,6 +165,7 @@ class CacheClient:
         self.timeout = timeout
         self.name = name or f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
         self.last_seq = -1
+        self.last_epoch: int | None = None
         self._ctx = context or zmq.Context.instance()
         self._ids = itertools.count(1)
         self._tables: dict[Any, np.ndarray] = {}
@@ -284,6 +285,7 @@ class CacheClient:
         if not reply.get("ok"):
             raise DaemonError(str(reply.get("error")))
         self.last_seq = reply["seq"]
+        self.last_epoch = reply.get("epoch")
         return reply
 
     def _extend_many_results(self, ops: list[dict[str, Any]], span: list[int], raw: Any) -> list[Any]:

@@ -57,6 +57,7 @@ class ServeConfig:
     replay_buffer: int = 4096
     dedupe_window: int = 1024
     pub_hwm: int = 100_000
+    heartbeat_ms: int = 100
 
     def resolved(self) -> ServeConfig:
         """A copy with default endpoints filled in next to ``endpoint``."""

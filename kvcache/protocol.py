@@ -24,26 +24,31 @@ integer array (or a list of ints). The whole message is validated, structure
 and request-id liveness in op order, before any op is applied: a bad message
 changes nothing. Reply::
 
-    {"v": 1, "id": int, "ok": true, "seq": int, "results": [result, ...]}
+    {"v": 1, "id": int, "ok": true, "epoch": int, "seq": int, "results": [result, ...]}
     {"v": 1, "id": int, "ok": false, "error": "ops[2].tokens: token id -5 is outside [0, 2**32)"}
 
 ``seq`` is the last table-delta sequence number published when the reply
-was sent. Results: admit → ``{"cached", "num_tokens", "table"}`` or None (no
+was sent, ``epoch`` the daemon incarnation's (workers: ``wait_for(seq, epoch)``). Results: admit → ``{"cached", "num_tokens", "table"}`` or None (no
 room); extend → ``{"len", "cols", "vals"}`` (the table's delta) or None;
 extend_many → ``{"lens": int32[n] (-1 = no room), "changed": [[i, cols, vals], ...]}``;
 table → array; others as named. An op that fails while applying (e.g. one on
 a request whose admit in the same message found no room) gets ``{"error": str}``
 as its result; the others still apply.
 
-Table deltas (PUB, multipart ``[b"T", seq as 8-byte big-endian, payload]``)::
+Table deltas (PUB, multipart ``[b"T" + epoch as 8-byte big-endian, seq as 8-byte big-endian, payload]``;
+the epoch is random per daemon incarnation, so workers notice a restart)::
 
-    {"v": 1, "seq": int, "t": int (daemon's CLOCK_MONOTONIC ns at publish),
+    {"v": 1, "epoch": int, "seq": int, "t": int (daemon's CLOCK_MONOTONIC ns at publish),
      "changes": [{"req": ID, "slot": int|None, "len": int,
                                       "cols": int32[k], "vals": int32[rows, k]}, ...],
      "freed": [ID, ...], "reset": bool}
 
 A change sets columns ``cols`` of the request's table (now ``len`` columns
-wide, rows = every kv head of the model in head-wise mode) to ``vals``.
+wide, rows = every kv head of the model in head-wise mode) to ``vals``. Apply
+a delta's ``freed`` before its ``changes``: the daemon starts a new delta
+rather than free a request changed earlier in the same one. After
+``heartbeat_ms`` without a delta the PUB sends ``[topic+epoch, seq, b""]``: an
+empty payload saying "the latest seq is this" (a worker behind asks for replay).
 
 Arrays: msgpack ExtType 1 whose data is ``dtype code (u8) | ndim (u8) |
 shape (ndim × u32 LE) | C-order little-endian bytes``.

@@ -49,6 +49,8 @@ HELP = {
     "replay_buffer": "deltas kept for replay before workers must resync from a snapshot (default 4096)",
     "dedupe_window": "replies remembered per client for retried requests (default 1024)",
     "pub_hwm": "messages queued per slow subscriber before it is dropped and must resync (default 100,000)",
+    "heartbeat_ms": "publish the latest seq after this much silence, so workers notice lost deltas and restarts "
+                    "(default 100)",
 }
 
 

@@ -142,6 +142,10 @@ class CacheServer:
         self._dedupe = _Dedupe(self.config.dedupe_window)
         self._slots = _Slots(self.config.max_slots)
         self._seq = -1
+        # A new epoch per daemon incarnation: workers that see it change drop their tables and resync.
+        self.epoch = int.from_bytes(os.urandom(8), "big") >> 1
+        self._topic = DELTA_TOPIC + self.epoch.to_bytes(8, "big")
+        self._last_publish = 0.0
         self._history: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=self.config.replay_buffer)
         self._metrics: Any = None
         self._events: Any = None
@@ -226,9 +230,20 @@ class CacheServer:
         if self._subscribers is not None:
             poller.register(self._subscribers.monitor_socket, zmq.POLLIN)
             handlers[self._subscribers.monitor_socket] = self._count_subscribers
+        heartbeat_s = self.config.heartbeat_ms / 1000
         while not should_stop():
-            for sock, _ in poller.poll(poll_ms):
+            for sock, _ in poller.poll(min(poll_ms, self.config.heartbeat_ms)):
                 handlers[sock]()
+            if time.monotonic() - self._last_publish >= heartbeat_s:
+                self._heartbeat()
+
+    def _heartbeat(self) -> None:
+        """Tell workers the latest seq (empty payload): they catch a lost last delta or a new epoch."""
+        self._last_publish = time.monotonic()
+        try:
+            self.pub.send_multipart([self._topic, seq_frame(self._seq), b""], zmq.NOBLOCK)
+        except zmq.Again:
+            pass
 
     # ------------------------------------------------------------------ scheduler steps
 
@@ -266,10 +281,11 @@ class CacheServer:
             reply = error_reply(request_id, str(exc))
             self._dedupe.put(client, request_id, reply)
             return reply
-        results, changes, freed, reset = self._apply(ops)
-        if changes or freed or reset:
+        results, deltas = self._apply(ops)
+        for changes, freed, reset in deltas:
             self._publish(changes, freed, reset)
-        reply = pack({"v": PROTOCOL_VERSION, "id": request_id, "ok": True, "seq": self._seq, "results": results})
+        reply = pack({"v": PROTOCOL_VERSION, "id": request_id, "ok": True, "epoch": self.epoch, "seq": self._seq,
+                      "results": results})
         self._dedupe.put(client, request_id, reply)
         if self._events is not None:
             self._events.publish(self.manager.take_events())
@@ -356,14 +372,29 @@ class CacheServer:
                 raise ProtocolError(f"{field}.op: unknown operation {kind!r}")
         return ops
 
-    def _apply(self, ops: list[_Op]) -> tuple[list[Any], list[dict], list[Any], bool]:
-        """Run validated ops in order; an op that still fails gets an error result, the rest go on."""
+    def _apply(self, ops: list[_Op]) -> tuple[list[Any], list[tuple[list[dict], list[Any], bool]]]:
+        """Run validated ops in order; an op that still fails gets an error result, the rest go on.
+
+        Returns the results and the deltas to publish. A delta lists its frees
+        before its changes, so a free of a request already changed in this
+        message starts a new delta (admit-then-free keeps its order for workers).
+        """
         results: list[Any] = []
         changes: list[dict] = []
         freed: list[Any] = []
         reset = False
+        deltas: list[tuple[list[dict], list[Any], bool]] = []
+        changed_reqs: set[Any] = set()
         m = self.manager
         for op in ops:
+            if op.kind == "free" and op.req in changed_reqs:
+                deltas.append((changes, freed, reset))
+                changes, freed, reset = [], [], False
+                changed_reqs.clear()
+            if op.kind in ("admit", "extend"):
+                changed_reqs.add(op.req)
+            elif op.kind == "extend_many":
+                changed_reqs.update(op.reqs or ())
             try:
                 if op.kind == "admit":
                     if not self._slots.available(op.slot):
@@ -376,7 +407,7 @@ class CacheServer:
                         continue
                     slot = self._slots.take(op.req, op.slot)
                     changes.append({"req": op.req, "slot": slot, "len": adm.table.shape[1],
-                                    "cols": np.arange(adm.table.shape[1], dtype=np.int32), "vals": adm.table})
+                                    "cols": np.arange(adm.table.shape[1], dtype=np.int32), "vals": adm.table.copy()})
                     results.append({"cached": adm.num_cached_tokens, "num_tokens": adm.num_tokens,
                                     "table": adm.table, "slot": slot})
                 elif op.kind == "extend":
@@ -424,7 +455,9 @@ class CacheServer:
                     reset = True
             except KVCacheError as exc:
                 results.append({"error": str(exc)})
-        return results, changes, freed, reset
+        if changes or freed or reset:
+            deltas.append((changes, freed, reset))
+        return results, deltas
 
     def _extend_many(self, op: _Op, changes: list[dict]) -> dict[str, Any]:
         """Apply a batch of extends; the result lists every table's length and the changed ones' deltas."""
@@ -444,11 +477,12 @@ class CacheServer:
 
     def _publish(self, changes: list[dict], freed: list[Any], reset: bool) -> None:
         self._seq += 1
-        payload = pack({"v": PROTOCOL_VERSION, "seq": self._seq, "t": time.monotonic_ns(), "changes": changes,
-                        "freed": freed, "reset": reset})
+        payload = pack({"v": PROTOCOL_VERSION, "epoch": self.epoch, "seq": self._seq, "t": time.monotonic_ns(),
+                        "changes": changes, "freed": freed, "reset": reset})
         self._history.append((self._seq, payload))
+        self._last_publish = time.monotonic()
         try:
-            self.pub.send_multipart([DELTA_TOPIC, seq_frame(self._seq), payload], zmq.NOBLOCK)
+            self.pub.send_multipart([self._topic, seq_frame(self._seq), payload], zmq.NOBLOCK)
         except zmq.Again:  # PUB drops for slow subscribers rather than block; they resync by seq
             pass
         if self._metrics is not None:
@@ -484,7 +518,7 @@ class CacheServer:
     def snapshot(self) -> bytes:
         """Every live table with its slot, at the current seq (for workers that fell too far behind)."""
         tables = [{"req": req, "slot": slot, "table": self.manager.table(req)} for req, slot in self._slots.of.items()]
-        return pack({"v": PROTOCOL_VERSION, "seq": self._seq, "tables": tables})
+        return pack({"v": PROTOCOL_VERSION, "epoch": self.epoch, "seq": self._seq, "tables": tables})
 
     # ------------------------------------------------------------------ introspection
 
@@ -493,6 +527,7 @@ class CacheServer:
         return {
             "version": __version__,
             "protocol": PROTOCOL_VERSION,
+            "epoch": self.epoch,
             "num_blocks": self.manager.num_blocks,
             "block_size": self.manager.block_size,
             "num_rows": self.manager.num_rows,

@@ -55,8 +55,9 @@ def daemon() -> Iterator[Callable[..., Daemon]]:
     """
     started: list[Daemon] = []
 
-    def start(*flags: str, ready_timeout: float = 30.0) -> Daemon:
-        folder = Path(tempfile.mkdtemp(prefix="kv-", dir="/tmp"))
+    def start(*flags: str, ready_timeout: float = 30.0, folder: Path | None = None) -> Daemon:
+        """Start a daemon; ``folder`` reuses an earlier one's (same endpoint: a restart)."""
+        folder = folder or Path(tempfile.mkdtemp(prefix="kv-", dir="/tmp"))
         endpoint = f"ipc://{folder}/k.sock"
         with open(folder / "stdout", "wb") as out, open(folder / "stderr", "wb") as err:
             process = subprocess.Popen([sys.executable, "-m", "kvcache", "serve", "--endpoint", endpoint, *flags],

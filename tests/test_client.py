@@ -65,7 +65,7 @@ def test_a_batch_is_one_round_trip_and_extends_travel_together(daemon):
         results = step.send()
         assert [r.shape[1] for r in results[:8]] == [3, 4, 3, 4, 3, 4, 3]  + [4]
         assert results[8] is None and results[9] == "pong"
-        assert client.last_seq == seq_before + 1  # one step, one delta message
+        assert client.last_seq == seq_before + 2  # 7 changed then freed: two deltas keep that order
         for i in range(7):
             assert np.array_equal(results[i], client.table(i))
 
