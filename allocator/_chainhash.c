@@ -1,15 +1,26 @@
 /* Chained SHA-256 block hashing for the prefix cache (kvcache.allocator._chainhash).
  *
  * One call hashes every full block of a prompt: digest_i = SHA256(prev || block_i || extra_i),
- * prev of block 0 being the caller's parent hash. The per-block loop runs without the GIL and
- * without allocations. SHA-256 is implemented here (no OpenSSL): a portable compress function
- * and, on x86-64 CPUs that have them, the SHA extensions (SHA-NI), picked at run time by CPUID.
+ * prev of block 0 being the caller's parent hash. SHA-256 is implemented here (no OpenSSL): a
+ * portable compress function and, on x86-64 CPUs that have them, the SHA extensions (SHA-NI),
+ * picked at run time by CPUID. Each backend has its own chain loops (no per-block indirect call).
  *
  * The chain is serial (block i's message starts with digest i-1), so its speed is the latency of
- * one SHA-256 after another. Each block's padded message is therefore assembled in one scratch
- * buffer and hashed in a single backend call: copying the block's tokens there is off the
- * critical path, while per-call state shuffles and byte-wise digest stores (which defeat
- * store-to-load forwarding into the next block) are on it.
+ * one SHA-256 compression after another, and anything else on that dependency chain shows. The
+ * SHA-NI loops therefore:
+ *   - keep the digest in registers: the next block's first message words (plus K) are made from
+ *     the last compression's state with a pshufd and an add (shani_chain_end), with no store of
+ *     big-endian bytes and reload in between;
+ *   - read chain_raw's tokens straight from the caller's buffer when every 16-byte lane of the
+ *     message is either digest, tokens or padding (block_size % 4 == 0, no extras): the padding
+ *     lanes are constants made once per call, and nothing is stored per block but the digest;
+ *   - otherwise assemble block i+1's message (tokens, extras, padding) in one of two scratch
+ *     buffers while block i hashes, so those stores have retired when block i+1 loads them (a
+ *     load that can't be forwarded from recent stores waits for them to commit).
+ *
+ * split=True (a list of one bytes per block) holds the GIL and makes the bytes objects inside the
+ * loop (see "results" below): the allocator's work then runs in the cycles the serial SHA chain
+ * leaves idle instead of after it. split=False (one packed bytes) runs without the GIL.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -22,9 +33,6 @@
 #include <cpuid.h>
 #include <immintrin.h>
 #endif
-
-/* SHA-256 from the initial state over nblocks 64-byte blocks of an already padded message. */
-typedef void (*hash_fn)(const uint8_t *msg, size_t nblocks, uint8_t out[32]);
 
 static const uint32_t K256[64] __attribute__((aligned(16))) = {
     0x428a2f98, 0x71374491, 0xb5c0fbcf, 0xe9b5dba5, 0x3956c25b, 0x59f111f1, 0x923f82a4, 0xab1c5ed5,
@@ -55,6 +63,36 @@ static inline void store_be32(uint8_t *p, uint32_t v)
 }
 
 static inline uint32_t rotr32(uint32_t x, int n) { return (x >> n) | (x << (32 - n)); }
+
+/* ------------------------------------------------------------------ padding */
+
+/* Bytes a message of len bytes occupies once padded (0x80, zeros, 64-bit bit length). */
+static inline size_t padded_len(size_t len) { return (len + 9 + 63) & ~(size_t)63; }
+
+/* Pads msg[0:len) in place (the buffer holds padded_len(len) bytes); returns its block count. */
+static inline size_t pad_message(uint8_t *msg, size_t len)
+{
+    size_t total = padded_len(len);
+    uint64_t bits = (uint64_t)len * 8;
+    msg[len] = 0x80;
+    memset(msg + len + 1, 0, total - len - 9);
+    for (int i = 0; i < 8; i++)
+        msg[total - 8 + i] = (uint8_t)(bits >> (56 - 8 * i));
+    return total / 64;
+}
+
+/* pad_message() for the chain loops' buffers, which have 64 bytes of room past the padded
+ * message: fixed-size stores instead of a memset call (a call spills the SHA state). */
+static inline size_t pad_message_room(uint8_t *msg, size_t len)
+{
+    size_t total = padded_len(len);
+    uint64_t bits = (uint64_t)len * 8;
+    msg[len] = 0x80;
+    memset(msg + len + 1, 0, 64);
+    for (int i = 0; i < 8; i++)
+        msg[total - 8 + i] = (uint8_t)(bits >> (56 - 8 * i));
+    return total / 64;
+}
 
 /* ------------------------------------------------------------------ portable compress */
 
@@ -108,9 +146,12 @@ static void hash_portable(const uint8_t *msg, size_t nblocks, uint8_t out[32])
 /* ------------------------------------------------------------------ SHA-NI compress */
 
 #ifdef KV_X86
+#define SHANI_FN static inline __attribute__((always_inline, target("sha,sse4.1")))
+#define SHANI_LOOP static __attribute__((noinline, target("sha,sse4.1")))
+
 /* Four rounds with the SHA extensions. m[] holds the message schedule in four registers:
  * group i uses m[i%4]; sha256msg2 completes the words of group i+1 and sha256msg1 starts those
- * of group i+3, as in Intel's reference sequence. The unrolled loop leaves every index constant. */
+ * of group i+3, as in Intel's reference sequence. The unrolled code leaves every index constant. */
 #define SHANI_GROUP(i)                                                                             \
     do {                                                                                           \
         __m128i wk = _mm_add_epi32(m[(i) & 3], _mm_load_si128((const __m128i *)&K256[4 * (i)]));  \
@@ -124,47 +165,117 @@ static void hash_portable(const uint8_t *msg, size_t nblocks, uint8_t out[32])
             m[((i) + 3) & 3] = _mm_sha256msg1_epu32(m[((i) + 3) & 3], m[(i) & 3]);                 \
     } while (0)
 
-/* The digest leaves as two byte-swapped 16-byte stores, which the next block's loads forward. */
-__attribute__((target("sha,sse4.1"))) static void hash_shani(const uint8_t *data, size_t nblocks, uint8_t out[32])
-{
-    const __m128i bswap = _mm_set_epi64x(0x0c0d0e0f08090a0bULL, 0x0405060700010203ULL);
-    __m128i tmp = _mm_shuffle_epi32(_mm_loadu_si128((const __m128i *)&H256[0]), 0xB1); /* CDAB */
-    __m128i s1 = _mm_shuffle_epi32(_mm_loadu_si128((const __m128i *)&H256[4]), 0x1B);  /* EFGH */
-    __m128i s0 = _mm_alignr_epi8(tmp, s1, 8);                                           /* ABEF */
-    s1 = _mm_blend_epi16(s1, tmp, 0xF0);                                                /* CDGH */
+/* The state lives as ABEF / CDGH (the layout sha256rnds2 takes); message words are lanes in word
+ * order (lane 0 = W0), i.e. the big-endian message bytes after a per-word byte swap. */
+#define BSWAP32_MASK _mm_set_epi64x(0x0c0d0e0f08090a0bULL, 0x0405060700010203ULL)
+#define IV_ABEF _mm_set_epi32((int)0x6a09e667, (int)0xbb67ae85, (int)0x510e527f, (int)0x9b05688c)
+#define IV_CDGH _mm_set_epi32((int)0x3c6ef372, (int)0xa54ff53a, (int)0x1f83d9ab, (int)0x5be0cd19)
 
-    while (nblocks--) {
-        const __m128i abef = s0, cdgh = s1;
-        __m128i m[4];
-        for (int j = 0; j < 4; j++)
-            m[j] = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(data + 16 * j)), bswap);
+/* The 64 rounds of one compression of the message words w0..w3 on (s0, s1) = (ABEF, CDGH),
+ * without the feed-forward. wk != NULL: W+K of rounds 0-7 come precomputed, rounds 2i, 2i+1 in
+ * the low lanes of wk[i], which lets a chained block start from its parent's pre-add state. */
+SHANI_FN void shani_rounds(__m128i *s0p, __m128i *s1p, __m128i w0, __m128i w1, __m128i w2, __m128i w3,
+                           const __m128i *wk)
+{
+    __m128i s0 = *s0p, s1 = *s1p;
+    __m128i m[4] = {w0, w1, w2, w3};
+    if (wk) {
+        s1 = _mm_sha256rnds2_epu32(s1, s0, wk[0]);
+        s0 = _mm_sha256rnds2_epu32(s0, s1, wk[1]);
+        s1 = _mm_sha256rnds2_epu32(s1, s0, wk[2]);
+        s0 = _mm_sha256rnds2_epu32(s0, s1, wk[3]);
+        m[0] = _mm_sha256msg1_epu32(m[0], m[1]); /* group 1's schedule step */
+    } else {
         SHANI_GROUP(0);
         SHANI_GROUP(1);
-        SHANI_GROUP(2);
-        SHANI_GROUP(3);
-        SHANI_GROUP(4);
-        SHANI_GROUP(5);
-        SHANI_GROUP(6);
-        SHANI_GROUP(7);
-        SHANI_GROUP(8);
-        SHANI_GROUP(9);
-        SHANI_GROUP(10);
-        SHANI_GROUP(11);
-        SHANI_GROUP(12);
-        SHANI_GROUP(13);
-        SHANI_GROUP(14);
-        SHANI_GROUP(15);
-        s0 = _mm_add_epi32(s0, abef);
-        s1 = _mm_add_epi32(s1, cdgh);
-        data += 64;
     }
+    SHANI_GROUP(2);
+    SHANI_GROUP(3);
+    SHANI_GROUP(4);
+    SHANI_GROUP(5);
+    SHANI_GROUP(6);
+    SHANI_GROUP(7);
+    SHANI_GROUP(8);
+    SHANI_GROUP(9);
+    SHANI_GROUP(10);
+    SHANI_GROUP(11);
+    SHANI_GROUP(12);
+    SHANI_GROUP(13);
+    SHANI_GROUP(14);
+    SHANI_GROUP(15);
+    *s0p = s0;
+    *s1p = s1;
+}
 
-    tmp = _mm_shuffle_epi32(s0, 0x1B);   /* FEBA */
-    s1 = _mm_shuffle_epi32(s1, 0xB1);    /* DCHG */
-    s0 = _mm_blend_epi16(tmp, s1, 0xF0); /* DCBA */
-    s1 = _mm_alignr_epi8(s1, tmp, 8);    /* HGFE */
-    _mm_storeu_si128((__m128i *)out, _mm_shuffle_epi8(s0, bswap));
-    _mm_storeu_si128((__m128i *)(out + 16), _mm_shuffle_epi8(s1, bswap));
+/* One compression of the 16 message words w0..w3 into (s0, s1). */
+SHANI_FN void shani_compress(__m128i *s0p, __m128i *s1p, __m128i w0, __m128i w1, __m128i w2, __m128i w3)
+{
+    const __m128i abef = *s0p, cdgh = *s1p;
+    shani_rounds(s0p, s1p, w0, w1, w2, w3, NULL);
+    *s0p = _mm_add_epi32(*s0p, abef);
+    *s1p = _mm_add_epi32(*s1p, cdgh);
+}
+
+/* Message words of 16 big-endian message bytes at p. */
+SHANI_FN __m128i shani_words(const uint8_t *p)
+{
+    return _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)p), BSWAP32_MASK);
+}
+
+/* (ABEF, CDGH) -> the digest as message words, lanes in word order: [A, B, C, D], [E, F, G, H].
+ * One shufps each. */
+SHANI_FN void shani_digest_words(__m128i s0, __m128i s1, __m128i *w0, __m128i *w1)
+{
+    *w0 = _mm_castps_si128(_mm_shuffle_ps(_mm_castsi128_ps(s0), _mm_castsi128_ps(s1), _MM_SHUFFLE(2, 3, 2, 3)));
+    *w1 = _mm_castps_si128(_mm_shuffle_ps(_mm_castsi128_ps(s0), _mm_castsi128_ps(s1), _MM_SHUFFLE(0, 1, 0, 1)));
+}
+
+/* Digest words -> its 32 big-endian bytes at out. */
+SHANI_FN void shani_store_digest(uint8_t *out, __m128i w0, __m128i w1)
+{
+    _mm_storeu_si128((__m128i *)out, _mm_shuffle_epi8(w0, BSWAP32_MASK));
+    _mm_storeu_si128((__m128i *)(out + 16), _mm_shuffle_epi8(w1, BSWAP32_MASK));
+}
+
+/* The end of a block whose message starts with the digest of the previous one: (s0, s1) hold
+ * its last compression before the feed-forward of (base0, base1). Gives the digest as words and
+ * the next block's W+K of rounds 0-7 (digest words plus K0..K7, see shani_rounds) summed from the
+ * pre-add state with one pshufd and one add each: from one block's last round to the next one's
+ * first, the chain goes through two single-cycle ops. The digest words feed the schedule only. */
+SHANI_FN void shani_chain_end(__m128i *s0, __m128i *s1, __m128i base0, __m128i base1, __m128i *w0, __m128i *w1,
+                              __m128i wk[4])
+{
+    const __m128i k0 = _mm_load_si128((const __m128i *)K256), k1 = _mm_load_si128((const __m128i *)(K256 + 4));
+    /* 0x4B: lanes 3, 2 to 0, 1 (A, B of ABEF; C, D of CDGH); 0x01: lanes 1, 0 (E, F; G, H) */
+    wk[0] = _mm_add_epi32(_mm_shuffle_epi32(*s0, 0x4B), _mm_add_epi32(_mm_shuffle_epi32(base0, 0x4B), k0));
+    wk[1] = _mm_add_epi32(_mm_shuffle_epi32(*s1, 0x4B),
+                          _mm_add_epi32(_mm_shuffle_epi32(base1, 0x4B), _mm_shuffle_epi32(k0, 0x0E)));
+    wk[2] = _mm_add_epi32(_mm_shuffle_epi32(*s0, 0x01), _mm_add_epi32(_mm_shuffle_epi32(base0, 0x01), k1));
+    wk[3] = _mm_add_epi32(_mm_shuffle_epi32(*s1, 0x01),
+                          _mm_add_epi32(_mm_shuffle_epi32(base1, 0x01), _mm_shuffle_epi32(k1, 0x0E)));
+    *s0 = _mm_add_epi32(*s0, base0);
+    *s1 = _mm_add_epi32(*s1, base1);
+    shani_digest_words(*s0, *s1, w0, w1);
+}
+
+/* W+K of rounds 0-7 of a block whose first message words w0, w1 are given (the parent's digest). */
+SHANI_FN void shani_chain_start(__m128i w0, __m128i w1, __m128i wk[4])
+{
+    wk[0] = _mm_add_epi32(w0, _mm_load_si128((const __m128i *)K256));
+    wk[1] = _mm_shuffle_epi32(wk[0], 0x0E);
+    wk[2] = _mm_add_epi32(w1, _mm_load_si128((const __m128i *)(K256 + 4)));
+    wk[3] = _mm_shuffle_epi32(wk[2], 0x0E);
+}
+
+/* SHA-256 of an already padded message in memory (sha256() and tests of the backend). */
+static __attribute__((target("sha,sse4.1"))) void hash_shani(const uint8_t *data, size_t nblocks, uint8_t out[32])
+{
+    __m128i s0 = IV_ABEF, s1 = IV_CDGH, w0, w1;
+    for (; nblocks; nblocks--, data += 64)
+        shani_compress(&s0, &s1, shani_words(data), shani_words(data + 16), shani_words(data + 32),
+                       shani_words(data + 48));
+    shani_digest_words(s0, s1, &w0, &w1);
+    shani_store_digest(out, w0, w1);
 }
 
 static int cpu_has_shani(void)
@@ -182,61 +293,48 @@ static int cpu_has_shani(void)
 static int cpu_has_shani(void) { return 0; }
 #endif
 
-/* ------------------------------------------------------------------ padding */
-
-/* Bytes a message of len bytes occupies once padded (0x80, zeros, 64-bit bit length). */
-static inline size_t padded_len(size_t len) { return (len + 9 + 63) & ~(size_t)63; }
-
-/* Pads msg[0:len) in place (the buffer holds padded_len(len) bytes); returns its block count. */
-static inline size_t pad_message(uint8_t *msg, size_t len)
-{
-    size_t total = padded_len(len);
-    uint64_t bits = (uint64_t)len * 8;
-    msg[len] = 0x80;
-    memset(msg + len + 1, 0, total - len - 9);
-    for (int i = 0; i < 8; i++)
-        msg[total - 8 + i] = (uint8_t)(bits >> (56 - 8 * i));
-    return total / 64;
-}
-
 /* ------------------------------------------------------------------ backend selection */
 
+enum { BACKEND_PORTABLE = 0, BACKEND_SHANI = 1 };
+
 static int g_has_shani = 0;
-static hash_fn g_hash = hash_portable;
-static const char *g_backend = "portable";
+static int g_backend_id = BACKEND_PORTABLE;
+
+static const char *backend_name(int id) { return id == BACKEND_SHANI ? "sha_ni" : "portable"; }
 
 static int select_backend(const char *name)
 {
     if (strcmp(name, "auto") == 0) {
-#ifdef KV_X86
-        if (g_has_shani) {
-            g_hash = hash_shani;
-            g_backend = "sha_ni";
-            return 0;
-        }
-#endif
-        g_hash = hash_portable;
-        g_backend = "portable";
+        g_backend_id = g_has_shani ? BACKEND_SHANI : BACKEND_PORTABLE;
         return 0;
     }
     if (strcmp(name, "portable") == 0) {
-        g_hash = hash_portable;
-        g_backend = "portable";
+        g_backend_id = BACKEND_PORTABLE;
         return 0;
     }
     if (strcmp(name, "sha_ni") == 0) {
-#ifdef KV_X86
         if (g_has_shani) {
-            g_hash = hash_shani;
-            g_backend = "sha_ni";
+            g_backend_id = BACKEND_SHANI;
             return 0;
         }
-#endif
         PyErr_SetString(PyExc_ValueError, "backend 'sha_ni' is not available on this CPU");
         return -1;
     }
     PyErr_Format(PyExc_ValueError, "backend must be 'auto', 'portable' or 'sha_ni', got '%.50s'", name);
     return -1;
+}
+
+/* SHA-256 of an already padded message with the given backend. */
+static void hash_padded(int backend, const uint8_t *msg, size_t nblocks, uint8_t out[32])
+{
+#ifdef KV_X86
+    if (backend == BACKEND_SHANI) {
+        hash_shani(msg, nblocks, out);
+        return;
+    }
+#endif
+    (void)backend;
+    hash_portable(msg, nblocks, out);
 }
 
 /* ------------------------------------------------------------------ argument handling */
@@ -357,25 +455,6 @@ static void release_extras(extras_buf *e)
     Py_CLEAR(e->seq);
 }
 
-/* Splits n*32 digest bytes into a list of 32-byte bytes objects. */
-static PyObject *split_digests(PyObject *out)
-{
-    Py_ssize_t n = PyBytes_GET_SIZE(out) / 32;
-    const char *p = PyBytes_AS_STRING(out);
-    PyObject *list = PyList_New(n);
-    if (!list)
-        return NULL;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *b = PyBytes_FromStringAndSize(p + 32 * i, 32);
-        if (!b) {
-            Py_DECREF(list);
-            return NULL;
-        }
-        PyList_SET_ITEM(list, i, b);
-    }
-    return list;
-}
-
 typedef struct {
     PyObject *tokens_obj;
     Py_ssize_t block_size;
@@ -406,34 +485,86 @@ static int parse_chain_args(PyObject *args, PyObject *kwargs, chain_args *a)
     return 0;
 }
 
-/* ------------------------------------------------------------------ chain loops */
+/* ------------------------------------------------------------------ results */
 
-/* msg = prev(32) || tokens_i as uint32 LE || extra_i; msg[0:32) holds the parent on entry. */
-static void chain_raw_loop(hash_fn hash, const token_buf *t, Py_ssize_t bs, Py_ssize_t n, const extras_buf *e,
-                           uint8_t *msg, uint8_t *out)
+/* Where block i's digest goes. split=False: 32 bytes at out + 32 * i of the result bytes, and the
+ * loops run without the GIL. split=True: the list's item i, a 32-byte bytes object the loop makes
+ * itself a little ahead of the hashing, so with the GIL held; made there, the allocations overlap
+ * the SHA chain (made before or after the loop they cost ~6 ns a block on their own).
+ * Each call out to the allocator costs the chain a spill and reload of its state (~2.5 ns), while
+ * a burst of allocations too long for the out-of-order window stalls it: EMIT_EVERY items a call,
+ * between a block's first and second compression, measured best (2 and 3 about equal, 1 and 4
+ * worse). Every YIELD_EVERY blocks the GIL is released and taken back, which lets a thread that
+ * asked for it run (CPython's forced switching), as the eval loop does. */
+#define EMIT_EVERY 3
+#define YIELD_EVERY 4096
+
+typedef struct {
+    PyObject *list; /* split=True: the result list; NULL: packed into out */
+    uint8_t *out;
+    Py_ssize_t n;    /* blocks */
+    Py_ssize_t made; /* list items made so far */
+} sink;
+
+/* Makes the list's items [made, upto); their 32 bytes are written by the loop. */
+static __attribute__((noinline)) int sink_make(sink *sk, Py_ssize_t upto)
+{
+    const Py_ssize_t from = sk->made;
+    for (Py_ssize_t i = from; i < upto; i++) {
+        PyObject *b = PyBytes_FromStringAndSize(NULL, 32);
+        if (!b)
+            return -1;
+        PyList_SET_ITEM(sk->list, i, b);
+        sk->made = i + 1;
+    }
+    if (from / YIELD_EVERY != upto / YIELD_EVERY) {
+        Py_BEGIN_ALLOW_THREADS
+        Py_END_ALLOW_THREADS
+    }
+    return 0;
+}
+
+/* Called in block i before its digest is stored (the SHA-NI loops call it between the block's
+ * first and second compression, where it hides best); < 0: allocation failed, exception set. */
+static inline int sink_prepare(sink *sk, Py_ssize_t i)
+{
+    if (!sk->list || i % EMIT_EVERY)
+        return 0;
+    return sink_make(sk, sk->n - i > EMIT_EVERY ? i + EMIT_EVERY : sk->n);
+}
+
+static inline uint8_t *sink_slot(const sink *sk, Py_ssize_t i)
+{
+    if (sk->list)
+        return (uint8_t *)PyBytes_AS_STRING(PyList_GET_ITEM(sk->list, i));
+    return sk->out + 32 * i;
+}
+
+/* ------------------------------------------------------------------ message assembly */
+
+/* Writes tokens_i as uint32 LE and extra_i at msg + 32 and pads; msg[0:32) is the digest's place.
+ * Returns the padded message's 64-byte block count. */
+static inline size_t raw_fill(const token_buf *t, Py_ssize_t bs, Py_ssize_t i, const extras_buf *e, uint8_t *msg)
 {
     const size_t tok_bytes = (size_t)bs * 4;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        uint8_t *p = msg + 32;
-        if (t->little_endian) {
-            memcpy(p, t->data + (size_t)i * tok_bytes, tok_bytes);
-        } else {
-            for (Py_ssize_t j = 0; j < bs; j++) {
-                uint32_t v = token_at(t, i * bs + j);
-                p[4 * j] = (uint8_t)v;
-                p[4 * j + 1] = (uint8_t)(v >> 8);
-                p[4 * j + 2] = (uint8_t)(v >> 16);
-                p[4 * j + 3] = (uint8_t)(v >> 24);
-            }
+    uint8_t *p = msg + 32;
+    if (t->little_endian) {
+        memcpy(p, t->data + (size_t)i * tok_bytes, tok_bytes);
+    } else {
+        for (Py_ssize_t j = 0; j < bs; j++) {
+            uint32_t v = token_at(t, i * bs + j);
+            p[4 * j] = (uint8_t)v;
+            p[4 * j + 1] = (uint8_t)(v >> 8);
+            p[4 * j + 2] = (uint8_t)(v >> 16);
+            p[4 * j + 3] = (uint8_t)(v >> 24);
         }
-        p += tok_bytes;
-        if (e->ptr && e->len[i]) {
-            memcpy(p, e->ptr[i], (size_t)e->len[i]);
-            p += e->len[i];
-        }
-        hash(msg, pad_message(msg, (size_t)(p - msg)), out + 32 * i);
-        memcpy(msg, out + 32 * i, 32);
     }
+    p += tok_bytes;
+    if (e->ptr && e->len[i]) {
+        memcpy(p, e->ptr[i], (size_t)e->len[i]);
+        p += e->len[i];
+    }
+    return pad_message_room(msg, (size_t)(p - msg));
 }
 
 static inline uint8_t *cbor_head(uint8_t *p, uint8_t major, uint64_t v)
@@ -460,29 +591,290 @@ static inline uint8_t *cbor_head(uint8_t *p, uint8_t major, uint64_t v)
     return p;
 }
 
+/* cbor_head(p, 0, v) for a token: one 8-byte store, no branch (token widths vary at random, so
+ * branching on them mispredicts about every other token). Writes up to 3 bytes past the end,
+ * which the rest of the message or its padding overwrite; the buffers have room for them. */
+static inline uint8_t *cbor_uint32(uint8_t *p, uint32_t v)
+{
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    const unsigned c = (unsigned)(v >= 24) + (unsigned)(v >= 0x100) + (unsigned)(v >= 0x10000);
+    const unsigned nbytes = (0x04020100u >> (8 * c)) & 0xff; /* argument bytes: 0, 1, 2 or 4 */
+    const uint64_t first = c ? 0x17u + c : v;                /* v itself, or 0x18 / 0x19 / 0x1a */
+    const uint64_t arg = (uint64_t)__builtin_bswap32(v) >> (8 * (4 - nbytes));
+    const uint64_t word = first | (arg << 8);
+    memcpy(p, &word, 8);
+    return p + 1 + nbytes;
+#else
+    return cbor_head(p, 0, v);
+#endif
+}
+
 /* msg = cbor([prev, [tokens_i...], extra_i]) with canonical (shortest) heads, as cbor2 writes it:
  * 0x83, 0x58 0x20 prev(32), the token array, then extra_i's pre-encoded CBOR or null (0xf6).
- * msg[0:35) holds 0x83 0x58 0x20 and the parent on entry. */
-static void chain_cbor_loop(hash_fn hash, const token_buf *t, Py_ssize_t bs, Py_ssize_t n, const extras_buf *e,
-                            uint8_t *msg, uint8_t *out)
+ * Writes from tok_start (after the array head at msg + 35) and pads; returns the block count. */
+/* Tokens [j0, j1) of block i as CBOR from p; returns the end. */
+static inline uint8_t *cbor_tokens(const token_buf *t, Py_ssize_t bs, Py_ssize_t i, Py_ssize_t j0, Py_ssize_t j1,
+                                   uint8_t *p)
+{
+    /* Locals: p's stores could alias *t as far as the compiler knows, and would reload it. */
+    const uint8_t *src = t->data + 4 * (i * bs + j0), *end = t->data + 4 * (i * bs + j1);
+    if (t->little_endian) {
+        for (; src < end; src += 4)
+            p = cbor_uint32(p, (uint32_t)src[0] | ((uint32_t)src[1] << 8) | ((uint32_t)src[2] << 16) |
+                                   ((uint32_t)src[3] << 24));
+    } else {
+        for (; src < end; src += 4)
+            p = cbor_uint32(p, load_be32(src));
+    }
+    return p;
+}
+
+static inline size_t cbor_finish(const extras_buf *e, Py_ssize_t i, uint8_t *msg, uint8_t *p)
+{
+    if (e->ptr && e->ptr[i]) {
+        memcpy(p, e->ptr[i], (size_t)e->len[i]);
+        p += e->len[i];
+    } else {
+        *p++ = 0xf6;
+    }
+    return pad_message_room(msg, (size_t)(p - msg));
+}
+
+static inline size_t cbor_fill(const token_buf *t, Py_ssize_t bs, Py_ssize_t i, const extras_buf *e, uint8_t *msg,
+                               uint8_t *tok_start)
+{
+    return cbor_finish(e, i, msg, cbor_tokens(t, bs, i, 0, bs, tok_start));
+}
+
+/* Bytes a cbor message of this call can take: prefix 35, array head 9, tokens 5 each, extra or null. */
+static inline size_t cbor_longest(Py_ssize_t bs, const extras_buf *e)
+{
+    return 35 + 9 + 5 * (size_t)bs + (e->max_len ? e->max_len : 1);
+}
+
+/* ------------------------------------------------------------------ chain loops: portable */
+
+/* msg = prev(32) || tokens_i as uint32 LE || extra_i; msg[0:32) holds the parent on entry. */
+static int raw_portable(const token_buf *t, Py_ssize_t bs, Py_ssize_t n, const extras_buf *e, uint8_t *msg,
+                        sink *sk)
+{
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (sink_prepare(sk, i) < 0)
+            return -1;
+        uint8_t *dst = sink_slot(sk, i);
+        hash_portable(msg, raw_fill(t, bs, i, e, msg), dst);
+        memcpy(msg, dst, 32);
+    }
+    return 0;
+}
+
+/* msg[0:35) holds 0x83 0x58 0x20 and the parent on entry. */
+static int cbor_portable(const token_buf *t, Py_ssize_t bs, Py_ssize_t n, const extras_buf *e, uint8_t *msg,
+                         sink *sk)
 {
     uint8_t *tok_start = cbor_head(msg + 35, 4, (uint64_t)bs);
     for (Py_ssize_t i = 0; i < n; i++) {
-        uint8_t *p = tok_start;
-        for (Py_ssize_t j = 0; j < bs; j++)
-            p = cbor_head(p, 0, token_at(t, i * bs + j));
-        if (e->ptr && e->ptr[i]) {
-            memcpy(p, e->ptr[i], (size_t)e->len[i]);
-            p += e->len[i];
-        } else {
-            *p++ = 0xf6;
-        }
-        hash(msg, pad_message(msg, (size_t)(p - msg)), out + 32 * i);
-        memcpy(msg + 3, out + 32 * i, 32);
+        if (sink_prepare(sk, i) < 0)
+            return -1;
+        uint8_t *dst = sink_slot(sk, i);
+        hash_portable(msg, cbor_fill(t, bs, i, e, msg, tok_start), dst);
+        memcpy(msg + 3, dst, 32);
     }
+    return 0;
 }
 
-/* Shared driver of chain_raw / chain_cbor: validate, hash without the GIL, shape the result. */
+/* ------------------------------------------------------------------ chain loops: SHA-NI */
+
+#ifdef KV_X86
+/* chain_raw without extras, block_size % 4 == 0: the message's 16-byte lanes are the digest (2),
+ * the block's tokens (bs / 4, read in place) and padding (1 to 4, constants of the call). */
+SHANI_FN int raw_shani_lanes_body(const uint8_t *tok, const Py_ssize_t bs, Py_ssize_t n, int tok_le,
+                                  const uint8_t *parent, sink *sk)
+{
+    /* The message reads tokens as uint32 LE bytes; its words are big-endian: swap LE input. */
+    const __m128i tok_mask = tok_le ? BSWAP32_MASK : _mm_set_epi64x(0x0f0e0d0c0b0a0908ULL, 0x0706050403020100ULL);
+    const size_t len = 32 + 4 * (size_t)bs;
+    const uint64_t bits = (uint64_t)len * 8;
+    const Py_ssize_t data_lanes = 2 + bs / 4;
+    const Py_ssize_t chunks = (Py_ssize_t)(padded_len(len) / 64);
+    const Py_ssize_t pad_lanes = 4 * chunks - data_lanes; /* 1..4 */
+    __m128i pad[4];
+    for (int k = 0; k < 4; k++)
+        pad[k] = _mm_setzero_si128();
+    pad[0] = _mm_insert_epi32(pad[0], (int)0x80000000u, 0);
+    pad[pad_lanes - 1] = _mm_insert_epi32(pad[pad_lanes - 1], (int)(uint32_t)(bits >> 32), 2);
+    pad[pad_lanes - 1] = _mm_insert_epi32(pad[pad_lanes - 1], (int)(uint32_t)bits, 3);
+
+#define RAW_LANE(j) ((j) < data_lanes ? _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(blk + 16 * ((j) - 2))), tok_mask) \
+                                      : pad[(j) - data_lanes])
+    __m128i w0 = shani_words(parent), w1 = shani_words(parent + 16), wk[4];
+    shani_chain_start(w0, w1, wk);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const uint8_t *blk = tok + (size_t)i * 4 * (size_t)bs;
+        __m128i s0 = IV_ABEF, s1 = IV_CDGH, base0 = s0, base1 = s1;
+        shani_rounds(&s0, &s1, w0, w1, RAW_LANE(2), RAW_LANE(3), wk);
+        if (sink_prepare(sk, i) < 0)
+            return -1;
+        for (Py_ssize_t c = 1; c < chunks; c++) {
+            s0 = _mm_add_epi32(s0, base0);
+            s1 = _mm_add_epi32(s1, base1);
+            base0 = s0;
+            base1 = s1;
+            shani_rounds(&s0, &s1, RAW_LANE(4 * c), RAW_LANE(4 * c + 1), RAW_LANE(4 * c + 2), RAW_LANE(4 * c + 3), NULL);
+        }
+        shani_chain_end(&s0, &s1, base0, base1, &w0, &w1, wk);
+        shani_store_digest(sink_slot(sk, i), w0, w1);
+    }
+#undef RAW_LANE
+    return 0;
+}
+
+/* Specialised copies for the common block sizes (the lane layout folds to constants). */
+SHANI_LOOP int raw_shani_lanes_16(const uint8_t *tok, Py_ssize_t n, int tok_le, const uint8_t *parent,
+                                  sink *sk)
+{
+    return raw_shani_lanes_body(tok, 16, n, tok_le, parent, sk);
+}
+
+SHANI_LOOP int raw_shani_lanes_32(const uint8_t *tok, Py_ssize_t n, int tok_le, const uint8_t *parent,
+                                  sink *sk)
+{
+    return raw_shani_lanes_body(tok, 32, n, tok_le, parent, sk);
+}
+
+SHANI_LOOP int raw_shani_lanes_64(const uint8_t *tok, Py_ssize_t n, int tok_le, const uint8_t *parent,
+                                  sink *sk)
+{
+    return raw_shani_lanes_body(tok, 64, n, tok_le, parent, sk);
+}
+
+SHANI_LOOP int raw_shani_lanes_any(const uint8_t *tok, Py_ssize_t bs, Py_ssize_t n, int tok_le,
+                                   const uint8_t *parent, sink *sk)
+{
+    return raw_shani_lanes_body(tok, bs, n, tok_le, parent, sk);
+}
+
+/* chain_raw in general (extras, any block size, any byte order): block i+1's message is written
+ * into one of two buffers while block i hashes; the digest's 32 bytes come from registers.
+ * bufs[k][0:32) is never written or read. */
+SHANI_LOOP int raw_shani_buffered(const token_buf *t, Py_ssize_t bs, Py_ssize_t n, const extras_buf *e,
+                                  uint8_t *bufs[2], const uint8_t *parent, sink *sk)
+{
+    __m128i w0 = shani_words(parent), w1 = shani_words(parent + 16), wk[4];
+    shani_chain_start(w0, w1, wk);
+    size_t next_chunks = raw_fill(t, bs, 0, e, bufs[0]);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const uint8_t *msg = bufs[i & 1];
+        const size_t chunks = next_chunks;
+        if (i + 1 < n)
+            next_chunks = raw_fill(t, bs, i + 1, e, bufs[(i + 1) & 1]);
+        __m128i s0 = IV_ABEF, s1 = IV_CDGH, base0 = s0, base1 = s1;
+        shani_rounds(&s0, &s1, w0, w1, shani_words(msg + 32), shani_words(msg + 48), wk);
+        if (sink_prepare(sk, i) < 0)
+            return -1;
+        for (size_t c = 1; c < chunks; c++) {
+            const uint8_t *p = msg + 64 * c;
+            s0 = _mm_add_epi32(s0, base0);
+            s1 = _mm_add_epi32(s1, base1);
+            base0 = s0;
+            base1 = s1;
+            shani_rounds(&s0, &s1, shani_words(p), shani_words(p + 16), shani_words(p + 32), shani_words(p + 48), NULL);
+        }
+        shani_chain_end(&s0, &s1, base0, base1, &w0, &w1, wk);
+        shani_store_digest(sink_slot(sk, i), w0, w1);
+    }
+    return 0;
+}
+
+/* chain_cbor: as raw_shani_buffered; the message's first 35 bytes (0x83 0x58 0x20 digest) come
+ * from registers, shifted in with palignr. bufs[k][0:35) is never read. */
+SHANI_LOOP int cbor_shani(const token_buf *t, Py_ssize_t bs, Py_ssize_t n, const extras_buf *e, uint8_t *bufs[2],
+                          const uint8_t *parent, sink *sk)
+{
+    const __m128i bswap = BSWAP32_MASK;
+    /* bytes 13..15: 0x83 (array of 3), 0x58 0x20 (byte string of 32) */
+    const __m128i head = _mm_set_epi8(0x20, 0x58, (char)0x83, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+    uint8_t *tok_start[2];
+    for (int k = 0; k < 2; k++)
+        tok_start[k] = cbor_head(bufs[k] + 35, 4, (uint64_t)bs);
+    __m128i d0 = _mm_loadu_si128((const __m128i *)parent), d1 = _mm_loadu_si128((const __m128i *)(parent + 16));
+    size_t chunks = cbor_fill(t, bs, 0, e, bufs[0], tok_start[0]);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const uint8_t *msg = bufs[i & 1];
+        /* Block i+1's message is written a piece after each of block i's compressions. */
+        const int more = i + 1 < n;
+        uint8_t *next = bufs[(i + 1) & 1], *np = tok_start[(i + 1) & 1];
+        const size_t this_chunks = chunks;
+        __m128i s0 = IV_ABEF, s1 = IV_CDGH, w0, w1;
+        const __m128i m0 = _mm_alignr_epi8(d0, head, 13);
+        const __m128i m1 = _mm_alignr_epi8(d1, d0, 13);
+        const __m128i m2 = _mm_alignr_epi8(_mm_loadu_si128((const __m128i *)(msg + 35)), d1, 13);
+        shani_compress(&s0, &s1, _mm_shuffle_epi8(m0, bswap), _mm_shuffle_epi8(m1, bswap),
+                       _mm_shuffle_epi8(m2, bswap), shani_words(msg + 48));
+        if (sink_prepare(sk, i) < 0)
+            return -1;
+        if (more)
+            np = cbor_tokens(t, bs, i + 1, 0, bs / (Py_ssize_t)this_chunks, np);
+        for (size_t c = 1; c < this_chunks; c++) {
+            const uint8_t *p = msg + 64 * c;
+            shani_compress(&s0, &s1, shani_words(p), shani_words(p + 16), shani_words(p + 32), shani_words(p + 48));
+            if (more)
+                np = cbor_tokens(t, bs, i + 1, bs * (Py_ssize_t)c / (Py_ssize_t)this_chunks,
+                                 bs * (Py_ssize_t)(c + 1) / (Py_ssize_t)this_chunks, np);
+        }
+        if (more)
+            chunks = cbor_finish(e, i + 1, next, np);
+        shani_digest_words(s0, s1, &w0, &w1);
+        d0 = _mm_shuffle_epi8(w0, bswap);
+        d1 = _mm_shuffle_epi8(w1, bswap);
+        uint8_t *dst = sink_slot(sk, i);
+        _mm_storeu_si128((__m128i *)dst, d0);
+        _mm_storeu_si128((__m128i *)(dst + 16), d1);
+    }
+    return 0;
+}
+#endif
+
+/* ------------------------------------------------------------------ driver */
+
+/* Runs the chain of one call with the current backend; < 0 (exception set) only when sk->list. */
+static int run_chain(int backend, int cbor, const token_buf *t, Py_ssize_t bs, Py_ssize_t n, const extras_buf *e,
+                     const uint8_t *parent, uint8_t *scratch, size_t scratch_half, sink *sk)
+{
+#ifdef KV_X86
+    if (backend == BACKEND_SHANI) {
+        uint8_t *bufs[2] = {scratch, scratch + scratch_half};
+        if (cbor)
+            return cbor_shani(t, bs, n, e, bufs, parent, sk);
+        if (!e->ptr && bs % 4 == 0) {
+            switch (bs) {
+            case 16:
+                return raw_shani_lanes_16(t->data, n, t->little_endian, parent, sk);
+            case 32:
+                return raw_shani_lanes_32(t->data, n, t->little_endian, parent, sk);
+            case 64:
+                return raw_shani_lanes_64(t->data, n, t->little_endian, parent, sk);
+            default:
+                return raw_shani_lanes_any(t->data, bs, n, t->little_endian, parent, sk);
+            }
+        }
+        return raw_shani_buffered(t, bs, n, e, bufs, parent, sk);
+    }
+#endif
+    (void)backend;
+    (void)scratch_half;
+    if (cbor) {
+        scratch[0] = 0x83;
+        scratch[1] = 0x58;
+        scratch[2] = 0x20;
+        memcpy(scratch + 3, parent, 32);
+        return cbor_portable(t, bs, n, e, scratch, sk);
+    }
+    memcpy(scratch, parent, 32);
+    return raw_portable(t, bs, n, e, scratch, sk);
+}
+
+/* Shared driver of chain_raw / chain_cbor: validate, hash, shape the result. */
 static PyObject *chain_common(PyObject *args, PyObject *kwargs, int cbor)
 {
     chain_args a;
@@ -501,44 +893,44 @@ static PyObject *chain_common(PyObject *args, PyObject *kwargs, int cbor)
         PyBuffer_Release(&a.parent);
         return NULL;
     }
-    PyObject *out = PyBytes_FromStringAndSize(NULL, n * 32);
-    uint8_t *msg = NULL;
-    if (out && n) {
-        size_t longest = cbor ? 35 + 9 + 5 * (size_t)bs + (e.max_len ? e.max_len : 1) : 32 + 4 * (size_t)bs + e.max_len;
-        msg = PyMem_Malloc(padded_len(longest));
-        if (!msg) {
-            Py_CLEAR(out);
-            PyErr_NoMemory();
-        }
+    const int backend = g_backend_id;
+    PyObject *result = NULL;
+    uint8_t *scratch = NULL;
+    sink sk = {NULL, NULL, n, 0};
+    if (n == 0) {
+        result = a.split ? PyList_New(0) : PyBytes_FromStringAndSize(NULL, 0);
+        goto done;
     }
-    if (msg) {
-        hash_fn hash = g_hash;
-        uint8_t *dst = (uint8_t *)PyBytes_AS_STRING(out);
-        if (cbor) {
-            msg[0] = 0x83;
-            msg[1] = 0x58;
-            msg[2] = 0x20;
-            memcpy(msg + 3, a.parent.buf, 32);
-        } else {
-            memcpy(msg, a.parent.buf, 32);
-        }
+    /* Two message buffers (one for the portable loops), each a multiple of 64 bytes. */
+    const size_t longest = cbor ? cbor_longest(bs, &e) : 32 + 4 * (size_t)bs + e.max_len;
+    const size_t half = padded_len(longest) + 64;
+    scratch = PyMem_Malloc(2 * half);
+    if (!scratch) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (a.split) {
+        result = PyList_New(n);
+        if (!result)
+            goto done;
+        sk.list = result;
+        if (run_chain(backend, cbor, &t, bs, n, &e, a.parent.buf, scratch, half, &sk) < 0)
+            Py_CLEAR(result);
+    } else {
+        result = PyBytes_FromStringAndSize(NULL, n * 32);
+        if (!result)
+            goto done;
+        sk.out = (uint8_t *)PyBytes_AS_STRING(result);
         Py_BEGIN_ALLOW_THREADS
-        if (cbor)
-            chain_cbor_loop(hash, &t, bs, n, &e, msg, dst);
-        else
-            chain_raw_loop(hash, &t, bs, n, &e, msg, dst);
+        run_chain(backend, cbor, &t, bs, n, &e, a.parent.buf, scratch, half, &sk);
         Py_END_ALLOW_THREADS
     }
-    PyMem_Free(msg);
+done:
+    PyMem_Free(scratch);
     release_extras(&e);
     PyBuffer_Release(&t.view);
     PyBuffer_Release(&a.parent);
-    if (out && a.split) {
-        PyObject *list = split_digests(out);
-        Py_DECREF(out);
-        return list;
-    }
-    return out;
+    return result;
 }
 
 static PyObject *chain_raw(PyObject *self, PyObject *args, PyObject *kwargs)
@@ -568,7 +960,7 @@ static PyObject *sha256_py(PyObject *self, PyObject *arg)
         return PyErr_NoMemory();
     }
     memcpy(msg, b.buf, (size_t)b.len);
-    g_hash(msg, pad_message(msg, (size_t)b.len), digest);
+    hash_padded(g_backend_id, msg, pad_message(msg, (size_t)b.len), digest);
     PyMem_Free(msg);
     PyBuffer_Release(&b);
     return PyBytes_FromStringAndSize((const char *)digest, 32);
@@ -591,7 +983,7 @@ static PyObject *backend_py(PyObject *self, PyObject *unused)
 {
     (void)self;
     (void)unused;
-    return PyUnicode_FromString(g_backend);
+    return PyUnicode_FromString(backend_name(g_backend_id));
 }
 
 static PyObject *available_backends_py(PyObject *self, PyObject *unused)
