@@ -14,6 +14,13 @@ EXTENSIONS: list[Extension] = [
         ["allocator/_hashtable.c"],
         extra_compile_args=["-O3", "-std=gnu11", "-Wall", "-Wextra"],
     ),
+    # send_cache and the layer signal: futex + shared memory; the CUDA runtime is dlopen'ed at run time.
+    Extension(
+        "kvcache.ops._send_cache",
+        ["ops/_send_cache.c"],
+        extra_compile_args=["-O3", "-std=gnu11", "-Wall", "-Wextra"],
+        libraries=["dl", "rt"],
+    ),
 ]
 
 setup(ext_modules=EXTENSIONS)
