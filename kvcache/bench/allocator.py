@@ -27,6 +27,10 @@ from kvcache.allocator import Full, KVCacheManager, Window, prefix
 from kvcache.allocator.pool import BlockPool
 from kvcache.allocator.swa import AttentionPolicy
 from kvcache.bench import vllm_peer
+from kvcache.bench.common import mark as _mark
+from kvcache.bench.common import positive_int as _positive_int
+from kvcache.bench.common import ratio as _x
+from kvcache.bench.common import table as _table
 from kvcache.bench.hashing import _vllm_request_hashes, _vllm_sha256, bench_hashing
 
 PROMPT_TOKENS = 32768
@@ -313,21 +317,6 @@ def _add_e2e_ratios(rows: list[dict[str, Any]]) -> None:
 # --------------------------------------------------------------------------- report
 
 
-def _table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    """Right-aligned columns, two spaces apart, indented by two."""
-    widths = [max([len(h), *(len(r[i]) for r in rows)]) for i, h in enumerate(headers)]
-    lines = [headers, *rows]
-    return "\n".join("  " + "  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in lines)
-
-
-def _mark(ok: bool | None) -> str:
-    return "-" if ok is None else "ok" if ok else "MISS"
-
-
-def _x(ratio: float | None) -> str:
-    return "-" if ratio is None else f"{ratio:.1f}x"
-
-
 def render(result: dict[str, Any]) -> str:
     """The human-readable report: one table per section."""
     cfg = result["config"]
@@ -426,17 +415,6 @@ def _run(args: argparse.Namespace) -> int:
     result = run_benchmark(repeat, args.quick)
     print(json.dumps(result, indent=2) if args.json else render(result))
     return 0
-
-
-def _positive_int(text: str) -> int:
-    """argparse type: an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 def add_parser(targets: argparse._SubParsersAction) -> None:

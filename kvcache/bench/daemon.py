@@ -1,0 +1,1017 @@
+"""`kvcache bench daemon`: a real `kvcache serve` against raw ZMQ on the same transport, in one run.
+
+One transport per run (ipc:// by default, ``--transport tcp`` for 127.0.0.1 on free ports):
+  1. limit: a DEALER/ROUTER echo server in its own process (pyzmq only, no kvcache code): round
+     trips at the byte sizes of a real step's request and reply (read off a real step first),
+     and pipelined small-message throughput with a window of outstanding requests;
+  2. step round trip: a daemon holding 256 decoding requests with 2,048-token prompts (block 16,
+     uniform rows, prefix caching on, unique prompts so every admit hashes and, once the pool is
+     full, evicts); each step is one ``client.batch()``: 2 frees of the oldest requests, 256
+     one-token extends (one extend_many on the wire), 2 admits of fresh prompts. Echo round trips
+     and steps take turns in rounds, so a slow spell of the machine falls on both;
+  3. throughput: extends per second through the daemon, from client processes in parallel,
+     through ``CacheClient.batch()`` (what a scheduler pays) and as pre-packed extend_many
+     messages (the daemon's own limit: the client does next to nothing);
+  4. delta lag: raw SUB sockets in separate processes record, per delta, receive time minus the
+     delta's publish time ``t`` (both CLOCK_MONOTONIC, system-wide on Linux) while steps run, and
+     check that every seq arrived;
+  5. profile: the step workload through ``CacheServer.handle`` in this process on pre-packed
+     messages, timed plain and then under cProfile, its time split along the call tree (decode,
+     validate, apply, pack, publish, bookkeeping).
+Every process started is stopped on the way out (errors and Ctrl-C included) and every wait has a
+deadline. The exit code is 0 whatever the numbers: a benchmark reports, it does not fail.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import cProfile
+import dataclasses
+import json
+import os
+import platform
+import pstats
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import msgpack
+import numpy as np
+import zmq
+
+from kvcache.allocator.errors import KVCacheError
+from kvcache.bench.common import Fleet, expect, mark, positive_int, ratio, table
+from kvcache.client import CacheClient, DaemonError
+from kvcache.protocol import PROTOCOL_VERSION, pack, unpack
+
+if TYPE_CHECKING:
+    from multiprocessing.connection import Connection
+
+VOCAB = 150_000
+DECODE_TOKENS = 1
+SETUP_ADMITS_PER_MESSAGE = 16
+THROUGHPUT_PROMPT_TOKENS = 16  # and up to 15 more: one or two blocks, so admitting thousands is quick
+RENEW_OPS_PER_MESSAGE = 1024
+SMALL_MESSAGE_BYTES = 64
+WARMUP_STEPS = 20
+CHILD_GRACE_S = 5.0  # a child's own deadline (the client timeout) passes first, so its error is the one shown
+OK_MARK = b"\xa2ok\xc3"  # msgpack "ok": true, within a reply's first bytes
+READY = b"kvcache serve: ready"
+
+# Targets.
+STEP_OVER_ECHO_TARGET = 2.0
+EXTENDS_PER_S_TARGET = 500_000
+LAG_P99_TARGET_US = 1000.0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class BenchConfig:
+    """One run's sizes and counts; ``quick_defaults()`` holds the small ones tests use."""
+
+    transport: str = "ipc"
+    requests: int = 256
+    prompt_tokens: int = 2048
+    admits: int = 2  # per step, and as many frees
+    block_size: int = 16
+    num_blocks: int = 262_144
+    steps: int = 1000
+    rounds: int = 10  # echo and steps take turns this many times
+    seconds: float = 1.0  # per throughput row, and for pipelined echo
+    batches: tuple[int, ...] = (256, 4096)
+    clients: tuple[int, ...] = (1, 2, 4)
+    window: int = 64
+    subscribers: int = 8
+    lag_steps: int = 500
+    profile_steps: int = 300
+    timeout: float = 30.0
+    quick: bool = False
+
+    @staticmethod
+    def quick_defaults() -> dict[str, Any]:
+        return {"steps": 120, "rounds": 3, "seconds": 0.2, "clients": (1, 2), "lag_steps": 100,
+                "profile_steps": 60, "quick": True}
+
+
+# --------------------------------------------------------------------------- processes
+
+
+class _Endpoints(NamedTuple):
+    """Where the echo server and the daemon listen, all on the run's transport."""
+
+    echo: str
+    daemon: str
+    pub: str
+    replay: str
+
+
+def _free_tcp_ports(count: int) -> list[int]:
+    """Ports of 127.0.0.1 free right now (held open together, so they differ)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) for _ in range(count)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+
+
+def _endpoints(transport: str, folder: Path) -> _Endpoints:
+    if transport == "ipc":
+        return _Endpoints(*(f"ipc://{folder}/{name}.sock" for name in ("echo", "d", "d-pub", "d-replay")))
+    return _Endpoints(*(f"tcp://127.0.0.1:{port}" for port in _free_tcp_ports(4)))
+
+
+# --------------------------------------------------------------------------- 1. raw zmq echo
+
+
+def _echo_server(conn: Connection, endpoint: str) -> None:
+    """ROUTER echo: a request whose first 4 bytes (LE) say N gets N zero bytes back; N = 0 echoes it."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.bind(endpoint)
+    conn.send(("ready",))
+    replies: dict[int, bytes] = {}
+    try:
+        while True:
+            if not sock.poll(100):
+                if conn.poll(0):  # checked only when idle, so it adds nothing to a round trip
+                    return
+                continue
+            for _ in range(1024):
+                try:
+                    ident, payload = sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                size = int.from_bytes(payload[:4], "little")
+                reply = payload if size == 0 else replies.get(size) or replies.setdefault(size, bytes(size))
+                sock.send_multipart([ident, reply])
+    finally:
+        sock.close(0)
+        ctx.term()
+
+
+class _EchoClient:
+    """The scheduler's side of the echo: round trips of given sizes, and a pipelined flood."""
+
+    def __init__(self, ctx: zmq.Context, endpoint: str, timeout: float) -> None:
+        self.timeout = timeout
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+
+    def close(self) -> None:
+        self.sock.close(0)
+
+    def _recv(self) -> bytes:
+        if not self.sock.poll(int(self.timeout * 1000)):
+            raise KVCacheError(f"echo server: no reply within {self.timeout:g} s")
+        return self.sock.recv()
+
+    def round_trips(self, request_bytes: int, reply_bytes: int, count: int) -> np.ndarray:
+        """ns of each of ``count`` round trips: ``request_bytes`` out, ``reply_bytes`` back."""
+        payload = max(reply_bytes, 1).to_bytes(4, "little") + bytes(max(request_bytes - 4, 0))
+        out = np.empty(count, dtype=np.int64)
+        for i in range(count):
+            t0 = time.perf_counter_ns()
+            self.sock.send(payload)
+            self._recv()
+            out[i] = time.perf_counter_ns() - t0
+        return out
+
+    def pipelined(self, window: int, size: int, seconds: float) -> tuple[int, float]:
+        """Messages answered and seconds taken, keeping ``window`` requests in flight for ``seconds``."""
+        payload = bytes(max(size, 4))  # size 0 in the header: the server echoes it
+        t0 = time.perf_counter()
+        end = t0 + seconds
+        for _ in range(window):
+            self.sock.send(payload)
+        answered, in_flight = 0, window
+        while in_flight:
+            self._recv()
+            answered += 1
+            in_flight -= 1
+            if time.perf_counter() < end:
+                self.sock.send(payload)
+                in_flight += 1
+        return answered, time.perf_counter() - t0
+
+
+# --------------------------------------------------------------------------- 2. the step workload
+
+
+class _StepInput(NamedTuple):
+    """What one step sends, made before its clock starts: a decode token per request and fresh prompts."""
+
+    decode: list[np.ndarray]
+    prompts: list[np.ndarray]
+
+
+class _Scheduler:
+    """The step workload over one CacheClient: a steady set of ``requests`` decoding requests.
+
+    A step in a scheduler's order: free the ``admits`` oldest requests (they
+    finished last step, so this step does not extend them), extend each of the
+    ``requests`` running ones by a token, admit as many fresh prompts (unique
+    tokens: no prefix hits; they decode from the next step on). So ``requests
+    + admits`` are live between steps.
+
+        live before a step   | finished (admits) | running (requests) ...        |
+        the step's ops       | free, free        | extend × requests | admit, admit
+    """
+
+    def __init__(self, client: CacheClient, cfg: BenchConfig, seed: int = 0) -> None:
+        self.client = client
+        self.cfg = cfg
+        self.rng = np.random.default_rng(seed)
+        self.live: collections.deque[int] = collections.deque()
+        self._next_id = 0
+
+    def _prompt(self) -> np.ndarray:
+        return self.rng.integers(0, VOCAB, size=self.cfg.prompt_tokens, dtype=np.int32)
+
+    def setup(self) -> None:
+        """Admit the steady set (and the first step's finishing requests), a few prompts per message."""
+        total = self.cfg.requests + self.cfg.admits
+        while len(self.live) < total:
+            batch = self.client.batch()
+            ids = list(range(self._next_id, self._next_id + min(SETUP_ADMITS_PER_MESSAGE, total - len(self.live))))
+            for rid in ids:
+                batch.admit(rid, self._prompt())
+            _check(batch.send(), "setup admit")
+            self._next_id += len(ids)
+            self.live.extend(ids)
+
+    def inputs(self, count: int) -> list[_StepInput]:
+        tokens = self.rng.integers(0, VOCAB, size=(count, self.cfg.requests, DECODE_TOKENS), dtype=np.int32)
+        return [_StepInput(list(tokens[i]), [self._prompt() for _ in range(self.cfg.admits)]) for i in range(count)]
+
+    def step(self, inp: _StepInput) -> list[Any]:
+        """One round trip: free the oldest, extend the running requests, admit fresh prompts.
+
+        Returns the extends' and admits' results (a free's result is always None).
+        """
+        batch = self.client.batch()
+        for _ in inp.prompts:
+            batch.free(self.live.popleft())
+        for rid, tokens in zip(self.live, inp.decode):
+            batch.extend(rid, tokens)
+        for prompt in inp.prompts:
+            batch.admit(self._next_id, prompt)
+            self.live.append(self._next_id)
+            self._next_id += 1
+        return batch.send()[len(inp.prompts):]
+
+    def run(self, count: int) -> np.ndarray:
+        """ns of each of ``count`` steps (inputs made beforehand, results checked afterwards)."""
+        out = np.empty(count, dtype=np.int64)
+        for i, inp in enumerate(self.inputs(count)):
+            t0 = time.perf_counter_ns()
+            results = self.step(inp)
+            out[i] = time.perf_counter_ns() - t0
+            _check(results, "step")
+        return out
+
+
+def _check(results: list[Any], what: str) -> None:
+    """Every op applied: no DaemonError, no None (no room would mean --num-blocks is too small)."""
+    for r in results:
+        if isinstance(r, DaemonError):
+            raise KVCacheError(f"{what}: the daemon refused an op: {r}")
+        if r is None:
+            raise KVCacheError(f"{what}: the daemon had no room (raise --num-blocks)")
+
+
+class _SizeProbe:
+    """Stands in for a client's socket for one step, remembering the bytes of the request and reply."""
+
+    def __init__(self, sock: zmq.Socket) -> None:
+        self.sock = sock
+        self.sent = self.received = 0
+
+    def send(self, data: bytes, *args: Any, **kwargs: Any) -> Any:
+        self.sent = len(data)
+        return self.sock.send(data, *args, **kwargs)
+
+    def recv(self, *args: Any, **kwargs: Any) -> bytes:
+        data = self.sock.recv(*args, **kwargs)
+        self.received = len(data)
+        return data
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.sock, name)
+
+
+def _measure_step_sizes(sched: _Scheduler) -> tuple[int, int]:
+    """Bytes of a real step's request and reply, read off the client's socket."""
+    client = sched.client
+    probe = _SizeProbe(client._sock)
+    client._sock = probe  # type: ignore[assignment]
+    try:
+        _check(sched.step(sched.inputs(1)[0]), "step")
+    finally:
+        if client._sock is probe:
+            client._sock = probe.sock
+    return probe.sent, probe.received
+
+
+def _percentiles_us(ns: np.ndarray) -> tuple[float, float]:
+    p50, p99 = np.percentile(ns, [50, 99])
+    return float(p50) / 1e3, float(p99) / 1e3
+
+
+def _warmup_steps(cfg: BenchConfig) -> int:
+    """Steps until every request admitted at set-up was replaced: the steady state.
+
+    The set-up's requests all hold 2,048 tokens, so they cross block boundaries
+    (an extend's slow path: allocate, hash) in the same step, every 16 steps;
+    requests admitted a step apart are spread evenly, as in a running server.
+    """
+    return max(WARMUP_STEPS, -(-cfg.requests // cfg.admits) + 1)
+
+
+def bench_echo_and_steps(cfg: BenchConfig, echo: _EchoClient, sched: _Scheduler) -> tuple[dict, dict]:
+    """Sections 1 and 2: echo at a real step's sizes and the steps themselves, taking turns."""
+    sched.setup()
+    sched.run(_warmup_steps(cfg))
+    request_bytes, reply_bytes = _measure_step_sizes(sched)
+    echo.round_trips(request_bytes, reply_bytes, WARMUP_STEPS)
+    per_round = max(1, cfg.steps // cfg.rounds)
+    echo_ns, step_ns = [], []
+    for _ in range(cfg.rounds):
+        echo_ns.append(echo.round_trips(request_bytes, reply_bytes, per_round))
+        step_ns.append(sched.run(per_round))
+    echo_all, steps_all = np.concatenate(echo_ns), np.concatenate(step_ns)
+    answered, seconds = echo.pipelined(cfg.window, SMALL_MESSAGE_BYTES, cfg.seconds)
+    e50, e99 = _percentiles_us(echo_all)
+    s50, s99 = _percentiles_us(steps_all)
+    echo_out = {
+        "request_bytes": request_bytes,
+        "reply_bytes": reply_bytes,
+        "round_trips": int(echo_all.size),
+        "p50_us": e50,
+        "p99_us": e99,
+        "pipelined": {"window": cfg.window, "message_bytes": SMALL_MESSAGE_BYTES, "messages": answered,
+                      "seconds": seconds, "messages_per_s": answered / seconds},
+    }
+    step_out = {
+        "requests": cfg.requests,
+        "extends_per_step": cfg.requests,
+        "admits_per_step": cfg.admits,
+        "frees_per_step": cfg.admits,
+        "prompt_tokens": cfg.prompt_tokens,
+        "steps": int(steps_all.size),
+        "p50_us": s50,
+        "p99_us": s99,
+        "mean_us": float(steps_all.mean()) / 1e3,
+        "echo_p50_us": e50,
+        "p50_over_echo_p50": s50 / e50,
+        "p99_over_echo_p99": s99 / e99,
+        "extends_per_s": cfg.requests / (float(steps_all.mean()) / 1e9),
+        "target": f"p50 <= {STEP_OVER_ECHO_TARGET:g}x echo p50",
+        "ok": s50 / e50 <= STEP_OVER_ECHO_TARGET,
+    }
+    return echo_out, step_out
+
+
+# --------------------------------------------------------------------------- 3. throughput
+
+
+def _extend_client(conn: Connection, endpoint: str, index: int, timeout: float) -> None:
+    """A client process: on "renew" holds a fresh set of requests, on "run" extends them for a while."""
+    ctx = zmq.Context()
+    client = CacheClient(endpoint, timeout=timeout, name=f"bench-extend-{index}-{os.getpid()}", context=ctx)
+    rng = np.random.default_rng(index)
+    ids: list[int] = []
+    generation = 0
+    runs = 0
+    try:
+        conn.send(("ready",))
+        while True:
+            if not conn.poll(1.0):
+                continue
+            cmd = conn.recv()
+            if cmd[0] == "stop":
+                return
+            if cmd[0] == "renew":
+                generation += 1
+                fresh = [(index + 1) * 10**12 + generation * 10**6 + i for i in range(cmd[1])]
+                ops: list[tuple[str, int]] = [("free", r) for r in ids] + [("admit", r) for r in fresh]
+                for start in range(0, len(ops), RENEW_OPS_PER_MESSAGE):
+                    batch = client.batch()
+                    for kind, rid in ops[start:start + RENEW_OPS_PER_MESSAGE]:
+                        if kind == "free":
+                            batch.free(rid)
+                        else:  # lengths spread over a block, as in a running server: a message's extends
+                            # cross block boundaries (the slow path) evenly, not all at once every 16 messages
+                            size = THROUGHPUT_PROMPT_TOKENS + rid % THROUGHPUT_PROMPT_TOKENS
+                            batch.admit(rid, rng.integers(0, VOCAB, size, dtype=np.int32))
+                    results = batch.send()
+                    _check([r for (kind, _), r in zip(ops[start:start + RENEW_OPS_PER_MESSAGE], results)
+                            if kind == "admit"], "renew")
+                ids = fresh
+                conn.send(("renewed",))
+            elif cmd[0] == "run":
+                _, path, size, t_start, t_end = cmd
+                runs += 1
+                if path == "client":
+                    out = _run_client_path(client, ids[:size], t_start, t_end)
+                else:
+                    out = _run_wire_path(ctx, endpoint, f"{client.name}-wire-{runs}", ids[:size], t_start, t_end,
+                                         timeout)
+                conn.send(("ran", out))
+    finally:
+        client.close()
+        ctx.destroy(0)
+
+
+def _sleep_until(t: float) -> None:
+    delay = t - time.monotonic()
+    if delay > 0:
+        time.sleep(delay)
+
+
+def _run_client_path(client: CacheClient, ids: list[int], t_start: float, t_end: float) -> dict[str, Any]:
+    """Batches of one-token extends through CacheClient.batch() until ``t_end``."""
+    tokens = list(np.ones((len(ids), 1), dtype=np.int32))
+    lat, no_room = [], 0
+    _sleep_until(t_start)
+    while time.monotonic() < t_end:
+        t0 = time.perf_counter_ns()
+        batch = client.batch()
+        for rid, tok in zip(ids, tokens):
+            batch.extend(rid, tok)
+        results = batch.send()
+        lat.append(time.perf_counter_ns() - t0)
+        no_room += sum(r is None for r in results)
+        _check([r for r in results if r is not None], "extend")
+    return {"messages": len(lat), "extends": len(lat) * len(ids), "end": time.monotonic(),
+            "p50_us": float(np.median(lat)) / 1e3 if lat else 0.0, "no_room": no_room}
+
+
+def _run_wire_path(ctx: zmq.Context, endpoint: str, name: str, ids: list[int], t_start: float, t_end: float,
+                   timeout: float) -> dict[str, Any]:
+    """Pre-packed extend_many messages (as Batch.send puts them on the wire) on a raw DEALER until ``t_end``."""
+    n = len(ids)
+    ops = pack([{"op": "extend_many", "reqs": ids, "tokens": np.ones(n, dtype=np.int64),
+                 "counts": np.ones(n, dtype=np.int64)}])
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    lat: list[int] = []
+    reply = b""
+    try:
+        _sleep_until(t_start)
+        request_id = 0
+        while time.monotonic() < t_end:
+            request_id += 1
+            head = pack({"v": PROTOCOL_VERSION, "client": name, "id": request_id, "ops": []})
+            t0 = time.perf_counter_ns()
+            sock.send(head[:-1] + ops)  # head ends with the empty ops list (0x90): splice the packed ops in
+            if not sock.poll(int(timeout * 1000)):
+                raise KVCacheError(f"daemon: no reply within {timeout:g} s")
+            reply = sock.recv()
+            lat.append(time.perf_counter_ns() - t0)
+            if OK_MARK not in reply[:32]:
+                raise KVCacheError(f"extend_many refused: {unpack(reply, 1 << 31).get('error')}")
+    finally:
+        sock.close(0)
+    no_room = int((unpack(reply, 1 << 31)["results"][0]["lens"] < 0).sum()) if reply else 0
+    return {"messages": len(lat), "extends": len(lat) * n, "end": time.monotonic(),
+            "p50_us": float(np.median(lat)) / 1e3 if lat else 0.0, "no_room": no_room}
+
+
+def bench_throughput(cfg: BenchConfig, fleet: Fleet, endpoint: str, step: dict[str, Any]) -> list[dict[str, Any]]:
+    """Extends per second: the step workload's, then batches through 1..N client processes."""
+    rows = [{"path": "steps (section 2)", "clients": 1, "extends_per_message": cfg.requests,
+             "extends_per_s": step["extends_per_s"], "messages_per_s": 1e6 / step["mean_us"],
+             "p50_us": step["p50_us"], "no_room": 0}]
+    most = max(cfg.clients)
+    conns = [fleet.spawn(_extend_client, endpoint, i, cfg.timeout) for i in range(most)]
+    try:
+        deadline = time.monotonic() + cfg.timeout
+        for i, c in enumerate(conns):
+            expect(c, "ready", deadline, f"extend client {i}")
+        plan = [("client", 1, b) for b in cfg.batches] + [("wire", n, b) for n in cfg.clients for b in cfg.batches]
+        for path, n, size in plan:
+            active = conns[:n]
+            for c in active:  # fresh requests each row, so tables grown by earlier rows go back to the pool
+                c.send(("renew", max(cfg.batches)))
+            deadline = time.monotonic() + cfg.timeout + CHILD_GRACE_S
+            for i, c in enumerate(active):
+                expect(c, "renewed", deadline, f"extend client {i}")
+            t_start = time.monotonic() + 0.05
+            t_end = t_start + cfg.seconds
+            for c in active:
+                c.send(("run", path, size, t_start, t_end))
+            deadline = t_end + cfg.timeout + CHILD_GRACE_S
+            outs = [expect(c, "ran", deadline, f"extend client {i}")[1] for i, c in enumerate(active)]
+            elapsed = max(o["end"] for o in outs) - t_start
+            extends = sum(o["extends"] for o in outs)
+            rows.append({
+                "path": "CacheClient.batch()" if path == "client" else "pre-packed extend_many",
+                "clients": n,
+                "extends_per_message": size,
+                "extends_per_s": extends / elapsed,
+                "messages_per_s": sum(o["messages"] for o in outs) / elapsed,
+                "p50_us": float(np.median([o["p50_us"] for o in outs])),
+                "no_room": sum(o["no_room"] for o in outs),
+            })
+    finally:
+        fleet.stop(conns)
+    for r in rows:
+        r["ok"] = r["extends_per_s"] >= EXTENDS_PER_S_TARGET
+    return rows
+
+
+# --------------------------------------------------------------------------- 4. delta lag
+
+
+def _subscriber(conn: Connection, pub_endpoint: str) -> None:
+    """A raw SUB socket: per delta, seq, receive time minus the delta's publish time, and its bytes."""
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"T")
+    sub.connect(pub_endpoint)
+    seqs: list[int] = []
+    lags: list[int] = []
+    sizes: list[int] = []
+    report_at: int | None = None
+    report_by = 0.0
+    announced = False
+    try:
+        conn.send(("connected",))
+        while True:
+            if sub.poll(20):
+                while True:
+                    try:
+                        frames = sub.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    now = time.monotonic_ns()  # before decoding: the lag is the transport's, not ours
+                    seq = int.from_bytes(frames[1], "big", signed=True)
+                    if not announced:  # a heartbeat does as well: the subscription is live
+                        conn.send(("first", seq))
+                        announced = True
+                    if not frames[2]:  # a heartbeat (the latest seq, no delta) after the daemon's idle spells
+                        continue
+                    # Arrays stay msgpack ExtType: only "t" is read.
+                    delta = msgpack.unpackb(frames[2], raw=False, strict_map_key=False)
+                    seqs.append(seq)
+                    lags.append(now - delta["t"])
+                    sizes.append(len(frames[2]))
+            if conn.poll(0):
+                cmd = conn.recv()
+                if cmd[0] == "stop":
+                    return
+                report_at, report_by = cmd[1], time.monotonic() + cmd[2]
+            if report_at is not None and ((seqs and seqs[-1] >= report_at) or time.monotonic() > report_by):
+                conn.send(("report", seqs, lags, sizes))
+                report_at = None
+    finally:
+        sub.close(0)
+        ctx.term()
+
+
+def bench_lag(cfg: BenchConfig, fleet: Fleet, pub_endpoint: str, sched: _Scheduler) -> dict[str, Any]:
+    """Section 4: subscribers in their own processes time every delta while steps run back to back."""
+    conns = [fleet.spawn(_subscriber, pub_endpoint) for _ in range(cfg.subscribers)]
+    try:
+        deadline = time.monotonic() + cfg.timeout
+        for i, c in enumerate(conns):
+            expect(c, "connected", deadline, f"subscriber {i}")
+        # A SUB socket joins a moment after connect: step until every subscriber has seen a delta.
+        waiting = set(range(len(conns)))
+        deadline = time.monotonic() + cfg.timeout
+        while waiting:
+            if time.monotonic() > deadline:
+                raise KVCacheError(f"subscribers {sorted(waiting)}: no delta within {cfg.timeout:g} s")
+            sched.run(1)
+            for i in [i for i in waiting if conns[i].poll(0)]:
+                expect(conns[i], "first", deadline, f"subscriber {i}")
+                waiting.discard(i)
+        first = sched.client.last_seq
+        step_ns = sched.run(cfg.lag_steps)
+        last = sched.client.last_seq
+        for c in conns:
+            c.send(("report", last, cfg.timeout))
+        deadline = time.monotonic() + cfg.timeout
+        reports = [expect(c, "report", deadline, f"subscriber {i}")[1:] for i, c in enumerate(conns)]
+    finally:
+        fleet.stop(conns)
+    expected = last - first
+    all_lags, per_sub_p99, gaps, received, sizes = [], [], 0, 0, []
+    for seqs, lags, size in reports:
+        s, lag = np.asarray(seqs), np.asarray(lags, dtype=np.int64)
+        window = (s > first) & (s <= last)
+        got = np.unique(s[window])
+        gaps += expected - got.size
+        received += int(window.sum())
+        all_lags.append(lag[window])
+        sizes.append(np.asarray(size)[window])
+        per_sub_p99.append(float(np.percentile(lag[window], 99)) / 1e3 if window.any() else 0.0)
+    lags_all = np.concatenate(all_lags)
+    if lags_all.size == 0:
+        raise KVCacheError(f"subscribers: none of the {expected} deltas of seq {first + 1}..{last} arrived")
+    p50, p99 = _percentiles_us(lags_all)
+    s50, s99 = _percentiles_us(step_ns)
+    return {
+        "subscribers": cfg.subscribers,
+        "cpus": os.cpu_count(),
+        "steps": int(step_ns.size),
+        "step_p50_us": s50,
+        "step_p99_us": s99,
+        "deltas": expected,
+        "received": received,
+        "delta_bytes_mean": float(np.concatenate(sizes).mean()),
+        "p50_us": p50,
+        "p99_us": p99,
+        "max_us": float(lags_all.max()) / 1e3,
+        "worst_subscriber_p99_us": max(per_sub_p99),
+        "gaps": int(gaps),
+        "target": f"p99 <= {LAG_P99_TARGET_US / 1e3:g} ms, no seq gaps",
+        "ok": p99 <= LAG_P99_TARGET_US and gaps == 0,
+    }
+
+
+# --------------------------------------------------------------------------- 5. profile
+
+
+def _step_messages(cfg: BenchConfig, steps: int, seed: int = 1) -> tuple[list[bytes], list[bytes]]:
+    """Pre-packed setup and step messages of the step workload, ops shaped as Batch.send sends them."""
+    rng = np.random.default_rng(seed)
+    live: collections.deque[int] = collections.deque()
+    msg_id = 0
+
+    def message(ops: list[dict[str, Any]]) -> bytes:
+        nonlocal msg_id
+        msg_id += 1
+        return pack({"v": PROTOCOL_VERSION, "client": "bench-profile", "id": msg_id, "ops": ops})
+
+    def prompt() -> np.ndarray:
+        return rng.integers(0, VOCAB, size=cfg.prompt_tokens, dtype=np.int32)
+
+    setup = []
+    total = cfg.requests + cfg.admits
+    for start in range(0, total, SETUP_ADMITS_PER_MESSAGE):
+        ids = list(range(start, min(start + SETUP_ADMITS_PER_MESSAGE, total)))
+        setup.append(message([{"op": "admit", "req": r, "tokens": prompt()} for r in ids]))
+        live.extend(ids)
+    next_id = total
+    out = []
+    for _ in range(steps):
+        ops: list[dict[str, Any]] = [{"op": "free", "req": live.popleft()} for _ in range(cfg.admits)]
+        ops.append({"op": "extend_many", "reqs": list(live),
+                    "tokens": rng.integers(0, VOCAB, size=len(live) * DECODE_TOKENS).astype(np.int64),
+                    "counts": np.full(len(live), DECODE_TOKENS, dtype=np.int64)})
+        for _ in range(cfg.admits):
+            ops.append({"op": "admit", "req": next_id, "tokens": prompt()})
+            live.append(next_id)
+            next_id += 1
+        out.append(message(ops))
+    return setup, out
+
+
+# What the leaves of the split (functions outside the server's file) do, by function name.
+_MEANING = {
+    "unpack": "msgpack decode, array exts",
+    "header": "envelope check",
+    "check_request_id": "type and range, per request",
+    "check_tokens": "token array check",
+    "extend_many": "decode extends",
+    "extend": "slow path: allocate, hash, register",
+    "admit": "hash, match, allocate",
+    "free": "blocks back to the pool",
+    "pack": "msgpack encode, array exts",
+    "observe_step": "metrics",
+    "update": "metrics",
+}
+MIN_PHASE_SHARE = 0.01  # smaller callees are summed into one "other" row
+
+
+def _label(key: tuple[str, int, str], home: str) -> str:
+    """``module.function`` of a profiler key; bare ``function`` in ``home`` (the server's file) and built-ins."""
+    file, _, name = key
+    return name if file in ("~", home) else f"{Path(file).stem}.{name}"
+
+
+def _split(stats: dict, root: tuple[str, int, str], steps: int) -> list[dict[str, Any]]:
+    """The root's cumulative time per step, split along call edges.
+
+    Functions of the root's own file (the server's glue, which changes often) are
+    opened up into what they call; anything else (protocol, manager, metrics,
+    built-ins) is a leaf. Parts under ``MIN_PHASE_SHARE`` are summed into one row.
+    """
+    callees: dict[tuple, dict[tuple, float]] = collections.defaultdict(dict)
+    for key, (_, _, _, _, callers) in stats.items():
+        for caller, edge in callers.items():
+            callees[caller][key] = edge[3]
+    rows: list[tuple[str, str, float]] = []
+
+    def walk(key: tuple, path: str, scale: float, above: frozenset) -> None:
+        rows.append((f"{path} (own code)", "", stats[key][2] * scale))
+        for child, seconds in sorted(callees[key].items(), key=lambda kv: -kv[1]):
+            label = f"{path} > {_label(child, root[0])}"
+            if child[0] == root[0] and stats[child][3] > 0 and child not in above:  # recursion stays a leaf
+                walk(child, label, scale * seconds / stats[child][3], above | {child})  # this path's part of it
+            else:
+                rows.append((label, _MEANING.get(child[2], ""), seconds * scale))
+
+    walk(root, root[2], 1.0, frozenset([root]))
+    total = stats[root][3]
+    kept = [(path, what, s) for path, what, s in rows if s >= MIN_PHASE_SHARE * total]
+    rest = total - sum(s for _, _, s in kept)
+    kept.append((f"other ({len(rows) - len(kept)} smaller parts)", "", rest))
+    paths = [path.split(" > ") for path, _, _ in kept[:-1]]
+    common = 0  # leading steps every row shares, printed once above the table
+    while paths and all(len(p) > common + 1 and p[common] == paths[0][common] for p in paths):
+        common += 1
+    return [{"path": " > ".join(p[:common]) if p else root[2], "phase": " > ".join(p[common:]) if p else path,
+             "what": what, "us": s * 1e6 / steps, "share": s / total}
+            for p, (path, what, s) in zip([*paths, []], kept)]
+
+
+def bench_profile(cfg: BenchConfig, folder: Path) -> dict[str, Any]:
+    """Section 5: CacheServer.handle on pre-packed step messages, timed plain, then under cProfile."""
+    from kvcache.config import ServeConfig
+    from kvcache.serve import build_manager
+    from kvcache.server import CacheServer
+
+    serve_cfg = ServeConfig(endpoint=f"ipc://{folder}/p.sock", num_blocks=cfg.num_blocks,
+                            block_size=cfg.block_size, rows="full", enable_prefix_caching=True)
+    manager, rows, extra = build_manager(serve_cfg.resolved())
+    ctx = zmq.Context()
+    server = CacheServer(serve_cfg, manager, rows, context=ctx, extra_info=extra)
+    try:
+        warm = _warmup_steps(cfg)
+        setup, messages = _step_messages(cfg, warm + 2 * cfg.profile_steps)
+        for m in setup + messages[:warm]:
+            _check_reply(server.handle(m))
+        plain = np.empty(cfg.profile_steps, dtype=np.int64)
+        for i, m in enumerate(messages[warm:warm + cfg.profile_steps]):
+            t0 = time.perf_counter_ns()
+            reply = server.handle(m)
+            plain[i] = time.perf_counter_ns() - t0
+            _check_reply(reply)
+        profiled = messages[warm + cfg.profile_steps:]
+        profiler = cProfile.Profile()
+        replies = []
+        profiler.enable()
+        for m in profiled:
+            replies.append(server.handle(m))
+        profiler.disable()
+        for reply in replies:
+            _check_reply(reply)
+    finally:
+        server.close()
+        ctx.destroy(0)
+    stats = pstats.Stats(profiler).stats  # type: ignore[attr-defined]
+    n = len(profiled)
+    code = CacheServer.handle.__code__
+    root = (code.co_filename, code.co_firstlineno, code.co_name)
+    top = sorted(stats.items(), key=lambda kv: kv[1][2], reverse=True)[:12]
+    p50, p99 = _percentiles_us(plain)
+    return {
+        "steps": n,
+        "message_bytes": len(profiled[0]),
+        "handle_p50_us": p50,
+        "handle_p99_us": p99,
+        "profiled_us_per_step": stats[root][3] * 1e6 / n,
+        "phases": _split(stats, root, n),
+        "top": [{"function": f"{Path(f).name}:{line}({name})", "own_us": v[2] * 1e6 / n, "cum_us": v[3] * 1e6 / n,
+                 "calls_per_step": v[1] / n} for (f, line, name), v in top],
+    }
+
+
+def _check_reply(reply: bytes) -> None:
+    if OK_MARK not in reply[:32]:
+        raise KVCacheError(f"profile: the server refused a step: {unpack(reply, 1 << 31).get('error')}")
+
+
+# --------------------------------------------------------------------------- the run
+
+
+def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
+    """Every section, measured now; one JSON-ready dict. Every process started is stopped before it returns."""
+    fleet = Fleet()
+    ctx = zmq.Context()
+    try:
+        ends = _endpoints(cfg.transport, fleet.folder)
+        echo_conn = fleet.spawn(_echo_server, ends.echo)
+        daemon = fleet.start(
+            [sys.executable, "-m", "kvcache", "serve", "--endpoint", ends.daemon, "--pub-endpoint", ends.pub,
+             "--replay-endpoint", ends.replay, "--num-blocks", str(cfg.num_blocks), "--block-size",
+             str(cfg.block_size), "--rows", "full", "--enable-prefix-caching", "--log-level", "WARNING"],
+            READY, cfg.timeout, "kvcache serve")
+        expect(echo_conn, "ready", time.monotonic() + cfg.timeout, "echo server")
+        echo = _EchoClient(ctx, ends.echo, cfg.timeout)
+        client = CacheClient(ends.daemon, timeout=cfg.timeout, name="bench-scheduler", context=ctx)
+        try:
+            sched = _Scheduler(client, cfg)
+            echo_out, step_out = bench_echo_and_steps(cfg, echo, sched)
+            fleet.stop([echo_conn])
+            throughput = bench_throughput(cfg, fleet, ends.daemon, step_out)
+            lag = bench_lag(cfg, fleet, client.info()["pub_endpoint"], sched)
+        finally:
+            echo.close()
+            client.close()
+        fleet.terminate(daemon)  # the profile runs the server in this process: the daemon's core is free
+        profile = bench_profile(cfg, fleet.folder)
+        step_out["handle_p50_us"] = profile["handle_p50_us"]
+    finally:
+        try:
+            fleet.close()
+        finally:
+            ctx.destroy(0)
+    best = max(throughput, key=lambda r: r["extends_per_s"])
+    return {
+        "benchmark": "daemon",
+        "config": {
+            **{k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(cfg).items()},
+            "python": platform.python_version(),
+            "pyzmq": zmq.__version__,
+            "libzmq": zmq.zmq_version(),
+            "numpy": np.__version__,
+            "cpus": os.cpu_count(),
+        },
+        "echo": echo_out,
+        "step": step_out,
+        "throughput": throughput,
+        "lag": lag,
+        "profile": profile,
+        "processes": fleet.pids,
+        "targets": [
+            {"name": "step round trip p50 / echo p50", "value": ratio(step_out["p50_over_echo_p50"]),
+             "target": step_out["target"], "ok": step_out["ok"]},
+            {"name": "extends per second (best row)",
+             "value": f"{best['extends_per_s']:,.0f} ({best['path']}, {best['clients']} client(s), "
+                      f"{best['extends_per_message']:,}/message)",
+             "target": f">= {EXTENDS_PER_S_TARGET:,}", "ok": best["ok"]},
+            {"name": f"delta lag p99, {lag['subscribers']} subscribers",
+             "value": f"{lag['p99_us'] / 1e3:.2f} ms, {lag['gaps']} gaps", "target": lag["target"], "ok": lag["ok"]},
+        ],
+    }
+
+
+# --------------------------------------------------------------------------- report
+
+
+def _us(value: float) -> str:
+    return f"{value:,.0f}" if value >= 100 else f"{value:.1f}"
+
+
+def render(result: dict[str, Any]) -> str:
+    """The human-readable report: one table per section."""
+    cfg, echo, step, lag, prof = result["config"], result["echo"], result["step"], result["lag"], result["profile"]
+    pipe = echo["pipelined"]
+    out = [
+        f"kvcache bench daemon: transport {cfg['transport']}, python {cfg['python']}, pyzmq {cfg['pyzmq']} "
+        f"(libzmq {cfg['libzmq']}), {cfg['cpus']} cpu(s){', quick' if cfg['quick'] else ''}",
+        f"  daemon: kvcache serve --num-blocks {cfg['num_blocks']:,} --block-size {cfg['block_size']} --rows full "
+        f"--enable-prefix-caching; {cfg['requests']} requests of {cfg['prompt_tokens']:,}-token prompts",
+        "",
+        "1. limit: raw ZMQ DEALER/ROUTER echo (own process, pyzmq only) at a real step's sizes",
+        table(
+            ["request B", "reply B", "round trips", "p50 us", "p99 us"],
+            [[f"{echo['request_bytes']:,}", f"{echo['reply_bytes']:,}", f"{echo['round_trips']:,}",
+              _us(echo["p50_us"]), _us(echo["p99_us"])]],
+        ),
+        f"  pipelined: {pipe['message_bytes']} B messages, window {pipe['window']}: "
+        f"{pipe['messages_per_s']:,.0f} messages/s",
+        "",
+        f"2. step round trip: one client.batch() of {step['frees_per_step']} frees + {step['extends_per_step']} "
+        f"one-token extends (one extend_many) + {step['admits_per_step']} admits of {step['prompt_tokens']:,} tokens",
+        table(
+            ["steps", "p50 us", "p99 us", "echo p50 us", "p50/echo", "p99/echo p99", "daemon handle p50 us",
+             "target", ""],
+            [[f"{step['steps']:,}", _us(step["p50_us"]), _us(step["p99_us"]), _us(step["echo_p50_us"]),
+              ratio(step["p50_over_echo_p50"]), ratio(step["p99_over_echo_p99"]), _us(step["handle_p50_us"]),
+              step["target"], mark(step["ok"])]],
+        ),
+        "  daemon handle = CacheServer.handle in-process on the same messages (section 5): the daemon's share",
+        "",
+        f"3. throughput: extends per second through one daemon ({cfg['seconds']:g} s per row; pre-packed = the "
+        "client only splices an id into a packed extend_many and checks 'ok')",
+        table(
+            ["path", "clients", "extends/msg", "extends/s", "msgs/s", "msg p50 us", "no room", "target", ""],
+            [[r["path"], str(r["clients"]), f"{r['extends_per_message']:,}", f"{r['extends_per_s']:,.0f}",
+              f"{r['messages_per_s']:,.0f}", _us(r["p50_us"]), str(r["no_room"]),
+              f">= {EXTENDS_PER_S_TARGET:,}/s", mark(r["ok"])] for r in result["throughput"]],
+        ),
+        "",
+        f"4. delta lag: {lag['subscribers']} SUB processes, receive - publish time (CLOCK_MONOTONIC), steps back "
+        f"to back; {lag['cpus']} cpu(s) for {lag['subscribers']} subscribers + daemon + client (oversubscribed)",
+        table(
+            ["deltas", "received", "bytes/delta", "p50 us", "p99 us", "max us", "worst sub p99", "gaps",
+             "step p50 us", "target", ""],
+            [[f"{lag['deltas']:,}", f"{lag['received']:,}", f"{lag['delta_bytes_mean']:,.0f}", _us(lag["p50_us"]),
+              _us(lag["p99_us"]), _us(lag["max_us"]), _us(lag["worst_subscriber_p99_us"]), str(lag["gaps"]),
+              _us(lag["step_p50_us"]), lag["target"], mark(lag["ok"])]],
+        ),
+        "",
+        f"5. profile: CacheServer.handle in-process, {prof['steps']} steps of {prof['message_bytes']:,} B; plain "
+        f"p50 {_us(prof['handle_p50_us'])} us, p99 {_us(prof['handle_p99_us'])} us; under cProfile "
+        f"{_us(prof['profiled_us_per_step'])} us/step",
+        f"  call paths below start at {prof['phases'][0]['path']}",
+        table(
+            ["where", "what", "us/step (profiled)", "share"],
+            [[p["phase"], p["what"], _us(p["us"]), f"{100 * p['share']:.0f}%"] for p in prof["phases"]],
+            align_left=2,
+        ),
+        "  most own time:",
+        table(
+            ["function", "own us/step", "cum us/step", "calls/step"],
+            [[t["function"], _us(t["own_us"]), _us(t["cum_us"]), f"{t['calls_per_step']:,.0f}"]
+             for t in prof["top"][:8]],
+            align_left=1,
+        ),
+        "",
+        f"targets met: {sum(t['ok'] for t in result['targets'])} of {len(result['targets'])}",
+        *(f"  MISS {t['name']}: {t['value']} (target {t['target']})" for t in result["targets"] if not t["ok"]),
+    ]
+    return "\n".join(out)
+
+
+def _config_from_args(args: argparse.Namespace) -> BenchConfig:
+    values: dict[str, Any] = BenchConfig.quick_defaults() if args.quick else {}
+    for name in ("transport", "steps", "seconds", "subscribers", "window", "num_blocks", "lag_steps",
+                 "profile_steps", "timeout"):
+        given = getattr(args, name)
+        if given is not None:
+            values[name] = given
+    if args.clients is not None:
+        values["clients"] = tuple(args.clients)
+    return BenchConfig(**values)
+
+
+def _run(args: argparse.Namespace) -> int:
+    result = run_benchmark(_config_from_args(args))
+    print(json.dumps(result, indent=2) if args.json else render(result))
+    return 0
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return value
+
+
+def _client_counts(text: str) -> list[int]:
+    try:
+        return [positive_int(part) for part in text.split(",")]
+    except argparse.ArgumentTypeError as exc:
+        raise argparse.ArgumentTypeError(f"expected comma-separated counts like 1,2,4: {exc}") from None
+
+
+def add_parser(targets: argparse._SubParsersAction) -> None:
+    """Register `kvcache bench daemon`."""
+    d = BenchConfig()
+    q = BenchConfig(**BenchConfig.quick_defaults())
+    p = targets.add_parser(
+        "daemon",
+        help="a real kvcache serve against a raw ZMQ echo: step latency, extend throughput, delta lag, profile",
+        description="Start a raw pyzmq echo server and a real `kvcache serve` (block 16, uniform rows, prefix "
+        f"caching) on one transport and measure: (1) echo round trips at a real step's request/reply sizes, "
+        f"and pipelined echo throughput; (2) step round trips ({d.requests} one-token extends + {d.admits} frees "
+        f"+ {d.admits} admits of {d.prompt_tokens:,} tokens in one client.batch()) and their ratio to the echo "
+        f"(target <= {STEP_OVER_ECHO_TARGET:g}x); (3) extends per second from 1..N client processes (target >= "
+        f"{EXTENDS_PER_S_TARGET:,}); (4) table-delta lag at N subscriber processes (target p99 <= 1 ms, no seq "
+        "gaps); (5) a cProfile split of the daemon's step handling. Marks targets ok/MISS; always exits 0; "
+        "stops every process it started, also on errors and Ctrl-C.",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the tables")
+    p.add_argument("--quick", action="store_true",
+                   help=f"small counts for tests and CI ({q.steps} steps, {q.seconds:g} s per throughput row, "
+                   f"clients {','.join(map(str, q.clients))}, {q.lag_steps} lag steps, {q.profile_steps} profiled "
+                   "steps); still runs every section; flags given explicitly win")
+    p.add_argument("--transport", choices=("ipc", "tcp"),
+                   help="ipc:// sockets in a fresh /tmp folder (default), or tcp:// on 127.0.0.1 with free ports; "
+                   "the echo, the daemon and its PUB socket all use it")
+    p.add_argument("--steps", type=positive_int, metavar="N",
+                   help=f"timed steps in section 2, in {d.rounds} rounds taking turns with as many echo round "
+                   f"trips (default {d.steps})")
+    p.add_argument("--seconds", type=_positive_float, metavar="S",
+                   help=f"duration of each throughput row and of the pipelined echo (default {d.seconds:g})")
+    p.add_argument("--clients", type=_client_counts, metavar="N,N,...",
+                   help="client process counts for the pre-packed throughput rows "
+                   f"(default {','.join(map(str, d.clients))})")
+    p.add_argument("--window", type=positive_int, metavar="N",
+                   help=f"requests in flight for the pipelined echo (default {d.window})")
+    p.add_argument("--subscribers", type=positive_int, metavar="N",
+                   help=f"SUB processes timing table deltas in section 4 (default {d.subscribers})")
+    p.add_argument("--num-blocks", type=positive_int, metavar="N",
+                   help=f"the daemon's blocks (default {d.num_blocks:,}; the steady set takes about "
+                   f"{d.requests * (d.prompt_tokens // d.block_size + 10):,})")
+    p.add_argument("--lag-steps", type=positive_int, metavar="N",
+                   help=f"steps run while the subscribers time deltas in section 4 (default {d.lag_steps})")
+    p.add_argument("--profile-steps", type=positive_int, metavar="N",
+                   help=f"steps timed, and again profiled, in section 5 (default {d.profile_steps})")
+    p.add_argument("--timeout", type=_positive_float, metavar="S",
+                   help=f"deadline of every wait: a reply, a child's start or report (default {d.timeout:g})")
+    p.set_defaults(run=_run)

@@ -1,0 +1,95 @@
+"""`kvcache bench daemon`: the quick run measures every section and leaves no process behind."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from kvcache.bench import daemon as bench
+from kvcache.cli import main
+
+FLAGS = ("--json", "--quick", "--transport", "--steps", "--seconds", "--clients", "--window", "--subscribers",
+         "--num-blocks", "--lag-steps", "--profile-steps", "--timeout")
+
+
+def children() -> list[str]:
+    """Command lines of this process's live children (zombies count: they were not waited for)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            cmdline = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if int(fields[1]) == os.getpid() and "resource_tracker" not in cmdline:
+            out.append(cmdline)
+    return out
+
+
+def test_help_explains_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "daemon", "--help"])
+    assert exc.value.code == 0
+    text = capsys.readouterr().out
+    for flag in FLAGS:
+        assert flag in text
+
+
+def test_quick_json_run_reports_every_section(capsys: pytest.CaptureFixture[str]) -> None:
+    """Structure and positivity only: no assertion here is about speed."""
+    assert main(["bench", "daemon", "--quick", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["benchmark"] == "daemon" and result["config"]["quick"] is True
+    assert result["config"]["transport"] == "ipc" and result["config"]["cpus"] >= 1
+
+    echo = result["echo"]
+    assert echo["request_bytes"] > echo["reply_bytes"] > 0, "a step sends prompts and gets tables back"
+    assert echo["p50_us"] > 0 and echo["p99_us"] >= echo["p50_us"]
+    assert echo["pipelined"]["messages_per_s"] > 0
+
+    step = result["step"]
+    assert step["steps"] > 0 and step["p99_us"] >= step["p50_us"] > 0
+    assert step["echo_p50_us"] == echo["p50_us"] and step["p50_over_echo_p50"] > 0
+    assert step["handle_p50_us"] > 0 and isinstance(step["ok"], bool)
+
+    rows = result["throughput"]
+    assert {(r["path"], r["clients"], r["extends_per_message"]) for r in rows} == {
+        ("steps (section 2)", 1, 256),
+        *(("CacheClient.batch()", 1, b) for b in (256, 4096)),
+        *(("pre-packed extend_many", n, b) for n in (1, 2) for b in (256, 4096)),
+    }
+    for r in rows:
+        assert r["extends_per_s"] > 0 and r["messages_per_s"] > 0 and r["p50_us"] > 0
+        assert r["no_room"] == 0, "the daemon must have room for every extend"
+
+    lag = result["lag"]
+    assert lag["subscribers"] == 8 and lag["cpus"] == os.cpu_count()
+    assert lag["deltas"] > 0 and lag["received"] == lag["subscribers"] * lag["deltas"]
+    assert lag["gaps"] == 0, "every subscriber must see every seq"
+    assert lag["p99_us"] >= lag["p50_us"] > 0 and lag["delta_bytes_mean"] > 0
+
+    profile = result["profile"]
+    assert profile["steps"] > 0 and profile["handle_p50_us"] > 0 and profile["profiled_us_per_step"] > 0
+    phases = profile["phases"]
+    assert any("extend_many" in p["phase"] for p in phases) and any("admit" in p["phase"] for p in phases)
+    assert sum(p["us"] for p in phases) == pytest.approx(profile["profiled_us_per_step"])
+    assert profile["top"] and all(t["own_us"] > 0 for t in profile["top"])
+
+    assert [t["ok"] for t in result["targets"]] == [step["ok"], max(r["extends_per_s"] for r in rows)
+                                                    >= bench.EXTENDS_PER_S_TARGET, lag["ok"]]
+    for pid in result["processes"]:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    assert children() == []
+    text = bench.render(result)
+    for heading in ("1. limit", "2. step round trip", "3. throughput", "4. delta lag", "5. profile", "targets met"):
+        assert heading in text
+
+
+def test_a_failed_run_stops_every_process_it_started(capsys: pytest.CaptureFixture[str]) -> None:
+    """A daemon too small for the workload fails the set-up; the echo server and the daemon still stop."""
+    assert main(["bench", "daemon", "--quick", "--num-blocks", "64"]) == 2
+    assert "no room" in capsys.readouterr().err
+    assert children() == []
