@@ -132,6 +132,12 @@ class KVCacheManager:
         self._queries = self._hit_requests = self._queried_tokens = self._hit_tokens = 0
         self._evicted = self._recycled = 0
 
+    def __setstate__(self, state: dict) -> None:
+        """Unpickling (a journal snapshot): cached table views would be copies now, so drop them."""
+        self.__dict__.update(state)
+        for req in self._requests.values():
+            req.view = None
+
     @classmethod
     def from_spec(
         cls,
@@ -268,7 +274,7 @@ class KVCacheManager:
         if (free < num_new).any():
             return None
         if hit is not None:
-            self._pool.incref(self._group_col, hit)
+            self._pool.incref(self._group_col, hit, unique=True)
         allocation = self._pool.allocate(num_new)
         assert allocation is not None, "allocation failed after the free-block check"
         self._forget(allocation.evicted_rows, allocation.evicted_blocks)
@@ -327,7 +333,7 @@ class KVCacheManager:
             if (free < num_new).any():
                 return None
         if blocks.size:
-            self._pool.decref(rows, blocks)
+            self._pool.decref(rows, blocks, unique=True)
             self._recycled += int(self._group_sizes[rows].sum())
             for g, (_, group) in enumerate(self._window_groups):
                 changed.append(range(req.recycled[g], stops[g]))
@@ -417,7 +423,7 @@ class KVCacheManager:
         """
         req = self._get(request_id)
         del self._requests[request_id]
-        self._pool.decref(self._group_col, req.table[:, req.num_blocks - 1::-1])
+        self._pool.decref(self._group_col, req.table[:, req.num_blocks - 1::-1], unique=True)
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix (live requests keep their blocks); returns the hashes dropped."""

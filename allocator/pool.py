@@ -3,7 +3,10 @@
 A row is an independent block-id space over ``[0, num_blocks)`` (uniform mode:
 one row; head-wise mode: one row per kv head). Every operation is a handful of
 numpy array operations over all the (row, block) pairs it touches; Python
-loops run only over rows, and only on rare paths (ring compaction, reset).
+loops run only over rows, and only on rare paths (ring compaction, reset). A
+single pair, or a one-row pool, takes a scalar or slice path instead: a decode
+step allocates and frees one block at a time, where numpy's per-call cost is
+most of the work.
 
 Free blocks live in one of two places per row:
 
@@ -19,6 +22,8 @@ per-(row, block) ``lru_pos``: ring entry ``g`` is live iff
 ``lru_pos[row, ring[g]] == g``. Reviving (incref from 0) or uncaching a block
 sets ``lru_pos`` to -1, which makes its entry stale in O(1); popping skips
 stale entries; a ring filled with stale entries is compacted, amortised O(1).
+Reviving a row's newest entries (a prefix released last, hit again: the usual
+case) pulls its tail back over them instead, so no stale entry is left.
 
 The pool knows nothing about hashes: ``cached`` is a flag its owner sets.
 """
@@ -74,7 +79,9 @@ class BlockPool:
     left, oldest-released first; a block with references is never handed out.
     Pair arguments ``(rows, blocks)`` are int arrays that broadcast together
     (e.g. ``rows[:, None]`` against a ``[rows, n]`` table); C order is the
-    order of the pairs; block -1 (a table hole) is skipped.
+    order of the pairs; block -1 (a table hole) is skipped. ``incref`` and
+    ``decref`` take ``unique=True`` when the caller knows no pair repeats
+    (a request's table, a prefix hit): it skips the duplicate handling.
     """
 
     def __init__(self, num_rows: int, num_blocks: int) -> None:
@@ -91,6 +98,10 @@ class BlockPool:
         self._cap = 1 << (2 * n - 1).bit_length()
         self._mask = self._cap - 1
         self._all_rows = np.arange(rows, dtype=np.intp)
+        self._row_base = self._all_rows[:, None] * n  # flat offset of each row, as a column
+        self._row_edges = np.arange(rows + 1, dtype=np.intp)
+        self._zeros = np.zeros(n, dtype=np.intp)  # row ids of a row-0 table, sliced (read-only)
+        self._zeros.flags.writeable = False
         self._ref = np.zeros(rows * n, dtype=np.int32)
         self._cached = np.zeros(rows * n, dtype=bool)
         # Stack bottom..top is n-1..0 so the first pops are 0, 1, 2, ...
@@ -99,11 +110,23 @@ class BlockPool:
         self._top = np.full(rows, n, dtype=np.intp)
         self._ring2d = np.zeros((rows, self._cap), dtype=np.int32)
         self._ring = self._ring2d.reshape(-1)  # flat view: entry g = row*cap + (position & mask)
-        self._row_bounds = np.arange(rows + 1, dtype=np.intp)
         self._lru_pos = np.full(rows * n, -1, dtype=np.intp)  # live ring entry g per (row, block), or -1
         self._head = np.zeros(rows, dtype=np.intp)  # positions, not wrapped: entries are [head, tail)
         self._tail = np.zeros(rows, dtype=np.intp)
         self._lru_count = np.zeros(rows, dtype=np.intp)
+
+    def __getstate__(self) -> dict[str, object]:
+        """Pickle without the flat views: unpickled, a view would be a copy that no longer aliases."""
+        state = self.__dict__.copy()
+        del state["_stack"], state["_ring"]
+        return state
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        """Restore the fields and rebuild the flat views."""
+        self.__dict__.update(state)
+        self._stack = self._stack2d.reshape(-1)
+        self._ring = self._ring2d.reshape(-1)
+        self._zeros.flags.writeable = False
 
     @property
     def num_rows(self) -> int:
@@ -119,6 +142,8 @@ class BlockPool:
 
     def num_free(self, rows: np.ndarray | None = None) -> np.ndarray:
         """Allocatable blocks per row (intp): uncached free plus cached-but-unreferenced."""
+        if rows is None:
+            return self._top + self._lru_count
         r = self._row_ids(rows)
         return self._top[r] + self._lru_count[r]
 
@@ -154,7 +179,23 @@ class BlockPool:
         than ``n`` allocatable blocks.
         """
         self._check_n(n)
+        if rows is None and self._rows == 1:
+            return self._allocate_row(0, n)
+        if rows is None:
+            tops = self._top.tolist()
+            if 0 < n <= min(tops):
+                # Common case: every row pops its stack, no eviction; one slice when the tops agree.
+                t0 = tops[0]
+                if tops.count(t0) == self._rows:
+                    blocks = self._stack2d[:, t0 - n:t0][:, ::-1].copy()
+                else:
+                    blocks = self._stack[(self._row_base - 1 + self._top[:, None]) - np.arange(n)]
+                self._top -= n
+                self._ref[self._row_base + blocks] = 1
+                return Allocation(blocks, _EMPTY_I32, _EMPTY_I32)
         r = self._row_ids(rows)
+        if r.size == 1:
+            return self._allocate_row(int(r[0]), n)
         top = self._top[r]
         if ((top + self._lru_count[r]) < n).any():
             return None
@@ -162,9 +203,7 @@ class BlockPool:
             return Allocation(np.empty((r.size, 0), dtype=np.int32), _EMPTY_I32, _EMPTY_I32)
         t0 = int(top[0])
         if t0 >= n and (top == t0).all():
-            # Common case: every row pops the same stack slice, no eviction.
-            stack = self._stack2d if rows is None else self._stack2d[r]
-            blocks = stack[:, t0 - n:t0][:, ::-1].copy()
+            blocks = self._stack2d[r, t0 - n:t0][:, ::-1].copy()
             self._top[r] = t0 - n
             self._ref[(r * self._n)[:, None] + blocks] = 1
             return Allocation(blocks, _EMPTY_I32, _EMPTY_I32)
@@ -187,34 +226,67 @@ class BlockPool:
         self._ref[(r * self._n)[:, None] + blocks] = 1
         return Allocation(blocks, evicted_rows, evicted_blocks)
 
-    def incref(self, rows: np.ndarray, blocks: np.ndarray) -> None:
+    def _allocate_row(self, row: int, n: int) -> Allocation | None:
+        """``allocate`` in one row, in scalars and slices (a decode step's call)."""
+        top = int(self._top[row])
+        if n <= top:
+            popped = self._stack2d[row, top - n:top]
+            self._top[row] = top - n
+            blocks = popped[::-1].reshape(1, n).copy()
+            evicted = _EMPTY_I32
+        else:
+            if n > top + int(self._lru_count[row]):
+                return None
+            blocks = np.empty((1, n), dtype=np.int32)
+            blocks[0, :top] = self._stack2d[row, top - 1::-1] if top else _EMPTY_I32
+            self._top[row] = 0
+            evicted = self._pop_row(row, n - top)
+            blocks[0, top:] = evicted
+        flat = blocks[0].astype(np.intp)  # intp: numpy's fast index type
+        if row:
+            flat += row * self._n
+        self._ref[flat] = 1
+        evicted_rows = np.full(evicted.size, row, dtype=np.int32) if evicted.size else _EMPTY_I32
+        return Allocation(blocks, evicted_rows, evicted)
+
+    def incref(self, rows: np.ndarray, blocks: np.ndarray, *, unique: bool = False) -> None:
         """Add one reference per pair (duplicates count); a cached free block is revived.
 
         Reviving takes the block out of the LRU ring without evicting it (a
         prefix hit). An incref of an uncached free block is an owner bug and
-        raises AssertionError before any change.
+        raises AssertionError before any change. ``unique=True`` promises that
+        no pair repeats (holes may) and skips the duplicate handling.
         """
-        r, b, flat = self._pairs(rows, blocks)
+        r, b = np.asarray(rows), np.asarray(blocks)
+        if r.size == 1 and b.size == 1:
+            self._incref_one(*self._one_pair(r, b))
+            return
+        r, b, flat = self._pairs(r, b)
         if flat.size == 0:
             return
         before = self._ref[flat]
         zero = before == 0
-        revive = zero.any()
-        if revive:
-            lost = self._lru_pos[flat[zero]] < 0
-            if lost.any():
+        num_zero = np.count_nonzero(zero)
+        if num_zero:
+            rz, fz = (r, flat) if num_zero == flat.size else (r[zero], flat[zero])
+            g = self._lru_pos[fz]
+            lowest = int(np.minimum.reduce(g))
+            if lowest < 0:
+                lost = g < 0
                 rr, bb = r[zero][lost], b[zero][lost]
                 raise AssertionError(f"incref of {lost.sum()} free uncached blocks, "
                                      f"first (row {rr[0]}, block {bb[0]})")
-        np.add.at(self._ref, flat, _ONE)
-        if revive:
-            rz, fz = r[zero], flat[zero]
-            if int(self._ref[flat].sum()) - int(before.sum()) != flat.size:
+        if unique:
+            self._ref[flat] = before + _ONE
+        else:
+            np.add.at(self._ref, flat, _ONE)
+            if num_zero and int(self._ref[flat].sum()) - int(before.sum()) != flat.size:
                 rz, _, fz, _ = _merge(rz, rz, fz, keep="first")  # a pair repeated: revive it once
-            self._lru_pos[fz] = -1
-            self._lru_count -= np.bincount(rz, minlength=self._rows)
+                g = self._lru_pos[fz]
+        if num_zero:
+            self._revive(rz, fz, g, lowest)
 
-    def decref(self, rows: np.ndarray, blocks: np.ndarray) -> None:
+    def decref(self, rows: np.ndarray, blocks: np.ndarray, *, unique: bool = False) -> None:
         """Drop one reference per pair (duplicates count); blocks reaching 0 become free.
 
         Release order is the order of the pairs (a duplicated pair is released
@@ -223,39 +295,50 @@ class BlockPool:
         reused first), cached ones appended to the LRU ring (the first released
         is evicted first). So freeing a request in reverse logical order makes
         a prefix's tail evicted before its head. Decref of a block with too few
-        references raises AssertionError before any change.
+        references raises AssertionError before any change. ``unique=True``
+        promises that no pair repeats (holes may) and skips the duplicate handling.
         """
-        r, b, flat = self._pairs(rows, blocks)
+        r, b = np.asarray(rows), np.asarray(blocks)
+        if r.size == 1 and b.size == 1:
+            self._decref_one(*self._one_pair(r, b))
+            return
+        r, b, flat = self._pairs(r, b)
         if flat.size == 0:
             return
         before = self._ref[flat]
-        if before.min() < 1:
+        if np.count_nonzero(before) != flat.size:  # counts are >= 0: a zero is a free block
             i = int(np.flatnonzero(before < 1)[0])
             raise AssertionError(f"decref of a free block: (row {r[i]}, block {b[i]}) has 0 references")
-        np.subtract.at(self._ref, flat, _ONE)
-        after = self._ref[flat]
-        # Each pair repeated k times drops k at each of its k places, so the sum
-        # exceeds the number of pairs exactly when some pair repeats.
-        if int(before.sum()) - int(after.sum()) != flat.size:
-            np.add.at(self._ref, flat, _ONE)
-            r, b, flat, counts = _merge(r, b, flat, keep="last")
-            before = self._ref[flat]
-            short = before < counts
-            if short.any():
-                i = int(np.flatnonzero(short)[0])
-                raise AssertionError(f"decref below 0: (row {r[i]}, block {b[i]}) has {before[i]} "
-                                     f"references, dropping {counts[i]}")
-            after = before - counts
+        if unique:
+            after = before - _ONE
             self._ref[flat] = after
-        if after.any():
-            released = after == 0
-            if not released.any():
-                return
+        else:
+            np.subtract.at(self._ref, flat, _ONE)
+            after = self._ref[flat]
+            # Each pair repeated k times drops k at each of its k places, so the sum
+            # exceeds the number of pairs exactly when some pair repeats.
+            if int(before.sum()) - int(after.sum()) != flat.size:
+                np.add.at(self._ref, flat, _ONE)
+                r, b, flat, counts = _merge(r, b, flat, keep="last")
+                before = self._ref[flat]
+                short = before < counts
+                if short.any():
+                    i = int(np.flatnonzero(short)[0])
+                    raise AssertionError(f"decref below 0: (row {r[i]}, block {b[i]}) has {before[i]} "
+                                         f"references, dropping {counts[i]}")
+                after = before - counts
+                self._ref[flat] = after
+        released = after == 0
+        num_released = np.count_nonzero(released)
+        if num_released == 0:
+            return
+        if num_released < flat.size:
             r, b, flat = r[released], b[released], flat[released]
         cached = self._cached[flat]
-        if not cached.any():
+        num_cached = np.count_nonzero(cached)
+        if num_cached == 0:
             self._push_stack(r, b)
-        elif cached.all():
+        elif num_cached == flat.size:
             self._append_lru(r, b, flat)
         else:
             self._push_stack(r[~cached], b[~cached])
@@ -268,13 +351,12 @@ class BlockPool:
         only blocks holding written KV can hold a prefix.
         """
         r, b, flat = self._pairs(rows, blocks)
-        ok = self._ref[flat] > 0
-        if not ok.all():
-            ok |= self._cached[flat]
-        if not ok.all():
-            i = int(np.flatnonzero(~ok)[0])
-            raise AssertionError(f"mark_cached of {(~ok).sum()} free uncached blocks, "
-                                 f"first (row {r[i]}, block {b[i]})")
+        if np.count_nonzero(self._ref[flat]) != flat.size:
+            ok = (self._ref[flat] > 0) | self._cached[flat]
+            if not ok.all():
+                i = int(np.flatnonzero(~ok)[0])
+                raise AssertionError(f"mark_cached of {(~ok).sum()} free uncached blocks, "
+                                     f"first (row {r[i]}, block {b[i]})")
         self._cached[flat] = True
 
     def uncache(self, rows: np.ndarray, blocks: np.ndarray) -> None:
@@ -368,34 +450,66 @@ class BlockPool:
             raise KVCacheError(f"rows: ids must be distinct, got {r.tolist()}")
         return r
 
+    def _one_pair(self, r: np.ndarray, b: np.ndarray) -> tuple[int, int]:
+        """The validated (row, block) of one-element pair arguments, as ints."""
+        row, block = int(r.item()), int(b.item())
+        if not 0 <= row < self._rows:
+            raise KVCacheError(f"rows: ids must lie in [0, {self._rows}), got {row}..{row}")
+        if not -1 <= block < self._n:
+            raise KVCacheError(f"blocks: ids must lie in [0, {self._n}) or be -1 (hole), "
+                               f"got {block}..{block}")
+        return row, block
+
+    def _check_pairs(self, r: np.ndarray, b: np.ndarray) -> bool:
+        """Raise KVCacheError unless rows lie in [0, num_rows), blocks in [-1, num_blocks); whether -1 occurs.
+
+        Viewed unsigned, negative ids are huge, so one maximum per argument
+        clears the usual call (no hole); holes and mistakes take a second look.
+        """
+        if r.size and not _max_unsigned(r) < self._rows:
+            low, high = np.minimum.reduce(r, axis=None), np.maximum.reduce(r, axis=None)
+            if low < 0 or high >= self._rows:
+                raise KVCacheError(f"rows: ids must lie in [0, {self._rows}), got {int(low)}..{int(high)}")
+        if not b.size or _max_unsigned(b) < self._n:
+            return False
+        low, high = np.minimum.reduce(b, axis=None), np.maximum.reduce(b, axis=None)
+        if low < -1 or high >= self._n:
+            raise KVCacheError(f"blocks: ids must lie in [0, {self._n}) or be -1 (hole), "
+                               f"got {int(low)}..{int(high)}")
+        return bool(low == -1)
+
     def _pairs(self, rows: np.ndarray, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Flatten pairs in C order, drop holes (-1), validate; returns (rows, blocks, row*n+block).
 
-        Rows and flat indices are intp (index-ready); blocks keep the caller's
-        int dtype. A ``[k, 1]`` rows column against a ``[k, L]`` table (the
-        usual call) is flattened without materialising the broadcast first.
+        Rows and flat indices are intp (index-ready: numpy indexes with intp
+        several times faster than with int32); blocks keep the caller's int
+        dtype. A ``[k, 1]`` rows column against a ``[k, L]`` table (the usual
+        call) is flattened without materialising the broadcast first.
         """
         r, b = np.asarray(rows), np.asarray(blocks)
-        if r.size and (r.min() < 0 or r.max() >= self._rows):
-            raise KVCacheError(f"rows: ids must lie in [0, {self._rows}), got {int(r.min())}..{int(r.max())}")
-        holes = False
-        if b.size:
-            low, high = b.min(), b.max()
-            if low < -1 or high >= self._n:
-                raise KVCacheError(f"blocks: ids must lie in [0, {self._n}) or be -1 (hole), "
-                                   f"got {int(low)}..{int(high)}")
-            holes = low == -1
-        r = r.astype(np.intp, copy=False)
+        holes = self._check_pairs(r, b)
         if b.ndim == 2 and r.shape == (b.shape[0], 1):
-            flat = (r * self._n + b).reshape(-1)
-            r = np.repeat(r.reshape(-1), b.shape[1])
+            width = b.shape[1]
+            if r.shape[0] == 1:
+                row = int(r.item())
+                b = b.reshape(-1)  # a view, also of a reversed table
+                flat = b.astype(np.intp)  # numpy indexes with intp several times faster than with int32
+                if row:
+                    flat += row * self._n
+                r = self._zeros[:width] if row == 0 and width <= self._n else np.full(width, row, np.intp)
+            else:
+                r = r.astype(np.intp, copy=False)
+                flat = (r * self._n + b).reshape(-1)
+                r = np.repeat(r.reshape(-1), width)
+                b = b.reshape(-1)
         else:
+            r = r.astype(np.intp, copy=False)
             if r.shape != b.shape:
                 shape = np.broadcast_shapes(r.shape, b.shape)
                 r, b = np.broadcast_to(r, shape), np.broadcast_to(b, shape)
             r = r.reshape(-1)
-            flat = r * self._n + b.reshape(-1)
-        b = b.reshape(-1)
+            b = b.reshape(-1)
+            flat = r * self._n + b
         if holes:
             keep = b >= 0
             r, b, flat = r[keep], b[keep], flat[keep]
@@ -404,40 +518,130 @@ class BlockPool:
     def _lookup(self, rows: np.ndarray, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
         """Flat indices in the pairs' broadcast shape (holes point anywhere valid) and the hole mask."""
         r, b = np.asarray(rows), np.asarray(blocks)
-        if (r.size and (r.min() < 0 or r.max() >= self._rows)) or \
-                (b.size and (b.min() < -1 or b.max() >= self._n)):
-            raise KVCacheError(f"pairs: rows must lie in [0, {self._rows}) and blocks in [-1, {self._n})")
-        flat = r.astype(np.intp, copy=False) * self._n + b  # a hole reads row*n - 1: in range, masked later
-        holes = b == -1 if b.size and b.min() == -1 else None
-        return flat, holes
+        holes = self._check_pairs(r, b)
+        if r.size == 1 and r.ndim <= b.ndim:  # one row: the broadcast shape is the blocks' shape
+            flat = b.astype(np.intp)  # numpy indexes with intp several times faster than with int32
+            row = int(r.item())
+            if row:
+                flat += row * self._n
+        else:
+            flat = r.astype(np.intp, copy=False) * self._n + b
+        # A hole reads row*n - 1 (or, in row 0, the last entry): in range, masked later.
+        return flat, (b == -1 if holes else None)
+
+    def _incref_one(self, row: int, block: int) -> None:
+        """``incref`` of one pair, in scalars."""
+        if block < 0:
+            return
+        f = row * self._n + block
+        count = int(self._ref[f])
+        if count == 0:
+            g = int(self._lru_pos[f])
+            if g < 0:
+                raise AssertionError(f"incref of 1 free uncached blocks, first (row {row}, block {block})")
+            self._lru_pos[f] = -1
+            self._lru_count[row] -= 1
+            tail = int(self._tail[row])
+            if g == row * self._cap + ((tail - 1) & self._mask):  # the newest entry: drop it
+                self._tail[row] = tail - 1
+        self._ref[f] = count + 1
+
+    def _decref_one(self, row: int, block: int) -> None:
+        """``decref`` of one pair, in scalars."""
+        if block < 0:
+            return
+        f = row * self._n + block
+        count = int(self._ref[f])
+        if count < 1:
+            raise AssertionError(f"decref of a free block: (row {row}, block {block}) has 0 references")
+        self._ref[f] = count - 1
+        if count > 1:
+            return
+        if not self._cached[f]:
+            top = int(self._top[row])
+            self._stack[row * self._n + top] = block
+            self._top[row] = top + 1
+            return
+        if self._lru_count[row] == 0:  # every entry is stale: restart at 0
+            self._head[row] = self._tail[row] = 0
+        elif self._tail[row] - self._head[row] == self._cap:
+            self._compact(row)
+        tail = int(self._tail[row])
+        g = row * self._cap + (tail & self._mask)
+        self._ring[g] = block
+        self._lru_pos[f] = g
+        self._tail[row] = tail + 1
+        self._lru_count[row] += 1
+
+    def _revive(self, r: np.ndarray, flat: np.ndarray, g: np.ndarray, lowest: int) -> None:
+        """Take distinct cached free pairs (ring entries ``g``, the least ``lowest``) out of the LRU.
+
+        Where a row's revived entries are exactly its newest ones (a prefix
+        released last and hit again), its tail moves back over them, so later
+        evictions do not scan them as stale entries.
+        """
+        self._lru_pos[flat] = -1
+        if self._rows == 1:
+            # k distinct entries fill the k newest slots iff they span k slots ending at the
+            # newest (when those slots wrap round the ring's end the entries just go stale).
+            k = flat.size
+            self._lru_count[0] -= k
+            tail = int(self._tail[0])
+            if int(np.maximum.reduce(g)) == (tail - 1) & self._mask == lowest + k - 1:
+                self._tail[0] = tail - k
+            return
+        bounds = self._bounds(r)
+        if bounds is None:  # pairs out of row order (not a table): leave the entries stale
+            self._lru_count -= np.bincount(r, minlength=self._rows)
+            return
+        counts = bounds[1:] - bounds[:-1]
+        self._lru_count -= counts
+        # As for one row, per row with revived entries (reduceat needs non-empty runs).
+        rows = np.flatnonzero(counts)
+        starts = bounds[rows]
+        low, high = np.minimum.reduceat(g, starts), np.maximum.reduceat(g, starts)
+        newest = rows * self._cap + ((self._tail[rows] - 1) & self._mask)
+        k = counts[rows]
+        pull = (high == newest) & (high - low == k - 1)
+        self._tail[rows] -= np.where(pull, k, 0)
+
+    def _bounds(self, r: np.ndarray) -> np.ndarray | None:
+        """Where each row's pairs start, and the end, if ``r`` is ascending (a flattened table); else None."""
+        if np.count_nonzero(r[1:] < r[:-1]):
+            return None
+        return np.searchsorted(r, self._row_edges)
 
     def _slots(self, r: np.ndarray, base: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Per pair ``base[row]`` plus its rank among earlier pairs of its row; and pairs per row.
 
-        Pairs grouped by row (a table flattened row by row) take a sort-free path.
+        Pairs in ascending row order (a table flattened row by row) take a sort-free path.
         """
-        m = r.size
-        if self._rows == 1:
-            return base[0] + np.arange(m), np.array([m], dtype=np.intp)
-        if m < 2 or (r[1:] >= r[:-1]).all():
-            bounds = np.searchsorted(r, self._row_bounds)
-            counts = np.diff(bounds)
-            return np.arange(m) + np.repeat(base - bounds[:-1], counts), counts
+        bounds = self._bounds(r)
+        if bounds is not None:
+            counts = bounds[1:] - bounds[:-1]
+            return np.arange(r.size) + np.repeat(base - bounds[:-1], counts), counts
         counts = np.bincount(r, minlength=self._rows)
-        starts = np.cumsum(counts) - counts
         order = np.argsort(r.astype(np.uint16 if self._rows < 2**16 else np.intp), kind="stable")
-        slot = np.empty(m, dtype=np.intp)
-        slot[order] = np.arange(m) + (base - starts)[r[order]]
+        slot = np.empty(r.size, dtype=np.intp)
+        slot[order] = np.arange(r.size) + (base - (counts.cumsum() - counts))[r[order]]
         return slot, counts
 
     def _push_stack(self, r: np.ndarray, b: np.ndarray) -> None:
         """Push uncached free blocks, in pair order, on their rows' stacks."""
+        if self._rows == 1:
+            top = int(self._top[0])
+            self._stack[top:top + b.size] = b
+            self._top[0] = top + b.size
+            return
         slot, counts = self._slots(r, self._all_rows * self._n + self._top)
         self._stack[slot] = b
         self._top += counts
 
     def _append_lru(self, r: np.ndarray, b: np.ndarray, flat: np.ndarray) -> None:
         """Append cached free blocks, in pair order, at their rows' ring tails."""
+        if self._rows == 1:
+            self._append_lru_row0(b, flat)
+            return
         empty = self._lru_count == 0  # every entry is stale: restart at 0
         self._head[empty] = 0
         self._tail[empty] = 0
@@ -456,6 +660,25 @@ class BlockPool:
         self._lru_pos[flat] = g
         self._tail += counts
         self._lru_count += counts
+
+    def _append_lru_row0(self, b: np.ndarray, flat: np.ndarray) -> None:
+        """``_append_lru`` of a one-row pool: slices instead of per-pair slots."""
+        m = b.size
+        if self._lru_count[0] == 0:  # every entry is stale: restart at 0
+            self._head[0] = self._tail[0] = 0
+        elif self._tail[0] - self._head[0] + m > self._cap:
+            self._compact(0)
+        tail = int(self._tail[0])
+        start = tail & self._mask
+        if start + m <= self._cap:
+            self._ring[start:start + m] = b
+            g = np.arange(start, start + m)
+        else:
+            g = np.arange(tail, tail + m) & self._mask
+            self._ring[g] = b
+        self._lru_pos[flat] = g
+        self._tail[0] = tail + m
+        self._lru_count[0] += m
 
     def _live_ring(self, row: int) -> np.ndarray:
         """A row's live ring entries (int32 block ids), oldest first."""
@@ -483,39 +706,47 @@ class BlockPool:
     def _pop_lru(self, r: np.ndarray, need: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Evict ``need[i]`` oldest live entries of row ``r[i]``; callers checked there are enough.
 
-        Scans ``m`` ring positions past each head, doubling ``m`` until every
-        row finds enough live entries, so the cost follows the blocks evicted
-        plus the stale entries skipped, not the ring size. Returns ``[len(r),
-        max(need)]`` evicted ids (row i's first need[i] are valid, int32) and
-        the flat (rows, blocks) evicted, int32, row by row, oldest first.
+        A row's stale entries number ``tail - head - lru_count``, so ``need +
+        stale`` positions past its head always hold enough live ones. Without
+        stale entries (the usual case) the next ``need`` positions are taken
+        unchecked; otherwise one scan of at most that window finds them
+        (starting at ``2 * need`` and doubling, so stale entries far past the
+        evicted ones are not read each time). Returns ``[len(r), max(need)]``
+        evicted ids (row i's first need[i] are valid, int32) and the flat
+        (rows, blocks) evicted, int32, row by row, oldest first.
         """
         head, tail = self._head[r], self._tail[r]
         width = int(need.max())
-        row_base = (r * self._n)[:, None]
-        if (need == width).all() and (tail - head >= width).all():
-            # Steady state of a full cache: every row evicts its next ``width``
-            # entries and none of them is stale.
+        span = tail - head
+        stale = span - self._lru_count[r]
+        if not np.count_nonzero(stale):
             g = self._ring_entries(r, head, width)
-            blk = self._ring[g]
-            ev_flat = row_base + blk
-            if (self._lru_pos[ev_flat] == g).all():
-                self._lru_pos[ev_flat] = -1
-                self._cached[ev_flat] = False
-                self._head[r] = head + width
-                self._lru_count[r] -= width
-                return blk, np.repeat(r, width).astype(np.int32), blk.reshape(-1)
-        m = width
-        span = int((tail - head).max())
+            blk = self._ring[g]  # past a row's need: other entries or old ids, never reported
+            if (need == width).all():
+                ev_rows, ev_blocks = np.repeat(r, width), blk.reshape(-1)
+                ev_flat = ((r * self._n)[:, None] + blk).reshape(-1)
+            else:
+                chosen = np.arange(width) < need[:, None]
+                ev_rows, ev_blocks = np.repeat(r, need), blk[chosen]
+                ev_flat = ev_rows * self._n + ev_blocks
+            self._lru_pos[ev_flat] = -1
+            self._cached[ev_flat] = False
+            self._head[r] = head + need
+            self._lru_count[r] -= need
+            return blk, ev_rows.astype(np.int32), ev_blocks
+        enough = int(np.minimum(span, need + stale).max())
+        m = min(enough, 2 * width)
+        row_base = (r * self._n)[:, None]
         while True:
-            inside = np.arange(m) < (tail - head)[:, None]
+            inside = np.arange(m) < span[:, None]
             g = self._ring_entries(r, head, m)
             blk = self._ring[g]  # past the tail: old or zero ids, masked out by ``inside``
             live = inside & (self._lru_pos[row_base + blk] == g)
             seen = np.cumsum(live, axis=1)
             if (seen[:, -1] >= need).all():
                 break
-            assert m < span, f"LRU ring of rows {r.tolist()} holds fewer than {need.tolist()} live entries"
-            m = min(2 * m, span)
+            assert m < enough, f"LRU ring of rows {r.tolist()} holds fewer than {need.tolist()} live entries"
+            m = min(2 * m, enough)
         chosen = live & (seen <= need[:, None])
         row_idx = np.broadcast_to(np.arange(r.size)[:, None], chosen.shape)[chosen]
         ev_blocks = blk[chosen]
@@ -529,6 +760,46 @@ class BlockPool:
         self._head[r] = np.where(need > 0, head + last + 1, head)
         self._lru_count[r] -= need
         return ev_mat, ev_rows.astype(np.int32), ev_blocks.astype(np.int32)
+
+    def _pop_row(self, row: int, k: int) -> np.ndarray:
+        """``_pop_lru`` of one row, with slices where it can: the ``k`` evicted ids (int32), oldest first."""
+        head, tail = int(self._head[row]), int(self._tail[row])
+        stale = tail - head - int(self._lru_count[row])
+        start = head & self._mask
+        if stale == 0 and start + k <= self._cap:
+            evicted = self._ring2d[row, start:start + k].copy()
+            last = k - 1
+        else:
+            enough = min(tail - head, k + stale)
+            m = min(enough, 2 * k)
+            while True:
+                g = row * self._cap + ((head + np.arange(m)) & self._mask)
+                seg = self._ring[g]
+                live = np.flatnonzero(self._lru_pos[row * self._n + seg.astype(np.intp)] == g)
+                if live.size >= k:
+                    break
+                assert m < enough, f"LRU ring of row {row} holds fewer than {k} live entries"
+                m = min(2 * m, enough)
+            evicted = seg[live[:k]]
+            last = int(live[k - 1])
+        flat = evicted.astype(np.intp) + row * self._n
+        self._lru_pos[flat] = -1
+        self._cached[flat] = False
+        self._head[row] = head + last + 1
+        self._lru_count[row] -= k
+        return evicted
+
+
+def _max_unsigned(a: np.ndarray) -> int | float:
+    """The largest element, negative ones reading huge (signed ints viewed unsigned): one reduction."""
+    if a.size <= 16:  # a rows column, a decode step's blocks: Python beats a numpy call here
+        values = a.ravel().tolist()
+        return max(values) if min(values) >= 0 else np.inf
+    if a.dtype.kind == "i":
+        a = a.view(f"u{a.dtype.itemsize}")
+    elif a.dtype.kind != "u":
+        return np.inf  # not ints: the caller takes the full look
+    return np.maximum.reduce(a, axis=None)
 
 
 def _merge(r: np.ndarray, b: np.ndarray, flat: np.ndarray, keep: str

@@ -5,8 +5,10 @@ Switching a scheduler from the library to the daemon is one line::
     cache = KVCacheManager(num_blocks, block_size)      # in-process
     cache = CacheClient("ipc:///run/kvcache.sock")       # shared daemon
 
-Every call has a deadline (``timeout`` seconds, default 5): a daemon that is
-down or stuck gives ``DaemonUnavailable`` instead of a hang. Not thread-safe:
+Every call has a deadline (``timeout`` seconds, default 5, per attempt; with
+``retries`` the same request is sent again, which the daemon never applies
+twice): a daemon that is down or stuck gives ``DaemonUnavailable`` instead of
+a hang. Not thread-safe:
 give each thread its own client.
 """
 from __future__ import annotations
@@ -157,17 +159,21 @@ def _coalesce(ops: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[lis
 class CacheClient:
     """A scheduler's connection to ``kvcache serve``, with the same methods and results as KVCacheManager."""
 
-    def __init__(self, endpoint: str, *, timeout: float = 5.0, name: str | None = None,
+    def __init__(self, endpoint: str, *, timeout: float = 5.0, retries: int = 0, name: str | None = None,
                  context: zmq.Context | None = None) -> None:
         if timeout <= 0:
             raise KVCacheError(f"timeout: must be positive, got {timeout}")
+        if retries < 0:
+            raise KVCacheError(f"retries: must not be negative, got {retries}")
         self.endpoint = endpoint
         self.timeout = timeout
+        self.retries = retries
         self.name = name or f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
         self.last_seq = -1
         self.last_epoch: int | None = None
         self._ctx = context or zmq.Context.instance()
-        self._ids = itertools.count(1)
+        # Random start: a client that reuses a name after a restart never repeats an answered id.
+        self._ids = itertools.count(int.from_bytes(os.urandom(7), "big"))
         self._tables: dict[Any, np.ndarray] = {}
         self._slots: dict[Any, int] = {}
         self._info: dict[str, Any] | None = None
@@ -268,25 +274,40 @@ class CacheClient:
         return result
 
     def _call(self, ops: list[dict[str, Any]]) -> dict[str, Any]:
-        """One request/reply with a deadline; replies to earlier, timed-out requests are skipped."""
+        """One request/reply with a deadline per attempt; replies to earlier, timed-out requests are skipped.
+
+        A retry resends the same request id, which the daemon answers without
+        applying it twice (also across a restart from its journal).
+        """
         request_id = next(self._ids)
-        self._sock.send(pack({"v": PROTOCOL_VERSION, "client": self.name, "id": request_id, "ops": ops}))
-        deadline = time.monotonic() + self.timeout
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 or not self._sock.poll(int(remaining * 1000) + 1, zmq.POLLIN):
-                # A reply may still come later; a fresh socket makes sure it is never taken for another one.
-                self._sock.close(0)
-                self._sock = self._connect()
-                raise DaemonUnavailable(f"daemon at {self.endpoint} did not answer within {self.timeout:g} s")
-            reply = unpack(self._sock.recv(), _MAX_REPLY_BYTES)
-            if isinstance(reply, dict) and reply.get("id") == request_id:
+        payload = pack({"v": PROTOCOL_VERSION, "client": self.name, "id": request_id, "ops": ops})
+        for attempt in range(self.retries + 1):
+            self._sock.send(payload)
+            reply = self._await(request_id)
+            if reply is not None:
                 break
+            # A reply may still come later; a fresh socket makes sure it is never taken for another one.
+            self._sock.close(0)
+            self._sock = self._connect()
+        else:
+            raise DaemonUnavailable(f"daemon at {self.endpoint} did not answer within {self.timeout:g} s"
+                                    + (f" ({self.retries + 1} attempts)" if self.retries else ""))
         if not reply.get("ok"):
             raise DaemonError(str(reply.get("error")))
         self.last_seq = reply["seq"]
         self.last_epoch = reply.get("epoch")
         return reply
+
+    def _await(self, request_id: int) -> dict[str, Any] | None:
+        """The reply to ``request_id``, or None when the deadline passes first."""
+        deadline = time.monotonic() + self.timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not self._sock.poll(int(remaining * 1000) + 1, zmq.POLLIN):
+                return None
+            reply = unpack(self._sock.recv(), _MAX_REPLY_BYTES)
+            if isinstance(reply, dict) and reply.get("id") == request_id:
+                return reply
 
     def _extend_many_results(self, ops: list[dict[str, Any]], span: list[int], raw: Any) -> list[Any]:
         """Per-extend results of one extend_many reply, keeping the table mirror current."""

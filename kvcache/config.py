@@ -58,6 +58,8 @@ class ServeConfig:
     dedupe_window: int = 1024
     pub_hwm: int = 100_000
     heartbeat_ms: int = 100
+    journal: str = ""
+    snapshot_bytes: int = 256 * 2**20
 
     def resolved(self) -> ServeConfig:
         """A copy with default endpoints filled in next to ``endpoint``."""

@@ -16,6 +16,7 @@ import collections
 import heapq
 import logging
 import os
+import pickle
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +30,7 @@ from kvcache.allocator.errors import KVCacheError
 from kvcache.allocator.manager import KVCacheManager
 from kvcache.allocator.swa import AttentionPolicy
 from kvcache.config import ServeConfig, describe_rows
+from kvcache.journal import Journal
 from kvcache.protocol import (
     DELTA_TOPIC,
     MAX_OPS,
@@ -47,6 +49,19 @@ from kvcache.protocol import (
 )
 
 log = logging.getLogger("kvcache.server")
+_MUTATING = frozenset({"admit", "extend", "extend_many", "free", "reset_prefix_cache"})
+
+
+def _check_compatible(journaled: KVCacheManager, configured: KVCacheManager) -> None:
+    """Refuse a journal written for another geometry, naming the setting that differs."""
+    for name, old, new in (
+        ("num_blocks", journaled.num_blocks, configured.num_blocks),
+        ("block_size", journaled.block_size, configured.block_size),
+        ("rows", journaled.rows, configured.rows),
+        ("enable_prefix_caching", journaled.enable_prefix_caching, configured.enable_prefix_caching),
+    ):
+        if old != new:
+            raise KVCacheError(f"journal: {name} is {old!r} in the journal but {new!r} in this configuration")
 
 
 @dataclass(slots=True)
@@ -144,8 +159,10 @@ class CacheServer:
         self._seq = -1
         # A new epoch per daemon incarnation: workers that see it change drop their tables and resync.
         self.epoch = int.from_bytes(os.urandom(8), "big") >> 1
-        self._topic = DELTA_TOPIC + self.epoch.to_bytes(8, "big")
         self._last_publish = 0.0
+        self._staged: list[tuple[int, bytes]] = []  # deltas numbered but not yet sent (not yet durable)
+        self._staged_events: list[Any] = []
+        self._journal: Journal | None = None
         self._history: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=self.config.replay_buffer)
         self._metrics: Any = None
         self._events: Any = None
@@ -154,6 +171,13 @@ class CacheServer:
         self.pub = self._bind(zmq.PUB, self.config.pub_endpoint, sndhwm=self.config.pub_hwm)
         self.replay = self._bind(zmq.ROUTER, self.config.replay_endpoint)
         self._setup_optional()
+        if self.config.journal:
+            try:
+                self._recover()
+            except BaseException:
+                self.close()
+                raise
+        self._topic = DELTA_TOPIC + self.epoch.to_bytes(8, "big")
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -201,8 +225,42 @@ class CacheServer:
                                             self.config.events_replay_endpoint, wire=wire)
             self.manager.enable_events = True
 
+    def _recover(self) -> None:
+        """Open the journal: load its snapshot and replay the messages after it, or start a new one.
+
+        A journal keeps the daemon's epoch, so workers keep their tables across
+        the restart: every delta they saw was durable before it was sent.
+        """
+        self._journal = Journal(self.config.journal)
+        recovered = self._journal.open()
+        if recovered.snapshot is None:
+            self._journal.write_snapshot(self._state())
+            log.info("journal %s: new", self.config.journal)
+            return
+        state = pickle.loads(recovered.snapshot)
+        _check_compatible(state["manager"], self.manager)
+        state["manager"].enable_events = self.manager.enable_events
+        self.manager = state["manager"]
+        self._slots, self._seq, self.epoch, self._dedupe = state["slots"], state["seq"], state["epoch"], state["dedupe"]
+        for payload in recovered.records:
+            self._process(payload, replaying=True)
+        self._staged.clear()
+        self._staged_events.clear()
+        self.manager.take_events()
+        log.info("journal %s: recovered %d requests at seq %d (%d messages replayed, %d torn bytes dropped)",
+                 self.config.journal, len(self.manager), self._seq, len(recovered.records),
+                 recovered.truncated_bytes)
+
+    def _state(self) -> bytes:
+        """Everything a restart needs, for a journal snapshot."""
+        return pickle.dumps({"manager": self.manager, "slots": self._slots, "seq": self._seq, "epoch": self.epoch,
+                             "dedupe": self._dedupe}, protocol=pickle.HIGHEST_PROTOCOL)
+
     def close(self) -> None:
         """Close every socket and remove the ipc files this daemon created."""
+        if self._journal is not None:
+            self._journal.close()
+            self._journal = None
         if self._events is not None:
             self._events.close()
         if self._metrics is not None:
@@ -248,19 +306,57 @@ class CacheServer:
     # ------------------------------------------------------------------ scheduler steps
 
     def _handle_step(self) -> None:
-        """Answer every scheduler message waiting on the ROUTER (bounded, so replay is not starved)."""
+        """Answer the scheduler messages waiting on the ROUTER (at most 256, so replay is not starved).
+
+        Group commit: every message is applied and journaled, then one fdatasync
+        makes them all durable, and only then go their deltas and replies out.
+        """
+        outbox: list[tuple[list[bytes], bytes]] = []
         for _ in range(256):
             try:
                 frames = self.router.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
-                return
+                break
             if len(frames) < 2:
                 continue
-            envelope, payload = frames[:-1], frames[-1]
-            self.router.send_multipart([*envelope, self.handle(payload)])
+            outbox.append((frames[:-1], self._process(frames[-1])))
+        self._release_staged()
+        for envelope, reply in outbox:
+            self.router.send_multipart([*envelope, reply])
 
     def handle(self, payload: bytes) -> bytes:
-        """Apply one scheduler message and return its reply; never raises."""
+        """Apply one scheduler message, make it durable, publish its deltas; returns the reply. Never raises."""
+        reply = self._process(payload)
+        self._release_staged()
+        return reply
+
+    def _release_staged(self) -> None:
+        """Commit the journal, then publish the staged deltas and events; then maybe compact the journal."""
+        if self._journal is not None:
+            self._journal.commit()
+        for seq, payload in self._staged:
+            self._send_delta(seq, payload)
+        self._staged.clear()
+        if self._events is not None and self._staged_events:
+            self._events.publish(self._staged_events)
+            self._staged_events = []
+        if self._journal is not None and self._journal.wal_bytes > self.config.snapshot_bytes:
+            self._journal.write_snapshot(self._state())
+
+    def _process(self, payload: bytes, *, replaying: bool = False) -> bytes:
+        """Apply one scheduler message, journal it and stage its deltas; returns the reply. Never raises.
+
+        An unexpected exception (a bug) is logged and answered as an internal
+        error; the daemon goes on serving.
+        """
+        try:
+            return self._process_checked(payload, replaying)
+        except Exception as exc:  # the daemon must outlive its own bugs
+            log.exception("internal error while handling a message")
+            self._count_error("internal")
+            return error_reply(None, f"internal error: {type(exc).__name__}: {exc}")
+
+    def _process_checked(self, payload: bytes, replaying: bool) -> bytes:
         start = time.perf_counter()
         request_id: Any = None
         try:
@@ -283,12 +379,14 @@ class CacheServer:
             return reply
         results, deltas = self._apply(ops)
         for changes, freed, reset in deltas:
-            self._publish(changes, freed, reset)
+            self._stage(changes, freed, reset)
         reply = pack({"v": PROTOCOL_VERSION, "id": request_id, "ok": True, "epoch": self.epoch, "seq": self._seq,
                       "results": results})
         self._dedupe.put(client, request_id, reply)
+        if self._journal is not None and not replaying and any(op.kind in _MUTATING for op in ops):
+            self._journal.append(payload)
         if self._events is not None:
-            self._events.publish(self.manager.take_events())
+            self._staged_events.extend(self.manager.take_events())
         if self._metrics is not None:
             self._metrics.observe_step(collections.Counter(op.kind for op in ops), time.perf_counter() - start)
             self._metrics.update(self.manager, now=time.monotonic())
@@ -475,18 +573,22 @@ class CacheServer:
                                 "vals": vals})
         return {"lens": lens, "changed": changed}
 
-    def _publish(self, changes: list[dict], freed: list[Any], reset: bool) -> None:
+    def _stage(self, changes: list[dict], freed: list[Any], reset: bool) -> None:
+        """Number a delta and keep it for replay; it is sent once its message is durable."""
         self._seq += 1
         payload = pack({"v": PROTOCOL_VERSION, "epoch": self.epoch, "seq": self._seq, "t": time.monotonic_ns(),
                         "changes": changes, "freed": freed, "reset": reset})
         self._history.append((self._seq, payload))
-        self._last_publish = time.monotonic()
-        try:
-            self.pub.send_multipart([self._topic, seq_frame(self._seq), payload], zmq.NOBLOCK)
-        except zmq.Again:  # PUB drops for slow subscribers rather than block; they resync by seq
-            pass
+        self._staged.append((self._seq, payload))
         if self._metrics is not None:
             self._metrics.observe_delta(len(changes), len(payload))
+
+    def _send_delta(self, seq: int, payload: bytes) -> None:
+        self._last_publish = time.monotonic()
+        try:
+            self.pub.send_multipart([self._topic, seq_frame(seq), payload], zmq.NOBLOCK)
+        except zmq.Again:  # PUB drops for slow subscribers rather than block; they resync by seq
+            pass
 
     # ------------------------------------------------------------------ replay
 

@@ -459,6 +459,153 @@ def test_lru_order_survives_churn_and_compaction(num_rows: int, num_blocks: int,
     assert got.blocks.tolist() == want[0] and evicted(got) == want[1]
 
 
+# ------------------------------------------------------------------ fast paths
+
+
+def test_unique_calls_count_and_release_like_default_calls():
+    """unique=True (the caller promises no repeated pair) gives the same counts, release order and ids."""
+    pools = [make_pool(2, 6), make_pool(2, 6)]
+    rows = np.array([[0], [1]])
+    for pool, unique in zip(pools, (False, True)):
+        table = pool.allocate(4).blocks
+        pool.mark_cached(rows, table[:, :2])
+        pool.incref(rows, table[:, 1:3], unique=unique)
+        pool.decref(rows, table[:, ::-1], unique=unique)
+        pool.incref(rows, np.array([[2, -1], [0, 1]]), unique=unique)
+        pool.check_integrity()
+    assert snapshot(pools[0]) == snapshot(pools[1])
+    for n, alloc_rows in ((3, None), (1, np.array([0]))):
+        first, second = pools[0].allocate(n, alloc_rows), pools[1].allocate(n, alloc_rows)
+        assert ids(first) == ids(second) and evicted(first) == evicted(second)
+    assert evicted(second) == [(0, 0)]
+
+
+def test_unique_calls_raise_and_change_nothing_like_default_calls():
+    """The unique path checks references the same way: AssertionError naming the pair, state untouched."""
+    pool = make_pool(1, 4)
+    pool.allocate(2)
+    before = snapshot(pool)
+    with pytest.raises(AssertionError, match=r"row 0, block 3"):
+        pool.decref(*row0([0, 3]), unique=True)
+    with pytest.raises(AssertionError, match=r"row 0, block 2"):
+        pool.incref(*row0([0, 2]), unique=True)
+    assert snapshot(pool) == before
+    pool.check_integrity()
+
+
+def test_single_pairs_are_validated_like_batches():
+    """A one-pair call (a decode step's) raises the same errors and skips a hole."""
+    pool = make_pool(2, 4)
+    pool.allocate(1)
+    before = snapshot(pool)
+    with pytest.raises(AssertionError, match=r"decref of a free block: \(row 0, block 3\)"):
+        pool.decref(np.array([0]), np.array([3]))
+    with pytest.raises(AssertionError, match=r"row 1, block 2"):
+        pool.incref(np.array([[1]]), np.array([[2]]))
+    with pytest.raises(KVCacheError, match="blocks"):
+        pool.decref(np.array([0]), np.array([4]))
+    with pytest.raises(KVCacheError, match="rows"):
+        pool.incref(np.array([2]), np.array([0]))
+    pool.incref(np.array([1]), np.array([-1]))
+    pool.decref(np.array([1]), np.array([-1]))
+    assert snapshot(pool) == before
+    pool.check_integrity()
+
+
+def test_decode_steps_one_block_at_a_time_keep_exact_order():
+    """allocate(1) and one-pair decref/incref keep LIFO reuse of uncached and LRU order of cached blocks."""
+    pool = make_pool(1, 4)
+    assert [ids(pool.allocate(1)) for _ in range(4)] == [[[0]], [[1]], [[2]], [[3]]]
+    pool.mark_cached(*row0([0, 1, 3]))
+    for block in (3, 2, 0, 1):
+        pool.decref(*row0([block]))
+    pool.incref(*row0([1]))  # the newest ring entry: revived
+    assert ids(pool.allocate(1)) == [[2]]
+    got = pool.allocate(1)
+    assert ids(got) == [[3]] and evicted(got) == [(0, 3)]
+    pool.decref(*row0([1]))
+    assert evicted(pool.allocate(2)) == [(0, 0), (0, 1)]
+    pool.check_integrity()
+
+
+@pytest.mark.parametrize("num_rows", [1, 3])
+def test_reviving_the_newest_ring_entries_leaves_none_stale(num_rows: int):
+    """A prefix released last and hit again leaves the ring's tail, so evictions scan no stale entry.
+
+    White-box: the ring's tail moves back by the revived count; eviction order stays exact.
+    """
+    pool = make_pool(num_rows, 8)
+    rows = np.arange(num_rows)[:, None]
+    table = pool.allocate(8).blocks
+    pool.mark_cached(rows, table)
+    pool.decref(rows, table[:, ::-1], unique=True)  # blocks 2, 1, 0 are released last
+    tail = pool._tail.copy()
+    pool.incref(rows, table[:, :3], unique=True)
+    assert (pool._tail == tail - 3).all()
+    pool.check_integrity()
+    pool.incref(rows, table[:, 6:7])  # not the newest entry: left stale, skipped when evicting
+    assert (pool._tail == tail - 3).all()
+    got = pool.allocate(4)
+    assert ids(got) == [[7, 5, 4, 3]] * num_rows
+    assert evicted(got) == [(r, b) for r in range(num_rows) for b in (7, 5, 4, 3)]
+    pool.check_integrity()
+
+
+@settings(max_examples=200, deadline=None)
+@given(num_rows=st.integers(1, 3), num_blocks=st.integers(2, 12), data=st.data())
+def test_prefix_cache_cycles_match_reference(num_rows: int, num_blocks: int, data: st.DataObject):
+    """The manager's cycle with unique=True evicts exactly like the baseline.
+
+    Each cycle hits a cached prefix, allocates the rest, caches it and frees it tail first: ring
+    tails are pulled back, stale entries skipped, rings wrap.
+    """
+    pool, ref = BlockPool(num_rows, num_blocks), ReferencePool(num_rows, num_blocks)
+    rows = np.arange(num_rows)[:, None]
+    tables: list[np.ndarray] = []
+    for _ in range(data.draw(st.integers(1, 12))):
+        hit = np.empty((num_rows, 0), dtype=np.int32)
+        if tables:
+            table = data.draw(st.sampled_from(tables))
+            hit = table[:, :data.draw(st.integers(0, table.shape[1]))]
+            if not pool.is_cached(rows, hit).all():
+                hit = hit[:, :0]
+        pool.incref(rows, hit, unique=True)
+        ref.incref([(r, int(b)) for r in range(num_rows) for b in hit[r]])
+        n = data.draw(st.integers(0, num_blocks - hit.shape[1]))
+        got, want = pool.allocate(n), ref.allocate(n, list(range(num_rows)))
+        assert got.blocks.tolist() == want[0] and evicted(got) == want[1]
+        table = np.concatenate([hit, got.blocks], axis=1)
+        pool.mark_cached(rows, table)
+        ref.mark_cached([(r, int(b)) for r in range(num_rows) for b in table[r]])
+        tables = [t for t in tables if pool.is_cached(rows, t).all()] + [table]
+        pool.decref(rows, table[:, ::-1], unique=True)
+        ref.decref([(r, int(b)) for r in range(num_rows) for b in table[r, ::-1]])
+        pool.check_integrity()
+    got, want = pool.allocate(num_blocks), ref.allocate(num_blocks, list(range(num_rows)))
+    assert got.blocks.tolist() == want[0] and evicted(got) == want[1]
+
+
+def test_a_pickled_pool_carries_on_exactly_like_the_original():
+    """Journal snapshots pickle the pool: the copy's stacks and rings stay one state, not two."""
+    import pickle
+
+    original = make_pool(2, 6)
+    rows = np.array([[0], [1]])
+    table = original.allocate(5).blocks
+    original.mark_cached(rows, table[:, :3])
+    original.decref(rows, table[:, ::-1])
+    copy = pickle.loads(pickle.dumps(original))
+    copy.check_integrity()
+    for pool in (original, copy):
+        pool.incref(rows, table[:, :1])
+        pool.decref(rows, pool.allocate(4).blocks[:, [2, 0, 3, 1]])  # pushed in a new order
+        pool.check_integrity()
+    assert snapshot(copy) == snapshot(original)
+    for n in (3, 2):
+        first, second = original.allocate(n), copy.allocate(n)
+        assert ids(first) == ids(second) and evicted(first) == evicted(second)
+
+
 # ------------------------------------------------------------ argument checks
 
 
@@ -586,6 +733,51 @@ class PoolMatchesReference(RuleBasedStateMachine):
             blocks = np.array([p[1] for p in flat])
         self.pool.decref(rows, blocks)
         self.ref.decref(self.pairs(rows, blocks))
+
+    @rule(data=st.data())
+    def prefix_hit_table(self, data: st.DataObject) -> None:
+        """Incref with unique=True a [rows, k] table of distinct held or cached free blocks per row (holes pad)."""
+        num_rows, num_blocks = self.ref.num_rows, self.ref.num_blocks
+        per_row = []
+        for r in range(num_rows):
+            options = [b for b in range(num_blocks) if self.ref.ref[r][b] or b in self.ref.lru[r]]
+            drawn = data.draw(st.lists(st.sampled_from(options), unique=True, max_size=4)) if options else []
+            per_row.append(drawn)
+        width = max(len(blocks) for blocks in per_row)
+        if width == 0:
+            return
+        table = np.full((num_rows, width), -1, dtype=np.int32)
+        for r, blocks in enumerate(per_row):
+            table[r, :len(blocks)] = blocks
+        rows = np.arange(num_rows)[:, None]
+        self.pool.incref(rows, table, unique=True)
+        self.ref.incref(self.pairs(rows, table))
+        self.holdings.append((rows, table))
+
+    @rule(data=st.data(), cache=st.booleans(), rehit=st.booleans())
+    def free_unique(self, data: st.DataObject, cache: bool, rehit: bool) -> None:
+        """Release a holding with no repeated pair, tail first, with unique=True; maybe hit it again at once.
+
+        Hitting again a holding just released (cached) revives the ring's newest entries.
+        """
+        def repeats(holding: tuple[np.ndarray, np.ndarray]) -> bool:
+            pairs = [p for p in self.pairs(*holding) if p[1] >= 0]
+            return len(set(pairs)) != len(pairs)
+
+        candidates = [i for i, holding in enumerate(self.holdings) if not repeats(holding)]
+        if not candidates:
+            return
+        rows, blocks = self.holdings.pop(data.draw(st.sampled_from(candidates)))
+        if cache:
+            self.pool.mark_cached(rows, blocks)
+            self.ref.mark_cached(self.pairs(rows, blocks))
+        tail_first = (rows, blocks[:, ::-1]) if rows.ndim == 2 else (rows[::-1], blocks[::-1])
+        self.pool.decref(*tail_first, unique=True)
+        self.ref.decref(self.pairs(*tail_first))
+        if cache and rehit:
+            self.pool.incref(rows, blocks, unique=True)
+            self.ref.incref(self.pairs(rows, blocks))
+            self.holdings.append((rows, blocks))
 
     @rule(data=st.data())
     def uncache(self, data: st.DataObject) -> None:
