@@ -319,6 +319,10 @@ class KVCacheManager:
         _check_count(done, "num_computed_tokens", least=0)
         if done > req.num_tokens:
             raise KVCacheError(f"num_computed_tokens: {done} exceeds the request's {req.num_tokens} tokens")
+        return self._extend(req, new_tokens, done)
+
+    def _extend(self, req: _Request, new_tokens: np.ndarray, done: int) -> np.ndarray | None:
+        """``extend`` after validation: ``new_tokens`` is uint32, ``done`` within the request's tokens."""
         bs = self.block_size
         total = req.num_tokens + int(new_tokens.size)
         num_blocks = -(-total // bs)
@@ -409,7 +413,7 @@ class KVCacheManager:
                 req.changed = _NO_COLUMNS
                 out.append(req.view if req.view is not None else _view(req))
             else:
-                out.append(self.extend(rid, flat[offset:offset + k]))
+                out.append(self._extend(req, flat[offset:offset + k], t))
             if changes is not None:
                 changes.append(req.changed if out[-1] is not None else _NO_COLUMNS)
             offset += k

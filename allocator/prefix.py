@@ -487,6 +487,8 @@ class PrefixIndex:
         unregistered, a duplicate). Hashes in one call must be distinct (a chain's are).
         Returns the pairs newly registered (the caller marks them cached) and which hashes are new.
         """
+        if len(hashes) == HASH_BYTES:
+            return self._insert_one(hashes, blocks[0])
         entries = self._find(hashes, stop_at_miss=False).astype(np.intp)
         fresh = np.flatnonzero(entries < 0)
         packed = np.frombuffer(hashes, dtype=_PACKED)
@@ -511,6 +513,32 @@ class PrefixIndex:
             self._add_keys(entries[fresh], packed[fresh])
             new[fresh] = True
         return Inserted(added, new)
+
+    def _insert_one(self, block_hash: bytes, blocks: np.ndarray) -> Inserted:
+        """``insert`` of a single hash (a decode step filling one block) with scalar steps, not array passes."""
+        entry = int(self._find(block_hash, stop_at_miss=False)[0])
+        new = entry < 0
+        if new:
+            if self._num_spare:
+                self._num_spare -= 1
+                entry = int(self._spare[self._num_spare])
+            else:
+                entry = int(self._take_entries(1)[0])
+            self._hash_of[entry] = np.frombuffer(block_hash, dtype=_PACKED)[0]
+        added = (self._blocks[entry] < 0) & (blocks >= 0)
+        rows = np.flatnonzero(added)
+        if rows.size:
+            b = blocks[rows]
+            assert (self._entry_at[rows, b] < 0).all(), f"a block of rows {rows.tolist()} already holds a hash"
+            self._blocks[entry, rows] = b
+            self._entry_at[rows, b] = entry
+            self._holders[entry] += rows.size
+        if new:
+            if rows.size:
+                self._add_keys(np.array([entry], dtype=np.intp), np.frombuffer(block_hash, dtype=_PACKED))
+            else:
+                self._push_spare(np.array([entry], dtype=np.intp))
+        return Inserted(added[None, :], np.array([new and rows.size > 0]))
 
     def remove(self, rows: np.ndarray, blocks: np.ndarray) -> RemovedBlocks:
         """Forget what the given distinct (row, block) pairs hold (their KV is about to be overwritten).
