@@ -9,6 +9,8 @@ $(VENV)/.installed: pyproject.toml setup.py $(wildcard */*.c)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -U pip setuptools wheel
 	$(PY) -m pip install -q -e '.[dev]'
+	# NIXL (UCX on CPU) for the transfer tests; --no-deps: its metadata asks for PyTorch, which it does not need here.
+	$(PY) -m pip install -q --no-deps nixl-cu12
 	touch $@
 
 install: $(VENV)/.installed

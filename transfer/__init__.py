@@ -2,6 +2,34 @@
 from __future__ import annotations
 
 from kvcache.ops import begin_step, send_cache
+from kvcache.transfer.engines import (
+    CUDA_METHODS,
+    LocalEngine,
+    TransferEngine,
+    TransferHandle,
+    TransferStatus,
+    create_engine,
+)
+from kvcache.transfer.regions import ByteRanges, CopyRanges, KVRegion, copy_ranges, describe_tensor
 from kvcache.transfer.signal import LayerSignal, LayerTimes, Progress, WaitStatus, signal_name
 
-__all__ = ["LayerSignal", "LayerTimes", "Progress", "WaitStatus", "begin_step", "send_cache", "signal_name"]
+__all__ = [
+    "CUDA_METHODS",
+    "ByteRanges",
+    "CopyRanges",
+    "KVRegion",
+    "LayerSignal",
+    "LayerTimes",
+    "LocalEngine",
+    "Progress",
+    "TransferEngine",
+    "TransferHandle",
+    "TransferStatus",
+    "WaitStatus",
+    "begin_step",
+    "copy_ranges",
+    "create_engine",
+    "describe_tensor",
+    "send_cache",
+    "signal_name",
+]

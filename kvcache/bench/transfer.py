@@ -1,0 +1,378 @@
+"""`kvcache bench transfer`: moving one request's KV blocks, against the raw limit of each path in the same run.
+
+Workload (issue 7): one request of 4,096 tokens, 32 layers, 8 kv heads x 128, bf16, block 16 and
+64; its blocks sit at scattered ids of a cache twice its size, and land at other scattered ids.
+Sections, each the best wall time of N runs (write + wait), ours and the limit taking turns:
+  1. host to host, LocalEngine: all layers in one write (and layer by layer, the messager's
+     pattern); limit: one memcpy of the same total bytes (the faster of numpy's copyto and one
+     range through the engine's own C loop);
+  2. NIXL (where installed): the same write into a receiver process (UCX's choice of transport on
+     one host); limit: one NIXL write of the same bytes as a single descriptor;
+  3. CUDA (with PyTorch and a GPU): device to pinned host, host to device and device to device
+     with each batched method (cudaMemcpyBatchAsync, copy kernel) and one cudaMemcpyAsync per
+     range; limit: one cudaMemcpyAsync of the same total bytes, pinned.
+Targets: local and GPU swaps >= 85% of their limit, NIXL >= 80% of raw NIXL. Exits 0 whatever the numbers.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from kvcache.allocator.layout import CacheSpec
+from kvcache.bench.common import Fleet, expect
+from kvcache.bench.common import mark as _mark
+from kvcache.bench.common import positive_int as _positive_int
+from kvcache.bench.common import table as _table
+from kvcache.transfer.engines import LocalEngine, TransferStatus
+from kvcache.transfer.regions import CopyRanges, KVRegion
+
+TOKENS = 4096
+LAYERS = 32
+KV_HEADS = 8
+HEAD_DIM = 128
+BLOCK_SIZES = (16, 64)
+CACHE_FACTOR = 2  # the cache holds this many requests' worth of blocks; ids are scattered over it
+REPEAT = 10
+QUICK_REPEAT = 3
+QUICK_LAYERS = 2
+SEED = 0
+
+LOCAL_TARGET = 0.85
+GPU_TARGET = 0.85
+NIXL_TARGET = 0.80
+
+
+def make_spec(block_size: int, layers: int) -> CacheSpec:
+    return CacheSpec(num_layers=layers, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, block_size=block_size,
+                     dtype="bfloat16")
+
+
+def scattered_ids(block_size: int, seed: int) -> tuple[int, np.ndarray]:
+    """(cache blocks, the request's block ids scattered over them)."""
+    n = TOKENS // block_size
+    num_blocks = CACHE_FACTOR * n
+    return num_blocks, np.random.default_rng(seed).permutation(num_blocks)[:n].astype(np.int32)
+
+
+def host_region(spec: CacheSpec, num_blocks: int, fill: int) -> tuple[KVRegion, np.ndarray]:
+    """A region over one numpy buffer (layer-major, then key/value), and the buffer."""
+    per_tensor = [t.nbytes(num_blocks) for t in spec.tensors()]
+    buffer = np.full(sum(per_tensor) * spec.num_layers, fill, dtype=np.uint8)
+    base = buffer.ctypes.data
+    offsets = np.cumsum([0] + per_tensor * spec.num_layers)[:-1].reshape(spec.num_layers, len(per_tensor))
+    return KVRegion.from_addresses(spec, num_blocks, base + offsets, keep=(buffer,)), buffer
+
+
+def one_range(nbytes: int, src: int, dst: int) -> CopyRanges:
+    return CopyRanges(np.array([src], np.int64), np.array([dst], np.int64), np.array([nbytes], np.int64))
+
+
+def best_interleaved(fns: Sequence[Callable[[], None]], repeat: int) -> list[float]:
+    """Best seconds of each fn over ``repeat`` rounds after one warm-up round, the fns taking turns."""
+    for fn in fns:
+        fn()
+    best = [float("inf")] * len(fns)
+    for _ in range(repeat):
+        for k, fn in enumerate(fns):
+            t0 = time.perf_counter()
+            fn()
+            best[k] = min(best[k], time.perf_counter() - t0)
+    return best
+
+
+def _done(handle: Any) -> None:
+    status = handle.wait()
+    if status is not TransferStatus.DONE:
+        raise RuntimeError(f"transfer {status.value}: {handle.error}")
+
+
+def _row(path: str, block_size: int, mode: str, ranges: int, nbytes: int, ours_s: float, limit_s: float,
+         limit: str, target: float | None) -> dict[str, Any]:
+    ratio = limit_s / ours_s
+    return {
+        "path": path, "block_size": block_size, "mode": mode, "ranges": ranges, "bytes": nbytes,
+        "ms": ours_s * 1e3, "gb_per_s": nbytes / ours_s / 1e9, "limit": limit, "limit_ms": limit_s * 1e3,
+        "limit_gb_per_s": nbytes / limit_s / 1e9, "of_limit": ratio,
+        "target": None if target is None else f">= {target:.0%} of limit",
+        "ok": None if target is None else ratio >= target,
+    }
+
+
+# --------------------------------------------------------------------------- 1. host to host
+
+
+def bench_host(layers: int, repeat: int) -> list[dict[str, Any]]:
+    rows = []
+    with LocalEngine(timeout=120.0) as engine:
+        for bs in BLOCK_SIZES:
+            spec = make_spec(bs, layers)
+            num_blocks, src_ids = scattered_ids(bs, SEED)
+            _, dst_ids = scattered_ids(bs, SEED + 1)
+            src, src_buf = host_region(spec, num_blocks, 1)
+            dst, dst_buf = host_region(spec, num_blocks, 2)
+            nbytes = spec.bytes_per_block * src_ids.size
+            limit = one_range(nbytes, src_buf.ctypes.data, dst_buf.ctypes.data)
+            ranges = engine.write(src, src_ids, dst, dst_ids)
+            _done(ranges)
+            whole, per_layer, streamed, plain = best_interleaved([
+                lambda: _done(engine.write(src, src_ids, dst, dst_ids)),
+                lambda: [_done(h) for h in [engine.write(src, src_ids, dst, dst_ids, layers=[layer])
+                                            for layer in range(layers)]],
+                lambda: _done(engine.submit(limit)),
+                lambda: np.copyto(dst_buf[:nbytes], src_buf[:nbytes]),
+            ], repeat)
+            raw, name = min((streamed, "one memcpy (engine)"), (plain, "one memcpy (numpy)"))
+            count = ranges.num_ranges
+            rows.append(_row("host -> host", bs, "all layers, one write", count, nbytes, whole, raw, name,
+                             LOCAL_TARGET))
+            rows.append(_row("host -> host", bs, f"{layers} writes, a layer each", count, nbytes, per_layer, raw,
+                             name, None))
+            for label, seconds in (("numpy copyto", plain), ("one range through the engine", streamed)):
+                rows[-2].setdefault("limits_ms", {})[label] = seconds * 1e3
+            del src_buf, dst_buf
+    return rows
+
+
+# --------------------------------------------------------------------------- 2. NIXL
+
+
+def _nixl_receiver(conn: Any, block_size: int, layers: int) -> None:
+    """The receiving process: one registered host region, served over ZMQ until stopped."""
+    from kvcache.transfer.nixl import NixlEngine
+
+    spec = make_spec(block_size, layers)
+    num_blocks, _ = scattered_ids(block_size, SEED)
+    region, _buffer = host_region(spec, num_blocks, 0)
+    with NixlEngine(f"bench-decode-{os.getpid()}") as engine:
+        engine.register(region)
+        conn.send(("ready", engine.serve("tcp://127.0.0.1:*")))
+        while conn.recv()[0] != "stop":
+            pass
+
+
+def bench_nixl(layers: int, repeat: int) -> list[dict[str, Any]] | str:
+    try:
+        from kvcache.transfer.nixl import NixlEngine, nixl_available
+    except ImportError as exc:  # pyzmq or msgpack missing: no control plane
+        return f"cannot import the NIXL engine: {exc}"
+    if not nixl_available():
+        return "NIXL is not installed (pip install nixl-cu12 --no-deps)"
+    rows = []
+    for bs in BLOCK_SIZES:
+        spec = make_spec(bs, layers)
+        num_blocks, src_ids = scattered_ids(bs, SEED)
+        _, dst_ids = scattered_ids(bs, SEED + 1)
+        with Fleet() as fleet, NixlEngine("bench-prefill", timeout=120.0) as engine:
+            conn = fleet.spawn(_nixl_receiver, bs, layers)
+            endpoint = expect(conn, "ready", time.monotonic() + 120, "NIXL receiver")[1]
+            src, src_buf = host_region(spec, num_blocks, 1)
+            engine.register(src)
+            peer = engine.connect(endpoint)
+            dst = peer.regions[0]
+            nbytes = spec.bytes_per_block * src_ids.size
+            limit = one_range(nbytes, src_buf.ctypes.data, int(dst.addrs[0, 0]))
+            first = engine.write(src, src_ids, dst, dst_ids)
+            _done(first)
+            ours, raw = best_interleaved([
+                lambda: _done(engine.write(src, src_ids, dst, dst_ids)),
+                lambda: _done(engine.submit(limit, peer.agent, src, dst)),
+            ], repeat)
+            rows.append(_row("NIXL host -> other process", bs, "all layers, one write", first.num_ranges, nbytes,
+                             ours, raw, "one-descriptor NIXL write", NIXL_TARGET))
+            fleet.stop([conn])
+    return rows
+
+
+# --------------------------------------------------------------------------- 3. CUDA
+
+
+def bench_gpu(layers: int, repeat: int) -> dict[str, Any] | str:
+    torch = sys.modules.get("torch")
+    if torch is None:
+        try:
+            import torch
+        except ImportError:
+            return "needs PyTorch and a GPU"
+    if not torch.cuda.is_available():
+        return "needs PyTorch and a GPU"
+    engines = {m: LocalEngine(timeout=120.0, cuda_method=m) for m in ("batch", "kernel", "loop")}
+    limit_engine = engines["loop"]
+    methods = {}
+    for name, engine in engines.items():
+        try:
+            engine.resolved_cuda_method()
+            if name == "batch" and engine.cuda.batch is None:
+                raise RuntimeError(f"runtime {engine.cuda.version} has no cudaMemcpyBatchAsync")
+            if name == "kernel":
+                from kvcache.transfer.engines import _cupy
+
+                if _cupy() is None:
+                    raise RuntimeError("CuPy is not installed")
+            methods[name] = None
+        except Exception as exc:
+            methods[name] = str(exc)
+    rows: list[dict[str, Any]] = []
+    try:
+        for bs in BLOCK_SIZES:
+            spec = make_spec(bs, layers)
+            num_blocks, src_ids = scattered_ids(bs, SEED)
+            _, dst_ids = scattered_ids(bs, SEED + 1)
+            shape = (num_blocks, KV_HEADS, bs, HEAD_DIM)
+            gpu_a = [[torch.empty(shape, dtype=torch.bfloat16, device="cuda") for _ in range(2)] for _ in range(layers)]
+            gpu_b = [[torch.empty(shape, dtype=torch.bfloat16, device="cuda") for _ in range(2)] for _ in range(layers)]
+            host = [[torch.empty(shape, dtype=torch.bfloat16, pin_memory=True) for _ in range(2)] for _ in range(layers)]
+            regions = {k: KVRegion.from_tensors(spec, v) for k, v in (("gpu", gpu_a), ("gpu2", gpu_b), ("host", host))}
+            nbytes = spec.bytes_per_block * src_ids.size
+            flat_gpu = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+            flat_gpu2 = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+            flat_host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            paths = [("device -> host", "gpu", "host", flat_gpu, flat_host),
+                     ("host -> device", "host", "gpu", flat_host, flat_gpu),
+                     ("device -> device", "gpu", "gpu2", flat_gpu, flat_gpu2)]
+            for path, a, b, fa, fb in paths:
+                limit = one_range(nbytes, fa.data_ptr(), fb.data_ptr())
+                for method, missing in methods.items():
+                    if missing:
+                        continue
+                    engine = engines[method]
+                    first = engine.write(regions[a], src_ids, regions[b], dst_ids)
+                    _done(first)
+                    ours, raw = best_interleaved([
+                        lambda: _done(engine.write(regions[a], src_ids, regions[b], dst_ids)),
+                        lambda: _done(limit_engine.submit(limit, device="cuda:0")),
+                    ], repeat)
+                    target = GPU_TARGET if path != "device -> device" and method != "loop" else None
+                    rows.append(_row(path, bs, method, first.num_ranges, nbytes, ours, raw,
+                                     "one cudaMemcpyAsync", target))
+            del gpu_a, gpu_b, host, flat_gpu, flat_gpu2, flat_host, regions
+            torch.cuda.empty_cache()
+        cuda = limit_engine.cuda
+        info = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "runtime": cuda.version,
+                "cudart": cuda.path}
+    finally:
+        for engine in engines.values():
+            engine.close()
+    return {"info": info, "methods": {k: v or "ok" for k, v in methods.items()}, "rows": rows}
+
+
+# --------------------------------------------------------------------------- report
+
+
+def _rows_table(rows: list[dict[str, Any]]) -> str:
+    return _table(
+        ["path", "block", "mode", "ranges", "MiB", "ms", "GB/s", "limit", "limit ms", "limit GB/s", "of limit",
+         "target", ""],
+        [[r["path"], str(r["block_size"]), r["mode"], f"{r['ranges']:,}", f"{r['bytes'] / 2**20:.0f}",
+          f"{r['ms']:.2f}", f"{r['gb_per_s']:.1f}", r["limit"], f"{r['limit_ms']:.2f}", f"{r['limit_gb_per_s']:.1f}",
+          f"{r['of_limit']:.0%}", r["target"] or "-", _mark(r["ok"])] for r in rows],
+        align_left=3,
+    )
+
+
+def render(result: dict[str, Any]) -> str:
+    cfg = result["config"]
+    out = [
+        f"kvcache bench transfer: {TOKENS:,} tokens, {cfg['layers']} layers, {KV_HEADS} kv heads x {HEAD_DIM}, bf16, "
+        f"ids scattered over a cache {CACHE_FACTOR}x the request; best of {cfg['repeat']}; python {cfg['python']}, "
+        f"{cfg['cpus']} cpu(s){', quick' if cfg['quick'] else ''}",
+        "",
+        "1. host -> host (LocalEngine: one C memcpy loop over all ranges); limit: one memcpy of the same bytes "
+        "(the faster of numpy's copyto and one range through the engine)",
+        _rows_table(result["host"]),
+        *(f"  block {r['block_size']} limits, ms: " + ", ".join(f"{k} {v:.2f}" for k, v in r["limits_ms"].items())
+          for r in result["host"] if "limits_ms" in r),
+        "",
+    ]
+    nixl = result["nixl"]
+    out += ["2. NIXL into another process (UCX's transport choice on one host)",
+            _rows_table(nixl) if isinstance(nixl, list) else f"  skipped: {nixl}", ""]
+    gpu = result["gpu"]
+    if isinstance(gpu, str):
+        out.append(f"3. CUDA: skipped ({gpu})")
+    else:
+        info = gpu["info"]
+        out += [f"3. CUDA ({info['device']}, torch {info['torch']}, runtime {info['runtime']}); methods: "
+                + ", ".join(f"{k} {v}" for k, v in gpu["methods"].items()),
+                _rows_table(gpu["rows"])]
+    out += ["", f"targets met: {sum(t['ok'] for t in result['targets'])} of {len(result['targets'])}",
+            *(f"  MISS {t['name']}: {t['value']} (target {t['target']})" for t in result["targets"] if not t["ok"])]
+    return "\n".join(out)
+
+
+def _targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{"name": f"{r['path']} block {r['block_size']} {r['mode']}", "value": f"{r['of_limit']:.0%}",
+             "target": r["target"], "ok": bool(r["ok"])} for r in rows if r["ok"] is not None]
+
+
+def run_benchmark(layers: int, repeat: int, quick: bool, sections: Sequence[str]) -> dict[str, Any]:
+    """Every chosen section, measured now; one JSON-ready dict."""
+    host = bench_host(layers, repeat) if "host" in sections else []
+    nixl = bench_nixl(layers, repeat) if "nixl" in sections else "not chosen"
+    gpu = bench_gpu(layers, repeat) if "gpu" in sections else "not chosen"
+    rows = host + (nixl if isinstance(nixl, list) else []) + (gpu["rows"] if isinstance(gpu, dict) else [])
+    return {
+        "benchmark": "transfer",
+        "config": {"layers": layers, "repeat": repeat, "quick": quick, "python": platform.python_version(),
+                   "numpy": np.__version__, "cpus": os.cpu_count(), "tokens": TOKENS, "kv_heads": KV_HEADS,
+                   "head_dim": HEAD_DIM, "block_sizes": list(BLOCK_SIZES)},
+        "host": host,
+        "nixl": nixl,
+        "gpu": gpu,
+        "targets": _targets(rows),
+    }
+
+
+def _run(args: argparse.Namespace) -> int:
+    repeat = args.repeat or (QUICK_REPEAT if args.quick else REPEAT)
+    layers = args.layers or (QUICK_LAYERS if args.quick else LAYERS)
+    result = run_benchmark(layers, repeat, args.quick, args.sections)
+    print(json.dumps(result, indent=2) if args.json else render(result))
+    return 0
+
+
+def _sections(text: str) -> list[str]:
+    chosen = [s for s in text.split(",") if s]
+    bad = [s for s in chosen if s not in ("host", "nixl", "gpu")]
+    if bad or not chosen:
+        raise argparse.ArgumentTypeError(f"sections are host, nixl, gpu (comma-separated), got {text!r}")
+    return chosen
+
+
+def add_parser(targets: argparse._SubParsersAction) -> None:
+    """Register `kvcache bench transfer`."""
+    p = targets.add_parser(
+        "transfer",
+        help="move one request's KV blocks: host copies, NIXL, CUDA swaps, each against its raw limit",
+        description="Time moving one 4,096-token request (32 layers, 8 kv heads x 128, bf16, block 16 and 64, "
+        "scattered ids): host to host against one memcpy of the same bytes; NIXL into another process against one "
+        "single-descriptor NIXL write; with PyTorch and a GPU, device/host swaps per method against one pinned "
+        "cudaMemcpyAsync. Marks issue 7's targets ok/MISS; always exits 0.",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the tables")
+    p.add_argument("--quick", action="store_true",
+                   help=f"{QUICK_LAYERS} layers and {QUICK_REPEAT} runs instead of {LAYERS} and {REPEAT}, for tests")
+    p.add_argument("--repeat", type=_positive_int, metavar="N", help="timed runs per measurement; the best is reported")
+    p.add_argument("--layers", type=_positive_int, metavar="N", help=f"model layers (default {LAYERS})")
+    p.add_argument("--sections", type=_sections, default=["host", "nixl", "gpu"], metavar="LIST",
+                   help="comma-separated subset of host,nixl,gpu (default: all; absent libraries are skipped)")
+    p.set_defaults(run=_run)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run as `python -m kvcache.bench.transfer` (same flags), without the CLI's other imports."""
+    parser = argparse.ArgumentParser(prog="kvcache bench")
+    add_parser(parser.add_subparsers(dest="target", required=True))
+    args = parser.parse_args(["transfer", *(argv if argv is not None else sys.argv[1:])])
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,314 @@
+"""KVRegion: registration checks against the CacheSpec, and byte ranges that cover exactly the listed blocks."""
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvcache.allocator import CacheSpec, KVCacheError, QuantType
+from kvcache.allocator.layout import DTYPE_BYTES
+from kvcache.transfer.regions import KVRegion, copy_ranges, describe_tensor
+
+RAW = {1: np.uint8, 2: np.uint16, 4: np.uint32}
+LAYOUTS = ("separate", "interleaved")
+
+
+def make_spec(**overrides: Any) -> CacheSpec:
+    fields = dict(num_layers=2, num_kv_heads=4, head_dim=8, block_size=4, dtype="bfloat16")
+    fields.update(overrides)
+    return CacheSpec(**fields)
+
+
+class Cache:
+    """A region's numpy storage: one byte buffer, and per (layer, tensor) a view shaped as the spec says."""
+
+    def __init__(self, spec: CacheSpec, num_blocks: int, layout: str, seed: int = 0) -> None:
+        self.spec = spec
+        tensors = spec.tensors()
+        per_layer = spec.bytes_per_block_per_layer * num_blocks
+        self.buffer = np.random.default_rng(seed).integers(0, 256, per_layer * spec.num_layers, dtype=np.uint8)
+        self.views: list[list[np.ndarray]] = []
+        for layer in range(spec.num_layers):
+            row, offset = [], layer * per_layer
+            for t in tensors:
+                raw = RAW[DTYPE_BYTES[t.dtype]]
+                inner = np.empty(t.block_shape, dtype=raw).strides
+                if layout == "separate":
+                    block_stride, start = t.bytes_per_block, offset
+                    offset += t.bytes_per_block * num_blocks
+                else:  # every tensor's block b sits inside one page b of all the layer's tensors
+                    block_stride, start = spec.bytes_per_block_per_layer, offset
+                    offset += t.bytes_per_block
+                row.append(np.ndarray(t.shape(num_blocks), dtype=raw, buffer=self.buffer,
+                                      offset=start, strides=(block_stride, *inner)))
+            self.views.append(row)
+        self.region = KVRegion.from_tensors(spec, self.views)
+
+    @property
+    def base(self) -> int:
+        return self.buffer.ctypes.data
+
+    def mark(self, blocks: np.ndarray, rows: np.ndarray | None, layers: range) -> np.ndarray:
+        """Slow reference: a bool per byte, set for every byte numpy's own indexing says the units hold."""
+        mask = np.zeros(self.buffer.size, dtype=bool)
+        for layer in layers:
+            for view in self.views[layer]:
+                for b, r in _pairs(blocks, rows):
+                    piece = view[b] if r is None else view[b, r]
+                    start = piece.__array_interface__["data"][0] - self.base
+                    mask[start:start + piece.nbytes] = True
+        return mask
+
+
+def _pairs(blocks: np.ndarray, rows: np.ndarray | None) -> list[tuple[int, int | None]]:
+    """(block, row) units a selection names, -1 skipped; rows None means whole blocks."""
+    if rows is None:
+        return [(int(b), None) for b in blocks if b >= 0]
+    if blocks.ndim == 1:
+        return [(int(b), int(r)) for r in rows for b in blocks if b >= 0]
+    return [(int(b), int(r)) for r, ids in zip(rows, blocks) for b in ids if b >= 0]
+
+
+def coverage(ranges_addr: np.ndarray, length: np.ndarray, base: int, size: int) -> np.ndarray:
+    """How many ranges cover each byte of [base, base + size)."""
+    count = np.zeros(size + 1, dtype=np.int64)
+    np.add.at(count, ranges_addr - base, 1)
+    np.add.at(count, ranges_addr - base + length, -1)
+    return np.cumsum(count)[:-1]
+
+
+@st.composite
+def specs(draw: st.DrawFn) -> CacheSpec:
+    """Any quant type, either scale layout, 1-3 layers, small geometry."""
+    quant = draw(st.sampled_from(list(QuantType)))
+    layers = draw(st.integers(1, 3))
+    block_size = draw(st.sampled_from([1, 2, 4, 16]))
+    if quant.is_mla:
+        return CacheSpec(num_layers=layers, quant=quant, block_size=block_size,
+                         kv_lora_rank=draw(st.sampled_from([128, 256])), qk_rope_head_dim=draw(st.sampled_from([16, 64])),
+                         dtype=draw(st.sampled_from(["bfloat16", "float16"])))
+    return CacheSpec(num_layers=layers, quant=quant, block_size=block_size,
+                     num_kv_heads=draw(st.sampled_from([1, 2, 4])), head_dim=draw(st.sampled_from([4, 8, 16])),
+                     dtype=draw(st.sampled_from(["bfloat16", "float16", "float32"])),
+                     scale_layout=draw(st.sampled_from(["default", "blackwell"])))
+
+
+@st.composite
+def selections(draw: st.DrawFn, num_blocks: int, heads: int, unique: bool = False
+               ) -> tuple[np.ndarray, np.ndarray | None]:
+    """A uniform id list, the same ids for some rows, or a head-wise [rows, n] table; -1 holes included."""
+    mode = draw(st.sampled_from(["uniform", "rows", "head-wise"]))
+    n = draw(st.integers(0, num_blocks))
+    ids = st.lists(st.integers(-1, num_blocks - 1), min_size=n, max_size=n)
+    if unique:
+        ids = st.permutations(list(range(num_blocks))).map(lambda p: p[:n])
+    if mode == "uniform":
+        return np.array(draw(ids), dtype=np.int64), None
+    if mode == "rows":
+        rows = draw(st.lists(st.integers(0, heads - 1), min_size=1, max_size=heads, unique=True))
+        return np.array(draw(ids), dtype=np.int64), np.array(rows)
+    rows = np.arange(heads)
+    return np.array([draw(ids) for _ in rows], dtype=np.int64).reshape(heads, n), rows
+
+
+# -- ranges cover exactly the listed blocks ---------------------------------------------------
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data(), spec=specs(), num_blocks=st.integers(1, 12), layout=st.sampled_from(LAYOUTS))
+def test_ranges_cover_exactly_the_bytes_of_the_listed_blocks_and_never_overlap(data, spec, num_blocks, layout):
+    """For every quant type, both table modes and both layouts: union of ranges == reference marks, no byte twice."""
+    cache = Cache(spec, num_blocks, layout)
+    blocks, rows = data.draw(selections(num_blocks, cache.region.heads))
+    layers = data.draw(st.sampled_from([None, [0], list(range(spec.num_layers))[::-1]]))
+    got = cache.region.ranges(blocks, rows, layers)
+    count = coverage(got.addr, got.length, cache.base, cache.buffer.size)
+    assert count.max(initial=0) <= 1, "merged ranges overlap"
+    chosen = range(spec.num_layers) if layers is None else layers
+    assert np.array_equal(count == 1, cache.mark(blocks, rows, chosen))
+    assert got.nbytes == int(cache.mark(blocks, rows, chosen).sum())
+
+
+@settings(max_examples=100, deadline=None)
+@given(data=st.data(), spec=specs(), num_blocks=st.integers(1, 12), layout=st.sampled_from(LAYOUTS))
+def test_ranges_are_maximal_no_two_consecutive_ranges_touch(data, spec, num_blocks, layout):
+    cache = Cache(spec, num_blocks, layout)
+    blocks, rows = data.draw(selections(num_blocks, cache.region.heads))
+    got = cache.region.ranges(blocks, rows)
+    assert not np.any(got.addr[1:] == got.addr[:-1] + got.length[:-1])
+
+
+@settings(max_examples=100, deadline=None)
+@given(data=st.data(), spec=specs(), num_blocks=st.integers(1, 12),
+       layouts=st.tuples(st.sampled_from(LAYOUTS), st.sampled_from(LAYOUTS)))
+def test_copy_ranges_move_each_listed_unit_onto_its_partner_and_nothing_else(data, spec, num_blocks, layouts):
+    """A memmove over copy_ranges equals numpy's per-unit copy; destinations never overlap."""
+    src, dst = Cache(spec, num_blocks, layouts[0], seed=1), Cache(spec, num_blocks, layouts[1], seed=2)
+    dst_blocks, rows = data.draw(selections(num_blocks, src.region.heads, unique=True))
+    src_blocks = np.array(data.draw(st.lists(st.integers(-1, num_blocks - 1), min_size=dst_blocks.size,
+                                             max_size=dst_blocks.size)), dtype=np.int64).reshape(dst_blocks.shape)
+    want = dst.buffer.copy()
+    expected = [[np.ndarray(v.shape, v.dtype, buffer=want, offset=v.__array_interface__["data"][0] - dst.base,
+                            strides=v.strides) for v in row] for row in dst.views]
+    for layer in range(spec.num_layers):
+        for sv, ev in zip(src.views[layer], expected[layer]):
+            for (sb, r), (db, _) in zip(_pairs(np.where(dst_blocks >= 0, src_blocks, -1), rows),
+                                        _pairs(np.where(src_blocks >= 0, dst_blocks, -1), rows)):
+                if r is None:
+                    ev[db] = sv[sb]
+                else:
+                    ev[db, r] = sv[sb, r]
+    got = copy_ranges(src.region, src_blocks, dst.region, dst_blocks, rows=rows)
+    count = coverage(got.dst, got.length, dst.base, dst.buffer.size)
+    assert count.max(initial=0) <= 1, "destination ranges overlap"
+    for s, d, n in zip(got.src.tolist(), got.dst.tolist(), got.length.tolist()):
+        ctypes.memmove(d, s, n)
+    assert np.array_equal(dst.buffer, want)
+
+
+def test_consecutive_ids_merge_into_one_range_per_layer_and_tensor():
+    spec = make_spec(quant="block_wise_fp8")
+    cache = Cache(spec, 16, "separate")
+    got = cache.region.ranges(np.arange(3, 9))
+    assert got.length.tolist() == [6 * t.bytes_per_block for t in spec.tensors()] * spec.num_layers
+
+
+def test_every_head_of_consecutive_blocks_merges_like_whole_blocks():
+    """Head-wise units of all rows, same ids per row, are one range per (layer, tensor) when blocks are dense."""
+    spec = make_spec()
+    cache = Cache(spec, 16, "separate")
+    table = np.tile(np.arange(5, 10), (4, 1))
+    assert cache.region.ranges(table).length.tolist() == cache.region.ranges(np.arange(5, 10)).length.tolist()
+
+
+def test_one_head_of_consecutive_blocks_is_one_range_per_block():
+    """Head 2's slice of block b is contiguous only within b: 3 blocks give 3 ranges per (layer, tensor)."""
+    spec = make_spec(num_layers=1)
+    cache = Cache(spec, 16, "separate")
+    got = cache.region.ranges([4, 5, 6], rows=[2])
+    assert got.length.tolist() == [4 * 8 * 2] * 6
+
+
+def test_scattered_ids_are_returned_in_address_order_and_duplicates_count_once():
+    spec = make_spec(num_layers=1, quant="mla", num_kv_heads=None, head_dim=None, kv_lora_rank=128, qk_rope_head_dim=64)
+    cache = Cache(spec, 16, "separate")
+    bpb = spec.tensors()[0].bytes_per_block
+    got = cache.region.ranges([9, 2, 3, 9, -1, 4])
+    assert (got.addr - cache.base).tolist() == [2 * bpb, 9 * bpb]
+    assert got.length.tolist() == [3 * bpb, bpb]
+
+
+def test_copy_ranges_merge_only_where_both_sides_continue():
+    spec = make_spec(num_layers=1, quant="fp8")
+    src, dst = Cache(spec, 16, "separate"), Cache(spec, 16, "separate")
+    bpb = spec.tensors()[0].bytes_per_block
+    got = copy_ranges(src.region, [1, 2, 3, 4], dst.region, [10, 11, 0, 1])
+    assert ((got.src - src.base) % (16 * bpb)).tolist() == [1 * bpb, 3 * bpb, 1 * bpb, 3 * bpb]
+    assert got.length.tolist() == [2 * bpb, 2 * bpb] * 2
+
+
+# -- registration ---------------------------------------------------------------------------------
+
+def test_a_wrong_shape_names_the_layer_and_tensor():
+    spec = make_spec()
+    caches = {"key": [np.zeros((10, 4, 4, 8), np.uint16)] * 2,
+              "value": [np.zeros((10, 4, 4, 8), np.uint16), np.zeros((10, 4, 8, 8), np.uint16)]}
+    with pytest.raises(KVCacheError, match=r"layer 1 tensor 'value': shape \[10, 4, 8, 8\].*needs \[10, 4, 4, 8\]"):
+        KVRegion.from_tensors(spec, caches)
+
+
+def test_a_different_float_dtype_of_the_same_width_is_refused():
+    spec = make_spec()
+    with pytest.raises(KVCacheError, match="layer 0 tensor 'key': dtype float16, but the spec stores bfloat16"):
+        KVRegion.from_tensors(spec, {n: [np.zeros((10, 4, 4, 8), np.float16)] * 2 for n in ("key", "value")})
+
+
+def test_a_wrong_element_width_is_refused():
+    spec = make_spec(quant="int8")
+    with pytest.raises(KVCacheError, match="2-byte elements, but the spec stores int8"):
+        KVRegion.from_tensors(spec, {n: [np.zeros((10, 4, 4, 8), np.uint16)] * 2 for n in ("key", "value")})
+
+
+def test_a_block_that_is_not_contiguous_is_refused():
+    spec = make_spec(num_layers=1)
+    wide = np.zeros((10, 4, 4, 16), np.uint16)
+    with pytest.raises(KVCacheError, match="layer 0 tensor 'key': each block must be C-contiguous"):
+        KVRegion.from_tensors(spec, [{"key": wide[..., :8], "value": wide[..., 8:]}])
+
+
+def test_missing_tensors_and_layer_counts_are_named():
+    spec = make_spec(quant="block_wise_fp8")
+    with pytest.raises(KVCacheError, match="the spec lists key, value, key_scale, value_scale"):
+        KVRegion.from_tensors(spec, {"key": [], "value": []})
+    with pytest.raises(KVCacheError, match="caches has 1 layers"):
+        KVRegion.from_tensors(make_spec(), [[np.zeros((4, 4, 4, 8), np.uint16)] * 2])
+
+
+def test_stacked_layer_tensors_register_per_layer():
+    """{'key': [L, blocks, ...]} is split along layers; the block stride is read, not assumed."""
+    spec = make_spec(num_layers=3)
+    stacked = {n: np.zeros((3, 10, 4, 4, 8), np.uint16) for n in ("key", "value")}
+    region = KVRegion.from_tensors(spec, stacked)
+    assert region.addrs[2, 1] == stacked["value"][2].ctypes.data
+    assert region.block_strides.tolist() == [[256, 256]] * 3
+
+
+def test_paddle_tensors_register_with_their_dtype_checked():
+    paddle = pytest.importorskip("paddle")
+    spec = make_spec()
+    caches = {n: [paddle.zeros([10, 4, 4, 8], dtype="bfloat16") for _ in range(2)] for n in ("key", "value")}
+    region = KVRegion.from_tensors(spec, caches)
+    assert region.device == "cpu" and region.num_blocks == 10
+    assert region.addrs[1, 0] == caches["key"][1].data_ptr()
+    assert describe_tensor(caches["key"][0]).dtype == "bfloat16"
+
+
+def test_torch_tensors_register_through_dlpack():
+    torch = pytest.importorskip("torch")
+    spec = make_spec(quant="fp8")
+    caches = {n: [torch.zeros((10, 4, 4, 8), dtype=torch.uint8) for _ in range(2)] for n in ("key", "value")}
+    region = KVRegion.from_tensors(spec, caches)
+    assert region.addrs[0, 1] == caches["value"][0].data_ptr()
+
+
+def test_raw_addresses_and_the_wire_description_round_trip():
+    spec = make_spec(quant="block_wise_fp8", scale_layout="blackwell")
+    cache = Cache(spec, 6, "interleaved")
+    region = KVRegion.from_description(cache.region.describe(), owner="peer-1")
+    assert region.owner == "peer-1" and region.spec == spec
+    assert np.array_equal(region.addrs, cache.region.addrs)
+    assert np.array_equal(region.ranges([1, 4]).addr, cache.region.ranges([1, 4]).addr)
+
+
+def test_extents_merge_the_interleaved_tensors_of_a_layer():
+    spec = make_spec(quant="block_wise_fp8")
+    cache = Cache(spec, 6, "interleaved")
+    assert cache.region.extents().length.tolist() == [cache.buffer.size]
+
+
+def test_block_ids_rows_and_layers_are_checked():
+    region = Cache(make_spec(), 8, "separate").region
+    with pytest.raises(KVCacheError, match="8 is not a block id of a region with 8 blocks"):
+        region.ranges([1, 8])
+    with pytest.raises(KVCacheError, match="rows: head 4 is out of range for 4 kv heads"):
+        region.ranges([1], rows=[4])
+    with pytest.raises(KVCacheError, match=r"a head-wise selection is \[rows, blocks\] with 4 rows"):
+        region.ranges(np.zeros((3, 2), np.int64))
+    with pytest.raises(KVCacheError, match="layers: 2 is out of range for 2 layers"):
+        region.ranges([1], layers=[2])
+
+
+def test_a_destination_written_twice_is_refused():
+    a, b = Cache(make_spec(), 8, "separate").region, Cache(make_spec(), 8, "separate").region
+    with pytest.raises(KVCacheError, match="dst_blocks: block 3 is written twice"):
+        copy_ranges(a, [1, 2], b, [3, 3])
+
+
+def test_regions_of_different_specs_cannot_be_paired():
+    a = Cache(make_spec(), 8, "separate").region
+    b = Cache(make_spec(quant="int8"), 8, "separate").region
+    with pytest.raises(KVCacheError, match="different tensors per block"):
+        copy_ranges(a, [1], b, [1])

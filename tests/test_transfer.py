@@ -1,0 +1,384 @@
+"""Transfer engines: LocalEngine host copies and NixlEngine writes between processes, byte for byte, with deadlines."""
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import signal
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+import zmq
+
+from kvcache.allocator import CacheSpec, KVCacheError
+from kvcache.allocator.layout import DTYPE_BYTES
+from kvcache.transfer import KVRegion, LocalEngine, TransferStatus, create_engine
+from kvcache.transfer.nixl import nixl_available
+
+RAW = {1: np.uint8, 2: np.uint16, 4: np.uint32}
+SPECS = {
+    "bf16": dict(num_kv_heads=4, head_dim=16),
+    "int4_zp": dict(num_kv_heads=2, head_dim=16, quant="int4_zp"),
+    "block_wise_fp8": dict(num_kv_heads=4, head_dim=16, quant="block_wise_fp8", scale_layout="blackwell"),
+    "mla_fp8": dict(quant="mla_fp8", kv_lora_rank=128, qk_rope_head_dim=32),
+}
+
+
+def make_spec(name: str = "bf16", **overrides: Any) -> CacheSpec:
+    fields: dict[str, Any] = dict(num_layers=3, block_size=8, **SPECS[name])
+    fields.update(overrides)
+    return CacheSpec(**fields)
+
+
+class Cache:
+    """A region over one random numpy buffer (layer-major, then tensor, then block), plus its typed views."""
+
+    def __init__(self, spec: CacheSpec, num_blocks: int, seed: int) -> None:
+        self.spec, self.num_blocks, self.seed = spec, num_blocks, seed
+        self.buffer = np.random.default_rng(seed).integers(0, 256, spec.cache_bytes(num_blocks), dtype=np.uint8)
+        self.views: list[list[np.ndarray]] = []
+        offset = 0
+        for _ in range(spec.num_layers):
+            row = []
+            for t in spec.tensors():
+                n = t.nbytes(num_blocks)
+                row.append(self.buffer[offset:offset + n].view(RAW[DTYPE_BYTES[t.dtype]]).reshape(t.shape(num_blocks)))
+                offset += n
+            self.views.append(row)
+        self.region = KVRegion.from_tensors(spec, self.views)
+
+    def expect_copy(self, src: Cache, src_blocks: np.ndarray, dst_blocks: np.ndarray,
+                    layers: list[int] | None = None, rows: np.ndarray | None = None) -> np.ndarray:
+        """What this cache's buffer must hold after the copy (computed on a copy of it)."""
+        want = _with_buffer(self, self.buffer.copy())
+        apply_copy(want, src, src_blocks, dst_blocks, layers, rows)
+        return want.buffer
+
+
+def _with_buffer(cache: Cache, buffer: np.ndarray) -> Cache:
+    """A view of ``cache`` whose typed views point into ``buffer`` (same layout)."""
+    other = Cache.__new__(Cache)
+    other.spec, other.num_blocks, other.buffer = cache.spec, cache.num_blocks, buffer
+    base = cache.buffer.ctypes.data
+    other.views = [[buffer[v.__array_interface__["data"][0] - base:][:v.nbytes].view(v.dtype).reshape(v.shape)
+                    for v in row] for row in cache.views]
+    return other
+
+
+def apply_copy(dst: Cache, src: Cache, src_blocks: np.ndarray, dst_blocks: np.ndarray,
+               layers: list[int] | None = None, rows: np.ndarray | None = None) -> None:
+    """The slow reference: numpy's own indexing, unit by unit, pairs with a -1 skipped."""
+    for layer in range(dst.spec.num_layers) if layers is None else layers:
+        for sv, dv in zip(src.views[layer], dst.views[layer]):
+            if rows is None:
+                for s, d in zip(src_blocks.tolist(), dst_blocks.tolist()):
+                    if s >= 0 and d >= 0:
+                        dv[d] = sv[s]
+            else:
+                for r, srow, drow in zip(rows.tolist(), src_blocks, dst_blocks):
+                    for s, d in zip(srow.tolist(), drow.tolist()):
+                        if s >= 0 and d >= 0:
+                            dv[d, r] = sv[s, r]
+
+
+def scattered(rng: np.random.Generator, num_blocks: int, n: int) -> np.ndarray:
+    return rng.permutation(num_blocks)[:n].astype(np.int32)
+
+
+@pytest.fixture
+def engine():
+    e = LocalEngine(timeout=10.0)
+    yield e
+    e.close()
+
+
+# -- LocalEngine, host to host -------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_host_copy_of_scattered_blocks_is_byte_exact(engine, name):
+    spec = make_spec(name)
+    rng = np.random.default_rng(7)
+    src, dst = Cache(spec, 40, seed=1), Cache(spec, 50, seed=2)
+    src_ids, dst_ids = scattered(rng, 40, 25), scattered(rng, 50, 25)
+    src_ids[3] = -1
+    want = dst.expect_copy(src, src_ids, dst_ids)
+    handle = engine.write(src.region, src_ids, dst.region, dst_ids)
+    assert handle.wait() is TransferStatus.DONE, handle.error
+    assert np.array_equal(dst.buffer, want)
+
+
+def test_head_wise_copy_moves_each_heads_own_blocks_in_the_chosen_layers(engine):
+    spec = make_spec()
+    rng = np.random.default_rng(3)
+    src, dst = Cache(spec, 30, seed=1), Cache(spec, 30, seed=2)
+    rows = np.array([1, 3])
+    src_ids = np.stack([scattered(rng, 30, 12) for _ in rows])
+    dst_ids = np.stack([scattered(rng, 30, 12) for _ in rows])
+    src_ids[0, :4] = -1  # a sliding-window head whose first blocks were recycled
+    want = dst.expect_copy(src, src_ids, dst_ids, layers=[0, 2], rows=rows)
+    handle = engine.write(src.region, src_ids, dst.region, dst_ids, layers=[0, 2], rows=rows)
+    assert handle.wait() is TransferStatus.DONE, handle.error
+    assert np.array_equal(dst.buffer, want)
+
+
+def test_many_writes_in_flight_all_complete(engine):
+    spec = make_spec()
+    src, dst = Cache(spec, 64, seed=1), Cache(spec, 64, seed=2)
+    ids = np.arange(64, dtype=np.int32)
+    handles = [engine.write(src.region, ids[i::8], dst.region, ids[i::8][::-1], layers=[i % 3]) for i in range(8)]
+    assert [h.wait() for h in handles] == [TransferStatus.DONE] * 8
+    want = _with_buffer(dst, dst.buffer.copy())
+    for i in range(8):
+        apply_copy(want, src, ids[i::8], ids[i::8][::-1], layers=[i % 3])
+    assert np.array_equal(dst.buffer, want.buffer)
+
+
+def test_an_empty_selection_is_done_at_once(engine):
+    spec = make_spec()
+    a, b = Cache(spec, 4, 1), Cache(spec, 4, 2)
+    handle = engine.write(a.region, [-1, -1], b.region, [0, 1])
+    assert handle.done() and handle.status() is TransferStatus.DONE and handle.nbytes == 0
+
+
+def test_a_copy_past_its_deadline_times_out_and_wait_returns_by_then(engine):
+    """256 MiB in 64 KiB ranges cannot finish in 2 ms: TIMEOUT, and wait returned near the deadline."""
+    spec = CacheSpec(num_layers=1, num_kv_heads=8, head_dim=128, block_size=32)
+    blocks = (256 << 20) // spec.bytes_per_block
+    src = KVRegion.from_tensors(spec, [[np.ones(t.shape(blocks), np.uint16) for t in spec.tensors()]])
+    dst = KVRegion.from_tensors(spec, [[np.ones(t.shape(blocks), np.uint16) for t in spec.tensors()]])
+    ids = np.arange(blocks)
+    handle = engine.write(src, ids, dst, ids[::-1], timeout=0.002)
+    start = time.monotonic()
+    assert handle.wait() is TransferStatus.TIMEOUT
+    assert time.monotonic() - start < 0.5
+    assert "deadline" in handle.error
+    assert engine.write(src, ids[:2], dst, ids[:2]).wait() is TransferStatus.DONE  # the worker is still alive
+
+
+def test_wait_with_a_short_timeout_returns_pending_before_the_deadline(engine):
+    spec = CacheSpec(num_layers=1, num_kv_heads=8, head_dim=128, block_size=64)
+    blocks = (1 << 29) // spec.bytes_per_block
+    src = KVRegion.from_tensors(spec, [[np.ones(t.shape(blocks), np.uint16) for t in spec.tensors()]])
+    dst = KVRegion.from_tensors(spec, [[np.zeros(t.shape(blocks), np.uint16) for t in spec.tensors()]])
+    ids = np.arange(blocks)
+    handle = engine.write(src, ids, dst, ids[::-1])
+    assert handle.wait(timeout=0) is TransferStatus.PENDING
+    assert handle.wait() is TransferStatus.DONE
+
+
+def test_bad_arguments_raise_before_anything_moves(engine):
+    spec = make_spec()
+    a, b = Cache(spec, 4, 1), Cache(spec, 4, 2)
+    before = b.buffer.copy()
+    with pytest.raises(KVCacheError, match="not a block id"):
+        engine.write(a.region, [0, 9], b.region, [0, 1])
+    with pytest.raises(KVCacheError, match="written twice"):
+        engine.write(a.region, [0, 1], b.region, [2, 2])
+    with pytest.raises(KVCacheError, match="timeout must be positive"):
+        engine.write(a.region, [0], b.region, [0], timeout=0)
+    remote = KVRegion.from_description(b.region.describe(), owner="decode-0")
+    with pytest.raises(KVCacheError, match="belongs to peer 'decode-0'"):
+        engine.write(a.region, [0], remote, [0])
+    assert np.array_equal(b.buffer, before)
+
+
+def test_engines_are_chosen_by_name_and_a_closed_engine_refuses_writes():
+    spec = make_spec()
+    a, b = Cache(spec, 4, 1), Cache(spec, 4, 2)
+    with pytest.raises(KVCacheError, match="unknown kind 'rdma'"):
+        create_engine("rdma")
+    with pytest.raises(KVCacheError, match="cuda_method"):
+        LocalEngine(cuda_method="fast")
+    engine = create_engine("local")
+    engine.close()
+    engine.close()
+    with pytest.raises(KVCacheError, match="closed"):
+        engine.write(a.region, [0], b.region, [0])
+
+
+def test_bench_transfer_quick_reports_every_host_row_against_its_limit(capsys):
+    """`kvcache bench transfer --quick --json` runs end to end and exits 0; rows carry ratio and target."""
+    from kvcache.bench import transfer as bench
+
+    assert bench.main(["--quick", "--json", "--layers", "1", "--repeat", "1", "--sections", "host,nixl"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    rows = result["host"] + (result["nixl"] if isinstance(result["nixl"], list) else [])
+    assert {r["block_size"] for r in rows} == {16, 64}
+    assert all(r["of_limit"] > 0 and r["bytes"] == 4096 * 8 * 128 * 2 * 2 for r in rows)
+    assert [t["ok"] for t in result["targets"]] == [r["ok"] for r in rows if r["ok"] is not None]
+
+
+# -- NixlEngine between processes ----------------------------------------------------------------
+
+needs_nixl = pytest.mark.skipif(not nixl_available(), reason="NIXL is not installed (pip install nixl-cu12 --no-deps)")
+
+
+def receiver(conn: Any, spec_fields: dict, num_blocks: int, seed: int, env: dict) -> None:
+    """The decode side, in its own process: register a random cache, serve metadata, answer commands."""
+    os.environ.update(env)
+    from kvcache.transfer.nixl import NixlEngine
+
+    cache = Cache(CacheSpec(**spec_fields), num_blocks, seed)
+    with NixlEngine(f"decode-{os.getpid()}") as engine:
+        engine.register(cache.region)
+        conn.send(("ready", engine.serve("tcp://127.0.0.1:*"), engine.name))
+        notes: dict[str, list[bytes]] = {}
+        while True:
+            command = conn.recv()
+            if command == "dump":
+                conn.send(("dump", cache.buffer.tobytes()))
+            elif command == "notifications":
+                deadline = time.monotonic() + 5
+                while not notes and time.monotonic() < deadline:
+                    for k, v in engine.notifications().items():
+                        notes.setdefault(k, []).extend(v)
+                    time.sleep(0.001)
+                conn.send(("notifications", notes))
+            else:
+                return
+
+
+class Receiver:
+    """A receiver process and the pipe that drives it."""
+
+    def __init__(self, spec: CacheSpec, num_blocks: int, seed: int, env: dict | None = None) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        fields = {k: v for k, v in spec.describe().items() if k != "kv_heads_per_rank"}
+        self.process = ctx.Process(target=receiver, args=(child, fields, num_blocks, seed, env or {}), daemon=True)
+        self.process.start()
+        assert self.conn.poll(60), "receiver did not start"
+        _, self.endpoint, self.agent = self.conn.recv()
+
+    def call(self, command: str) -> Any:
+        self.conn.send(command)
+        assert self.conn.poll(30), f"receiver did not answer {command!r}"
+        return self.conn.recv()[1]
+
+    def stop(self) -> None:
+        if self.process.is_alive():
+            self.conn.send("stop")
+            self.process.join(10)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(5)
+
+
+@needs_nixl
+@pytest.mark.parametrize("transport", ["default", "tcp"])
+def test_nixl_writes_scattered_blocks_into_another_process_byte_for_byte(transport, monkeypatch):
+    """UCX's own choice (shared memory on one host) and TCP both land exactly the listed units."""
+    from kvcache.transfer.nixl import NixlEngine
+
+    env = {"UCX_TLS": "tcp"} if transport == "tcp" else {}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    spec = make_spec("block_wise_fp8")
+    rng = np.random.default_rng(11)
+    peer_proc = Receiver(spec, 48, seed=5, env=env)
+    try:
+        src = Cache(spec, 40, seed=4)
+        with NixlEngine("prefill") as engine:
+            peer = engine.connect(peer_proc.endpoint)
+            assert peer.agent == peer_proc.agent and peer.pid == peer_proc.process.pid
+            remote = peer.regions[0]
+            src_ids, dst_ids = scattered(rng, 40, 30), scattered(rng, 48, 30)
+            handle = engine.write(src.region, src_ids, remote, dst_ids, notify=b"req-1:done")
+            assert handle.wait() is TransferStatus.DONE, handle.error
+            got = np.frombuffer(peer_proc.call("dump"), dtype=np.uint8)
+            want = Cache(spec, 48, seed=5).expect_copy(src, src_ids, dst_ids)
+            assert np.array_equal(got, want)
+            assert peer_proc.call("notifications") == {"prefill": [b"req-1:done"]}
+    finally:
+        peer_proc.stop()
+
+
+@needs_nixl
+def test_nixl_head_wise_layer_by_layer_writes_match_local_copies():
+    """The messager's pattern: each layer's blocks of some heads as the layer finishes; NIXL loopback vs LocalEngine."""
+    from kvcache.transfer.nixl import NixlEngine
+
+    spec = make_spec()
+    rng = np.random.default_rng(5)
+    src, via_nixl, via_local = Cache(spec, 20, 1), Cache(spec, 20, 2), Cache(spec, 20, 2)
+    rows = np.array([0, 2, 3])
+    src_ids = np.stack([scattered(rng, 20, 9) for _ in rows])
+    dst_ids = np.stack([scattered(rng, 20, 9) for _ in rows])
+    with NixlEngine() as nixl, LocalEngine() as local:
+        for layer in range(spec.num_layers):
+            a = nixl.write(src.region, src_ids, via_nixl.region, dst_ids, layers=[layer], rows=rows)
+            b = local.write(src.region, src_ids, via_local.region, dst_ids, layers=[layer], rows=rows)
+            assert (a.wait(), b.wait()) == (TransferStatus.DONE, TransferStatus.DONE), (a.error, b.error)
+    assert np.array_equal(via_nixl.buffer, via_local.buffer)
+    assert not np.array_equal(via_nixl.buffer, Cache(spec, 20, 2).buffer)
+
+
+@needs_nixl
+def test_a_peer_killed_mid_transfer_fails_the_write_within_its_deadline(monkeypatch):
+    """SIGKILL the receiver while 256 MiB are in flight over TCP: FAILED or TIMEOUT by the deadline, then all is released."""
+    from kvcache.transfer.nixl import NixlEngine
+
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    spec = CacheSpec(num_layers=2, num_kv_heads=8, head_dim=128, block_size=64)
+    blocks = (256 << 20) // spec.bytes_per_block_per_layer
+    peer_proc = Receiver(spec, blocks, seed=0, env={"UCX_TLS": "tcp"})
+    try:
+        src = KVRegion.from_tensors(spec, {t.name: [np.ones(t.shape(blocks), np.uint16) for _ in range(2)]
+                                           for t in spec.tensors()})
+        engine = NixlEngine("prefill")
+        peer = engine.connect(peer_proc.endpoint)
+        ids = np.arange(blocks)
+        deadline_s = 8.0
+        handle = engine.write(src, ids, peer.regions[0], ids[::-1], timeout=deadline_s)
+        assert handle.status() is TransferStatus.PENDING
+        os.kill(peer_proc.process.pid, signal.SIGKILL)
+        start = time.monotonic()
+        status = handle.wait()
+        assert status in (TransferStatus.FAILED, TransferStatus.TIMEOUT)
+        assert time.monotonic() - start <= deadline_s + 0.5
+        assert handle.error
+        start = time.monotonic()
+        engine.close()
+        assert time.monotonic() - start < 10
+        assert engine.registered == ()
+    finally:
+        peer_proc.stop()
+
+
+@needs_nixl
+def test_connect_to_a_silent_endpoint_fails_within_its_timeout():
+    from kvcache.transfer.nixl import NixlEngine
+
+    ctx = zmq.Context()
+    silent = ctx.socket(zmq.ROUTER)
+    port = silent.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        with NixlEngine() as engine:
+            start = time.monotonic()
+            with pytest.raises(KVCacheError, match="no answer from"):
+                engine.connect(f"tcp://127.0.0.1:{port}", timeout=0.3)
+            assert time.monotonic() - start < 2
+    finally:
+        silent.close(0)
+        ctx.term()
+
+
+@needs_nixl
+def test_nixl_refuses_writes_to_unknown_peers_and_after_close():
+    from kvcache.transfer.nixl import NixlEngine
+
+    spec = make_spec()
+    a = Cache(spec, 4, 1)
+    stranger = KVRegion.from_description(a.region.describe(), owner="nobody")
+    engine = NixlEngine()
+    with pytest.raises(KVCacheError, match="'nobody', which is not connected"):
+        engine.write(a.region, [0], stranger, [0])
+    engine.register(a.region)
+    assert engine.registered == (a.region,)
+    engine.close()
+    assert engine.registered == ()
+    with pytest.raises(KVCacheError, match="closed"):
+        engine.write(a.region, [0], a.region, [1])
+

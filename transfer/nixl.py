@@ -1,0 +1,401 @@
+"""NixlEngine: write KV blocks into another process's registered region through NIXL (UCX underneath).
+
+NIXL is the transfer library vLLM and Dynamo use: RDMA where the hardware has it, TCP and shared
+memory otherwise. Each engine is one NIXL agent. A receiver registers its regions and ``serve``s
+its agent metadata and region descriptions on a ZMQ socket; a sender ``connect``s to it (a REQ
+round trip with a deadline), gets a ``Peer`` whose regions live in the receiver's address space,
+and ``write``s blocks from its own registered regions into them:
+
+    receiver                                   sender
+    engine.register(region)                    engine.register(region)
+    endpoint = engine.serve("tcp://*:5600")    peer = engine.connect(endpoint)
+                                               h = engine.write(region, ids, peer.regions[0], their_ids)
+    engine.notifications() -> {sender: [tag]}  h.wait() -> DONE / FAILED (peer died) / TIMEOUT
+
+All NIXL calls that post or poll transfers run on the engine's one worker thread (a post over
+shared memory copies inside the call, so the caller's ``write`` must not make it); a handle's
+``wait`` returns at its deadline even if that thread is stuck inside NIXL. A peer that dies makes
+its transfers FAILED (UCX reports the disconnect) or TIMEOUT, never a hang, and ``close``
+releases every transfer, remote agent and registration the engine made.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import threading
+import time
+import uuid
+from typing import Any, NamedTuple
+
+import msgpack
+import numpy as np
+import zmq
+
+from kvcache.allocator.errors import KVCacheError
+from kvcache.transfer.engines import DEFAULT_TIMEOUT, TransferEngine, TransferHandle, TransferStatus
+from kvcache.transfer.regions import CopyRanges, KVRegion, copy_ranges
+
+__all__ = ["NixlEngine", "Peer", "nixl_available"]
+
+PROTOCOL = 1
+_STOP = object()
+
+
+def _import_nixl() -> Any:
+    """The NIXL Python API module (nixl_cu12, nixl_cu13 or nixl), or None where none is installed."""
+    for name in ("nixl_cu12", "nixl_cu13", "nixl._api"):
+        try:
+            module = __import__(name, fromlist=["nixl_agent"])
+        except Exception:
+            continue
+        if hasattr(module, "nixl_agent"):
+            return module
+    return None
+
+
+def nixl_available() -> bool:
+    """True where a NIXL wheel imports (install ``kvcache[nixl]``)."""
+    return _import_nixl() is not None
+
+
+class Peer(NamedTuple):
+    """A connected receiver: its agent name, where it answered, its process, and its regions."""
+
+    agent: str
+    endpoint: str
+    host: str
+    pid: int
+    regions: tuple[KVRegion, ...]
+
+
+class _NixlHandle(TransferHandle):
+    """A NIXL write; the engine's worker posts and polls it, then sets ``event``."""
+
+    def __init__(self, ranges: CopyRanges, peer: str, local_mem: str, remote_mem: str, local_dev: int,
+                 remote_dev: int, notify: bytes, deadline: float) -> None:
+        super().__init__(ranges.nbytes, ranges.num_ranges, deadline)
+        self.ranges = ranges
+        self.peer = peer
+        self.local_mem, self.remote_mem = local_mem, remote_mem
+        self.local_dev, self.remote_dev = local_dev, remote_dev
+        self.notify = notify
+        self.xfer: Any = None
+        self.cancelled = False
+        self.event = threading.Event()
+
+    def _poll(self) -> None:
+        pass  # the worker finishes it
+
+    def _expire(self) -> None:
+        self.cancelled = True  # the worker releases (cancels) it on its next pass
+
+    def _sleep(self, seconds: float) -> None:
+        self.event.wait(seconds)
+
+
+class NixlEngine(TransferEngine):
+    """One NIXL agent: registers regions, serves and fetches metadata over ZMQ, writes blocks to peers."""
+
+    def __init__(self, name: str | None = None, *, timeout: float = DEFAULT_TIMEOUT,
+                 backends: tuple[str, ...] = ("UCX",), connect_timeout: float = 5.0) -> None:
+        nixl = _import_nixl()
+        if nixl is None:
+            raise KVCacheError("NIXL is not installed: pip install nixl-cu12 (or nixl-cu13), without the 'nixl' "
+                               "meta package, which pulls in PyTorch")
+        self.name = name or f"kvcache-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.timeout = timeout
+        self.connect_timeout = connect_timeout
+        config = nixl.nixl_agent_config(enable_prog_thread=True, backends=list(backends),
+                                        sync_mode=nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
+        try:
+            self.agent = nixl.nixl_agent(self.name, config)
+        except Exception as exc:
+            raise KVCacheError(f"NIXL agent {self.name!r} could not start backends {list(backends)}: {exc}") from None
+        missing = [b for b in backends if b not in self.agent.backends]
+        if missing:
+            raise KVCacheError(f"NIXL backends {missing} are not available (plugins: {self.agent.get_plugin_list()})")
+        self._lock = threading.Lock()
+        self._registered: dict[int, tuple[KVRegion, Any]] = {}
+        self._peers: dict[str, Peer] = {}
+        self._snapshot = b""
+        self._refresh_snapshot()
+        self._ctx = zmq.Context()
+        self._server: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self._endpoint: str | None = None
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._leaked: list[Any] = []
+        self._notifs: dict[str, list[bytes]] = {}
+        self._worker = threading.Thread(target=self._run, name=f"nixl-{self.name}", daemon=True)
+        self._worker.start()
+        self._closed = False
+
+    # ----------------------------------------------------------------- memory
+
+    @property
+    def registered(self) -> tuple[KVRegion, ...]:
+        """The regions this engine has registered with NIXL, in registration order."""
+        with self._lock:
+            return tuple(region for region, _ in self._registered.values())
+
+    def register(self, region: KVRegion) -> None:
+        """Register a local region's memory with NIXL (idempotent); peers that connect later can write it."""
+        self._check_open()
+        if region.owner:
+            raise KVCacheError(f"region belongs to peer {region.owner!r}; only local memory can be registered")
+        if id(region) in self._registered:
+            return
+        ext = region.extents()
+        descs = np.stack([ext.addr, ext.length, np.full_like(ext.addr, region.device_index)], axis=1).astype(np.uint64)
+        try:
+            reg = self.agent.register_memory(descs, _mem_type(region))
+        except Exception as exc:
+            raise KVCacheError(f"NIXL could not register {ext.nbytes:,} bytes of {region.device} memory: {exc}") from None
+        with self._lock:
+            self._registered[id(region)] = (region, reg)
+        self._refresh_snapshot()
+
+    def deregister(self, region: KVRegion) -> None:
+        """Release a region's NIXL registration; transfers still using it should have finished."""
+        with self._lock:
+            entry = self._registered.pop(id(region), None)
+        if entry is not None:
+            self.agent.deregister_memory(entry[1])
+            self._refresh_snapshot()
+
+    def _refresh_snapshot(self) -> None:
+        """The hello answer peers get: our metadata (it lists registered memory) and region descriptions."""
+        body = {"v": PROTOCOL, "agent": self.name, "host": socket.gethostname(), "pid": os.getpid(),
+                "metadata": self.agent.get_agent_metadata(),
+                "regions": [region.describe() for region in self.registered]}
+        with self._lock:
+            self._snapshot = msgpack.packb(body, use_bin_type=True)
+
+    # ----------------------------------------------------------------- control plane
+
+    def serve(self, endpoint: str = "tcp://127.0.0.1:*") -> str:
+        """Answer peers' hello requests on a ZMQ ROUTER socket in a background thread; returns the bound endpoint."""
+        self._check_open()
+        if self._server is not None:
+            raise KVCacheError(f"already serving on {self._endpoint}")
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.linger = 0
+        try:
+            sock.bind(endpoint)
+        except zmq.ZMQError as exc:
+            sock.close()
+            raise KVCacheError(f"cannot bind {endpoint}: {exc}") from None
+        self._endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._server = threading.Thread(target=self._answer, args=(sock,), name=f"nixl-md-{self.name}", daemon=True)
+        self._server.start()
+        return self._endpoint
+
+    def _answer(self, sock: zmq.Socket) -> None:
+        """The server thread: one reply per request, from the snapshot; it never calls NIXL."""
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        try:
+            while not self._stopping.is_set():
+                if not poller.poll(100):
+                    continue
+                frames = sock.recv_multipart()
+                try:
+                    request = msgpack.unpackb(frames[-1], raw=False)
+                    if not isinstance(request, dict) or request.get("op") != "hello":
+                        raise ValueError(f"unknown request {request!r:.80}")
+                    with self._lock:
+                        reply = self._snapshot
+                except Exception as exc:
+                    reply = msgpack.packb({"v": PROTOCOL, "error": str(exc)}, use_bin_type=True)
+                sock.send_multipart([*frames[:-1], reply])
+        finally:
+            sock.close()
+
+    def connect(self, endpoint: str, timeout: float | None = None) -> Peer:
+        """Fetch a receiver's metadata and regions over ZMQ (within ``timeout``) and load them into our agent."""
+        self._check_open()
+        seconds = self.connect_timeout if timeout is None else timeout
+        sock = self._ctx.socket(zmq.REQ)
+        sock.linger = 0
+        try:
+            sock.connect(endpoint)
+            sock.send(msgpack.packb({"v": PROTOCOL, "op": "hello", "agent": self.name}, use_bin_type=True))
+            if not sock.poll(int(seconds * 1000)):
+                raise KVCacheError(f"no answer from {endpoint} within {seconds:g} s")
+            reply = msgpack.unpackb(sock.recv(), raw=False)
+        finally:
+            sock.close()
+        if not isinstance(reply, dict) or reply.get("v") != PROTOCOL or "error" in reply:
+            raise KVCacheError(f"{endpoint} refused hello: {reply.get('error') if isinstance(reply, dict) else reply!r}")
+        try:
+            agent = self.agent.add_remote_agent(reply["metadata"])
+        except Exception as exc:
+            raise KVCacheError(f"could not load the metadata of {reply.get('agent')!r}: {exc}") from None
+        agent = agent.decode() if isinstance(agent, bytes) else str(agent)
+        regions = tuple(KVRegion.from_description(d, owner=agent) for d in reply["regions"])
+        peer = Peer(agent, endpoint, reply["host"], int(reply["pid"]), regions)
+        with self._lock:
+            self._peers[agent] = peer
+        return peer
+
+    def disconnect(self, peer: Peer | str) -> None:
+        """Forget a peer: NIXL drops its metadata and connection; later writes to its regions are refused."""
+        agent = peer.agent if isinstance(peer, Peer) else peer
+        with self._lock:
+            known = self._peers.pop(agent, None)
+        if known is not None:
+            try:
+                self.agent.remove_remote_agent(agent)
+            except Exception:
+                pass  # already gone with its process; nothing left to release
+
+    # ----------------------------------------------------------------- transfers
+
+    def write(self, src_region: KVRegion, src_blocks: Any, dst_region: KVRegion, dst_blocks: Any,
+              layers: Any = None, rows: Any = None, *, timeout: float | None = None,
+              notify: bytes = b"") -> TransferHandle:
+        """Write blocks of a local region into a peer's region (or another local one, as loopback).
+
+        ``notify``, if given, reaches the peer (``notifications()``) after the data has landed.
+        """
+        self._check_open()
+        if src_region.owner:
+            raise KVCacheError(f"src_region belongs to peer {src_region.owner!r}; NixlEngine writes from local memory")
+        peer = dst_region.owner or self.name
+        if dst_region.owner and dst_region.owner not in self._peers:
+            raise KVCacheError(f"dst_region belongs to {dst_region.owner!r}, which is not connected")
+        deadline = self._deadline(timeout)
+        ranges = copy_ranges(src_region, src_blocks, dst_region, dst_blocks, layers, rows)
+        self.register(src_region)
+        if not dst_region.owner:
+            self.register(dst_region)
+        return self.submit(ranges, peer, src_region, dst_region, deadline=deadline, notify=notify)
+
+    def submit(self, ranges: CopyRanges, peer: str, src_region: KVRegion, dst_region: KVRegion, *,
+               deadline: float | None = None, notify: bytes = b"") -> TransferHandle:
+        """Post precomputed ranges (inside registered memory of both sides) to ``peer``; used by benchmarks."""
+        self._check_open()
+        handle = _NixlHandle(ranges, peer, _mem_type(src_region), _mem_type(dst_region), src_region.device_index,
+                             dst_region.device_index, bytes(notify), deadline or self._deadline(None))
+        self._jobs.put(handle)
+        return handle
+
+    def notifications(self) -> dict[str, list[bytes]]:
+        """Notifications received since the last call, by sender agent name."""
+        self._check_open()
+        new = self.agent.get_new_notifs()
+        return {(k.decode() if isinstance(k, bytes) else k): list(v) for k, v in new.items()}
+
+    def _run(self) -> None:
+        """The worker: post new transfers, poll those in flight, release finished and expired ones."""
+        inflight: list[_NixlHandle] = []
+        delay = 20e-6
+        while True:
+            try:
+                job = self._jobs.get(timeout=delay if inflight else 0.5)
+            except queue.Empty:
+                job = None
+            if job is _STOP:
+                for handle in inflight:
+                    handle.cancelled = True
+                    self._settle(handle)
+                return
+            if job is not None:
+                delay = 20e-6
+                self._post(job)
+                if not job.event.is_set():
+                    inflight.append(job)
+            else:
+                delay = min(delay * 2, 1e-3)
+            for handle in list(inflight):
+                if self._settle(handle):
+                    inflight.remove(handle)
+
+    def _post(self, handle: _NixlHandle) -> None:
+        if handle.cancelled or time.monotonic() >= handle.deadline:
+            self._end(handle, TransferStatus.TIMEOUT, "its deadline passed before it was posted")
+            return
+        r = handle.ranges
+        local = np.stack([r.src, r.length, np.full_like(r.src, handle.local_dev)], axis=1).astype(np.uint64)
+        remote = np.stack([r.dst, r.length, np.full_like(r.dst, handle.remote_dev)], axis=1).astype(np.uint64)
+        try:
+            handle.xfer = self.agent.initialize_xfer(
+                "WRITE", self.agent.get_xfer_descs(local, handle.local_mem),
+                self.agent.get_xfer_descs(remote, handle.remote_mem), handle.peer, handle.notify)
+            state = self.agent.transfer(handle.xfer)
+        except Exception as exc:
+            self._end(handle, TransferStatus.FAILED, f"NIXL write to {handle.peer!r} failed: {exc}")
+            return
+        if state == "DONE":
+            self._end(handle, TransferStatus.DONE)
+        elif state == "ERR":
+            self._end(handle, TransferStatus.FAILED, f"NIXL write to {handle.peer!r} failed when posted")
+
+    def _settle(self, handle: _NixlHandle) -> bool:
+        """Poll one transfer in flight; True once it is finished and released."""
+        if handle.event.is_set():
+            return True
+        if handle.cancelled or time.monotonic() >= handle.deadline:
+            self._end(handle, TransferStatus.TIMEOUT, f"not finished by its deadline ({handle.nbytes:,} bytes to "
+                                                      f"{handle.peer!r})")
+            return True
+        try:
+            state = self.agent.check_xfer_state(handle.xfer)
+        except Exception as exc:  # e.g. NIXL_ERR_REMOTE_DISCONNECT: the peer died
+            self._end(handle, TransferStatus.FAILED, f"NIXL write to {handle.peer!r} failed: {exc}")
+            return True
+        if state == "PROC":
+            return False
+        if state == "DONE":
+            self._end(handle, TransferStatus.DONE)
+        else:
+            self._end(handle, TransferStatus.FAILED, f"NIXL write to {handle.peer!r} failed")
+        return True
+
+    def _end(self, handle: _NixlHandle, status: TransferStatus, error: str | None = None) -> None:
+        """Finish a handle and release its NIXL request (cancelling it if still active)."""
+        handle._finish(status, error)
+        if handle.xfer is not None:
+            try:
+                handle.xfer.release()
+            except Exception:
+                self._leaked.append(handle.xfer)  # could not cancel now; retried at close
+            handle.xfer = None
+        handle.event.set()
+
+    # ----------------------------------------------------------------- lifetime
+
+    def _check_open(self) -> None:
+        if getattr(self, "_closed", False):
+            raise KVCacheError(f"NIXL engine {self.name!r} is closed")
+
+    def close(self) -> None:
+        """Stop serving, end every transfer, drop peers, deregister all memory. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stopping.set()
+        if self._server is not None:
+            self._server.join(timeout=2.0)
+        self._jobs.put(_STOP)
+        self._worker.join(timeout=5.0)
+        for xfer in self._leaked:
+            try:
+                xfer.release()
+            except Exception:
+                pass  # NIXL frees what is left with the agent
+        self._leaked.clear()
+        for agent in list(self._peers):
+            self.disconnect(agent)
+        for region in self.registered:
+            self.deregister(region)
+        self._ctx.term()
+
+    def __repr__(self) -> str:
+        return (f"NixlEngine({self.name!r}, {len(self._registered)} regions, {len(self._peers)} peers"
+                f"{', closed' if self._closed else ''})")
+
+
+def _mem_type(region: KVRegion) -> str:
+    return "VRAM" if region.is_cuda else "DRAM"

@@ -1,0 +1,591 @@
+"""KVRegion: a worker's registered KV-cache memory, and the byte ranges that a list of blocks occupies.
+
+A region records, for every layer and every tensor the CacheSpec lists (key, value, scales,
+latent), the base address and the block stride of that tensor on one device. Registration
+reads framework tensors through DLPack, ``__cuda_array_interface__``, ``__array_interface__``
+or ``data_ptr()`` (NumPy, Paddle, PyTorch, CuPy alike) and checks each against the spec; raw
+addresses work too (memory that an engine allocated itself, or a peer's region described over
+the wire). Below the block dimension every tensor must be C-contiguous, as the spec's layout
+is; the block stride may be larger than a block (key and value as views of one joint tensor).
+
+What moves for a block list, per layer and tensor, with ``[blocks, heads, block_size, dim]``::
+
+    whole blocks (rows=None, 1-D ids):  | block 3 |  | block 7 | block 8 |   -> 2 ranges (7, 8 merge)
+    head-wise (rows, ids per row):      one range per (block, head): head h of block b is
+                                        contiguous, its neighbours in the block belong to other heads
+
+Ranges that touch are merged (vectorised over blocks, rows, layers and tensors at once; no
+Python step per block), so a request whose ids are consecutive moves in one range per tensor.
+"""
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from kvcache.allocator.errors import KVCacheError
+from kvcache.allocator.layout import DTYPE_BYTES, CacheSpec, TensorSpec
+
+__all__ = ["ByteRanges", "CopyRanges", "KVRegion", "TensorInfo", "copy_ranges", "describe_tensor"]
+
+_ADDR_MAX = (1 << 63) - 1
+_FLOAT_NAMES = {"bfloat16", "float16", "float32", "float64", "float8_e4m3fn", "float8_e5m2"}
+# Storage types that say nothing about the values: a spec dtype of the same width may live in them.
+_RAW_NAMES = {1: {"uint8", "int8", "bool"}, 2: {"uint16", "int16"}, 4: {"uint32", "int32"}}
+
+
+class ByteRanges(NamedTuple):
+    """Disjoint byte ranges in one address space, ascending within each (layer, tensor)."""
+
+    addr: np.ndarray
+    """int64 [n]: first byte of each range."""
+    length: np.ndarray
+    """int64 [n]: bytes in each range."""
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.length.sum())
+
+
+class CopyRanges(NamedTuple):
+    """Paired ranges of a copy: ``length[i]`` bytes from ``src[i]`` to ``dst[i]``; destinations never overlap."""
+
+    src: np.ndarray
+    """int64 [n]: source addresses."""
+    dst: np.ndarray
+    """int64 [n]: destination addresses."""
+    length: np.ndarray
+    """int64 [n]: bytes of each range."""
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.length.sum())
+
+    @property
+    def num_ranges(self) -> int:
+        return int(self.length.size)
+
+
+class TensorInfo(NamedTuple):
+    """What registration needs to know of one framework tensor: where it is and how it is laid out."""
+
+    addr: int
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    """Bytes between neighbours along each dimension."""
+    itemsize: int
+    dtype: str | None
+    """Our dtype name (``bfloat16``, ``uint8``, ...), None when the producer's type is unknown to us."""
+    device: str
+    """``cpu`` or ``cuda:N``."""
+    pinned: bool
+    """Page-locked host memory (CUDA host allocations), which GPU copies can read and write directly."""
+
+
+# --------------------------------------------------------------------------- tensor introspection
+
+
+class _DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class _DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class _DLTensor(ctypes.Structure):
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("device", _DLDevice),
+        ("ndim", ctypes.c_int32),
+        ("dtype", _DLDataType),
+        ("shape", ctypes.POINTER(ctypes.c_int64)),
+        ("strides", ctypes.POINTER(ctypes.c_int64)),
+        ("byte_offset", ctypes.c_uint64),
+    ]
+
+
+_capsule_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+_capsule_pointer.restype = ctypes.c_void_p
+_capsule_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+
+_DL_CPU, _DL_CUDA, _DL_CUDA_HOST, _DL_CUDA_MANAGED = 1, 2, 3, 13
+# DLPack (code, bits) -> our dtype name; float8 codes are DLPack 1.1's.
+_DL_DTYPES = {
+    (0, 8): "int8", (0, 16): "int16", (0, 32): "int32", (0, 64): "int64",
+    (1, 8): "uint8", (1, 16): "uint16", (1, 32): "uint32", (1, 64): "uint64",
+    (2, 16): "float16", (2, 32): "float32", (2, 64): "float64",
+    (4, 16): "bfloat16", (6, 8): "bool", (10, 8): "float8_e4m3fn", (12, 8): "float8_e5m2",
+}
+_TYPESTR = {"i": "int", "u": "uint", "f": "float", "b": "bool"}
+
+
+def _dtype_name(text: str) -> str | None:
+    """Our name for a framework's dtype spelling ('torch.bfloat16', 'paddle.float8_e4m3fn', 'uint8')."""
+    name = str(text).lower().rsplit(".", 1)[-1]
+    known = set(DTYPE_BYTES) | _FLOAT_NAMES | {n for names in _RAW_NAMES.values() for n in names} | {"int64", "uint64"}
+    return name if name in known else None
+
+
+def _contiguous_strides(shape: Sequence[int], itemsize: int) -> tuple[int, ...]:
+    strides, step = [], itemsize
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def _from_dlpack(obj: Any) -> TensorInfo:
+    capsule = obj.__dlpack__()
+    pointer = _capsule_pointer(capsule, b"dltensor")
+    t = ctypes.cast(pointer, ctypes.POINTER(_DLTensor)).contents
+    ndim, itemsize = t.ndim, max(1, t.dtype.bits // 8) * t.dtype.lanes
+    shape = tuple(t.shape[i] for i in range(ndim))
+    strides = (tuple(t.strides[i] * itemsize for i in range(ndim)) if t.strides
+               else _contiguous_strides(shape, itemsize))
+    kind = t.device.device_type
+    if kind not in (_DL_CPU, _DL_CUDA, _DL_CUDA_HOST, _DL_CUDA_MANAGED):
+        raise TypeError(f"DLPack device type {kind} is neither host nor CUDA memory")
+    device = f"cuda:{t.device.device_id}" if kind in (_DL_CUDA, _DL_CUDA_MANAGED) else "cpu"
+    dtype = _DL_DTYPES.get((t.dtype.code, t.dtype.bits)) if t.dtype.lanes == 1 else None
+    addr = (t.data or 0) + t.byte_offset
+    return TensorInfo(addr, shape, strides, itemsize, dtype, device, kind == _DL_CUDA_HOST)
+
+
+def _from_array_interface(obj: Any, cuda: bool) -> TensorInfo:
+    face = obj.__cuda_array_interface__ if cuda else obj.__array_interface__
+    if face.get("mask") is not None:
+        raise TypeError("masked arrays cannot be registered")
+    typestr = face["typestr"]
+    itemsize = int(typestr[2:])
+    kind = _TYPESTR.get(typestr[1])
+    dtype = None if kind is None else "bool" if kind == "bool" else _dtype_name(f"{kind}{itemsize * 8}")
+    shape = tuple(int(s) for s in face["shape"])
+    strides = tuple(face["strides"]) if face.get("strides") else _contiguous_strides(shape, itemsize)
+    addr = int(face["data"][0] or 0)
+    device = "cpu"
+    if cuda:
+        dev = getattr(obj, "device", None)
+        device = f"cuda:{int(getattr(dev, 'id', 0) or 0)}"
+    return TensorInfo(addr, shape, strides, itemsize, dtype, device, False)
+
+
+def _from_data_ptr(obj: Any) -> TensorInfo:
+    """PyTorch- and Paddle-like tensors: data_ptr(), shape, stride()/strides (elements), element_size()."""
+    itemsize = int(obj.element_size())
+    shape = tuple(int(s) for s in obj.shape)
+    stride = obj.stride() if callable(getattr(obj, "stride", None)) else getattr(obj, "strides", None)
+    strides = (tuple(int(s) * itemsize for s in stride) if stride is not None
+               else _contiguous_strides(shape, itemsize))
+    device = "cpu"
+    place = getattr(obj, "device", None) or getattr(obj, "place", None)
+    text = str(place).lower()
+    if "cuda" in text or "gpu" in text:
+        digits = "".join(c for c in text.split(":")[-1] if c.isdigit())
+        device = f"cuda:{int(digits or 0)}"
+    pinned = bool(getattr(obj, "is_pinned", lambda: False)()) if device == "cpu" else False
+    return TensorInfo(int(obj.data_ptr()), shape, strides, itemsize, _dtype_name(str(obj.dtype)), device, pinned)
+
+
+def describe_tensor(obj: Any) -> TensorInfo:
+    """Address, shape, byte strides, dtype and device of any framework tensor; TypeError if none can be read.
+
+    Tries DLPack first (NumPy, PyTorch, Paddle, CuPy, JAX), then the CUDA and NumPy array
+    interfaces, then ``data_ptr()``: the first that answers wins, so nothing assumes one framework.
+    """
+    errors = []
+    readers: list[tuple[str, Any]] = []
+    if hasattr(obj, "__dlpack__"):
+        readers.append(("__dlpack__", _from_dlpack))
+    if hasattr(obj, "__cuda_array_interface__"):
+        readers.append(("__cuda_array_interface__", lambda o: _from_array_interface(o, cuda=True)))
+    if hasattr(obj, "__array_interface__"):
+        readers.append(("__array_interface__", lambda o: _from_array_interface(o, cuda=False)))
+    if callable(getattr(obj, "data_ptr", None)):
+        readers.append(("data_ptr()", _from_data_ptr))
+    for name, read in readers:
+        try:
+            return read(obj)
+        except Exception as exc:  # a producer refusing one protocol (read-only, exotic dtype) may accept the next
+            errors.append(f"{name}: {exc}")
+    why = "; ".join(errors) if errors else "it has no __dlpack__, array interface or data_ptr()"
+    raise TypeError(f"cannot read the memory of a {type(obj).__qualname__}: {why}")
+
+
+def _pinned_by_torch(obj: Any) -> bool:
+    torch = sys.modules.get("torch")
+    return bool(torch is not None and isinstance(obj, torch.Tensor) and not obj.is_cuda and obj.is_pinned())
+
+
+# --------------------------------------------------------------------------- the region
+
+
+def _layer_ids(layers: int | Sequence[int] | slice | np.ndarray | None, num_layers: int) -> np.ndarray:
+    """Layer selection as int64 indices, each checked to be in range."""
+    if layers is None:
+        return np.arange(num_layers, dtype=np.int64)
+    if isinstance(layers, slice):
+        return np.arange(num_layers, dtype=np.int64)[layers]
+    arr = np.atleast_1d(np.asarray(layers))
+    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+        raise KVCacheError(f"layers must be an int, a slice or a 1-D list of ints, got {layers!r}")
+    arr = arr.astype(np.int64)
+    bad = (arr < 0) | (arr >= num_layers)
+    if bad.any():
+        raise KVCacheError(f"layers: {int(arr[bad][0])} is out of range for {num_layers} layers")
+    return arr
+
+
+@dataclasses.dataclass(frozen=True, slots=True, eq=False)
+class KVRegion:
+    """One worker's KV cache on one device: every (layer, tensor)'s base address and block stride.
+
+    ``addrs`` and ``block_strides`` are int64 ``[num_layers, len(spec.tensors())]``. ``owner``
+    is ``""`` for memory of this process, or the agent name of the peer whose address space the
+    addresses belong to. ``keep`` holds the framework tensors so the memory outlives the region.
+    """
+
+    spec: CacheSpec
+    num_blocks: int
+    device: str
+    addrs: np.ndarray
+    block_strides: np.ndarray
+    pinned: bool = False
+    owner: str = ""
+    keep: tuple = ()
+
+    @property
+    def tensors(self) -> tuple[TensorSpec, ...]:
+        return self.spec.tensors()
+
+    @property
+    def num_layers(self) -> int:
+        return self.spec.num_layers
+
+    @property
+    def heads(self) -> int:
+        """kv heads per block on this rank: the rows a head-wise table addresses."""
+        return self.tensors[0].block_shape[0]
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.startswith("cuda")
+
+    @property
+    def device_index(self) -> int:
+        return int(self.device.split(":")[1]) if self.is_cuda else 0
+
+    @property
+    def block_bytes(self) -> np.ndarray:
+        """int64 [tensors]: bytes of one block of each tensor."""
+        return np.array([t.bytes_per_block for t in self.tensors], dtype=np.int64)
+
+    def extents(self) -> ByteRanges:
+        """The memory the region spans, overlapping tensors merged: what an engine registers or pins."""
+        span = (self.num_blocks - 1) * self.block_strides + self.block_bytes[None, :]
+        lo, hi = self.addrs.ravel(), (self.addrs + span).ravel()
+        order = np.argsort(lo, kind="stable")
+        lo, hi = lo[order], np.maximum.accumulate(hi[order])
+        start = np.flatnonzero(np.concatenate(([True], lo[1:] > hi[:-1])))
+        ends = np.append(hi[start[1:] - 1], hi[-1])
+        return ByteRanges(lo[start], ends - lo[start])
+
+    # ----------------------------------------------------------------- construction
+
+    @classmethod
+    def from_tensors(cls, spec: CacheSpec, caches: Sequence[Any] | Mapping[str, Any], *,
+                     device: str | None = None) -> KVRegion:
+        """Register framework tensors, checked against ``spec``: clear errors name the layer and tensor.
+
+        ``caches`` is either one entry per layer (a mapping tensor name -> tensor, a sequence in
+        ``spec.tensors()`` order, or the tensor itself when the spec has one, as MLA does), or a
+        mapping tensor name -> per-layer tensors (a list, or one tensor stacked
+        ``[num_layers, num_blocks, ...]``), the way engines keep ``key_caches``/``value_caches``.
+        """
+        names = [t.name for t in spec.tensors()]
+        grid = _tensor_grid(spec, caches, names)
+        infos = [[_describe(obj, spec.tensors()[t], layer) for t, obj in enumerate(row)] for layer, row in enumerate(grid)]
+        first = infos[0][0]
+        num_blocks = first.shape[0] if first.shape else 0
+        devices = {info.device for row in infos for info in row}
+        if len(devices) != 1:
+            raise KVCacheError(f"cache tensors live on several devices ({', '.join(sorted(devices))}); "
+                               "a region is one device")
+        found = devices.pop()
+        if device is not None and device != found:
+            raise KVCacheError(f"device: the tensors are on {found}, not {device}")
+        addrs = np.zeros((spec.num_layers, len(names)), dtype=np.int64)
+        strides = np.zeros_like(addrs)
+        for layer, row in enumerate(infos):
+            for t, info in enumerate(row):
+                _check_tensor(info, spec.tensors()[t], layer, num_blocks)
+                addrs[layer, t] = info.addr
+                strides[layer, t] = info.strides[0] if num_blocks > 1 else spec.tensors()[t].bytes_per_block
+        pinned = all(info.pinned for row in infos for info in row) or all(
+            _pinned_by_torch(obj) for row in grid for obj in row)
+        return cls(spec, num_blocks, found, addrs, strides, pinned and found == "cpu", "", tuple(
+            obj for row in grid for obj in row))
+
+    @classmethod
+    def from_addresses(cls, spec: CacheSpec, num_blocks: int, addrs: Any, *, device: str = "cpu",
+                       block_strides: Any = None, pinned: bool = False, owner: str = "", keep: tuple = ()) -> KVRegion:
+        """A region over raw memory: ``addrs`` int [num_layers, tensors]; strides default to dense blocks.
+
+        The caller vouches that the memory exists and stays alive; ``keep`` may hold its owners.
+        """
+        num_blocks = int(num_blocks)
+        if num_blocks < 1:
+            raise KVCacheError(f"num_blocks must be >= 1, got {num_blocks}")
+        tensors = spec.tensors()
+        shape = (spec.num_layers, len(tensors))
+        arr = np.asarray(addrs)
+        if arr.shape != shape or (arr.size and arr.dtype.kind not in "iuO"):
+            raise KVCacheError(f"addrs must be integers of shape {shape} (layers, tensors "
+                               f"{', '.join(t.name for t in tensors)}), got shape {arr.shape}")
+        bpb = np.array([t.bytes_per_block for t in tensors], dtype=np.int64)
+        strides = np.broadcast_to(bpb, shape) if block_strides is None else np.asarray(block_strides)
+        try:
+            strides = np.broadcast_to(strides, shape).astype(np.int64)
+        except ValueError:
+            raise KVCacheError(f"block_strides must broadcast to {shape}, got shape {np.shape(block_strides)}") from None
+        values = [int(a) for a in arr.ravel()]
+        if any(a <= 0 or a > _ADDR_MAX for a in values):
+            raise KVCacheError("addrs: every address must be a positive 63-bit integer")
+        if ((strides < bpb[None, :]) & (num_blocks > 1)).any():
+            layer, t = (int(i) for i in np.argwhere(strides < bpb[None, :])[0])
+            raise KVCacheError(f"layer {layer} tensor {tensors[t].name!r}: block stride {strides[layer, t]} is "
+                               f"smaller than a block ({bpb[t]} bytes): blocks would overlap")
+        _check_device(device)
+        return cls(spec, num_blocks, device, np.array(values, dtype=np.int64).reshape(shape), strides,
+                   pinned, owner, keep)
+
+    # ----------------------------------------------------------------- wire form
+
+    def describe(self) -> dict[str, Any]:
+        """A msgpack/JSON-ready description a peer turns back into a region with ``from_description``."""
+        spec = self.spec.describe()
+        spec.pop("kv_heads_per_rank")
+        return {
+            "spec": spec,
+            "num_blocks": self.num_blocks,
+            "device": self.device,
+            "pinned": self.pinned,
+            "addrs": self.addrs.tolist(),
+            "block_strides": self.block_strides.tolist(),
+        }
+
+    @classmethod
+    def from_description(cls, description: Mapping[str, Any], owner: str) -> KVRegion:
+        """The region a peer described, its addresses in that peer's (``owner``'s) address space."""
+        try:
+            spec = CacheSpec(**description["spec"])
+            return cls.from_addresses(spec, description["num_blocks"], description["addrs"],
+                                      device=description["device"], block_strides=description["block_strides"],
+                                      pinned=bool(description.get("pinned", False)), owner=owner)
+        except (KeyError, TypeError) as exc:
+            raise KVCacheError(f"region description from {owner!r} is malformed: {exc}") from None
+
+    # ----------------------------------------------------------------- byte ranges
+
+    def ranges(self, blocks: Any, rows: Any = None, layers: Any = None) -> ByteRanges:
+        """The merged byte ranges holding ``blocks`` (and ``rows``) in ``layers``; ``-1`` ids are skipped.
+
+        ``blocks`` is 1-D (whole blocks; with ``rows``, only those heads of each block) or
+        2-D ``[len(rows), n]``: a head-wise table, row ``i`` giving the block ids of head
+        ``rows[i]`` (default: every head of this rank, in order). Duplicates count once.
+        """
+        block, row, per_row = _units(self, blocks, rows, "blocks")
+        keep = block >= 0
+        width = self.heads if per_row else 1
+        key = np.unique(block[keep] * width + row[keep])
+        addr, length = _addresses(self, key // width, key % width, per_row, _layer_ids(layers, self.num_layers))
+        (addr,), length = _merge((addr,), length)
+        return ByteRanges(addr, length)
+
+
+def copy_ranges(src: KVRegion, src_blocks: Any, dst: KVRegion, dst_blocks: Any,
+                layers: Any = None, rows: Any = None) -> CopyRanges:
+    """Merged (src, dst, length) ranges that copy ``src_blocks`` of ``src`` onto ``dst_blocks`` of ``dst``.
+
+    Both block arrays have one shape (see ``KVRegion.ranges``); position ``i`` of one pairs with
+    position ``i`` of the other. A pair where either id is ``-1`` moves nothing (a recycled
+    sliding-window block, or one the receiver does not need). Two pairs writing the same
+    destination block (and head) are an error; the same source may go to several destinations.
+    Ranges are merged where both sides continue, so consecutive ids on both sides move as one.
+    """
+    _check_compatible(src, dst)
+    sb, sr, per_row = _units(src, src_blocks, rows, "src_blocks")
+    db, dr, _ = _units(dst, dst_blocks, rows, "dst_blocks")
+    if sb.shape != db.shape:
+        raise KVCacheError(f"src_blocks has {np.shape(src_blocks)} ids but dst_blocks has {np.shape(dst_blocks)}; "
+                           "they pair up one to one")
+    keep = (sb >= 0) & (db >= 0)
+    sb, sr, db, dr = sb[keep], sr[keep], db[keep], dr[keep]
+    width = src.heads if per_row else 1
+    dkey = db * width + dr
+    if np.unique(dkey).size != dkey.size:
+        values, counts = np.unique(dkey, return_counts=True)
+        dup = int(values[counts > 1][0])
+        where = f"block {dup // width}" + (f" head {dup % width}" if per_row else "")
+        raise KVCacheError(f"dst_blocks: {where} is written twice in one copy")
+    order = np.argsort(sb * width + sr, kind="stable")
+    layer_ids = _layer_ids(layers, src.num_layers)
+    s_addr, length = _addresses(src, sb[order], sr[order], per_row, layer_ids)
+    d_addr, _ = _addresses(dst, db[order], dr[order], per_row, layer_ids)
+    (s_addr, d_addr), length = _merge((s_addr, d_addr), length)
+    return CopyRanges(s_addr, d_addr, length)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _check_device(device: str) -> None:
+    if device != "cpu" and not (device.startswith("cuda:") and device[5:].isdigit()):
+        raise KVCacheError(f"device must be 'cpu' or 'cuda:N', got {device!r}")
+
+
+def _check_compatible(src: KVRegion, dst: KVRegion) -> None:
+    """Raise unless both regions store the same tensors per block in the same number of layers."""
+    if src.num_layers != dst.num_layers:
+        raise KVCacheError(f"src has {src.num_layers} layers but dst has {dst.num_layers}")
+    if src.tensors != dst.tensors:
+        raise KVCacheError(f"src and dst store different tensors per block ({src.tensors} vs {dst.tensors}); "
+                           "copies need the same spec (quant, heads per rank, block size)")
+
+
+def _units(region: KVRegion, blocks: Any, rows: Any, name: str) -> tuple[np.ndarray, np.ndarray, bool]:
+    """Flatten a block selection to (block ids, row ids, per_row) int64 arrays; ids checked, -1 kept."""
+    arr = np.asarray(blocks)
+    if arr.size and arr.dtype.kind not in "iu":
+        raise KVCacheError(f"{name} must hold integer block ids, got dtype {arr.dtype}")
+    arr = arr.astype(np.int64)
+    bad = (arr < -1) | (arr >= region.num_blocks)
+    if bad.any():
+        raise KVCacheError(f"{name}: {int(arr[bad][0])} is not a block id of a region with "
+                           f"{region.num_blocks} blocks (or -1)")
+    heads = region.heads
+    if arr.ndim == 1 and rows is None:
+        return arr, np.zeros_like(arr), False
+    if rows is None:
+        rows_arr = np.arange(heads, dtype=np.int64)
+    else:
+        rows_arr = np.atleast_1d(np.asarray(rows))
+        if rows_arr.ndim != 1 or (rows_arr.size and rows_arr.dtype.kind not in "iu"):
+            raise KVCacheError(f"rows must be a 1-D list of head indices, got {rows!r}")
+        rows_arr = rows_arr.astype(np.int64)
+        out = (rows_arr < 0) | (rows_arr >= heads)
+        if out.any():
+            raise KVCacheError(f"rows: head {int(rows_arr[out][0])} is out of range for {heads} kv heads per rank")
+    if arr.ndim == 1:
+        return np.tile(arr, rows_arr.size), np.repeat(rows_arr, arr.size), True
+    if arr.ndim != 2 or arr.shape[0] != rows_arr.size:
+        raise KVCacheError(f"{name} has shape {arr.shape}; a head-wise selection is [rows, blocks] with "
+                           f"{rows_arr.size} rows")
+    return arr.ravel(), np.repeat(rows_arr, arr.shape[1]), True
+
+
+def _addresses(region: KVRegion, block: np.ndarray, row: np.ndarray, per_row: bool, layers: np.ndarray
+               ) -> tuple[np.ndarray, np.ndarray]:
+    """Flat (addr, length) of every unit in (layer, tensor, unit) order, vectorised over all three."""
+    unit = region.block_bytes // (region.heads if per_row else 1)
+    base = region.addrs[layers]
+    stride = region.block_strides[layers]
+    addr = base[:, :, None] + block[None, None, :] * stride[:, :, None] + (row[None, None, :] * unit[None, :, None])
+    length = np.broadcast_to(unit[None, :, None], addr.shape)
+    return addr.ravel(), length.ravel()
+
+
+def _merge(addrs: tuple[np.ndarray, ...], length: np.ndarray) -> tuple[tuple[np.ndarray, ...], np.ndarray]:
+    """Join each unit to the previous one where every address array continues it; vectorised."""
+    if length.size == 0:
+        return tuple(np.empty(0, dtype=np.int64) for _ in addrs), np.empty(0, dtype=np.int64)
+    cont = np.ones(length.size - 1, dtype=bool)
+    for a in addrs:
+        cont &= a[1:] == a[:-1] + length[:-1]
+    first = np.flatnonzero(np.concatenate(([True], ~cont)))
+    return tuple(a[first] for a in addrs), np.add.reduceat(length, first)
+
+
+def _tensor_grid(spec: CacheSpec, caches: Any, names: list[str]) -> list[list[Any]]:
+    """``caches`` in any accepted form as a [num_layers][tensors] grid of framework tensors."""
+    L = spec.num_layers
+    if isinstance(caches, Mapping):
+        unknown = [k for k in caches if k not in names]
+        missing = [n for n in names if n not in caches]
+        if unknown or missing:
+            raise KVCacheError(f"caches names {', '.join(map(repr, caches))}; the spec lists {', '.join(names)}")
+        columns = []
+        for n in names:
+            per_layer = caches[n]
+            items = [per_layer[i] for i in range(_length(per_layer))] if _is_tensor(per_layer) else list(per_layer)
+            if len(items) != L:
+                raise KVCacheError(f"caches[{n!r}] has {len(items)} layers; the spec has {L}")
+            columns.append(items)
+        return [list(row) for row in zip(*columns)]
+    layers = list(caches)
+    if len(layers) != L:
+        raise KVCacheError(f"caches has {len(layers)} layers; expected one entry per layer ({L}) or a mapping of "
+                           f"{', '.join(names)} to per-layer tensors")
+    grid = []
+    for layer, entry in enumerate(layers):
+        if isinstance(entry, Mapping):
+            missing = [n for n in names if n not in entry]
+            if missing:
+                raise KVCacheError(f"layer {layer} lacks {', '.join(map(repr, missing))}")
+            grid.append([entry[n] for n in names])
+        elif _is_tensor(entry):
+            if len(names) != 1:
+                raise KVCacheError(f"layer {layer} is one tensor but the spec lists {', '.join(names)}")
+            grid.append([entry])
+        else:
+            row = list(entry)
+            if len(row) != len(names):
+                raise KVCacheError(f"layer {layer} has {len(row)} tensors; the spec lists {', '.join(names)}")
+            grid.append(row)
+    return grid
+
+
+def _is_tensor(obj: Any) -> bool:
+    return any(hasattr(obj, a) for a in ("__dlpack__", "__cuda_array_interface__", "__array_interface__",
+                                         "data_ptr"))
+
+
+def _length(obj: Any) -> int:
+    """Size of a stacked tensor's first (layer) dimension."""
+    return int(tuple(obj.shape)[0])
+
+
+def _describe(obj: Any, tensor: TensorSpec, layer: int) -> TensorInfo:
+    try:
+        return describe_tensor(obj)
+    except TypeError as exc:
+        raise KVCacheError(f"layer {layer} tensor {tensor.name!r}: {exc}") from None
+
+
+def _check_tensor(info: TensorInfo, tensor: TensorSpec, layer: int, num_blocks: int) -> None:
+    """Raise naming the layer and tensor unless ``info`` matches the spec's shape, dtype and layout."""
+    where = f"layer {layer} tensor {tensor.name!r}"
+    want = tensor.shape(num_blocks)
+    if info.shape != want:
+        raise KVCacheError(f"{where}: shape {list(info.shape)}, but the spec needs {list(want)} "
+                           f"(num_blocks, {', '.join(map(str, tensor.block_shape))}) for {num_blocks} blocks")
+    size = DTYPE_BYTES[tensor.dtype]
+    if info.itemsize != size:
+        raise KVCacheError(f"{where}: {info.dtype or 'unknown dtype'} has {info.itemsize}-byte elements, "
+                           f"but the spec stores {tensor.dtype} ({size} bytes)")
+    if info.dtype is not None and info.dtype != tensor.dtype and info.dtype not in _RAW_NAMES.get(size, ()) and not (
+            tensor.dtype in _RAW_NAMES.get(size, ()) and info.dtype not in _FLOAT_NAMES):
+        raise KVCacheError(f"{where}: dtype {info.dtype}, but the spec stores {tensor.dtype}")
+    inner = _contiguous_strides(want[1:], size)
+    if any(s != c for s, c, n in zip(info.strides[1:], inner, want[1:]) if n > 1):
+        raise KVCacheError(f"{where}: each block must be C-contiguous (byte strides {list(inner)} below the block "
+                           f"dimension), got {list(info.strides[1:])}")
+    if num_blocks > 1 and info.strides[0] < tensor.bytes_per_block:
+        raise KVCacheError(f"{where}: block stride {info.strides[0]} bytes is smaller than a block "
+                           f"({tensor.bytes_per_block} bytes)")
+    if info.addr <= 0 or info.addr > _ADDR_MAX:
+        raise KVCacheError(f"{where}: has no memory (address {info.addr:#x})")
