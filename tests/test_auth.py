@@ -1,0 +1,252 @@
+"""CURVE on tcp://: only clients whose key the daemon allows get answers; refusals are logged; ipc is owner-only."""
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import stat
+import tempfile
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterator, NamedTuple
+
+import numpy as np
+import pytest
+import zmq
+import zmq.auth
+
+from kvcache.allocator import KVCacheManager
+from kvcache.allocator.errors import KVCacheError
+from kvcache.auth import (
+    CurveConfig,
+    check_ipc_permissions,
+    secure_client_socket,
+    secure_server_socket,
+    start_authenticator,
+)
+from kvcache.cli import main
+from kvcache.config import ServeConfig, parse_rows
+from kvcache.keys import create_keys
+from kvcache.protocol import PROTOCOL_VERSION, pack, unpack
+from kvcache.server import CacheServer
+
+if TYPE_CHECKING:
+    from kvcache.auth import KeyAuthenticator
+
+pytestmark = pytest.mark.skipif(not zmq.has("curve"), reason="libzmq without CURVE")
+NO_ANSWER_S = 1.0  # a refused client is given this long to get anything through
+
+
+class Secured(NamedTuple):
+    """A CURVE ROUTER on 127.0.0.1 in front of a real CacheServer, and the keys around it."""
+
+    router: zmq.Socket
+    endpoint: str
+    server: CacheServer
+    auth: KeyAuthenticator
+    allowed: CurveConfig  # a client the daemon allows
+    intruder: CurveConfig  # a client with its own keys (and the daemon's public key), not allowed
+
+
+@pytest.fixture
+def secured(tmp_path: Path) -> Iterator[Secured]:
+    """The daemon's message handling behind a CURVE ROUTER; ``serve`` answers what arrives."""
+    keys = create_keys(tmp_path / "keys", "scheduler")
+    other = create_keys(tmp_path / "other", "intruder")
+    ctx = zmq.Context()
+    auth = start_authenticator(ctx, keys.client_public.parent)
+    router = ctx.socket(zmq.ROUTER)
+    router.linger = 0
+    secure_server_socket(router, CurveConfig.for_server(keys.server_secret, keys.client_public.parent))
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    folder = Path(tempfile.mkdtemp(prefix="kv-", dir="/tmp"))  # short: unix socket paths are limited
+    rows = parse_rows("window:8:4,full")
+    server = CacheServer(ServeConfig(endpoint=f"ipc://{folder}/k.sock"), KVCacheManager(64, 4, rows), rows)
+    try:
+        yield Secured(router, f"tcp://127.0.0.1:{port}", server, auth,
+                      CurveConfig.for_client(keys.client_secret, keys.server_public),
+                      CurveConfig.for_client(other.client_secret, keys.server_public))
+    finally:
+        server.close()
+        router.close(0)
+        auth.stop()
+        ctx.term()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def connect(ctx: zmq.Context, endpoint: str, curve: CurveConfig | None) -> zmq.Socket:
+    sock = ctx.socket(zmq.DEALER)
+    sock.linger = 0
+    if curve is not None:
+        secure_client_socket(sock, curve)
+    sock.connect(endpoint)
+    return sock
+
+
+def serve(s: Secured, timeout: float) -> int:
+    """Answer every message reaching the ROUTER within ``timeout`` seconds; returns how many arrived."""
+    handled = 0
+    deadline = time.monotonic() + timeout
+    while (remaining := deadline - time.monotonic()) > 0:
+        if s.router.poll(int(remaining * 1000) + 1):
+            *envelope, payload = s.router.recv_multipart()
+            s.router.send_multipart([*envelope, s.server.handle(payload)])
+            handled += 1
+    return handled
+
+
+def admit_message(req: str) -> bytes:
+    return pack({"v": PROTOCOL_VERSION, "client": "t", "id": 1,
+                 "ops": [{"op": "admit", "req": req, "tokens": np.arange(9, dtype=np.uint32)}]})
+
+
+def state(server: CacheServer) -> tuple:
+    return len(server.manager), server.manager.num_free_blocks.tolist(), server.stats()["seq"]
+
+
+def wait_for_log(caplog: pytest.LogCaptureFixture, *words: str, timeout: float = 5.0) -> logging.LogRecord:
+    """The first WARNING of kvcache.auth holding every word (refusals are logged from the auth threads)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for record in caplog.records:
+            if record.name == "kvcache.auth" and record.levelno == logging.WARNING and all(
+                    w in record.getMessage() for w in words):
+                return record
+        time.sleep(0.02)
+    raise AssertionError(f"no refusal logged with {words}; got {[r.getMessage() for r in caplog.records]}")
+
+
+def test_a_client_with_an_allowed_key_gets_answers(secured):
+    """The allowed client's admit reaches the daemon and its reply comes back, encrypted both ways."""
+    with zmq.Context() as ctx:
+        dealer = connect(ctx, secured.endpoint, secured.allowed)
+        dealer.send(admit_message("a"))
+        assert serve(secured, 2.0) == 1
+        assert dealer.poll(2000), "no reply for the allowed client"
+        reply = unpack(dealer.recv(), 1 << 20)
+        dealer.close(0)
+    assert reply["ok"] and reply["results"][0]["table"].shape == (2, 3)
+    assert "a" in secured.server.manager
+    assert secured.auth.refused == 0
+
+
+@pytest.mark.parametrize("who", ["no keys", "keys not allowed", "wrong server key"])
+def test_a_refused_client_gets_no_answer_changes_nothing_and_is_logged(secured, caplog, who):
+    """Without the keys the daemon allows, a message never reaches the socket: no reply, no state change, a log line."""
+    caplog.set_level(logging.DEBUG, logger="kvcache.auth")
+    curve = {"no keys": None, "keys not allowed": secured.intruder,
+             "wrong server key": CurveConfig.for_client(secured.allowed.client_secret,
+                                                        secured.intruder.client_secret.parent / "server.key")}[who]
+    before = state(secured.server)
+    with zmq.Context() as ctx:
+        dealer = connect(ctx, secured.endpoint, curve)
+        dealer.send(admit_message("intruder"))
+        assert serve(secured, NO_ANSWER_S) == 0, "a refused client's message reached the daemon"
+        assert not dealer.poll(100), "a refused client got an answer"
+        dealer.close(0)
+    assert state(secured.server) == before
+    if who == "keys not allowed":
+        key = zmq.auth.load_certificate(secured.intruder.client_secret)[0].decode()
+        record = wait_for_log(caplog, "127.0.0.1", key, "not in")
+    elif who == "no keys":
+        record = wait_for_log(caplog, secured.endpoint, "handshake")
+    else:
+        record = wait_for_log(caplog, secured.endpoint, "wrong server public key")
+    assert record.getMessage().startswith("refused ")
+    assert secured.auth.refused >= 1
+
+
+def test_repeated_refusals_of_one_peer_are_counted_not_flooded(secured, caplog):
+    """A client with a wrong server key retries every 100 ms; the log gets one WARNING per 10 s, the rest at DEBUG."""
+    caplog.set_level(logging.DEBUG, logger="kvcache.auth")
+    wrong = CurveConfig.for_client(secured.allowed.client_secret, secured.intruder.client_secret.parent / "server.key")
+    with zmq.Context() as ctx:
+        dealer = connect(ctx, secured.endpoint, wrong)
+        dealer.send(admit_message("x"))
+        deadline = time.monotonic() + 5.0
+        while secured.auth.refused < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        dealer.close(0)
+    warnings = [r for r in caplog.records if r.name == "kvcache.auth" and r.levelno == logging.WARNING]
+    assert secured.auth.refused >= 3 and len(warnings) == 1
+
+
+def test_revoking_a_key_refuses_its_client_after_reload(secured, caplog):
+    """Deleting a client's public key from the folder and reloading locks it out."""
+    caplog.set_level(logging.DEBUG, logger="kvcache.auth")
+    public = zmq.auth.load_certificate(secured.allowed.client_secret)[0].decode()
+    (secured.auth.clients_dir / "scheduler.key").unlink()
+    secured.auth.reload()
+    with zmq.Context() as ctx:
+        dealer = connect(ctx, secured.endpoint, secured.allowed)
+        dealer.send(admit_message("revoked"))
+        assert serve(secured, NO_ANSWER_S) == 0
+        dealer.close(0)
+    wait_for_log(caplog, public, "not in")
+
+
+def test_a_socket_cannot_be_secured_before_the_authenticator_runs(tmp_path):
+    """libzmq admits anyone holding the server key when no ZAP handler runs, so securing first is an error."""
+    keys = create_keys(tmp_path / "keys", "c")
+    with zmq.Context() as ctx:
+        sock = ctx.socket(zmq.ROUTER)
+        with pytest.raises(KVCacheError, match="start_authenticator"):
+            secure_server_socket(sock, CurveConfig.for_server(keys.server_secret, keys.client_public.parent))
+        sock.close(0)
+
+
+def test_a_secret_certificate_readable_by_others_is_refused(tmp_path):
+    keys = create_keys(tmp_path / "keys", "c")
+    os.chmod(keys.client_secret, 0o644)
+    with zmq.Context() as ctx:
+        sock = ctx.socket(zmq.DEALER)
+        with pytest.raises(KVCacheError, match="mode 0644"):
+            secure_client_socket(sock, CurveConfig.for_client(keys.client_secret, keys.server_public))
+        sock.close(0)
+
+
+def test_an_allowed_clients_folder_writable_by_others_is_refused(tmp_path):
+    keys = create_keys(tmp_path / "keys", "c")
+    os.chmod(keys.client_public.parent, 0o777)
+    with zmq.Context() as ctx, pytest.raises(KVCacheError, match="writable by other users"):
+        start_authenticator(ctx, keys.client_public.parent)
+
+
+def test_keys_command_makes_owner_only_files_and_adds_clients(tmp_path, capsys):
+    """`kvcache keys DIR --name N`: the daemon's pair once, one pair per client, secrets 0600, folders 0700."""
+    folder = tmp_path / "keys"
+    assert main(["keys", str(folder), "--name", "sched"]) == 0
+    first = (folder / "server.key_secret").read_bytes()
+    assert main(["keys", str(folder), "--name", "worker-0"]) == 0
+    out = capsys.readouterr().out
+    assert "--curve-server-cert" in out and "kept" in out
+    assert (folder / "server.key_secret").read_bytes() == first  # the daemon's key survives adding clients
+    for path, mode in [(folder, 0o700), (folder / "clients", 0o700), (folder / "server.key_secret", 0o600),
+                       (folder / "sched.key_secret", 0o600), (folder / "worker-0.key_secret", 0o600)]:
+        assert stat.S_IMODE(path.stat().st_mode) == mode, path
+    assert sorted(p.name for p in (folder / "clients").iterdir()) == ["sched.key", "worker-0.key"]
+    assert len(zmq.auth.load_certificates(folder / "clients")) == 2
+    assert main(["keys", str(folder), "--name", "sched"]) == 2  # never overwrites a client's keys
+    assert "already has keys" in capsys.readouterr().err
+
+
+def test_the_daemons_ipc_sockets_are_owner_only(daemon):
+    """`kvcache serve` binds its ipc sockets under umask 077: no other user may connect."""
+    d = daemon("--num-blocks", "16", "--block-size", "4")
+    for name in ("k.sock", "k-pub.sock", "k-replay.sock"):
+        check_ipc_permissions(d.folder / name)
+    check_ipc_permissions(d.endpoint)
+    os.chmod(d.folder / "k.sock", 0o666)
+    with pytest.raises(KVCacheError, match="mode 0666"):
+        check_ipc_permissions(d.folder / "k.sock")
+
+
+def test_without_a_running_authenticator_even_allowed_clients_get_nothing(secured):
+    """ZAP_ENFORCE_DOMAIN: a secured socket whose ZAP handler stopped refuses everyone instead of admitting all."""
+    secured.auth.stop()
+    with zmq.Context() as ctx:
+        dealer = connect(ctx, secured.endpoint, secured.allowed)
+        dealer.send(admit_message("a"))
+        assert serve(secured, NO_ANSWER_S) == 0
+        dealer.close(0)
+    assert len(secured.server.manager) == 0
