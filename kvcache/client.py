@@ -52,16 +52,56 @@ def _as_token_array(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
     return arr
 
 
-def _table_from_delta(old: np.ndarray | None, length: int, cols: np.ndarray, vals: np.ndarray) -> np.ndarray:
-    """The table ``old`` after a delta: ``length`` columns, ``cols`` set to ``vals``."""
-    rows = vals.shape[0] if old is None else old.shape[0]
-    table = np.full((rows, length), -1, dtype=np.int32)
-    if old is not None:
-        keep = min(length, old.shape[1])
-        table[:, :keep] = old[:, :keep]
-    table[:, cols] = vals
-    table.flags.writeable = False
-    return table
+def _capacity(columns: int) -> int:
+    """Columns to allocate for a table of ``columns``: the next power of two, at least 8 (decode grows by one)."""
+    return max(8, 1 << max(0, columns - 1).bit_length())
+
+
+class _Mirror:
+    """This client's copy of the tables it admitted, updated in place from deltas.
+
+    Hands out read-only views that later calls keep current, as the
+    library's tables are; a table that outgrows its buffer moves to a
+    larger one (views handed out before keep the old buffer).
+    """
+
+    def __init__(self) -> None:
+        self.views: dict[Any, np.ndarray] = {}
+        self._buffers: dict[Any, np.ndarray] = {}  # int32 [rows, capacity]: the view's columns, then -1
+
+    def __contains__(self, req: Any) -> bool:
+        return req in self.views
+
+    def put(self, req: Any, table: np.ndarray) -> np.ndarray:
+        """Start mirroring ``req`` at ``table`` (a whole table); returns its view."""
+        buf = np.full((table.shape[0], _capacity(table.shape[1])), -1, dtype=np.int32)
+        buf[:, : table.shape[1]] = table
+        self._buffers[req] = buf
+        return self._view(req, buf, table.shape[1])
+
+    def apply(self, req: Any, length: int, cols: np.ndarray, vals: np.ndarray) -> np.ndarray:
+        """``req``'s table after a delta: ``length`` columns wide, ``cols`` set to ``vals``; returns its view."""
+        buf, old = self._buffers[req], self.views[req].shape[1]
+        if length > buf.shape[1]:
+            grown = np.full((buf.shape[0], _capacity(length)), -1, dtype=np.int32)
+            grown[:, :old] = buf[:, :old]
+            buf = self._buffers[req] = grown
+        elif length < old:
+            buf[:, length:old] = -1
+        buf[:, cols] = vals
+        if length != old or buf is not self.views[req].base:
+            return self._view(req, buf, length)
+        return self.views[req]
+
+    def drop(self, req: Any) -> None:
+        self.views.pop(req, None)
+        self._buffers.pop(req, None)
+
+    def _view(self, req: Any, buf: np.ndarray, length: int) -> np.ndarray:
+        view = buf[:, :length]
+        view.flags.writeable = False
+        self.views[req] = view
+        return view
 
 
 class Batch:
@@ -69,15 +109,21 @@ class Batch:
 
     Results come in op order with the library's types (Admission or None,
     table or None, True, ...); an op the daemon could not apply gives a
-    ``DaemonError`` instance in its place.
+    ``DaemonError`` instance in its place. Runs of two or more plain extends
+    travel as one ``extend_many`` op (a decode step's shape), which the daemon
+    applies in a single pass; each extend still gets its own result.
     """
 
     def __init__(self, client: CacheClient) -> None:
         self._client = client
-        self._ops: list[dict[str, Any]] = []
+        self._wire: list[dict[str, Any]] = []  # ops as they go on the wire
+        self._expands: list[bool] = []  # per wire op: a run of plain extends, one result per extend
+        self._run_reqs: list[Any] = []  # the plain extends since the last other op
+        self._run_tokens: list[np.ndarray] = []
+        self._count = 0  # results of the ops on the wire
 
     def __len__(self) -> int:
-        return len(self._ops)
+        return self._count + len(self._run_reqs)
 
     def admit(self, request_id: Any, prompt_tokens: Sequence[int] | np.ndarray, *, cache_salt: str | None = None,
               lora: str | None = None, mm: Sequence[tuple[str, int, int]] | None = None,
@@ -88,76 +134,89 @@ class Batch:
                 op[key] = value
         if mm:
             op["mm"] = [list(item) for item in mm]
-        self._ops.append(op)
-        return self
+        return self._add(op)
 
     def extend(self, request_id: Any, tokens: Sequence[int] | np.ndarray, *,
                num_computed_tokens: int | None = None) -> Batch:
-        op: dict[str, Any] = {"op": "extend", "req": request_id, "tokens": _as_token_array(tokens)}
         if num_computed_tokens is not None:
-            op["num_computed"] = num_computed_tokens
-        self._ops.append(op)
+            return self._add({"op": "extend", "req": request_id, "tokens": _as_token_array(tokens),
+                              "num_computed": num_computed_tokens})
+        self._run_reqs.append(request_id)  # called once per request in a step: kept to two appends
+        self._run_tokens.append(tokens if type(tokens) is np.ndarray else _as_token_array(tokens))
         return self
 
+    def extend_many(self, request_ids: Sequence[Any] | np.ndarray, tokens: Sequence[int] | np.ndarray,
+                    counts: Sequence[int] | np.ndarray) -> Batch:
+        """As KVCacheManager.extend_many, as one op: request i gets the next ``counts[i]`` tokens.
+
+        Its result is the list of tables (None where blocks ran short), or a
+        DaemonError for the whole op. Arrays go on the wire as they are.
+        """
+        reqs = request_ids.tolist() if isinstance(request_ids, np.ndarray) else list(request_ids)
+        per_request = np.asarray(counts)
+        if not per_request.size:  # np.asarray([]) is float64
+            per_request = per_request.astype(np.int64)
+        if per_request.ndim != 1 or per_request.size != len(reqs) or per_request.dtype.kind not in "iu":
+            raise KVCacheError(f"counts: need one integer per request ({len(reqs)}), got {per_request.shape}")
+        return self._add({"op": "extend_many", "reqs": reqs, "tokens": _as_token_array(tokens),
+                          "counts": per_request})
+
     def free(self, request_id: Any) -> Batch:
-        self._ops.append({"op": "free", "req": request_id})
-        return self
+        return self._add({"op": "free", "req": request_id})
 
     def op(self, name: str, **fields: Any) -> Batch:
         """Any other operation by its protocol name (table, lookup, can_admit, usage, stats, info, ...)."""
-        self._ops.append({"op": name, **fields})
-        return self
+        return self._add({"op": name, **fields})
 
     def send(self) -> list[Any]:
-        """Send every op in one message; returns their results in order.
-
-        Runs of two or more plain extends travel as one ``extend_many`` op (a
-        decode step's shape), which the daemon applies in a single pass.
-        """
-        ops, self._ops = self._ops, []
-        wire, spans = _coalesce(ops)
-        reply = self._client._call(wire)
-        results: list[Any] = [None] * len(ops)
-        for op, span, raw in zip(wire, spans, reply["results"]):
-            if op["op"] == "extend_many":
-                for index, result in zip(span, self._client._extend_many_results(ops, span, raw)):
-                    results[index] = result
+        """Send every op in one message; returns their results in order."""
+        self._end_run()
+        wire, expands = self._wire, self._expands
+        self._wire, self._expands, self._count = [], [], 0
+        client = self._client
+        reply = client._call(wire)
+        results: list[Any] = []
+        for op, expand, raw in zip(wire, expands, reply["results"]):
+            if expand:
+                tables = client._extend_many_results(op["reqs"], raw)
+                results += [tables] * len(op["reqs"]) if isinstance(tables, DaemonError) else tables
+            elif op["op"] == "extend_many":
+                results.append(client._extend_many_results(op["reqs"], raw))
             else:
-                results[span[0]] = self._client._result(op, raw)
+                results.append(client._result(op, raw))
         return results
 
+    def _add(self, op: dict[str, Any]) -> Batch:
+        self._end_run()
+        self._wire.append(op)
+        self._expands.append(False)
+        self._count += 1
+        return self
 
-def _coalesce(ops: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[list[int]]]:
-    """Wire ops for a batch: runs of plain extends become one extend_many; spans map back to the ops."""
-    wire: list[dict[str, Any]] = []
-    spans: list[list[int]] = []
-    run: list[int] = []
-
-    def flush() -> None:
-        if len(run) == 1:
-            wire.append(ops[run[0]])
-            spans.append(list(run))
-        elif run:
-            parts = [ops[i]["tokens"] for i in run]
-            wire.append({"op": "extend_many", "reqs": [ops[i]["req"] for i in run],
-                         "tokens": np.concatenate(parts).astype(np.int64, copy=False),
-                         "counts": np.array([len(p) for p in parts], dtype=np.int64)})
-            spans.append(list(run))
-        run.clear()
-
-    for i, op in enumerate(ops):
-        if op["op"] == "extend" and "num_computed" not in op:
-            run.append(i)
+    def _end_run(self) -> None:
+        """Put the pending plain extends on the wire: one extend, or one extend_many for several."""
+        reqs, parts = self._run_reqs, self._run_tokens
+        if not reqs:
+            return
+        self._run_reqs, self._run_tokens = [], []
+        if len(reqs) == 1:
+            self._wire.append({"op": "extend", "req": reqs[0], "tokens": parts[0]})
         else:
-            flush()
-            wire.append(op)
-            spans.append([i])
-    flush()
-    return wire, spans
+            tokens = np.concatenate(parts)
+            if tokens.dtype.kind == "f" and all(part.dtype.kind in "iu" for part in parts):  # uint64 with int64
+                tokens = np.concatenate(parts, dtype=np.int64, casting="unsafe")
+            self._wire.append({"op": "extend_many", "reqs": reqs, "tokens": tokens,
+                               "counts": np.fromiter(map(len, parts), dtype=np.int32, count=len(parts))})
+        self._expands.append(len(reqs) > 1)
+        self._count += len(reqs)
 
 
 class CacheClient:
-    """A scheduler's connection to ``kvcache serve``, with the same methods and results as KVCacheManager."""
+    """A scheduler's connection to ``kvcache serve``, with the same methods and results as KVCacheManager.
+
+    Tables of requests this client admitted are read-only views that its
+    later calls keep current, as the library's are.
+    """
 
     def __init__(self, endpoint: str, *, timeout: float = 5.0, retries: int = 0, name: str | None = None,
                  context: zmq.Context | None = None) -> None:
@@ -174,7 +233,7 @@ class CacheClient:
         self._ctx = context or zmq.Context.instance()
         # Random start: a client that reuses a name after a restart never repeats an answered id.
         self._ids = itertools.count(int.from_bytes(os.urandom(7), "big"))
-        self._tables: dict[Any, np.ndarray] = {}
+        self._mirror = _Mirror()
         self._slots: dict[Any, int] = {}
         self._info: dict[str, Any] | None = None
         self._sock = self._connect()
@@ -207,6 +266,11 @@ class CacheClient:
     def extend(self, request_id: Any, tokens: Sequence[int] | np.ndarray, *,
                num_computed_tokens: int | None = None) -> np.ndarray | None:
         return self._single(self.batch().extend(request_id, tokens, num_computed_tokens=num_computed_tokens))
+
+    def extend_many(self, request_ids: Sequence[Any] | np.ndarray, tokens: Sequence[int] | np.ndarray,
+                    counts: Sequence[int] | np.ndarray) -> list[np.ndarray | None]:
+        """As KVCacheManager.extend_many: request i gets the next ``counts[i]`` of ``tokens``; one round trip."""
+        return self._single(self.batch().extend_many(request_ids, tokens, counts))
 
     def free(self, request_id: Any) -> None:
         self._single(self.batch().free(request_id))
@@ -309,24 +373,35 @@ class CacheClient:
             if isinstance(reply, dict) and reply.get("id") == request_id:
                 return reply
 
-    def _extend_many_results(self, ops: list[dict[str, Any]], span: list[int], raw: Any) -> list[Any]:
-        """Per-extend results of one extend_many reply, keeping the table mirror current."""
+    def _extend_many_results(self, reqs: list[Any], raw: Any) -> list[np.ndarray | None] | DaemonError:
+        """The tables of one extend_many result in request order, keeping the mirror current.
+
+        Unchanged tables are the mirror's views as they are; only the changed
+        ones (one request in ``block_size`` in a decode step) are touched.
+        """
         if isinstance(raw, dict) and set(raw) == {"error"}:
-            return [DaemonError(raw["error"])] * len(span)
-        changed = {int(i): (cols, vals) for i, cols, vals in raw["changed"]}
-        out: list[Any] = []
-        for j, index in enumerate(span):
-            req = ops[index]["req"]
-            length = int(raw["lens"][j])
-            if length < 0:
-                out.append(None)
-                continue
-            if req not in self._tables:  # admitted by another client: fetch the whole table once
-                self._tables[req] = self.table(req)
-            elif j in changed:
-                cols, vals = changed[j]
-                self._tables[req] = _table_from_delta(self._tables[req], length, cols, vals)
-            out.append(self._tables[req])
+            return DaemonError(raw["error"])
+        lens, changed = raw["lens"], raw["changed"]
+        mirror = self._mirror
+        views = mirror.views
+        out: list[np.ndarray | None] = list(map(views.get, reqs))
+        index = changed["index"]
+        if index.size:
+            offsets, cols, vals = changed["offsets"].tolist(), changed["cols"], changed["vals"]
+            for k, (j, length) in enumerate(zip(index.tolist(), lens[index].tolist())):
+                if reqs[j] in views:  # else admitted by another client: fetched whole below
+                    a, b = offsets[k], offsets[k + 1]
+                    out[j] = mirror.apply(reqs[j], length, cols[a:b], vals[:, a:b])
+        if lens.size and int(lens.min()) < 0:
+            for j in np.flatnonzero(lens < 0).tolist():
+                out[j] = None
+        if not all(map(views.__contains__, reqs)):
+            lengths = lens.tolist()
+            for j, req in enumerate(reqs):
+                if out[j] is None and lengths[j] >= 0:
+                    if req not in mirror:  # admitted by another client: fetch the whole table once
+                        mirror.put(req, self.table(req))
+                    out[j] = mirror.views[req]
         return out
 
     def _result(self, op: dict[str, Any], raw: Any) -> Any:
@@ -337,22 +412,16 @@ class CacheClient:
         if kind == "admit":
             if raw is None:
                 return None
-            table = np.asarray(raw["table"])
-            table.flags.writeable = False
-            self._tables[op["req"]] = table
             self._slots[op["req"]] = raw["slot"]
-            return Admission(raw["cached"], table, raw["num_tokens"])
+            return Admission(raw["cached"], self._mirror.put(op["req"], raw["table"]), raw["num_tokens"])
         if kind == "extend":
             if raw is None:
                 return None
-            if op["req"] not in self._tables:  # admitted by another client: fetch the whole table once
-                self._tables[op["req"]] = self.table(op["req"])
-                return self._tables[op["req"]]
-            table = _table_from_delta(self._tables[op["req"]], raw["len"], raw["cols"], raw["vals"])
-            self._tables[op["req"]] = table
-            return table
+            if op["req"] not in self._mirror:  # admitted by another client: fetch the whole table once
+                return self._mirror.put(op["req"], self.table(op["req"]))
+            return self._mirror.apply(op["req"], raw["len"], raw["cols"], raw["vals"])
         if kind == "free":
-            self._tables.pop(op["req"], None)
+            self._mirror.drop(op["req"])
             self._slots.pop(op["req"], None)
             return None
         return raw

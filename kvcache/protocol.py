@@ -2,7 +2,7 @@
 
 Scheduler → daemon (one ROUTER frame)::
 
-    {"v": 1, "client": str, "id": int, "ops": [op, ...]}
+    {"v": 2, "client": str, "id": int, "ops": [op, ...]}
 
 ``client`` names the sender (a random id per CacheClient unless given);
 ``id`` is unique per client: a retried request with an answered ``(client,
@@ -24,37 +24,56 @@ integer array (or a list of ints). The whole message is validated, structure
 and request-id liveness in op order, before any op is applied: a bad message
 changes nothing. Reply::
 
-    {"v": 1, "id": int, "ok": true, "epoch": int, "seq": int, "results": [result, ...]}
-    {"v": 1, "id": int, "ok": false, "error": "ops[2].tokens: token id -5 is outside [0, 2**32)"}
+    {"v": 2, "id": int, "ok": true, "epoch": int, "seq": int, "results": [result, ...]}
+    {"v": 2, "id": int, "ok": false, "error": "ops[2].tokens: token id -5 is outside [0, 2**32)"}
 
 ``seq`` is the last table-delta sequence number published when the reply
-was sent, ``epoch`` the daemon incarnation's (workers: ``wait_for(seq, epoch)``). Results: admit → ``{"cached", "num_tokens", "table"}`` or None (no
-room); extend → ``{"len", "cols", "vals"}`` (the table's delta) or None;
-extend_many → ``{"lens": int32[n] (-1 = no room), "changed": [[i, cols, vals], ...]}``;
-table → array; others as named. An op that fails while applying (e.g. one on
-a request whose admit in the same message found no room) gets ``{"error": str}``
-as its result; the others still apply.
+was sent, ``epoch`` the daemon incarnation's (workers: ``wait_for(seq, epoch)``).
+Results: admit → ``{"cached", "num_tokens", "table", "slot"}`` or None (no room);
+extend → ``{"len", "cols", "vals"}`` (the table's delta) or None; extend_many →
+the tables' lengths and the changed ones' deltas in compressed rows::
+
+    {"lens": int32[n] (-1 = no room, that request unchanged),
+     "changed": {"index": int32[m], "offsets": int32[m + 1], "cols": int32[total], "vals": int32[rows, total]}}
+
+where request ``reqs[index[k]]`` (``index`` ascending) set columns ``cols[offsets[k]:offsets[k + 1]]``
+of its table, now ``lens[index[k]]`` wide, to ``vals[:, offsets[k]:offsets[k + 1]]``; the other
+requests' tables did not change. table → array; others as named. An op that fails while applying
+(e.g. one on a request whose admit in the same message found no room) gets ``{"error": str}`` as
+its result; the others still apply.
 
 Table deltas (PUB, multipart ``[b"T" + epoch as 8-byte big-endian, seq as 8-byte big-endian, payload]``;
 the epoch is random per daemon incarnation, so workers notice a restart)::
 
-    {"v": 1, "epoch": int, "seq": int, "t": int (daemon's CLOCK_MONOTONIC ns at publish),
-     "changes": [{"req": ID, "slot": int|None, "len": int,
-                                      "cols": int32[k], "vals": int32[rows, k]}, ...],
+    {"t": uint64, "v": 2, "epoch": int, "seq": int,
+     "changes": {"reqs": [ID, ...], "slots": int32[m], "lens": int32[m],
+                 "offsets": int32[m + 1], "cols": int32[total], "vals": int32[rows, total]},
      "freed": [ID, ...], "reset": bool}
 
-A change sets columns ``cols`` of the request's table (now ``len`` columns
-wide, rows = every kv head of the model in head-wise mode) to ``vals``. Apply
-a delta's ``freed`` before its ``changes``: the daemon starts a new delta
-rather than free a request changed earlier in the same one. After
-``heartbeat_ms`` without a delta the PUB sends ``[topic+epoch, seq, b""]``: an
-empty payload saying "the latest seq is this" (a worker behind asks for replay).
+Change k, in op order, puts ``reqs[k]`` at batch slot ``slots[k]`` and sets columns
+``cols[offsets[k]:offsets[k + 1]]`` of its table (now ``lens[k]`` columns wide; rows = every kv head of
+the model in head-wise mode) to ``vals[:, offsets[k]:offsets[k + 1]]``; a change setting every column is
+an admit. ``changes`` is always present (m may be 0). Apply a delta's ``freed`` before its ``changes``:
+the daemon starts a new delta rather than free a request changed earlier in the same one.
+
+``t`` is the daemon's CLOCK_MONOTONIC ns when it sent the delta. The payload is a fixmap whose first
+entry is ``"t"`` packed as uint64 (``0xcf`` then 8 big-endian bytes at ``DELTA_T_OFFSET``), rewritten in
+place just before sending. A replayed delta keeps the time of its first send; one never sent live (staged
+while recovering from a journal) holds its staging time.
+
+After ``heartbeat_ms`` without a delta the PUB sends ``[topic+epoch, seq, b""]``: an empty payload
+saying "the latest seq is this" (a worker behind asks for replay).
 
 Arrays: msgpack ExtType 1 whose data is ``dtype code (u8) | ndim (u8) |
 shape (ndim × u32 LE) | C-order little-endian bytes``.
+
+Version 2 changed only replies and deltas (version 1 sent a ``[i, cols, vals]`` list per changed request in
+extend_many results and a map per change in deltas), so a daemon still replays version-1 requests from
+its journal.
 """
 from __future__ import annotations
 
+import reprlib
 import struct
 from typing import Any
 
@@ -63,11 +82,13 @@ import numpy as np
 
 from kvcache.allocator.errors import KVCacheError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
+JOURNAL_VERSIONS = (1, 2)  # request formats a journal may hold: requests did not change in 2
 ARRAY_EXT = 1
 DELTA_TOPIC = b"T"
 MAX_ID_CHARS = 256
 MAX_OPS = 65_536
+DELTA_T_OFFSET = 4  # a delta payload's "t" value: after the fixmap byte, the key "t" (2 bytes) and 0xcf
 
 _CODES = {
     1: np.dtype("<i4"),
@@ -87,6 +108,15 @@ _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 class ProtocolError(KVCacheError):
     """A message that cannot be decoded or violates the protocol; the message names the field."""
+
+
+_SHOW = reprlib.Repr()
+_SHOW.maxlevel, _SHOW.maxstring, _SHOW.maxother = 2, 60, 60
+
+
+def show(value: Any) -> str:
+    """A sender's value for an error message: its repr cut short, so deep nesting or a huge string is never echoed."""
+    return _SHOW.repr(value)
 
 
 def encode_array(arr: np.ndarray) -> msgpack.ExtType:
@@ -138,12 +168,18 @@ def pack(obj: Any) -> bytes:
     return msgpack.packb(obj, default=_default, use_bin_type=True)
 
 
-def unpack(data: bytes, max_bytes: int) -> Any:
-    """Decode a protocol message, refusing it by size first; errors are ProtocolError."""
+def unpack(data: bytes, max_bytes: int, max_items: int | None = None) -> Any:
+    """Decode a protocol message, refusing it by size first; errors are ProtocolError.
+
+    ``max_items`` caps every list and map, so a message of millions of tiny
+    items (a token list instead of an array) is refused before it is built.
+    """
     if len(data) > max_bytes:
         raise ProtocolError(f"message: {len(data)} bytes exceeds the limit of {max_bytes}")
+    limits = {} if max_items is None else {"max_array_len": max_items, "max_map_len": max_items}
     try:
-        return msgpack.unpackb(data, ext_hook=_decode_ext, raw=False, strict_map_key=False, use_list=True)
+        return msgpack.unpackb(data, ext_hook=_decode_ext, raw=False, strict_map_key=False, use_list=True,
+                               **limits)
     except ProtocolError:
         raise
     except Exception as exc:  # msgpack raises several types for malformed input
@@ -191,7 +227,10 @@ def check_tokens(value: Any, field: str, max_tokens: int) -> np.ndarray:
         raise ProtocolError(f"{field}: expected an integer array, got {type(value).__name__}")
     if arr.size > max_tokens:
         raise ProtocolError(f"{field}: {arr.size} tokens exceed the limit of {max_tokens}")
-    if arr.size and (int(arr.min()) < 0 or int(arr.max()) > 2**32 - 1):
+    # Narrow dtypes skip the reductions they cannot fail: uint32 ids are in range, int32 ones can only be negative.
+    narrow = arr.dtype.itemsize <= 4
+    if arr.size and not (narrow and arr.dtype.kind == "u") and (
+            int(arr.min()) < 0 or (not narrow and int(arr.max()) > 2**32 - 1)):
         bad = int(arr[(arr < 0) | (arr > 2**32 - 1)][0])
         raise ProtocolError(f"{field}: token id {bad} is outside [0, 2**32)")
     return arr.astype(np.uint32, copy=False)
@@ -221,12 +260,13 @@ def check_mm(value: Any, field: str) -> list[tuple[str, int, int]] | None:
     return items
 
 
-def header(msg: Any, max_ops: int = MAX_OPS) -> tuple[str, int, list]:
-    """Check a request's envelope; returns (client, id, ops)."""
+def header(msg: Any, max_ops: int = MAX_OPS, versions: tuple[int, ...] = (PROTOCOL_VERSION,)) -> tuple[str, int, list]:
+    """Check a request's envelope (its ``v`` one of ``versions``); returns (client, id, ops)."""
     if not isinstance(msg, dict):
         raise ProtocolError(f"message: must be a map, got {type(msg).__name__}")
-    if msg.get("v") != PROTOCOL_VERSION:
-        raise ProtocolError(f"v: protocol version {msg.get('v')!r} is not supported (expected {PROTOCOL_VERSION})")
+    version = msg.get("v")
+    if type(version) is not int or version not in versions:  # not 2.0, True or an array that compares equal
+        raise ProtocolError(f"v: protocol version {show(version)} is not supported (expected {PROTOCOL_VERSION})")
     client = msg.get("client", "")
     if not isinstance(client, str) or len(client) > MAX_ID_CHARS:
         raise ProtocolError(f"client: must be a str of at most {MAX_ID_CHARS} characters")
@@ -242,6 +282,26 @@ def header(msg: Any, max_ops: int = MAX_OPS) -> tuple[str, int, list]:
 def error_reply(request_id: Any, message: str) -> bytes:
     rid = request_id if isinstance(request_id, int) and not isinstance(request_id, bool) else None
     return pack({"v": PROTOCOL_VERSION, "id": rid, "ok": False, "error": message})
+
+
+def pack_delta(body: dict[str, Any], t_ns: int) -> bytearray:
+    """A delta's payload: ``body`` with ``"t": t_ns`` first as a fixed-width uint64, for ``stamp_delta`` to rewrite.
+
+    Fixed width, so the publish time is written into the packed bytes at
+    send time instead of packing the whole delta again.
+    """
+    rest = pack(body)
+    assert 0x80 <= rest[0] < 0x8F, f"a delta is a fixmap of at most 14 entries, got header byte {rest[0]:#x}"
+    out = bytearray(DELTA_T_OFFSET + 8 + len(rest) - 1)
+    out[:DELTA_T_OFFSET] = bytes((rest[0] + 1,)) + b"\xa1t\xcf"  # one more entry; "t" as uint64
+    out[DELTA_T_OFFSET + 8:] = memoryview(rest)[1:]
+    stamp_delta(out, t_ns)
+    return out
+
+
+def stamp_delta(payload: bytearray, t_ns: int) -> None:
+    """Write the publish time (CLOCK_MONOTONIC ns) into a payload made by ``pack_delta``."""
+    payload[DELTA_T_OFFSET:DELTA_T_OFFSET + 8] = t_ns.to_bytes(8, "big")
 
 
 def seq_frame(seq: int) -> bytes:

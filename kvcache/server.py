@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import heapq
+import itertools
 import logging
 import os
 import pickle
@@ -33,6 +34,7 @@ from kvcache.config import ServeConfig, describe_rows
 from kvcache.journal import Journal
 from kvcache.protocol import (
     DELTA_TOPIC,
+    JOURNAL_VERSIONS,
     MAX_OPS,
     PROTOCOL_VERSION,
     ProtocolError,
@@ -44,12 +46,16 @@ from kvcache.protocol import (
     error_reply,
     header,
     pack,
+    pack_delta,
     seq_frame,
+    show,
+    stamp_delta,
     unpack,
 )
 
 log = logging.getLogger("kvcache.server")
 _MUTATING = frozenset({"admit", "extend", "extend_many", "free", "reset_prefix_cache"})
+_ID_TYPES = frozenset({int, str})  # a request id's types as msgpack decodes them (bool is not int here)
 
 
 def _check_compatible(journaled: KVCacheManager, configured: KVCacheManager) -> None:
@@ -78,6 +84,50 @@ class _Op:
     slot: int | None = None
     reqs: list | None = None  # extend_many: the requests
     counts: np.ndarray | None = None  # extend_many: tokens per request
+
+
+class _Changes:
+    """One delta's table changes in op order, gathered in pieces and joined once into the wire's compressed rows."""
+
+    def __init__(self) -> None:
+        self.reqs: list[Any] = []
+        self.slots: list[int] = []
+        self.lens: list[int] = []
+        self.sizes: list[int] = []  # columns per change
+        self.cols: list[np.ndarray] = []  # pieces: one per admit or extend, one per extend_many
+        self.vals: list[np.ndarray] = []
+        self.touched: set[Any] = set()  # requests with a change here: freeing one starts a new delta
+
+    def __len__(self) -> int:
+        return len(self.reqs)
+
+    def add(self, req: Any, slot: int, length: int, cols: np.ndarray, vals: np.ndarray) -> None:
+        """One request's change: ``cols`` of its table, now ``length`` wide, set to ``vals`` (a copy, not a view)."""
+        self.add_many([req], [slot], [length], [cols.size], cols, vals)
+
+    def add_many(self, reqs: list[Any], slots: list[int], lens: list[int], sizes: list[int], cols: np.ndarray,
+                 vals: np.ndarray) -> None:
+        """Changes of several requests whose columns lie back to back in ``cols`` and ``vals``."""
+        self.reqs += reqs
+        self.slots += slots
+        self.lens += lens
+        self.sizes += sizes
+        self.cols.append(cols)
+        self.vals.append(vals)
+        self.touched.update(reqs)
+
+    def wire(self, rows: int) -> dict[str, Any]:
+        """The protocol's ``changes`` block: per-change lists and arrays, columns and values concatenated."""
+        offsets = np.fromiter(itertools.accumulate(self.sizes, initial=0), dtype=np.int32, count=len(self.sizes) + 1)
+        if len(self.cols) == 1:
+            cols, vals = self.cols[0], self.vals[0]
+        elif self.cols:
+            cols, vals = np.concatenate(self.cols), np.concatenate(self.vals, axis=1)
+        else:
+            cols, vals = np.empty(0, dtype=np.int32), np.empty((rows, 0), dtype=np.int32)
+        return {"reqs": self.reqs, "slots": np.array(self.slots, dtype=np.int32),
+                "lens": np.array(self.lens, dtype=np.int32), "offsets": offsets,
+                "cols": cols.astype(np.int32, copy=False), "vals": vals.astype(np.int32, copy=False)}
 
 
 class _Dedupe:
@@ -160,10 +210,10 @@ class CacheServer:
         # A new epoch per daemon incarnation: workers that see it change drop their tables and resync.
         self.epoch = int.from_bytes(os.urandom(8), "big") >> 1
         self._last_publish = 0.0
-        self._staged: list[tuple[int, bytes]] = []  # deltas numbered but not yet sent (not yet durable)
+        self._staged: list[tuple[int, bytearray]] = []  # deltas numbered but not yet sent (not yet durable)
         self._staged_events: list[Any] = []
         self._journal: Journal | None = None
-        self._history: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=self.config.replay_buffer)
+        self._history: collections.deque[tuple[int, bytearray]] = collections.deque(maxlen=self.config.replay_buffer)
         self._metrics: Any = None
         self._events: Any = None
         self._subscribers: Any = None
@@ -188,6 +238,10 @@ class CacheServer:
             sock.setsockopt(zmq.SNDHWM, sndhwm)
         if kind == zmq.ROUTER:
             sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+            # A frame far past the limit (8x, at least 256 MiB over) makes libzmq drop the peer instead of
+            # buffering gigabytes; anything smaller is refused with an error reply naming its size.
+            limit = self.config.max_message_bytes
+            sock.setsockopt(zmq.MAXMSGSIZE, max(8 * limit, limit + 2**28))
         if endpoint.startswith("ipc://"):
             path = Path(endpoint[len("ipc://"):])
             path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -360,10 +414,11 @@ class CacheServer:
         start = time.perf_counter()
         request_id: Any = None
         try:
-            msg = unpack(payload, self.config.max_message_bytes)
+            msg = unpack(payload, self.config.max_message_bytes, max(MAX_OPS, self.config.max_tokens))
             if isinstance(msg, dict):
                 request_id = msg.get("id")
-            client, request_id, raw_ops = header(msg)
+            versions = JOURNAL_VERSIONS if replaying else (PROTOCOL_VERSION,)
+            client, request_id, raw_ops = header(msg, versions=versions)
         except ProtocolError as exc:
             self._count_error("decode")
             return error_reply(request_id, str(exc))
@@ -396,17 +451,20 @@ class CacheServer:
         """Check every op before any is applied: fields, and request liveness in op order."""
         cfg = self.config
         live: dict[Any, bool] = {}  # this message's admits (True) and frees (False) so far
+        admitted = self._slots.of
         slots_taken: dict[int, bool] = {}
         ops: list[_Op] = []
 
         def is_live(req: Any) -> bool:
-            return live.get(req, req in self._slots.of)
+            return live.get(req, req in admitted)
 
         for i, op in enumerate(raw_ops):
             field = f"ops[{i}]"
             if not isinstance(op, dict):
                 raise ProtocolError(f"{field}: must be a map, got {type(op).__name__}")
             kind = op.get("op")
+            if not isinstance(kind, str):
+                raise ProtocolError(f"{field}.op: must be a str, got {type(kind).__name__}")
             if kind in ("admit", "extend", "free", "table"):
                 req = check_request_id(op.get("req"), f"{field}.req")
                 if kind == "admit":
@@ -436,6 +494,10 @@ class CacheServer:
                     number = op.get("num_computed")
                     if number is not None:
                         check_int(number, f"{field}.num_computed")
+                        known = self._tokens_before(req, ops)
+                        if known is not None and number > known:
+                            raise ProtocolError(f"{field}.num_computed: {number} exceeds the request's "
+                                                f"{known} tokens")
                     ops.append(_Op(kind, req, tokens, number=number))
                 else:
                     ops.append(_Op(kind, req))
@@ -447,15 +509,21 @@ class CacheServer:
                 reqs = op.get("reqs")
                 if not isinstance(reqs, list) or len(reqs) > MAX_OPS:
                     raise ProtocolError(f"{field}.reqs: must be a list of at most {MAX_OPS} request ids")
-                for j, req in enumerate(reqs):
-                    check_request_id(req, f"{field}.reqs[{j}]")
-                    if not is_live(req):
-                        raise ProtocolError(f"{field}.reqs[{j}]: request {req!r} is not admitted")
+                # One pass in C: ids of the right types, all admitted before this message, none it freed (an
+                # id of the live set passed check_request_id at its admit). Else check one by one, naming the first.
+                if not (set(map(type, reqs)) <= _ID_TYPES and all(map(admitted.__contains__, reqs))
+                        and (not live or live.keys().isdisjoint(reqs))):
+                    for j, req in enumerate(reqs):
+                        check_request_id(req, f"{field}.reqs[{j}]")
+                        if not is_live(req):
+                            raise ProtocolError(f"{field}.reqs[{j}]: request {req!r} is not admitted")
                 tokens = check_tokens(op.get("tokens"), f"{field}.tokens", cfg.max_tokens)
                 counts = op.get("counts")
                 if not isinstance(counts, np.ndarray) or counts.dtype.kind not in "iu" or counts.shape != (len(reqs),):
                     raise ProtocolError(f"{field}.counts: must be an integer array with one count per request")
-                if counts.size and (int(counts.min()) < 0 or int(counts.sum()) != tokens.size):
+                # Each count at most the token total first, so the sum cannot wrap around in 64 bits.
+                if counts.size and ((counts.dtype.kind == "i" and int(counts.min()) < 0)
+                                    or int(counts.max()) > tokens.size or int(counts.sum()) != tokens.size):
                     raise ProtocolError(f"{field}.counts: must be non-negative and sum to the {tokens.size} tokens")
                 ops.append(_Op(kind, tokens=tokens, reqs=reqs, counts=counts))
             elif kind == "lookup":
@@ -467,32 +535,41 @@ class CacheServer:
             elif kind in ("usage", "stats", "info", "ping", "reset_prefix_cache", "check_integrity"):
                 ops.append(_Op(kind))
             else:
-                raise ProtocolError(f"{field}.op: unknown operation {kind!r}")
+                raise ProtocolError(f"{field}.op: unknown operation {show(kind)}")
         return ops
 
-    def _apply(self, ops: list[_Op]) -> tuple[list[Any], list[tuple[list[dict], list[Any], bool]]]:
+    def _tokens_before(self, req: Any, ops: list[_Op]) -> int | None:
+        """Tokens ``req`` holds after the ops validated so far in this message (None: admitted in it).
+
+        Only asked for extends that name ``num_computed`` (rare), so a scan of the earlier ops is fine.
+        """
+        known: int | None = self.manager.num_tokens(req) if req in self._slots.of else None
+        for op in ops:
+            if op.kind == "admit" and op.req == req:
+                known = None
+            elif known is not None and op.kind == "extend" and op.req == req:
+                known += int(op.tokens.size)
+            elif known is not None and op.kind == "extend_many":
+                known += sum(int(c) for r, c in zip(op.reqs, op.counts.tolist()) if r == req)
+        return known
+
+    def _apply(self, ops: list[_Op]) -> tuple[list[Any], list[tuple[_Changes, list[Any], bool]]]:
         """Run validated ops in order; an op that still fails gets an error result, the rest go on.
 
         Returns the results and the deltas to publish. A delta lists its frees
         before its changes, so a free of a request already changed in this
-        message starts a new delta (admit-then-free keeps its order for workers).
+        delta starts a new one (admit-then-free keeps its order for workers).
         """
         results: list[Any] = []
-        changes: list[dict] = []
+        changes = _Changes()
         freed: list[Any] = []
         reset = False
-        deltas: list[tuple[list[dict], list[Any], bool]] = []
-        changed_reqs: set[Any] = set()
+        deltas: list[tuple[_Changes, list[Any], bool]] = []
         m = self.manager
         for op in ops:
-            if op.kind == "free" and op.req in changed_reqs:
+            if op.kind == "free" and op.req in changes.touched:
                 deltas.append((changes, freed, reset))
-                changes, freed, reset = [], [], False
-                changed_reqs.clear()
-            if op.kind in ("admit", "extend"):
-                changed_reqs.add(op.req)
-            elif op.kind == "extend_many":
-                changed_reqs.update(op.reqs or ())
+                changes, freed, reset = _Changes(), [], False
             try:
                 if op.kind == "admit":
                     if not self._slots.available(op.slot):
@@ -504,21 +581,20 @@ class CacheServer:
                         results.append(None)
                         continue
                     slot = self._slots.take(op.req, op.slot)
-                    changes.append({"req": op.req, "slot": slot, "len": adm.table.shape[1],
-                                    "cols": np.arange(adm.table.shape[1], dtype=np.int32), "vals": adm.table.copy()})
+                    changes.add(op.req, slot, adm.table.shape[1], np.arange(adm.table.shape[1], dtype=np.int32),
+                                adm.table.copy())
                     results.append({"cached": adm.num_cached_tokens, "num_tokens": adm.num_tokens,
-                                    "table": adm.table, "slot": slot})
+                                    "table": adm.table.copy(), "slot": slot})
                 elif op.kind == "extend":
                     table = m.extend(op.req, op.tokens, num_computed_tokens=op.number)
                     if table is None:
                         results.append(None)
                         continue
                     cols = m.changed_columns(op.req)
-                    delta = {"req": op.req, "slot": self._slots.of[op.req], "len": table.shape[1], "cols": cols,
-                             "vals": table[:, cols]}
+                    vals = table[:, cols]
                     if cols.size:
-                        changes.append(delta)
-                    results.append({"len": delta["len"], "cols": cols, "vals": delta["vals"]})
+                        changes.add(op.req, self._slots.of[op.req], table.shape[1], cols, vals)
+                    results.append({"len": table.shape[1], "cols": cols, "vals": vals})
                 elif op.kind == "extend_many":
                     results.append(self._extend_many(op, changes))
                 elif op.kind == "free":
@@ -527,7 +603,7 @@ class CacheServer:
                     freed.append(op.req)
                     results.append(True)
                 elif op.kind == "table":
-                    results.append(m.table(op.req))
+                    results.append(m.table(op.req).copy())
                 elif op.kind == "lookup":
                     results.append(m.lookup(op.tokens, cache_salt=op.salt, lora=op.lora, mm=op.mm))
                 elif op.kind == "can_admit":
@@ -557,34 +633,49 @@ class CacheServer:
             deltas.append((changes, freed, reset))
         return results, deltas
 
-    def _extend_many(self, op: _Op, changes: list[dict]) -> dict[str, Any]:
-        """Apply a batch of extends; the result lists every table's length and the changed ones' deltas."""
+    def _extend_many(self, op: _Op, changes: _Changes) -> dict[str, Any]:
+        """Apply a batch of extends; the result lists every table's length and the changed ones' deltas.
+
+        Only changed requests get per-request work (a decode step: one in
+        ``block_size``); their columns and values go out back to back, shared
+        by the reply and the delta.
+        """
         m = self.manager
         assert op.reqs is not None and op.counts is not None
         columns: list[np.ndarray] = []
         tables = m.extend_many(op.reqs, op.tokens, op.counts, changes=columns)
         lens = np.array([-1 if t is None else t.shape[1] for t in tables], dtype=np.int32)
-        changed = []
-        for i, (req, table, cols) in enumerate(zip(op.reqs, tables, columns)):
-            if cols.size:
-                vals = table[:, cols]
-                changed.append([i, cols, vals])
-                changes.append({"req": req, "slot": self._slots.of[req], "len": table.shape[1], "cols": cols,
-                                "vals": vals})
-        return {"lens": lens, "changed": changed}
+        sizes = np.fromiter(map(len, columns), dtype=np.int32, count=len(columns))
+        index = np.flatnonzero(sizes).astype(np.int32)
+        offsets = np.zeros(index.size + 1, dtype=np.int32)
+        np.cumsum(sizes[index], out=offsets[1:])
+        picked = index.tolist()
+        if picked:
+            cols = np.concatenate([columns[i] for i in picked]).astype(np.int32, copy=False)
+            vals = np.concatenate([tables[i][:, columns[i]] for i in picked], axis=1)
+            reqs = [op.reqs[i] for i in picked]
+            slot_of = self._slots.of
+            changes.add_many(reqs, [slot_of[r] for r in reqs], lens[index].tolist(), sizes[index].tolist(), cols,
+                             vals)
+        else:
+            cols, vals = np.empty(0, dtype=np.int32), np.empty((m.num_rows, 0), dtype=np.int32)
+        return {"lens": lens, "changed": {"index": index, "offsets": offsets, "cols": cols, "vals": vals}}
 
-    def _stage(self, changes: list[dict], freed: list[Any], reset: bool) -> None:
-        """Number a delta and keep it for replay; it is sent once its message is durable."""
+    def _stage(self, changes: _Changes, freed: list[Any], reset: bool) -> None:
+        """Number a delta and keep it for replay; it is sent (and its "t" written) once its message is durable."""
         self._seq += 1
-        payload = pack({"v": PROTOCOL_VERSION, "epoch": self.epoch, "seq": self._seq, "t": time.monotonic_ns(),
-                        "changes": changes, "freed": freed, "reset": reset})
+        payload = pack_delta({"v": PROTOCOL_VERSION, "epoch": self.epoch, "seq": self._seq,
+                              "changes": changes.wire(self.manager.num_rows), "freed": freed, "reset": reset},
+                             time.monotonic_ns())
         self._history.append((self._seq, payload))
         self._staged.append((self._seq, payload))
         if self._metrics is not None:
             self._metrics.observe_delta(len(changes), len(payload))
 
-    def _send_delta(self, seq: int, payload: bytes) -> None:
+    def _send_delta(self, seq: int, payload: bytearray) -> None:
+        """Publish a staged delta, stamping its "t" now: the lag workers measure starts at the send."""
         self._last_publish = time.monotonic()
+        stamp_delta(payload, time.monotonic_ns())
         try:
             self.pub.send_multipart([self._topic, seq_frame(seq), payload], zmq.NOBLOCK)
         except zmq.Again:  # PUB drops for slow subscribers rather than block; they resync by seq

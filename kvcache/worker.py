@@ -66,14 +66,17 @@ class TableCapacityError(KVCacheError):
     """A delta does not fit the subscriber's tables (``max_slots`` or ``max_blocks`` too small)."""
 
 
-class _Change(NamedTuple):
-    """One table change of a delta: ``cols`` of ``req``'s table (now ``length`` wide) set to ``vals``."""
+class _Changes(NamedTuple):
+    """A delta's checked changes: change k puts ``reqs[k]`` at ``slots[k]``, ``lens[k]`` columns wide, and sets
+    its columns ``cols[offsets[k]:offsets[k + 1]]`` to those of ``vals`` (see protocol.py)."""
 
-    req: Any
-    slot: int | None
-    length: int
-    cols: np.ndarray
-    vals: np.ndarray
+    reqs: list[Any]
+    slots: list[int]
+    lens: list[int]
+    offsets: list[int]  # m + 1
+    sizes: np.ndarray  # int64 [m]: columns per change
+    cols: np.ndarray  # int64 [total]
+    vals: np.ndarray  # [num_rows, total]
 
 
 class _Output:
@@ -167,6 +170,14 @@ def _shape_of(out: Any) -> tuple[int, ...]:
         return tuple(int(n) for n in out.shape)
     except (AttributeError, TypeError):
         raise KVCacheError(f"out: expected 'numpy', 'paddle', 'torch' or an array, got {type(out).__name__}") from None
+
+
+def _int_array(value: Any, field: str, size: int | None) -> np.ndarray:
+    """A 1-D integer array of a delta (of ``size`` items, if given) as int64."""
+    if not (isinstance(value, np.ndarray) and value.dtype.kind in "iu" and value.ndim == 1
+            and (size is None or value.size == size)):
+        raise ProtocolError(f"{field}: must be a 1-D integer array" + ("" if size is None else f" of {size}"))
+    return value.astype(np.int64, copy=False)
 
 
 def _reachable(bound: str, via: str) -> str:
@@ -462,59 +473,80 @@ class TableSubscriber:
         """
         if not isinstance(msg, dict) or not isinstance(msg.get("seq"), int):
             raise ProtocolError("delta: must be a map with an integer seq")
-        seq, freed, changes = msg["seq"], msg.get("freed") or [], msg.get("changes") or []
-        if not isinstance(freed, list) or not isinstance(changes, list):
-            raise ProtocolError(f"delta {seq}: changes and freed must be lists")
+        seq, freed = msg["seq"], msg.get("freed") or []
+        if not isinstance(freed, list):
+            raise ProtocolError(f"delta {seq}: freed must be a list")
         for i, req in enumerate(freed):
             check_request_id(req, f"delta {seq} freed[{i}]")
-        parsed = [self._parse(c, f"delta {seq} changes[{i}]") for i, c in enumerate(changes)]
+        changes = self._parse(msg.get("changes"), f"delta {seq} changes")
+        is_admit = (changes.sizes == np.array(changes.lens, dtype=np.int64)).tolist()
         events: dict[Any, list[int]] = {req: [] for req in freed}
-        for i, change in enumerate(parsed):
-            events.setdefault(change.req, []).append(i)
+        for i, req in enumerate(changes.reqs):
+            events.setdefault(req, []).append(i)
         frees = collections.Counter(freed)
-        keep = [True] * len(parsed)
+        keep = [True] * len(changes.reqs)
         release = []
         for req, indices in events.items():
-            admits = [i for i in indices if parsed[i].cols.size == parsed[i].length]
+            admits = [i for i in indices if is_admit[i]]
             live = (req in self._slot_of) + len(admits) - frees[req] > 0
             if not live or admits:  # ends freed, or (re-)admitted: its old placement goes
                 release.append(req)
                 for i in indices:
                     keep[i] = live and i >= admits[-1]
-        survivors = [change for change, kept in zip(parsed, keep) if kept]
+        survivors = [i for i, kept in enumerate(keep) if kept]
         gone = set(release)
-        owner = {slot: req for slot, req in self._owner.items() if req not in gone}
-        for change in survivors:
-            slot = self._slot_of.get(change.req) if change.slot is None else change.slot
-            if slot is None:
-                raise ProtocolError(f"delta {seq}: change for request {change.req!r} names no slot")
-            if owner.setdefault(slot, change.req) != change.req:
-                raise ProtocolError(f"delta {seq}: slot {slot} goes to {change.req!r} but {owner[slot]!r} holds it")
-            self._check_fits(change.req, slot, change.length)
+        claimed: dict[int, Any] = {}  # slots this delta gives out that no request kept from before holds
+        for i in survivors:
+            req, slot = changes.reqs[i], changes.slots[i]
+            holder = self._owner.get(slot)
+            if holder is None or holder in gone:
+                holder = claimed.setdefault(slot, req)
+            if holder != req:
+                raise ProtocolError(f"delta {seq}: slot {slot} goes to {req!r} but {holder!r} holds it")
+            self._check_fits(req, slot, changes.lens[i])
         for req in release:
             self._release(req)
-        for change in survivors:
-            slot = self._slot_of[change.req] if change.slot is None else change.slot
-            self._place(change.req, slot, change.length)
-            self._out.mirror[slot][:, change.cols] = change.vals[self.rows]
+        for i in survivors:
+            self._place(changes.reqs[i], changes.slots[i], changes.lens[i])
+        self._write(changes, survivors)
         self._seq = seq
 
-    def _parse(self, change: Any, field: str) -> _Change:
-        """One change, checked for shape and types (whether it fits is checked apart, for those applied)."""
-        if not isinstance(change, dict):
+    def _write(self, changes: _Changes, survivors: list[int]) -> None:
+        """Set the surviving changes' columns: one scatter when each request has one, else one by one in op order."""
+        mirror = self._out.mirror
+        if len(survivors) == len(changes.reqs) and len(set(changes.reqs)) == len(survivors):
+            if survivors:  # (slot, column) pairs are distinct, so the scatter has no write order to keep
+                slots = np.repeat(np.array(changes.slots, dtype=np.int64), changes.sizes)
+                mirror[slots, :, changes.cols] = changes.vals[self.rows].T
+            return
+        offsets = changes.offsets
+        for i in survivors:  # a later change of a request overwrites an earlier one's columns
+            a, b = offsets[i], offsets[i + 1]
+            mirror[changes.slots[i]][:, changes.cols[a:b]] = changes.vals[self.rows, a:b]
+
+    def _parse(self, block: Any, field: str) -> _Changes:
+        """A delta's changes block, checked for shapes and types (whether each fits is checked apart)."""
+        if not isinstance(block, dict):
             raise ProtocolError(f"{field}: must be a map")
-        req = check_request_id(change.get("req"), f"{field}.req")
-        slot, length, cols, vals = change.get("slot"), change.get("len"), change.get("cols"), change.get("vals")
-        if slot is not None and (not isinstance(slot, int) or slot < 0):
-            raise ProtocolError(f"{field}.slot: must be a non-negative integer, got {slot!r}")
-        if not isinstance(length, int) or length < 0:
-            raise ProtocolError(f"{field}.len: must be a non-negative integer, got {length!r}")
-        if not (isinstance(cols, np.ndarray) and isinstance(vals, np.ndarray) and cols.ndim == 1
-                and cols.dtype.kind in "iu" and vals.shape == (self.num_rows, cols.size)):
-            raise ProtocolError(f"{field}: cols and vals must be integer arrays [k] and [{self.num_rows}, k]")
-        if cols.size and (int(cols.min()) < 0 or int(cols.max()) >= length):
-            raise ProtocolError(f"{field}.cols: columns outside the table's {length}")
-        return _Change(req, slot, length, cols, vals)
+        reqs = block.get("reqs")
+        if not isinstance(reqs, list):
+            raise ProtocolError(f"{field}.reqs: must be a list of request ids")
+        for i, req in enumerate(reqs):
+            check_request_id(req, f"{field}.reqs[{i}]")
+        m = len(reqs)
+        slots, lens, offsets, cols = (_int_array(block.get(name), f"{field}.{name}", size)
+                                      for name, size in (("slots", m), ("lens", m), ("offsets", m + 1), ("cols", None)))
+        vals = block.get("vals")
+        if not (isinstance(vals, np.ndarray) and vals.dtype.kind in "iu" and vals.shape == (self.num_rows, cols.size)):
+            raise ProtocolError(f"{field}.vals: must be an integer array [{self.num_rows}, {cols.size}]")
+        if m and (int(slots.min()) < 0 or int(lens.min()) < 0):
+            raise ProtocolError(f"{field}: slots and lens must not be negative")
+        sizes = offsets[1:] - offsets[:-1]
+        if offsets[0] != 0 or offsets[-1] != cols.size or (m and int(sizes.min()) < 0):
+            raise ProtocolError(f"{field}.offsets: must rise from 0 to the {cols.size} columns")
+        if cols.size and (int(cols.min()) < 0 or (cols >= np.repeat(lens, sizes)).any()):
+            raise ProtocolError(f"{field}.cols: columns outside their tables")
+        return _Changes(reqs, slots.tolist(), lens.tolist(), offsets.tolist(), sizes, cols, vals)
 
     def _check_fits(self, req: Any, slot: int, length: int) -> None:
         if slot >= self.max_slots:

@@ -57,7 +57,7 @@ def test_quick_json_run_reports_every_section(capsys: pytest.CaptureFixture[str]
     rows = result["throughput"]
     assert {(r["path"], r["clients"], r["extends_per_message"]) for r in rows} == {
         ("steps (section 2)", 1, 256),
-        *(("CacheClient.batch()", 1, b) for b in (256, 4096)),
+        *((path, 1, b) for path in ("CacheClient.batch()", "CacheClient.extend_many") for b in (256, 4096)),
         *(("pre-packed extend_many", n, b) for n in (1, 2) for b in (256, 4096)),
     }
     for r in rows:

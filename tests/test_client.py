@@ -70,6 +70,50 @@ def test_a_batch_is_one_round_trip_and_extends_travel_together(daemon):
             assert np.array_equal(results[i], client.table(i))
 
 
+def test_extend_many_takes_arrays_and_gives_the_librarys_tables(daemon):
+    """One extend_many op: request i gets the next counts[i] tokens; each table (None without room) as the library's."""
+    d = daemon("--num-blocks", "40", "--block-size", "4", "--rows", ROWS, "--hash-seed", "s")
+    library = KVCacheManager(40, 4, POLICIES, hash_seed="s")
+    rng = np.random.default_rng(2)
+    with CacheClient(d.endpoint) as client:
+        for rid in range(4):
+            prompt = np.arange(5 + rid)
+            client.admit(rid, prompt)
+            library.admit(rid, prompt)
+        for step in range(40):
+            ids = rng.permutation(4)
+            counts = rng.integers(0, 4, ids.size)
+            tokens = rng.integers(0, 9, int(counts.sum())).astype(np.int32)
+            got = client.extend_many(ids, tokens, counts)
+            want = library.extend_many(ids.tolist(), tokens, counts)
+            assert [g is None for g in got] == [w is None for w in want]
+            for g, w in zip(got, want):
+                assert w is None or np.array_equal(g, w)
+        assert any(w is None for w in want), "the pool should have run short by the end"
+        results = client.batch().extend(0, [1]).extend_many([1, 1], [2, 3], [1, 1]).op("ping").send()
+        library.extend(0, [1])
+        library.extend_many([1, 1], [2, 3], [1, 1])
+        assert len(results) == 3 and results[2] == "pong" and len(results[1]) == 2
+        for rid in range(4):
+            assert np.array_equal(client.table(rid), library.table(rid))
+        with pytest.raises(KVCacheError, match="counts: need one integer per request"):
+            client.batch().extend_many([0, 1], [1, 2], [2])
+        with pytest.raises(DaemonError, match=r"ops\[0\].reqs\[1\]: request 'zz' is not admitted"):
+            client.extend_many([0, "zz"], [1, 2], [1, 1])
+
+
+def test_tables_are_read_only_views_the_client_keeps_current(daemon):
+    """As the library's: an extend that changes no column gives the same view; one that adds a block, a wider one."""
+    d = daemon("--num-blocks", "20", "--block-size", "4")
+    with CacheClient(d.endpoint) as client:
+        admission = client.admit("a", [1, 2, 3])
+        assert not admission.table.flags.writeable
+        assert client.extend("a", [4]) is admission.table
+        (wider,) = client.batch().extend("a", [5]).send()
+        assert wider.shape == (1, 2) and wider[0, 0] == admission.table[0, 0]
+        assert np.array_equal(wider, client.table("a"))
+
+
 def test_errors_name_the_problem_and_keep_the_client_usable(daemon):
     d = daemon("--num-blocks", "20", "--block-size", "4")
     with CacheClient(d.endpoint) as client:

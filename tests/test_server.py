@@ -1,6 +1,8 @@
 """The daemon's message handling: validation before any change, dedupe of retries, slots, deltas, replay."""
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import zmq
@@ -67,6 +69,8 @@ def test_a_bad_op_anywhere_rejects_the_whole_message(server):
         ([admit("a", salt=7)], "ops[0].salt"),
         ([admit("a", mm=[["img", 0]])], "ops[0].mm[0]"),
         ([{"op": "explode"}], "ops[0].op: unknown operation 'explode'"),
+        ([{"op": "x" * 10_000}], "ops[0].op: unknown operation 'xxxxxxxxxxxxxxxxxxxxxxxxxxx...xxx"),
+        ([{"op": [[[[[[[[["deep"]]]]]]]]]}], "ops[0].op: must be a str, got list"),
         (["admit"], "ops[0]: must be a map"),
         ([{"op": "can_admit", "num_tokens": -1}], "ops[0].num_tokens"),
     ],
@@ -86,9 +90,12 @@ def test_malformed_ops_get_an_error_naming_the_field_and_change_nothing(server, 
         (b"\x92\x01", "not valid msgpack"),
         (pack([1, 2]), "must be a map"),
         (pack({"v": 99, "id": 1, "ops": []}), "protocol version 99"),
-        (pack({"v": 1, "id": "x", "ops": []}), "id: must be an integer"),
-        (pack({"v": 1, "id": 1, "ops": {}}), "ops: must be a list"),
-        (pack({"v": 1, "id": 1, "ops": [], "client": 5}), "client"),
+        (pack({"v": 1, "id": 1, "ops": []}), "protocol version 1 is not supported (expected 2)"),
+        (pack({"v": 2.0, "id": 1, "ops": []}), "protocol version 2.0 is not supported"),
+        (pack({"v": np.array([2]), "id": 1, "ops": []}), "protocol version array([2]"),
+        (pack({"v": PROTOCOL_VERSION, "id": "x", "ops": []}), "id: must be an integer"),
+        (pack({"v": PROTOCOL_VERSION, "id": 1, "ops": {}}), "ops: must be a list"),
+        (pack({"v": PROTOCOL_VERSION, "id": 1, "ops": [], "client": 5}), "client"),
         (b"\xc7\x03\x01\x01\x01\x01", "array"),
     ],
 )
@@ -162,9 +169,61 @@ def test_deltas_are_published_with_contiguous_sequence_numbers(server):
         seqs = [int.from_bytes(m[1], "big", signed=True) for m in messages]
         assert seqs == [start + 1, start + 2, start + 3]
         bodies = [unpack(m[2], 1 << 20) for m in messages]
-        assert bodies[0]["changes"][0]["cols"].tolist() == [0, 1, 2]
-        assert bodies[1]["changes"][0]["cols"].tolist() == [3] and bodies[1]["changes"][0]["len"] == 4
-        assert bodies[2]["freed"] == ["a"] and bodies[2]["changes"] == []
+        assert bodies[0]["changes"]["reqs"] == ["a"] and bodies[0]["changes"]["cols"].tolist() == [0, 1, 2]
+        assert bodies[1]["changes"]["cols"].tolist() == [3] and bodies[1]["changes"]["lens"].tolist() == [4]
+        assert bodies[2]["freed"] == ["a"] and bodies[2]["changes"]["reqs"] == []
+        assert bodies[2]["changes"]["vals"].shape == (2, 0)
+    finally:
+        sub.close(0)
+
+
+def test_a_delta_holds_every_change_of_a_message_in_compressed_rows(server):
+    """Change k of a delta: reqs[k] at slots[k], lens[k] wide, columns offsets[k]:offsets[k+1] of cols and vals."""
+    call(server, [admit("a", 3), admit("b", 4)], request_id=1)
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"T")
+    sub.connect(server.config.pub_endpoint)
+    try:
+        for i in range(200):
+            call(server, [{"op": "ping"}, admit(f"warm{i}", 1)], request_id=1000 + i)
+            if sub.poll(10):
+                break
+        _drain(sub, 100)
+        call(server, [{"op": "free", "req": "b"}, admit("c", 9),
+                      {"op": "extend_many", "reqs": ["a", "c"], "tokens": np.array([1, 2, 3, 4, 5, 6]),
+                       "counts": np.array([2, 4])}], request_id=2)
+        (message,) = _drain(sub)
+        delta = unpack(message[2], 1 << 20)
+        changes = delta["changes"]
+        assert delta["freed"] == ["b"] and changes["reqs"] == ["c", "a", "c"]
+        assert changes["slots"].tolist() == [1, 0, 1] and changes["lens"].tolist() == [3, 2, 4]
+        assert changes["offsets"].tolist() == [0, 3, 4, 5] and changes["cols"].tolist() == [0, 1, 2, 1, 3]
+        assert changes["vals"].tolist() == [[1, 4, 5, 6, 7]] * 2  # c's admit, a's new block, c's new block
+        assert np.array_equal(changes["vals"][:, 3:],
+                              np.stack([server.manager.table("a")[:, 1], server.manager.table("c")[:, 3]], axis=1))
+    finally:
+        sub.close(0)
+
+
+def test_a_delta_is_stamped_when_sent_not_when_staged(server):
+    """A delta's t is CLOCK_MONOTONIC at its send: one staged, then held (journal commit), gets the later time."""
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"T")
+    sub.connect(server.config.pub_endpoint)
+    try:
+        for i in range(200):
+            call(server, [{"op": "ping"}, admit(f"warm{i}", 1)], request_id=1000 + i)
+            if sub.poll(10):
+                break
+        _drain(sub, 100)
+        server._process(pack({"v": PROTOCOL_VERSION, "client": "c", "id": 1, "ops": [admit("a")]}))
+        time.sleep(0.05)
+        before_send = time.monotonic_ns()
+        server._release_staged()
+        (message,) = _drain(sub)
+        assert before_send <= unpack(message[2], 1 << 20)["t"] <= time.monotonic_ns()
     finally:
         sub.close(0)
 
@@ -174,7 +233,7 @@ def _replay(server: CacheServer, start: int) -> list[bytes]:
     dealer.setsockopt(zmq.LINGER, 0)
     dealer.connect(server.config.replay_endpoint)
     try:
-        dealer.send(pack({"v": 1, "from": start}))
+        dealer.send(pack({"v": PROTOCOL_VERSION, "from": start}))
         for _ in range(100):
             server._handle_replay()
             if dealer.poll(20):
@@ -199,6 +258,30 @@ def test_replay_returns_buffered_deltas_then_a_snapshot_when_they_are_gone(serve
     assert _replay(server, 8) == [b"D"]
 
 
+def test_a_journal_written_by_protocol_1_still_replays(tmp_path):
+    """Requests did not change in protocol 2: a restart replays version-1 records; live ones are refused."""
+    from kvcache.journal import Journal
+
+    def start() -> CacheServer:
+        rows = [Window(8, 4), Full()]
+        return CacheServer(ServeConfig(endpoint=f"ipc://{tmp_path}/k.sock", journal=str(tmp_path / "journal")),
+                           KVCacheManager(64, 4, rows, hash_seed=b"s"), rows)
+
+    start().close()  # a new journal: its snapshot
+    journal = Journal(tmp_path / "journal")
+    journal.open()
+    journal.append(pack({"v": 1, "client": "old", "id": 1, "ops": [admit("a")]}))
+    journal.commit()
+    journal.close()
+    srv = start()
+    try:
+        assert srv.manager.num_tokens("a") == 10 and srv._seq == 0
+        assert "protocol version 1" in unpack(srv.handle(pack({"v": 1, "client": "old", "id": 2, "ops": []})),
+                                              1 << 20)["error"]
+    finally:
+        srv.close()
+
+
 def test_config_helpers():
     assert derive_endpoints("tcp://127.0.0.1:5555")["replay_endpoint"] == "tcp://127.0.0.1:5557"
     assert derive_endpoints("ipc:///run/k.sock")["pub_endpoint"] == "ipc:///run/k-pub.sock"
@@ -215,12 +298,37 @@ def test_protocol_errors_are_the_package_error():
 
 
 def test_extend_many_reports_lengths_and_only_changed_tables(server):
+    """Changed request index[k] set cols[offsets[k]:offsets[k+1]] to those columns of vals; the rest did not change."""
     call(server, [admit("a", 3), admit("b", 4)], request_id=1)
     reply = call(server, [{"op": "extend_many", "reqs": ["a", "b", "a"], "tokens": np.array([1, 2, 3, 4]),
                            "counts": np.array([1, 2, 1])}], request_id=2)
     result = reply["results"][0]
     assert result["lens"].tolist() == [1, 2, 2]
-    assert [c[0] for c in result["changed"]] == [1, 2] and result["changed"][1][1].tolist() == [1]
+    changed = result["changed"]
+    assert changed["index"].tolist() == [1, 2] and changed["offsets"].tolist() == [0, 1, 2]
+    assert changed["cols"].tolist() == [1, 1]
+    assert changed["vals"].tolist() == [[server.manager.table("b")[0, 1], server.manager.table("a")[0, 1]],
+                                        [server.manager.table("b")[1, 1], server.manager.table("a")[1, 1]]]
+
+
+def test_extend_many_without_changes_sends_empty_rows(server):
+    call(server, [admit("a", 3)], request_id=1)
+    result = call(server, [{"op": "extend_many", "reqs": ["a"], "tokens": np.array([], dtype=np.int64),
+                            "counts": np.array([0])}], request_id=2)["results"][0]
+    assert result["lens"].tolist() == [1] and result["changed"]["index"].tolist() == []
+    assert result["changed"]["offsets"].tolist() == [0] and result["changed"]["vals"].shape == (2, 0)
+
+
+def test_extend_many_sees_the_frees_and_admits_earlier_in_its_message(server):
+    """Liveness is checked in op order: a request freed earlier is refused, one admitted earlier is extended."""
+    call(server, [admit("a", 3), admit("b", 3)], request_id=1)
+    refused = call(server, [{"op": "free", "req": "b"},
+                            {"op": "extend_many", "reqs": ["a", "b"], "tokens": np.array([1, 2]),
+                             "counts": np.array([1, 1])}], request_id=2)
+    assert refused["error"] == "ops[1].reqs[1]: request 'b' is not admitted"
+    reply = call(server, [admit("c", 3), {"op": "extend_many", "reqs": ["a", "c"], "tokens": np.array([1, 2]),
+                                          "counts": np.array([1, 1])}], request_id=3)
+    assert reply["ok"] and reply["results"][1]["lens"].tolist() == [1, 1]
 
 
 @pytest.mark.parametrize(
@@ -228,6 +336,17 @@ def test_extend_many_reports_lengths_and_only_changed_tables(server):
     [
         ({"op": "extend_many", "reqs": ["a", "zz"], "tokens": np.array([1, 2]), "counts": np.array([1, 1])},
          "ops[0].reqs[1]: request 'zz' is not admitted"),
+        ({"op": "extend_many", "reqs": ["a", True], "tokens": np.array([1, 2]), "counts": np.array([1, 1])},
+         "ops[0].reqs[1]: request id must be a str or int, got bool"),
+        ({"op": "extend_many", "reqs": ["a", 2**64 - 1], "tokens": np.array([1, 2]), "counts": np.array([1, 1])},
+         "ops[0].reqs[1]: request id 18446744073709551615 outside int64"),
+        ({"op": "extend_many", "reqs": ["a", [1]], "tokens": np.array([1, 2]), "counts": np.array([1, 1])},
+         "ops[0].reqs[1]: request id must be a str or int, got list"),
+        ({"op": "extend_many", "reqs": ["a"], "tokens": np.array([1]), "counts": np.array([-1])}, "non-negative"),
+        ({"op": "extend_many", "reqs": ["a"] * 4, "tokens": np.zeros(0, np.uint32),
+          "counts": np.array([2**62] * 4)}, "sum to the 0 tokens"),  # wraps to 0 in int64
+        ({"op": "extend_many", "reqs": ["a"] * 2, "tokens": np.zeros(0, np.uint32),
+          "counts": np.array([2**63] * 2, np.uint64)}, "sum to the 0 tokens"),  # wraps to 0 in uint64
         ({"op": "extend_many", "reqs": ["a"], "tokens": np.array([1, 2]), "counts": np.array([1])}, "sum to"),
         ({"op": "extend_many", "reqs": ["a"], "tokens": np.array([1]), "counts": [1]}, "counts: must be"),
         ({"op": "extend_many", "reqs": "a", "tokens": np.array([1]), "counts": np.array([1])}, "reqs: must be"),

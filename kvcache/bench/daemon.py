@@ -10,11 +10,13 @@ One transport per run (ipc:// by default, ``--transport tcp`` for 127.0.0.1 on f
      one-token extends (one extend_many on the wire), 2 admits of fresh prompts. Echo round trips
      and steps take turns in rounds, so a slow spell of the machine falls on both;
   3. throughput: extends per second through the daemon, from client processes in parallel,
-     through ``CacheClient.batch()`` (what a scheduler pays) and as pre-packed extend_many
-     messages (the daemon's own limit: the client does next to nothing);
+     through ``CacheClient.batch()`` (what a scheduler pays per request), ``CacheClient.extend_many``
+     (ids, tokens and counts as arrays) and as pre-packed extend_many messages (the daemon's own
+     limit: the client does next to nothing);
   4. delta lag: raw SUB sockets in separate processes record, per delta, receive time minus the
-     delta's publish time ``t`` (both CLOCK_MONOTONIC, system-wide on Linux) while steps run, and
-     check that every seq arrived;
+     delta's publish time ``t`` (both CLOCK_MONOTONIC, system-wide on Linux; ``t`` is written as
+     the delta is sent and read at its fixed offset, undecoded) while steps run, and check that
+     every seq arrived;
   5. profile: the step workload through ``CacheServer.handle`` in this process on pre-packed
      messages, timed plain and then under cProfile, its time split along the call tree (decode,
      validate, apply, pack, publish, bookkeeping).
@@ -38,14 +40,13 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-import msgpack
 import numpy as np
 import zmq
 
 from kvcache.allocator.errors import KVCacheError
 from kvcache.bench.common import Fleet, expect, mark, positive_int, ratio, table
 from kvcache.client import CacheClient, DaemonError
-from kvcache.protocol import PROTOCOL_VERSION, pack, unpack
+from kvcache.protocol import DELTA_T_OFFSET, PROTOCOL_VERSION, pack, unpack
 
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection
@@ -417,6 +418,8 @@ def _extend_client(conn: Connection, endpoint: str, index: int, timeout: float) 
                 runs += 1
                 if path == "client":
                     out = _run_client_path(client, ids[:size], t_start, t_end)
+                elif path == "arrays":
+                    out = _run_arrays_path(client, ids[:size], t_start, t_end)
                 else:
                     out = _run_wire_path(ctx, endpoint, f"{client.name}-wire-{runs}", ids[:size], t_start, t_end,
                                          timeout)
@@ -450,12 +453,27 @@ def _run_client_path(client: CacheClient, ids: list[int], t_start: float, t_end:
             "p50_us": float(np.median(lat)) / 1e3 if lat else 0.0, "no_room": no_room}
 
 
+def _run_arrays_path(client: CacheClient, ids: list[int], t_start: float, t_end: float) -> dict[str, Any]:
+    """One-token extends through CacheClient.extend_many (ids, tokens and counts as arrays) until ``t_end``."""
+    rids, tokens, counts = np.array(ids, dtype=np.int64), np.ones(len(ids), np.int32), np.ones(len(ids), np.int32)
+    lat, no_room = [], 0
+    _sleep_until(t_start)
+    while time.monotonic() < t_end:
+        t0 = time.perf_counter_ns()
+        results = client.extend_many(rids, tokens, counts)
+        lat.append(time.perf_counter_ns() - t0)
+        no_room += sum(r is None for r in results)
+        _check([r for r in results if r is not None], "extend_many")
+    return {"messages": len(lat), "extends": len(lat) * len(ids), "end": time.monotonic(),
+            "p50_us": float(np.median(lat)) / 1e3 if lat else 0.0, "no_room": no_room}
+
+
 def _run_wire_path(ctx: zmq.Context, endpoint: str, name: str, ids: list[int], t_start: float, t_end: float,
                    timeout: float) -> dict[str, Any]:
     """Pre-packed extend_many messages (as Batch.send puts them on the wire) on a raw DEALER until ``t_end``."""
     n = len(ids)
-    ops = pack([{"op": "extend_many", "reqs": ids, "tokens": np.ones(n, dtype=np.int64),
-                 "counts": np.ones(n, dtype=np.int64)}])
+    ops = pack([{"op": "extend_many", "reqs": ids, "tokens": np.ones(n, dtype=np.int32),
+                 "counts": np.ones(n, dtype=np.int32)}])
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(endpoint)
@@ -482,6 +500,9 @@ def _run_wire_path(ctx: zmq.Context, endpoint: str, name: str, ids: list[int], t
             "p50_us": float(np.median(lat)) / 1e3 if lat else 0.0, "no_room": no_room}
 
 
+_PATH_NAMES = {"client": "CacheClient.batch()", "arrays": "CacheClient.extend_many", "wire": "pre-packed extend_many"}
+
+
 def bench_throughput(cfg: BenchConfig, fleet: Fleet, endpoint: str, step: dict[str, Any]) -> list[dict[str, Any]]:
     """Extends per second: the step workload's, then batches through 1..N client processes."""
     rows = [{"path": "steps (section 2)", "clients": 1, "extends_per_message": cfg.requests,
@@ -493,7 +514,8 @@ def bench_throughput(cfg: BenchConfig, fleet: Fleet, endpoint: str, step: dict[s
         deadline = time.monotonic() + cfg.timeout
         for i, c in enumerate(conns):
             expect(c, "ready", deadline, f"extend client {i}")
-        plan = [("client", 1, b) for b in cfg.batches] + [("wire", n, b) for n in cfg.clients for b in cfg.batches]
+        plan = [(path, 1, b) for path in ("client", "arrays") for b in cfg.batches]
+        plan += [("wire", n, b) for n in cfg.clients for b in cfg.batches]
         for path, n, size in plan:
             active = conns[:n]
             for c in active:  # fresh requests each row, so tables grown by earlier rows go back to the pool
@@ -510,7 +532,7 @@ def bench_throughput(cfg: BenchConfig, fleet: Fleet, endpoint: str, step: dict[s
             elapsed = max(o["end"] for o in outs) - t_start
             extends = sum(o["extends"] for o in outs)
             rows.append({
-                "path": "CacheClient.batch()" if path == "client" else "pre-packed extend_many",
+                "path": _PATH_NAMES[path],
                 "clients": n,
                 "extends_per_message": size,
                 "extends_per_s": extends / elapsed,
@@ -557,10 +579,8 @@ def _subscriber(conn: Connection, pub_endpoint: str) -> None:
                         announced = True
                     if not frames[2]:  # a heartbeat (the latest seq, no delta) after the daemon's idle spells
                         continue
-                    # Arrays stay msgpack ExtType: only "t" is read.
-                    delta = msgpack.unpackb(frames[2], raw=False, strict_map_key=False)
-                    seqs.append(seq)
-                    lags.append(now - delta["t"])
+                    seqs.append(seq)  # only "t" is read, at its fixed offset: no decoding on 2 shared cores
+                    lags.append(now - int.from_bytes(frames[2][DELTA_T_OFFSET:DELTA_T_OFFSET + 8], "big"))
                     sizes.append(len(frames[2]))
             if conn.poll(0):
                 cmd = conn.recv()
@@ -664,8 +684,8 @@ def _step_messages(cfg: BenchConfig, steps: int, seed: int = 1) -> tuple[list[by
     for _ in range(steps):
         ops: list[dict[str, Any]] = [{"op": "free", "req": live.popleft()} for _ in range(cfg.admits)]
         ops.append({"op": "extend_many", "reqs": list(live),
-                    "tokens": rng.integers(0, VOCAB, size=len(live) * DECODE_TOKENS).astype(np.int64),
-                    "counts": np.full(len(live), DECODE_TOKENS, dtype=np.int64)})
+                    "tokens": rng.integers(0, VOCAB, size=len(live) * DECODE_TOKENS, dtype=np.int32),
+                    "counts": np.full(len(live), DECODE_TOKENS, dtype=np.int32)})
         for _ in range(cfg.admits):
             ops.append({"op": "admit", "req": next_id, "tokens": prompt()})
             live.append(next_id)
@@ -685,6 +705,7 @@ _MEANING = {
     "admit": "hash, match, allocate",
     "free": "blocks back to the pool",
     "pack": "msgpack encode, array exts",
+    "pack_delta": "the delta's msgpack encode",
     "observe_step": "metrics",
     "update": "metrics",
 }
