@@ -23,6 +23,7 @@ import numpy as np
 import zmq
 
 from kvcache.allocator.errors import KVCacheError
+from kvcache.auth import CurveConfig, secure_client_socket
 from kvcache.allocator.manager import Admission
 from kvcache.allocator.pool import Usage
 from kvcache.protocol import PROTOCOL_VERSION, pack, unpack
@@ -219,7 +220,7 @@ class CacheClient:
     """
 
     def __init__(self, endpoint: str, *, timeout: float = 5.0, retries: int = 0, name: str | None = None,
-                 context: zmq.Context | None = None) -> None:
+                 context: zmq.Context | None = None, curve: CurveConfig | None = None) -> None:
         if timeout <= 0:
             raise KVCacheError(f"timeout: must be positive, got {timeout}")
         if retries < 0:
@@ -227,6 +228,7 @@ class CacheClient:
         self.endpoint = endpoint
         self.timeout = timeout
         self.retries = retries
+        self.curve = curve  # CURVE keys for a tcp:// daemon started with --curve-server-cert
         self.name = name or f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
         self.last_seq = -1
         self.last_epoch: int | None = None
@@ -242,6 +244,8 @@ class CacheClient:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
+        if self.curve is not None and self.endpoint.startswith("tcp://"):
+            secure_client_socket(sock, self.curve)
         sock.connect(self.endpoint)
         return sock
 

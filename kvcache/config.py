@@ -59,6 +59,8 @@ class ServeConfig:
     pub_hwm: int = 100_000
     heartbeat_ms: int = 100
     journal: str = ""
+    curve_server_cert: str = ""
+    curve_clients_dir: str = ""
     snapshot_bytes: int = 256 * 2**20
 
     def resolved(self) -> ServeConfig:

@@ -53,6 +53,9 @@ HELP = {
                     "(default 100)",
     "journal": "folder of a write-ahead journal: every acknowledged operation survives kill -9 and restart "
                "(empty = none: a restart loses every allocation)",
+    "curve_server_cert": "the daemon's CURVE secret certificate (from `kvcache keys`): tcp:// sockets then accept "
+                         "only the clients in --curve-clients-dir",
+    "curve_clients_dir": "folder of allowed clients' public certificates (`kvcache keys` writes DIR/clients)",
     "snapshot_bytes": "compact the journal into a snapshot when its log passes this many bytes (default 256 MiB)",
 }
 
@@ -139,6 +142,8 @@ def _run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     log.info("configuration:\n%s", cfg.describe())
+    if "tcp://" in cfg.endpoint and not cfg.curve_server_cert:
+        log.warning("tcp endpoint without --curve-server-cert: anyone who can reach it can change allocations")
     if not cfg.journal:
         log.warning("no journal: a restart loses every allocation (workers reload their tables from the new daemon)")
     print(f"kvcache serve: ready endpoint={cfg.endpoint} pub={cfg.pub_endpoint} replay={cfg.replay_endpoint} "

@@ -30,6 +30,7 @@ from kvcache import __version__
 from kvcache.allocator.errors import KVCacheError
 from kvcache.allocator.manager import KVCacheManager
 from kvcache.allocator.swa import AttentionPolicy
+from kvcache.auth import CurveConfig, secure_server_socket, start_authenticator
 from kvcache.config import ServeConfig, describe_rows
 from kvcache.journal import Journal
 from kvcache.protocol import (
@@ -217,6 +218,13 @@ class CacheServer:
         self._metrics: Any = None
         self._events: Any = None
         self._subscribers: Any = None
+        self._curve: CurveConfig | None = None
+        self._auth: Any = None
+        if self.config.curve_server_cert:
+            if not self.config.curve_clients_dir:
+                raise KVCacheError("curve_clients_dir: needed with curve_server_cert (the allowed clients' keys)")
+            self._curve = CurveConfig.for_server(self.config.curve_server_cert, self.config.curve_clients_dir)
+            self._auth = start_authenticator(self._ctx, self._curve.clients_dir)
         self.router = self._bind(zmq.ROUTER, self.config.endpoint)
         self.pub = self._bind(zmq.PUB, self.config.pub_endpoint, sndhwm=self.config.pub_hwm)
         self.replay = self._bind(zmq.ROUTER, self.config.replay_endpoint)
@@ -247,6 +255,8 @@ class CacheServer:
             path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
             if path.exists():
                 path.unlink()
+        if self._curve is not None and endpoint.startswith("tcp://"):
+            secure_server_socket(sock, self._curve)
         old_umask = os.umask(0o077)  # ipc sockets: owner-only
         try:
             sock.bind(endpoint)
@@ -324,6 +334,9 @@ class CacheServer:
         for sock in self._sockets:
             sock.close(0)
         self._sockets.clear()
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
         for path in self._ipc_paths:
             try:
                 path.unlink()

@@ -48,6 +48,7 @@ import numpy as np
 import zmq
 
 from kvcache.allocator.errors import KVCacheError
+from kvcache.auth import CurveConfig, secure_client_socket
 from kvcache.allocator.table import EMPTY, rank_rows
 from kvcache.client import CacheClient, DaemonUnavailable
 from kvcache.protocol import DELTA_TOPIC, PROTOCOL_VERSION, ProtocolError, check_request_id, pack, unpack
@@ -204,13 +205,14 @@ class TableSubscriber:
 
     def __init__(self, endpoint: str, *, rank: int = 0, tp_size: int | None = None, max_slots: int | None = None,
                  max_blocks: int | None = None, out: Any = "numpy", context: zmq.Context | None = None,
-                 timeout: float = 5.0) -> None:
+                 timeout: float = 5.0, curve: CurveConfig | None = None) -> None:
         if timeout <= 0:
             raise KVCacheError(f"timeout: must be positive, got {timeout}")
         self.endpoint = endpoint
         self.timeout = timeout
         self._ctx = context or zmq.Context.instance()
-        with CacheClient(endpoint, timeout=timeout, context=self._ctx) as client:
+        self._curve = curve
+        with CacheClient(endpoint, timeout=timeout, context=self._ctx, curve=curve) as client:
             info = client.info()
         if info.get("protocol") != PROTOCOL_VERSION:
             raise ProtocolError(f"daemon speaks protocol {info.get('protocol')!r}, this worker {PROTOCOL_VERSION}")
@@ -246,6 +248,7 @@ class TableSubscriber:
         self._sub = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.LINGER, 0)
         self._sub.setsockopt(zmq.SUBSCRIBE, DELTA_TOPIC)
+        self._secure(self._sub, self._pub_endpoint)
         self._sub.connect(self._pub_endpoint)
         self._replay = self._connect_replay()
         try:
@@ -275,10 +278,16 @@ class TableSubscriber:
                 raise KVCacheError(f"{name}: {given} given but out has {actual}")
         return got[0], got[1], got[2]
 
+    def _secure(self, sock: zmq.Socket, endpoint: str) -> None:
+        """CURVE keys on tcp:// sockets when the daemon asks for them (``curve``)."""
+        if self._curve is not None and endpoint.startswith("tcp://"):
+            secure_client_socket(sock, self._curve)
+
     def _connect_replay(self) -> zmq.Socket:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
+        self._secure(sock, self._replay_endpoint)
         sock.connect(self._replay_endpoint)
         return sock
 

@@ -250,3 +250,60 @@ def test_without_a_running_authenticator_even_allowed_clients_get_nothing(secure
         assert serve(secured, NO_ANSWER_S) == 0
         dealer.close(0)
     assert len(secured.server.manager) == 0
+
+
+def _free_base_port() -> int:
+    """A port whose next four are free too (the daemon's PUB, replay and event sockets)."""
+    import socket
+
+    for _ in range(50):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            base = probe.getsockname()[1]
+        if base > 65000:
+            continue
+        try:
+            held = []
+            for port in range(base, base + 5):
+                s = socket.socket()
+                held.append(s)
+                s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in held:
+                s.close()
+    raise RuntimeError("no run of 5 free ports")
+
+
+def test_kvcache_serve_over_tcp_with_curve_admits_only_keyed_clients_and_workers(daemon, tmp_path):
+    """A real daemon with --curve-*: a keyed client and worker work; a keyless client gets nothing."""
+    import numpy as np
+
+    from kvcache.auth import CurveConfig
+    from kvcache.cli import main
+    from kvcache.client import CacheClient, DaemonUnavailable
+    from kvcache.worker import TableSubscriber
+
+    keys = tmp_path / "keys"
+    assert main(["keys", str(keys), "--name", "sched"]) == 0
+    base = _free_base_port()
+    endpoint = f"tcp://127.0.0.1:{base}"
+    d = daemon("--endpoint", endpoint, "--num-blocks", "64", "--block-size", "4",
+               "--curve-server-cert", str(keys / "server.key_secret"), "--curve-clients-dir", str(keys / "clients"))
+    curve = CurveConfig.for_client(keys / "sched.key_secret", keys / "server.key")
+    with CacheClient(endpoint, timeout=5, curve=curve) as client:
+        table = client.admit("a", np.arange(9)).table
+        sub = TableSubscriber(endpoint, curve=curve, max_slots=4, max_blocks=8)
+        sub.wait_for(client.last_seq, epoch=client.last_epoch)
+        assert np.array_equal(sub.table("a"), table)
+        sub.close()
+        with CacheClient(endpoint, timeout=0.5) as stranger:
+            with pytest.raises(DaemonUnavailable):
+                stranger.admit("b", np.arange(9))
+        assert client.stats()["num_requests"] == 1
+    deadline = time.monotonic() + 5
+    while "refused" not in d.log() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert "refused" in d.log(), d.log()
