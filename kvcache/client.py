@@ -315,6 +315,14 @@ class CacheClient:
     def ping(self) -> bool:
         return self._single(self.batch().op("ping")) == "pong"
 
+    def owned(self) -> list[Any]:
+        """The live requests the daemon counts as this client's (by name): what a restarted scheduler resumes."""
+        return self._single(self.batch().op("owned"))
+
+    def reclaim(self, request_ids: Sequence[Any]) -> list[Any]:
+        """Take over live requests (e.g. a restarted scheduler's under a new name); returns those now ours."""
+        return self._single(self.batch().op("reclaim", reqs=list(request_ids)))
+
     def check_integrity(self) -> None:
         """Ask the daemon to verify pool, prefix index and tables agree; raises DaemonError naming the fault."""
         self._single(self.batch().op("check_integrity"))

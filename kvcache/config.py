@@ -59,6 +59,7 @@ class ServeConfig:
     pub_hwm: int = 100_000
     heartbeat_ms: int = 100
     journal: str = ""
+    lease_timeout: float = 0.0
     curve_server_cert: str = ""
     curve_clients_dir: str = ""
     snapshot_bytes: int = 256 * 2**20

@@ -17,6 +17,8 @@ id)`` gets the first answer again and is not applied twice. Ops::
     {"op": "can_admit", "num_tokens": int}
     {"op": "extend_many", "reqs": [ID, ...], "tokens": TOKENS, "counts": int array}   (a decode step)
     {"op": "usage"} | {"op": "stats"} | {"op": "info"} | {"op": "ping"} | {"op": "reset_prefix_cache"}
+    {"op": "owned"} → the live request ids this client (by name) owns
+    {"op": "reclaim", "reqs": [ID, ...]} → the ids now owned by this client (a restarted scheduler)
     {"op": "check_integrity"}   (admin: pool, index and tables agree; an error result names what does not)
 
 ``ID`` is a str (at most 256 characters) or an int in int64; ``TOKENS`` an

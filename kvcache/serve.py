@@ -53,6 +53,8 @@ HELP = {
                     "(default 100)",
     "journal": "folder of a write-ahead journal: every acknowledged operation survives kill -9 and restart "
                "(empty = none: a restart loses every allocation)",
+    "lease_timeout": "seconds a scheduler may stay silent before its requests are freed and reported "
+                     "(0 = never; any message, e.g. ping, renews the lease)",
     "curve_server_cert": "the daemon's CURVE secret certificate (from `kvcache keys`): tcp:// sockets then accept "
                          "only the clients in --curve-clients-dir",
     "curve_clients_dir": "folder of allowed clients' public certificates (`kvcache keys` writes DIR/clients)",

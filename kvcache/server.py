@@ -33,6 +33,7 @@ from kvcache.allocator.swa import AttentionPolicy
 from kvcache.auth import CurveConfig, secure_server_socket, start_authenticator
 from kvcache.config import ServeConfig, describe_rows
 from kvcache.journal import Journal
+from kvcache.leases import Leases
 from kvcache.protocol import (
     DELTA_TOPIC,
     JOURNAL_VERSIONS,
@@ -55,7 +56,8 @@ from kvcache.protocol import (
 )
 
 log = logging.getLogger("kvcache.server")
-_MUTATING = frozenset({"admit", "extend", "extend_many", "free", "reset_prefix_cache"})
+_MUTATING = frozenset({"admit", "extend", "extend_many", "free", "reset_prefix_cache", "reclaim"})
+_LEASE_CLIENT = "kvcache-lease-expiry"
 _ID_TYPES = frozenset({int, str})  # a request id's types as msgpack decodes them (bool is not int here)
 
 
@@ -214,6 +216,9 @@ class CacheServer:
         self._staged: list[tuple[int, bytearray]] = []  # deltas numbered but not yet sent (not yet durable)
         self._staged_events: list[Any] = []
         self._journal: Journal | None = None
+        self._leases = Leases(self.config.lease_timeout)
+        self._next_lease_check = 0.0
+        self._expired = 0
         self._history: collections.deque[tuple[int, bytearray]] = collections.deque(maxlen=self.config.replay_buffer)
         self._metrics: Any = None
         self._events: Any = None
@@ -306,6 +311,8 @@ class CacheServer:
         state["manager"].enable_events = self.manager.enable_events
         self.manager = state["manager"]
         self._slots, self._seq, self.epoch, self._dedupe = state["slots"], state["seq"], state["epoch"], state["dedupe"]
+        self._leases = state.get("leases", self._leases)
+        self._leases.timeout = self.config.lease_timeout
         for payload in recovered.records:
             self._process(payload, replaying=True)
         self._staged.clear()
@@ -318,7 +325,7 @@ class CacheServer:
     def _state(self) -> bytes:
         """Everything a restart needs, for a journal snapshot."""
         return pickle.dumps({"manager": self.manager, "slots": self._slots, "seq": self._seq, "epoch": self.epoch,
-                             "dedupe": self._dedupe}, protocol=pickle.HIGHEST_PROTOCOL)
+                             "dedupe": self._dedupe, "leases": self._leases}, protocol=pickle.HIGHEST_PROTOCOL)
 
     def close(self) -> None:
         """Close every socket and remove the ipc files this daemon created."""
@@ -361,6 +368,32 @@ class CacheServer:
                 handlers[sock]()
             if time.monotonic() - self._last_publish >= heartbeat_s:
                 self._heartbeat()
+            if self._leases.timeout and time.monotonic() >= self._next_lease_check:
+                self.expire_leases()
+
+    def expire_leases(self, now: float | None = None) -> int:
+        """Free every request of schedulers silent past the lease timeout; returns how many were freed.
+
+        The frees go through the normal path as a message of their own (journaled,
+        published as deltas), so a restart replays them like any other.
+        """
+        now = time.monotonic() if now is None else now
+        self._next_lease_check = now + min(1.0, self._leases.timeout / 4)
+        freed = 0
+        for client, reqs in self._leases.expired(now):
+            payload = pack({"v": PROTOCOL_VERSION, "client": _LEASE_CLIENT, "id": int.from_bytes(os.urandom(7), "big"),
+                            "ops": [{"op": "free", "req": r} for r in reqs]})
+            reply = unpack(self._process(payload), 1 << 30)
+            self._release_staged()
+            self._leases.forget(client)
+            if reply.get("ok"):
+                freed += len(reqs)
+                self._expired += len(reqs)
+                log.warning("lease of scheduler %r expired after %.1f s of silence: freed %d request(s)",
+                            client, self._leases.timeout, len(reqs))
+            else:
+                log.error("lease expiry of %r failed: %s", client, reply.get("error"))
+        return freed
 
     def _heartbeat(self) -> None:
         """Tell workers the latest seq (empty payload): they catch a lost last delta or a new epoch."""
@@ -435,6 +468,7 @@ class CacheServer:
         except ProtocolError as exc:
             self._count_error("decode")
             return error_reply(request_id, str(exc))
+        self._leases.touch(client, time.monotonic())
         cached = self._dedupe.get(client, request_id)
         if cached is not None:
             return cached
@@ -445,7 +479,7 @@ class CacheServer:
             reply = error_reply(request_id, str(exc))
             self._dedupe.put(client, request_id, reply)
             return reply
-        results, deltas = self._apply(ops)
+        results, deltas = self._apply(ops, client)
         for changes, freed, reset in deltas:
             self._stage(changes, freed, reset)
         reply = pack({"v": PROTOCOL_VERSION, "id": request_id, "ok": True, "epoch": self.epoch, "seq": self._seq,
@@ -545,7 +579,12 @@ class CacheServer:
                                mm=check_mm(op.get("mm"), f"{field}.mm")))
             elif kind == "can_admit":
                 ops.append(_Op(kind, number=check_int(op.get("num_tokens"), f"{field}.num_tokens")))
-            elif kind in ("usage", "stats", "info", "ping", "reset_prefix_cache", "check_integrity"):
+            elif kind == "reclaim":
+                reqs = op.get("reqs")
+                if not isinstance(reqs, list) or len(reqs) > MAX_OPS:
+                    raise ProtocolError(f"{field}.reqs: must be a list of at most {MAX_OPS} request ids")
+                ops.append(_Op(kind, reqs=[check_request_id(r, f"{field}.reqs[{j}]") for j, r in enumerate(reqs)]))
+            elif kind in ("usage", "stats", "info", "ping", "reset_prefix_cache", "check_integrity", "owned"):
                 ops.append(_Op(kind))
             else:
                 raise ProtocolError(f"{field}.op: unknown operation {show(kind)}")
@@ -566,7 +605,7 @@ class CacheServer:
                 known += sum(int(c) for r, c in zip(op.reqs, op.counts.tolist()) if r == req)
         return known
 
-    def _apply(self, ops: list[_Op]) -> tuple[list[Any], list[tuple[_Changes, list[Any], bool]]]:
+    def _apply(self, ops: list[_Op], client: str) -> tuple[list[Any], list[tuple[_Changes, list[Any], bool]]]:
         """Run validated ops in order; an op that still fails gets an error result, the rest go on.
 
         Returns the results and the deltas to publish. A delta lists its frees
@@ -594,6 +633,7 @@ class CacheServer:
                         results.append(None)
                         continue
                     slot = self._slots.take(op.req, op.slot)
+                    self._leases.own(client, op.req)
                     changes.add(op.req, slot, adm.table.shape[1], np.arange(adm.table.shape[1], dtype=np.int32),
                                 adm.table.copy())
                     results.append({"cached": adm.num_cached_tokens, "num_tokens": adm.num_tokens,
@@ -613,6 +653,7 @@ class CacheServer:
                 elif op.kind == "free":
                     m.free(op.req)
                     self._slots.release(op.req)
+                    self._leases.release(op.req)
                     freed.append(op.req)
                     results.append(True)
                 elif op.kind == "table":
@@ -628,6 +669,10 @@ class CacheServer:
                     results.append(self.stats())
                 elif op.kind == "info":
                     results.append(self.info())
+                elif op.kind == "reclaim":
+                    results.append(self._leases.reclaim(client, op.reqs or (), time.monotonic()))
+                elif op.kind == "owned":
+                    results.append(self._leases.owned(client))
                 elif op.kind == "ping":
                     results.append("pong")
                 elif op.kind == "check_integrity":
@@ -753,6 +798,7 @@ class CacheServer:
         out["seq"] = self._seq
         out["free_blocks"] = self.manager.num_free_blocks
         out["subscribers"] = self._subscribers.count if self._subscribers is not None else None
+        out["expired_requests"] = self._expired
         return out
 
     def _count_subscribers(self) -> None:
