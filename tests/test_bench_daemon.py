@@ -64,6 +64,25 @@ def test_quick_json_run_reports_every_section(capsys: pytest.CaptureFixture[str]
         assert r["extends_per_s"] > 0 and r["messages_per_s"] > 0 and r["p50_us"] > 0
         assert r["no_room"] == 0, "the daemon must have room for every extend"
 
+    journal = result["journal"]
+    assert {(r["path"], r["clients"], r["extends_per_message"]) for r in journal["rows"]} == {
+        ("steps (as in section 2)", 1, 256),
+        *((r["path"], r["clients"], r["extends_per_message"]) for r in rows if r["path"] != "steps (section 2)"),
+    }, "the journal section runs the step workload and every batched row of section 3"
+    for r in journal["rows"]:
+        for mode in ("off", "on"):
+            assert r[mode]["extends_per_s"] > 0 and r[mode]["messages_per_s"] > 0 and r[mode]["p50_us"] > 0
+            assert r[mode]["no_room"] == 0
+        assert r["ratio"] == pytest.approx(r["on"]["extends_per_s"] / r["off"]["extends_per_s"])
+        assert r["ok"] == (r["ratio"] >= bench.JOURNAL_RATIO_TARGET)
+    assert journal["ok"] == all(r["ok"] for r in journal["rows"])
+    assert journal["worst_ratio"] == min(r["ratio"] for r in journal["rows"])
+    floor = journal["fdatasync"]
+    assert floor["bytes"] == 4096 and floor["count"] == 100 and floor["p99_us"] >= floor["p50_us"] > 0
+    assert journal["journal_bytes"] > 0 and journal["journal_seconds"] > 0, "the journaled daemon wrote its WAL"
+    assert journal["filesystem"] != "unknown"
+    assert not os.path.exists(journal["folder"]), "the journal folder is removed afterwards"
+
     lag = result["lag"]
     assert lag["subscribers"] == 8 and lag["cpus"] == os.cpu_count()
     assert lag["deltas"] > 0 and lag["received"] == lag["subscribers"] * lag["deltas"]
@@ -78,13 +97,14 @@ def test_quick_json_run_reports_every_section(capsys: pytest.CaptureFixture[str]
     assert profile["top"] and all(t["own_us"] > 0 for t in profile["top"])
 
     assert [t["ok"] for t in result["targets"]] == [step["ok"], max(r["extends_per_s"] for r in rows)
-                                                    >= bench.EXTENDS_PER_S_TARGET, lag["ok"]]
+                                                    >= bench.EXTENDS_PER_S_TARGET, journal["ok"], lag["ok"]]
     for pid in result["processes"]:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
     assert children() == []
     text = bench.render(result)
-    for heading in ("1. limit", "2. step round trip", "3. throughput", "4. delta lag", "5. profile", "targets met"):
+    for heading in ("1. limit", "2. step round trip", "3. throughput", "3b. journal", "disk floor", "4. delta lag",
+                    "5. profile", "targets met"):
         assert heading in text
 
 

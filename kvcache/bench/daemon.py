@@ -13,6 +13,11 @@ One transport per run (ipc:// by default, ``--transport tcp`` for 127.0.0.1 on f
      through ``CacheClient.batch()`` (what a scheduler pays per request), ``CacheClient.extend_many``
      (ids, tokens and counts as arrays) and as pre-packed extend_many messages (the daemon's own
      limit: the client does next to nothing);
+  3b. journal on/off: two fresh daemons started alike but for ``--journal`` (a folder in the run's /tmp
+     folder, removed afterwards) run the step workload and every row of section 3 in turns (step rounds
+     alternate which goes first, each row runs in halves A B B A; a row's clients hold only the requests
+     they extend): extends/s and p50 of each, on/off (target >= 0.75 in every row: the journal costs at
+     most 25% of throughput), and the disk's floor, a 4 KiB append + fdatasync in that folder;
   4. delta lag: raw SUB sockets in separate processes record, per delta, receive time minus the
      delta's publish time ``t`` (both CLOCK_MONOTONIC, system-wide on Linux; ``t`` is written as
      the delta is sent and read at its fixed offset, undecoded) while steps run, and check that
@@ -34,7 +39,9 @@ import json
 import os
 import platform
 import pstats
+import shutil
 import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -66,6 +73,10 @@ READY = b"kvcache serve: ready"
 STEP_OVER_ECHO_TARGET = 2.0
 EXTENDS_PER_S_TARGET = 500_000
 LAG_P99_TARGET_US = 1000.0
+JOURNAL_RATIO_TARGET = 0.75  # extends/s with --journal over without: the journal costs at most 25%
+
+FSYNC_PROBE_BYTES = 4096
+FSYNC_PROBE_WARMUP = 10
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -87,13 +98,14 @@ class BenchConfig:
     subscribers: int = 8
     lag_steps: int = 500
     profile_steps: int = 300
+    fsync_probes: int = 500  # 4 KiB appends + fdatasync timed in section 3b
     timeout: float = 30.0
     quick: bool = False
 
     @staticmethod
     def quick_defaults() -> dict[str, Any]:
         return {"steps": 120, "rounds": 3, "seconds": 0.2, "clients": (1, 2), "lag_steps": 100,
-                "profile_steps": 60, "quick": True}
+                "profile_steps": 60, "fsync_probes": 100, "quick": True}
 
 
 # --------------------------------------------------------------------------- processes
@@ -503,48 +515,276 @@ def _run_wire_path(ctx: zmq.Context, endpoint: str, name: str, ids: list[int], t
 _PATH_NAMES = {"client": "CacheClient.batch()", "arrays": "CacheClient.extend_many", "wire": "pre-packed extend_many"}
 
 
+def _throughput_plan(cfg: BenchConfig) -> list[tuple[str, int, int]]:
+    """Section 3's rows after the steps one, as (path, client processes, extends per message)."""
+    plan = [(path, 1, b) for path in ("client", "arrays") for b in cfg.batches]
+    return plan + [("wire", n, b) for n in cfg.clients for b in cfg.batches]
+
+
+def _spawn_extend_clients(cfg: BenchConfig, fleet: Fleet, endpoint: str, count: int) -> list[Connection]:
+    """``count`` extend client processes of one daemon; the caller waits for their "ready"."""
+    return [fleet.spawn(_extend_client, endpoint, i, cfg.timeout) for i in range(count)]
+
+
+def _renew(cfg: BenchConfig, active: list[Connection], count: int) -> None:
+    """Each of ``active`` client processes frees its requests and admits ``count`` fresh ones."""
+    for c in active:
+        c.send(("renew", count))
+    deadline = time.monotonic() + cfg.timeout + CHILD_GRACE_S
+    for i, c in enumerate(active):
+        expect(c, "renewed", deadline, f"extend client {i}")
+
+
+class _Run(NamedTuple):
+    """What the client processes of one timed run reported, and its seconds (start to the last one's end)."""
+
+    outs: list[dict[str, Any]]
+    seconds: float
+
+
+def _timed_run(cfg: BenchConfig, active: list[Connection], path: str, size: int, seconds: float) -> _Run:
+    """``active`` client processes extend ``size`` of their requests per message, together, for ``seconds``."""
+    t_start = time.monotonic() + 0.05
+    t_end = t_start + seconds
+    for c in active:
+        c.send(("run", path, size, t_start, t_end))
+    deadline = t_end + cfg.timeout + CHILD_GRACE_S
+    outs = [expect(c, "ran", deadline, f"extend client {i}")[1] for i, c in enumerate(active)]
+    return _Run(outs, max(o["end"] for o in outs) - t_start)
+
+
+def _row(path: str, clients: int, size: int, runs: list[_Run]) -> dict[str, Any]:
+    """A throughput row from one or more timed runs of it: totals over their summed seconds."""
+    outs = [o for run in runs for o in run.outs]
+    seconds = sum(run.seconds for run in runs)
+    return {
+        "path": _PATH_NAMES[path],
+        "clients": clients,
+        "extends_per_message": size,
+        "extends_per_s": sum(o["extends"] for o in outs) / seconds,
+        "messages_per_s": sum(o["messages"] for o in outs) / seconds,
+        "p50_us": float(np.median([o["p50_us"] for o in outs])),
+        "no_room": sum(o["no_room"] for o in outs),
+    }
+
+
 def bench_throughput(cfg: BenchConfig, fleet: Fleet, endpoint: str, step: dict[str, Any]) -> list[dict[str, Any]]:
     """Extends per second: the step workload's, then batches through 1..N client processes."""
     rows = [{"path": "steps (section 2)", "clients": 1, "extends_per_message": cfg.requests,
              "extends_per_s": step["extends_per_s"], "messages_per_s": 1e6 / step["mean_us"],
              "p50_us": step["p50_us"], "no_room": 0}]
-    most = max(cfg.clients)
-    conns = [fleet.spawn(_extend_client, endpoint, i, cfg.timeout) for i in range(most)]
+    conns = _spawn_extend_clients(cfg, fleet, endpoint, max(cfg.clients))
     try:
         deadline = time.monotonic() + cfg.timeout
         for i, c in enumerate(conns):
             expect(c, "ready", deadline, f"extend client {i}")
-        plan = [(path, 1, b) for path in ("client", "arrays") for b in cfg.batches]
-        plan += [("wire", n, b) for n in cfg.clients for b in cfg.batches]
-        for path, n, size in plan:
-            active = conns[:n]
-            for c in active:  # fresh requests each row, so tables grown by earlier rows go back to the pool
-                c.send(("renew", max(cfg.batches)))
-            deadline = time.monotonic() + cfg.timeout + CHILD_GRACE_S
-            for i, c in enumerate(active):
-                expect(c, "renewed", deadline, f"extend client {i}")
-            t_start = time.monotonic() + 0.05
-            t_end = t_start + cfg.seconds
-            for c in active:
-                c.send(("run", path, size, t_start, t_end))
-            deadline = t_end + cfg.timeout + CHILD_GRACE_S
-            outs = [expect(c, "ran", deadline, f"extend client {i}")[1] for i, c in enumerate(active)]
-            elapsed = max(o["end"] for o in outs) - t_start
-            extends = sum(o["extends"] for o in outs)
-            rows.append({
-                "path": _PATH_NAMES[path],
-                "clients": n,
-                "extends_per_message": size,
-                "extends_per_s": extends / elapsed,
-                "messages_per_s": sum(o["messages"] for o in outs) / elapsed,
-                "p50_us": float(np.median([o["p50_us"] for o in outs])),
-                "no_room": sum(o["no_room"] for o in outs),
-            })
+        for path, n, size in _throughput_plan(cfg):
+            _renew(cfg, conns[:n], max(cfg.batches))  # fresh requests each row: grown tables go back to the pool
+            rows.append(_row(path, n, size, [_timed_run(cfg, conns[:n], path, size, cfg.seconds)]))
     finally:
         fleet.stop(conns)
     for r in rows:
         r["ok"] = r["extends_per_s"] >= EXTENDS_PER_S_TARGET
     return rows
+
+
+# --------------------------------------------------------------------------- 3b. journal on / off
+
+
+JOURNAL_MODES = ("off", "on")
+
+
+def _alternate(i: int) -> tuple[str, ...]:
+    """The order of the two daemons in turn ``i``: off first, then on first, and so on."""
+    return JOURNAL_MODES if i % 2 == 0 else JOURNAL_MODES[::-1]
+
+
+def _daemon_endpoints(transport: str, folder: Path, name: str) -> tuple[str, str, str]:
+    """ROUTER, PUB and replay endpoints of one more daemon, on the run's transport."""
+    if transport == "ipc":
+        return tuple(f"ipc://{folder}/{name}{suffix}.sock" for suffix in ("", "-pub", "-replay"))  # type: ignore
+    return tuple(f"tcp://127.0.0.1:{port}" for port in _free_tcp_ports(3))  # type: ignore[return-value]
+
+
+def _serve_argv(cfg: BenchConfig, endpoint: str, pub: str, replay: str, *extra: str) -> list[str]:
+    """`kvcache serve` as every daemon of the benchmark is started (``extra`` appended)."""
+    return [sys.executable, "-m", "kvcache", "serve", "--endpoint", endpoint, "--pub-endpoint", pub,
+            "--replay-endpoint", replay, "--num-blocks", str(cfg.num_blocks), "--block-size", str(cfg.block_size),
+            "--rows", "full", "--enable-prefix-caching", "--log-level", "WARNING", *extra]
+
+
+def _filesystem(path: Path) -> str:
+    """``fstype device (mount point)`` of the mount holding ``path``, from /proc/mounts; "unknown" elsewhere."""
+    target = os.path.realpath(path)
+    best: tuple[str, str, str] | None = None
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/mounts").read_text().splitlines():
+            device, mount, fstype = (line.split() + ["", "", ""])[:3]
+            mount = mount.replace("\\040", " ")
+            inside = target == mount or target.startswith(mount.rstrip("/") + "/")
+            if inside and (best is None or len(mount) >= len(best[1])):
+                best = (device, mount, fstype)
+    return "unknown" if best is None else f"{best[2]} {best[0]} ({best[1]})"
+
+
+def _fdatasync_floor(folder: Path, count: int) -> dict[str, Any]:
+    """The disk's floor under a commit: ``count`` appends of 4 KiB to a file in ``folder``, each + fdatasync."""
+    path = folder / "fdatasync-probe"
+    data = bytes(FSYNC_PROBE_BYTES)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600)
+    out = np.empty(count, dtype=np.int64)
+    try:
+        for _ in range(FSYNC_PROBE_WARMUP):
+            os.write(fd, data)
+            os.fdatasync(fd)
+        for i in range(count):
+            t0 = time.perf_counter_ns()
+            os.write(fd, data)
+            os.fdatasync(fd)
+            out[i] = time.perf_counter_ns() - t0
+    finally:
+        os.close(fd)
+        path.unlink(missing_ok=True)
+    p50, p99 = _percentiles_us(out)
+    return {"bytes": FSYNC_PROBE_BYTES, "count": count, "p50_us": p50, "p99_us": p99}
+
+
+class _JournalMeter:
+    """Bytes the journaled daemon appends to its WAL over timed runs, and compactions seen (a new snapshot)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.bytes = 0
+        self.seconds = 0.0
+        self.compactions = 0
+
+    def _state(self) -> tuple[int, int]:
+        try:
+            return (self.folder / "snapshot").stat().st_ino, (self.folder / "wal").stat().st_size
+        except OSError:
+            return -1, 0
+
+    @contextlib.contextmanager
+    def timed(self) -> Any:
+        inode, size = self._state()
+        t0 = time.perf_counter()
+        yield
+        self.seconds += time.perf_counter() - t0
+        inode_after, size_after = self._state()
+        if inode_after == inode and size_after >= size:
+            self.bytes += size_after - size
+        else:  # compacted: the WAL restarted from empty (what was written before the snapshot is not counted)
+            self.compactions += 1
+            self.bytes += size_after
+
+
+def _journal_pair(off: dict[str, Any], on: dict[str, Any], **head: Any) -> dict[str, Any]:
+    r = on["extends_per_s"] / off["extends_per_s"]
+    return {**head, "off": off, "on": on, "ratio": r, "added_p50_us": on["p50_us"] - off["p50_us"],
+            "ok": r >= JOURNAL_RATIO_TARGET}
+
+
+def bench_journal(cfg: BenchConfig, fleet: Fleet, ctx: zmq.Context) -> dict[str, Any]:
+    """Section 3b: two fresh daemons started alike but for ``--journal``, measured in turns.
+
+    The step workload of section 2 (rounds alternate which daemon goes first) and
+    every batched-extend row of section 3 (each row in halves A B B A across the two
+    daemons; a row's clients hold only the requests they extend, so renewing them
+    between rows stays cheap). The journal lives in the
+    run's /tmp folder and is removed afterwards; a 4 KiB append + fdatasync loop
+    there gives the disk's floor.
+    """
+    from kvcache.config import ServeConfig
+
+    folder = fleet.folder / "journal"
+    daemons: dict[str, subprocess.Popen] = {}
+    clients: dict[str, CacheClient] = {}
+    endpoints: dict[str, str] = {}
+    conns: dict[str, list[Connection]] = {}
+    meter = _JournalMeter(folder)
+    try:
+        for mode in JOURNAL_MODES:
+            endpoint, pub, replay = _daemon_endpoints(cfg.transport, fleet.folder, f"j-{mode}")
+            extra = ("--journal", str(folder)) if mode == "on" else ()
+            daemons[mode] = fleet.start(_serve_argv(cfg, endpoint, pub, replay, *extra), READY, cfg.timeout,
+                                        f"serve-journal-{mode}")
+            endpoints[mode] = endpoint
+        most = max(cfg.clients)
+        for mode in JOURNAL_MODES:  # the clients start while the schedulers below set up
+            conns[mode] = _spawn_extend_clients(cfg, fleet, endpoints[mode], most)
+
+        # The step workload: set up and warm up both, then rounds of steps taking turns.
+        scheds: dict[str, _Scheduler] = {}
+        for mode in JOURNAL_MODES:
+            clients[mode] = CacheClient(endpoints[mode], timeout=cfg.timeout, name=f"bench-journal-{mode}",
+                                        context=ctx)
+            scheds[mode] = _Scheduler(clients[mode], cfg)
+            scheds[mode].setup()
+            scheds[mode].run(_warmup_steps(cfg))
+        deadline = time.monotonic() + cfg.timeout  # every process started before anything is timed
+        for mode in JOURNAL_MODES:
+            for i, c in enumerate(conns[mode]):
+                expect(c, "ready", deadline, f"extend client {i} (journal {mode})")
+        floor = _fdatasync_floor(folder, cfg.fsync_probes)
+        per_round = max(1, cfg.steps // cfg.rounds)
+        step_ns: dict[str, list[np.ndarray]] = {mode: [] for mode in JOURNAL_MODES}
+        for i in range(cfg.rounds):
+            for mode in _alternate(i):
+                with meter.timed() if mode == "on" else contextlib.nullcontext():
+                    step_ns[mode].append(scheds[mode].run(per_round))
+        steps: dict[str, dict[str, Any]] = {}
+        for mode in JOURNAL_MODES:
+            ns = np.concatenate(step_ns[mode])
+            p50, p99 = _percentiles_us(ns)
+            steps[mode] = {"extends_per_s": cfg.requests / (float(ns.mean()) / 1e9),
+                           "messages_per_s": 1e9 / float(ns.mean()), "p50_us": p50, "p99_us": p99,
+                           "no_room": 0, "steps": int(ns.size)}
+        rows = [_journal_pair(steps["off"], steps["on"], path="steps (as in section 2)", clients=1,
+                              extends_per_message=cfg.requests)]
+
+        # The batched-extend rows of section 3: both daemons renew, then the row runs in two halves on
+        # each, in the order A B B A (A = off on even rows, on on odd ones), so a drift falls on both.
+        for k, (path, n, size) in enumerate(_throughput_plan(cfg)):
+            _renew(cfg, conns["off"][:n] + conns["on"][:n], size)  # both daemons at once: nothing is timed
+            runs: dict[str, list[_Run]] = {mode: [] for mode in JOURNAL_MODES}
+            first, second = _alternate(k)
+            for mode in (first, second, second, first):
+                with meter.timed() if mode == "on" else contextlib.nullcontext():
+                    runs[mode].append(_timed_run(cfg, conns[mode][:n], path, size, cfg.seconds / 2))
+            off, on = (_row(path, n, size, runs[mode]) for mode in JOURNAL_MODES)
+            head = {key: off.pop(key) for key in ("path", "clients", "extends_per_message")}
+            for key in head:
+                on.pop(key)
+            rows.append(_journal_pair(off, on, **head))
+    finally:
+        try:
+            fleet.stop([c for group in conns.values() for c in group])
+            for client in clients.values():
+                client.close()
+            for process in daemons.values():
+                fleet.terminate(process)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+    worst = min(rows, key=lambda r: r["ratio"])
+    best_off = max(r["off"]["extends_per_s"] for r in rows)
+    best_on = max(r["on"]["extends_per_s"] for r in rows)
+    return {
+        "folder": str(folder),
+        "filesystem": _filesystem(fleet.folder),
+        "fdatasync": floor,
+        "rows": rows,
+        "journal_bytes": meter.bytes,
+        "journal_seconds": meter.seconds,
+        "compactions": meter.compactions,
+        "snapshot_bytes": ServeConfig().snapshot_bytes,
+        "best_off_extends_per_s": best_off,
+        "best_on_extends_per_s": best_on,
+        "best_ratio": best_on / best_off,
+        "worst_ratio": worst["ratio"],
+        "worst_row": f"{worst['path']}, {worst['clients']} client(s), {worst['extends_per_message']:,}/message",
+        "target": f"on/off >= {JOURNAL_RATIO_TARGET:g} (journal costs <= {1 - JOURNAL_RATIO_TARGET:.0%})",
+        "ok": all(r["ok"] for r in rows),
+    }
 
 
 # --------------------------------------------------------------------------- 4. delta lag
@@ -821,11 +1061,8 @@ def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
     try:
         ends = _endpoints(cfg.transport, fleet.folder)
         echo_conn = fleet.spawn(_echo_server, ends.echo)
-        daemon = fleet.start(
-            [sys.executable, "-m", "kvcache", "serve", "--endpoint", ends.daemon, "--pub-endpoint", ends.pub,
-             "--replay-endpoint", ends.replay, "--num-blocks", str(cfg.num_blocks), "--block-size",
-             str(cfg.block_size), "--rows", "full", "--enable-prefix-caching", "--log-level", "WARNING"],
-            READY, cfg.timeout, "kvcache serve")
+        daemon = fleet.start(_serve_argv(cfg, ends.daemon, ends.pub, ends.replay), READY, cfg.timeout,
+                             "kvcache serve")
         expect(echo_conn, "ready", time.monotonic() + cfg.timeout, "echo server")
         echo = _EchoClient(ctx, ends.echo, cfg.timeout)
         client = CacheClient(ends.daemon, timeout=cfg.timeout, name="bench-scheduler", context=ctx)
@@ -839,6 +1076,7 @@ def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
             echo.close()
             client.close()
         fleet.terminate(daemon)  # the profile runs the server in this process: the daemon's core is free
+        journal = bench_journal(cfg, fleet, ctx)  # two fresh daemons of their own, after the first one stopped
         profile = bench_profile(cfg, fleet.folder)
         step_out["handle_p50_us"] = profile["handle_p50_us"]
     finally:
@@ -860,6 +1098,7 @@ def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
         "echo": echo_out,
         "step": step_out,
         "throughput": throughput,
+        "journal": journal,
         "lag": lag,
         "profile": profile,
         "processes": fleet.pids,
@@ -870,6 +1109,9 @@ def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
              "value": f"{best['extends_per_s']:,.0f} ({best['path']}, {best['clients']} client(s), "
                       f"{best['extends_per_message']:,}/message)",
              "target": f">= {EXTENDS_PER_S_TARGET:,}", "ok": best["ok"]},
+            {"name": "extends per second, journal on / off (worst row)",
+             "value": f"{journal['worst_ratio']:.2f} ({journal['worst_row']})", "target": journal["target"],
+             "ok": journal["ok"]},
             {"name": f"delta lag p99, {lag['subscribers']} subscribers",
              "value": f"{lag['p99_us'] / 1e3:.2f} ms, {lag['gaps']} gaps", "target": lag["target"], "ok": lag["ok"]},
         ],
@@ -881,6 +1123,35 @@ def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
 
 def _us(value: float) -> str:
     return f"{value:,.0f}" if value >= 100 else f"{value:.1f}"
+
+
+def _render_journal(j: dict[str, Any], cfg: dict[str, Any]) -> list[str]:
+    """Section 3b's lines."""
+    floor = j["fdatasync"]
+    rate = j["journal_bytes"] / j["journal_seconds"] if j["journal_seconds"] > 0 else 0.0
+    lines = [
+        f"3b. journal: the step workload and section 3's rows against two fresh daemons, one with --journal "
+        f"(group commit: one fdatasync per loop turn), in turns ({cfg['seconds']:g} s per row per daemon, in "
+        "halves A B B A; a row's clients hold only the requests they extend)",
+        table(
+            ["path", "clients", "extends/msg", "off extends/s", "on extends/s", "on/off", "off p50 us",
+             "on p50 us", "added p50 us", "target", ""],
+            [[r["path"], str(r["clients"]), f"{r['extends_per_message']:,}", f"{r['off']['extends_per_s']:,.0f}",
+              f"{r['on']['extends_per_s']:,.0f}", f"{r['ratio']:.2f}", _us(r["off"]["p50_us"]),
+              _us(r["on"]["p50_us"]), f"{r['added_p50_us']:+,.0f}", f">= {JOURNAL_RATIO_TARGET:g}", mark(r["ok"])]
+             for r in j["rows"]],
+        ),
+        f"  disk floor: {floor['bytes'] // 1024} KiB append + fdatasync in the journal's folder, {floor['count']} "
+        f"times: p50 {_us(floor['p50_us'])} us, p99 {_us(floor['p99_us'])} us; filesystem {j['filesystem']}",
+        f"  best row: {j['best_off_extends_per_s']:,.0f} extends/s off, {j['best_on_extends_per_s']:,.0f} on "
+        f"({j['best_ratio']:.2f}); worst row on/off {j['worst_ratio']:.2f} ({j['worst_row']}); the target "
+        "is met only if every row meets it",
+        f"  journal written while timed: {j['journal_bytes'] / 2**20:,.1f} MiB ({rate / 2**20:,.1f} MiB/s); "
+        f"compactions: {j['compactions']} (at {j['snapshot_bytes'] / 2**20:,.0f} MiB of WAL)",
+    ]
+    if j["filesystem"].split(" ", 1)[0] in ("tmpfs", "ramfs"):
+        lines.append("  note: the journal's folder is in memory (tmpfs): fdatasync costs nothing here")
+    return lines
 
 
 def render(result: dict[str, Any]) -> str:
@@ -921,6 +1192,8 @@ def render(result: dict[str, Any]) -> str:
               f"{r['messages_per_s']:,.0f}", _us(r["p50_us"]), str(r["no_room"]),
               f">= {EXTENDS_PER_S_TARGET:,}/s", mark(r["ok"])] for r in result["throughput"]],
         ),
+        "",
+        *_render_journal(result["journal"], cfg),
         "",
         f"4. delta lag: {lag['subscribers']} SUB processes, receive - publish time (CLOCK_MONOTONIC), steps back "
         f"to back; {lag['cpus']} cpu(s) for {lag['subscribers']} subscribers + daemon + client (oversubscribed)",
@@ -1002,15 +1275,17 @@ def add_parser(targets: argparse._SubParsersAction) -> None:
         f"and pipelined echo throughput; (2) step round trips ({d.requests} one-token extends + {d.admits} frees "
         f"+ {d.admits} admits of {d.prompt_tokens:,} tokens in one client.batch()) and their ratio to the echo "
         f"(target <= {STEP_OVER_ECHO_TARGET:g}x); (3) extends per second from 1..N client processes (target >= "
-        f"{EXTENDS_PER_S_TARGET:,}); (4) table-delta lag at N subscriber processes (target p99 <= 1 ms, no seq "
-        "gaps); (5) a cProfile split of the daemon's step handling. Marks targets ok/MISS; always exits 0; "
-        "stops every process it started, also on errors and Ctrl-C.",
+        f"{EXTENDS_PER_S_TARGET:,}); (3b) the step workload and (3)'s rows against two fresh daemons, one with "
+        f"--journal in a /tmp folder (removed afterwards), in turns: extends/s with/without (target >= "
+        f"{JOURNAL_RATIO_TARGET:g}) and a 4 KiB fdatasync's cost there; (4) table-delta lag at N subscriber "
+        "processes (target p99 <= 1 ms, no seq gaps); (5) a cProfile split of the daemon's step handling. Marks "
+        "targets ok/MISS; always exits 0; stops every process it started, also on errors and Ctrl-C.",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the tables")
     p.add_argument("--quick", action="store_true",
                    help=f"small counts for tests and CI ({q.steps} steps, {q.seconds:g} s per throughput row, "
-                   f"clients {','.join(map(str, q.clients))}, {q.lag_steps} lag steps, {q.profile_steps} profiled "
-                   "steps); still runs every section; flags given explicitly win")
+                   f"clients {','.join(map(str, q.clients))}, {q.fsync_probes} fdatasync probes, {q.lag_steps} lag "
+                   f"steps, {q.profile_steps} profiled steps); still runs every section; flags given explicitly win")
     p.add_argument("--transport", choices=("ipc", "tcp"),
                    help="ipc:// sockets in a fresh /tmp folder (default), or tcp:// on 127.0.0.1 with free ports; "
                    "the echo, the daemon and its PUB socket all use it")
