@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from kvcache.bench.common import positive_int as _positive_int
 from kvcache.ops import _send_cache, send_cache
 from kvcache.transfer import LayerSignal, WaitStatus
 
@@ -363,17 +364,6 @@ def _run(args: argparse.Namespace) -> int:
     result = run_benchmark(cpu, gpu, args.quick)
     print(json.dumps(result, indent=2) if args.json else render(result))
     return 0
-
-
-def _positive_int(text: str) -> int:
-    """argparse type: an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 def add_parser(targets: argparse._SubParsersAction) -> None:
