@@ -8,7 +8,6 @@ sliding-window row no longer holds.
 """
 from __future__ import annotations
 
-import array
 import dataclasses
 from typing import TYPE_CHECKING, NamedTuple, Sequence, Union
 
@@ -17,15 +16,21 @@ import numpy as np
 from kvcache.allocator.errors import KVCacheError
 from kvcache.allocator.events import AllBlocksCleared, BlockRemoved, BlockStored, CacheEvent
 from kvcache.allocator.pool import BlockPool, Usage, usage
-from kvcache.allocator.prefix import HASH_BYTES, BlockHash, BlockHasher, Inserted, MMPlaceholder, PrefixIndex
+from kvcache.allocator.prefix import (
+    HASH_BYTES,
+    BlockHash,
+    BlockHasher,
+    Inserted,
+    MMPlaceholder,
+    PrefixIndex,
+    as_token_array,
+)
 from kvcache.allocator.swa import AttentionPolicy, Full, Window, recyclable_blocks
 
 if TYPE_CHECKING:
     from kvcache.allocator.layout import CacheSpec
 
 Tokens = Union[Sequence[int], np.ndarray]
-_MAX_TOKEN = 2**32 - 1
-_UINT32 = "I" if array.array("I").itemsize == 4 else "L"  # the array typecode of a 4-byte unsigned int
 
 
 class Admission(NamedTuple):
@@ -183,7 +188,7 @@ class KVCacheManager:
     def lookup(self, prompt_tokens: Tokens, *, cache_salt: str | None = None, lora: str | None = None,
                mm: Sequence[MMPlaceholder | tuple[str, int, int]] | None = None) -> int:
         """Tokens of ``prompt_tokens`` that ``admit`` would find cached now (no state change)."""
-        tokens = _as_tokens(prompt_tokens)
+        tokens = as_token_array(prompt_tokens)
         if self._hasher is None or tokens.size < 2:
             return 0
         hashes = self._hasher.hash_blocks_packed(tokens[: tokens.size - 1], cache_salt=cache_salt, lora=lora, mm=mm)
@@ -250,7 +255,7 @@ class KVCacheManager:
         """
         if request_id in self._requests:
             raise KVCacheError(f"request_id: {request_id!r} is already admitted")
-        tokens = _as_tokens(prompt_tokens)
+        tokens = as_token_array(prompt_tokens)
         if tokens.size == 0:
             raise KVCacheError("prompt_tokens: must hold at least one token")
         if num_tokens is None:
@@ -314,7 +319,7 @@ class KVCacheManager:
         None, changing nothing, when blocks are short.
         """
         req = self._get(request_id)
-        new_tokens = _as_tokens(tokens)
+        new_tokens = as_token_array(tokens)
         done = req.num_tokens if num_computed_tokens is None else num_computed_tokens
         _check_count(done, "num_computed_tokens", least=0)
         if done > req.num_tokens:
@@ -387,7 +392,7 @@ class KVCacheManager:
         in both places. With ``changes`` (a list), each request's changed columns
         are appended to it in order (what ``changed_columns`` gives after each extend).
         """
-        flat = _as_tokens(tokens)
+        flat = as_token_array(tokens)
         counts = np.asarray(counts)
         if counts.ndim != 1 or counts.size != len(request_ids) or (counts.size and counts.dtype.kind not in "iu"):
             raise KVCacheError(f"counts: need one integer per request ({len(request_ids)}), got {counts.shape}")
@@ -632,27 +637,3 @@ def _check_count(value: object, field: str, least: int) -> None:
         raise KVCacheError(f"{field}: must be an integer, got {value!r}")
     if value < least:
         raise KVCacheError(f"{field}: must be at least {least}, got {value}")
-
-
-def _as_tokens(tokens: Tokens) -> np.ndarray:
-    """Tokens as a uint32 array; rejects non-integers and ids outside [0, 2**32)."""
-    if isinstance(tokens, np.ndarray):
-        if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
-            raise KVCacheError(f"tokens: expected a 1-D integer array, got {tokens.dtype} of shape {tokens.shape}")
-        arr = tokens
-    elif isinstance(tokens, (list, tuple, range)):
-        # array('I') converts and range-checks every item in C; it refuses floats, strings, negatives.
-        try:
-            return np.frombuffer(array.array(_UINT32, tokens), dtype=np.uint32)
-        except OverflowError:
-            bad = next(t for t in tokens if not 0 <= t <= _MAX_TOKEN)
-            raise KVCacheError(f"tokens: token id {bad} is outside [0, 2**32)") from None
-        except TypeError:
-            raise KVCacheError("tokens: expected a flat sequence of integers") from None
-    else:
-        raise KVCacheError(f"tokens: expected a list or numpy array of integers, got {type(tokens).__name__}")
-    if arr.size and (int(arr.min()) < 0 or int(arr.max()) > _MAX_TOKEN):
-        bad = arr[(arr < 0) | (arr > _MAX_TOKEN)][0]
-        raise KVCacheError(f"tokens: token id {int(bad)} is outside [0, 2**32)")
-    return arr.astype(np.uint32, copy=False)
-

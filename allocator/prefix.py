@@ -249,7 +249,7 @@ class BlockHasher:
         *,
         split: bool,
     ) -> list[BlockHash] | bytes:
-        toks = _as_uint32(tokens)
+        toks = as_token_array(tokens)
         if isinstance(start_block, bool) or not isinstance(start_block, (int, np.integer)) or start_block < 0:
             raise KVCacheError(f"start_block must be an int >= 0, got {start_block!r}")
         start_block = int(start_block)
@@ -300,31 +300,36 @@ def _describe(value: object) -> str:
     return type(value).__name__
 
 
-def _as_uint32(tokens: Sequence[int] | np.ndarray) -> np.ndarray | array.array:
-    """tokens as a C-contiguous uint32 buffer, or KVCacheError naming the first bad value."""
+def as_token_array(tokens: Sequence[int] | np.ndarray, field: str = "tokens") -> np.ndarray:
+    """Tokens as a C-contiguous uint32 array, or KVCacheError naming ``field`` and the first bad value.
+
+    The one token check of the package (hasher, manager, wire protocol). uint32
+    arrays pass without a scan; lists convert and range-check in C (array('I')).
+    """
     if isinstance(tokens, np.ndarray):
-        if tokens.ndim != 1:
-            raise KVCacheError(f"tokens must be 1-D, got shape {tokens.shape}")
+        if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
+            raise KVCacheError(f"{field}: expected a 1-D integer array, got {tokens.dtype} of shape {tokens.shape}")
         if tokens.dtype == np.uint32:
             return np.ascontiguousarray(tokens)
-        if tokens.dtype.kind not in "iu":
-            raise KVCacheError(f"tokens must be integers, got dtype {tokens.dtype}")
-        if tokens.size and (tokens.min() < 0 or tokens.max() >= _UINT32_LIMIT):
-            bad_at = int(np.flatnonzero((tokens < 0) | (tokens > _UINT32_LIMIT - 1))[0])
-            raise KVCacheError(f"tokens[{bad_at}] = {tokens[bad_at]} is outside [0, 2**32)")
+        # Narrow unsigned ids cannot leave the range; narrow signed ones can only be negative.
+        narrow = tokens.dtype.itemsize <= 4
+        if tokens.size and not (narrow and tokens.dtype.kind == "u") and (
+                int(tokens.min()) < 0 or (not narrow and int(tokens.max()) >= _UINT32_LIMIT)):
+            bad = int(tokens[(tokens < 0) | (tokens > _UINT32_LIMIT - 1)][0])
+            raise KVCacheError(f"{field}: token id {bad} is outside [0, 2**32)")
         return tokens.astype(np.uint32)
     if isinstance(tokens, (str, bytes, bytearray)) or not isinstance(tokens, Sequence):
-        raise KVCacheError(f"tokens must be a sequence of ints or a numpy array, got {type(tokens).__name__}")
+        raise KVCacheError(f"{field}: expected an integer array or a list of integers, got {type(tokens).__name__}")
     try:
-        return array.array("I", tokens)
+        return np.frombuffer(array.array("I", tokens), dtype=np.uint32)
     except (TypeError, OverflowError, ValueError):
         pass
-    for i, tok in enumerate(tokens):  # error path only: find the value to name
+    for tok in tokens:  # error path only: find the value to name
         if isinstance(tok, bool) or not isinstance(tok, (int, np.integer)):
-            raise KVCacheError(f"tokens[{i}] = {tok!r} is not an int") from None
+            raise KVCacheError(f"{field}: expected integers, got {tok!r}") from None
         if not 0 <= tok < _UINT32_LIMIT:
-            raise KVCacheError(f"tokens[{i}] = {tok} is outside [0, 2**32)") from None
-    raise KVCacheError("tokens could not be read as uint32 values")
+            raise KVCacheError(f"{field}: token id {tok} is outside [0, 2**32)") from None
+    raise KVCacheError(f"{field}: could not be read as uint32 token ids")
 
 
 def _check_mm(mm: Sequence[MMPlaceholder | tuple[str, int, int]] | None) -> list[MMPlaceholder]:

@@ -83,6 +83,7 @@ import msgpack
 import numpy as np
 
 from kvcache.allocator.errors import KVCacheError
+from kvcache.allocator.prefix import as_token_array
 
 PROTOCOL_VERSION = 2
 JOURNAL_VERSIONS = (1, 2)  # request formats a journal may hold: requests did not change in 2
@@ -213,29 +214,17 @@ def check_int(value: Any, field: str, least: int = 0, most: int = _INT64_MAX) ->
 
 
 def check_tokens(value: Any, field: str, max_tokens: int) -> np.ndarray:
-    """Tokens as a uint32 array: an integer array ext or a list of ints, ids in [0, 2**32)."""
-    if isinstance(value, np.ndarray):
-        if value.ndim != 1 or value.dtype.kind not in "iu":
-            raise ProtocolError(f"{field}: expected a 1-D integer array, got {value.dtype} {value.shape}")
-        arr = value
-    elif isinstance(value, list):
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
-            raise ProtocolError(f"{field}: expected integers")
-        try:
-            arr = np.array(value, dtype=np.int64)
-        except OverflowError:
-            raise ProtocolError(f"{field}: token id outside [0, 2**32)") from None
-    else:
+    """Tokens as a uint32 array: an integer array ext or a list of ints (no bools), ids in [0, 2**32)."""
+    if isinstance(value, list) and not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise ProtocolError(f"{field}: expected integers")
+    if not isinstance(value, (np.ndarray, list)):
         raise ProtocolError(f"{field}: expected an integer array, got {type(value).__name__}")
-    if arr.size > max_tokens:
-        raise ProtocolError(f"{field}: {arr.size} tokens exceed the limit of {max_tokens}")
-    # Narrow dtypes skip the reductions they cannot fail: uint32 ids are in range, int32 ones can only be negative.
-    narrow = arr.dtype.itemsize <= 4
-    if arr.size and not (narrow and arr.dtype.kind == "u") and (
-            int(arr.min()) < 0 or (not narrow and int(arr.max()) > 2**32 - 1)):
-        bad = int(arr[(arr < 0) | (arr > 2**32 - 1)][0])
-        raise ProtocolError(f"{field}: token id {bad} is outside [0, 2**32)")
-    return arr.astype(np.uint32, copy=False)
+    if len(value) > max_tokens:
+        raise ProtocolError(f"{field}: {len(value)} tokens exceed the limit of {max_tokens}")
+    try:
+        return as_token_array(value, field)
+    except KVCacheError as exc:
+        raise ProtocolError(str(exc)) from None
 
 
 def check_optional_str(op: dict, key: str, field: str, most: int = 4096) -> str | None:

@@ -1,7 +1,9 @@
 """The daemon's message handling: validation before any change, dedupe of retries, slots, deltas, replay."""
 from __future__ import annotations
 
+import contextlib
 import time
+from typing import Iterator
 
 import numpy as np
 import pytest
@@ -149,18 +151,26 @@ def _drain(sock: zmq.Socket, timeout_ms: int = 2000) -> list[list[bytes]]:
     return out
 
 
-def test_deltas_are_published_with_contiguous_sequence_numbers(server):
+@contextlib.contextmanager
+def _joined_subscriber(server: CacheServer) -> Iterator[zmq.Socket]:
+    """A SUB on the daemon's deltas that has surely joined (PUB/SUB joins asynchronously), drained."""
     sub = zmq.Context.instance().socket(zmq.SUB)
     sub.setsockopt(zmq.LINGER, 0)
     sub.setsockopt(zmq.SUBSCRIBE, b"T")
     sub.connect(server.config.pub_endpoint)
     try:
-        # PUB/SUB joins asynchronously: publish until the first message arrives.
-        for i in range(200):
+        for i in range(200):  # publish until the first message arrives
             call(server, [{"op": "ping"}, admit(f"warm{i}", 1)], request_id=1000 + i)
             if sub.poll(10):
                 break
         _drain(sub, 100)
+        yield sub
+    finally:
+        sub.close(0)
+
+
+def test_deltas_are_published_with_contiguous_sequence_numbers(server):
+    with _joined_subscriber(server) as sub:
         start = server._seq
         call(server, [admit("a", 9)], request_id=1)
         call(server, [{"op": "extend", "req": "a", "tokens": [1, 2, 3, 4]}], request_id=2)
@@ -173,23 +183,12 @@ def test_deltas_are_published_with_contiguous_sequence_numbers(server):
         assert bodies[1]["changes"]["cols"].tolist() == [3] and bodies[1]["changes"]["lens"].tolist() == [4]
         assert bodies[2]["freed"] == ["a"] and bodies[2]["changes"]["reqs"] == []
         assert bodies[2]["changes"]["vals"].shape == (2, 0)
-    finally:
-        sub.close(0)
 
 
 def test_a_delta_holds_every_change_of_a_message_in_compressed_rows(server):
     """Change k of a delta: reqs[k] at slots[k], lens[k] wide, columns offsets[k]:offsets[k+1] of cols and vals."""
     call(server, [admit("a", 3), admit("b", 4)], request_id=1)
-    sub = zmq.Context.instance().socket(zmq.SUB)
-    sub.setsockopt(zmq.LINGER, 0)
-    sub.setsockopt(zmq.SUBSCRIBE, b"T")
-    sub.connect(server.config.pub_endpoint)
-    try:
-        for i in range(200):
-            call(server, [{"op": "ping"}, admit(f"warm{i}", 1)], request_id=1000 + i)
-            if sub.poll(10):
-                break
-        _drain(sub, 100)
+    with _joined_subscriber(server) as sub:
         call(server, [{"op": "free", "req": "b"}, admit("c", 9),
                       {"op": "extend_many", "reqs": ["a", "c"], "tokens": np.array([1, 2, 3, 4, 5, 6]),
                        "counts": np.array([2, 4])}], request_id=2)
@@ -202,30 +201,17 @@ def test_a_delta_holds_every_change_of_a_message_in_compressed_rows(server):
         assert changes["vals"].tolist() == [[1, 4, 5, 6, 7]] * 2  # c's admit, a's new block, c's new block
         assert np.array_equal(changes["vals"][:, 3:],
                               np.stack([server.manager.table("a")[:, 1], server.manager.table("c")[:, 3]], axis=1))
-    finally:
-        sub.close(0)
 
 
 def test_a_delta_is_stamped_when_sent_not_when_staged(server):
     """A delta's t is CLOCK_MONOTONIC at its send: one staged, then held (journal commit), gets the later time."""
-    sub = zmq.Context.instance().socket(zmq.SUB)
-    sub.setsockopt(zmq.LINGER, 0)
-    sub.setsockopt(zmq.SUBSCRIBE, b"T")
-    sub.connect(server.config.pub_endpoint)
-    try:
-        for i in range(200):
-            call(server, [{"op": "ping"}, admit(f"warm{i}", 1)], request_id=1000 + i)
-            if sub.poll(10):
-                break
-        _drain(sub, 100)
+    with _joined_subscriber(server) as sub:
         server._process(pack({"v": PROTOCOL_VERSION, "client": "c", "id": 1, "ops": [admit("a")]}))
         time.sleep(0.05)
         before_send = time.monotonic_ns()
         server._release_staged()
         (message,) = _drain(sub)
         assert before_send <= unpack(message[2], 1 << 20)["t"] <= time.monotonic_ns()
-    finally:
-        sub.close(0)
 
 
 def _replay(server: CacheServer, start: int) -> list[bytes]:
