@@ -15,10 +15,6 @@ from __future__ import annotations
 import array
 import hashlib
 import os
-from collections import deque
-from functools import partial
-from itertools import repeat, takewhile
-from operator import is_not
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, NamedTuple, NewType
 

@@ -5,7 +5,6 @@ import argparse
 import dataclasses
 import logging
 import signal
-import sys
 from typing import Any
 
 from kvcache.allocator.errors import KVCacheError

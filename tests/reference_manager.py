@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvcache.allocator.prefix import BlockHasher
-from kvcache.allocator.swa import Full, Window
+from kvcache.allocator.swa import Full
 
 
 class RowPool:
