@@ -7,9 +7,15 @@ A journal is a folder holding two files::
 
 ``commit()`` makes every appended record durable with one fdatasync (group
 commit): the daemon sends a reply only after the record of its message is
-committed. On recovery a torn or corrupt tail (a crash mid-write) is cut off
-at the last whole record, and records the snapshot already holds (a crash
-between snapshot and WAL truncation) are skipped by their lsn.
+committed. The WAL is zero-filled ahead of the writes (``PREALLOCATE_BYTES``
+at a time, as PostgreSQL does with its segments), so a commit overwrites
+allocated blocks and its fdatasync flushes data only, not the file's size
+(about 40% cheaper on ext4). A zero header ends the records.
+
+On recovery a torn or corrupt tail (a crash mid-write) is cut off at the last
+whole record and everything after it zeroed, so a later record that reached
+the disk out of order can never join the chain; records the snapshot already
+holds (a crash between snapshot and WAL truncation) are skipped by their lsn.
 """
 from __future__ import annotations
 
@@ -24,6 +30,8 @@ from kvcache.allocator.errors import KVCacheError
 _HEADER = struct.Struct("<IIQ")  # length, crc32 of lsn+payload, lsn
 _SNAPSHOT_MAGIC = b"KVCJ1\n"
 MAX_RECORD_BYTES = 1 << 30
+PREALLOCATE_BYTES = 4 << 20  # zero-filled ahead of the writes, this much at a time
+_ZEROS = memoryview(bytes(1 << 20))
 
 
 class Recovered(NamedTuple):
@@ -33,6 +41,28 @@ class Recovered(NamedTuple):
     snapshot_lsn: int
     records: list[bytes]
     truncated_bytes: int  # torn or corrupt tail cut off
+
+
+def records_end(wal: str | Path) -> int:
+    """Where a WAL's records end (its preallocated zeros start), by their headers alone; 0 for a missing file.
+
+    For observers such as a benchmark measuring bytes journaled: the file's
+    size says nothing once it is preallocated.
+    """
+    try:
+        with open(wal, "rb") as f:
+            end = 0
+            while True:
+                f.seek(end)
+                head = f.read(_HEADER.size)
+                if len(head) < _HEADER.size:
+                    return end
+                length, crc, _ = _HEADER.unpack(head)
+                if length == 0 and crc == 0:
+                    return end
+                end += _HEADER.size + length
+    except FileNotFoundError:
+        return 0
 
 
 def _fsync_dir(path: Path) -> None:
@@ -51,7 +81,8 @@ class Journal:
         self.sync = sync
         self.lsn = 0  # last record written (or held by the snapshot)
         self._pending: list[bytes] = []
-        self._wal_bytes = 0
+        self._wal_bytes = 0  # the records' end: where the next commit writes
+        self._allocated = 0  # the WAL file's size; zeros from _wal_bytes to here
         self._fd: int | None = None
 
     @property
@@ -82,14 +113,25 @@ class Journal:
                 records.append(payload)
                 self.lsn = lsn
             offset = end
-        truncated = len(data) - offset
+        truncated = len(data[offset:].rstrip(b"\0"))  # zeros past the end are preallocation, not damage
         self._fd = os.open(wal, os.O_WRONLY | os.O_CREAT, 0o600)
-        if truncated:
-            os.ftruncate(self._fd, offset)
-            os.fsync(self._fd)
-        os.lseek(self._fd, offset, os.SEEK_SET)
-        self._wal_bytes = offset
+        self._wal_bytes = self._allocated = offset
+        self._preallocate(0)  # zeroes whatever followed the last whole record
         return Recovered(snapshot, snapshot_lsn, records, truncated)
+
+    def _preallocate(self, needed: int) -> None:
+        """Zero-fill the WAL so that ``needed`` more bytes fit with ``PREALLOCATE_BYTES`` to spare, then sync it."""
+        assert self._fd is not None, "journal is not open"
+        if self._wal_bytes + needed + PREALLOCATE_BYTES // 4 <= self._allocated:
+            return
+        end = self._wal_bytes + needed + PREALLOCATE_BYTES
+        position = self._allocated
+        while position < end:
+            position += os.pwrite(self._fd, _ZEROS[:end - position], position)
+        os.ftruncate(self._fd, end)  # drops what lay past ``end`` (a recovered WAL's old tail)
+        if self.sync:
+            os.fsync(self._fd)  # the new size too: later fdatasyncs leave it alone
+        self._allocated = end
 
     def append(self, payload: bytes) -> int:
         """Queue one record (durable at the next ``commit``); returns its lsn."""
@@ -108,10 +150,12 @@ class Journal:
         assert self._fd is not None, "journal is not open"
         data = b"".join(self._pending)
         self._pending.clear()
+        self._preallocate(len(data))
         view = memoryview(data)
+        position = self._wal_bytes
         while view:
-            written = os.write(self._fd, view)
-            view = view[written:]
+            written = os.pwrite(self._fd, view, position)
+            view, position = view[written:], position + written
         if self.sync:
             os.fdatasync(self._fd)
         self._wal_bytes += len(data)
@@ -128,9 +172,8 @@ class Journal:
         os.replace(tmp, self.folder / "snapshot")
         _fsync_dir(self.folder)
         os.ftruncate(self._fd, 0)
-        os.lseek(self._fd, 0, os.SEEK_SET)
-        os.fsync(self._fd)
-        self._wal_bytes = 0
+        self._wal_bytes = self._allocated = 0
+        self._preallocate(0)
 
     def close(self) -> None:
         """Commit what is queued and close the WAL."""
