@@ -11,7 +11,7 @@ import zmq
 
 from kvcache.allocator import Full, KVCacheManager, Window
 from kvcache.config import ServeConfig, derive_endpoints, parse_rows
-from kvcache.protocol import PROTOCOL_VERSION, ProtocolError, pack, unpack
+from kvcache.protocol import PROTOCOL_VERSION, ProtocolError, pack, seq_frame, unpack
 from kvcache.server import CacheServer
 
 
@@ -163,7 +163,9 @@ def _joined_subscriber(server: CacheServer) -> Iterator[zmq.Socket]:
             call(server, [{"op": "ping"}, admit(f"warm{i}", 1)], request_id=1000 + i)
             if sub.poll(10):
                 break
-        _drain(sub, 100)
+        last = seq_frame(server._seq)
+        while sub.poll(5000) and sub.recv_multipart()[1] != last:  # drain through the last warm-up delta
+            pass
         yield sub
     finally:
         sub.close(0)
