@@ -53,3 +53,28 @@ def test_a_restarted_scheduler_resumes_by_name_or_reclaims_by_id(daemon):
     assert other.stats()["num_requests"] == 2
     again.close()
     other.close()
+
+
+def test_an_expired_lease_stays_expired_after_kill_9_and_live_leases_survive(daemon, tmp_path):
+    """The expiry is journaled like any free: a crash after it neither revives the silent scheduler's
+    requests nor drops the ones of a scheduler that kept talking."""
+    flags = (*FLAGS, "--journal", str(tmp_path / "journal"))
+    d = daemon(*flags)
+    with CacheClient(d.endpoint, name="steady") as steady:
+        kept = steady.admit("s", np.arange(5))
+        silent = CacheClient(d.endpoint, name="silent")
+        silent.admit("x1", np.arange(9))
+        silent.close()
+        deadline = time.monotonic() + 5
+        while steady.stats()["num_requests"] != 1:
+            assert time.monotonic() < deadline, "the silent scheduler's lease never expired"
+            time.sleep(0.1)
+    d.kill()
+    d = daemon(*flags, folder=d.folder)
+    with CacheClient(d.endpoint, name="steady") as steady:
+        stats = steady.stats()
+        assert stats["num_requests"] == 1 and steady.owned() == ["s"]
+        assert np.array_equal(steady.table("s"), kept.table)
+        assert steady.num_free_blocks.tolist() == [64 - 2]
+        steady.check_integrity()
+        assert steady.extend("s", [7, 7, 7, 7]) is not None  # the survivor goes on
