@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ctypes
+import json
 import hashlib
 import logging
 from typing import Any
@@ -549,3 +550,21 @@ TestTierMachine = TierMachine.TestCase
 TestTierMachine.settings = _machine_settings
 TestHeadWiseTierMachine = HeadWiseTierMachine.TestCase
 TestHeadWiseTierMachine.settings = _machine_settings
+
+
+# --------------------------------------------------------------------------- benchmark
+
+
+def test_bench_tier_quick_reports_offload_and_reload_against_one_memcpy(capsys) -> None:
+    """`kvcache bench tier --quick --json --device cpu` runs end to end and exits 0; no assertion is about speed."""
+    from kvcache.cli import main
+
+    assert main(["bench", "tier", "--quick", "--json", "--device", "cpu", "--repeat", "1"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    rows = result["rows"]
+    assert [(r["path"].split()[0], r["block_size"]) for r in rows] == [
+        ("offload", 16), ("reload", 16), ("offload", 64), ("reload", 64)]
+    for r in rows:
+        assert r["bytes"] == 4096 * 8 * 128 * 2 * 2 * result["config"]["layers"]
+        assert r["ms"] > 0 and r["limit_ms"] > 0 and r["of_limit"] > 0 and isinstance(r["ok"], bool)
+        assert 0 < r["call_ms"] <= r["ms"]

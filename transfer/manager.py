@@ -41,7 +41,7 @@ from kvcache.allocator.events import BlockRemoved, BlockStored
 from kvcache.allocator.pool import BlockPool
 from kvcache.allocator.prefix import HASH_BYTES, PrefixIndex
 from kvcache.transfer.engines import CUDA_METHODS, DEFAULT_TIMEOUT, LocalEngine, TransferHandle, TransferStatus
-from kvcache.transfer.regions import KVRegion
+from kvcache.transfer.regions import CopyRanges, KVRegion, copy_ranges
 
 if TYPE_CHECKING:
     from kvcache.allocator.layout import CacheSpec
@@ -363,8 +363,7 @@ class TransferManager:
             assert ((src >= 0) == (dst >= 0)).all(), "the tier lost a block between held() and admitted()"
             host_ids = np.unique(src[src >= 0]).astype(np.int32)
             self._pool.incref(np.zeros(host_ids.size, dtype=np.intp), host_ids, unique=True)
-            handles = [self._in.write(self.host, self._ids_of(src), self.gpu, self._ids_of(dst), layers=[layer])
-                       for layer in range(self.gpu.num_layers)]
+            handles = self._copy_layers(self._in, self.host, src, self.gpu, dst)
             job = next(self._ids)
             self._loads[job] = _LoadJob(handles, request_id, host_ids, dst, k)
             r, c = np.nonzero(dst >= 0)
@@ -400,8 +399,7 @@ class TransferManager:
         dst = np.where(src >= 0, host_ids[None, :], -1).astype(np.int32)
         picked = b"".join(hashes[i * _H:(i + 1) * _H] for i in cols.tolist())
         self._index.insert(picked, dst.T)
-        handles = [self._out.write(self.gpu, self._ids_of(src), self.host, self._ids_of(dst), layers=[layer])
-                   for layer in range(self.gpu.num_layers)]
+        handles = self._copy_layers(self._out, self.gpu, src, self.host, dst)
         job = next(self._ids)
         self._offloads[job] = _Offload(handles, host_ids, src, cols, hashes, tokens, lora,
                                        np.zeros(cols.size, dtype=bool))
@@ -461,9 +459,32 @@ class TransferManager:
                 offset += tensor.nbytes(num_blocks)
         return KVRegion.from_addresses(spec, num_blocks, addrs, device="cpu", pinned=pinned, keep=(buffer,))
 
-    def _ids_of(self, table: np.ndarray) -> np.ndarray:
-        """Block ids as a copy takes them: whole blocks (1-D) in uniform mode, per head ``[rows, n]`` otherwise."""
-        return table[0] if self._uniform else table
+    def _copy_layers(self, engine: LocalEngine, src: KVRegion, src_ids: np.ndarray, dst: KVRegion,
+                     dst_ids: np.ndarray) -> list[TransferHandle]:
+        """One transfer per layer, in layer order on one engine (so layer l's is done when layer l+1's is).
+
+        The byte ranges of all layers are computed in one pass and split by the layer whose memory
+        each range starts in; a range merged across a layer boundary goes with the earlier layer,
+        which the engine's in-order queue finishes first.
+        """
+        if self._uniform:  # whole blocks (1-D ids); otherwise per head [rows, n]
+            src_ids, dst_ids = src_ids[0], dst_ids[0]
+        ranges = copy_ranges(src, src_ids, dst, dst_ids)
+        starts = src.addrs.ravel()
+        order = np.argsort(starts, kind="stable")
+        owner = np.repeat(np.arange(src.num_layers), src.addrs.shape[1])[order]
+        layer = owner[np.searchsorted(starts[order], ranges.src, side="right") - 1]
+        cut = np.searchsorted(layer, np.arange(src.num_layers + 1)) if (np.diff(layer) >= 0).all() else None
+        device = self.gpu.device if self.gpu.is_cuda else "cpu"
+        handles = []
+        for l in range(src.num_layers):
+            if cut is not None:
+                part = slice(int(cut[l]), int(cut[l + 1]))
+            else:
+                part = np.flatnonzero(layer == l)
+            handles.append(engine.submit(CopyRanges(ranges.src[part], ranges.dst[part], ranges.length[part]),
+                                         device=device))
+        return handles
 
     def _evict_host(self, host_ids: np.ndarray) -> None:
         """The host pool reused these findable blocks (LRU): drop their hashes, announce the ones that left."""
