@@ -568,3 +568,69 @@ def test_bench_tier_quick_reports_offload_and_reload_against_one_memcpy(capsys) 
         assert r["bytes"] == 4096 * 8 * 128 * 2 * 2 * result["config"]["layers"]
         assert r["ms"] > 0 and r["limit_ms"] > 0 and r["of_limit"] > 0 and isinstance(r["ok"], bool)
         assert 0 < r["call_ms"] <= r["ms"]
+
+
+# --------------------------------------------------------------------------- loads in flight
+
+
+def occupy(engine: Any, nbytes: int = 1 << 28) -> Any:
+    """Queue one large host copy on ``engine``'s single worker, so what is queued next waits behind it."""
+    big = np.zeros(nbytes, dtype=np.uint8)
+    other = np.empty_like(big)
+    handle = engine.submit(CopyRanges(np.array([big.ctypes.data]), np.array([other.ctypes.data]),
+                                      np.array([big.nbytes])))
+    handle.keep = (big, other)
+    return handle
+
+
+def test_a_hit_on_blocks_still_loading_waits_for_that_load(tiers) -> None:
+    """B's load is queued; C, admitted now, hits B's new GPU blocks, so C's Load includes B's copies."""
+    spec = make_spec()
+    tier = tiers(spec, num_blocks=16, host_blocks=16)
+    prompt = list(range(1, 14))
+    tier.admit("a", prompt)
+    tier.manager.free("a")
+    assert tier.tm.drain(10)
+    fill_gpu(tier)
+    busy = occupy(tier.tm._in)
+    b = tier.manager.admit("b", prompt)
+    c = tier.manager.admit("c", prompt)
+    assert (b.num_cached_tokens, c.num_cached_tokens) == (12, 12)
+    assert (c.table[:, :3] == b.table[:, :3]).all(), "C's hit is on the GPU blocks B is loading"
+    load = tier.tm.load("c")
+    assert load is not None and load.status() is TransferStatus.PENDING
+    assert busy.wait(30) is TransferStatus.DONE
+    assert load.wait(timeout=10) is TransferStatus.DONE
+    tier.check_cached(prompt, c.table, 3, "c")
+    tier.tm.poll()
+    assert tier.tm.load("c") is None and tier.tm.stats().pending_loads == 0
+    tier.check_host()
+
+
+def test_a_request_freed_while_loading_is_not_reused_mid_copy(tiers) -> None:
+    """free() of a request whose load is still queued waits for the load (bounded by its deadline) before its blocks go."""
+    spec = make_spec()
+    tier = tiers(spec, num_blocks=8, host_blocks=8)
+    prompt = list(range(1, 14))
+    tier.admit("a", prompt)
+    tier.manager.free("a")
+    assert tier.tm.drain(10)
+    fill_gpu(tier)
+    busy = occupy(tier.tm._in)
+    tier.manager.admit("b", prompt)
+    assert tier.tm.stats().pending_loads == 1
+    tier.manager.free("b")  # an abort: the step never ran
+    assert busy.done() and tier.tm.stats().pending_loads == 0
+    fill_gpu(tier)  # new owners may write the blocks now
+    assert tier.admit("c", prompt) == 12
+    tier.check_host()
+
+
+def test_a_journal_snapshot_pickles_the_manager_without_its_tier(tiers) -> None:
+    import pickle
+
+    tier = tiers(make_spec(), num_blocks=8, host_blocks=8)
+    tier.admit("a", list(range(1, 10)))
+    copy = pickle.loads(pickle.dumps(tier.manager))
+    assert copy.tier is None and tier.manager.tier is tier.tm
+    assert copy.table("a").tolist() == tier.manager.table("a").tolist()
