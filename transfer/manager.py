@@ -273,6 +273,10 @@ class TransferManager:
         blocks = self._index.blocks_of(hashes)
         return np.where((blocks >= 0) & self._ready[np.maximum(blocks, 0)], blocks, -1).astype(np.int32)
 
+    def resolved_cuda_method(self) -> str:
+        """How this tier's copies touch the GPU (``kernel``, ``batch`` or ``loop``; see LocalEngine)."""
+        return self._out.resolved_cuda_method()
+
     def stats(self) -> TierStats:
         c = self._counts
         return TierStats(

@@ -78,7 +78,7 @@ class _Setup:
             self.limit_name = "one memcpy"
         self.manager = KVCacheManager.from_spec(spec, num_blocks)
         self.tm = TransferManager(self.manager, self.region, HostTierConfig(host_blocks=n, timeout=120.0))
-        self.limit_engine = LocalEngine(timeout=120.0)
+        self.limit_engine = LocalEngine(timeout=120.0, cuda_method="loop")  # one range: one cudaMemcpyAsync
         self.rng = np.random.default_rng(SEED)
         self.prompt = self.rng.integers(0, 50_000, TOKENS, dtype=np.uint32)
 
@@ -141,8 +141,11 @@ def bench(layers: int, repeat: int, device: str) -> dict[str, Any]:
     if device == "gpu" and torch is None:
         raise SystemExit("kvcache bench tier: --device gpu needs PyTorch with a CUDA device")
     rows = []
+    method = None
     for bs in BLOCK_SIZES:
         setup = _Setup(bs, layers, torch)
+        if torch is not None:
+            method = setup.tm.resolved_cuda_method()
         try:
             setup.round()  # warm-up: engines, pinning, kernels
             best: dict[str, float] = {}
@@ -163,7 +166,7 @@ def bench(layers: int, repeat: int, device: str) -> dict[str, Any]:
             })
     info: dict[str, Any] = {"device": "cpu (a host buffer stands in for the GPU cache)"}
     if torch is not None:
-        info = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__}
+        info = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "cuda_method": method}
     return {"benchmark": "tier", "info": info, "rows": rows,
             "config": {"layers": layers, "repeat": repeat, "tokens": TOKENS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
                        "block_sizes": list(BLOCK_SIZES), "python": platform.python_version(), "cpus": os.cpu_count()}}
