@@ -454,8 +454,6 @@ class TransferManager:
             addr, pinned = buffer.data_ptr(), True
         else:
             buffer = mmap.mmap(-1, max(nbytes, 1))
-            if hasattr(mmap, "MADV_HUGEPAGE"):
-                buffer.madvise(mmap.MADV_HUGEPAGE)  # fewer TLB misses on scattered block copies, as numpy does
             addr = np.frombuffer(buffer, dtype=np.uint8).ctypes.data
         addrs = np.zeros((spec.num_layers, len(spec.tensors())), dtype=np.int64)
         offset = 0
