@@ -26,9 +26,11 @@ from kvcache.allocator.prefix import (
     as_token_array,
 )
 from kvcache.allocator.swa import AttentionPolicy, Full, Window, recyclable_blocks
+from kvcache.allocator.tiers import tier_extension
 
 if TYPE_CHECKING:
     from kvcache.allocator.layout import CacheSpec
+    from kvcache.allocator.tiers import LowerTier
 
 Tokens = Union[Sequence[int], np.ndarray]
 
@@ -136,6 +138,13 @@ class KVCacheManager:
         self._group_sizes = np.bincount(self._row_group)
         self._queries = self._hit_requests = self._queried_tokens = self._hit_tokens = 0
         self._evicted = self._recycled = 0
+        self.tier: LowerTier | None = None  # a cache tier under the GPU blocks (attach_tier)
+
+    def __getstate__(self) -> dict:
+        """Pickle (a journal snapshot) without the attached tier: it holds memory and threads, not state."""
+        state = self.__dict__.copy()
+        state["tier"] = None
+        return state
 
     def __setstate__(self, state: dict) -> None:
         """Unpickling (a journal snapshot): cached table views would be copies now, so drop them."""
@@ -192,7 +201,10 @@ class KVCacheManager:
         if self._hasher is None or tokens.size < 2:
             return 0
         hashes = self._hasher.hash_blocks_packed(tokens[: tokens.size - 1], cache_salt=cache_salt, lora=lora, mm=mm)
-        return self._match(hashes)[0] * self.block_size
+        num_hit = self._match(hashes)[0]
+        if self.tier is not None:
+            num_hit += self._match_tier(hashes, num_hit, len(hashes) // _H)[0]
+        return num_hit * self.block_size
 
     def table(self, request_id: object) -> np.ndarray:
         """The request's block table, int32 ``[num_rows, num_blocks]`` (a read-only view)."""
@@ -266,10 +278,16 @@ class KVCacheManager:
         bs = self.block_size
         hashes = b""
         num_hit, hit = 0, None
+        num_tier, tier_held = 0, None
+        if self.tier is not None:
+            self.tier.poll()
         if self._hasher is not None:
             hashes = self._hasher.hash_blocks_packed(tokens, cache_salt=cache_salt, lora=lora, mm=mm)
             num_hit, hit = self._match(hashes[: (tokens.size - 1) // bs * _H])
-        covered = min(int(tokens.size), max(num_tokens, num_hit * bs + 1))
+            if self.tier is not None:
+                num_tier, tier_held = self._match_tier(hashes, num_hit, (tokens.size - 1) // bs)
+        num_cached = num_hit + num_tier
+        covered = min(int(tokens.size), max(num_tokens, num_cached * bs + 1))
         num_blocks = -(-covered // bs)
         num_new = num_blocks - num_hit
         free = self._pool.num_free()
@@ -288,6 +306,11 @@ class KVCacheManager:
         if hit is not None:
             table[:, :num_hit] = hit
         table[:, num_hit:num_blocks] = allocation.blocks
+        if tier_held is not None and not tier_held.all():
+            # A window row skips tier blocks outside its window: give those back unwritten, never index them.
+            g, j = np.nonzero(~tier_held)
+            self._pool.decref(g, table[g, num_hit + j], unique=True)
+            table[g, num_hit + j] = -1
         buffer = np.empty(_grow(covered, 64), dtype=np.uint32)
         buffer[:covered] = tokens[:covered]
         req = _Request(
@@ -303,10 +326,13 @@ class KVCacheManager:
         if self._hasher is not None:
             self._register(req, hashes[num_hit * _H: covered // bs * _H])
             self._queries += 1
-            self._hit_requests += num_hit > 0
+            self._hit_requests += num_cached > 0
             self._queried_tokens += int(tokens.size)
-            self._hit_tokens += num_hit * bs
-        return Admission(num_hit * bs, _view(req), covered)
+            self._hit_tokens += num_cached * bs
+        view = _view(req)
+        if self.tier is not None:
+            self.tier.admitted(request_id, view, num_hit, hashes[num_hit * _H: num_cached * _H])
+        return Admission(num_cached * bs, view, covered)
 
     def extend(self, request_id: object, tokens: Tokens, *, num_computed_tokens: int | None = None) -> np.ndarray | None:
         """Append ``tokens`` (a prefill chunk or decoded tokens) and allocate the blocks they need.
@@ -431,16 +457,68 @@ class KVCacheManager:
         before its first ones (which more requests share).
         """
         req = self._get(request_id)
+        if self.tier is not None:
+            self._release_to_tier(request_id, req)
         del self._requests[request_id]
         self._pool.decref(self._group_col, req.table[:, req.num_blocks - 1::-1], unique=True)
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix (live requests keep their blocks); returns the hashes dropped."""
+        if self.tier is not None:
+            self.tier.evicting(*self._expand_pairs(*self._index.held_pairs()))
+            self.tier.reset()
         dropped = self._index.clear()
         self._pool.reset_cached()
         if self.enable_events:
             self._events.append(AllBlocksCleared())
         return dropped
+
+    # ------------------------------------------------------------------ lower tier
+
+    def attach_tier(self, tier: LowerTier | None) -> None:
+        """Put a cache tier under the GPU blocks (None detaches it); see ``allocator/tiers.py``.
+
+        With a tier, ``admit`` counts the tier's blocks after a GPU hit as cached,
+        ``free`` offers released blocks to it, and evictions are reported first.
+        """
+        if tier is not None and self.tier is not None and tier is not self.tier:
+            raise KVCacheError("tier: this manager already has a tier attached; detach it first")
+        self.tier = tier
+
+    def lookup_tiers(self, prompt_tokens: Tokens, *, cache_salt: str | None = None, lora: str | None = None,
+                     mm: Sequence[MMPlaceholder | tuple[str, int, int]] | None = None) -> tuple[int, int]:
+        """(GPU-cached tokens, further tokens the tier holds) that ``admit`` would count now (no state change)."""
+        tokens = as_token_array(prompt_tokens)
+        if self._hasher is None or tokens.size < 2:
+            return 0, 0
+        hashes = self._hasher.hash_blocks_packed(tokens[: tokens.size - 1], cache_salt=cache_salt, lora=lora, mm=mm)
+        num_hit = self._match(hashes)[0]
+        num_tier = self._match_tier(hashes, num_hit, len(hashes) // _H)[0] if self.tier is not None else 0
+        return num_hit * self.block_size, num_tier * self.block_size
+
+    def drop_cached(self, rows: np.ndarray, blocks: np.ndarray) -> None:
+        """Forget the hashes these (row, block) pairs hold: their KV is not what the hash says (a failed load).
+
+        Live requests keep the blocks; free ones go back uncached. Emits BlockRemoved for hashes that left.
+        """
+        rows = np.asarray(rows, dtype=np.intp).ravel()
+        blocks = np.asarray(blocks, dtype=np.intp).ravel()
+        keep = blocks >= 0
+        if not keep.all():
+            rows, blocks = rows[keep], blocks[keep]
+        if rows.size and ((rows < 0) | (rows >= self.num_rows) | (blocks >= self.num_blocks)).any():
+            raise KVCacheError(f"rows/blocks: pairs must lie in [0, {self.num_rows}) x [0, {self.num_blocks})")
+        groups = np.unique(self._row_group[rows] * self.num_blocks + blocks)
+        groups, blocks = np.divmod(groups, self.num_blocks)
+        removed = self._index.remove(groups, blocks)
+        self._pool.uncache(removed.rows, removed.blocks)
+        if self.enable_events and len(removed.gone):
+            self._events.append(BlockRemoved(tuple(bytes(h) for h in removed.gone)))
+
+    def push_events(self, events: Sequence[CacheEvent]) -> None:
+        """Queue a tier's events (medium "CPU") behind the manager's own, so subscribers see one ordered stream."""
+        if self.enable_events:
+            self._events.extend(events)
 
     def check_integrity(self) -> None:
         """Raise AssertionError with the numbers if pool, index and tables disagree."""
@@ -514,6 +592,50 @@ class KVCacheManager:
             blocks[np.ix_(group, np.flatnonzero(~keep))] = -1
         return num_hit, blocks
 
+    def _match_tier(self, hashes: bytes, start: int, limit: int) -> tuple[int, np.ndarray | None]:
+        """Blocks after a GPU hit of ``start`` blocks that the tier supplies, and which groups it holds them for.
+
+        Returns (n, bool ``[groups, n]``), or (0, None); hashes are the prompt's, ``limit`` the most blocks a hit may take.
+        """
+        assert self.tier is not None
+        if limit <= start:
+            return 0, None
+        held = np.asarray(self.tier.held(hashes[start * _H: limit * _H]), dtype=bool)
+        if held.shape[0] == 0:
+            return 0, None
+        num_groups = len(self._group_col)
+        present = held if not self._expand and held.shape[1] == num_groups else np.stack(
+            [held[:, self._row_group == g].all(axis=1) for g in range(num_groups)], axis=1)
+        policies = list(dict.fromkeys(self.rows))
+        n = tier_extension(present, start, policies, self.block_size)
+        return (n, present[:n].T.copy()) if n else (0, None)
+
+    def _release_to_tier(self, request_id: object, req: _Request) -> None:
+        """Offer the tier the request's hashed blocks that lose their last reference with this free."""
+        assert self.tier is not None
+        self.tier.poll()
+        n = req.num_hashed
+        hashes = b""
+        blocks = np.empty((self.num_rows, 0), dtype=np.int32)
+        if n and self._hasher is not None:
+            bs = self.block_size
+            hashes = self._hasher.hash_blocks_packed(req.tokens[: n * bs], cache_salt=req.cache_salt, lora=req.lora,
+                                                     mm=req.mm)
+            table = req.table[:, :n]
+            last = self._pool.refcount(self._group_col, table) == 1
+            holds = (self._index.blocks_of(hashes).T == table) & (table >= 0)
+            blocks = np.where(last & holds, table, -1)[self._row_group]
+        self.tier.released(request_id, hashes, blocks, req.tokens[: n * self.block_size].copy(), req.lora)
+
+    def _expand_pairs(self, groups: np.ndarray, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(group, block) pairs as the (row, block) pairs they stand for."""
+        groups = np.asarray(groups, dtype=np.intp)
+        blocks = np.asarray(blocks, dtype=np.intp)
+        if not self._expand:
+            return groups, blocks
+        i, r = np.nonzero(self._row_group[None, :] == groups[:, None])
+        return r, blocks[i]
+
     def _recyclable(self, req: _Request, done: int) -> tuple[np.ndarray, np.ndarray, list[int]]:
         """(rows, blocks) the window rows may give back before queries from ``done``, tail first."""
         stops: list[int] = []
@@ -554,6 +676,8 @@ class KVCacheManager:
         if rows.size == 0:
             return
         self._evicted += int(self._group_sizes[rows].sum())
+        if self.tier is not None:
+            self.tier.evicting(*self._expand_pairs(rows, blocks))
         removed = self._index.remove(rows, blocks)
         if self.enable_events and len(removed.gone):
             self._events.append(BlockRemoved(tuple(bytes(h) for h in removed.gone)))

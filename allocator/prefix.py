@@ -481,6 +481,18 @@ class PrefixIndex:
         """Blocks (int32 ``[k, num_rows]``, -1 = row lacks it) of the longest run of known leading hashes."""
         return self._blocks[self._find(hashes, stop_at_miss=True)]
 
+    def blocks_of(self, hashes: bytes) -> np.ndarray:
+        """Blocks (int32 ``[n, num_rows]``, -1 = row lacks it) of every packed hash, found or not (no run cut)."""
+        entries = self._find(hashes, stop_at_miss=False)
+        out = self._blocks[np.maximum(entries, 0)]
+        out[entries < 0] = -1
+        return out
+
+    def hashes_at(self, rows: np.ndarray, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The packed hash (``V32``) each (row, block) pair holds, and whether it holds one (bool)."""
+        entries = self._entry_at[np.asarray(rows, dtype=np.intp), np.asarray(blocks, dtype=np.intp)]
+        return self._hash_of[np.maximum(entries, 0)], entries >= 0
+
     def insert(self, hashes: bytes, blocks: np.ndarray) -> Inserted:
         """Record that row r's block ``blocks[i, r]`` (int32 ``[n, rows]``, -1 = none) holds hash i.
 

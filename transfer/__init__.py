@@ -10,6 +10,7 @@ from kvcache.transfer.engines import (
     TransferStatus,
     create_engine,
 )
+from kvcache.transfer.manager import HostTierConfig, Load, TierStats, TransferManager
 from kvcache.transfer.regions import ByteRanges, CopyRanges, KVRegion, copy_ranges, describe_tensor
 from kvcache.transfer.signal import LayerSignal, LayerTimes, Progress, WaitStatus, signal_name
 
@@ -17,13 +18,17 @@ __all__ = [
     "CUDA_METHODS",
     "ByteRanges",
     "CopyRanges",
+    "HostTierConfig",
     "KVRegion",
     "LayerSignal",
     "LayerTimes",
+    "Load",
     "LocalEngine",
     "Progress",
+    "TierStats",
     "TransferEngine",
     "TransferHandle",
+    "TransferManager",
     "TransferStatus",
     "WaitStatus",
     "begin_step",

@@ -1,0 +1,636 @@
+"""Host-memory tier: released blocks offloaded to host, evicted from the GPU, found on host and copied back byte for byte."""
+from __future__ import annotations
+
+import ctypes
+import json
+import hashlib
+import logging
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kvcache.allocator import CacheSpec, Full, KVCacheError, KVCacheManager, Window
+from kvcache.allocator.events import BlockRemoved, BlockStored
+from kvcache.allocator.layout import DTYPE_BYTES
+from kvcache.allocator.prefix import BlockHasher
+from kvcache.allocator.tiers import tier_extension
+from kvcache.events import encode_batch
+from kvcache.transfer import HostTierConfig, KVRegion, TransferManager, TransferStatus
+from kvcache.transfer.regions import CopyRanges
+
+RAW = {1: np.uint8, 2: np.uint16, 4: np.uint32}
+SPECS = {
+    "bf16": dict(num_kv_heads=4, head_dim=16),
+    "int8": dict(num_kv_heads=4, head_dim=16, quant="int8"),
+    "int4_zp": dict(num_kv_heads=4, head_dim=16, quant="int4_zp"),
+    "block_wise_fp8": dict(num_kv_heads=4, head_dim=16, quant="block_wise_fp8"),
+    "block_wise_fp8_blackwell": dict(num_kv_heads=4, head_dim=16, quant="block_wise_fp8", scale_layout="blackwell"),
+    "mla_fp8": dict(quant="mla_fp8", kv_lora_rank=128, qk_rope_head_dim=16),
+}
+SEED = b"tier-tests"
+
+
+def make_spec(name: str = "bf16", **overrides: Any) -> CacheSpec:
+    fields: dict[str, Any] = dict(num_layers=3, block_size=4, **SPECS[name])
+    fields.update(overrides)
+    return CacheSpec(**fields)
+
+
+class Memory:
+    """KV memory standing in for a GPU cache: one random numpy buffer (layer, tensor, block) registered as a KVRegion."""
+
+    def __init__(self, spec: CacheSpec, num_blocks: int, seed: int = 0) -> None:
+        self.buffer = np.random.default_rng(seed).integers(0, 256, spec.cache_bytes(num_blocks), dtype=np.uint8)
+        views, offset = [], 0
+        for _ in range(spec.num_layers):
+            row = []
+            for t in spec.tensors():
+                n = t.nbytes(num_blocks)
+                row.append(self.buffer[offset:offset + n].view(RAW[DTYPE_BYTES[t.dtype]]).reshape(t.shape(num_blocks)))
+                offset += n
+            views.append(row)
+        self.region = KVRegion.from_tensors(spec, views)
+
+
+def units(region: KVRegion, block: int, row: int | None) -> list[tuple[int, int]]:
+    """(address, bytes) of a block (row None) or of one head of it, per layer and tensor."""
+    out = []
+    for layer in range(region.num_layers):
+        for t, tensor in enumerate(region.tensors):
+            base = int(region.addrs[layer, t]) + block * int(region.block_strides[layer, t])
+            if row is None:
+                out.append((base, tensor.bytes_per_block))
+            else:
+                unit = tensor.bytes_per_block // region.heads
+                out.append((base + row * unit, unit))
+    return out
+
+
+def read(region: KVRegion, block: int, row: int | None) -> bytes:
+    return b"".join(ctypes.string_at(addr, n) for addr, n in units(region, block, row))
+
+
+def pattern(key: bytes, row: int | None, n: int) -> bytes:
+    """The bytes a block (or head) holding ``key`` must have: a function of the hash alone, like real KV."""
+    seed = hashlib.blake2b(key + bytes([255 if row is None else row]), digest_size=64).digest()
+    return (seed * (n // 64 + 1))[:n]
+
+
+def write(region: KVRegion, block: int, row: int | None, key: bytes) -> None:
+    data = pattern(key, row, sum(n for _, n in units(region, block, row)))
+    offset = 0
+    for addr, n in units(region, block, row):
+        ctypes.memmove(addr, data[offset:offset + n], n)
+        offset += n
+
+
+class Tier:
+    """A manager with a host tier over a Memory, and a worker that 'computes' blocks as pattern(hash)."""
+
+    def __init__(self, spec: CacheSpec, num_blocks: int, host_blocks: int, rows: Any = None, **config: Any) -> None:
+        self.spec = spec
+        self.memory = Memory(spec, num_blocks)
+        policies = {} if rows is None else dict(head_wise=True, policies=rows)
+        self.manager = KVCacheManager.from_spec(spec, num_blocks, enable_events=True, hash_seed=SEED, **policies)
+        self.tm = TransferManager(self.manager, self.memory.region, HostTierConfig(host_blocks=host_blocks, **config))
+        self.hasher = BlockHasher(spec.block_size, "sha256", SEED)
+        self.uniform = rows is None
+
+    def keys(self, tokens: list[int]) -> list[bytes]:
+        """The hash of each full block of ``tokens``; what a block's bytes are a function of."""
+        return self.hasher.hash_blocks(np.asarray(tokens, dtype=np.uint32))
+
+    def rows(self, table: np.ndarray) -> list[int | None]:
+        return [None] if self.uniform else list(range(table.shape[0]))
+
+    def compute(self, rid: object, tokens: list[int], table: np.ndarray, start: int) -> None:
+        """The step: wait for the request's loads, then write blocks ``[start, ...)`` (partial ones get a request key)."""
+        load = self.tm.load(rid)
+        if load is not None:
+            for layer in range(self.spec.num_layers):
+                assert load.wait(layer, timeout=10) is TransferStatus.DONE
+        keys = self.keys(tokens)
+        for col in range(start, table.shape[1]):
+            key = keys[col] if col < len(keys) else repr(rid).encode()
+            for i, row in enumerate(self.rows(table)):
+                block = int(table[i, col])
+                if block >= 0:
+                    write(self.memory.region, block, row, key)
+
+    def admit(self, rid: object, tokens: list[int]) -> int:
+        admission = self.manager.admit(rid, tokens)
+        assert admission is not None
+        cached = admission.num_cached_tokens // self.spec.block_size
+        self.check_cached(tokens, admission.table, cached, rid)
+        self.compute(rid, tokens, admission.table, cached)
+        return admission.num_cached_tokens
+
+    def check_cached(self, tokens: list[int], table: np.ndarray, cached: int, rid: object) -> None:
+        """Every cached slot of the table holds its hash's bytes (after waiting for loads)."""
+        load = self.tm.load(rid)
+        if load is not None:
+            assert load.wait(timeout=10) is TransferStatus.DONE
+        keys = self.keys(tokens)
+        for col in range(cached):
+            for i, row in enumerate(self.rows(table)):
+                block = int(table[i, col])
+                if block >= 0:
+                    assert read(self.memory.region, block, row) == pattern(keys[col], row, len(
+                        read(self.memory.region, block, row))), f"request {rid!r} column {col} row {row}: wrong bytes"
+
+    def check_host(self) -> None:
+        """Every hash the tier can serve has its bytes in the host block the tier names."""
+        self.tm.check_integrity()
+        self.manager.check_integrity()
+        index = self.tm._index
+        rows, blocks = index.held_pairs()
+        if not rows.size:
+            return
+        hashes, _ = index.hashes_at(rows, blocks)
+        ready = self.tm.host_blocks_of(b"".join(bytes(h) for h in hashes))
+        for r, b, h, found in zip(rows.tolist(), blocks.tolist(), hashes, ready):
+            if found[r] < 0:
+                continue  # a copy in flight
+            row = None if self.uniform else r
+            got = read(self.tm.host, b, row)
+            assert got == pattern(bytes(h), row, len(got)), f"host block {b} row {r}: bytes differ from its hash"
+
+    def close(self) -> None:
+        self.tm.close()
+
+
+@pytest.fixture
+def tiers():
+    made: list[Tier] = []
+
+    def make(*args: Any, **kwargs: Any) -> Tier:
+        made.append(Tier(*args, **kwargs))
+        return made[-1]
+
+    yield make
+    for tier in made:
+        tier.close()
+
+
+def fill_gpu(tier: Tier, count: int = 1, base: int = 10_000) -> None:
+    """Evict every cached GPU block without offering the host anything: one-token requests (no full block) fill the GPU."""
+    for i in range(count):
+        rids = [f"filler{base}-{i}-{j}" for j in range(tier.manager.num_blocks)]
+        for j, rid in enumerate(rids):
+            assert tier.manager.admit(rid, [base + j]) is not None
+        for rid in rids:
+            tier.manager.free(rid)
+
+
+# --------------------------------------------------------------------------- evict -> host hit -> identical bytes
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+@pytest.mark.parametrize("mode", ["uniform", "head-wise"])
+def test_evicted_blocks_come_back_from_host_byte_for_byte(tiers, name: str, mode: str) -> None:
+    """A freed request's blocks go to host, leave the GPU, and a new admit of its prompt loads the same bytes back."""
+    spec = make_spec(name)
+    rows = None if mode == "uniform" else [Full()] * spec.kv_heads_per_rank
+    tier = tiers(spec, num_blocks=12, host_blocks=16, rows=rows)
+    prompt = list(range(1, 26))  # 6 full blocks and one token: a hit may take 6
+    assert tier.admit("a", prompt) == 0
+    tier.manager.free("a")
+    assert tier.tm.drain(10)
+    assert tier.tm.stats().offloaded_blocks == 6
+    tier.manager.take_events()
+    fill_gpu(tier, 2)
+    assert tier.tm.lookup(prompt) == (0, 24)
+    removed = [e for e in tier.manager.take_events() if isinstance(e, BlockRemoved) and e.medium == "GPU"]
+    assert {h for e in removed for h in e.block_hashes} >= set(tier.keys(prompt))
+    assert tier.admit("b", prompt) == 24  # check_cached inside: identical bytes
+    tier.tm.poll()
+    tier.check_host()
+    assert tier.tm.stats().loaded_blocks == 6 and tier.tm.stats().hit_tokens == 24
+
+
+def test_window_rows_load_only_blocks_the_host_holds(tiers) -> None:
+    """Head-wise with SWA rows: a decoded request's recycled window blocks never reach host, yet its prompt hits in full."""
+    spec = make_spec("bf16", num_kv_heads=2)
+    tier = tiers(spec, num_blocks=24, host_blocks=32, rows=[Full(), Window(8, 4)])
+    prompt = list(range(1, 10))
+    assert tier.admit("a", prompt) == 0
+    generated = list(range(500, 520))
+    for i, token in enumerate(generated):
+        table = tier.manager.extend("a", [token])
+        assert table is not None
+        tier.compute("a", prompt + generated[: i + 1], table, (len(prompt) + i) // spec.block_size)
+    tokens = prompt + generated
+    recycled = tier.manager.table("a")[1] < 0
+    assert recycled.any(), "the window row should have given blocks back"
+    tier.manager.free("a")
+    assert tier.tm.drain(10)
+    stored = [e for e in tier.manager.take_events() if isinstance(e, BlockStored) and e.medium == "CPU"]
+    assert {e.rows for e in stored} == {(0,), (0, 1)}, "recycled columns are stored for the full row only"
+    fill_gpu(tier, 2)
+    gpu, host = tier.tm.lookup(tokens)
+    assert gpu == 0 and host == (len(tokens) - 1) // spec.block_size * spec.block_size
+    admission = tier.manager.admit("b", tokens)
+    assert admission.num_cached_tokens == host
+    cached = host // spec.block_size
+    window = admission.table[1, :cached]
+    assert (window[recycled[:cached]] == -1).all(), "a window row gets no block where the host has none"
+    tier.check_cached(tokens, admission.table, cached, "b")
+    tier.check_host()
+
+
+@given(st.data())
+@settings(max_examples=200, deadline=None)
+def test_tier_extension_matches_a_loop_over_lengths(data) -> None:
+    """tier_extension equals trying every length and checking each needed block one by one."""
+    k = data.draw(st.integers(0, 12))
+    groups = data.draw(st.integers(1, 3))
+    present = np.array(data.draw(st.lists(st.lists(st.booleans(), min_size=groups, max_size=groups),
+                                          min_size=k, max_size=k)), dtype=bool).reshape(k, groups)
+    policies = [data.draw(st.one_of(st.just(Full()), st.builds(Window, st.integers(1, 20), st.integers(0, 9))))
+                for _ in range(groups)]
+    start = data.draw(st.integers(0, 6))
+    bs = data.draw(st.sampled_from([1, 2, 4]))
+    best = 0
+    for length in range(k + 1):
+        total = start + length
+        ok = True
+        for g, policy in enumerate(policies):
+            for j in range(length):
+                pos = start + j
+                if isinstance(policy, Window):  # the next query, token total*bs, sees the sink and its window
+                    in_sink = pos * bs < policy.sink_tokens
+                    in_window = (pos + 1) * bs - 1 >= total * bs - policy.window_tokens + 1
+                    if not (in_sink or in_window):
+                        continue
+                ok &= bool(present[j, g])
+        if ok:
+            best = length
+    assert tier_extension(present, start, policies, bs) == best
+
+
+# --------------------------------------------------------------------------- LRU and events
+
+
+def test_full_host_evicts_least_recently_used_with_cpu_removed_events(tiers) -> None:
+    """Host of 4 blocks: A, B offloaded; A hit again (refreshed); C's offload pushes out B, tail first."""
+    spec = make_spec()
+    tier = tiers(spec, num_blocks=8, host_blocks=4)
+    a, b, c = (list(range(s, s + 9)) for s in (1, 100, 200))
+    for rid, tokens in (("a", a), ("b", b)):
+        tier.admit(rid, tokens)
+        tier.manager.free(rid)
+        assert tier.tm.drain(10)
+    fill_gpu(tier, 2)
+    assert tier.tm.lookup(a) == (0, 8) and tier.tm.lookup(b) == (0, 8)
+    tier.manager.take_events()
+    assert tier.admit("a2", a) == 8  # loaded from host: A's host blocks become most recent
+    tier.manager.free("a2")
+    tier.tm.drain(10)
+    tier.admit("c", c)
+    tier.manager.free("c")
+    assert tier.tm.drain(10)
+    events = [e for e in tier.manager.take_events() if e.medium == "CPU"]
+    assert [type(e).__name__ for e in events] == ["BlockRemoved", "BlockStored"]
+    assert events[0].block_hashes == tuple(tier.keys(b)[::-1]), "B leaves, its tail first"
+    assert events[1].block_hashes == tuple(tier.keys(c)) and events[1].parent_block_hash is None
+    assert list(events[1].token_ids) == c[:8]
+    fill_gpu(tier, 2, base=50_000)
+    assert tier.tm.lookup(b) == (0, 0) and tier.tm.lookup(a) == (0, 8) and tier.tm.lookup(c) == (0, 8)
+    assert tier.tm.stats().evicted_blocks == 2
+    tier.check_host()
+
+
+def test_cpu_events_reach_vllm_subscribers_with_their_medium() -> None:
+    """The vLLM encoding carries medium "CPU" in BlockStored and BlockRemoved, where vLLM's structs have it."""
+    stored = BlockStored((b"h" * 32,), None, np.arange(4, dtype=np.uint32), 4, (0,), None, medium="CPU")
+    removed = BlockRemoved((b"h" * 32,), medium="CPU")
+    _, events, _ = msgpack.unpackb(encode_batch([stored, removed], ts=0.0, dp_rank=0))
+    assert events[0][0] == "BlockStored" and events[0][6] == "CPU"
+    assert events[1] == ["BlockRemoved", [b"h" * 32], "CPU"]
+
+
+def test_blocks_shared_with_a_live_request_are_not_offloaded_yet(tiers) -> None:
+    """Only blocks whose last reference goes are copied; the shared prefix follows when its last user frees it."""
+    spec = make_spec()
+    tier = tiers(spec, num_blocks=16, host_blocks=16)
+    prompt = list(range(1, 18))
+    tier.admit("a", prompt)
+    tier.admit("b", prompt[:9] + [999] * 8)
+    tier.manager.free("a")
+    tier.tm.drain(10)
+    assert tier.tm.stats().offloaded_blocks == 2  # a's blocks 2 and 3; 0 and 1 are b's too
+    tier.manager.free("b")
+    tier.tm.drain(10)
+    assert tier.tm.stats().offloaded_blocks == 6
+    tier.check_host()
+
+
+# --------------------------------------------------------------------------- failures leave nothing half-registered
+
+
+def test_timed_out_offload_registers_nothing_and_retires_its_blocks(tiers, caplog) -> None:
+    """A copy past its deadline never becomes findable, announces nothing, and its host blocks are not reused."""
+    spec = make_spec()
+    tier = tiers(spec, num_blocks=8, host_blocks=8, timeout=1e-9)
+    tier.admit("a", list(range(1, 10)))
+    tier.manager.take_events()
+    with caplog.at_level(logging.WARNING, "kvcache.transfer.manager"):
+        tier.manager.free("a")
+        assert tier.tm.drain(10)
+    assert "timeout" in caplog.text
+    stats = tier.tm.stats()
+    assert (stats.offloaded_blocks, stats.cached_blocks, stats.retired_blocks, stats.free_blocks) == (0, 0, 2, 6)
+    assert not [e for e in tier.manager.take_events() if e.medium == "CPU"]
+    fill_gpu(tier, 2)
+    assert tier.tm.lookup(list(range(1, 10))) == (0, 0)
+    tier.check_host()
+
+
+def test_timed_out_load_forgets_its_gpu_blocks_and_names_the_request(tiers) -> None:
+    """A load past its deadline: the request is reported, its GPU blocks lose their hashes, the host copy stays."""
+    spec = make_spec()
+    tier = tiers(spec, num_blocks=8, host_blocks=8)
+    prompt = list(range(1, 10))
+    tier.admit("a", prompt)
+    tier.manager.free("a")
+    tier.tm.drain(10)
+    fill_gpu(tier, 2)
+    tier.manager.take_events()
+    tier.tm._in.timeout = 1e-9  # the load engine's deadline: real expiry, nothing stubbed
+    admission = tier.manager.admit("b", prompt)
+    assert admission.num_cached_tokens == 8
+    assert tier.tm.load("b").wait() is TransferStatus.TIMEOUT
+    tier.tm.poll()
+    assert tier.tm.take_failed() == ["b"]
+    assert tier.tm.lookup(prompt) == (0, 8), "the GPU forgot the blocks; the host still has them"
+    removed = [e for e in tier.manager.take_events() if isinstance(e, BlockRemoved) and e.medium == "GPU"]
+    assert removed and set(removed[-1].block_hashes) == set(tier.keys(prompt))
+    tier.check_host()
+    tier.manager.free("b")
+    tier.tm._in.timeout = 30.0
+    assert tier.admit("b", prompt) == 8  # identical bytes this time
+    tier.check_host()
+
+
+def test_offload_still_copying_when_its_block_is_reused_is_dropped(tiers) -> None:
+    """An eviction never waits: a copy that has not finished when its GPU block gets a new owner is dropped."""
+    spec = make_spec()
+    tier = tiers(spec, num_blocks=4, host_blocks=8)
+    tier.admit("a", list(range(1, 10)))
+    # Keep the offload engine's one worker busy, so a's copy queues behind it.
+    big = np.zeros(1 << 28, dtype=np.uint8)
+    other = np.empty_like(big)
+    busy = tier.tm._out.submit(CopyRanges(np.array([big.ctypes.data]), np.array([other.ctypes.data]),
+                                          np.array([big.nbytes])))
+    tier.manager.free("a")
+    assert tier.tm.stats().pending_offloads == 1
+    tier.admit("b", list(range(100, 116)))  # needs all 4 GPU blocks: evicts a's two cached ones
+    assert busy.wait(30) is TransferStatus.DONE
+    assert tier.tm.drain(10)
+    stats = tier.tm.stats()
+    assert (stats.dropped_blocks, stats.offloaded_blocks, stats.free_blocks) == (2, 0, 8)
+    assert tier.tm.lookup(list(range(1, 10))) == (0, 0)
+    tier.check_host()
+
+
+# --------------------------------------------------------------------------- configuration
+
+
+@pytest.mark.parametrize("config, field", [
+    (dict(), "host_bytes/host_blocks"),
+    (dict(host_bytes=10, host_blocks=1), "host_bytes/host_blocks"),
+    (dict(host_blocks=0), "host_blocks"),
+    (dict(host_blocks=True), "host_blocks"),
+    (dict(host_bytes=-5), "host_bytes"),
+    (dict(host_blocks=4, engine="nixl"), "engine"),
+    (dict(host_blocks=4, timeout=0), "timeout"),
+    (dict(host_blocks=4, cuda_method="fast"), "cuda_method"),
+])
+def test_bad_config_is_refused_naming_the_field(config: dict, field: str) -> None:
+    with pytest.raises(KVCacheError, match=f"^{field}:"):
+        HostTierConfig(**config)
+
+
+def test_bad_pairing_is_refused_and_changes_nothing() -> None:
+    spec = make_spec()
+    memory = Memory(spec, 8)
+    manager = KVCacheManager.from_spec(spec, 8)
+    with pytest.raises(KVCacheError, match="^host_bytes:"):
+        TransferManager(manager, memory.region, HostTierConfig(host_bytes=100))
+    with pytest.raises(KVCacheError, match="^gpu: the region has 8 blocks"):
+        TransferManager(KVCacheManager.from_spec(spec, 9), memory.region, HostTierConfig(host_blocks=4))
+    with pytest.raises(KVCacheError, match="^gpu: block_size"):
+        TransferManager(KVCacheManager(8, 8), memory.region, HostTierConfig(host_blocks=4))
+    with pytest.raises(KVCacheError, match="^manager: .*enable_prefix_caching"):
+        TransferManager(KVCacheManager.from_spec(spec, 8, enable_prefix_caching=False), memory.region,
+                        HostTierConfig(host_blocks=4))
+    assert manager.tier is None
+    with TransferManager(manager, memory.region, HostTierConfig(host_blocks=4)) as tm:
+        with pytest.raises(KVCacheError, match="^tier: this manager already has a tier"):
+            TransferManager(manager, memory.region, HostTierConfig(host_blocks=4))
+        assert manager.tier is tm
+    assert manager.tier is None
+
+
+def test_host_bytes_round_down_to_whole_blocks() -> None:
+    spec = make_spec()
+    assert HostTierConfig(host_bytes=spec.bytes_per_block * 5 + 7).num_blocks(spec) == 5
+
+
+def test_reset_prefix_cache_empties_the_host_tier_too(tiers) -> None:
+    spec = make_spec()
+    tier = tiers(spec, num_blocks=8, host_blocks=8)
+    tier.admit("a", list(range(1, 10)))
+    tier.manager.free("a")
+    tier.tm.drain(10)
+    tier.manager.reset_prefix_cache()
+    assert tier.tm.lookup(list(range(1, 10))) == (0, 0)
+    assert tier.tm.stats().free_blocks == 8
+    tier.check_host()
+
+
+# --------------------------------------------------------------------------- state machine
+
+
+class TierMachine(RuleBasedStateMachine):
+    """Random admit / extend / free / drain / reset over a small GPU and host: pools, index and bytes stay consistent."""
+
+    MODE = "uniform"
+
+    def __init__(self) -> None:
+        super().__init__()
+        spec = make_spec("block_wise_fp8", num_layers=2, num_kv_heads=2, block_size=2)
+        rows = None if self.MODE == "uniform" else [Full(), Window(3, 1)]
+        self.tier = Tier(spec, num_blocks=10, host_blocks=8, rows=rows)
+        self.live: dict[str, list[int]] = {}
+        self.count = 0
+
+    @rule(prefix=st.sampled_from([(), (1, 2), (1, 2, 3, 4), (1, 2, 3, 4, 5, 6), (7, 8, 9)]),
+          tail=st.lists(st.integers(1, 9), min_size=1, max_size=3))
+    def admit(self, prefix: tuple[int, ...], tail: list[int]) -> None:
+        tokens = list(prefix) + tail
+        rid = f"r{self.count}"
+        self.count += 1
+        admission = self.tier.manager.admit(rid, tokens)
+        if admission is None:
+            return
+        cached = admission.num_cached_tokens // self.tier.spec.block_size
+        self.tier.check_cached(tokens, admission.table, cached, rid)
+        self.tier.compute(rid, tokens, admission.table, cached)
+        self.live[rid] = tokens
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data(), new=st.lists(st.integers(1, 9), min_size=1, max_size=3))
+    def extend(self, data, new: list[int]) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.live)))
+        before = len(self.live[rid])
+        table = self.tier.manager.extend(rid, new)
+        if table is None:
+            return
+        self.live[rid] = self.live[rid] + new
+        self.tier.compute(rid, self.live[rid], table, before // self.tier.spec.block_size)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def free(self, data) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.live)))
+        del self.live[rid]
+        self.tier.manager.free(rid)
+
+    @rule(settle=st.booleans())
+    def evict_gpu(self, settle: bool) -> None:
+        """One-token requests take every allocatable GPU block, evicting the cached ones, then leave.
+
+        Without ``settle``, offloads still in flight meet their blocks' eviction.
+        """
+        manager = self.tier.manager
+        if settle:
+            assert self.tier.tm.drain(10)
+        rids = [f"fill{self.count}-{j}" for j in range(int(manager.num_free_blocks.min()))]
+        self.count += 1
+        for rid in rids:
+            assert manager.admit(rid, [1]) is not None
+        for rid in rids:
+            manager.free(rid)
+
+    @rule()
+    def drain(self) -> None:
+        assert self.tier.tm.drain(10)
+
+    @rule()
+    def poll(self) -> None:
+        self.tier.tm.poll()
+
+    @rule()
+    def reset(self) -> None:
+        self.tier.manager.reset_prefix_cache()
+
+    @invariant()
+    def consistent(self) -> None:
+        self.tier.check_host()
+        stats = self.tier.tm.stats()
+        assert stats.failed_loads == 0 and stats.retired_blocks == 0
+
+    def teardown(self) -> None:
+        self.tier.close()
+
+
+class HeadWiseTierMachine(TierMachine):
+    MODE = "head-wise"
+
+
+_machine_settings = settings(max_examples=60, stateful_step_count=40, deadline=None,
+                             suppress_health_check=[HealthCheck.too_slow])
+TestTierMachine = TierMachine.TestCase
+TestTierMachine.settings = _machine_settings
+TestHeadWiseTierMachine = HeadWiseTierMachine.TestCase
+TestHeadWiseTierMachine.settings = _machine_settings
+
+
+# --------------------------------------------------------------------------- benchmark
+
+
+def test_bench_tier_quick_reports_offload_and_reload_against_one_memcpy(capsys) -> None:
+    """`kvcache bench tier --quick --json --device cpu` runs end to end and exits 0; no assertion is about speed."""
+    from kvcache.cli import main
+
+    assert main(["bench", "tier", "--quick", "--json", "--device", "cpu", "--repeat", "1"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    rows = result["rows"]
+    assert [(r["path"].split()[0], r["block_size"]) for r in rows] == [
+        ("offload", 16), ("reload", 16), ("offload", 64), ("reload", 64)]
+    for r in rows:
+        assert r["bytes"] == 4096 * 8 * 128 * 2 * 2 * result["config"]["layers"]
+        assert r["ms"] > 0 and r["limit_ms"] > 0 and r["of_limit"] > 0 and isinstance(r["ok"], bool)
+        assert 0 < r["call_ms"] <= r["ms"]
+
+
+# --------------------------------------------------------------------------- loads in flight
+
+
+def occupy(engine: Any, nbytes: int = 1 << 28) -> Any:
+    """Queue one large host copy on ``engine``'s single worker, so what is queued next waits behind it."""
+    big = np.zeros(nbytes, dtype=np.uint8)
+    other = np.empty_like(big)
+    handle = engine.submit(CopyRanges(np.array([big.ctypes.data]), np.array([other.ctypes.data]),
+                                      np.array([big.nbytes])))
+    handle.keep = (big, other)
+    return handle
+
+
+def test_a_hit_on_blocks_still_loading_waits_for_that_load(tiers) -> None:
+    """B's load is queued; C, admitted now, hits B's new GPU blocks, so C's Load includes B's copies."""
+    spec = make_spec()
+    tier = tiers(spec, num_blocks=16, host_blocks=16)
+    prompt = list(range(1, 14))
+    tier.admit("a", prompt)
+    tier.manager.free("a")
+    assert tier.tm.drain(10)
+    fill_gpu(tier)
+    busy = occupy(tier.tm._in)
+    b = tier.manager.admit("b", prompt)
+    c = tier.manager.admit("c", prompt)
+    assert (b.num_cached_tokens, c.num_cached_tokens) == (12, 12)
+    assert (c.table[:, :3] == b.table[:, :3]).all(), "C's hit is on the GPU blocks B is loading"
+    load = tier.tm.load("c")
+    assert load is not None and load.status() is TransferStatus.PENDING
+    assert busy.wait(30) is TransferStatus.DONE
+    assert load.wait(timeout=10) is TransferStatus.DONE
+    tier.check_cached(prompt, c.table, 3, "c")
+    tier.tm.poll()
+    assert tier.tm.load("c") is None and tier.tm.stats().pending_loads == 0
+    tier.check_host()
+
+
+def test_a_request_freed_while_loading_is_not_reused_mid_copy(tiers) -> None:
+    """free() of a request whose load is still queued waits for the load (bounded by its deadline) before its blocks go."""
+    spec = make_spec()
+    tier = tiers(spec, num_blocks=8, host_blocks=8)
+    prompt = list(range(1, 14))
+    tier.admit("a", prompt)
+    tier.manager.free("a")
+    assert tier.tm.drain(10)
+    fill_gpu(tier)
+    busy = occupy(tier.tm._in)
+    tier.manager.admit("b", prompt)
+    assert tier.tm.stats().pending_loads == 1
+    tier.manager.free("b")  # an abort: the step never ran
+    assert busy.done() and tier.tm.stats().pending_loads == 0
+    fill_gpu(tier)  # new owners may write the blocks now
+    assert tier.admit("c", prompt) == 12
+    tier.check_host()
+
+
+def test_a_journal_snapshot_pickles_the_manager_without_its_tier(tiers) -> None:
+    import pickle
+
+    tier = tiers(make_spec(), num_blocks=8, host_blocks=8)
+    tier.admit("a", list(range(1, 10)))
+    copy = pickle.loads(pickle.dumps(tier.manager))
+    assert copy.tier is None and tier.manager.tier is tier.tm
+    assert copy.table("a").tolist() == tier.manager.table("a").tolist()

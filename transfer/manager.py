@@ -1,0 +1,604 @@
+"""TransferManager: a host-memory cache tier under one KVCacheManager's GPU blocks.
+
+Write on release, read on hit::
+
+    GPU (KVCacheManager)                                   host (this tier)
+    free(req): cached blocks lose their last reference ──> offload D->H, per layer, background
+                                                           findable once every layer landed
+    admit(req): prefix continues past the GPU hit    <──── load H->D into newly allocated blocks,
+                                                           per layer; the worker waits per layer
+
+Blocks are copied to host when they become cached-and-unused, not when they
+are evicted, so an eviction never waits for a copy: when the GPU manager is
+about to hand a block to a new owner (``evicting``), a copy of it that has not
+finished is dropped instead (it may have read the new owner's bytes), and a
+finished one is kept. The new owner writes only after the scheduler's call
+returns, so "finished" checked inside the call is safe. Host blocks live in
+a ``BlockPool`` (one row; cached free blocks are the LRU) and a
+``PrefixIndex`` (hash -> host block per row), the allocator's own structures.
+
+Events: ``BlockStored(medium="CPU")`` when a host copy becomes findable,
+``BlockRemoved(medium="CPU")`` when the tier drops one, queued on the
+manager's event list between its GPU events.
+
+Threads: every method belongs to the manager's owner thread except
+``Load.wait``/``Load.status``, which a worker thread may call.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import mmap
+import sys
+import time
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import numpy as np
+
+from kvcache.allocator.errors import KVCacheError
+from kvcache.allocator.events import BlockRemoved, BlockStored
+from kvcache.allocator.pool import BlockPool
+from kvcache.allocator.prefix import HASH_BYTES, PrefixIndex
+from kvcache.transfer.engines import CUDA_METHODS, DEFAULT_TIMEOUT, LocalEngine, TransferHandle, TransferStatus
+from kvcache.transfer.regions import CopyRanges, KVRegion, copy_ranges
+
+if TYPE_CHECKING:
+    from kvcache.allocator.layout import CacheSpec
+    from kvcache.allocator.manager import KVCacheManager
+
+__all__ = ["HostTierConfig", "Load", "TierStats", "TransferManager"]
+
+log = logging.getLogger("kvcache.transfer.manager")
+
+_H = HASH_BYTES
+_EMPTY = np.empty(0, dtype=np.intp)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class HostTierConfig:
+    """The host tier's settings: its size (``host_bytes`` or ``host_blocks``, exactly one), engine and deadline.
+
+    ``host_bytes`` is rounded down to whole blocks of the rank's spec.
+    ``engine`` is ``local`` (host memory of this process; NIXL moves blocks
+    between processes, not into a tier). ``pin`` allocates page-locked memory
+    when the GPU cache is on a CUDA device, so copies run at full PCIe speed.
+    """
+
+    host_bytes: int | None = None
+    host_blocks: int | None = None
+    engine: str = "local"
+    timeout: float = DEFAULT_TIMEOUT
+    cuda_method: str = "auto"
+    pin: bool = True
+
+    def __post_init__(self) -> None:
+        if (self.host_bytes is None) == (self.host_blocks is None):
+            raise KVCacheError("host_bytes/host_blocks: give exactly one of them (the host tier's size)")
+        for name in ("host_bytes", "host_blocks"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1):
+                raise KVCacheError(f"{name}: must be a positive integer, got {value!r}")
+        if self.engine != "local":
+            raise KVCacheError(f"engine: the host tier copies within this process; expected 'local', got {self.engine!r}")
+        if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or not self.timeout > 0:
+            raise KVCacheError(f"timeout: must be positive seconds, got {self.timeout!r}")
+        if self.cuda_method not in CUDA_METHODS:
+            raise KVCacheError(f"cuda_method: unknown {self.cuda_method!r}; expected one of {', '.join(CUDA_METHODS)}")
+
+    def num_blocks(self, spec: CacheSpec) -> int:
+        """Host blocks this config buys for ``spec`` (one rank's blocks, every layer)."""
+        if self.host_blocks is not None:
+            return int(self.host_blocks)
+        n = int(self.host_bytes) // spec.bytes_per_block  # type: ignore[operator]
+        if n < 1:
+            raise KVCacheError(f"host_bytes: {self.host_bytes:,} bytes hold no block of {spec.bytes_per_block:,} bytes")
+        return n
+
+
+class TierStats(NamedTuple):
+    """Host-tier counters: blocks by state, and what moved since start (blocks are whole host blocks)."""
+
+    num_blocks: int
+    free_blocks: int
+    cached_blocks: int  # findable copies (includes ones a load is reading)
+    pending_offloads: int
+    pending_loads: int
+    offloaded_blocks: int  # copies that became findable
+    loaded_blocks: int  # host blocks read back by loads that finished well
+    dropped_blocks: int  # copies dropped: their GPU block was reused first, or the copy failed
+    evicted_blocks: int  # findable copies pushed out by newer ones (LRU)
+    failed_loads: int
+    retired_blocks: int  # host blocks of timed-out copies, never reused (a late write may still land)
+    hit_tokens: int  # tokens admitted as cached thanks to the tier
+
+
+class Load:
+    """Host-to-GPU copies a request (or a step) waits for, one transfer per layer per job.
+
+    ``wait(layer)`` before the forward pass writes or reads layer ``layer``;
+    anything but DONE means the request's cached tokens are not valid: free it
+    and admit it again (the tier has forgotten the bad blocks by then).
+    """
+
+    def __init__(self, jobs: list[list[TransferHandle]]) -> None:
+        self._jobs = jobs
+
+    def status(self, layer: int | None = None) -> TransferStatus:
+        """The worst status over the layer's transfers (every layer when None), without blocking."""
+        return _worst(h.status() for h in self._handles(layer))
+
+    def wait(self, layer: int | None = None, timeout: float | None = None) -> TransferStatus:
+        """Block until the layer's blocks landed (or failed), ``timeout`` passes (PENDING), or their deadlines."""
+        end = None if timeout is None else time.monotonic() + timeout
+        for handle in self._handles(layer):
+            left = None if end is None else max(0.0, end - time.monotonic())
+            if handle.wait(left) is TransferStatus.PENDING:
+                return TransferStatus.PENDING
+        return self.status(layer)
+
+    def _handles(self, layer: int | None) -> list[TransferHandle]:
+        if layer is None:
+            return [h for job in self._jobs for h in job]
+        return [job[layer] for job in self._jobs]
+
+    def __repr__(self) -> str:
+        return f"Load({len(self._jobs)} jobs, {self.status().value})"
+
+
+@dataclasses.dataclass(slots=True)
+class _Offload:
+    """One release's device-to-host copy: host ids for chain columns ``cols``, from GPU ``src`` [rows, m]."""
+
+    handles: list[TransferHandle]
+    host_ids: np.ndarray  # int32 [m]
+    src: np.ndarray  # int32 [rows, m]: GPU blocks copied, -1 where a row is absent
+    cols: np.ndarray  # intp [m]: positions in the released chain
+    chain: bytes  # the released request's packed hashes (parents for events)
+    tokens: np.ndarray  # the released chain's tokens
+    lora: str | None
+    dropped: np.ndarray  # bool [m]: the GPU block was reused before the copy finished
+
+
+@dataclasses.dataclass(slots=True)
+class _LoadJob:
+    """One admit's host-to-device copy: ``host_ids`` pinned until every layer's transfer ends."""
+
+    handles: list[TransferHandle]
+    owner: object
+    host_ids: np.ndarray  # unique int32
+    dst: np.ndarray  # int32 [rows, k]: GPU blocks written, -1 where not
+    nblocks: int
+
+
+class TransferManager:
+    """A host-memory tier under ``manager``'s GPU blocks in ``gpu``: offloads released blocks, loads host hits back.
+
+    Attaches itself to the manager (``KVCacheManager.attach_tier``); the
+    scheduler keeps calling the manager and calls ``poll`` once per step (it
+    also runs inside ``admit`` and ``free``). The worker waits on
+    ``load(request_id)`` (or ``pending_loads()``) layer by layer before the step.
+    """
+
+    def __init__(self, manager: KVCacheManager, gpu: KVRegion, config: HostTierConfig) -> None:
+        if not isinstance(config, HostTierConfig):
+            raise KVCacheError(f"config: expected a HostTierConfig, got {type(config).__name__}")
+        if gpu.owner:
+            raise KVCacheError(f"gpu: the region belongs to peer {gpu.owner!r}; the host tier needs this process's cache")
+        if gpu.spec.block_size != manager.block_size:
+            raise KVCacheError(f"gpu: block_size {gpu.spec.block_size} differs from the manager's {manager.block_size}")
+        if gpu.num_blocks < manager.num_blocks:
+            raise KVCacheError(f"gpu: the region has {gpu.num_blocks} blocks, the manager allocates {manager.num_blocks}")
+        if manager.num_rows not in (1, gpu.heads):
+            raise KVCacheError(f"gpu: the manager has {manager.num_rows} rows; a region of {gpu.heads} kv heads "
+                               "serves 1 (uniform) or one per head")
+        if not manager.enable_prefix_caching:
+            raise KVCacheError("manager: the host tier keys blocks by prefix hash; enable_prefix_caching is off")
+        self.manager = manager
+        self.config = config
+        self.gpu = gpu
+        self.num_blocks = config.num_blocks(gpu.spec)
+        self._rows = manager.num_rows
+        self._uniform = self._rows == 1
+        self._out = LocalEngine(timeout=config.timeout, cuda_method=config.cuda_method)
+        self._in = LocalEngine(timeout=config.timeout, cuda_method=config.cuda_method)  # loads never queue behind offloads
+        try:
+            self.host = self._allocate_host(gpu.spec, self.num_blocks, pin=config.pin and gpu.is_cuda)
+            if gpu.is_cuda and not self.host.pinned:
+                self._out.register(self.host)
+        except Exception:
+            self._in.close()
+            self._out.close()
+            raise
+        self._pool = BlockPool(1, self.num_blocks)
+        self._index = PrefixIndex(self._rows, self.num_blocks)
+        self._ready = np.zeros(self.num_blocks, dtype=bool)
+        self._offloads: dict[int, _Offload] = {}
+        self._loads: dict[int, _LoadJob] = {}
+        self._src_job = np.full((self._rows, manager.num_blocks), -1, dtype=np.int64)
+        self._dst_job = np.full((self._rows, manager.num_blocks), -1, dtype=np.int64)
+        self._waits: dict[object, set[int]] = {}
+        self._failed: list[object] = []
+        self._ids = itertools.count()
+        self._retired = 0
+        self._counts = dict(offloaded=0, loaded=0, dropped=0, evicted=0, failed=0, hit_tokens=0)
+        self._closed = False
+        manager.attach_tier(self)
+
+    # ------------------------------------------------------------------ scheduler side
+
+    def lookup(self, prompt_tokens: Any, **keys: Any) -> tuple[int, int]:
+        """(GPU-cached tokens, further host-cached tokens) ``admit`` would count now; ``keys`` as for admit."""
+        return self.manager.lookup_tiers(prompt_tokens, **keys)
+
+    def poll(self) -> None:
+        """Settle copies that finished: offloads become findable, loads unpin their host blocks (never blocks)."""
+        for job in list(self._offloads):
+            self._settle_offload(job)
+        for job in list(self._loads):
+            self._settle_load(job)
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait for every copy in flight and settle it; True when none is left (False when ``timeout`` ran out)."""
+        end = None if timeout is None else time.monotonic() + timeout
+        while self._offloads or self._loads:
+            jobs = [h for o in self._offloads.values() for h in o.handles] + [
+                h for j in self._loads.values() for h in j.handles]
+            for handle in jobs:
+                left = None if end is None else max(0.0, end - time.monotonic())
+                handle.wait(left)
+            self.poll()
+            if end is not None and time.monotonic() >= end:
+                break
+        return not (self._offloads or self._loads)
+
+    def load(self, request_id: object) -> Load | None:
+        """The loads ``request_id`` must wait for before it runs (its own, and ones its GPU hit shares), or None."""
+        jobs = self._waits.get(request_id)
+        if not jobs:
+            return None
+        return Load([self._loads[j].handles for j in sorted(jobs) if j in self._loads])
+
+    def pending_loads(self) -> Load:
+        """Every load in flight: what a worker running the next batch waits on, layer by layer."""
+        return Load([job.handles for job in self._loads.values()])
+
+    def take_failed(self) -> list[object]:
+        """Requests whose load failed or timed out since the last call: free them and admit them again."""
+        failed, self._failed = self._failed, []
+        return failed
+
+    def host_blocks_of(self, hashes: bytes) -> np.ndarray:
+        """Host block (int32 ``[n, rows]``, -1 = not findable) of each packed hash: where its bytes are."""
+        blocks = self._index.blocks_of(hashes)
+        return np.where((blocks >= 0) & self._ready[np.maximum(blocks, 0)], blocks, -1).astype(np.int32)
+
+    def resolved_cuda_method(self) -> str:
+        """How this tier's copies touch the GPU (``kernel``, ``batch`` or ``loop``; see LocalEngine)."""
+        return self._out.resolved_cuda_method()
+
+    def stats(self) -> TierStats:
+        c = self._counts
+        return TierStats(
+            self.num_blocks, int(self._pool.num_free()[0]), int(self._ready.sum()), len(self._offloads),
+            len(self._loads), c["offloaded"], c["loaded"], c["dropped"], c["evicted"], c["failed"], self._retired,
+            c["hit_tokens"],
+        )
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError with the numbers if host pool, host index, readiness and copies in flight disagree."""
+        self._pool.check_integrity()
+        self._index.check_integrity()
+        n = self.num_blocks
+        ids = np.arange(n)
+        ref = self._pool.refcount(np.zeros(1, dtype=np.intp), ids)
+        cached = self._pool.is_cached(np.zeros(1, dtype=np.intp), ids)
+        pending = np.zeros(n, dtype=np.int64)
+        for off in self._offloads.values():
+            np.add.at(pending, off.host_ids, 1)
+        pins = np.zeros(n, dtype=np.int64)
+        for job in self._loads.values():
+            np.add.at(pins, job.host_ids, 1)
+        assert pending.max(initial=0) <= 1, f"host block {int(pending.argmax())} is the target of two copies in flight"
+        assert not (pending & self._ready).any(), "a host block is findable while its copy is in flight"
+        retired = ref - pending - pins
+        assert (retired >= 0).all() and (retired <= 1).all(), \
+            f"host block {int(np.argmax((retired < 0) | (retired > 1)))}: refcount {ref} disagrees with copies"
+        assert int(retired.sum()) == self._retired, f"{int(retired.sum())} unexplained references, {self._retired} retired"
+        assert np.array_equal(cached, self._ready), \
+            f"{int((cached != self._ready).sum())} host blocks cached in the pool but not findable, or the reverse"
+        rows, blocks = self._index.held_pairs()
+        held = np.zeros(n, dtype=bool)
+        held[blocks] = True
+        assert not (self._ready & ~held).any(), "a findable host block holds no hash"
+        assert not (held & ~(self._ready | pending.astype(bool))).any(), "an indexed host block is neither findable nor in flight"
+        if blocks.size:
+            hashes, _ = self._index.hashes_at(rows, blocks)
+            order = np.argsort(blocks, kind="stable")
+            b, h = blocks[order], hashes[order]
+            same = b[1:] == b[:-1]
+            assert (h[1:][same] == h[:-1][same]).all(), "a host block holds two hashes (two places at once)"
+        free, used = int(self._pool.num_free()[0]), int(np.count_nonzero(ref))
+        assert free + used == n, f"free {free} + used {used} != {n} host blocks"
+
+    def close(self) -> None:
+        """Wait (bounded) for copies in flight, detach from the manager, stop the engines. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if not self.drain(timeout=self.config.timeout):
+                log.warning("host tier closing with %d offloads and %d loads unfinished",
+                            len(self._offloads), len(self._loads))
+        finally:
+            if self.manager.tier is self:
+                self.manager.attach_tier(None)
+            self._in.close()
+            self._out.close()
+
+    def __enter__(self) -> TransferManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ LowerTier (called by the manager)
+
+    def held(self, hashes: bytes) -> np.ndarray:
+        """bool ``[k, rows]``: rows whose copy of each leading hash is findable; stops at the first with none."""
+        blocks = self._index.match(hashes)
+        ok = (blocks >= 0) & self._ready[np.maximum(blocks, 0)]
+        found = ok.any(axis=1)
+        k = found.size if found.all() else int(np.argmin(found))
+        return ok[:k]
+
+    def admitted(self, request_id: object, table: np.ndarray, num_gpu_blocks: int, hashes: bytes) -> None:
+        """Start the loads of the tier's part of a hit; note loads in flight that the GPU part shares."""
+        deps: set[int] = set()
+        if self._loads and num_gpu_blocks:
+            hit = table[:, :num_gpu_blocks]
+            r, c = np.nonzero(hit >= 0)
+            jobs = self._dst_job[r, hit[r, c]]
+            deps.update(np.unique(jobs[jobs >= 0]).tolist())
+        k = len(hashes) // _H
+        if k:
+            dst = np.array(table[:, num_gpu_blocks:num_gpu_blocks + k], dtype=np.int32)
+            src = np.where(dst >= 0, self._index.blocks_of(hashes).T, -1).astype(np.int32)
+            assert ((src >= 0) == (dst >= 0)).all(), "the tier lost a block between held() and admitted()"
+            host_ids = np.unique(src[src >= 0]).astype(np.int32)
+            self._pool.incref(np.zeros(host_ids.size, dtype=np.intp), host_ids, unique=True)
+            handles = self._copy_layers(self._in, self.host, src, self.gpu, dst)
+            job = next(self._ids)
+            self._loads[job] = _LoadJob(handles, request_id, host_ids, dst, k)
+            r, c = np.nonzero(dst >= 0)
+            self._dst_job[r, dst[r, c]] = job
+            deps.add(job)
+            self._counts["hit_tokens"] += k * self.manager.block_size
+        if deps:
+            self._waits[request_id] = deps
+
+    def released(self, request_id: object, hashes: bytes, blocks: np.ndarray, tokens: np.ndarray,
+                 lora: str | None) -> None:
+        """Offload the released blocks the host lacks, oldest first as far as free host blocks go."""
+        self._finish_own_loads(request_id)
+        self._waits.pop(request_id, None)
+        n = len(hashes) // _H
+        if n == 0:
+            return
+        blocks = np.array(blocks, dtype=np.int32)
+        r, c = np.nonzero(blocks >= 0)
+        loading = self._dst_job[r, blocks[r, c]] >= 0  # a block still being filled holds nothing to copy yet
+        if loading.any():
+            blocks[:, np.unique(c[loading])] = -1
+        wanted = (blocks >= 0).any(axis=0) & ~(self._index.blocks_of(hashes) >= 0).any(axis=1)
+        cols = np.flatnonzero(wanted)[: int(self._pool.num_free()[0])]
+        if cols.size == 0:
+            return
+        allocation = self._pool.allocate(cols.size)
+        assert allocation is not None, "host allocation failed after the free-block check"
+        if allocation.evicted_blocks.size:
+            self._evict_host(allocation.evicted_blocks)
+        host_ids = allocation.blocks[0]
+        src = blocks[:, cols]
+        dst = np.where(src >= 0, host_ids[None, :], -1).astype(np.int32)
+        picked = b"".join(hashes[i * _H:(i + 1) * _H] for i in cols.tolist())
+        self._index.insert(picked, dst.T)
+        handles = self._copy_layers(self._out, self.gpu, src, self.host, dst)
+        job = next(self._ids)
+        self._offloads[job] = _Offload(handles, host_ids, src, cols, hashes, tokens, lora,
+                                       np.zeros(cols.size, dtype=bool))
+        r, c = np.nonzero(src >= 0)
+        self._src_job[r, src[r, c]] = job
+
+    def evicting(self, rows: np.ndarray, blocks: np.ndarray) -> None:
+        """GPU pairs get a new owner: keep finished copies of them, drop unfinished ones, finish loads into them."""
+        if not (self._offloads or self._loads):
+            return
+        rows = np.asarray(rows, dtype=np.intp)
+        blocks = np.asarray(blocks, dtype=np.intp)
+        for job in np.unique(self._dst_job[rows, blocks]).tolist():
+            if job >= 0:
+                self._settle_load(job, wait=True)
+        jobs = self._src_job[rows, blocks]
+        touched = np.unique(jobs[jobs >= 0]).tolist()
+        if not touched:
+            return
+        keys = np.unique(rows * self.manager.num_blocks + blocks)
+        for job in touched:
+            if self._settle_offload(job):
+                continue
+            off = self._offloads[job]
+            r = np.arange(self._rows)[:, None]
+            hit = np.isin(r * self.manager.num_blocks + off.src, keys) & (off.src >= 0)
+            off.dropped |= hit.any(axis=0)
+
+    def reset(self) -> None:
+        """Forget every host copy (the prefix cache was reset); copies in flight are dropped when they end."""
+        for off in self._offloads.values():
+            off.dropped[:] = True
+        self._index.clear()
+        self._pool.reset_cached()
+        self._ready[:] = False
+
+    # ------------------------------------------------------------------ internals
+
+    @staticmethod
+    def _allocate_host(spec: CacheSpec, num_blocks: int, *, pin: bool) -> KVRegion:
+        """Host blocks, layer-major then tensor then block: pinned by PyTorch when asked and present, else page-aligned mmap."""
+        nbytes = spec.cache_bytes(num_blocks)
+        buffer: Any = None
+        addr, pinned = 0, False
+        torch = sys.modules.get("torch")
+        if pin and torch is not None and torch.cuda.is_available():
+            buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            addr, pinned = buffer.data_ptr(), True
+        else:
+            buffer = mmap.mmap(-1, max(nbytes, 1))
+            addr = np.frombuffer(buffer, dtype=np.uint8).ctypes.data
+        addrs = np.zeros((spec.num_layers, len(spec.tensors())), dtype=np.int64)
+        offset = 0
+        for layer in range(spec.num_layers):
+            for t, tensor in enumerate(spec.tensors()):
+                addrs[layer, t] = addr + offset
+                offset += tensor.nbytes(num_blocks)
+        return KVRegion.from_addresses(spec, num_blocks, addrs, device="cpu", pinned=pinned, keep=(buffer,))
+
+    def _copy_layers(self, engine: LocalEngine, src: KVRegion, src_ids: np.ndarray, dst: KVRegion,
+                     dst_ids: np.ndarray) -> list[TransferHandle]:
+        """One transfer per layer, in layer order on one engine (so layer l's is done when layer l+1's is).
+
+        The byte ranges of all layers are computed in one pass and split by the layer whose memory
+        each range starts in; a range merged across a layer boundary goes with the earlier layer,
+        which the engine's in-order queue finishes first.
+        """
+        if self._uniform:  # whole blocks (1-D ids); otherwise per head [rows, n]
+            src_ids, dst_ids = src_ids[0], dst_ids[0]
+        ranges = copy_ranges(src, src_ids, dst, dst_ids)
+        starts = src.addrs.ravel()
+        order = np.argsort(starts, kind="stable")
+        owner = np.repeat(np.arange(src.num_layers), src.addrs.shape[1])[order]
+        layer = owner[np.searchsorted(starts[order], ranges.src, side="right") - 1]
+        cut = np.searchsorted(layer, np.arange(src.num_layers + 1)) if (np.diff(layer) >= 0).all() else None
+        device = self.gpu.device if self.gpu.is_cuda else "cpu"
+        handles = []
+        for l in range(src.num_layers):
+            if cut is not None:
+                part = slice(int(cut[l]), int(cut[l + 1]))
+            else:
+                part = np.flatnonzero(layer == l)
+            handles.append(engine.submit(CopyRanges(ranges.src[part], ranges.dst[part], ranges.length[part]),
+                                         device=device))
+        return handles
+
+    def _evict_host(self, host_ids: np.ndarray) -> None:
+        """The host pool reused these findable blocks (LRU): drop their hashes, announce the ones that left."""
+        rows = np.repeat(np.arange(self._rows), host_ids.size)
+        removed = self._index.remove(rows, np.tile(host_ids, self._rows))
+        self._ready[host_ids] = False
+        self._counts["evicted"] += int(host_ids.size)
+        if len(removed.gone):
+            self.manager.push_events([BlockRemoved(tuple(bytes(h) for h in removed.gone), medium="CPU")])
+
+    def _settle_offload(self, job: int) -> bool:
+        """If every layer of the offload ended: make its kept blocks findable, free the rest; True when settled."""
+        off = self._offloads[job]
+        statuses = [h.status() for h in off.handles]
+        if any(s is TransferStatus.PENDING for s in statuses):
+            return False
+        del self._offloads[job]
+        r, c = np.nonzero(off.src >= 0)
+        srcs = off.src[r, c]
+        mine = self._src_job[r, srcs] == job
+        self._src_job[r[mine], srcs[mine]] = -1
+        worst = _worst(statuses)
+        keep = ~off.dropped if worst is TransferStatus.DONE else np.zeros(off.cols.size, dtype=bool)
+        if worst is not TransferStatus.DONE:
+            error = next((h.error for h in off.handles if h.error), worst.value)
+            log.warning("host tier: offload of %d blocks %s: %s", off.cols.size, worst.value, error)
+        gone = off.host_ids[~keep]
+        if gone.size:
+            self._index.remove(np.repeat(np.arange(self._rows), gone.size), np.tile(gone, self._rows))
+            self._counts["dropped"] += int(gone.size)
+        kept = off.host_ids[keep]
+        zeros = np.zeros(off.host_ids.size, dtype=np.intp)
+        if kept.size:
+            self._ready[kept] = True
+            self._pool.mark_cached(zeros[: kept.size], kept)
+            self._counts["offloaded"] += int(kept.size)
+            self.manager.push_events(self._stored_events(off, keep))
+        if worst is TransferStatus.TIMEOUT:
+            # A copy past its deadline may still be writing: its blocks never serve again.
+            self._retired += int(off.host_ids.size)
+            return True
+        self._pool.decref(zeros, off.host_ids[::-1], unique=True)  # tail first: a prefix's head is evicted last
+        return True
+
+    def _settle_load(self, job: int, *, wait: bool = False) -> bool:
+        """If every layer of the load ended (waiting up to its deadline with ``wait``): unpin, or forget its blocks."""
+        load = self._loads[job]
+        if wait:
+            for handle in load.handles:
+                handle.wait()
+        statuses = [h.status() for h in load.handles]
+        if any(s is TransferStatus.PENDING for s in statuses):
+            return False
+        del self._loads[job]
+        r, c = np.nonzero(load.dst >= 0)
+        dsts = load.dst[r, c]
+        mine = self._dst_job[r, dsts] == job
+        self._dst_job[r[mine], dsts[mine]] = -1
+        self._pool.decref(np.zeros(load.host_ids.size, dtype=np.intp), load.host_ids, unique=True)
+        worst = _worst(statuses)
+        if worst is TransferStatus.DONE:
+            self._counts["loaded"] += int(load.host_ids.size)
+        else:
+            error = next((h.error for h in load.handles if h.error), worst.value)
+            log.warning("host tier: load of %d blocks for %r %s: %s", load.nblocks, load.owner, worst.value, error)
+            self._counts["failed"] += 1
+            self.manager.drop_cached(r, dsts)
+            for rid, jobs in self._waits.items():
+                if job in jobs and rid not in self._failed:
+                    self._failed.append(rid)
+        for rid in list(self._waits):
+            jobs = self._waits[rid]
+            jobs.discard(job)
+            if not jobs:
+                del self._waits[rid]
+        return True
+
+    def _finish_own_loads(self, request_id: object) -> None:
+        """A request freed before its loads ended (aborted): wait for them, so its blocks are not reused mid-copy."""
+        for job in [j for j, load in self._loads.items() if load.owner == request_id]:
+            self._settle_load(job, wait=True)
+
+    def _stored_events(self, off: _Offload, keep: np.ndarray) -> list[BlockStored]:
+        """One BlockStored(medium="CPU") per run of consecutive kept columns stored for the same rows."""
+        bs = self.manager.block_size
+        cols = off.cols[keep]
+        present = (off.src[:, keep] >= 0).T  # [m, rows]
+        events = []
+        start = 0
+        for i in range(1, cols.size + 1):
+            if i < cols.size and cols[i] == cols[i - 1] + 1 and (present[i] == present[start]).all():
+                continue
+            first, last = int(cols[start]), int(cols[i - 1]) + 1
+            events.append(BlockStored(
+                block_hashes=tuple(off.chain[j * _H:(j + 1) * _H] for j in range(first, last)),
+                parent_block_hash=off.chain[(first - 1) * _H: first * _H] if first else None,
+                token_ids=off.tokens[first * bs: last * bs].copy(),
+                block_size=bs,
+                rows=tuple(np.flatnonzero(present[start]).tolist()),
+                lora=off.lora,
+                medium="CPU",
+            ))
+            start = i
+        return events
+
+
+def _worst(statuses: Any) -> TransferStatus:
+    """FAILED over TIMEOUT over PENDING over DONE."""
+    seen = set(statuses)
+    for status in (TransferStatus.FAILED, TransferStatus.TIMEOUT, TransferStatus.PENDING):
+        if status in seen:
+            return status
+    return TransferStatus.DONE
