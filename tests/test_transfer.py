@@ -267,10 +267,10 @@ class Receiver:
 
 
 @needs_nixl
-@pytest.mark.parametrize("transport", ["default", "tcp"])
-def test_nixl_writes_scattered_blocks_into_another_process_byte_for_byte(transport, monkeypatch):
-    """UCX's own choice (shared memory on one host) and TCP both land exactly the listed units."""
-    from kvcache.transfer.nixl import NixlEngine
+@pytest.mark.parametrize(("transport", "threads"), [("default", 0), ("default", 3), ("tcp", 3)])
+def test_nixl_writes_scattered_blocks_into_another_process_byte_for_byte(transport, threads, monkeypatch):
+    """UCX's own choice (shared memory on one host) and TCP both land exactly the listed units, split over threads or not."""
+    from kvcache.transfer.nixl import SPLIT_DESCRIPTORS, NixlEngine
 
     env = {"UCX_TLS": "tcp"} if transport == "tcp" else {}
     for k, v in env.items():
@@ -280,12 +280,13 @@ def test_nixl_writes_scattered_blocks_into_another_process_byte_for_byte(transpo
     peer_proc = Receiver(spec, 48, seed=5, env=env)
     try:
         src = Cache(spec, 40, seed=4)
-        with NixlEngine("prefill") as engine:
+        with NixlEngine("prefill", threads=threads) as engine:
             peer = engine.connect(peer_proc.endpoint)
             assert peer.agent == peer_proc.agent and peer.pid == peer_proc.process.pid
             remote = peer.regions[0]
             src_ids, dst_ids = scattered(rng, 40, 30), scattered(rng, 48, 30)
             handle = engine.write(src.region, src_ids, remote, dst_ids, notify=b"req-1:done")
+            assert handle.num_ranges >= 2 * SPLIT_DESCRIPTORS  # enough to be cut into chunks when threaded
             assert handle.wait() is TransferStatus.DONE, handle.error
             got = np.frombuffer(peer_proc.call("dump"), dtype=np.uint8)
             want = Cache(spec, 48, seed=5).expect_copy(src, src_ids, dst_ids)
@@ -382,3 +383,28 @@ def test_nixl_refuses_writes_to_unknown_peers_and_after_close():
     with pytest.raises(KVCacheError, match="closed"):
         engine.write(a.region, [0], a.region, [1])
 
+
+
+@needs_nixl
+@pytest.mark.parametrize("threads", [-1, 1.5, "2", True])
+def test_nixl_engine_refuses_a_bad_thread_count(threads):
+    from kvcache.transfer.nixl import NixlEngine
+
+    with pytest.raises(KVCacheError, match="threads must be a whole number >= 0"):
+        NixlEngine(threads=threads)
+
+
+@needs_nixl
+def test_an_idle_nixl_engine_leaves_the_cpu_alone():
+    """NIXL's progress thread sleeps in poll() between events (its Python API would make it spin a core)."""
+    import resource
+
+    from kvcache.transfer.nixl import NixlEngine
+
+    with NixlEngine() as engine:
+        engine.serve()
+        before = resource.getrusage(resource.RUSAGE_SELF)
+        time.sleep(1.0)
+        after = resource.getrusage(resource.RUSAGE_SELF)
+    used = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    assert used < 0.25, f"an idle engine used {used:.2f} s of CPU in 1 s"

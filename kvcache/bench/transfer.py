@@ -7,7 +7,8 @@ Sections, each the best wall time of N runs (write + wait), ours and the limit t
      pattern); limit: one memcpy of the same total bytes (the faster of numpy's copyto and one
      range through the engine's own C loop);
   2. NIXL (where installed): the same write into a receiver process (UCX's choice of transport on
-     one host); limit: one NIXL write of the same bytes as a single descriptor;
+     one host) with the engine's threads, with one thread, and layer by layer; limit: one NIXL
+     write of the same bytes as a single descriptor, through the same engine;
   3. CUDA (with PyTorch and a GPU): device to pinned host, host to device and device to device
      with each batched method (cudaMemcpyBatchAsync, copy kernel) and one cudaMemcpyAsync per
      range; limit: one cudaMemcpyAsync of the same total bytes, pinned.
@@ -158,35 +159,46 @@ def _nixl_receiver(conn: Any, block_size: int, layers: int) -> None:
             pass
 
 
-def bench_nixl(layers: int, repeat: int) -> list[dict[str, Any]] | str:
+def bench_nixl(layers: int, repeat: int, threads: int | None = None) -> list[dict[str, Any]] | str:
+    """NIXL writes into a receiver process: the engine's threads (the target row), one thread, layer by layer."""
     try:
-        from kvcache.transfer.nixl import NixlEngine, nixl_available
+        from kvcache.transfer.nixl import NixlEngine, default_threads, nixl_available
     except ImportError as exc:  # pyzmq or msgpack missing: no control plane
         return f"cannot import the NIXL engine: {exc}"
     if not nixl_available():
         return "NIXL is not installed (pip install nixl-cu12 --no-deps)"
+    threads = default_threads() if threads is None else threads
     rows = []
     for bs in BLOCK_SIZES:
         spec = make_spec(bs, layers)
         num_blocks, src_ids = scattered_ids(bs, SEED)
         _, dst_ids = scattered_ids(bs, SEED + 1)
-        with Fleet() as fleet, NixlEngine("bench-prefill", timeout=120.0) as engine:
+        with (Fleet() as fleet, NixlEngine("bench-prefill", timeout=120.0, threads=threads) as engine,
+              NixlEngine("bench-prefill-1", timeout=120.0, threads=0) as single):
             conn = fleet.spawn(_nixl_receiver, bs, layers)
             endpoint = expect(conn, "ready", time.monotonic() + 120, "NIXL receiver")[1]
             src, src_buf = host_region(spec, num_blocks, 1)
-            engine.register(src)
-            peer = engine.connect(endpoint)
-            dst = peer.regions[0]
             nbytes = spec.bytes_per_block * src_ids.size
+            for e in (engine, single):
+                e.register(src)
+                dst = e.connect(endpoint).regions[0]
             limit = one_range(nbytes, src_buf.ctypes.data, int(dst.addrs[0, 0]))
             first = engine.write(src, src_ids, dst, dst_ids)
             _done(first)
-            ours, raw = best_interleaved([
+            ours, one_thread, per_layer, raw = best_interleaved([
                 lambda: _done(engine.write(src, src_ids, dst, dst_ids)),
-                lambda: _done(engine.submit(limit, peer.agent, src, dst)),
+                lambda: _done(single.write(src, src_ids, dst, dst_ids)),
+                lambda: [_done(h) for h in [engine.write(src, src_ids, dst, dst_ids, layers=[layer])
+                                            for layer in range(layers)]],
+                lambda: _done(engine.submit(limit, dst.owner, src, dst)),
             ], repeat)
-            rows.append(_row("NIXL host -> other process", bs, "all layers, one write", first.num_ranges, nbytes,
-                             ours, raw, "one-descriptor NIXL write", NIXL_TARGET))
+            name = "one-descriptor NIXL write"
+            rows.append(_row("NIXL host -> other process", bs, f"all layers, one write, {engine.threads or 1} threads",
+                             first.num_ranges, nbytes, ours, raw, name, NIXL_TARGET))
+            rows.append(_row("NIXL host -> other process", bs, "all layers, one write, 1 thread", first.num_ranges,
+                             nbytes, one_thread, raw, name, None))
+            rows.append(_row("NIXL host -> other process", bs, f"{layers} writes, a layer each", first.num_ranges,
+                             nbytes, per_layer, raw, name, None))
             fleet.stop([conn])
     return rows
 
@@ -292,7 +304,8 @@ def render(result: dict[str, Any]) -> str:
         "",
     ]
     nixl = result["nixl"]
-    out += ["2. NIXL into another process (UCX's transport choice on one host)",
+    out += ["2. NIXL into another process (UCX's transport choice on one host; a write of many ranges is split over "
+            "the engine's threads); limit: one NIXL write of the same bytes as one descriptor",
             _rows_table(nixl) if isinstance(nixl, list) else f"  skipped: {nixl}", ""]
     gpu = result["gpu"]
     if isinstance(gpu, str):
@@ -312,10 +325,11 @@ def _targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
              "target": r["target"], "ok": bool(r["ok"])} for r in rows if r["ok"] is not None]
 
 
-def run_benchmark(layers: int, repeat: int, quick: bool, sections: Sequence[str]) -> dict[str, Any]:
-    """Every chosen section, measured now; one JSON-ready dict."""
+def run_benchmark(layers: int, repeat: int, quick: bool, sections: Sequence[str],
+                  threads: int | None = None) -> dict[str, Any]:
+    """Every chosen section, measured now; one JSON-ready dict. ``threads``: the engines' (None: their default)."""
     host = bench_host(layers, repeat) if "host" in sections else []
-    nixl = bench_nixl(layers, repeat) if "nixl" in sections else "not chosen"
+    nixl = bench_nixl(layers, repeat, threads) if "nixl" in sections else "not chosen"
     gpu = bench_gpu(layers, repeat) if "gpu" in sections else "not chosen"
     rows = host + (nixl if isinstance(nixl, list) else []) + (gpu["rows"] if isinstance(gpu, dict) else [])
     return {
@@ -333,9 +347,19 @@ def run_benchmark(layers: int, repeat: int, quick: bool, sections: Sequence[str]
 def _run(args: argparse.Namespace) -> int:
     repeat = args.repeat or (QUICK_REPEAT if args.quick else REPEAT)
     layers = args.layers or (QUICK_LAYERS if args.quick else LAYERS)
-    result = run_benchmark(layers, repeat, args.quick, args.sections)
+    result = run_benchmark(layers, repeat, args.quick, args.sections, args.threads)
     print(json.dumps(result, indent=2) if args.json else render(result))
     return 0
+
+
+def _nonnegative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
+    return value
 
 
 def _sections(text: str) -> list[str]:
@@ -361,6 +385,8 @@ def add_parser(targets: argparse._SubParsersAction) -> None:
                    help=f"{QUICK_LAYERS} layers and {QUICK_REPEAT} runs instead of {LAYERS} and {REPEAT}, for tests")
     p.add_argument("--repeat", type=_positive_int, metavar="N", help="timed runs per measurement; the best is reported")
     p.add_argument("--layers", type=_positive_int, metavar="N", help=f"model layers (default {LAYERS})")
+    p.add_argument("--threads", type=_nonnegative_int, metavar="N",
+                   help="threads of the NIXL engine (default: its own, from the CPU count; 0 or 1: one)")
     p.add_argument("--sections", type=_sections, default=["host", "nixl", "gpu"], metavar="LIST",
                    help="comma-separated subset of host,nixl,gpu (default: all; absent libraries are skipped)")
     p.set_defaults(run=_run)
