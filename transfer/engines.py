@@ -2,10 +2,11 @@
 
 ``TransferEngine`` is the interface every engine keeps; its docstring states the guarantees.
 ``LocalEngine`` copies within one process: host to host with one C memcpy loop over all ranges
-(on the engine's worker thread, GIL released); with CUDA, device to host, host to device and
-device to device with one launch per transfer on the engine's own stream (a gather/scatter copy
-kernel through CuPy, else ``cudaMemcpyBatchAsync``), never one call per block. ``kvcache.transfer.nixl.NixlEngine`` moves blocks to other
-processes and nodes. Pick one by name with ``create_engine("local" | "nixl", ...)``.
+(from the engine's worker thread, GIL released, the bytes shared among a few threads); with CUDA,
+device to host, host to device and device to device with one launch per transfer on the engine's
+own stream (a gather/scatter copy kernel through CuPy, else ``cudaMemcpyBatchAsync``), never one
+call per block. ``kvcache.transfer.nixl.NixlEngine`` moves blocks to other processes and nodes.
+Pick one by name with ``create_engine("local" | "nixl", ...)``.
 
     engine = LocalEngine()
     handle = engine.write(gpu, table_row, host, host_ids, layers=[layer])
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import enum
+import os
 import queue
 import sys
 import threading
@@ -28,7 +30,8 @@ from kvcache.allocator.errors import KVCacheError
 from kvcache.transfer._copy import copy as _host_copy
 from kvcache.transfer.regions import CopyRanges, KVRegion, copy_ranges
 
-__all__ = ["CUDA_METHODS", "LocalEngine", "TransferEngine", "TransferHandle", "TransferStatus", "create_engine"]
+__all__ = ["CUDA_METHODS", "HOST_METHODS", "LocalEngine", "TransferEngine", "TransferHandle", "TransferStatus",
+           "create_engine", "default_copy_threads"]
 
 DEFAULT_TIMEOUT = 30.0
 CUDA_METHODS = ("auto", "kernel", "batch", "loop")
@@ -37,6 +40,16 @@ and write pinned host memory directly), ``batch`` = cudaMemcpyBatchAsync (CUDA 1
 one cudaMemcpyAsync per range (the slow baseline); ``auto`` takes the first of kernel, batch, loop
 that this process can run. On an H100 (PCIe 5, 4,096-token request, block 16) the kernel moved
 88-90% of one pinned cudaMemcpyAsync's bandwidth each way, the batch call 63-74%, the loop 14-19%."""
+
+
+HOST_METHODS = ("memcpy", "stream")
+"""How LocalEngine copies host to host: ``memcpy`` = glibc's memcpy per range; ``stream`` = streaming
+(non-temporal) stores for ranges of 4 KiB or more, which skip reading the destination lines first
+(glibc streams only copies of several MiB). On the 2-core AMD EPYC dev VM streaming moved scattered
+32 KiB blocks 1.3-1.6x faster; an earlier hand-written version was half as fast on the H100 host,
+so memcpy stays the default until ``kvcache bench transfer`` there says otherwise."""
+_STREAM_MIN = 4096
+_MIN_SHARE = 4 << 20  # bytes: a host copy uses no more threads than it has shares of this size
 
 
 class TransferStatus(str, enum.Enum):
@@ -201,8 +214,13 @@ class _HostHandle(TransferHandle):
         self.event.wait(seconds)
 
 
-def _host_worker(jobs: queue.SimpleQueue) -> None:
-    """Run queued host copies in order until the None sentinel; each stops at its deadline."""
+def default_copy_threads() -> int:
+    """Threads for one host copy: a quarter of this host's CPUs, 1 to 4 (one core's copy is latency-bound)."""
+    return max(1, min(4, (os.cpu_count() or 1) // 4))
+
+
+def _host_worker(jobs: queue.SimpleQueue, threads: int, stream_min: int) -> None:
+    """Run queued host copies in order until the None sentinel, each on up to ``threads`` threads, to its deadline."""
     while True:
         handle = jobs.get()
         if handle is None:
@@ -212,7 +230,8 @@ def _host_worker(jobs: queue.SimpleQueue) -> None:
             if handle.cancelled or time.monotonic() >= handle.deadline:
                 handle._finish(TransferStatus.TIMEOUT, "its deadline passed before the copy started")
             else:
-                copied = _host_copy(r.src, r.dst, r.length, int(handle.deadline * 1e9))
+                copied = _host_copy(r.src, r.dst, r.length, int(handle.deadline * 1e9), threads, _MIN_SHARE,
+                                    stream_min)
                 if copied == r.num_ranges:
                     handle._finish(TransferStatus.DONE)
                 else:
@@ -391,15 +410,28 @@ class LocalEngine(TransferEngine):
 
     ``cuda_method`` is one of CUDA_METHODS. Host regions that take part in a CUDA copy are pinned
     (cudaHostRegister) the first time, unless their memory already is; ``close`` unpins them.
+    A host-to-host copy runs on up to ``threads`` threads (default ``default_copy_threads()``),
+    each with at least 4 MiB of it, the way ``host_method`` (one of HOST_METHODS) says.
     """
 
-    def __init__(self, *, timeout: float = DEFAULT_TIMEOUT, cuda_method: str = "auto") -> None:
+    def __init__(self, *, timeout: float = DEFAULT_TIMEOUT, cuda_method: str = "auto",
+                 threads: int | None = None, host_method: str = "memcpy") -> None:
         if cuda_method not in CUDA_METHODS:
             raise KVCacheError(f"cuda_method: unknown {cuda_method!r}; expected one of {', '.join(CUDA_METHODS)}")
+        if host_method not in HOST_METHODS:
+            raise KVCacheError(f"host_method: unknown {host_method!r}; expected one of {', '.join(HOST_METHODS)}")
+        if threads is None:
+            threads = default_copy_threads()
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0:
+            raise KVCacheError(f"threads must be a whole number >= 0, got {threads!r}")
         self.timeout = timeout
         self.cuda_method = cuda_method
+        self.threads = max(threads, 1)
+        self.host_method = host_method
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._worker = threading.Thread(target=_host_worker, args=(self._jobs,), name="kvcache-copy", daemon=True)
+        stream_min = _STREAM_MIN if host_method == "stream" else 0
+        self._worker = threading.Thread(target=_host_worker, args=(self._jobs, self.threads, stream_min),
+                                        name="kvcache-copy", daemon=True)
         self._worker.start()
         self._cuda: CudaRuntime | None = None
         self._streams: dict[int, int] = {}

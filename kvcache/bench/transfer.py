@@ -4,8 +4,9 @@ Workload (issue 7): one request of 4,096 tokens, 32 layers, 8 kv heads x 128, bf
 64; its blocks sit at scattered ids of a cache twice its size, and land at other scattered ids.
 Sections, each the best wall time of N runs (write + wait), ours and the limit taking turns:
   1. host to host, LocalEngine: all layers in one write (and layer by layer, the messager's
-     pattern); limit: one memcpy of the same total bytes (the faster of numpy's copyto and one
-     range through the engine's own C loop);
+     pattern), and with streaming stores; limit: one memcpy of the same total bytes (the fastest of
+     numpy's copyto and one range through the engine's own C loop, either way, on as many threads as
+     the engine uses);
   2. NIXL (where installed): the same write into a receiver process (UCX's choice of transport on
      one host) with the engine's threads, with one thread, and layer by layer; limit: one NIXL
      write of the same bytes as a single descriptor, through the same engine;
@@ -110,9 +111,10 @@ def _row(path: str, block_size: int, mode: str, ranges: int, nbytes: int, ours_s
 # --------------------------------------------------------------------------- 1. host to host
 
 
-def bench_host(layers: int, repeat: int) -> list[dict[str, Any]]:
+def bench_host(layers: int, repeat: int, threads: int | None = None) -> list[dict[str, Any]]:
     rows = []
-    with LocalEngine(timeout=120.0) as engine:
+    with LocalEngine(timeout=120.0, threads=threads) as engine, \
+            LocalEngine(timeout=120.0, threads=threads, host_method="stream") as streaming:
         for bs in BLOCK_SIZES:
             spec = make_spec(bs, layers)
             num_blocks, src_ids = scattered_ids(bs, SEED)
@@ -123,21 +125,27 @@ def bench_host(layers: int, repeat: int) -> list[dict[str, Any]]:
             limit = one_range(nbytes, src_buf.ctypes.data, dst_buf.ctypes.data)
             ranges = engine.write(src, src_ids, dst, dst_ids)
             _done(ranges)
-            whole, per_layer, streamed, plain = best_interleaved([
+            whole, nt_stores, per_layer, one_engine, one_streaming, plain = best_interleaved([
                 lambda: _done(engine.write(src, src_ids, dst, dst_ids)),
+                lambda: _done(streaming.write(src, src_ids, dst, dst_ids)),
                 lambda: [_done(h) for h in [engine.write(src, src_ids, dst, dst_ids, layers=[layer])
                                             for layer in range(layers)]],
                 lambda: _done(engine.submit(limit)),
+                lambda: _done(streaming.submit(limit)),
                 lambda: np.copyto(dst_buf[:nbytes], src_buf[:nbytes]),
             ], repeat)
-            raw, name = min((streamed, "one memcpy (engine)"), (plain, "one memcpy (numpy)"))
+            raw, name = min((one_engine, "one memcpy (engine)"), (one_streaming, "one memcpy (engine, streaming)"),
+                            (plain, "one memcpy (numpy)"))
             count = ranges.num_ranges
-            rows.append(_row("host -> host", bs, "all layers, one write", count, nbytes, whole, raw, name,
-                             LOCAL_TARGET))
+            rows.append(_row("host -> host", bs, f"all layers, one write, {engine.threads} thread(s)", count, nbytes,
+                             whole, raw, name, LOCAL_TARGET))
+            rows.append(_row("host -> host", bs, "all layers, one write, streaming stores", count, nbytes, nt_stores,
+                             raw, name, None))
             rows.append(_row("host -> host", bs, f"{layers} writes, a layer each", count, nbytes, per_layer, raw,
                              name, None))
-            for label, seconds in (("numpy copyto", plain), ("one range through the engine", streamed)):
-                rows[-2].setdefault("limits_ms", {})[label] = seconds * 1e3
+            for label, seconds in (("numpy copyto", plain), ("one range through the engine", one_engine),
+                                   ("the same, streaming stores", one_streaming)):
+                rows[-3].setdefault("limits_ms", {})[label] = seconds * 1e3
             del src_buf, dst_buf
     return rows
 
@@ -296,8 +304,8 @@ def render(result: dict[str, Any]) -> str:
         f"ids scattered over a cache {CACHE_FACTOR}x the request; best of {cfg['repeat']}; python {cfg['python']}, "
         f"{cfg['cpus']} cpu(s){', quick' if cfg['quick'] else ''}",
         "",
-        "1. host -> host (LocalEngine: one C memcpy loop over all ranges); limit: one memcpy of the same bytes "
-        "(the faster of numpy's copyto and one range through the engine)",
+        "1. host -> host (LocalEngine: one C memcpy loop over all ranges, shared among its threads); limit: one "
+        "memcpy of the same bytes (the fastest of numpy's copyto and one range through the engine, same threads)",
         _rows_table(result["host"]),
         *(f"  block {r['block_size']} limits, ms: " + ", ".join(f"{k} {v:.2f}" for k, v in r["limits_ms"].items())
           for r in result["host"] if "limits_ms" in r),
@@ -328,7 +336,7 @@ def _targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def run_benchmark(layers: int, repeat: int, quick: bool, sections: Sequence[str],
                   threads: int | None = None) -> dict[str, Any]:
     """Every chosen section, measured now; one JSON-ready dict. ``threads``: the engines' (None: their default)."""
-    host = bench_host(layers, repeat) if "host" in sections else []
+    host = bench_host(layers, repeat, threads) if "host" in sections else []
     nixl = bench_nixl(layers, repeat, threads) if "nixl" in sections else "not chosen"
     gpu = bench_gpu(layers, repeat) if "gpu" in sections else "not chosen"
     rows = host + (nixl if isinstance(nixl, list) else []) + (gpu["rows"] if isinstance(gpu, dict) else [])
@@ -386,7 +394,7 @@ def add_parser(targets: argparse._SubParsersAction) -> None:
     p.add_argument("--repeat", type=_positive_int, metavar="N", help="timed runs per measurement; the best is reported")
     p.add_argument("--layers", type=_positive_int, metavar="N", help=f"model layers (default {LAYERS})")
     p.add_argument("--threads", type=_nonnegative_int, metavar="N",
-                   help="threads of the NIXL engine (default: its own, from the CPU count; 0 or 1: one)")
+                   help="threads of the host copy and NIXL engines (default: theirs, from the CPU count; 0 or 1: one)")
     p.add_argument("--sections", type=_sections, default=["host", "nixl", "gpu"], metavar="LIST",
                    help="comma-separated subset of host,nixl,gpu (default: all; absent libraries are skipped)")
     p.set_defaults(run=_run)
