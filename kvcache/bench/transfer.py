@@ -11,8 +11,8 @@ Sections, each the best wall time of N runs (write + wait), ours and the limit t
      one host) with the engine's threads, with one thread, and layer by layer; limit: one NIXL
      write of the same bytes as a single descriptor, through the same engine;
   3. CUDA (with PyTorch and a GPU): device to pinned host, host to device and device to device
-     with each batched method (cudaMemcpyBatchAsync, copy kernel) and one cudaMemcpyAsync per
-     range; limit: one cudaMemcpyAsync of the same total bytes, pinned.
+     with each batched method (cudaMemcpyBatchAsync, copy kernel, unrolled copy kernel) and one
+     cudaMemcpyAsync per range; limit: one cudaMemcpyAsync of the same total bytes, pinned.
 Targets: local and GPU swaps >= 85% of their limit, NIXL >= 80% of raw NIXL. Exits 0 whatever the numbers.
 """
 from __future__ import annotations
@@ -223,7 +223,7 @@ def bench_gpu(layers: int, repeat: int) -> dict[str, Any] | str:
             return "needs PyTorch and a GPU"
     if not torch.cuda.is_available():
         return "needs PyTorch and a GPU"
-    engines = {m: LocalEngine(timeout=120.0, cuda_method=m) for m in ("batch", "kernel", "loop")}
+    engines = {m: LocalEngine(timeout=120.0, cuda_method=m) for m in ("batch", "kernel", "kernel_unrolled", "loop")}
     limit_engine = engines["loop"]
     methods = {}
     for name, engine in engines.items():
@@ -231,7 +231,7 @@ def bench_gpu(layers: int, repeat: int) -> dict[str, Any] | str:
             engine.resolved_cuda_method()
             if name == "batch" and engine.cuda.batch is None:
                 raise RuntimeError(f"runtime {engine.cuda.version} has no cudaMemcpyBatchAsync")
-            if name == "kernel":
+            if name.startswith("kernel"):
                 from kvcache.transfer.engines import _cupy
 
                 if _cupy() is None:
