@@ -46,12 +46,14 @@ the loop 14-19%."""
 _KERNELS = {"kernel": "copy_ranges", "kernel_unrolled": "copy_ranges_unrolled"}
 
 
-HOST_METHODS = ("memcpy", "stream")
-"""How LocalEngine copies host to host: ``memcpy`` = glibc's memcpy per range; ``stream`` = streaming
-(non-temporal) stores for ranges of 4 KiB or more, which skip reading the destination lines first
-(glibc streams only copies of several MiB). On the 2-core AMD EPYC dev VM streaming moved scattered
-32 KiB blocks 1.3-1.6x faster; an earlier hand-written version was half as fast on the H100 host,
-so memcpy stays the default until ``kvcache bench transfer`` there says otherwise."""
+HOST_METHODS = ("stream", "memcpy")
+"""How LocalEngine copies host to host: ``stream`` (the default) = streaming (non-temporal) stores
+for ranges of 4 KiB or more, which skip reading the destination lines first; ``memcpy`` = glibc's
+memcpy per range, which streams only copies of several MiB, so a 32 KiB block costs a read of its
+destination too. On the 2-core AMD EPYC dev VM streaming moved scattered 32 KiB blocks 1.3-1.6x
+faster than memcpy, and faster than glibc's one memcpy of the same bytes. An earlier hand-written
+streaming copy (not kept) was reported half as fast on the H100 host: `kvcache bench transfer`
+prints both methods side by side, so check there before relying on either."""
 _STREAM_MIN = 4096
 _MIN_SHARE = 4 << 20  # bytes: a host copy uses no more threads than it has shares of this size
 
@@ -448,7 +450,7 @@ class LocalEngine(TransferEngine):
     """
 
     def __init__(self, *, timeout: float = DEFAULT_TIMEOUT, cuda_method: str = "auto",
-                 threads: int | None = None, host_method: str = "memcpy") -> None:
+                 threads: int | None = None, host_method: str = "stream") -> None:
         if cuda_method not in CUDA_METHODS:
             raise KVCacheError(f"cuda_method: unknown {cuda_method!r}; expected one of {', '.join(CUDA_METHODS)}")
         if host_method not in HOST_METHODS:
