@@ -477,16 +477,22 @@ def test_nixl_engine_refuses_a_bad_thread_count(threads):
 
 
 @needs_nixl
-def test_an_idle_nixl_engine_leaves_the_cpu_alone():
+def test_an_idle_nixl_engine_leaves_the_cpu_alone_and_close_ends_its_threads():
     """NIXL's progress thread sleeps in poll() between events (its Python API would make it spin a core)."""
     import resource
 
     from kvcache.transfer.nixl import NixlEngine
 
-    with NixlEngine() as engine:
+    threads_before = len(os.listdir("/proc/self/task"))
+    with NixlEngine(threads=3) as engine:
         engine.serve()
+        assert len(os.listdir("/proc/self/task")) > threads_before
         before = resource.getrusage(resource.RUSAGE_SELF)
         time.sleep(1.0)
         after = resource.getrusage(resource.RUSAGE_SELF)
     used = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     assert used < 0.25, f"an idle engine used {used:.2f} s of CPU in 1 s"
+    deadline = time.monotonic() + 5
+    while len(os.listdir("/proc/self/task")) > threads_before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(os.listdir("/proc/self/task")) <= threads_before

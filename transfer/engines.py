@@ -1,12 +1,12 @@
 """Transfer engines: move lists of KV blocks between registered regions, in the background, with a deadline.
 
 ``TransferEngine`` is the interface every engine keeps; its docstring states the guarantees.
-``LocalEngine`` copies within one process: host to host with one C memcpy loop over all ranges
-(from the engine's worker thread, GIL released, the bytes shared among a few threads); with CUDA,
-device to host, host to device and device to device with one launch per transfer on the engine's
-own stream (a gather/scatter copy kernel through CuPy, else ``cudaMemcpyBatchAsync``), never one
-call per block. ``kvcache.transfer.nixl.NixlEngine`` moves blocks to other processes and nodes.
-Pick one by name with ``create_engine("local" | "nixl", ...)``.
+``LocalEngine`` copies within one process: host to host with one C copy loop over all ranges
+(from the engine's worker thread, GIL released, streaming stores, the bytes shared among a few
+threads); with CUDA, device to host, host to device and device to device with one launch per
+transfer on the engine's own stream (a gather/scatter copy kernel through CuPy, else
+``cudaMemcpyBatchAsync``), never one call per block. ``kvcache.transfer.nixl.NixlEngine`` moves
+blocks to other processes and nodes. Pick one by name with ``create_engine("local" | "nixl", ...)``.
 
     engine = LocalEngine()
     handle = engine.write(gpu, table_row, host, host_ids, layers=[layer])

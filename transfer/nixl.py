@@ -14,11 +14,11 @@ and ``write``s blocks from its own registered regions into them:
 
 A large write is cut into chunks that ``threads`` UCX workers post in parallel (on one host the
 kernel's cost is per range, so one thread moves scattered 32 KiB blocks at about half the speed of
-one big range). All NIXL calls that post or poll transfers run on the engine's one worker thread (a post over
-shared memory copies inside the call, so the caller's ``write`` must not make it); a handle's
-``wait`` returns at its deadline even if that thread is stuck inside NIXL. A peer that dies makes
-its transfers FAILED (UCX reports the disconnect) or TIMEOUT, never a hang, and ``close``
-releases every transfer, remote agent and registration the engine made.
+one big range). All NIXL calls that post or poll transfers run on the engine's one worker thread
+(a post over shared memory copies inside the call, so the caller's ``write`` must not make it); a
+handle's ``wait`` returns at its deadline even if that thread is stuck inside NIXL. A peer that
+dies makes its transfers FAILED (UCX reports the disconnect) or TIMEOUT, never a hang, and
+``close`` releases every transfer, remote agent and registration the engine made.
 """
 from __future__ import annotations
 
@@ -398,7 +398,7 @@ class NixlEngine(TransferEngine):
             raise KVCacheError(f"NIXL engine {self.name!r} is closed")
 
     def close(self) -> None:
-        """Stop serving, end every transfer, drop peers, deregister all memory. Idempotent."""
+        """Stop serving, end every transfer, drop peers, deregister all memory, end the agent. Idempotent."""
         if self._closed:
             return
         self._closed = True
@@ -418,6 +418,7 @@ class NixlEngine(TransferEngine):
         for region in self.registered:
             self.deregister(region)
         self._ctx.term()
+        self.agent = None  # the last reference: NIXL stops its progress and UCX worker threads now, not at GC
 
     def __repr__(self) -> str:
         return (f"NixlEngine({self.name!r}, {len(self._registered)} regions, {len(self._peers)} peers"
