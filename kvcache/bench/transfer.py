@@ -203,9 +203,10 @@ def bench_nixl(layers: int, repeat: int, threads: int | None = None) -> list[dic
                 lambda: _done(engine.submit(limit, dst.owner, src, dst)),
             ], repeat)
             name = "one-descriptor NIXL write"
-            rows.append(_row("NIXL host -> other process", bs, f"all layers, one write, {engine.threads or 1} threads",
-                             first.num_ranges, nbytes, ours, raw, name, NIXL_TARGET))
-            rows.append(_row("NIXL host -> other process", bs, "all layers, one write, 1 thread", first.num_ranges,
+            rows.append(_row("NIXL host -> other process", bs,
+                             f"all layers, one write, {engine.threads or 1} thread(s)", first.num_ranges, nbytes,
+                             ours, raw, name, NIXL_TARGET))
+            rows.append(_row("NIXL host -> other process", bs, "all layers, one write, 1 thread(s)", first.num_ranges,
                              nbytes, one_thread, raw, name, None))
             rows.append(_row("NIXL host -> other process", bs, f"{layers} writes, a layer each", first.num_ranges,
                              nbytes, per_layer, raw, name, None))
@@ -386,9 +387,9 @@ def add_parser(targets: argparse._SubParsersAction) -> None:
         "transfer",
         help="move one request's KV blocks: host copies, NIXL, CUDA swaps, each against its raw limit",
         description="Time moving one 4,096-token request (32 layers, 8 kv heads x 128, bf16, block 16 and 64, "
-        "scattered ids): host to host against one memcpy of the same bytes; NIXL into another process against one "
-        "single-descriptor NIXL write; with PyTorch and a GPU, device/host swaps per method against one pinned "
-        "cudaMemcpyAsync. Marks issue 7's targets ok/MISS; always exits 0.",
+        "scattered ids): host to host against the fastest copy of the same bytes as one range; NIXL into another "
+        "process against one single-descriptor NIXL write; with PyTorch and a GPU, device/host swaps per method "
+        "against one pinned cudaMemcpyAsync. Marks issue 7's targets ok/MISS; always exits 0.",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the tables")
     p.add_argument("--quick", action="store_true",
