@@ -310,8 +310,8 @@ def render(result: dict[str, Any]) -> str:
         "1. host -> host (LocalEngine: one C copy loop over all ranges, shared among its threads); limit: the same "
         "bytes as one range (the fastest of numpy's copyto and one range through the engine either way, same threads)",
         _rows_table(result["host"]),
-        *(f"  block {r['block_size']} one-range copies, ms: " + ", ".join(f"{k} {v:.2f}" for k, v in r["limits_ms"].items())
-          for r in result["host"] if "limits_ms" in r),
+        *(f"  block {r['block_size']} one-range copies, ms: "
+          + ", ".join(f"{k} {v:.2f}" for k, v in r["limits_ms"].items()) for r in result["host"] if "limits_ms" in r),
         "",
     ]
     nixl = result["nixl"]
