@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import platform
+import socket
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -169,8 +170,39 @@ def _nixl_receiver(conn: Any, block_size: int, layers: int) -> None:
             pass
 
 
+def process_vm_writer(pid: int) -> Callable[[CopyRanges], None] | None:
+    """Copy ranges into process ``pid`` with Linux's process_vm_writev, 1,024 ranges a call; None where unavailable.
+
+    UCX moves NIXL writes between processes on one host with this very call (its CMA transport), so
+    scattered ranges against one range here is the kernel's own cost per range, NIXL aside.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    fn = getattr(libc, "process_vm_writev", None)
+    if fn is None:
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_ulong]
+    fn.restype = ctypes.c_ssize_t
+
+    def write(r: CopyRanges) -> None:
+        local = np.stack([r.src, r.length], axis=1).astype(np.uint64)  # struct iovec: base, length
+        remote = np.stack([r.dst, r.length], axis=1).astype(np.uint64)
+        for lo in range(0, r.num_ranges, 1024):
+            k = min(1024, r.num_ranges - lo)
+            want = int(r.length[lo:lo + k].sum())
+            got = fn(pid, local[lo:].ctypes.data, k, remote[lo:].ctypes.data, k, 0)
+            if got != want:
+                raise OSError(ctypes.get_errno(), f"process_vm_writev wrote {got} of {want} bytes")
+
+    return write
+
+
 def bench_nixl(layers: int, repeat: int, threads: int | None = None) -> list[dict[str, Any]] | str:
-    """NIXL writes into a receiver process: the engine's threads (the target row), one thread, layer by layer."""
+    """NIXL writes into a receiver process: the engine's threads (the target row), one thread, layer by layer;
+    and, on one host, the same ranges through process_vm_writev without NIXL against one range (the kernel's floor)."""
     try:
         from kvcache.transfer.nixl import NixlEngine, default_threads, nixl_available
     except ImportError as exc:  # pyzmq or msgpack missing: no control plane
@@ -191,10 +223,12 @@ def bench_nixl(layers: int, repeat: int, threads: int | None = None) -> list[dic
             nbytes = spec.bytes_per_block * src_ids.size
             for e in (engine, single):
                 e.register(src)
-                dst = e.connect(endpoint).regions[0]
+                peer = e.connect(endpoint)
+            dst = peer.regions[0]
             limit = one_range(nbytes, src_buf.ctypes.data, int(dst.addrs[0, 0]))
             first = engine.write(src, src_ids, dst, dst_ids)
             _done(first)
+            floor = process_vm_writer(peer.pid) if peer.host == socket.gethostname() else None
             ours, one_thread, per_layer, raw = best_interleaved([
                 lambda: _done(engine.write(src, src_ids, dst, dst_ids)),
                 lambda: _done(single.write(src, src_ids, dst, dst_ids)),
@@ -210,6 +244,15 @@ def bench_nixl(layers: int, repeat: int, threads: int | None = None) -> list[dic
                              nbytes, one_thread, raw, name, None))
             rows.append(_row("NIXL host -> other process", bs, f"{layers} writes, a layer each", first.num_ranges,
                              nbytes, per_layer, raw, name, None))
+            if floor is not None:
+                try:
+                    floor(first.ranges)
+                    scattered, whole = best_interleaved([lambda: floor(first.ranges), lambda: floor(limit)], repeat)
+                except OSError as exc:
+                    rows[-1]["kernel_floor"] = f"process_vm_writev refused: {exc}"
+                else:
+                    rows.append(_row("process_vm_writev, no NIXL", bs, "all layers, 1 thread", first.num_ranges,
+                                     nbytes, scattered, whole, "one-range process_vm_writev", None))
             fleet.stop([conn])
     return rows
 
