@@ -148,19 +148,18 @@ def test_an_empty_selection_is_done_at_once(engine):
 @pytest.mark.parametrize("threads", [1, 4])
 def test_a_copy_past_its_deadline_times_out_and_wait_returns_by_then(threads):
     """256 MiB in 64 KiB ranges cannot finish in 2 ms: TIMEOUT, and wait returned near the deadline."""
-    engine = LocalEngine(timeout=10.0, threads=threads)
     spec = CacheSpec(num_layers=1, num_kv_heads=8, head_dim=128, block_size=32)
     blocks = (256 << 20) // spec.bytes_per_block
     src = KVRegion.from_tensors(spec, [[np.ones(t.shape(blocks), np.uint16) for t in spec.tensors()]])
     dst = KVRegion.from_tensors(spec, [[np.ones(t.shape(blocks), np.uint16) for t in spec.tensors()]])
     ids = np.arange(blocks)
-    handle = engine.write(src, ids, dst, ids[::-1], timeout=0.002)
-    start = time.monotonic()
-    assert handle.wait() is TransferStatus.TIMEOUT
-    assert time.monotonic() - start < 0.5
-    assert "deadline" in handle.error
-    assert engine.write(src, ids[:2], dst, ids[:2]).wait() is TransferStatus.DONE  # the worker is still alive
-    engine.close()
+    with LocalEngine(timeout=10.0, threads=threads) as engine:
+        handle = engine.write(src, ids, dst, ids[::-1], timeout=0.002)
+        start = time.monotonic()
+        assert handle.wait() is TransferStatus.TIMEOUT
+        assert time.monotonic() - start < 0.5
+        assert "deadline" in handle.error
+        assert engine.write(src, ids[:2], dst, ids[:2]).wait() is TransferStatus.DONE  # the worker is still alive
 
 
 @settings(max_examples=150, deadline=None)
