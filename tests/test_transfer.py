@@ -11,10 +11,13 @@ from typing import Any
 import numpy as np
 import pytest
 import zmq
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvcache.allocator import CacheSpec, KVCacheError
 from kvcache.allocator.layout import DTYPE_BYTES
 from kvcache.transfer import KVRegion, LocalEngine, TransferStatus, create_engine
+from kvcache.transfer._copy import copy as host_copy
 from kvcache.transfer.nixl import nixl_available
 
 RAW = {1: np.uint8, 2: np.uint16, 4: np.uint32}
@@ -142,19 +145,92 @@ def test_an_empty_selection_is_done_at_once(engine):
     assert handle.done() and handle.status() is TransferStatus.DONE and handle.nbytes == 0
 
 
-def test_a_copy_past_its_deadline_times_out_and_wait_returns_by_then(engine):
+@pytest.mark.parametrize("threads", [1, 4])
+def test_a_copy_past_its_deadline_times_out_and_wait_returns_by_then(threads):
     """256 MiB in 64 KiB ranges cannot finish in 2 ms: TIMEOUT, and wait returned near the deadline."""
     spec = CacheSpec(num_layers=1, num_kv_heads=8, head_dim=128, block_size=32)
     blocks = (256 << 20) // spec.bytes_per_block
     src = KVRegion.from_tensors(spec, [[np.ones(t.shape(blocks), np.uint16) for t in spec.tensors()]])
     dst = KVRegion.from_tensors(spec, [[np.ones(t.shape(blocks), np.uint16) for t in spec.tensors()]])
     ids = np.arange(blocks)
-    handle = engine.write(src, ids, dst, ids[::-1], timeout=0.002)
-    start = time.monotonic()
-    assert handle.wait() is TransferStatus.TIMEOUT
-    assert time.monotonic() - start < 0.5
-    assert "deadline" in handle.error
-    assert engine.write(src, ids[:2], dst, ids[:2]).wait() is TransferStatus.DONE  # the worker is still alive
+    with LocalEngine(timeout=10.0, threads=threads) as engine:
+        handle = engine.write(src, ids, dst, ids[::-1], timeout=0.002)
+        start = time.monotonic()
+        assert handle.wait() is TransferStatus.TIMEOUT
+        assert time.monotonic() - start < 0.5
+        assert "deadline" in handle.error
+        assert engine.write(src, ids[:2], dst, ids[:2]).wait() is TransferStatus.DONE  # the worker is still alive
+
+
+@settings(max_examples=150, deadline=None)
+@given(lengths=st.lists(st.integers(0, 300), min_size=0, max_size=40), threads=st.integers(1, 9),
+       min_share=st.integers(1, 2000), seed=st.integers(0, 2**32 - 1))
+def test_host_copy_on_threads_moves_every_range_exactly(lengths, threads, min_share, seed):
+    """Shares cut anywhere, even inside a range, still copy each range once, exactly, and touch nothing else."""
+    rng = np.random.default_rng(seed)
+    lengths = np.array(lengths, np.int64)
+    slots = max(int(lengths.max(initial=0)), 1)
+    src = rng.integers(0, 256, slots * (2 * lengths.size + 1), dtype=np.uint8)
+    dst = rng.integers(0, 256, src.size, dtype=np.uint8)
+    src_at = rng.permutation(2 * lengths.size)[:lengths.size] * slots
+    dst_at = rng.permutation(2 * lengths.size)[:lengths.size] * slots
+    want = dst.copy()
+    for s_at, d_at, n in zip(src_at.tolist(), dst_at.tolist(), lengths.tolist()):
+        want[d_at:d_at + n] = src[s_at:s_at + n]
+    copied = host_copy(src.ctypes.data + src_at.astype(np.int64), dst.ctypes.data + dst_at.astype(np.int64), lengths,
+                       0, threads, min_share)
+    assert copied == lengths.size
+    assert np.array_equal(dst, want)
+
+
+@settings(max_examples=60, deadline=None)
+@given(lengths=st.lists(st.integers(0, 5000), min_size=1, max_size=30), misalign=st.integers(0, 63),
+       threads=st.integers(1, 4), seed=st.integers(0, 2**32 - 1))
+def test_streaming_stores_copy_any_length_and_alignment_exactly(lengths, misalign, threads, seed):
+    """Streaming stores cover whole 64-byte destination lines only; heads and tails around them still arrive."""
+    rng = np.random.default_rng(seed)
+    lengths = np.array(lengths, np.int64)
+    slot = 5056
+    src = rng.integers(0, 256, slot * (lengths.size + 1), dtype=np.uint8)
+    dst = rng.integers(0, 256, slot * (lengths.size + 1), dtype=np.uint8)
+    at = np.arange(lengths.size, dtype=np.int64) * slot + misalign
+    order = rng.permutation(lengths.size)
+    want = dst.copy()
+    for s_at, d_at, n in zip(at.tolist(), at[order].tolist(), lengths.tolist()):
+        want[d_at:d_at + n] = src[s_at:s_at + n]
+    assert host_copy(src.ctypes.data + at, dst.ctypes.data + at[order], lengths, 0, threads, 1, 1) == lengths.size
+    assert np.array_equal(dst, want)
+
+
+@pytest.mark.parametrize("threads", [1, 3, 8])
+def test_a_host_copy_stopped_by_its_deadline_counts_only_whole_ranges(threads):
+    """Every thread stops after its first few MiB; the count is exactly the ranges whose bytes all arrived."""
+    n, size = 2048, 64 << 10
+    src = np.full(n * size, 7, np.uint8)
+    dst = np.zeros(n * size, np.uint8)
+    at = np.random.default_rng(1).permutation(n).astype(np.int64) * size
+    copied = host_copy(src.ctypes.data + at, dst.ctypes.data + at[::-1].copy(), np.full(n, size, np.int64), 1,
+                       threads)
+    landed = (dst.reshape(n, size) == 7).all(axis=1).sum()
+    assert 0 < copied < n and copied == landed
+
+
+def test_host_copies_on_several_threads_or_with_streaming_stores_match_one_thread():
+    """A request big enough for four 4 MiB shares lands the same bytes on 4 threads, or streamed, as on one."""
+    spec = CacheSpec(num_layers=2, num_kv_heads=8, head_dim=128, block_size=16)
+    rng = np.random.default_rng(2)
+    src = Cache(spec, 512, seed=1)
+    src_ids, dst_ids = scattered(rng, 512, 256), scattered(rng, 512, 256)
+    results = []
+    for threads, method in ((1, "memcpy"), (4, "memcpy"), (3, "stream")):
+        dst = Cache(spec, 512, seed=2)
+        with LocalEngine(threads=threads, host_method=method) as engine:
+            assert engine.threads == threads
+            handle = engine.write(src.region, src_ids, dst.region, dst_ids)
+            assert handle.nbytes >= 4 * (4 << 20) and handle.wait() is TransferStatus.DONE, handle.error
+        results.append(dst.buffer)
+    assert np.array_equal(results[0], results[1]) and np.array_equal(results[0], results[2])
+    assert np.array_equal(results[0], Cache(spec, 512, seed=2).expect_copy(src, src_ids, dst_ids))
 
 
 def test_wait_with_a_short_timeout_returns_pending_before_the_deadline(engine):
@@ -191,6 +267,11 @@ def test_engines_are_chosen_by_name_and_a_closed_engine_refuses_writes():
         create_engine("rdma")
     with pytest.raises(KVCacheError, match="cuda_method"):
         LocalEngine(cuda_method="fast")
+    for threads in (-1, 2.0, "4", True):
+        with pytest.raises(KVCacheError, match="threads must be a whole number"):
+            LocalEngine(threads=threads)
+    with pytest.raises(KVCacheError, match="host_method: unknown 'avx'"):
+        LocalEngine(host_method="avx")
     engine = create_engine("local")
     engine.close()
     engine.close()
@@ -267,10 +348,10 @@ class Receiver:
 
 
 @needs_nixl
-@pytest.mark.parametrize("transport", ["default", "tcp"])
-def test_nixl_writes_scattered_blocks_into_another_process_byte_for_byte(transport, monkeypatch):
-    """UCX's own choice (shared memory on one host) and TCP both land exactly the listed units."""
-    from kvcache.transfer.nixl import NixlEngine
+@pytest.mark.parametrize(("transport", "threads"), [("default", 0), ("default", 3), ("tcp", 3)])
+def test_nixl_writes_scattered_blocks_into_another_process_byte_for_byte(transport, threads, monkeypatch):
+    """UCX's own choice (shared memory on one host) and TCP land exactly the listed units, split over threads or not."""
+    from kvcache.transfer.nixl import SPLIT_DESCRIPTORS, NixlEngine
 
     env = {"UCX_TLS": "tcp"} if transport == "tcp" else {}
     for k, v in env.items():
@@ -280,12 +361,13 @@ def test_nixl_writes_scattered_blocks_into_another_process_byte_for_byte(transpo
     peer_proc = Receiver(spec, 48, seed=5, env=env)
     try:
         src = Cache(spec, 40, seed=4)
-        with NixlEngine("prefill") as engine:
+        with NixlEngine("prefill", threads=threads) as engine:
             peer = engine.connect(peer_proc.endpoint)
             assert peer.agent == peer_proc.agent and peer.pid == peer_proc.process.pid
             remote = peer.regions[0]
             src_ids, dst_ids = scattered(rng, 40, 30), scattered(rng, 48, 30)
             handle = engine.write(src.region, src_ids, remote, dst_ids, notify=b"req-1:done")
+            assert handle.num_ranges >= 2 * SPLIT_DESCRIPTORS  # enough to be cut into chunks when threaded
             assert handle.wait() is TransferStatus.DONE, handle.error
             got = np.frombuffer(peer_proc.call("dump"), dtype=np.uint8)
             want = Cache(spec, 48, seed=5).expect_copy(src, src_ids, dst_ids)
@@ -382,3 +464,34 @@ def test_nixl_refuses_writes_to_unknown_peers_and_after_close():
     with pytest.raises(KVCacheError, match="closed"):
         engine.write(a.region, [0], a.region, [1])
 
+
+
+@needs_nixl
+@pytest.mark.parametrize("threads", [-1, 1.5, "2", True])
+def test_nixl_engine_refuses_a_bad_thread_count(threads):
+    from kvcache.transfer.nixl import NixlEngine
+
+    with pytest.raises(KVCacheError, match="threads must be a whole number >= 0"):
+        NixlEngine(threads=threads)
+
+
+@needs_nixl
+def test_an_idle_nixl_engine_leaves_the_cpu_alone_and_close_ends_its_threads():
+    """NIXL's progress thread sleeps in poll() between events (its Python API would make it spin a core)."""
+    import resource
+
+    from kvcache.transfer.nixl import NixlEngine
+
+    threads_before = len(os.listdir("/proc/self/task"))
+    with NixlEngine(threads=3) as engine:
+        engine.serve()
+        assert len(os.listdir("/proc/self/task")) > threads_before
+        before = resource.getrusage(resource.RUSAGE_SELF)
+        time.sleep(1.0)
+        after = resource.getrusage(resource.RUSAGE_SELF)
+    used = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    assert used < 0.25, f"an idle engine used {used:.2f} s of CPU in 1 s"
+    deadline = time.monotonic() + 5
+    while len(os.listdir("/proc/self/task")) > threads_before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(os.listdir("/proc/self/task")) <= threads_before

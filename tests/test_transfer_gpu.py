@@ -14,7 +14,7 @@ from kvcache.transfer.engines import _cupy  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
-METHODS = ("batch", "kernel", "loop")
+METHODS = ("batch", "kernel", "kernel_unrolled", "loop")
 DIRECTIONS = ("device->host", "host->device", "device->device")
 BLOCKS = 96
 
@@ -79,7 +79,7 @@ def engine_for(method: str) -> LocalEngine:
     if method == "batch" and engine.cuda.batch is None:
         engine.close()
         pytest.skip(f"CUDA runtime {engine.cuda.version} has no cudaMemcpyBatchAsync")
-    if method == "kernel" and _cupy() is None:
+    if method.startswith("kernel") and _cupy() is None:
         engine.close()
         pytest.skip("the kernel method needs CuPy")
     return engine
@@ -111,7 +111,23 @@ def test_swap_of_scattered_blocks_is_byte_exact(method, direction):
     assert same_bytes(dst, want)
 
 
-@pytest.mark.parametrize("method", ("batch", "kernel"))
+@pytest.mark.parametrize("geometry", [dict(block_size=48, head_dim=40), dict(block_size=3, head_dim=8, num_kv_heads=1,
+                                                                              quant="int8")])
+@pytest.mark.parametrize("method", ("kernel", "kernel_unrolled"))
+def test_kernels_copy_ranges_of_any_length_and_alignment(method, geometry):
+    """30,720-byte blocks (unrolled body plus tail) and 24-byte blocks (byte by byte), host to device."""
+    spec = make_spec(**geometry)
+    src = random_caches(spec, "cuda", 11, pinned=True)
+    dst = random_caches(spec, "cuda", 12)
+    src_ids, dst_ids = scattered(13, 50), scattered(14, 50)
+    want = expected(dst, src, src_ids, dst_ids)
+    with engine_for(method) as engine:
+        handle = engine.write(KVRegion.from_tensors(spec, src), src_ids, KVRegion.from_tensors(spec, dst), dst_ids)
+        assert handle.wait() is TransferStatus.DONE, handle.error
+    assert same_bytes(dst, want)
+
+
+@pytest.mark.parametrize("method", ("batch", "kernel", "kernel_unrolled"))
 def test_head_wise_swap_out_of_some_heads_in_some_layers(method):
     spec = make_spec()
     src = random_caches(spec, "cuda", 5)

@@ -1,11 +1,12 @@
 """Transfer engines: move lists of KV blocks between registered regions, in the background, with a deadline.
 
 ``TransferEngine`` is the interface every engine keeps; its docstring states the guarantees.
-``LocalEngine`` copies within one process: host to host with one C memcpy loop over all ranges
-(on the engine's worker thread, GIL released); with CUDA, device to host, host to device and
-device to device with one launch per transfer on the engine's own stream (a gather/scatter copy
-kernel through CuPy, else ``cudaMemcpyBatchAsync``), never one call per block. ``kvcache.transfer.nixl.NixlEngine`` moves blocks to other
-processes and nodes. Pick one by name with ``create_engine("local" | "nixl", ...)``.
+``LocalEngine`` copies within one process: host to host with one C copy loop over all ranges
+(from the engine's worker thread, GIL released, streaming stores, the bytes shared among a few
+threads); with CUDA, device to host, host to device and device to device with one launch per
+transfer on the engine's own stream (a gather/scatter copy kernel through CuPy, else
+``cudaMemcpyBatchAsync``), never one call per block. ``kvcache.transfer.nixl.NixlEngine`` moves
+blocks to other processes and nodes. Pick one by name with ``create_engine("local" | "nixl", ...)``.
 
     engine = LocalEngine()
     handle = engine.write(gpu, table_row, host, host_ids, layers=[layer])
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import enum
+import os
 import queue
 import sys
 import threading
@@ -28,15 +30,32 @@ from kvcache.allocator.errors import KVCacheError
 from kvcache.transfer._copy import copy as _host_copy
 from kvcache.transfer.regions import CopyRanges, KVRegion, copy_ranges
 
-__all__ = ["CUDA_METHODS", "LocalEngine", "TransferEngine", "TransferHandle", "TransferStatus", "create_engine"]
+__all__ = ["CUDA_METHODS", "HOST_METHODS", "LocalEngine", "TransferEngine", "TransferHandle", "TransferStatus",
+           "create_engine", "default_copy_threads"]
 
 DEFAULT_TIMEOUT = 30.0
-CUDA_METHODS = ("auto", "kernel", "batch", "loop")
+CUDA_METHODS = ("auto", "kernel", "kernel_unrolled", "batch", "loop")
 """How LocalEngine moves ranges touching a GPU: ``kernel`` = one CuPy copy-kernel launch (SMs read
-and write pinned host memory directly), ``batch`` = cudaMemcpyBatchAsync (CUDA 12.8+), ``loop`` =
-one cudaMemcpyAsync per range (the slow baseline); ``auto`` takes the first of kernel, batch, loop
+and write pinned host memory directly), ``kernel_unrolled`` = the same with each thread issuing four
+16-byte loads before its four stores (more host reads in flight per thread; not yet measured on a
+GPU, so ``auto`` does not pick it), ``batch`` = cudaMemcpyBatchAsync (CUDA 12.8+), ``loop`` = one
+cudaMemcpyAsync per range (the slow baseline); ``auto`` takes the first of kernel, batch, loop
 that this process can run. On an H100 (PCIe 5, 4,096-token request, block 16) the kernel moved
-88-90% of one pinned cudaMemcpyAsync's bandwidth each way, the batch call 63-74%, the loop 14-19%."""
+81-90% of one pinned cudaMemcpyAsync's bandwidth (host to device the lower), the batch call 55-74%,
+the loop 14-19%."""
+_KERNELS = {"kernel": "copy_ranges", "kernel_unrolled": "copy_ranges_unrolled"}
+
+
+HOST_METHODS = ("stream", "memcpy")
+"""How LocalEngine copies host to host: ``stream`` (the default) = streaming (non-temporal) stores
+for ranges of 4 KiB or more, which skip reading the destination lines first; ``memcpy`` = glibc's
+memcpy per range, which streams only copies of several MiB, so a 32 KiB block costs a read of its
+destination too. On the 2-core AMD EPYC dev VM streaming moved scattered 32 KiB blocks 1.3-1.6x
+faster than memcpy, and faster than glibc's one memcpy of the same bytes. An earlier hand-written
+streaming copy (not kept) was reported half as fast on the H100 host: `kvcache bench transfer`
+prints both methods side by side, so check there before relying on either."""
+_STREAM_MIN = 4096
+_MIN_SHARE = 4 << 20  # bytes: a host copy uses no more threads than it has shares of this size
 
 
 class TransferStatus(str, enum.Enum):
@@ -201,8 +220,13 @@ class _HostHandle(TransferHandle):
         self.event.wait(seconds)
 
 
-def _host_worker(jobs: queue.SimpleQueue) -> None:
-    """Run queued host copies in order until the None sentinel; each stops at its deadline."""
+def default_copy_threads() -> int:
+    """Threads for one host copy: a quarter of this host's CPUs, 1 to 4 (one core's copy is latency-bound)."""
+    return max(1, min(4, (os.cpu_count() or 1) // 4))
+
+
+def _host_worker(jobs: queue.SimpleQueue, threads: int, stream_min: int) -> None:
+    """Run queued host copies in order until the None sentinel, each on up to ``threads`` threads, to its deadline."""
     while True:
         handle = jobs.get()
         if handle is None:
@@ -212,7 +236,8 @@ def _host_worker(jobs: queue.SimpleQueue) -> None:
             if handle.cancelled or time.monotonic() >= handle.deadline:
                 handle._finish(TransferStatus.TIMEOUT, "its deadline passed before the copy started")
             else:
-                copied = _host_copy(r.src, r.dst, r.length, int(handle.deadline * 1e9))
+                copied = _host_copy(r.src, r.dst, r.length, int(handle.deadline * 1e9), threads, _MIN_SHARE,
+                                    stream_min)
                 if copied == r.num_ranges:
                     handle._finish(TransferStatus.DONE)
                 else:
@@ -263,6 +288,35 @@ extern "C" __global__ void copy_ranges(const long long* __restrict__ src, const 
             for (long long i = threadIdx.x; i < (bytes >> 4); i += blockDim.x) d4[i] = s4[i];
         } else {
             for (long long i = threadIdx.x; i < bytes; i += blockDim.x) d[i] = s[i];
+        }
+    }
+}
+
+// Four independent 16-byte loads per thread before its four stores: each thread keeps four reads of
+// (host) memory in flight instead of one; a warp's accesses stay contiguous (stride = blockDim.x).
+extern "C" __global__ void __launch_bounds__(256) copy_ranges_unrolled(
+        const long long* __restrict__ src, const long long* __restrict__ dst, const long long* __restrict__ len,
+        long long n) {
+    const long long stride = blockDim.x;
+    for (long long r = blockIdx.x; r < n; r += gridDim.x) {
+        const long long bytes = len[r];
+        if (((src[r] | dst[r] | bytes) & 15LL) == 0) {
+            const uint4* __restrict__ s = reinterpret_cast<const uint4*>(src[r]);
+            uint4* __restrict__ d = reinterpret_cast<uint4*>(dst[r]);
+            const long long chunks = bytes >> 4;
+            long long i = threadIdx.x;
+            for (; i + 3 * stride < chunks; i += 4 * stride) {
+                const uint4 a = s[i], b = s[i + stride], c = s[i + 2 * stride], e = s[i + 3 * stride];
+                d[i] = a;
+                d[i + stride] = b;
+                d[i + 2 * stride] = c;
+                d[i + 3 * stride] = e;
+            }
+            for (; i < chunks; i += stride) d[i] = s[i];
+        } else {
+            const char* s = reinterpret_cast<const char*>(src[r]);
+            char* d = reinterpret_cast<char*>(dst[r]);
+            for (long long i = threadIdx.x; i < bytes; i += stride) d[i] = s[i];
         }
     }
 }
@@ -391,19 +445,32 @@ class LocalEngine(TransferEngine):
 
     ``cuda_method`` is one of CUDA_METHODS. Host regions that take part in a CUDA copy are pinned
     (cudaHostRegister) the first time, unless their memory already is; ``close`` unpins them.
+    A host-to-host copy runs on up to ``threads`` threads (default ``default_copy_threads()``),
+    each with at least 4 MiB of it, the way ``host_method`` (one of HOST_METHODS) says.
     """
 
-    def __init__(self, *, timeout: float = DEFAULT_TIMEOUT, cuda_method: str = "auto") -> None:
+    def __init__(self, *, timeout: float = DEFAULT_TIMEOUT, cuda_method: str = "auto",
+                 threads: int | None = None, host_method: str = "stream") -> None:
         if cuda_method not in CUDA_METHODS:
             raise KVCacheError(f"cuda_method: unknown {cuda_method!r}; expected one of {', '.join(CUDA_METHODS)}")
+        if host_method not in HOST_METHODS:
+            raise KVCacheError(f"host_method: unknown {host_method!r}; expected one of {', '.join(HOST_METHODS)}")
+        if threads is None:
+            threads = default_copy_threads()
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0:
+            raise KVCacheError(f"threads must be a whole number >= 0, got {threads!r}")
         self.timeout = timeout
         self.cuda_method = cuda_method
+        self.threads = max(threads, 1)
+        self.host_method = host_method
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._worker = threading.Thread(target=_host_worker, args=(self._jobs,), name="kvcache-copy", daemon=True)
+        stream_min = _STREAM_MIN if host_method == "stream" else 0
+        self._worker = threading.Thread(target=_host_worker, args=(self._jobs, self.threads, stream_min),
+                                        name="kvcache-copy", daemon=True)
         self._worker.start()
         self._cuda: CudaRuntime | None = None
         self._streams: dict[int, int] = {}
-        self._kernel: Any = None
+        self._kernels: dict[str, Any] = {}
         self._pinned: dict[int, list[int]] = {}  # id(region) -> addresses this engine registered
         self._lock = threading.Lock()
         self._closed = False
@@ -547,8 +614,8 @@ class LocalEngine(TransferEngine):
                             raise KVCacheError(f"cuda_method batch: the CUDA runtime ({cuda.version}) has no "
                                                "cudaMemcpyBatchAsync (needs 12.8 or later)")
                         cuda.memcpy_batch(ranges, stream)
-                    elif method == "kernel":
-                        keep = self._launch_kernel(ranges, device, stream)
+                    elif method in _KERNELS:
+                        keep = self._launch_kernel(_KERNELS[method], ranges, device, stream)
                     else:
                         cuda.memcpy_loop(ranges, stream)
                 event = ctypes.c_void_p()
@@ -560,18 +627,19 @@ class LocalEngine(TransferEngine):
                     cuda.lib.cudaSetDevice(previous)
         return _CudaHandle(cuda, ranges, event.value or 0, deadline, keep)
 
-    def _launch_kernel(self, ranges: CopyRanges, device: int, stream: int) -> tuple:
+    def _launch_kernel(self, name: str, ranges: CopyRanges, device: int, stream: int) -> tuple:
         cp = _cupy()
         if cp is None:
-            raise KVCacheError("cuda_method kernel needs CuPy (pip install cupy-cuda12x)")
-        if self._kernel is None:
-            self._kernel = cp.RawKernel(_KERNEL_SOURCE, "copy_ranges")
+            raise KVCacheError(f"cuda_method {self.cuda_method} needs CuPy (pip install cupy-cuda12x)")
+        kernel = self._kernels.get(name)
+        if kernel is None:
+            kernel = self._kernels[name] = cp.RawKernel(_KERNEL_SOURCE, name)
         with cp.cuda.Device(device):
             ext = cp.cuda.ExternalStream(stream)
             with ext:
                 table = cp.asarray(np.stack([ranges.src, ranges.dst, ranges.length]))
                 n = ranges.num_ranges
-                self._kernel((min(n, 65535),), (256,), (table[0], table[1], table[2], np.int64(n)))
+                kernel((min(n, 65535),), (256,), (table[0], table[1], table[2], np.int64(n)))
         return (table,)
 
     def _synchronize(self) -> None:

@@ -12,17 +12,20 @@ and ``write``s blocks from its own registered regions into them:
                                                h = engine.write(region, ids, peer.regions[0], their_ids)
     engine.notifications() -> {sender: [tag]}  h.wait() -> DONE / FAILED (peer died) / TIMEOUT
 
-All NIXL calls that post or poll transfers run on the engine's one worker thread (a post over
-shared memory copies inside the call, so the caller's ``write`` must not make it); a handle's
-``wait`` returns at its deadline even if that thread is stuck inside NIXL. A peer that dies makes
-its transfers FAILED (UCX reports the disconnect) or TIMEOUT, never a hang, and ``close``
-releases every transfer, remote agent and registration the engine made.
+A large write is cut into chunks that ``threads`` UCX workers post in parallel (on one host the
+kernel's cost is per range, so one thread moves scattered 32 KiB blocks at about half the speed of
+one big range). All NIXL calls that post or poll transfers run on the engine's one worker thread
+(a post over shared memory copies inside the call, so the caller's ``write`` must not make it); a
+handle's ``wait`` returns at its deadline even if that thread is stuck inside NIXL. A peer that
+dies makes its transfers FAILED (UCX reports the disconnect) or TIMEOUT, never a hang, and
+``close`` releases every transfer, remote agent and registration the engine made.
 """
 from __future__ import annotations
 
 import os
 import queue
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -36,10 +39,21 @@ from kvcache.allocator.errors import KVCacheError
 from kvcache.transfer.engines import DEFAULT_TIMEOUT, TransferEngine, TransferHandle, TransferStatus
 from kvcache.transfer.regions import CopyRanges, KVRegion, copy_ranges
 
-__all__ = ["NixlEngine", "Peer", "nixl_available"]
+__all__ = ["NixlEngine", "Peer", "default_threads", "nixl_available"]
 
 PROTOCOL = 1
+PROGRESS_DELAY_US = 1000
+"""NIXL's progress thread waits for UCX events in poll() with this timeout (µs, rounded up to ms).
+NIXL's Python API fixes it at 0, which makes the thread spin: 80% of a core per idle agent here,
+taken from the transfers themselves on a small host. Events still wake it at once."""
+SPLIT_DESCRIPTORS = 128
+"""With ``threads`` > 1, a write of at least this many descriptors is cut into up to ``threads``
+chunks, each posted by its own UCX worker and thread (NIXL's thread-pool engine). On one host UCX
+moves data with process_vm_writev, whose kernel cost is per range (pinning the pages of each),
+so one thread reaches about half the speed of a single range there; chunks run in parallel."""
+_POLL_MAX = 250e-6  # the worker polls transfers in flight at least this often (seconds)
 _STOP = object()
+_AGENT_LOCK = threading.Lock()
 
 
 def _import_nixl() -> Any:
@@ -95,21 +109,34 @@ class _NixlHandle(TransferHandle):
 
 
 class NixlEngine(TransferEngine):
-    """One NIXL agent: registers regions, serves and fetches metadata over ZMQ, writes blocks to peers."""
+    """One NIXL agent: registers regions, serves and fetches metadata over ZMQ, writes blocks to peers.
+
+    ``threads`` (default ``default_threads()``; 0 or 1 for none) UCX workers, each on its own
+    thread, share every write of SPLIT_DESCRIPTORS ranges or more.
+    """
 
     def __init__(self, name: str | None = None, *, timeout: float = DEFAULT_TIMEOUT,
-                 backends: tuple[str, ...] = ("UCX",), connect_timeout: float = 5.0) -> None:
+                 backends: tuple[str, ...] = ("UCX",), connect_timeout: float = 5.0,
+                 threads: int | None = None) -> None:
         nixl = _import_nixl()
         if nixl is None:
             raise KVCacheError("NIXL is not installed: pip install nixl-cu12 (or nixl-cu13), without the 'nixl' "
                                "meta package, which pulls in PyTorch")
+        if threads is None:
+            threads = default_threads()
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0:
+            raise KVCacheError(f"threads must be a whole number >= 0, got {threads!r}")
         self.name = name or f"kvcache-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.timeout = timeout
         self.connect_timeout = connect_timeout
-        config = nixl.nixl_agent_config(enable_prog_thread=True, backends=list(backends),
+        self.threads = threads if threads > 1 else 0
+        config = nixl.nixl_agent_config(enable_prog_thread=True, backends=[],
                                         sync_mode=nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
         try:
-            self.agent = nixl.nixl_agent(self.name, config)
+            self.agent = _make_agent(nixl, self.name, config, PROGRESS_DELAY_US)
+            for backend in backends:
+                if backend in self.agent.get_plugin_list():
+                    self.agent.create_backend(backend, _backend_params(backend, self.threads))
         except Exception as exc:
             raise KVCacheError(f"NIXL agent {self.name!r} could not start backends {list(backends)}: {exc}") from None
         missing = [b for b in backends if b not in self.agent.backends]
@@ -307,7 +334,7 @@ class NixlEngine(TransferEngine):
                 if not job.event.is_set():
                     inflight.append(job)
             else:
-                delay = min(delay * 2, 1e-3)
+                delay = min(delay * 2, _POLL_MAX)
             for handle in list(inflight):
                 if self._settle(handle):
                     inflight.remove(handle)
@@ -371,7 +398,7 @@ class NixlEngine(TransferEngine):
             raise KVCacheError(f"NIXL engine {self.name!r} is closed")
 
     def close(self) -> None:
-        """Stop serving, end every transfer, drop peers, deregister all memory. Idempotent."""
+        """Stop serving, end every transfer, drop peers, deregister all memory, end the agent. Idempotent."""
         if self._closed:
             return
         self._closed = True
@@ -391,10 +418,59 @@ class NixlEngine(TransferEngine):
         for region in self.registered:
             self.deregister(region)
         self._ctx.term()
+        self.agent = None  # the last reference: NIXL stops its progress and UCX worker threads now, not at GC
 
     def __repr__(self) -> str:
         return (f"NixlEngine({self.name!r}, {len(self._registered)} regions, {len(self._peers)} peers"
                 f"{', closed' if self._closed else ''})")
+
+
+def default_threads() -> int:
+    """Threads a NixlEngine posts one large write with: a quarter of this host's CPUs, 2 to 4 of them."""
+    return max(2, min(4, (os.cpu_count() or 1) // 4))
+
+
+def _backend_params(backend: str, threads: int) -> dict[str, str]:
+    """Init parameters of one NIXL backend: UCX splits a write of SPLIT_DESCRIPTORS or more over ``threads`` workers."""
+    if backend != "UCX" or threads < 2:
+        return {}
+    return {"num_threads": str(threads), "split_batch_size": str(SPLIT_DESCRIPTORS)}
+
+
+def _make_agent(nixl: Any, name: str, config: Any, progress_delay_us: int) -> Any:
+    """``nixl.nixl_agent(name, config)`` with the progress thread's poll timeout set to ``progress_delay_us``.
+
+    The Python API writes ``pthrDelay = 0`` into the agent config it builds; for the one call, its
+    module sees a config class that keeps at least our delay. Where the API is laid out otherwise
+    (another NIXL version), the agent is made as the API makes it.
+    """
+    api = sys.modules.get(nixl.nixl_agent.__module__)
+    bind = getattr(api, "nixlBind", None)
+    base = getattr(bind, "nixlAgentConfig", None)
+    if base is None or not hasattr(base, "pthrDelay"):
+        return nixl.nixl_agent(name, config)
+
+    class Config(base):  # type: ignore[misc, valid-type]
+        @property
+        def pthrDelay(self) -> int:
+            return base.pthrDelay.__get__(self)
+
+        @pthrDelay.setter
+        def pthrDelay(self, value: int) -> None:
+            base.pthrDelay.__set__(self, max(int(value), progress_delay_us))
+
+    class Bind:
+        nixlAgentConfig = Config
+
+        def __getattr__(self, attr: str) -> Any:
+            return getattr(bind, attr)
+
+    with _AGENT_LOCK:
+        api.nixlBind = Bind()
+        try:
+            return nixl.nixl_agent(name, config)
+        finally:
+            api.nixlBind = bind
 
 
 def _mem_type(region: KVRegion) -> str:

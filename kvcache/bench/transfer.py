@@ -4,13 +4,15 @@ Workload (issue 7): one request of 4,096 tokens, 32 layers, 8 kv heads x 128, bf
 64; its blocks sit at scattered ids of a cache twice its size, and land at other scattered ids.
 Sections, each the best wall time of N runs (write + wait), ours and the limit taking turns:
   1. host to host, LocalEngine: all layers in one write (and layer by layer, the messager's
-     pattern); limit: one memcpy of the same total bytes (the faster of numpy's copyto and one
-     range through the engine's own C loop);
+     pattern), with its default copy method and with the other (streaming stores or memcpy); limit:
+     one copy of the same total bytes as one range (the fastest of numpy's copyto and one range
+     through the engine's C loop either way, on as many threads as the engine uses);
   2. NIXL (where installed): the same write into a receiver process (UCX's choice of transport on
-     one host); limit: one NIXL write of the same bytes as a single descriptor;
+     one host) with the engine's threads, with one thread, and layer by layer; limit: one NIXL
+     write of the same bytes as a single descriptor, through the same engine;
   3. CUDA (with PyTorch and a GPU): device to pinned host, host to device and device to device
-     with each batched method (cudaMemcpyBatchAsync, copy kernel) and one cudaMemcpyAsync per
-     range; limit: one cudaMemcpyAsync of the same total bytes, pinned.
+     with each batched method (cudaMemcpyBatchAsync, copy kernel, unrolled copy kernel) and one
+     cudaMemcpyAsync per range; limit: one cudaMemcpyAsync of the same total bytes, pinned.
 Targets: local and GPU swaps >= 85% of their limit, NIXL >= 80% of raw NIXL. Exits 0 whatever the numbers.
 """
 from __future__ import annotations
@@ -19,6 +21,7 @@ import argparse
 import json
 import os
 import platform
+import socket
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -31,7 +34,7 @@ from kvcache.bench.common import Fleet, expect
 from kvcache.bench.common import mark as _mark
 from kvcache.bench.common import positive_int as _positive_int
 from kvcache.bench.common import table as _table
-from kvcache.transfer.engines import LocalEngine, TransferStatus
+from kvcache.transfer.engines import HOST_METHODS, LocalEngine, TransferStatus
 from kvcache.transfer.regions import CopyRanges, KVRegion
 
 TOKENS = 4096
@@ -109,9 +112,11 @@ def _row(path: str, block_size: int, mode: str, ranges: int, nbytes: int, ours_s
 # --------------------------------------------------------------------------- 1. host to host
 
 
-def bench_host(layers: int, repeat: int) -> list[dict[str, Any]]:
+def bench_host(layers: int, repeat: int, threads: int | None = None) -> list[dict[str, Any]]:
     rows = []
-    with LocalEngine(timeout=120.0) as engine:
+    with LocalEngine(timeout=120.0, threads=threads) as engine, \
+            LocalEngine(timeout=120.0, threads=threads,
+                        host_method=next(m for m in HOST_METHODS if m != engine.host_method)) as other:
         for bs in BLOCK_SIZES:
             spec = make_spec(bs, layers)
             num_blocks, src_ids = scattered_ids(bs, SEED)
@@ -122,21 +127,28 @@ def bench_host(layers: int, repeat: int) -> list[dict[str, Any]]:
             limit = one_range(nbytes, src_buf.ctypes.data, dst_buf.ctypes.data)
             ranges = engine.write(src, src_ids, dst, dst_ids)
             _done(ranges)
-            whole, per_layer, streamed, plain = best_interleaved([
+            whole, whole_other, per_layer, one_engine, one_other, plain = best_interleaved([
                 lambda: _done(engine.write(src, src_ids, dst, dst_ids)),
+                lambda: _done(other.write(src, src_ids, dst, dst_ids)),
                 lambda: [_done(h) for h in [engine.write(src, src_ids, dst, dst_ids, layers=[layer])
                                             for layer in range(layers)]],
                 lambda: _done(engine.submit(limit)),
+                lambda: _done(other.submit(limit)),
                 lambda: np.copyto(dst_buf[:nbytes], src_buf[:nbytes]),
             ], repeat)
-            raw, name = min((streamed, "one memcpy (engine)"), (plain, "one memcpy (numpy)"))
+            raw, name = min((one_engine, f"one range ({engine.host_method})"),
+                            (one_other, f"one range ({other.host_method})"), (plain, "one range (numpy)"))
             count = ranges.num_ranges
-            rows.append(_row("host -> host", bs, "all layers, one write", count, nbytes, whole, raw, name,
-                             LOCAL_TARGET))
+            how = f"{engine.threads} thread(s)"
+            rows.append(_row("host -> host", bs, f"all layers, one write, {engine.host_method}, {how}", count, nbytes,
+                             whole, raw, name, LOCAL_TARGET))
+            rows.append(_row("host -> host", bs, f"all layers, one write, {other.host_method}, {how}", count, nbytes,
+                             whole_other, raw, name, None))
             rows.append(_row("host -> host", bs, f"{layers} writes, a layer each", count, nbytes, per_layer, raw,
                              name, None))
-            for label, seconds in (("numpy copyto", plain), ("one range through the engine", streamed)):
-                rows[-2].setdefault("limits_ms", {})[label] = seconds * 1e3
+            for label, seconds in (("numpy copyto", plain), (f"engine {engine.host_method}", one_engine),
+                                   (f"engine {other.host_method}", one_other)):
+                rows[-3].setdefault("limits_ms", {})[label] = seconds * 1e3
             del src_buf, dst_buf
     return rows
 
@@ -158,35 +170,89 @@ def _nixl_receiver(conn: Any, block_size: int, layers: int) -> None:
             pass
 
 
-def bench_nixl(layers: int, repeat: int) -> list[dict[str, Any]] | str:
+def process_vm_writer(pid: int) -> Callable[[CopyRanges], None] | None:
+    """Copy ranges into process ``pid`` with Linux's process_vm_writev, 1,024 ranges a call; None where unavailable.
+
+    UCX moves NIXL writes between processes on one host with this very call (its CMA transport), so
+    scattered ranges against one range here is the kernel's own cost per range, NIXL aside.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    fn = getattr(libc, "process_vm_writev", None)
+    if fn is None:
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_ulong]
+    fn.restype = ctypes.c_ssize_t
+
+    def write(r: CopyRanges) -> None:
+        local = np.stack([r.src, r.length], axis=1).astype(np.uint64)  # struct iovec: base, length
+        remote = np.stack([r.dst, r.length], axis=1).astype(np.uint64)
+        for lo in range(0, r.num_ranges, 1024):
+            k = min(1024, r.num_ranges - lo)
+            want = int(r.length[lo:lo + k].sum())
+            got = fn(pid, local[lo:].ctypes.data, k, remote[lo:].ctypes.data, k, 0)
+            if got != want:
+                raise OSError(ctypes.get_errno(), f"process_vm_writev wrote {got} of {want} bytes")
+
+    return write
+
+
+def bench_nixl(layers: int, repeat: int, threads: int | None = None) -> list[dict[str, Any]] | str:
+    """NIXL writes into a receiver process: the engine's threads (the target row), one thread, layer by layer;
+    and, on one host, the same ranges through process_vm_writev without NIXL against one range (the kernel's floor)."""
     try:
-        from kvcache.transfer.nixl import NixlEngine, nixl_available
+        from kvcache.transfer.nixl import NixlEngine, default_threads, nixl_available
     except ImportError as exc:  # pyzmq or msgpack missing: no control plane
         return f"cannot import the NIXL engine: {exc}"
     if not nixl_available():
         return "NIXL is not installed (pip install nixl-cu12 --no-deps)"
+    threads = default_threads() if threads is None else threads
     rows = []
     for bs in BLOCK_SIZES:
         spec = make_spec(bs, layers)
         num_blocks, src_ids = scattered_ids(bs, SEED)
         _, dst_ids = scattered_ids(bs, SEED + 1)
-        with Fleet() as fleet, NixlEngine("bench-prefill", timeout=120.0) as engine:
+        with (Fleet() as fleet, NixlEngine("bench-prefill", timeout=120.0, threads=threads) as engine,
+              NixlEngine("bench-prefill-1", timeout=120.0, threads=0) as single):
             conn = fleet.spawn(_nixl_receiver, bs, layers)
             endpoint = expect(conn, "ready", time.monotonic() + 120, "NIXL receiver")[1]
             src, src_buf = host_region(spec, num_blocks, 1)
-            engine.register(src)
-            peer = engine.connect(endpoint)
-            dst = peer.regions[0]
             nbytes = spec.bytes_per_block * src_ids.size
+            for e in (engine, single):
+                e.register(src)
+                peer = e.connect(endpoint)
+            dst = peer.regions[0]
             limit = one_range(nbytes, src_buf.ctypes.data, int(dst.addrs[0, 0]))
             first = engine.write(src, src_ids, dst, dst_ids)
             _done(first)
-            ours, raw = best_interleaved([
+            floor = process_vm_writer(peer.pid) if peer.host == socket.gethostname() else None
+            ours, one_thread, per_layer, raw = best_interleaved([
                 lambda: _done(engine.write(src, src_ids, dst, dst_ids)),
-                lambda: _done(engine.submit(limit, peer.agent, src, dst)),
+                lambda: _done(single.write(src, src_ids, dst, dst_ids)),
+                lambda: [_done(h) for h in [engine.write(src, src_ids, dst, dst_ids, layers=[layer])
+                                            for layer in range(layers)]],
+                lambda: _done(engine.submit(limit, dst.owner, src, dst)),
             ], repeat)
-            rows.append(_row("NIXL host -> other process", bs, "all layers, one write", first.num_ranges, nbytes,
-                             ours, raw, "one-descriptor NIXL write", NIXL_TARGET))
+            name = "one-descriptor NIXL write"
+            rows.append(_row("NIXL host -> other process", bs,
+                             f"all layers, one write, {engine.threads or 1} thread(s)", first.num_ranges, nbytes,
+                             ours, raw, name, NIXL_TARGET))
+            rows.append(_row("NIXL host -> other process", bs, "all layers, one write, 1 thread(s)", first.num_ranges,
+                             nbytes, one_thread, raw, name, None))
+            rows.append(_row("NIXL host -> other process", bs, f"{layers} writes, a layer each", first.num_ranges,
+                             nbytes, per_layer, raw, name, None))
+            if floor is not None:
+                try:
+                    floor(first.ranges)
+                    scattered, whole = best_interleaved([lambda: floor(first.ranges), lambda: floor(limit)], repeat)
+                except OSError as exc:
+                    rows[-1]["kernel_floor"] = f"process_vm_writev refused: {exc}"
+                else:
+                    rows.append(_row("process_vm_writev, no NIXL", bs, "all layers, 1 thread", first.num_ranges,
+                                     nbytes, scattered, whole, "one-range process_vm_writev", None))
             fleet.stop([conn])
     return rows
 
@@ -203,7 +269,7 @@ def bench_gpu(layers: int, repeat: int) -> dict[str, Any] | str:
             return "needs PyTorch and a GPU"
     if not torch.cuda.is_available():
         return "needs PyTorch and a GPU"
-    engines = {m: LocalEngine(timeout=120.0, cuda_method=m) for m in ("batch", "kernel", "loop")}
+    engines = {m: LocalEngine(timeout=120.0, cuda_method=m) for m in ("batch", "kernel", "kernel_unrolled", "loop")}
     limit_engine = engines["loop"]
     methods = {}
     for name, engine in engines.items():
@@ -211,7 +277,7 @@ def bench_gpu(layers: int, repeat: int) -> dict[str, Any] | str:
             engine.resolved_cuda_method()
             if name == "batch" and engine.cuda.batch is None:
                 raise RuntimeError(f"runtime {engine.cuda.version} has no cudaMemcpyBatchAsync")
-            if name == "kernel":
+            if name.startswith("kernel"):
                 from kvcache.transfer.engines import _cupy
 
                 if _cupy() is None:
@@ -245,13 +311,22 @@ def bench_gpu(layers: int, repeat: int) -> dict[str, Any] | str:
                     engine = engines[method]
                     first = engine.write(regions[a], src_ids, regions[b], dst_ids)
                     _done(first)
+                    submit = [float("inf")]
+
+                    def timed_write(engine: LocalEngine = engine, a: str = a, b: str = b) -> None:
+                        t0 = time.perf_counter()
+                        handle = engine.write(regions[a], src_ids, regions[b], dst_ids)
+                        submit[0] = min(submit[0], time.perf_counter() - t0)
+                        _done(handle)
+
                     ours, raw = best_interleaved([
-                        lambda: _done(engine.write(regions[a], src_ids, regions[b], dst_ids)),
+                        timed_write,
                         lambda: _done(limit_engine.submit(limit, device="cuda:0")),
                     ], repeat)
                     target = GPU_TARGET if path != "device -> device" and method != "loop" else None
                     rows.append(_row(path, bs, method, first.num_ranges, nbytes, ours, raw,
                                      "one cudaMemcpyAsync", target))
+                    rows[-1]["submit_ms"] = submit[0] * 1e3  # CPU time in write(): ranges, upload, launch
             del gpu_a, gpu_b, host, flat_gpu, flat_gpu2, flat_host, regions
             torch.cuda.empty_cache()
         cuda = limit_engine.cuda
@@ -284,15 +359,16 @@ def render(result: dict[str, Any]) -> str:
         f"ids scattered over a cache {CACHE_FACTOR}x the request; best of {cfg['repeat']}; python {cfg['python']}, "
         f"{cfg['cpus']} cpu(s){', quick' if cfg['quick'] else ''}",
         "",
-        "1. host -> host (LocalEngine: one C memcpy loop over all ranges); limit: one memcpy of the same bytes "
-        "(the faster of numpy's copyto and one range through the engine)",
+        "1. host -> host (LocalEngine: one C copy loop over all ranges, shared among its threads); limit: the same "
+        "bytes as one range (the fastest of numpy's copyto and one range through the engine either way, same threads)",
         _rows_table(result["host"]),
-        *(f"  block {r['block_size']} limits, ms: " + ", ".join(f"{k} {v:.2f}" for k, v in r["limits_ms"].items())
-          for r in result["host"] if "limits_ms" in r),
+        *(f"  block {r['block_size']} one-range copies, ms: "
+          + ", ".join(f"{k} {v:.2f}" for k, v in r["limits_ms"].items()) for r in result["host"] if "limits_ms" in r),
         "",
     ]
     nixl = result["nixl"]
-    out += ["2. NIXL into another process (UCX's transport choice on one host)",
+    out += ["2. NIXL into another process (UCX's transport choice on one host; a write of many ranges is split over "
+            "the engine's threads); limit: one NIXL write of the same bytes as one descriptor",
             _rows_table(nixl) if isinstance(nixl, list) else f"  skipped: {nixl}", ""]
     gpu = result["gpu"]
     if isinstance(gpu, str):
@@ -301,7 +377,9 @@ def render(result: dict[str, Any]) -> str:
         info = gpu["info"]
         out += [f"3. CUDA ({info['device']}, torch {info['torch']}, runtime {info['runtime']}); methods: "
                 + ", ".join(f"{k} {v}" for k, v in gpu["methods"].items()),
-                _rows_table(gpu["rows"])]
+                _rows_table(gpu["rows"]),
+                "  write() returned after, ms (CPU side: ranges, table upload, launch): "
+                + ", ".join(f"{r['path']} {r['block_size']} {r['mode']} {r['submit_ms']:.2f}" for r in gpu["rows"])]
     out += ["", f"targets met: {sum(t['ok'] for t in result['targets'])} of {len(result['targets'])}",
             *(f"  MISS {t['name']}: {t['value']} (target {t['target']})" for t in result["targets"] if not t["ok"])]
     return "\n".join(out)
@@ -312,10 +390,11 @@ def _targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
              "target": r["target"], "ok": bool(r["ok"])} for r in rows if r["ok"] is not None]
 
 
-def run_benchmark(layers: int, repeat: int, quick: bool, sections: Sequence[str]) -> dict[str, Any]:
-    """Every chosen section, measured now; one JSON-ready dict."""
-    host = bench_host(layers, repeat) if "host" in sections else []
-    nixl = bench_nixl(layers, repeat) if "nixl" in sections else "not chosen"
+def run_benchmark(layers: int, repeat: int, quick: bool, sections: Sequence[str],
+                  threads: int | None = None) -> dict[str, Any]:
+    """Every chosen section, measured now; one JSON-ready dict. ``threads``: the engines' (None: their default)."""
+    host = bench_host(layers, repeat, threads) if "host" in sections else []
+    nixl = bench_nixl(layers, repeat, threads) if "nixl" in sections else "not chosen"
     gpu = bench_gpu(layers, repeat) if "gpu" in sections else "not chosen"
     rows = host + (nixl if isinstance(nixl, list) else []) + (gpu["rows"] if isinstance(gpu, dict) else [])
     return {
@@ -333,9 +412,19 @@ def run_benchmark(layers: int, repeat: int, quick: bool, sections: Sequence[str]
 def _run(args: argparse.Namespace) -> int:
     repeat = args.repeat or (QUICK_REPEAT if args.quick else REPEAT)
     layers = args.layers or (QUICK_LAYERS if args.quick else LAYERS)
-    result = run_benchmark(layers, repeat, args.quick, args.sections)
+    result = run_benchmark(layers, repeat, args.quick, args.sections, args.threads)
     print(json.dumps(result, indent=2) if args.json else render(result))
     return 0
+
+
+def _nonnegative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
+    return value
 
 
 def _sections(text: str) -> list[str]:
@@ -352,15 +441,17 @@ def add_parser(targets: argparse._SubParsersAction) -> None:
         "transfer",
         help="move one request's KV blocks: host copies, NIXL, CUDA swaps, each against its raw limit",
         description="Time moving one 4,096-token request (32 layers, 8 kv heads x 128, bf16, block 16 and 64, "
-        "scattered ids): host to host against one memcpy of the same bytes; NIXL into another process against one "
-        "single-descriptor NIXL write; with PyTorch and a GPU, device/host swaps per method against one pinned "
-        "cudaMemcpyAsync. Marks issue 7's targets ok/MISS; always exits 0.",
+        "scattered ids): host to host against the fastest copy of the same bytes as one range; NIXL into another "
+        "process against one single-descriptor NIXL write; with PyTorch and a GPU, device/host swaps per method "
+        "against one pinned cudaMemcpyAsync. Marks issue 7's targets ok/MISS; always exits 0.",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the tables")
     p.add_argument("--quick", action="store_true",
                    help=f"{QUICK_LAYERS} layers and {QUICK_REPEAT} runs instead of {LAYERS} and {REPEAT}, for tests")
     p.add_argument("--repeat", type=_positive_int, metavar="N", help="timed runs per measurement; the best is reported")
     p.add_argument("--layers", type=_positive_int, metavar="N", help=f"model layers (default {LAYERS})")
+    p.add_argument("--threads", type=_nonnegative_int, metavar="N",
+                   help="threads of the host copy and NIXL engines (default: theirs, from the CPU count; 0 or 1: one)")
     p.add_argument("--sections", type=_sections, default=["host", "nixl", "gpu"], metavar="LIST",
                    help="comma-separated subset of host,nixl,gpu (default: all; absent libraries are skipped)")
     p.set_defaults(run=_run)
