@@ -1,6 +1,7 @@
 """Transfer engines: LocalEngine host copies and NixlEngine writes between processes, byte for byte, with deadlines."""
 from __future__ import annotations
 
+import glob
 import json
 import multiprocessing as mp
 import os
@@ -294,6 +295,8 @@ def test_bench_transfer_quick_reports_every_host_row_against_its_limit(capsys):
 # -- NixlEngine between processes ----------------------------------------------------------------
 
 needs_nixl = pytest.mark.skipif(not nixl_available(), reason="NIXL is not installed (pip install nixl-cu12 --no-deps)")
+# UCX over TCP only. Where NVIDIA GPUs are present NIXL refuses a UCX_TLS without a CUDA transport.
+TCP_ONLY = "tcp,cuda_copy" if glob.glob("/dev/nvidia[0-9]*") else "tcp"
 
 
 def receiver(conn: Any, spec_fields: dict, num_blocks: int, seed: int, env: dict) -> None:
@@ -353,7 +356,7 @@ def test_nixl_writes_scattered_blocks_into_another_process_byte_for_byte(transpo
     """UCX's own choice (shared memory on one host) and TCP land exactly the listed units, split over threads or not."""
     from kvcache.transfer.nixl import SPLIT_DESCRIPTORS, NixlEngine
 
-    env = {"UCX_TLS": "tcp"} if transport == "tcp" else {}
+    env = {"UCX_TLS": TCP_ONLY} if transport == "tcp" else {}
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     spec = make_spec("block_wise_fp8")
@@ -402,10 +405,10 @@ def test_a_peer_killed_mid_transfer_fails_the_write_within_its_deadline(monkeypa
     """SIGKILL the receiver while 256 MiB are in flight over TCP: FAILED or TIMEOUT by the deadline, then all is released."""
     from kvcache.transfer.nixl import NixlEngine
 
-    monkeypatch.setenv("UCX_TLS", "tcp")
+    monkeypatch.setenv("UCX_TLS", TCP_ONLY)
     spec = CacheSpec(num_layers=2, num_kv_heads=8, head_dim=128, block_size=64)
     blocks = (256 << 20) // spec.bytes_per_block_per_layer
-    peer_proc = Receiver(spec, blocks, seed=0, env={"UCX_TLS": "tcp"})
+    peer_proc = Receiver(spec, blocks, seed=0, env={"UCX_TLS": TCP_ONLY})
     try:
         src = KVRegion.from_tensors(spec, {t.name: [np.ones(t.shape(blocks), np.uint16) for _ in range(2)]
                                            for t in spec.tensors()})
