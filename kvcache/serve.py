@@ -58,6 +58,10 @@ HELP = {
                          "only the clients in --curve-clients-dir",
     "curve_clients_dir": "folder of allowed clients' public certificates (`kvcache keys` writes DIR/clients)",
     "snapshot_bytes": "compact the journal into a snapshot when its log passes this many bytes (default 256 MiB)",
+    "role": "PD disaggregation: prefill (admits with a decode destination, its messagers send), decode "
+            "(reserves blocks that prefill writes), or both (default: no PD ops)",
+    "transfer_timeout": "seconds a PD reservation or transfer may take before it is released on this daemon and "
+                        "reported failed (default 30; an op may give its own timeout)",
 }
 
 
