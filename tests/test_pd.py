@@ -1,23 +1,18 @@
 """PD disaggregation end to end: real `kvcache serve --role prefill|decode` daemons, worker processes, messagers over NIXL.
 
-The cluster and the fake model are examples/pd_demo.py's: what the demo shows is what is tested.
+The cluster and the fake model are kvcache.pd_cluster's, as examples/pd_demo.py uses them: what the demo shows is tested.
 Every scenario ends with no block held on either node.
 """
 from __future__ import annotations
 
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from kvcache.client import CacheClient, DaemonError
+from kvcache.pd_cluster import Cluster, check_request, run_batch, scenario, wait_outcomes
 from kvcache.transfer.nixl import nixl_available
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
-import pd_demo  # noqa: E402
-from pd_demo import Cluster, run_batch, scenario, wait_outcomes  # noqa: E402
 
 needs_nixl = pytest.mark.skipif(not nixl_available(), reason="NIXL is not installed (pip install nixl-cu12 --no-deps)")
 
@@ -92,7 +87,7 @@ def test_a_killed_decode_node_fails_the_transfer_on_the_prefill_side_within_its_
         placed = {r: proxy.submit(r, t) for r, t in prompts.items()}
         items = [(r, t, np.asarray(placed[r][1].table)[0].copy(), 0) for r, t in prompts.items()]
         for w in cluster.prefill_workers:
-            w.send("step", (items, 0.2))  # 1.2 s of "compute"
+            w.send("step", (items, 0.2, True))  # 1.2 s of "compute"
         time.sleep(0.5)
         cluster.kill_decode()
         killed = time.monotonic()
@@ -125,7 +120,7 @@ def test_a_cancelled_request_is_reported_to_both_schedulers_and_released_at_once
         sent, failed_p = wait_outcomes(prefill, set(prompts), 10)
         assert set(ready) == {"keep"} and failed == {"drop": "cancelled"}
         assert set(sent) == {"keep"} and failed_p == {"drop": "cancelled"}
-        assert pd_demo.check_request(cluster, prompts["keep"], np.asarray(placed["keep"][0].table)[0],
+        assert check_request(cluster, prompts["keep"], np.asarray(placed["keep"][0].table)[0],
                                      np.asarray(placed["keep"][1].table)[0], 0) == []
         decode.free("keep")
         assert_nothing_held(prefill, decode, within=5.0)
@@ -164,7 +159,7 @@ def test_a_prefill_worker_that_dies_fails_the_request_on_both_sides_at_the_deadl
         tokens = np.random.default_rng(6).integers(0, 50_000, 300)
         _, admission = proxy.submit("w", tokens)
         worker = cluster.prefill_workers[0]
-        worker.send("step", ([("w", tokens, np.asarray(admission.table)[0].copy(), 0)], 0.5))
+        worker.send("step", ([("w", tokens, np.asarray(admission.table)[0].copy(), 0)], 0.5, True))
         time.sleep(0.3)
         worker.process.kill()
         start = time.monotonic()
@@ -229,3 +224,19 @@ def test_a_reservation_survives_a_daemon_restart_from_its_journal(daemon, tmp_pa
         assert list(c.pd_poll().done) == ["a"]
         c.free("a")
         c.check_integrity()
+
+
+@needs_nixl
+def test_bench_pd_quick_reports_the_tail_and_throughput_against_limits_from_the_same_run(capsys):
+    import json
+
+    from kvcache.bench import pd as bench
+
+    assert bench.main(["--quick", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["workload"]["layers"] == 4 and r["workload"]["bytes"] == 4096 * 8 * 128 * 2 * 2 * 4
+    assert 0 < r["one_layer_best_s"] <= r["one_layer_s"] and r["raw_s"] > 0
+    assert r["tail_limit_s"] == pytest.approx(r["one_layer_s"] + 1e-3)
+    assert r["tail_ok"] == (r["tail_s"]["median"] <= r["tail_limit_s"])
+    assert r["rate_ratio"] == pytest.approx(r["rate"] / r["raw_rate"])
+    assert r["tail_s"]["min"] > 0 and r["tail_received_s"] <= r["tail_s"]["median"] + 1e-3

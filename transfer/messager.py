@@ -4,17 +4,18 @@ One CacheMessager per prefill rank (in the worker's process, beside the model): 
 worker runs, it is told the step and the requests it prefills, wakes on each layer's signal
 (``send_cache``) and writes that layer's blocks of every request past the decode side's cached
 prefix straight into the decode ranks' blocks, re-slicing heads when the two TP sizes differ
-(``kvcache.transfer.heads``). The last layer's write to each decode rank carries a notification;
-one CacheReceiver per decode rank counts them and reports a request once every prefill rank that
-writes to it has finished::
+(``kvcache.transfer.heads``). The last layer's write to each decode rank carries a NIXL notification
+when the earlier layers' writes have already landed (the pipelined case); otherwise the messager
+sends it once they all have. One CacheReceiver per decode rank counts the notifications and
+reports a request once every prefill rank that writes to it has finished::
 
     worker (prefill rank p)       CacheMessager p                      CacheReceiver d (decode rank d)
     step = signal.begin_step()
     messager.run_step(step, reqs) -> plans(reqs) from the control plane
     for layer:                       wait(layer, step) -> DONE
         attention; write KV          write layer's blocks to each d --> (data lands in d's region)
-        send_cache(None, sig, layer) last layer: + notification  ----> notifications() -> all writers in:
-                                     all writes DONE: on_sent(req)        on_received(req)
+        send_cache(None, sig, layer) last layer: notification      ----> notifications() -> all writers in:
+                                     on_sent(req)                           on_received(req)
 
 Control-plane callbacks (where plans come from, whom to tell) are plain callables, so this module
 does no daemon I/O of its own; ``kvcache.pd_worker`` wires them to the daemons. Every wait has a
@@ -175,6 +176,7 @@ class CacheMessager:
             active.append((plan, targets, {d: [] for d in targets}))
         timings["planned_ns"] = time.monotonic_ns()
         last = self.region.num_layers - 1
+        notified: set[tuple[int, int]] = set()  # (plan, decode rank) whose last write carries the notice
         for layer in range(self.region.num_layers):
             if not active:
                 return
@@ -190,17 +192,17 @@ class CacheMessager:
                 for d, (remote, agent) in targets.items():
                     ranges = self._ranges(plan, d, remote, layer)
                     notify = b""
-                    if layer == last:
-                        # Earlier layers must have landed before the notification says "all done".
-                        for h in handles[d]:
-                            h.wait()
+                    if layer == last and all(h.done() for h in handles[d]):
+                        # The usual case in a pipeline: the notice rides on the last write, no extra message.
                         notify = _notice(plan.req, self.rank, self.region.spec.tp_size)
+                        notified.add((id(plan), d))
                     handles[d].append(self.engine.submit(ranges, agent, self.region, remote, deadline=plan.deadline,
                                                          notify=notify))
         timings["posted_ns"] = time.monotonic_ns()
         self.last_step_ns = timings
-        for plan, _, handles in active:
-            self._finishing.put((plan, [h for hs in handles.values() for h in hs]))
+        for plan, targets, handles in active:
+            pending = {targets[d][1]: (hs, (id(plan), d) not in notified) for d, hs in handles.items()}
+            self._finishing.put((plan, pending))
 
     def _targets(self, plan: TransferPlan) -> dict[int, tuple[KVRegion, str]]:
         """Decode rank -> (its region, its agent) for every decode rank this rank writes to; connects as needed."""
@@ -249,11 +251,17 @@ class CacheMessager:
             item = self._finishing.get()
             if item is _STOP:
                 return
-            plan, handles = item
+            plan, by_agent = item
             errors = []
-            for h in handles:
-                if h.wait() is not TransferStatus.DONE:
-                    errors.append(h.error or h.status().value)
+            for agent, (handles, notify) in by_agent.items():
+                for h in handles:
+                    if h.wait() is not TransferStatus.DONE:
+                        errors.append(h.error or h.status().value)
+                if notify and not errors:  # every write to this rank landed: say so
+                    try:
+                        self.engine.notify(agent, _notice(plan.req, self.rank, self.region.spec.tp_size))
+                    except KVCacheError as exc:
+                        errors.append(str(exc))
             if errors:
                 for endpoint in plan.receivers:  # the peer may be gone: connect afresh next time
                     peer = self._peers.pop(endpoint, None)
