@@ -278,6 +278,21 @@ class PDState:
         return {"done": [[req, x] for kind, req, x in events if kind == "done"],
                 "failed": [[req, x] for kind, req, x in events if kind == "failed"]}
 
+    def forget_owner(self, owner: str) -> None:
+        """Drop the unread outcomes of a scheduler that is gone (its lease expired)."""
+        self._outbox.pop(owner, None)
+
+    def check_integrity(self, manager: Any) -> None:
+        """Raise AssertionError with the numbers if transfers, the pending-block map and the manager disagree."""
+        for req, t in self.transfers.items():
+            assert req in manager, f"request {req!r} is in transfer but not admitted"
+            assert self._by_serial.get(t.serial) == req, f"request {req!r}: serial {t.serial} is not indexed"
+            assert t.deps <= self._by_serial.keys(), f"request {req!r} waits on finished serials {t.deps}"
+        live = set(np.unique(self._pending[self._pending >= 0]).tolist())
+        assert live <= self._by_serial.keys(), f"blocks still marked arriving for finished serials {live - set(self._by_serial)}"
+        assert len(self._by_serial) == len(self.transfers), (
+            f"{len(self._by_serial)} serials indexed for {len(self.transfers)} transfers")
+
     # ------------------------------------------------------------------ internals
 
     def _settle(self, now_ns: int) -> list[tuple[Any, int | None]]:

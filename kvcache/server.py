@@ -411,11 +411,14 @@ class CacheServer:
         self._next_lease_check = now + min(1.0, self._leases.timeout / 4)
         freed = 0
         for client, reqs in self._leases.expired(now):
+            # A request still in a PD transfer is cancelled instead: its blocks go once the writers stop.
+            ops = [{"op": "cancel" if r in self._pd.transfers else "free", "req": r} for r in reqs]
             payload = pack({"v": PROTOCOL_VERSION, "client": _LEASE_CLIENT, "id": int.from_bytes(os.urandom(7), "big"),
-                            "ops": [{"op": "free", "req": r} for r in reqs]})
+                            "ops": ops})
             reply = unpack(self._process(payload), 1 << 30)
             self._release_staged()
             self._leases.forget(client)
+            self._pd.forget_owner(client)
             if reply.get("ok"):
                 freed += len(reqs)
                 self._expired += len(reqs)
@@ -733,6 +736,7 @@ class CacheServer:
                 elif op.kind == "check_integrity":
                     try:
                         self.manager.check_integrity()
+                        self._pd.check_integrity(self.manager)
                         results.append(True)
                     except AssertionError as exc:
                         log.error("integrity check failed: %s", exc)

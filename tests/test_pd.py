@@ -240,3 +240,46 @@ def test_bench_pd_quick_reports_the_tail_and_throughput_against_limits_from_the_
     assert r["tail_ok"] == (r["tail_s"]["median"] <= r["tail_limit_s"])
     assert r["rate_ratio"] == pytest.approx(r["rate"] / r["raw_rate"])
     assert r["tail_s"]["min"] > 0 and r["tail_received_s"] <= r["tail_s"]["median"] + 1e-3
+
+
+def test_a_request_sharing_still_arriving_blocks_is_ready_only_after_their_owner_and_fails_with_it(daemon):
+    """B hits A's blocks on decode while A's KV is still arriving: B waits for A; when A fails, B fails too."""
+    d = daemon("--num-blocks", "32", "--block-size", "16", "--role", "decode")
+    with CacheClient(d.endpoint) as c:
+        c.attach(0, "tcp://127.0.0.1:1")
+        prompt = np.arange(60)
+        c.reserve("a", prompt[:50])
+        b = c.reserve("b", prompt)
+        assert b.num_cached_tokens == 48  # a's three full blocks, not yet written
+        c.received("b", 0)
+        assert c.pd_poll() == ({}, {})  # b's own block landed, a's have not
+        c.received("a", 0)
+        assert list(c.pd_poll().done) == ["a", "b"]
+        c.check_integrity()
+        c.free("a")
+        c.free("b")
+        c.reserve("c", np.arange(100, 160))
+        d2 = c.reserve("d", np.arange(100, 170))
+        assert d2.num_cached_tokens == 48
+        c.transfer_failed("c", "prefill rank 0: boom")
+        failed = c.pd_poll().failed
+        assert failed["c"] == "prefill rank 0: boom" and "shares cached blocks" in failed["d"]
+        assert c.usage.max == 0.0 and c.lookup(np.arange(100, 170)) == 0  # nothing unwritten stays cached
+        c.check_integrity()
+
+
+def test_a_silent_schedulers_reservation_is_cancelled_by_its_lease_and_released_at_the_deadline(daemon):
+    d = daemon("--num-blocks", "32", "--block-size", "16", "--role", "decode", "--lease-timeout", "0.3",
+               "--transfer-timeout", "1.5")
+    with CacheClient(d.endpoint, name="receiver") as r, CacheClient(d.endpoint, name="sched") as s:
+        r.attach(0, "tcp://127.0.0.1:1")
+        s.reserve("a", np.arange(40))
+        deadline = time.monotonic() + 10
+        while r.stats()["expired_requests"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert r.stats()["expired_requests"] == 1
+        assert r.usage.max > 0  # cancelled, but a writer may still be at it
+        while r.usage.max > 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert r.usage.max == 0.0 and r.stats()["in_transfer"] == 0
+        r.check_integrity()
