@@ -302,7 +302,7 @@ class PDState:
         while progress:
             progress = False
             for t in list(self.transfers.values()):
-                if len(t.reported) < self.needed(t) or (t.deps and not t.cancelled):
+                if len(t.reported) < self.tp or (t.deps and not t.cancelled):
                     continue
                 del self.transfers[t.req]
                 self._forget(t)
@@ -318,9 +318,6 @@ class PDState:
                     self._tell(t.owner, "done", t.req, now_ns)  # ready: the decode scheduler takes it over
         return ends
 
-    def needed(self, t: Transfer) -> int:
-        return self.tp
-
     def _forget(self, t: Transfer) -> None:
         self._by_serial.pop(t.serial, None)
         if self.role == "decode":
@@ -330,8 +327,8 @@ class PDState:
         self._outbox.setdefault(owner, []).append((kind, req, detail))
 
 
-def validate_op(pd: PDState, kind: str, op: dict, field: str, is_live: Any) -> dict[str, Any]:
-    """Fields of a PD op other than reserve's admit fields, checked; raises ProtocolError naming the field."""
+def validate_op(pd: PDState, kind: str, op: dict, field: str) -> dict[str, Any]:
+    """A PD op's fields (reserve's are an admit's, checked by the server), checked; ProtocolError names the field."""
     pd.check_role(kind, field)
     if kind == "attach":
         return {"rank": pd.check_rank(op.get("rank"), f"{field}.rank"),

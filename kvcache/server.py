@@ -633,7 +633,7 @@ class CacheServer:
             elif kind in ("usage", "stats", "info", "ping", "reset_prefix_cache", "check_integrity", "owned"):
                 ops.append(_Op(kind))
             elif kind in PD_OPS:
-                fields = validate_op(self._pd, kind, op, field, is_live)
+                fields = validate_op(self._pd, kind, op, field)
                 if "req" in fields and live.get(fields["req"]) is False:
                     raise ProtocolError(f"{field}.req: request {fields['req']!r} is not admitted")
                 ops.append(_Op(kind, fields.get("req"), pd=fields))
