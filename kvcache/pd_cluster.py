@@ -43,6 +43,11 @@ class StepTimes(NamedTuple):
     last_ns: int
 
 
+def signal_of(cfg: dict[str, Any], rank: int) -> str:
+    """The shared-memory name of prefill rank ``rank``'s layer signal (the cluster removes it even if the worker was killed)."""
+    return f"{cfg['signal_prefix']}-r{rank}"
+
+
 def spec_of(cfg: dict[str, Any], tp: int) -> CacheSpec:
     return CacheSpec(num_layers=cfg["layers"], num_kv_heads=cfg["kv_heads"], head_dim=cfg["head_dim"],
                      block_size=cfg["block_size"], dtype="bfloat16", tp_size=tp)
@@ -140,7 +145,7 @@ def prefill_worker(conn: Any, cfg: dict[str, Any], rank: int) -> None:
     spec = spec_of(cfg, cfg["prefill_tp"])
     cache = Cache(spec, cfg["num_blocks"], cfg["device"])
     region = KVRegion.from_tensors(spec, cache.layers)
-    sig = LayerSignal.create(f"kvcache-pd-demo-{uuid.uuid4().hex[:8]}-r{rank}", spec.num_layers)
+    sig = LayerSignal.create(signal_of(cfg, rank), spec.num_layers, replace=True)
     heads = rank_heads(spec.num_kv_heads, spec.tp_size, rank)
     with sig, PrefillLink(cfg["prefill"], region, sig, rank, timeout=cfg["timeout"]) as link:
         conn.send(("ready", None))
@@ -290,6 +295,7 @@ class Cluster:
         self.cfg = dict(layers=layers, kv_heads=kv_heads, head_dim=head_dim, block_size=block_size,
                         num_blocks=num_blocks, prefill_tp=prefill_tp, decode_tp=decode_tp, device=device,
                         timeout=5.0, prefill=f"ipc://{self.folder}/prefill.sock",
+                        signal_prefix=f"kvcache-pd-{uuid.uuid4().hex[:12]}",
                         decode=f"ipc://{self.folder}/decode.sock")
         try:
             for role, tp in (("prefill", prefill_tp), ("decode", decode_tp)):
@@ -331,6 +337,10 @@ class Cluster:
     def close(self) -> None:
         for w in self.prefill_workers + self.decode_workers:
             w.stop()
+        from kvcache.transfer import LayerSignal
+
+        for rank in range(self.cfg["prefill_tp"]):
+            LayerSignal.remove(signal_of(self.cfg, rank))  # a worker killed with SIGKILL leaves its record
         for p in self.daemons.values():
             if p.poll() is None:
                 p.terminate()

@@ -152,7 +152,7 @@ def _run(args: argparse.Namespace) -> int:
     if not cfg.journal:
         log.warning("no journal: a restart loses every allocation (workers reload their tables from the new daemon)")
     print(f"kvcache serve: ready endpoint={cfg.endpoint} pub={cfg.pub_endpoint} replay={cfg.replay_endpoint} "
-          f"num_blocks={manager.num_blocks} rows={manager.num_rows}", flush=True)
+          f"num_blocks={manager.num_blocks} rows={manager.num_rows} role={cfg.role}", flush=True)
     try:
         server.serve(lambda: bool(stopping))
     finally:

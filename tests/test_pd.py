@@ -6,12 +6,13 @@ Every scenario ends with no block held on either node.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from kvcache.client import CacheClient, DaemonError
-from kvcache.pd_cluster import Cluster, check_request, run_batch, scenario, wait_outcomes
+from kvcache.pd_cluster import Cluster, check_request, run_batch, scenario, signal_of, wait_outcomes
 from kvcache.transfer.nixl import nixl_available
 
 needs_nixl = pytest.mark.skipif(not nixl_available(), reason="NIXL is not installed (pip install nixl-cu12 --no-deps)")
@@ -168,6 +169,7 @@ def test_a_prefill_worker_that_dies_fails_the_request_on_both_sides_at_the_deadl
         assert "timed out" in failed_d["w"] and "timed out" in failed_p["w"]
         assert time.monotonic() - start < timeout + 3
         assert_nothing_held(prefill, decode)
+    assert not Path("/dev/shm", signal_of(cluster.cfg, 0)).exists()  # the dead writer's signal is gone too
 
 
 # --------------------------------------------------------------------------- the daemons' PD ops alone
