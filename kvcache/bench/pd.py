@@ -76,7 +76,8 @@ def run_benchmark(*, layers: int, block_size: int, repeat: int, pace: float, dev
             return {"tail_s": (ready[req] - times.last_ns) / 1e9, "received_s": (received - times.last_ns) / 1e9,
                     "total_s": (ready[req] - times.first_ns) / 1e9}
 
-        one(0.0)  # connects the messager to the receiver, warms both sides
+        for _ in range(2):  # connects the messager to the receiver, warms both sides' memory and UCX's paths
+            one(0.0)
         # The limits move the warm-up request's own tables, as the messager did.
         limits = cluster.prefill_workers[0].call(
             "probe", (tables["src"], tables["dst"], tuple(decode.info()["receivers"]), repeat + 2), timeout=300)
