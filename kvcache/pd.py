@@ -190,8 +190,11 @@ class PDState:
             raise ProtocolError(f"{field}.req: request {show(req)} is not in transfer on this daemon")
 
     def check_not_in_transfer(self, req: Any, field: str, kind: str) -> None:
-        """extend/free of a request still moving is refused: its blocks are being written or read."""
-        if req in self.transfers:
+        """free (and, on decode, extend) of a request still moving is refused: its blocks are being written or read.
+
+        A prefill node extends a request in transfer: its next prompt chunk (chunked prefill).
+        """
+        if req in self.transfers and not (kind == "extend" and self.role == "prefill"):
             raise ProtocolError(f"{field}.req: request {show(req)} is still in transfer; {kind} it once pd_poll "
                                 "reports it, or cancel it")
 

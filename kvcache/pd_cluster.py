@@ -141,6 +141,7 @@ def prefill_worker(conn: Any, cfg: dict[str, Any], rank: int) -> None:
     from kvcache.ops import send_cache
     from kvcache.pd_worker import PrefillLink
     from kvcache.transfer import KVRegion, LayerSignal
+    from kvcache.transfer.messager import Chunk
 
     spec = spec_of(cfg, cfg["prefill_tp"])
     cache = Cache(spec, cfg["num_blocks"], cfg["device"])
@@ -159,20 +160,24 @@ def prefill_worker(conn: Any, cfg: dict[str, Any], rank: int) -> None:
             if command == "probe":
                 conn.send(("probe", probe(link, region, *payload)))
                 continue
-            items, layer_delay, compute = payload  # [(req, tokens, table row, cached tokens)]
+            # items: (req, tokens, table row, first token to compute[, stop token, last chunk]); without a stop,
+            # the step computes the rest of the prompt
+            items, layer_delay, compute = payload
+            items = [(*item, len(item[1]), True) if len(item) == 4 else item for item in items]
             step = sig.begin_step()
-            link.run_step(step, [req for req, *_ in items])
+            link.run_step(step, [Chunk(req, stop, last) for req, _, _, _, stop, last in items])
             stream = None
             if cache.torch is not None:
                 stream = cache.torch.cuda.current_stream()
             for layer in range(spec.num_layers):
-                for _, tokens, table, cached in items:
-                    first = cached // spec.block_size
-                    blocks = range(first, table.size)
+                for _, tokens, table, start, stop, _ in items:
+                    first = start // spec.block_size
+                    blocks = range(first, min(table.size, -(-stop // spec.block_size)))
                     if blocks and compute:
-                        values = [kv_values(tokens, blocks, layer, heads, t, ts.block_shape, RAW[DTYPE_BYTES[ts.dtype]])
-                                  for t, ts in enumerate(spec.tensors())]
-                        cache.write(layer, table[first:].astype(np.int64), [v for v, _ in values], values[0][1])
+                        values = [kv_values(tokens[:stop], blocks, layer, heads, t, ts.block_shape,
+                                            RAW[DTYPE_BYTES[ts.dtype]]) for t, ts in enumerate(spec.tensors())]
+                        ids = table[blocks.start:blocks.stop].astype(np.int64)
+                        cache.write(layer, ids, [v for v, _ in values], values[0][1])
                 send_cache(stream, sig, layer)
                 if layer_delay:
                     time.sleep(layer_delay)

@@ -34,7 +34,8 @@ PD disaggregation (``kvcache serve --role prefill|decode``; see kvcache/pd.py fo
     both:    {"op": "cancel", "req": ID, "release"?: bool} | {"op": "transfer_failed", "req": ID, "error": str}
              {"op": "pd_poll"} → {"done": [[ID, t_ns], ...], "failed": [[ID, error], ...]} (the caller's requests)
 
-A request in transfer refuses extend and free (cancel it instead).
+A request in transfer refuses free (cancel it instead), and extend on decode; a prefill node admits it
+with ``num_tokens`` and extends it chunk by chunk (chunked prefill), ``dest.table`` covering the whole prompt.
 
 ``ID`` is a str (at most 256 characters) or an int in int64; ``TOKENS`` an
 integer array (or a list of ints). The whole message is validated, structure

@@ -570,8 +570,6 @@ class CacheServer:
                         pd = {"timeout": self._pd.check_reserve(op, field)}
                     elif op.get("dest") is not None:
                         self._pd.check_role("sent", field)  # a destination needs --role prefill
-                        if number is not None:
-                            raise ProtocolError(f"{field}.num_tokens: a request sent to decode admits its whole prompt")
                         pd = self._pd.check_dest(op, field, int(tokens.size))
                     ops.append(_Op(kind, req, tokens, check_optional_str(op, "salt", field),
                                    check_optional_str(op, "lora", field), check_mm(op.get("mm"), f"{field}.mm"),

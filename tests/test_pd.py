@@ -285,3 +285,34 @@ def test_a_silent_schedulers_reservation_is_cancelled_by_its_lease_and_released_
             time.sleep(0.05)
         assert r.usage.max == 0.0 and r.stats()["in_transfer"] == 0
         r.check_integrity()
+
+
+@needs_nixl
+def test_chunked_prefill_sends_each_chunk_as_it_is_computed_and_notifies_after_the_last():
+    """A 700-token prompt prefilled in three chunks, the decode node holding its first 256 tokens already."""
+    from kvcache.pd_worker import PDProxy
+
+    with Cluster(layers=3, kv_heads=2, head_dim=32) as cluster:
+        prefill, decode = clients(cluster)
+        proxy = PDProxy(prefill, decode)
+        tokens = np.random.default_rng(7).integers(0, 50_000, 700)
+        assert run_batch(cluster, proxy, {"seed": tokens[:257]})["problems"] == []  # decode caches tokens [0, 256)
+        prefill.reset_prefix_cache()
+        reservation = decode.reserve("c", tokens)
+        assert reservation.num_cached_tokens == 256
+        admission = prefill.admit("c", tokens, num_tokens=200, dest=reservation.dest(decode.endpoint))
+        table = lambda: np.asarray(prefill.table("c"))[0].copy()  # noqa: E731
+        cluster.step([("c", tokens, table(), 0, 200, False)])  # entirely inside the decode node's cache
+        prefill.extend("c", tokens[200:450])
+        cluster.step([("c", tokens, table(), 200, 450, False)])
+        assert decode.pd_poll() == ({}, {})  # not before the last chunk
+        prefill.extend("c", tokens[450:])
+        whole = table()  # the prefill node frees the request once it is sent
+        cluster.step([("c", tokens, whole, 450, 700, True)])
+        ready, failed = wait_outcomes(decode, {"c"}, 10)
+        sent, _ = wait_outcomes(prefill, {"c"}, 10)
+        assert set(ready) == set(sent) == {"c"}, failed
+        assert admission.num_cached_tokens == 0
+        assert check_request(cluster, tokens, np.asarray(reservation.table)[0], whole, 16) == []
+        decode.free("c")
+        assert_nothing_held(prefill, decode)

@@ -30,7 +30,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgpack
 import numpy as np
@@ -44,7 +44,7 @@ from kvcache.transfer.signal import LayerSignal, WaitStatus
 if TYPE_CHECKING:
     from kvcache.transfer.nixl import NixlEngine, Peer
 
-__all__ = ["CacheMessager", "CacheReceiver", "TransferPlan", "writers_of"]
+__all__ = ["CacheMessager", "CacheReceiver", "Chunk", "TransferPlan", "writers_of"]
 
 log = logging.getLogger("kvcache.messager")
 _STOP = object()
@@ -77,6 +77,29 @@ class TransferPlan:
         return cls(plan["req"], np.asarray(plan["src_table"])[0].astype(np.int64),
                    np.asarray(plan["table"])[0].astype(np.int64), int(plan["first_block"]),
                    tuple(plan["receivers"]), time.monotonic() + float(plan["deadline_s"]), plan.get("decode", ""))
+
+
+class Chunk(NamedTuple):
+    """Part of a request's prompt a step computes (chunked prefill): its KV is valid up to token ``stop``.
+
+    Each step sends the blocks holding tokens not sent before, up to ``stop`` (a partly filled last
+    block goes again with the next chunk); ``last`` marks the chunk that completes the prompt, after
+    which the decode side is notified. A bare request id in ``run_step`` is one chunk of the whole prompt.
+    """
+
+    req: Any
+    stop: int
+    last: bool
+
+
+@dataclasses.dataclass(slots=True)
+class _Progress:
+    """A request being sent over several steps: the next block to send and every write so far, per decode rank."""
+
+    next_block: int
+    handles: dict[int, list[TransferHandle]]
+    agents: dict[int, str]
+    deadline: float
 
 
 def writers_of(num_kv_heads: int, prefill_tp: int, decode_tp: int, decode_rank: int) -> frozenset[int]:
@@ -112,6 +135,7 @@ class CacheMessager:
         self.last_step_ns: dict[str, int] = {}  # timings of the last step, for benchmarks
         self._peers: dict[str, Peer] = {}
         self._routes: dict[int, dict[int, list[Route]]] = {}  # decode tp -> decode rank -> my routes to it
+        self._progress: dict[Any, _Progress] = {}  # requests sent in chunks, between their steps (step thread only)
         self._steps: queue.SimpleQueue = queue.SimpleQueue()
         self._finishing: queue.SimpleQueue = queue.SimpleQueue()
         engine.register(region)
@@ -122,11 +146,12 @@ class CacheMessager:
         self._closed = False
 
     def run_step(self, step: int, reqs: Sequence[Any]) -> None:
-        """The worker is about to write step ``step``'s layers for ``reqs`` (all of their prompts); send them."""
+        """The worker is about to write step ``step``'s layers for ``reqs``: request ids (whole prompts) or Chunks."""
         if self._closed:
             raise KVCacheError("the messager is closed")
-        if reqs:
-            self._steps.put((step, list(reqs)))
+        chunks = [r if isinstance(r, Chunk) else Chunk(r, 1 << 62, True) for r in reqs]
+        if chunks:
+            self._steps.put((step, chunks))
 
     def close(self) -> None:
         """Stop both threads (steps in progress fail at their deadline or now). Idempotent."""
@@ -145,64 +170,87 @@ class CacheMessager:
             item = self._steps.get()
             if item is _STOP:
                 return
-            step, reqs = item
+            step, chunks = item
             try:
-                self._send_step(step, reqs)
+                self._send_step(step, chunks)
             except Exception as exc:  # a bug or a broken control plane: fail the step's requests, keep serving
                 log.exception("messager %d: step %d failed", self.rank, step)
-                for req in reqs:
-                    self._fail(req, f"messager error: {type(exc).__name__}: {exc}", None)
+                for chunk in chunks:
+                    self._progress.pop(chunk.req, None)
+                    self._fail(chunk.req, f"messager error: {type(exc).__name__}: {exc}", None)
 
-    def _send_step(self, step: int, reqs: list[Any]) -> None:
+    def _send_step(self, step: int, chunks: list[Chunk]) -> None:
         timings = {"start_ns": time.monotonic_ns()}
+        now = time.monotonic()
+        for req in [r for r, p in self._progress.items() if now >= p.deadline]:  # never finished: give up
+            del self._progress[req]
+            self._fail(req, "the prompt's last chunk never came before the deadline", None)
         try:
-            plans = list(self.fetch_plans(reqs))
+            plans = list(self.fetch_plans([c.req for c in chunks]))
         except Exception as exc:
-            for req in reqs:
-                self._fail(req, f"could not fetch the transfer plan: {exc}", None)
+            for chunk in chunks:
+                self._progress.pop(chunk.req, None)
+                self._fail(chunk.req, f"could not fetch the transfer plan: {exc}", None)
             return
-        active: list[tuple[TransferPlan, dict[int, tuple[KVRegion, str]], dict[int, list[TransferHandle]]]] = []
-        for plan in plans:
+        bs = self.region.spec.block_size
+        # (plan, chunk, its progress, this step's blocks [lo, hi), decode rank -> remote region)
+        active: list[tuple[TransferPlan, Chunk, _Progress, int, int, dict[int, KVRegion]]] = []
+        for chunk, plan in zip(chunks, plans):
             if plan is None:
+                self._progress.pop(chunk.req, None)
                 continue
             if plan.cancelled:
+                self._progress.pop(chunk.req, None)
                 self._fail(plan.req, "cancelled", plan)
                 continue
             try:
                 targets = self._targets(plan)
             except KVCacheError as exc:
+                self._progress.pop(chunk.req, None)
                 self._fail(plan.req, str(exc), plan)
                 continue
-            active.append((plan, targets, {d: [] for d in targets}))
+            progress = self._progress.setdefault(plan.req, _Progress(
+                plan.first_block, {d: [] for d in targets}, {d: agent for d, (_, agent) in targets.items()},
+                plan.deadline))
+            lo = max(progress.next_block, plan.first_block)
+            hi = min(-(-chunk.stop // bs), plan.dst_blocks.size, plan.src_blocks.size)
+            progress.next_block = max(progress.next_block, min(chunk.stop // bs, hi))
+            active.append((plan, chunk, progress, lo, hi, {d: remote for d, (remote, _) in targets.items()}))
         timings["planned_ns"] = time.monotonic_ns()
         last = self.region.num_layers - 1
-        notified: set[tuple[int, int]] = set()  # (plan, decode rank) whose last write carries the notice
+        notified: set[tuple[Any, int]] = set()  # (request, decode rank) whose last write carries the notice
         for layer in range(self.region.num_layers):
             if not active:
                 return
-            deadline = min(plan.deadline for plan, _, _ in active)
+            deadline = min(plan.deadline for plan, *_ in active)
             status = self.signal.wait(layer, step, timeout=max(0.0, deadline - time.monotonic()))
             if status is not WaitStatus.DONE:
-                for plan, _, _ in active:
+                for plan, *_ in active:
+                    self._progress.pop(plan.req, None)
                     self._fail(plan.req, f"layer {layer} of step {step} never completed ({status.name})", plan)
                 return
             if layer == last:
                 timings["last_signal_ns"] = time.monotonic_ns()
-            for plan, targets, handles in active:
-                for d, (remote, agent) in targets.items():
-                    ranges = self._ranges(plan, d, remote, layer)
+            for plan, chunk, progress, lo, hi, remotes in active:
+                if lo >= hi:
+                    continue
+                for d, remote in remotes.items():
+                    ranges = self._ranges(plan, d, remote, layer, lo, hi)
+                    handles = progress.handles[d]
                     notify = b""
-                    if layer == last and all(h.done() for h in handles[d]):
+                    if chunk.last and layer == last and all(h.done() for h in handles):
                         # The usual case in a pipeline: the notice rides on the last write, no extra message.
                         notify = _notice(plan.req, self.rank, self.region.spec.tp_size)
-                        notified.add((id(plan), d))
-                    handles[d].append(self.engine.submit(ranges, agent, self.region, remote, deadline=plan.deadline,
-                                                         notify=notify))
+                        notified.add((plan.req, d))
+                    handles.append(self.engine.submit(ranges, progress.agents[d], self.region, remote,
+                                                      deadline=plan.deadline, notify=notify))
         timings["posted_ns"] = time.monotonic_ns()
         self.last_step_ns = timings
-        for plan, targets, handles in active:
-            pending = {targets[d][1]: (hs, (id(plan), d) not in notified) for d, hs in handles.items()}
-            self._finishing.put((plan, pending))
+        for plan, chunk, progress, *_ in active:
+            if chunk.last:
+                del self._progress[plan.req]
+                pending = {progress.agents[d]: (hs, (plan.req, d) not in notified) for d, hs in progress.handles.items()}
+                self._finishing.put((plan, pending))
 
     def _targets(self, plan: TransferPlan) -> dict[int, tuple[KVRegion, str]]:
         """Decode rank -> (its region, its agent) for every decode rank this rank writes to; connects as needed."""
@@ -230,8 +278,11 @@ class CacheMessager:
             self._routes[decode_tp] = routes
         return routes
 
-    def _ranges(self, plan: TransferPlan, d: int, remote: KVRegion, layer: int) -> CopyRanges:
-        src, dst = plan.src_blocks[plan.first_block:], plan.dst_blocks[plan.first_block:]
+    def _ranges(self, plan: TransferPlan, d: int, remote: KVRegion, layer: int, lo: int | None = None,
+                hi: int | None = None) -> CopyRanges:
+        """Layer ``layer``'s blocks ``[lo, hi)`` (default: all past the decode side's cache) for decode rank ``d``."""
+        lo = plan.first_block if lo is None else lo
+        src, dst = plan.src_blocks[lo:hi], plan.dst_blocks[lo:hi]
         parts = [route_ranges(self.region, src, remote, dst, r, layers=[layer])
                  for r in self._routes_to(len(plan.receivers))[d]]
         if len(parts) == 1:
