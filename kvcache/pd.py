@@ -78,7 +78,8 @@ class Transfer:
 
     req: Any
     owner: str
-    first_block: int  # blocks before this were not moved (the decode side had them cached)
+    first_block: int  # blocks before this are not moved (the decode side had them cached)
+    own_blocks: int  # blocks this node had cached at admit: valid whatever happens to the transfer
     timeout: float
     deadline: float
     serial: int
@@ -206,10 +207,15 @@ class PDState:
 
     def start(self, req: Any, owner: str, table: np.ndarray, cached_tokens: int, timeout: float, now: float,
               dest: dict[str, Any] | None = None) -> Transfer:
-        """A reservation (decode) or a transfer to send (prefill) begins; decode notes the blocks still arriving."""
+        """A reservation (decode) or a transfer to send (prefill, with ``dest``) begins.
+
+        ``cached_tokens`` is this node's own prefix hit: a failed transfer discards only blocks past it
+        (a prefill worker computes from there). Decode notes the blocks still arriving.
+        """
         self._serial += 1
-        first = cached_tokens // self.block_size
-        t = Transfer(req, owner, first, timeout, now + timeout, self._serial, dest=dest)
+        own = cached_tokens // self.block_size
+        first = own if dest is None else dest["cached"] // self.block_size
+        t = Transfer(req, owner, first, own, timeout, now + timeout, self._serial, dest=dest)
         self.transfers[req] = t
         self._by_serial[t.serial] = req
         if self.role == "decode" and table.size:
@@ -217,8 +223,8 @@ class PDState:
             hit = table[:, :first]
             owners = self._pending[np.broadcast_to(rows, hit.shape), hit]
             t.deps = {int(s) for s in np.unique(owners[owners >= 0])}
-            own = table[:, first:]
-            self._pending[np.broadcast_to(rows, own.shape), own] = t.serial
+            arriving = table[:, first:]
+            self._pending[np.broadcast_to(rows, arriving.shape), arriving] = t.serial
         return t
 
     def report(self, req: Any, rank: int, now_ns: int) -> list[tuple[Any, int | None]]:
@@ -238,7 +244,7 @@ class PDState:
             self._forget(t)
             if not t.cancelled:
                 self._tell(t.owner, "failed", t.req, error)
-            ends.append((t.req, t.first_block))
+            ends.append((t.req, t.own_blocks))
             queue += [d.req for d in self.transfers.values() if t.serial in d.deps]
             error = f"a request it shares cached blocks with failed: {error}"
         return ends
@@ -313,7 +319,7 @@ class PDState:
                 for other in self.transfers.values():
                     other.deps.discard(t.serial)
                 if t.cancelled:
-                    ends.append((t.req, t.first_block))  # the writers stopped: release, uncached
+                    ends.append((t.req, t.own_blocks))  # the writers stopped: release, uncached
                 elif self.role == "prefill":
                     self._tell(t.owner, "done", t.req, now_ns)
                     ends.append((t.req, None))  # sent: free, its blocks stay cached

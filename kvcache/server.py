@@ -689,8 +689,8 @@ class CacheServer:
                               "table": adm.table.copy(), "slot": slot}
                     if op.pd is not None:
                         dest = None if op.kind == "reserve" else op.pd
-                        self._pd.start(op.req, client, adm.table, adm.num_cached_tokens if dest is None else
-                                       dest["cached"], op.pd["timeout"], time.monotonic(), dest)
+                        self._pd.start(op.req, client, adm.table, adm.num_cached_tokens, op.pd["timeout"],
+                                       time.monotonic(), dest)
                         if op.kind == "reserve":
                             result["receivers"] = list(self._pd.receivers)
                     results.append(result)

@@ -316,3 +316,21 @@ def test_chunked_prefill_sends_each_chunk_as_it_is_computed_and_notifies_after_t
         assert check_request(cluster, tokens, np.asarray(reservation.table)[0], whole, 16) == []
         decode.free("c")
         assert_nothing_held(prefill, decode)
+
+
+def test_a_failed_send_leaves_no_uncomputed_prefill_block_in_the_prefix_cache(daemon):
+    """The decode node had 2 blocks cached (not sent), the prefill node none (it computes them): a failure drops all."""
+    p = daemon("--num-blocks", "32", "--block-size", "16", "--role", "prefill")
+    with CacheClient(p.endpoint) as c:
+        dest = {"receivers": ["tcp://127.0.0.1:1"], "table": np.arange(3, dtype=np.int32)[None, :], "cached": 32,
+                "decode": "ipc:///nowhere"}
+        c.admit("a", np.arange(40), dest=dest)
+        assert c.plans(["a"])[0]["first_block"] == 2
+        c.transfer_failed("a", "decode rank 0 died")
+        assert c.pd_poll().failed == {"a": "decode rank 0 died"}
+        assert c.lookup(np.arange(40)) == 0 and c.usage.max == 0.0
+        c.admit("b", np.arange(40), dest=dest)
+        c.sent("b", 0)
+        assert list(c.pd_poll().done) == ["b"]
+        assert c.lookup(np.arange(40)) == 32  # sent: computed, so cached
+        c.check_integrity()
