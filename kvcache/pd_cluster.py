@@ -157,13 +157,16 @@ def prefill_worker(conn: Any, cfg: dict[str, Any], rank: int) -> None:
             if command == "read":
                 conn.send(("read", cache.read(np.asarray(payload, dtype=np.int64))))
                 continue
+            if command == "posted":
+                conn.send(("posted", link.messager.posted_bytes.get(payload, 0)))
+                continue
             if command == "probe":
                 conn.send(("probe", probe(link, region, *payload)))
                 continue
             # items: (req, tokens, table row, first token to compute[, stop token, last chunk]); without a stop,
-            # the step computes the rest of the prompt
+            # the step computes the rest of the prompt (every block of the table)
             items, layer_delay, compute = payload
-            items = [(*item, len(item[1]), True) if len(item) == 4 else item for item in items]
+            items = [(*item, len(item[2]) * spec.block_size, True) if len(item) == 4 else item for item in items]
             step = sig.begin_step()
             link.run_step(step, [Chunk(req, stop, last) for req, _, _, _, stop, last in items])
             stream = None

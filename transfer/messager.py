@@ -133,6 +133,7 @@ class CacheMessager:
         self.fetch_plans, self.on_sent, self.on_failed = fetch_plans, on_sent, on_failed
         self.connect_timeout = connect_timeout
         self.last_step_ns: dict[str, int] = {}  # timings of the last step, for benchmarks
+        self.posted_bytes: dict[Any, int] = {}  # bytes posted per request (the last 4096), for benchmarks
         self._peers: dict[str, Peer] = {}
         self._routes: dict[int, dict[int, list[Route]]] = {}  # decode tp -> decode rank -> my routes to it
         self._progress: dict[Any, _Progress] = {}  # requests sent in chunks, between their steps (step thread only)
@@ -244,8 +245,11 @@ class CacheMessager:
                         notified.add((plan.req, d))
                     handles.append(self.engine.submit(ranges, progress.agents[d], self.region, remote,
                                                       deadline=plan.deadline, notify=notify))
+                    self.posted_bytes[plan.req] = self.posted_bytes.get(plan.req, 0) + ranges.nbytes
         timings["posted_ns"] = time.monotonic_ns()
         self.last_step_ns = timings
+        while len(self.posted_bytes) > 4096:
+            self.posted_bytes.pop(next(iter(self.posted_bytes)))
         for plan, chunk, progress, *_ in active:
             if chunk.last:
                 del self._progress[plan.req]

@@ -60,6 +60,7 @@ def run_benchmark(*, layers: int, block_size: int, repeat: int, pace: float, dev
         receiver = cluster.decode_workers[0]
         counter = iter(range(1 << 30))
         tables: dict[str, np.ndarray] = {}
+        nbytes = blocks * cluster.spec.bytes_per_block_per_layer * layers
 
         def one(layer_delay: float) -> dict[str, float]:
             req = f"bench-{next(counter)}"
@@ -72,6 +73,9 @@ def run_benchmark(*, layers: int, block_size: int, repeat: int, pace: float, dev
             if req not in ready:
                 raise RuntimeError(f"transfer failed: {failed.get(req, 'no answer')}")
             received = receiver.call("received_ns")[req]
+            posted = cluster.prefill_workers[0].call("posted", req)
+            if posted != nbytes:
+                raise RuntimeError(f"the messager posted {posted:,} bytes of the request's {nbytes:,}")
             decode.free(req)
             return {"tail_s": (ready[req] - times.last_ns) / 1e9, "received_s": (received - times.last_ns) / 1e9,
                     "total_s": (ready[req] - times.first_ns) / 1e9}
@@ -84,7 +88,7 @@ def run_benchmark(*, layers: int, block_size: int, repeat: int, pace: float, dev
         layer_s = limits["layer_s"]
         paced = [one(pace * layer_s) for _ in range(repeat)]
         unpaced = [one(0.0) for _ in range(repeat)]
-    nbytes = limits["raw_bytes"]
+    assert nbytes == limits["raw_bytes"], (nbytes, limits["raw_bytes"])
     tails = [r["tail_s"] for r in paced]
     tail = statistics.median(tails)
     best_total = min(r["total_s"] for r in unpaced)
