@@ -203,8 +203,8 @@ def probe(link: Any, region: Any, src: np.ndarray, dst: np.ndarray, receivers: t
     messager = link.messager
     plan = TransferPlan("probe", src, dst, 0, tuple(receivers), time.monotonic() + 60)
     (d, (remote, agent)), *_ = messager._targets(plan).items()
-    layer = messager._ranges(plan, d, remote, 0)
-    total = sum(messager._ranges(plan, d, remote, i).nbytes for i in range(region.num_layers))
+    layer = messager._ranges(plan, d, remote, [0])
+    total = messager._ranges(plan, d, remote, list(range(region.num_layers))).nbytes
     lo, hi = region.extents(), remote.extents()
     assert lo.length[0] >= total and hi.length[0] >= total, "caches are not one buffer each"
     one = CopyRanges(lo.addr[:1], hi.addr[:1], np.array([total], dtype=np.int64))

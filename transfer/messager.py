@@ -220,7 +220,8 @@ class CacheMessager:
         timings["planned_ns"] = time.monotonic_ns()
         last = self.region.num_layers - 1
         notified: set[tuple[Any, int]] = set()  # (request, decode rank) whose last write carries the notice
-        for layer in range(self.region.num_layers):
+        layer = 0
+        while layer <= last:
             if not active:
                 return
             deadline = min(plan.deadline for plan, *_ in active)
@@ -230,16 +231,23 @@ class CacheMessager:
                     self._progress.pop(plan.req, None)
                     self._fail(plan.req, f"layer {layer} of step {step} never completed ({status.name})", plan)
                 return
-            if layer == last:
+            # Layers that finished while we were busy go together, as one write per request and rank.
+            finished = self.signal.layer_times().steps
+            upto = layer
+            while upto < last and finished[upto + 1] == step % (1 << 32):
+                upto += 1
+            layers = list(range(layer, upto + 1))
+            layer = upto + 1
+            if upto == last:
                 timings["last_signal_ns"] = time.monotonic_ns()
             for plan, chunk, progress, lo, hi, remotes in active:
                 if lo >= hi:
                     continue
                 for d, remote in remotes.items():
-                    ranges = self._ranges(plan, d, remote, layer, lo, hi)
+                    ranges = self._ranges(plan, d, remote, layers, lo, hi)
                     handles = progress.handles[d]
                     notify = b""
-                    if chunk.last and layer == last and all(h.done() for h in handles):
+                    if chunk.last and upto == last and all(h.done() for h in handles):
                         # The usual case in a pipeline: the notice rides on the last write, no extra message.
                         notify = _notice(plan.req, self.rank, self.region.spec.tp_size)
                         notified.add((plan.req, d))
@@ -282,12 +290,12 @@ class CacheMessager:
             self._routes[decode_tp] = routes
         return routes
 
-    def _ranges(self, plan: TransferPlan, d: int, remote: KVRegion, layer: int, lo: int | None = None,
+    def _ranges(self, plan: TransferPlan, d: int, remote: KVRegion, layers: list[int], lo: int | None = None,
                 hi: int | None = None) -> CopyRanges:
-        """Layer ``layer``'s blocks ``[lo, hi)`` (default: all past the decode side's cache) for decode rank ``d``."""
+        """Blocks ``[lo, hi)`` (default: all past the decode side's cache) of ``layers`` for decode rank ``d``."""
         lo = plan.first_block if lo is None else lo
         src, dst = plan.src_blocks[lo:hi], plan.dst_blocks[lo:hi]
-        parts = [route_ranges(self.region, src, remote, dst, r, layers=[layer])
+        parts = [route_ranges(self.region, src, remote, dst, r, layers=layers)
                  for r in self._routes_to(len(plan.receivers))[d]]
         if len(parts) == 1:
             return parts[0]
