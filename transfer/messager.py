@@ -4,7 +4,8 @@ One CacheMessager per prefill rank (in the worker's process, beside the model): 
 worker runs, it is told the step and the requests it prefills, wakes on each layer's signal
 (``send_cache``) and writes that layer's blocks of every request past the decode side's cached
 prefix straight into the decode ranks' blocks, re-slicing heads when the two TP sizes differ
-(``kvcache.transfer.heads``). The last layer's write to each decode rank carries a NIXL notification
+(``kvcache.transfer.heads``); layers that finished while it was still posting earlier ones go out
+together, as one write. The last layer's write to each decode rank carries a NIXL notification
 when the earlier layers' writes have already landed (the pipelined case); otherwise the messager
 sends it once they all have. One CacheReceiver per decode rank counts the notifications and
 reports a request once every prefill rank that writes to it has finished::
