@@ -462,6 +462,25 @@ class KVCacheManager:
         del self._requests[request_id]
         self._pool.decref(self._group_col, req.table[:, req.num_blocks - 1::-1], unique=True)
 
+    def discard(self, request_id: object, first_block: int = 0) -> None:
+        """End a request whose KV from block ``first_block`` on was never written (a failed transfer).
+
+        As ``free``, but those blocks leave the prefix index first, so no later request hits
+        them; blocks before ``first_block`` (a prefix hit, written by others) stay cached.
+        """
+        req = self._get(request_id)
+        _check_count(first_block, "first_block", least=0)
+        blocks = req.table[:, first_block:req.num_blocks]
+        rows = np.broadcast_to(self._group_col, blocks.shape)
+        live = blocks >= 0
+        if live.any():
+            rows, blocks = rows[live], blocks[live]
+            removed = self._index.remove(rows, blocks)
+            self._pool.uncache(rows, blocks)
+            if self.enable_events and len(removed.gone):
+                self._events.append(BlockRemoved(tuple(bytes(h) for h in removed.gone)))
+        self.free(request_id)
+
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix (live requests keep their blocks); returns the hashes dropped."""
         if self.tier is not None:

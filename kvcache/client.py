@@ -26,6 +26,7 @@ from kvcache.allocator.errors import KVCacheError
 from kvcache.auth import CurveConfig, secure_client_socket
 from kvcache.allocator.manager import Admission
 from kvcache.allocator.pool import Usage
+from kvcache.pd import Outcomes, Reservation
 from kvcache.protocol import PROTOCOL_VERSION, pack, unpack
 
 _MAX_REPLY_BYTES = 1 << 31
@@ -128,13 +129,23 @@ class Batch:
 
     def admit(self, request_id: Any, prompt_tokens: Sequence[int] | np.ndarray, *, cache_salt: str | None = None,
               lora: str | None = None, mm: Sequence[tuple[str, int, int]] | None = None,
-              num_tokens: int | None = None, slot: int | None = None) -> Batch:
+              num_tokens: int | None = None, slot: int | None = None, dest: dict[str, Any] | None = None) -> Batch:
         op: dict[str, Any] = {"op": "admit", "req": request_id, "tokens": _as_token_array(prompt_tokens)}
-        for key, value in (("salt", cache_salt), ("lora", lora), ("num_tokens", num_tokens), ("slot", slot)):
+        for key, value in (("salt", cache_salt), ("lora", lora), ("num_tokens", num_tokens), ("slot", slot),
+                           ("dest", dest)):
             if value is not None:
                 op[key] = value
         if mm:
             op["mm"] = [list(item) for item in mm]
+        return self._add(op)
+
+    def reserve(self, request_id: Any, prompt_tokens: Sequence[int] | np.ndarray, *, cache_salt: str | None = None,
+                lora: str | None = None, slot: int | None = None, timeout: float | None = None) -> Batch:
+        """A decode daemon's admit for a request whose KV a prefill node will write (``--role decode``)."""
+        op: dict[str, Any] = {"op": "reserve", "req": request_id, "tokens": _as_token_array(prompt_tokens)}
+        for key, value in (("salt", cache_salt), ("lora", lora), ("slot", slot), ("timeout", timeout)):
+            if value is not None:
+                op[key] = value
         return self._add(op)
 
     def extend(self, request_id: Any, tokens: Sequence[int] | np.ndarray, *,
@@ -262,10 +273,60 @@ class CacheClient:
 
     def admit(self, request_id: Any, prompt_tokens: Sequence[int] | np.ndarray, *, cache_salt: str | None = None,
               lora: str | None = None, mm: Sequence[tuple[str, int, int]] | None = None,
-              num_tokens: int | None = None, slot: int | None = None) -> Admission | None:
-        """As KVCacheManager.admit; ``slot`` names the engine's batch slot (default: the daemon picks)."""
+              num_tokens: int | None = None, slot: int | None = None,
+              dest: dict[str, Any] | None = None) -> Admission | None:
+        """As KVCacheManager.admit; ``slot`` names the engine's batch slot (default: the daemon picks).
+
+        ``dest`` (a ``--role prefill`` daemon) sends the request's KV to a decode node:
+        ``Reservation.dest(decode_endpoint)`` of the decode daemon's ``reserve``.
+        """
         return self._single(self.batch().admit(request_id, prompt_tokens, cache_salt=cache_salt, lora=lora, mm=mm,
-                                               num_tokens=num_tokens, slot=slot))
+                                               num_tokens=num_tokens, slot=slot, dest=dest))
+
+    # ------------------------------------------------------------------ PD disaggregation (see kvcache.pd)
+
+    def reserve(self, request_id: Any, prompt_tokens: Sequence[int] | np.ndarray, *, cache_salt: str | None = None,
+                lora: str | None = None, slot: int | None = None, timeout: float | None = None) -> Reservation | None:
+        """Decode side: blocks for a request a prefill node will fill, matching this node's prefix cache first.
+
+        None when blocks are short (nothing changes). The request is ready for decoding once
+        ``pd_poll`` lists it as done; it is released and listed as failed if the transfer
+        fails, is cancelled or outlasts ``timeout`` seconds (default: the daemon's).
+        """
+        return self._single(self.batch().reserve(request_id, prompt_tokens, cache_salt=cache_salt, lora=lora,
+                                                 slot=slot, timeout=timeout))
+
+    def pd_poll(self) -> Outcomes:
+        """Transfers of this client's requests that finished (decode: ready; prefill: sent) or failed since the last poll."""
+        raw = self._single(self.batch().op("pd_poll"))
+        return Outcomes({req: t for req, t in raw["done"]}, {req: error for req, error in raw["failed"]})
+
+    def cancel(self, request_id: Any, *, release: bool = False) -> None:
+        """Give up a request in transfer: reported failed ("cancelled") at once, its blocks freed once writes stop.
+
+        ``release`` frees them now: only when no writer ever got the request (its prefill admit never happened).
+        """
+        self._single(self.batch().op("cancel", req=request_id, release=release))
+
+    def plans(self, request_ids: Sequence[Any]) -> list[dict[str, Any] | None]:
+        """Prefill messagers: where each request's blocks go (None: not being sent)."""
+        return self._single(self.batch().op("plans", reqs=list(request_ids)))
+
+    def attach(self, rank: int, endpoint: str) -> None:
+        """Decode receivers: announce rank ``rank``'s NIXL metadata endpoint to the decode daemon."""
+        self._single(self.batch().op("attach", rank=rank, endpoint=endpoint))
+
+    def received(self, request_id: Any, rank: int) -> None:
+        """Decode receivers: every prefill rank's writes to ``rank`` for the request have landed."""
+        self._single(self.batch().op("received", req=request_id, rank=rank))
+
+    def sent(self, request_id: Any, rank: int) -> None:
+        """Prefill messagers: rank ``rank`` wrote all its blocks of the request and notified the decode side."""
+        self._single(self.batch().op("sent", req=request_id, rank=rank))
+
+    def transfer_failed(self, request_id: Any, error: str) -> None:
+        """Either side's workers: the request's transfer failed; the daemon releases it and tells its scheduler."""
+        self._single(self.batch().op("transfer_failed", req=request_id, error=error[:4096]))
 
     def extend(self, request_id: Any, tokens: Sequence[int] | np.ndarray, *,
                num_computed_tokens: int | None = None) -> np.ndarray | None:
@@ -421,11 +482,14 @@ class CacheClient:
         if isinstance(raw, dict) and set(raw) == {"error"}:
             return DaemonError(raw["error"])
         kind = op["op"]
-        if kind == "admit":
+        if kind in ("admit", "reserve"):
             if raw is None:
                 return None
             self._slots[op["req"]] = raw["slot"]
-            return Admission(raw["cached"], self._mirror.put(op["req"], raw["table"]), raw["num_tokens"])
+            table = self._mirror.put(op["req"], raw["table"])
+            if kind == "reserve":
+                return Reservation(raw["cached"], table, raw["num_tokens"], tuple(raw["receivers"]))
+            return Admission(raw["cached"], table, raw["num_tokens"])
         if kind == "extend":
             if raw is None:
                 return None

@@ -63,6 +63,8 @@ class ServeConfig:
     curve_server_cert: str = ""
     curve_clients_dir: str = ""
     snapshot_bytes: int = 256 * 2**20
+    role: str = "both"
+    transfer_timeout: float = 30.0
 
     def resolved(self) -> ServeConfig:
         """A copy with default endpoints filled in next to ``endpoint``."""
@@ -78,6 +80,10 @@ class ServeConfig:
     def __post_init__(self) -> None:
         if self.events_format not in ("array", "map"):
             raise KVCacheError(f"events_format: {self.events_format!r} is neither 'array' nor 'map'")
+        if self.role not in ("both", "prefill", "decode"):
+            raise KVCacheError(f"role: {self.role!r} is not one of both, prefill, decode")
+        if not self.transfer_timeout > 0:
+            raise KVCacheError(f"transfer_timeout: must be positive seconds, got {self.transfer_timeout!r}")
 
     def describe(self) -> str:
         """One line per field, for the start-up log."""

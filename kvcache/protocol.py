@@ -21,6 +21,22 @@ id)`` gets the first answer again and is not applied twice. Ops::
     {"op": "reclaim", "reqs": [ID, ...]} → the ids now owned by this client (a restarted scheduler)
     {"op": "check_integrity"}   (admin: pool, index and tables agree; an error result names what does not)
 
+PD disaggregation (``kvcache serve --role prefill|decode``; see kvcache/pd.py for the flow)::
+
+    decode:  {"op": "reserve", "req": ID, "tokens": TOKENS, "salt"?, "lora"?, "slot"?, "timeout"?: seconds}
+               → admit's result + "receivers": [endpoint per decode rank]
+             {"op": "attach", "rank": int, "endpoint": str}     (a decode rank's CacheReceiver)
+             {"op": "received", "req": ID, "rank": int}         (every writer to that rank has finished)
+    prefill: admit with "dest": {"receivers": [str], "table": int32[1, blocks], "cached": int,
+                                 "decode": str, "timeout"?: seconds}
+             {"op": "plans", "reqs": [ID, ...]} → per request its plan or None (messagers)
+             {"op": "sent", "req": ID, "rank": int}             (a prefill rank wrote and notified all)
+    both:    {"op": "cancel", "req": ID, "release"?: bool} | {"op": "transfer_failed", "req": ID, "error": str}
+             {"op": "pd_poll"} → {"done": [[ID, t_ns], ...], "failed": [[ID, error], ...]} (the caller's requests)
+
+A request in transfer refuses free (cancel it instead), and extend on decode; a prefill node admits it
+with ``num_tokens`` and extends it chunk by chunk (chunked prefill), ``dest.table`` covering the whole prompt.
+
 ``ID`` is a str (at most 256 characters) or an int in int64; ``TOKENS`` an
 integer array (or a list of ints). The whole message is validated, structure
 and request-id liveness in op order, before any op is applied: a bad message

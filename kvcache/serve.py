@@ -58,6 +58,10 @@ HELP = {
                          "only the clients in --curve-clients-dir",
     "curve_clients_dir": "folder of allowed clients' public certificates (`kvcache keys` writes DIR/clients)",
     "snapshot_bytes": "compact the journal into a snapshot when its log passes this many bytes (default 256 MiB)",
+    "role": "PD disaggregation: prefill (admits with a decode destination, its messagers send), decode "
+            "(reserves blocks that prefill writes), or both (default: no PD ops)",
+    "transfer_timeout": "seconds a PD reservation or transfer may take before it is released on this daemon and "
+                        "reported failed (default 30; an op may give its own timeout)",
 }
 
 
@@ -148,7 +152,7 @@ def _run(args: argparse.Namespace) -> int:
     if not cfg.journal:
         log.warning("no journal: a restart loses every allocation (workers reload their tables from the new daemon)")
     print(f"kvcache serve: ready endpoint={cfg.endpoint} pub={cfg.pub_endpoint} replay={cfg.replay_endpoint} "
-          f"num_blocks={manager.num_blocks} rows={manager.num_rows}", flush=True)
+          f"num_blocks={manager.num_blocks} rows={manager.num_rows} role={cfg.role}", flush=True)
     try:
         server.serve(lambda: bool(stopping))
     finally:

@@ -34,6 +34,8 @@ from kvcache.auth import CurveConfig, secure_server_socket, start_authenticator
 from kvcache.config import ServeConfig, describe_rows
 from kvcache.journal import Journal
 from kvcache.leases import Leases
+from kvcache.pd import MUTATING as _PD_MUTATING
+from kvcache.pd import PD_OPS, PDState, validate_op
 from kvcache.protocol import (
     DELTA_TOPIC,
     JOURNAL_VERSIONS,
@@ -56,8 +58,9 @@ from kvcache.protocol import (
 )
 
 log = logging.getLogger("kvcache.server")
-_MUTATING = frozenset({"admit", "extend", "extend_many", "free", "reset_prefix_cache", "reclaim"})
+_MUTATING = frozenset({"admit", "extend", "extend_many", "free", "reset_prefix_cache", "reclaim"}) | _PD_MUTATING
 _LEASE_CLIENT = "kvcache-lease-expiry"
+_PD_CLIENT = "kvcache-transfer-expiry"
 _ID_TYPES = frozenset({int, str})  # a request id's types as msgpack decodes them (bool is not int here)
 
 
@@ -87,6 +90,7 @@ class _Op:
     slot: int | None = None
     reqs: list | None = None  # extend_many: the requests
     counts: np.ndarray | None = None  # extend_many: tokens per request
+    pd: dict[str, Any] | None = None  # PD fields: reserve's timeout, a prefill admit's dest, a PD op's own
 
 
 class _Changes:
@@ -218,6 +222,9 @@ class CacheServer:
         self._journal: Journal | None = None
         self._leases = Leases(self.config.lease_timeout)
         self._next_lease_check = 0.0
+        self._pd = PDState(self.config.role, self.config.tp, manager.num_rows, manager.num_blocks, manager.block_size,
+                           self.config.transfer_timeout)
+        self._next_pd_check = 0.0
         self._expired = 0
         self._history: collections.deque[tuple[int, bytearray]] = collections.deque(maxlen=self.config.replay_buffer)
         self._metrics: Any = None
@@ -312,6 +319,7 @@ class CacheServer:
         self.manager = state["manager"]
         self._slots, self._seq, self.epoch, self._dedupe = state["slots"], state["seq"], state["epoch"], state["dedupe"]
         self._leases = state.get("leases", self._leases)
+        self._pd = state.get("pd", self._pd)
         self._leases.timeout = self.config.lease_timeout
         for payload in recovered.records:
             self._process(payload, replaying=True)
@@ -325,7 +333,8 @@ class CacheServer:
     def _state(self) -> bytes:
         """Everything a restart needs, for a journal snapshot."""
         return pickle.dumps({"manager": self.manager, "slots": self._slots, "seq": self._seq, "epoch": self.epoch,
-                             "dedupe": self._dedupe, "leases": self._leases}, protocol=pickle.HIGHEST_PROTOCOL)
+                             "dedupe": self._dedupe, "leases": self._leases,
+                             "pd": self._pd}, protocol=pickle.HIGHEST_PROTOCOL)
 
     def close(self) -> None:
         """Close every socket and remove the ipc files this daemon created."""
@@ -370,6 +379,27 @@ class CacheServer:
                 self._heartbeat()
             if self._leases.timeout and time.monotonic() >= self._next_lease_check:
                 self.expire_leases()
+            if self._pd.transfers and time.monotonic() >= self._next_pd_check:
+                self.expire_transfers()
+
+    def expire_transfers(self, now: float | None = None) -> int:
+        """Fail every PD transfer past its deadline (journaled like any message); returns how many."""
+        now = time.monotonic() if now is None else now
+        self._next_pd_check = now + 0.05
+        late = self._pd.expired(now)
+        if not late:
+            return 0
+        ops = [{"op": "transfer_failed", "req": r,
+                "error": f"transfer timed out after {self._pd.transfers[r].timeout:g} s"} for r in late]
+        payload = pack({"v": PROTOCOL_VERSION, "client": _PD_CLIENT, "id": int.from_bytes(os.urandom(7), "big"),
+                        "ops": ops})
+        reply = unpack(self._process(payload), 1 << 30)
+        self._release_staged()
+        if not reply.get("ok"):
+            log.error("transfer expiry failed: %s", reply.get("error"))
+            return 0
+        log.warning("%d transfer(s) timed out and were released", len(late))
+        return len(late)
 
     def expire_leases(self, now: float | None = None) -> int:
         """Free every request of schedulers silent past the lease timeout; returns how many were freed.
@@ -381,11 +411,14 @@ class CacheServer:
         self._next_lease_check = now + min(1.0, self._leases.timeout / 4)
         freed = 0
         for client, reqs in self._leases.expired(now):
+            # A request still in a PD transfer is cancelled instead: its blocks go once the writers stop.
+            ops = [{"op": "cancel" if r in self._pd.transfers else "free", "req": r} for r in reqs]
             payload = pack({"v": PROTOCOL_VERSION, "client": _LEASE_CLIENT, "id": int.from_bytes(os.urandom(7), "big"),
-                            "ops": [{"op": "free", "req": r} for r in reqs]})
+                            "ops": ops})
             reply = unpack(self._process(payload), 1 << 30)
             self._release_staged()
             self._leases.forget(client)
+            self._pd.forget_owner(client)
             if reply.get("ok"):
                 freed += len(reqs)
                 self._expired += len(reqs)
@@ -512,9 +545,9 @@ class CacheServer:
             kind = op.get("op")
             if not isinstance(kind, str):
                 raise ProtocolError(f"{field}.op: must be a str, got {type(kind).__name__}")
-            if kind in ("admit", "extend", "free", "table"):
+            if kind in ("admit", "reserve", "extend", "free", "table"):
                 req = check_request_id(op.get("req"), f"{field}.req")
-                if kind == "admit":
+                if kind in ("admit", "reserve"):
                     if is_live(req):
                         raise ProtocolError(f"{field}.req: request {req!r} is already admitted")
                     tokens = check_tokens(op.get("tokens"), f"{field}.tokens", cfg.max_tokens)
@@ -529,13 +562,24 @@ class CacheServer:
                         if slots_taken.get(slot, slot in self._slots.owner):
                             raise ProtocolError(f"{field}.slot: slot {slot} is in use")
                         slots_taken[slot] = True
+                    pd = None
+                    if kind == "reserve":
+                        self._pd.check_role(kind, field)
+                        if number is not None:
+                            raise ProtocolError(f"{field}.num_tokens: a reservation takes the whole prompt")
+                        pd = {"timeout": self._pd.check_reserve(op, field)}
+                    elif op.get("dest") is not None:
+                        self._pd.check_role("sent", field)  # a destination needs --role prefill
+                        pd = self._pd.check_dest(op, field, int(tokens.size))
                     ops.append(_Op(kind, req, tokens, check_optional_str(op, "salt", field),
                                    check_optional_str(op, "lora", field), check_mm(op.get("mm"), f"{field}.mm"),
-                                   number, slot))
+                                   number, slot, pd=pd))
                     live[req] = True
                     continue
                 if not is_live(req):
                     raise ProtocolError(f"{field}.req: request {req!r} is not admitted")
+                if kind in ("extend", "free") and live.get(req) is None:
+                    self._pd.check_not_in_transfer(req, field, kind)
                 if kind == "extend":
                     tokens = check_tokens(op.get("tokens"), f"{field}.tokens", cfg.max_tokens)
                     number = op.get("num_computed")
@@ -586,6 +630,11 @@ class CacheServer:
                 ops.append(_Op(kind, reqs=[check_request_id(r, f"{field}.reqs[{j}]") for j, r in enumerate(reqs)]))
             elif kind in ("usage", "stats", "info", "ping", "reset_prefix_cache", "check_integrity", "owned"):
                 ops.append(_Op(kind))
+            elif kind in PD_OPS:
+                fields = validate_op(self._pd, kind, op, field)
+                if "req" in fields and live.get(fields["req"]) is False:
+                    raise ProtocolError(f"{field}.req: request {fields['req']!r} is not admitted")
+                ops.append(_Op(kind, fields.get("req"), pd=fields))
             else:
                 raise ProtocolError(f"{field}.op: unknown operation {show(kind)}")
         return ops
@@ -623,7 +672,7 @@ class CacheServer:
                 deltas.append((changes, freed, reset))
                 changes, freed, reset = _Changes(), [], False
             try:
-                if op.kind == "admit":
+                if op.kind in ("admit", "reserve"):
                     if not self._slots.available(op.slot):
                         raise KVCacheError(f"slot: all {self._slots.limit} slots are in use" if op.slot is None
                                            else f"slot: slot {op.slot} is in use")
@@ -636,8 +685,15 @@ class CacheServer:
                     self._leases.own(client, op.req)
                     changes.add(op.req, slot, adm.table.shape[1], np.arange(adm.table.shape[1], dtype=np.int32),
                                 adm.table.copy())
-                    results.append({"cached": adm.num_cached_tokens, "num_tokens": adm.num_tokens,
-                                    "table": adm.table.copy(), "slot": slot})
+                    result = {"cached": adm.num_cached_tokens, "num_tokens": adm.num_tokens,
+                              "table": adm.table.copy(), "slot": slot}
+                    if op.pd is not None:
+                        dest = None if op.kind == "reserve" else op.pd
+                        self._pd.start(op.req, client, adm.table, adm.num_cached_tokens, op.pd["timeout"],
+                                       time.monotonic(), dest)
+                        if op.kind == "reserve":
+                            result["receivers"] = list(self._pd.receivers)
+                    results.append(result)
                 elif op.kind == "extend":
                     table = m.extend(op.req, op.tokens, num_computed_tokens=op.number)
                     if table is None:
@@ -678,6 +734,7 @@ class CacheServer:
                 elif op.kind == "check_integrity":
                     try:
                         self.manager.check_integrity()
+                        self._pd.check_integrity(self.manager)
                         results.append(True)
                     except AssertionError as exc:
                         log.error("integrity check failed: %s", exc)
@@ -685,11 +742,47 @@ class CacheServer:
                 elif op.kind == "reset_prefix_cache":
                     results.append(m.reset_prefix_cache())
                     reset = True
+                elif op.kind in PD_OPS:
+                    result, ends = self._apply_pd(op, client)
+                    for req, discard_from in ends:
+                        if req in changes.touched:
+                            deltas.append((changes, freed, reset))
+                            changes, freed, reset = _Changes(), [], False
+                        if discard_from is None:
+                            m.free(req)
+                        else:
+                            m.discard(req, discard_from)
+                        self._slots.release(req)
+                        self._leases.release(req)
+                        freed.append(req)
+                    results.append(result)
             except KVCacheError as exc:
                 results.append({"error": str(exc)})
         if changes or freed or reset:
             deltas.append((changes, freed, reset))
         return results, deltas
+
+    def _apply_pd(self, op: _Op, client: str) -> tuple[Any, list[tuple[Any, int | None]]]:
+        """One validated PD op: its result and the requests it ends (discarding from a block, or None to free)."""
+        pd, fields = self._pd, op.pd or {}
+        if op.kind == "attach":
+            return pd.attach(fields["rank"], fields["endpoint"]), []
+        if op.kind == "pd_poll":
+            return pd.poll(client), []
+        if op.kind == "plans":
+            plans = pd.plans(fields["reqs"])
+            for plan in plans:
+                if plan is not None:
+                    plan["src_table"] = self.manager.table(plan["req"]).copy()
+            return plans, []
+        if op.req not in pd.transfers:  # ended earlier in this message
+            return {"error": f"request {op.req!r} is no longer in transfer"}, []
+        if op.kind in ("received", "sent"):
+            return True, pd.report(op.req, fields["rank"], time.monotonic_ns())
+        if op.kind == "cancel":
+            return True, pd.cancel(op.req, fields["release"])
+        log.warning("transfer of %r failed: %s", op.req, fields["error"])
+        return True, pd.fail(op.req, fields["error"])
 
     def _extend_many(self, op: _Op, changes: _Changes) -> dict[str, Any]:
         """Apply a batch of extends; the result lists every table's length and the changed ones' deltas.
@@ -790,6 +883,9 @@ class CacheServer:
             "prefix_caching": self.manager.enable_prefix_caching,
             "hash_algorithm": cfg.hash_algorithm,
             "max_slots": cfg.max_slots,
+            "role": cfg.role,
+            "tp": cfg.tp,
+            "receivers": list(self._pd.receivers) if cfg.role == "decode" else None,
             **self._extra_info,
         }
 
@@ -799,6 +895,7 @@ class CacheServer:
         out["free_blocks"] = self.manager.num_free_blocks
         out["subscribers"] = self._subscribers.count if self._subscribers is not None else None
         out["expired_requests"] = self._expired
+        out["in_transfer"] = len(self._pd.transfers)
         return out
 
     def _count_subscribers(self) -> None:

@@ -538,3 +538,33 @@ TestUniformManager = UniformMachine.TestCase
 TestUniformManager.settings = MACHINE_SETTINGS
 TestHeadWiseManager = HeadWiseMachine.TestCase
 TestHeadWiseManager.settings = MACHINE_SETTINGS
+
+
+def test_discard_drops_unwritten_blocks_from_the_prefix_index_but_keeps_the_hit():
+    """A failed transfer: blocks past the hit were never written, so nobody may hit them; the hit stays cached."""
+    m = KVCacheManager(num_blocks=16, block_size=4)
+    prompt = np.arange(17)
+    m.admit("a", prompt[:9])
+    m.free("a")  # blocks of tokens [0, 8) cached
+    adm = m.admit("b", prompt)
+    assert adm.num_cached_tokens == 8
+    m.discard("b", first_block=adm.num_cached_tokens // 4)
+    m.check_integrity()
+    assert m.lookup(prompt) == 8
+    assert m.num_free_blocks.tolist() == [16]
+    again = m.admit("c", prompt)
+    assert again.num_cached_tokens == 8
+
+
+def test_discard_of_a_shared_block_uncaches_it_for_later_requests_only():
+    m = KVCacheManager(num_blocks=8, block_size=4)
+    m.admit("a", np.arange(9))
+    m.admit("b", np.arange(9))  # hits a's two blocks, which a never filled
+    m.discard("a")
+    m.check_integrity()
+    assert m.lookup(np.arange(9)) == 0
+    m.free("b")
+    m.check_integrity()
+    assert m.lookup(np.arange(9)) == 0 and m.num_free_blocks.tolist() == [8]
+    with pytest.raises(KVCacheError, match="not admitted"):
+        m.discard("a")

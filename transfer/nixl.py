@@ -308,6 +308,19 @@ class NixlEngine(TransferEngine):
         self._jobs.put(handle)
         return handle
 
+    def notify(self, agent: str, message: bytes) -> None:
+        """Send ``message`` to a connected peer's ``notifications()``, on its own (no data); KVCacheError if it fails.
+
+        Sent once the caller's writes to that peer are DONE, it tells the peer they have landed.
+        """
+        self._check_open()
+        if agent not in self._peers:
+            raise KVCacheError(f"notify: {agent!r} is not connected")
+        try:
+            self.agent.send_notif(agent, bytes(message))
+        except Exception as exc:
+            raise KVCacheError(f"NIXL notification to {agent!r} failed: {exc}") from None
+
     def notifications(self) -> dict[str, list[bytes]]:
         """Notifications received since the last call, by sender agent name."""
         self._check_open()

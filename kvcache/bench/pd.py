@@ -1,0 +1,183 @@
+"""`kvcache bench pd`: the PD pipeline's tail and throughput, against its own path's NIXL limits in the same run.
+
+Workload (issue 8): one request of 4,096 tokens, 32 layers, 8 kv heads x 128, bf16 (block 64 by
+default), prefill TP 1 -> decode TP 1, through the whole stack: `kvcache serve --role prefill`
+and `--role decode`, a prefill worker process (LayerSignal, CacheMessager) and a decode worker
+process (CacheReceiver), NIXL between them (UCX's choice of transport on one host; caches are
+numpy, or PyTorch with --device cuda). Measured in one run:
+  1. limits, from the prefill worker on the messager's own path into the decode worker: one
+     layer's write alone (median of 2N; its best shown too), and all the request's bytes as one
+     NIXL descriptor (best of 2N);
+  2. tail (paced): the fake model spends ``--pace`` x one layer's (median) transfer time per layer, the
+     premise of a layer-wise pipeline (compute per layer >= transfer per layer); the tail is the
+     decode daemon marking the request ready minus the last layer's signal. Target: at most one
+     layer's transfer + 1 ms;
+  3. throughput (unpaced): every layer signalled back to back, so the messager moves data as fast
+     as it can; bytes / (first layer's signal -> decode ready). Target: >= 80% of the one-descriptor
+     NIXL write's bytes/s.
+Exits 0 whatever the numbers.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from kvcache.bench.common import mark, positive_int, table
+
+TOKENS = 4096
+LAYERS = 32
+KV_HEADS = 8
+HEAD_DIM = 128
+BLOCK_SIZE = 64
+REPEAT = 5
+QUICK_LAYERS = 4
+QUICK_REPEAT = 2
+PACE = 1.25
+TAIL_SLACK_S = 1e-3
+THROUGHPUT_TARGET = 0.80
+
+
+def run_benchmark(*, layers: int, block_size: int, repeat: int, pace: float, device: str, tokens: int = TOKENS
+                  ) -> dict[str, Any]:
+    from kvcache.client import CacheClient
+    from kvcache.pd_cluster import Cluster, wait_outcomes
+    from kvcache.pd_worker import PDProxy
+
+    blocks = -(-tokens // block_size)
+    rng = np.random.default_rng(0)
+    with Cluster(layers=layers, kv_heads=KV_HEADS, head_dim=HEAD_DIM, block_size=block_size, num_blocks=2 * blocks,
+                 device=device, timeout=120.0) as cluster, \
+            CacheClient(cluster.cfg["prefill"], timeout=30) as prefill, \
+            CacheClient(cluster.cfg["decode"], timeout=30) as decode:
+        proxy = PDProxy(prefill, decode)
+        receiver = cluster.decode_workers[0]
+        counter = iter(range(1 << 30))
+        tables: dict[str, np.ndarray] = {}
+        nbytes = blocks * cluster.spec.bytes_per_block_per_layer * layers
+
+        def one(layer_delay: float) -> dict[str, float]:
+            req = f"bench-{next(counter)}"
+            reservation, admission = proxy.submit(req, rng.integers(0, 1 << 31, tokens))
+            tables["src"], tables["dst"] = (np.asarray(a.table)[0].astype(np.int64) for a in (admission, reservation))
+            items = [(req, np.empty(0, np.int64), tables["src"].copy(), 0)]
+            times = cluster.step(items, layer_delay, compute=False)
+            ready, failed = wait_outcomes(decode, {req}, 120)
+            wait_outcomes(prefill, {req}, 120)
+            if req not in ready:
+                raise RuntimeError(f"transfer failed: {failed.get(req, 'no answer')}")
+            received = receiver.call("received_ns")[req]
+            posted = cluster.prefill_workers[0].call("posted", req)
+            if posted != nbytes:
+                raise RuntimeError(f"the messager posted {posted:,} bytes of the request's {nbytes:,}")
+            decode.free(req)
+            return {"tail_s": (ready[req] - times.last_ns) / 1e9, "received_s": (received - times.last_ns) / 1e9,
+                    "total_s": (ready[req] - times.first_ns) / 1e9}
+
+        for _ in range(2):  # connects the messager to the receiver, warms both sides' memory and UCX's paths
+            one(0.0)
+        # The limits move the warm-up request's own tables, as the messager did.
+        limits = cluster.prefill_workers[0].call(
+            "probe", (tables["src"], tables["dst"], tuple(decode.info()["receivers"]), repeat + 2), timeout=300)
+        layer_s = limits["layer_s"]
+        paced = [one(pace * layer_s) for _ in range(repeat)]
+        unpaced = [one(0.0) for _ in range(repeat)]
+    assert nbytes == limits["raw_bytes"], (nbytes, limits["raw_bytes"])
+    tails = [r["tail_s"] for r in paced]
+    tail = statistics.median(tails)
+    best_total = min(r["total_s"] for r in unpaced)
+    raw_rate = nbytes / limits["raw_s"]
+    rate = nbytes / best_total
+    return {
+        "workload": {"tokens": tokens, "layers": layers, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "dtype": "bfloat16",
+                     "block_size": block_size, "device": device, "bytes": nbytes, "repeat": repeat, "pace": pace},
+        "host": platform.node(),
+        "one_layer_s": layer_s,
+        "one_layer_best_s": limits["layer_best_s"],
+        "one_layer_bytes": limits["layer_bytes"],
+        "one_layer_ranges": limits["layer_ranges"],
+        "raw_s": limits["raw_s"],
+        "paced_layer_delay_s": pace * layer_s,
+        "tail_s": {"median": tail, "min": min(tails), "max": max(tails)},
+        "tail_received_s": statistics.median(r["received_s"] for r in paced),
+        "tail_limit_s": layer_s + TAIL_SLACK_S,
+        "tail_ok": tail <= layer_s + TAIL_SLACK_S,
+        "unpaced_total_s": best_total,
+        "rate": rate,
+        "raw_rate": raw_rate,
+        "rate_ratio": rate / raw_rate,
+        "rate_ok": rate / raw_rate >= THROUGHPUT_TARGET,
+    }
+
+
+def render(r: dict[str, Any]) -> str:
+    w = r["workload"]
+    ms = lambda s: f"{s * 1e3:.2f} ms"  # noqa: E731
+    gbs = lambda b: f"{b / 1e9:.2f} GB/s"  # noqa: E731
+    t = r["tail_s"]
+    rows = [
+        ["one layer alone (limit)", f"{ms(r['one_layer_s'])} (median; best {ms(r['one_layer_best_s'])})",
+         f"{r['one_layer_bytes'] / 2**20:.1f} MiB in {r['one_layer_ranges']} ranges", "", ""],
+        ["tail: last signal -> decode ready", f"{ms(t['median'])} (median; {ms(t['min'])}-{ms(t['max'])})",
+         f"<= {ms(r['tail_limit_s'])} (one layer + 1 ms)", f"{t['median'] / r['tail_limit_s']:.2f}x",
+         mark(r["tail_ok"])],
+        ["  of which: receiver has all notes", ms(r["tail_received_s"]), "", "", ""],
+        ["throughput, layers back to back", gbs(r["rate"]), f"raw one-descriptor NIXL {gbs(r['raw_rate'])}",
+         f"{r['rate_ratio']:.2f}", mark(r["rate_ok"]) + f" (>= {THROUGHPUT_TARGET:.0%})"],
+    ]
+    head = (f"kvcache bench pd: {w['tokens']:,} tokens, {w['layers']} layers, {w['kv_heads']} kv heads x "
+            f"{w['head_dim']}, {w['dtype']}, block {w['block_size']}, {w['bytes'] / 2**20:.0f} MiB, {w['device']}; "
+            f"paced at {ms(r['paced_layer_delay_s'])} per layer ({w['pace']}x one layer); best/median of {w['repeat']}")
+    return head + "\n" + table(["measure", "ours", "limit", "ratio", ""], rows, align_left=1)
+
+
+def add_parser(targets: argparse._SubParsersAction) -> None:
+    """Register `kvcache bench pd`."""
+    p = targets.add_parser(
+        "pd", help="PD pipeline: last layer -> decode ready vs one layer's transfer; bytes/s vs raw NIXL (needs NIXL)",
+        description="Move one 4,096-token request (32 layers, 8 kv heads x 128, bf16) from a prefill worker to a "
+        "decode worker through both daemons, the messager and the receiver, over NIXL. Reports the time from the last "
+        "layer's signal to the decode daemon marking the request ready against one layer's write alone (target: "
+        "<= one layer + 1 ms, paced so each layer's fake compute outlasts its transfer), and bytes/s with layers back "
+        "to back against a one-descriptor NIXL write of the same bytes (target >= 80%), all measured in the same run. "
+        "Always exits 0.")
+    p.add_argument("--layers", type=positive_int, default=LAYERS, help=f"model layers (default {LAYERS})")
+    p.add_argument("--block-size", type=positive_int, default=BLOCK_SIZE, help=f"tokens per block (default {BLOCK_SIZE})")
+    p.add_argument("--repeat", type=positive_int, default=REPEAT, help=f"runs of each measure (default {REPEAT})")
+    p.add_argument("--pace", type=float, default=PACE,
+                   help=f"fake compute per layer, in units of one layer's transfer time (default {PACE})")
+    p.add_argument("--device", default="cpu", help="cpu (numpy caches) or cuda[:N] (PyTorch caches)")
+    p.add_argument("--quick", action="store_true", help=f"{QUICK_LAYERS} layers, {QUICK_REPEAT} runs (a smoke test)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.set_defaults(run=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from kvcache.transfer.nixl import nixl_available
+
+    if not nixl_available():
+        print("kvcache bench pd: NIXL is not installed (pip install nixl-cu12 --no-deps)")
+        return 0
+    device = "cuda:0" if args.device == "cuda" else args.device
+    result = run_benchmark(layers=QUICK_LAYERS if args.quick else args.layers, block_size=args.block_size,
+                           repeat=QUICK_REPEAT if args.quick else args.repeat, pace=args.pace, device=device)
+    print(json.dumps(result, indent=2) if args.json else render(result))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run as `python -m kvcache.bench.pd` (same flags), without the CLI's other imports."""
+    parser = argparse.ArgumentParser(prog="kvcache bench")
+    add_parser(parser.add_subparsers(dest="target", required=True))
+    args = parser.parse_args(["pd", *(argv if argv is not None else sys.argv[1:])])
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

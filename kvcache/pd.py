@@ -1,0 +1,364 @@
+"""PD disaggregation in the daemon: decode-side reservations and prefill-side transfers, owned by the server thread.
+
+A request moves from a prefill node to a decode node like this (each arrow one daemon op)::
+
+    proxy/scheduler          decode daemon (--role decode)         prefill daemon (--role prefill)
+    reserve(req, tokens) ->  admit, matching the decode prefix cache;
+                             "receiving" until a deadline; result: table,
+                             cached tokens, the decode ranks' receivers
+    admit(req, tokens, dest={receivers, table, cached, decode}) ------->  admit (its own prefix hits skip
+                                                                          compute); "sending" until a deadline
+    prefill messagers:                                                    plans(reqs) -> what to write where
+      write each layer's blocks past the decode side's cache
+      over NIXL, a notification with the last write
+    decode receivers:        received(req, rank) from every decode rank:
+                             "ready" (once requests it shares
+                             still-arriving blocks with are ready too)
+    messagers:                                                            sent(req, rank) from every prefill rank:
+                                                                          freed (blocks stay cached)
+    schedulers: pd_poll() -> {"done": [[req, t_ns]], "failed": [[req, error]]}
+
+Failures (transfer_failed from either side, cancel, a deadline passing) release the request on
+that daemon, and the error reaches its scheduler through ``pd_poll``. Decode blocks that never got
+their data leave the prefix index (``KVCacheManager.discard``), so nobody hits garbage. A
+cancelled request's blocks are kept until the writers stop (a report from every rank, a failure,
+or the deadline), so a late write never lands in blocks handed to someone else.
+
+Pure state: no sockets, no clocks of its own; the server passes ``now`` and applies the frees this
+module asks for (so deltas, slots and leases stay in one place).
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from kvcache.allocator.errors import KVCacheError
+from kvcache.protocol import ProtocolError, check_int, check_request_id, show
+
+ROLES = ("both", "prefill", "decode")
+DECODE_OPS = frozenset({"reserve", "attach", "received"})
+PREFILL_OPS = frozenset({"plans", "sent"})
+SHARED_OPS = frozenset({"transfer_failed", "cancel", "pd_poll"})
+PD_OPS = DECODE_OPS | PREFILL_OPS | SHARED_OPS
+MUTATING = frozenset({"reserve", "attach", "received", "sent", "transfer_failed", "cancel"})
+MAX_ENDPOINT = 1024
+MAX_ERROR = 4096
+
+
+class Reservation(NamedTuple):
+    """A decode daemon's ``reserve``: an admission plus each decode rank's receiver endpoint."""
+
+    num_cached_tokens: int
+    table: np.ndarray
+    num_tokens: int
+    receivers: tuple[str, ...]
+
+    def dest(self, decode_endpoint: str, timeout: float | None = None) -> dict[str, Any]:
+        """The ``dest`` of the prefill daemon's admit: where this reservation's blocks are."""
+        out = {"receivers": list(self.receivers), "table": np.ascontiguousarray(self.table, dtype=np.int32),
+               "cached": self.num_cached_tokens, "decode": decode_endpoint}
+        if timeout is not None:
+            out["timeout"] = timeout
+        return out
+
+
+class Outcomes(NamedTuple):
+    """What ``pd_poll`` reports: requests done (CLOCK_MONOTONIC ns when the daemon saw it) and failed (why)."""
+
+    done: dict[Any, int]
+    failed: dict[Any, str]
+
+
+@dataclasses.dataclass(slots=True)
+class Transfer:
+    """One request in flight between the nodes, as one daemon sees it."""
+
+    req: Any
+    owner: str
+    first_block: int  # blocks before this are not moved (the decode side had them cached)
+    own_blocks: int  # blocks this node had cached at admit: valid whatever happens to the transfer
+    timeout: float
+    deadline: float
+    serial: int
+    reported: set[int] = dataclasses.field(default_factory=set)  # ranks that reported completion
+    deps: set[int] = dataclasses.field(default_factory=set)  # decode: serials of requests whose blocks it shares
+    cancelled: bool = False
+    dest: dict[str, Any] | None = None  # prefill: receivers, table, cached, decode
+
+
+def check_timeout(value: Any, field: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 86_400:
+        raise ProtocolError(f"{field}: must be seconds in (0, 86400], got {show(value)}")
+    return float(value)
+
+
+def _check_str(value: Any, field: str, most: int) -> str:
+    if not isinstance(value, str) or not value or len(value) > most:
+        raise ProtocolError(f"{field}: must be a non-empty str of at most {most} characters")
+    return value
+
+
+class PDState:
+    """The PD half of a daemon: its role, its ranks, and every request in transfer."""
+
+    def __init__(self, role: str, tp: int, rows: int, num_blocks: int, block_size: int, timeout: float) -> None:
+        if role not in ROLES:
+            raise KVCacheError(f"role: {role!r} is not one of {', '.join(ROLES)}")
+        self.role = role
+        self.tp = tp
+        self.block_size = block_size
+        self.timeout = timeout
+        self.receivers: list[str | None] = [None] * tp  # decode: each rank's NIXL metadata endpoint
+        self.transfers: dict[Any, Transfer] = {}
+        self._by_serial: dict[int, Any] = {}
+        self._serial = 0
+        self._pending = np.full((rows, num_blocks), -1, dtype=np.int64)  # decode: serial still writing each block
+        self._outbox: dict[str, list[tuple[str, Any, Any]]] = {}  # owner -> ("done", req, t_ns) / ("failed", req, error)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """After a restart (journal snapshot) every deadline starts afresh."""
+        for key, value in state.items():
+            setattr(self, key, value)
+        now = time.monotonic()
+        for t in self.transfers.values():
+            t.deadline = now + t.timeout
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in ("role", "tp", "block_size", "timeout", "receivers", "transfers",
+                                                       "_by_serial", "_serial", "_pending", "_outbox")}
+
+    # ------------------------------------------------------------------ validation (no state change)
+
+    def check_role(self, kind: str, field: str) -> None:
+        need = "decode" if kind in DECODE_OPS else "prefill" if kind in PREFILL_OPS else None
+        if self.role == "both" or (need is not None and self.role != need):
+            wanted = need or "prefill or decode"
+            raise ProtocolError(f"{field}.op: {kind} needs a daemon started with --role {wanted} "
+                                f"(this one is --role {self.role})")
+
+    def check_rank(self, value: Any, field: str) -> int:
+        return check_int(value, field, least=0, most=self.tp - 1)
+
+    def check_reserve(self, op: dict, field: str) -> float:
+        """The reservation's timeout; refuses while a decode rank has no receiver attached."""
+        missing = [r for r, e in enumerate(self.receivers) if e is None]
+        if missing:
+            raise ProtocolError(f"{field}: decode rank(s) {missing} have no receiver attached yet "
+                                "(start the decode workers' CacheReceiver first)")
+        return self._timeout(op, field)
+
+    def _timeout(self, op: dict, field: str) -> float:
+        return self.timeout if op.get("timeout") is None else check_timeout(op["timeout"], f"{field}.timeout")
+
+    def check_dest(self, op: dict, field: str, num_tokens: int) -> dict[str, Any]:
+        """A prefill admit's destination: the decode receivers, its table, its cached tokens, its daemon."""
+        dest = op.get("dest")
+        if not isinstance(dest, dict):
+            raise ProtocolError(f"{field}.dest: must be a map with receivers, table, cached and decode")
+        receivers = dest.get("receivers")
+        if not isinstance(receivers, list) or not 1 <= len(receivers) <= 1024:
+            raise ProtocolError(f"{field}.dest.receivers: must be a list of 1 to 1024 endpoints (one per decode rank)")
+        for i, e in enumerate(receivers):
+            _check_str(e, f"{field}.dest.receivers[{i}]", MAX_ENDPOINT)
+        table = dest.get("table")
+        blocks = -(-num_tokens // self.block_size)
+        if not isinstance(table, np.ndarray) or table.dtype.kind not in "iu" or table.ndim != 2 or table.shape[0] != 1:
+            raise ProtocolError(f"{field}.dest.table: must be the decode side's int32 table [1, blocks] "
+                                "(head-wise tables are not supported for PD yet)")
+        if table.shape[1] != blocks:
+            raise ProtocolError(f"{field}.dest.table: has {table.shape[1]} blocks; {num_tokens} tokens at block size "
+                                f"{self.block_size} need {blocks} (both nodes must use one block size)")
+        if table.size and (int(table.min()) < 0 or int(table.max()) > 2**31 - 1):
+            raise ProtocolError(f"{field}.dest.table: block ids must be in [0, 2**31)")
+        cached = check_int(dest.get("cached"), f"{field}.dest.cached", most=max(0, num_tokens - 1))
+        if cached % self.block_size:
+            raise ProtocolError(f"{field}.dest.cached: {cached} is not a multiple of the block size {self.block_size}")
+        decode = _check_str(dest.get("decode"), f"{field}.dest.decode", MAX_ENDPOINT)
+        return {"receivers": list(receivers), "table": table.astype(np.int32), "cached": cached, "decode": decode,
+                "timeout": self._timeout(dest, f"{field}.dest")}
+
+    def check_error(self, op: dict, field: str) -> str:
+        error = op.get("error")
+        if not isinstance(error, str) or len(error) > MAX_ERROR:
+            raise ProtocolError(f"{field}.error: must be a str of at most {MAX_ERROR} characters")
+        return error
+
+    def check_in_transfer(self, req: Any, field: str) -> None:
+        if req not in self.transfers:
+            raise ProtocolError(f"{field}.req: request {show(req)} is not in transfer on this daemon")
+
+    def check_not_in_transfer(self, req: Any, field: str, kind: str) -> None:
+        """free (and, on decode, extend) of a request still moving is refused: its blocks are being written or read.
+
+        A prefill node extends a request in transfer: its next prompt chunk (chunked prefill).
+        """
+        if req in self.transfers and not (kind == "extend" and self.role == "prefill"):
+            raise ProtocolError(f"{field}.req: request {show(req)} is still in transfer; {kind} it once pd_poll "
+                                "reports it, or cancel it")
+
+    # ------------------------------------------------------------------ apply (the server runs these in op order)
+
+    def attach(self, rank: int, endpoint: str) -> bool:
+        self.receivers[rank] = endpoint
+        return True
+
+    def start(self, req: Any, owner: str, table: np.ndarray, cached_tokens: int, timeout: float, now: float,
+              dest: dict[str, Any] | None = None) -> Transfer:
+        """A reservation (decode) or a transfer to send (prefill, with ``dest``) begins.
+
+        ``cached_tokens`` is this node's own prefix hit: a failed transfer discards only blocks past it
+        (a prefill worker computes from there). Decode notes the blocks still arriving.
+        """
+        self._serial += 1
+        own = cached_tokens // self.block_size
+        first = own if dest is None else dest["cached"] // self.block_size
+        t = Transfer(req, owner, first, own, timeout, now + timeout, self._serial, dest=dest)
+        self.transfers[req] = t
+        self._by_serial[t.serial] = req
+        if self.role == "decode" and table.size:
+            rows = np.arange(table.shape[0])[:, None]
+            hit = table[:, :first]
+            owners = self._pending[np.broadcast_to(rows, hit.shape), hit]
+            t.deps = {int(s) for s in np.unique(owners[owners >= 0])}
+            arriving = table[:, first:]
+            self._pending[np.broadcast_to(rows, arriving.shape), arriving] = t.serial
+        return t
+
+    def report(self, req: Any, rank: int, now_ns: int) -> list[tuple[Any, int | None]]:
+        """Rank ``rank`` finished ``req``; returns the requests to end as (req, discard_from or None to keep)."""
+        t = self.transfers[req]
+        t.reported.add(rank)
+        return self._settle(now_ns)
+
+    def fail(self, req: Any, error: str) -> list[tuple[Any, int | None]]:
+        """``req`` failed (and whatever waits on its blocks): release them, tell their owners."""
+        ends: list[tuple[Any, int | None]] = []
+        queue = [req]
+        while queue:
+            t = self.transfers.pop(queue.pop(), None)
+            if t is None:
+                continue
+            self._forget(t)
+            if not t.cancelled:
+                self._tell(t.owner, "failed", t.req, error)
+            ends.append((t.req, t.own_blocks))
+            queue += [d.req for d in self.transfers.values() if t.serial in d.deps]
+            error = f"a request it shares cached blocks with failed: {error}"
+        return ends
+
+    def cancel(self, req: Any, release: bool = False) -> list[tuple[Any, int | None]]:
+        """The scheduler gave up: tell it now; the blocks go once the writers stop (reports, failure or deadline).
+
+        ``release``: the caller knows no writer has the request (its prefill admit never
+        happened), so the blocks go now.
+        """
+        t = self.transfers[req]
+        if release:
+            t.reported.update(range(self.tp))
+        if not t.cancelled:
+            t.cancelled = True
+            self._tell(t.owner, "failed", req, "cancelled")
+        return self._settle(time.monotonic_ns())
+
+    def expired(self, now: float) -> list[Any]:
+        return [t.req for t in self.transfers.values() if now >= t.deadline]
+
+    def plans(self, reqs: list[Any]) -> list[dict[str, Any] | None]:
+        """What the prefill messagers write for each request (None: not being sent; cancelled ones say so)."""
+        out: list[dict[str, Any] | None] = []
+        for req in reqs:
+            t = self.transfers.get(req)
+            if t is None or t.dest is None:
+                out.append(None)
+                continue
+            if t.cancelled:  # the messagers tell the decode side, which then releases at once
+                out.append({"req": req, "cancelled": True, "decode": t.dest["decode"]})
+                continue
+            out.append({"req": req, **{k: t.dest[k] for k in ("receivers", "table", "cached", "decode")},
+                        "first_block": t.first_block, "deadline_s": max(0.0, t.deadline - time.monotonic())})
+        return out
+
+    def poll(self, owner: str) -> dict[str, list]:
+        """Outcomes for ``owner``'s requests since its last poll: done [req, t_ns] and failed [req, error]."""
+        events = self._outbox.pop(owner, [])
+        return {"done": [[req, x] for kind, req, x in events if kind == "done"],
+                "failed": [[req, x] for kind, req, x in events if kind == "failed"]}
+
+    def forget_owner(self, owner: str) -> None:
+        """Drop the unread outcomes of a scheduler that is gone (its lease expired)."""
+        self._outbox.pop(owner, None)
+
+    def check_integrity(self, manager: Any) -> None:
+        """Raise AssertionError with the numbers if transfers, the pending-block map and the manager disagree."""
+        for req, t in self.transfers.items():
+            assert req in manager, f"request {req!r} is in transfer but not admitted"
+            assert self._by_serial.get(t.serial) == req, f"request {req!r}: serial {t.serial} is not indexed"
+            assert t.deps <= self._by_serial.keys(), f"request {req!r} waits on finished serials {t.deps}"
+        live = set(np.unique(self._pending[self._pending >= 0]).tolist())
+        assert live <= self._by_serial.keys(), f"blocks still marked arriving for finished serials {live - set(self._by_serial)}"
+        assert len(self._by_serial) == len(self.transfers), (
+            f"{len(self._by_serial)} serials indexed for {len(self.transfers)} transfers")
+
+    # ------------------------------------------------------------------ internals
+
+    def _settle(self, now_ns: int) -> list[tuple[Any, int | None]]:
+        """Finish every transfer all ranks reported (decode: once its dependencies are ready)."""
+        ends: list[tuple[Any, int | None]] = []
+        progress = True
+        while progress:
+            progress = False
+            for t in list(self.transfers.values()):
+                if len(t.reported) < self.tp or (t.deps and not t.cancelled):
+                    continue
+                del self.transfers[t.req]
+                self._forget(t)
+                progress = True
+                for other in self.transfers.values():
+                    other.deps.discard(t.serial)
+                if t.cancelled:
+                    ends.append((t.req, t.own_blocks))  # the writers stopped: release, uncached
+                elif self.role == "prefill":
+                    self._tell(t.owner, "done", t.req, now_ns)
+                    ends.append((t.req, None))  # sent: free, its blocks stay cached
+                else:
+                    self._tell(t.owner, "done", t.req, now_ns)  # ready: the decode scheduler takes it over
+        return ends
+
+    def _forget(self, t: Transfer) -> None:
+        self._by_serial.pop(t.serial, None)
+        if self.role == "decode":
+            self._pending[self._pending == t.serial] = -1
+
+    def _tell(self, owner: str, kind: str, req: Any, detail: Any) -> None:
+        self._outbox.setdefault(owner, []).append((kind, req, detail))
+
+
+def validate_op(pd: PDState, kind: str, op: dict, field: str) -> dict[str, Any]:
+    """A PD op's fields (reserve's are an admit's, checked by the server), checked; ProtocolError names the field."""
+    pd.check_role(kind, field)
+    if kind == "attach":
+        return {"rank": pd.check_rank(op.get("rank"), f"{field}.rank"),
+                "endpoint": _check_str(op.get("endpoint"), f"{field}.endpoint", MAX_ENDPOINT)}
+    if kind == "pd_poll":
+        return {}
+    if kind == "plans":
+        reqs = op.get("reqs")
+        if not isinstance(reqs, list) or len(reqs) > 65_536:
+            raise ProtocolError(f"{field}.reqs: must be a list of at most 65536 request ids")
+        return {"reqs": [check_request_id(r, f"{field}.reqs[{j}]") for j, r in enumerate(reqs)]}
+    req = check_request_id(op.get("req"), f"{field}.req")
+    pd.check_in_transfer(req, field)
+    out: dict[str, Any] = {"req": req}
+    if kind in ("received", "sent"):
+        out["rank"] = pd.check_rank(op.get("rank"), f"{field}.rank")
+    elif kind == "transfer_failed":
+        out["error"] = pd.check_error(op, field)
+    elif kind == "cancel":
+        release = op.get("release", False)
+        if not isinstance(release, bool):
+            raise ProtocolError(f"{field}.release: must be true or false")
+        out["release"] = release
+    return out

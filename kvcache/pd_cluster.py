@@ -1,0 +1,475 @@
+"""A PD pair on one machine: two daemons and fake-model worker processes, for the demo, the tests and `kvcache bench pd`.
+
+``Cluster`` starts `kvcache serve --role prefill` and `--role decode`, one worker process per
+prefill rank (its cache, a LayerSignal, a CacheMessager through ``PrefillLink``) and per decode
+rank (its cache, a CacheReceiver through ``DecodeLink``). A prefill worker is a fake model: per
+layer it writes deterministic KV (a function of token id, position, layer, head and element, so
+prefix hits on either node give identical bytes) into the blocks it did not have cached, then
+calls ``send_cache``. ``run_batch`` drives one batch through a ``PDProxy`` and checks every
+request's decode KV against the prefill node's and against the formula. Caches are numpy on the
+CPU, PyTorch on ``cuda:N``; each rank's cache is one buffer, so one NIXL descriptor can span it.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from kvcache.allocator import CacheSpec
+from kvcache.allocator.layout import DTYPE_BYTES
+from kvcache.transfer.heads import rank_heads
+
+RAW = {1: np.uint8, 2: np.uint16, 4: np.uint32}
+READY = b"kvcache serve: ready"
+
+
+# --------------------------------------------------------------------------- the fake model
+
+
+class StepTimes(NamedTuple):
+    """When a prefill step signalled its first and its last layer (CLOCK_MONOTONIC ns)."""
+
+    first_ns: int
+    last_ns: int
+
+
+def signal_of(cfg: dict[str, Any], rank: int) -> str:
+    """The shared-memory name of prefill rank ``rank``'s layer signal (the cluster removes it even if the worker was killed)."""
+    return f"{cfg['signal_prefix']}-r{rank}"
+
+
+def spec_of(cfg: dict[str, Any], tp: int) -> CacheSpec:
+    return CacheSpec(num_layers=cfg["layers"], num_kv_heads=cfg["kv_heads"], head_dim=cfg["head_dim"],
+                     block_size=cfg["block_size"], dtype="bfloat16", tp_size=tp)
+
+
+def kv_values(tokens: np.ndarray, blocks: range, layer: int, heads: range, tensor: int, shape: tuple[int, ...],
+              dtype: Any) -> tuple[np.ndarray, np.ndarray]:
+    """The model's KV of ``blocks`` (logical indices) for ``heads``: [n, heads, block_size, dim], and which slots hold tokens."""
+    bs, dim = shape[1], shape[2]
+    pos = (np.arange(blocks.start, blocks.stop, dtype=np.int64)[:, None] * bs + np.arange(bs)[None, :])
+    valid = pos < tokens.size
+    tok = np.where(valid, tokens[np.minimum(pos, tokens.size - 1)].astype(np.int64), 0)
+    g = np.arange(heads.start, heads.stop, dtype=np.int64)
+    j = np.arange(dim, dtype=np.int64)
+    value = (tok[:, None, :, None] * 2654435761 + pos[:, None, :, None] * 40503 + layer * 97
+             + g[None, :, None, None] * 7919 + tensor * 104729 + j[None, None, None, :] * 31)
+    value ^= value >> 13
+    bits = 8 * np.dtype(dtype).itemsize
+    return (value & ((1 << bits) - 1)).astype(dtype), valid
+
+
+class Cache:
+    """One rank's paged cache: per layer, per tensor, a view ``[num_blocks, heads, block_size, dim]`` of one buffer."""
+
+    def __init__(self, spec: CacheSpec, num_blocks: int, device: str) -> None:
+        self.spec, self.device = spec, device
+        self.torch: Any = None
+        if device == "cpu":
+            self.buffer = np.zeros(spec.cache_bytes(num_blocks), np.uint8)
+            view = lambda lo, hi, dtype, shape: self.buffer[lo:hi].view(dtype).reshape(shape)  # noqa: E731
+        else:
+            import torch
+
+            self.torch = torch
+            self.buffer = torch.zeros(spec.cache_bytes(num_blocks), dtype=torch.uint8, device=device)
+            kinds = {np.uint8: torch.int8, np.uint16: torch.int16, np.uint32: torch.int32}
+            view = lambda lo, hi, dtype, shape: self.buffer[lo:hi].view(kinds[dtype]).view(shape)  # noqa: E731
+        self.layers, offset = [], 0
+        for _ in range(spec.num_layers):
+            row = []
+            for t in spec.tensors():
+                n = t.nbytes(num_blocks)
+                row.append(view(offset, offset + n, RAW[DTYPE_BYTES[t.dtype]], t.shape(num_blocks)))
+                offset += n
+            self.layers.append(row)
+
+    def write(self, layer: int, ids: np.ndarray, values: np.ndarray, valid: np.ndarray) -> None:
+        """Put ``values`` in blocks ``ids`` of every tensor's slots that hold tokens (others keep their bytes)."""
+        for t, (arr, vals) in enumerate(zip(self.layers[layer], values)):
+            if self.torch is None:
+                old = arr[ids]
+                arr[ids] = np.where(valid[:, None, :, None], vals, old)
+            else:
+                torch = self.torch
+                index = torch.from_numpy(ids).to(arr.device)
+                new = torch.from_numpy(vals.view(np.dtype(f"i{vals.itemsize}"))).to(arr.device, non_blocking=True)
+                mask = torch.from_numpy(valid[:, None, :, None]).to(arr.device)
+                arr[index] = torch.where(mask, new, arr[index])
+
+    def read(self, ids: np.ndarray) -> list[list[np.ndarray]]:
+        """Blocks ``ids`` of every layer and tensor, as numpy (raw unsigned views)."""
+        out = []
+        for row in self.layers:
+            if self.torch is None:
+                out.append([arr[ids].copy() for arr in row])
+            else:
+                index = self.torch.from_numpy(ids).to(row[0].device)
+                out.append([arr[index].cpu().numpy().view(RAW[arr.element_size()]) for arr in row])
+        return out
+
+
+def gather(parts: list[list[list[np.ndarray]]], num_kv_heads: int) -> list[np.ndarray]:
+    """Per-rank reads (``[rank][layer][tensor]`` of ``[n, heads, ...]``) as one global array per (layer, tensor), flattened."""
+    tp = len(parts)
+    out = []
+    for layer in range(len(parts[0])):
+        for t in range(len(parts[0][layer])):
+            shape = parts[0][layer][t].shape
+            whole = np.zeros((shape[0], num_kv_heads, *shape[2:]), parts[0][layer][t].dtype)
+            for r in reversed(range(tp)):  # the lowest rank holding a replicated head wins
+                whole[:, list(rank_heads(num_kv_heads, tp, r))] = parts[r][layer][t]
+            out.append(whole)
+    return out
+
+
+# --------------------------------------------------------------------------- worker processes
+
+
+def prefill_worker(conn: Any, cfg: dict[str, Any], rank: int) -> None:
+    """A prefill rank: cache, layer signal, messager; runs steps of the fake model on command."""
+    from kvcache.ops import send_cache
+    from kvcache.pd_worker import PrefillLink
+    from kvcache.transfer import KVRegion, LayerSignal
+    from kvcache.transfer.messager import Chunk
+
+    spec = spec_of(cfg, cfg["prefill_tp"])
+    cache = Cache(spec, cfg["num_blocks"], cfg["device"])
+    region = KVRegion.from_tensors(spec, cache.layers)
+    sig = LayerSignal.create(signal_of(cfg, rank), spec.num_layers, replace=True)
+    heads = rank_heads(spec.num_kv_heads, spec.tp_size, rank)
+    with sig, PrefillLink(cfg["prefill"], region, sig, rank, timeout=cfg["timeout"]) as link:
+        conn.send(("ready", None))
+        while True:
+            command, payload = conn.recv()
+            if command == "stop":
+                return
+            if command == "read":
+                conn.send(("read", cache.read(np.asarray(payload, dtype=np.int64))))
+                continue
+            if command == "posted":
+                conn.send(("posted", link.messager.posted_bytes.get(payload, 0)))
+                continue
+            if command == "probe":
+                conn.send(("probe", probe(link, region, *payload)))
+                continue
+            # items: (req, tokens, table row, first token to compute[, stop token, last chunk]); without a stop,
+            # the step computes the rest of the prompt (every block of the table)
+            items, layer_delay, compute = payload
+            items = [(*item, len(item[2]) * spec.block_size, True) if len(item) == 4 else item for item in items]
+            step = sig.begin_step()
+            link.run_step(step, [Chunk(req, stop, last) for req, _, _, _, stop, last in items])
+            stream = None
+            if cache.torch is not None:
+                stream = cache.torch.cuda.current_stream()
+            for layer in range(spec.num_layers):
+                for _, tokens, table, start, stop, _ in items:
+                    first = start // spec.block_size
+                    blocks = range(first, min(table.size, -(-stop // spec.block_size)))
+                    if blocks and compute:
+                        values = [kv_values(tokens[:stop], blocks, layer, heads, t, ts.block_shape,
+                                            RAW[DTYPE_BYTES[ts.dtype]]) for t, ts in enumerate(spec.tensors())]
+                        ids = table[blocks.start:blocks.stop].astype(np.int64)
+                        cache.write(layer, ids, [v for v, _ in values], values[0][1])
+                send_cache(stream, sig, layer)
+                if layer_delay:
+                    time.sleep(layer_delay)
+            if stream is not None:
+                stream.synchronize()
+            done = sig.layer_times().done_ns
+            conn.send(("stepped", StepTimes(int(done[0]), int(done[spec.num_layers - 1]))))
+
+
+def probe(link: Any, region: Any, src: np.ndarray, dst: np.ndarray, receivers: tuple[str, ...], repeat: int
+          ) -> dict[str, Any]:
+    """Limits measured on the messager's own path: one layer's write alone, and all its bytes as one descriptor.
+
+    Each a write posted and waited for, into decode rank 0's region, 2 x ``repeat`` times: one
+    layer's median and best, the one-descriptor write's best.
+    """
+    from kvcache.transfer.messager import TransferPlan
+    from kvcache.transfer.regions import CopyRanges
+
+    messager = link.messager
+    plan = TransferPlan("probe", src, dst, 0, tuple(receivers), time.monotonic() + 60)
+    (d, (remote, agent)), *_ = messager._targets(plan).items()
+    layer = messager._ranges(plan, d, remote, [0])
+    total = messager._ranges(plan, d, remote, list(range(region.num_layers))).nbytes
+    lo, hi = region.extents(), remote.extents()
+    assert lo.length[0] >= total and hi.length[0] >= total, "caches are not one buffer each"
+    one = CopyRanges(lo.addr[:1], hi.addr[:1], np.array([total], dtype=np.int64))
+
+    def timed(ranges: Any) -> list[float]:
+        times = []
+        for _ in range(repeat):
+            start = time.perf_counter()
+            handle = link.engine.submit(ranges, agent, region, remote, deadline=time.monotonic() + 60)
+            status = handle.wait()
+            times.append(time.perf_counter() - start)
+            assert status.value == "done", handle.error
+        return times
+
+    layer_times, raw_times = [], []
+    for _ in range(2):  # alternate, so both see the same machine
+        layer_times += timed(layer)
+        raw_times += timed(one)
+    return {"layer_s": float(np.median(layer_times)), "layer_best_s": min(layer_times), "layer_bytes": layer.nbytes,
+            "layer_ranges": layer.num_ranges, "raw_s": min(raw_times), "raw_bytes": total}
+
+
+def decode_worker(conn: Any, cfg: dict[str, Any], rank: int) -> None:
+    """A decode rank: cache and receiver; reads blocks back on command."""
+    from kvcache.pd_worker import DecodeLink
+    from kvcache.transfer import KVRegion
+
+    spec = spec_of(cfg, cfg["decode_tp"])
+    cache = Cache(spec, cfg["num_blocks"], cfg["device"])
+    region = KVRegion.from_tensors(spec, cache.layers)
+    with DecodeLink(cfg["decode"], region, rank, timeout=cfg["timeout"]) as link:
+        conn.send(("ready", link.receiver.endpoint))
+        while True:
+            command, payload = conn.recv()
+            if command == "stop":
+                return
+            if command == "read":
+                conn.send(("read", cache.read(np.asarray(payload, dtype=np.int64))))
+            elif command == "received_ns":
+                conn.send(("received_ns", dict(link.receiver.received_ns)))
+
+
+class Worker:
+    """A worker process and the pipe that drives it; every call has a deadline."""
+
+    def __init__(self, target: Any, cfg: dict[str, Any], rank: int, start_timeout: float = 120.0) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=target, args=(child, cfg, rank), daemon=True)
+        self.process.start()
+        self.info = self._reply("ready", start_timeout)
+
+    def call(self, command: str, payload: Any = None, timeout: float = 60.0) -> Any:
+        self.conn.send((command, payload))
+        return self._reply(None, timeout)
+
+    def send(self, command: str, payload: Any = None) -> None:
+        self.conn.send((command, payload))
+
+    def _reply(self, expect: str | None, timeout: float) -> Any:
+        deadline = time.monotonic() + timeout
+        while not self.conn.poll(0.1):
+            if not self.process.is_alive():
+                raise RuntimeError(f"worker pid {self.process.pid} exited with {self.process.exitcode}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"worker pid {self.process.pid} did not answer within {timeout:g} s")
+        kind, value = self.conn.recv()
+        assert expect is None or kind == expect, f"worker answered {kind!r}, expected {expect!r}"
+        return value
+
+    def stop(self) -> None:
+        if self.process.is_alive():
+            try:
+                self.conn.send(("stop", None))
+            except (BrokenPipeError, OSError):
+                pass
+            self.process.join(10)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(5)
+
+
+# --------------------------------------------------------------------------- the cluster
+
+
+class Cluster:
+    """Two daemons and their workers; ``close`` stops everything it started, also after errors."""
+
+    def __init__(self, *, layers: int = 4, kv_heads: int = 4, head_dim: int = 32, block_size: int = 16,
+                 num_blocks: int = 512, prefill_tp: int = 1, decode_tp: int = 1, device: str = "cpu",
+                 timeout: float = 20.0) -> None:
+        self.folder = Path(tempfile.mkdtemp(prefix="kv-pd-", dir="/tmp"))
+        self.daemons: dict[str, subprocess.Popen] = {}
+        self.prefill_workers: list[Worker] = []
+        self.decode_workers: list[Worker] = []
+        self.cfg = dict(layers=layers, kv_heads=kv_heads, head_dim=head_dim, block_size=block_size,
+                        num_blocks=num_blocks, prefill_tp=prefill_tp, decode_tp=decode_tp, device=device,
+                        timeout=5.0, prefill=f"ipc://{self.folder}/prefill.sock",
+                        signal_prefix=f"kvcache-pd-{uuid.uuid4().hex[:12]}",
+                        decode=f"ipc://{self.folder}/decode.sock")
+        try:
+            for role, tp in (("prefill", prefill_tp), ("decode", decode_tp)):
+                self.daemons[role] = self._serve(role, tp, num_blocks, block_size, timeout)
+            for role, tp in (("prefill", prefill_tp), ("decode", decode_tp)):
+                self._wait_ready(role)
+            self.decode_workers = [Worker(decode_worker, self.cfg, r) for r in range(decode_tp)]
+            self.prefill_workers = [Worker(prefill_worker, self.cfg, r) for r in range(prefill_tp)]
+        except BaseException:
+            self.close()
+            raise
+        self.spec = spec_of(self.cfg, prefill_tp)
+
+    def _serve(self, role: str, tp: int, num_blocks: int, block_size: int, timeout: float) -> subprocess.Popen:
+        with open(self.folder / f"{role}.log", "wb") as log:
+            return subprocess.Popen([sys.executable, "-m", "kvcache", "serve", "--role", role, "--tp", str(tp),
+                                     "--endpoint", self.cfg[role], "--num-blocks", str(num_blocks),
+                                     "--block-size", str(block_size), "--transfer-timeout", str(timeout)],
+                                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+    def _wait_ready(self, role: str, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while READY not in (self.folder / f"{role}.log").read_bytes():
+            if self.daemons[role].poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{role} daemon did not start:\n{self.log(role)}")
+            time.sleep(0.02)
+
+    def log(self, role: str) -> str:
+        return (self.folder / f"{role}.log").read_text(errors="replace")
+
+    def kill_decode(self) -> None:
+        """SIGKILL the whole decode node: its daemon and its workers."""
+        for w in self.decode_workers:
+            if w.process.is_alive():
+                os.kill(w.process.pid, signal.SIGKILL)
+        self.daemons["decode"].kill()
+        self.daemons["decode"].wait(10)
+
+    def close(self) -> None:
+        for w in self.prefill_workers + self.decode_workers:
+            w.stop()
+        from kvcache.transfer import LayerSignal
+
+        for rank in range(self.cfg["prefill_tp"]):
+            LayerSignal.remove(signal_of(self.cfg, rank))  # a worker killed with SIGKILL leaves its record
+        for p in self.daemons.values():
+            if p.poll() is None:
+                p.terminate()
+                try:
+                    p.wait(10)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait(5)
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ----------------------------------------------------------------- requests
+
+    def step(self, items: list[tuple[Any, np.ndarray, np.ndarray, int]], layer_delay: float = 0.0,
+             compute: bool = True) -> StepTimes:
+        """Run one prefill step on every prefill rank; returns its earliest first and latest last layer signals.
+
+        ``layer_delay`` seconds of "compute" follow each layer; ``compute=False`` writes no KV (benchmarks).
+        """
+        for w in self.prefill_workers:
+            w.send("step", (items, layer_delay, compute))
+        times = [w._reply("stepped", 120.0) for w in self.prefill_workers]
+        return StepTimes(min(t.first_ns for t in times), max(t.last_ns for t in times))
+
+    def read(self, workers: list[Worker], table: np.ndarray) -> list[np.ndarray]:
+        """The global KV (every head) of ``table``'s blocks on one node, per (layer, tensor)."""
+        parts = [w.call("read", np.asarray(table, dtype=np.int64)) for w in workers]
+        return gather(parts, self.spec.num_kv_heads)
+
+    def expected(self, tokens: np.ndarray, num_blocks: int) -> tuple[list[np.ndarray], np.ndarray]:
+        """The formula's KV of every head for the request's blocks, per (layer, tensor), and the valid slots."""
+        out, valid = [], None
+        heads = range(self.spec.num_kv_heads)
+        for layer in range(self.spec.num_layers):
+            for t, ts in enumerate(self.spec.tensors()):
+                values, valid = kv_values(tokens, range(num_blocks), layer, heads, t, ts.block_shape,
+                                          RAW[DTYPE_BYTES[ts.dtype]])
+                out.append(values)
+        return out, valid
+
+
+def wait_outcomes(client: Any, reqs: set[Any], timeout: float) -> tuple[dict[Any, int], dict[Any, str]]:
+    """Poll ``client`` until every request in ``reqs`` is done or failed, or ``timeout`` seconds pass."""
+    done: dict[Any, int] = {}
+    failed: dict[Any, str] = {}
+    deadline = time.monotonic() + timeout
+    while set(done) | set(failed) < reqs and time.monotonic() < deadline:
+        outcome = client.pd_poll()
+        done.update(outcome.done)
+        failed.update(outcome.failed)
+        if set(done) | set(failed) < reqs:
+            time.sleep(0.001)
+    return done, failed
+
+
+# --------------------------------------------------------------------------- the demo
+
+
+def check_request(cluster: Cluster, tokens: np.ndarray, decode_table: np.ndarray, prefill_table: np.ndarray,
+                  first_block: int) -> list[str]:
+    """Mismatches of one request: decode vs prefill (moved blocks, whole) and decode vs the formula (every token)."""
+    problems = []
+    decode = cluster.read(cluster.decode_workers, decode_table)
+    prefill = cluster.read(cluster.prefill_workers, prefill_table)
+    want, valid = cluster.expected(tokens, decode_table.size)
+    for i, (d, p, w) in enumerate(zip(decode, prefill, want)):
+        layer, tensor = divmod(i, len(cluster.spec.tensors()))
+        if not np.array_equal(d[first_block:], p[first_block:]):
+            problems.append(f"layer {layer} tensor {tensor}: decode blocks differ from prefill's")
+        mask = np.broadcast_to(valid[:, None, :, None], d.shape)
+        if not np.array_equal(d[mask], w[mask]):
+            problems.append(f"layer {layer} tensor {tensor}: decode KV differs from the model's")
+    return problems
+
+
+def run_batch(cluster: Cluster, proxy: Any, prompts: dict[Any, np.ndarray], *, layer_delay: float = 0.0,
+              timeout: float = 30.0) -> dict[str, Any]:
+    """Submit, prefill, transfer and check one batch of concurrent requests; the decode side frees them after."""
+    t0 = time.perf_counter()
+    submitted = {}
+    for req, tokens in prompts.items():
+        placed = proxy.submit(req, tokens)
+        if placed is None:
+            raise RuntimeError(f"no room for request {req!r}")
+        submitted[req] = placed
+    items = [(req, tokens, np.asarray(submitted[req][1].table)[0].copy(), submitted[req][1].num_cached_tokens)
+             for req, tokens in prompts.items()]
+    last_signal_ns = cluster.step(items, layer_delay).last_ns
+    ready, failed = wait_outcomes(proxy.decode, set(prompts), timeout)
+    sent, failed_p = wait_outcomes(proxy.prefill, set(prompts), timeout)
+    elapsed = time.perf_counter() - t0
+    problems = [f"{req!r}: decode failed: {e}" for req, e in failed.items()]
+    problems += [f"{req!r}: prefill failed: {e}" for req, e in failed_p.items()]
+    problems += [f"{req!r}: never ready" for req in prompts if req not in ready and req not in failed]
+    moved = 0
+    bs = cluster.spec.block_size
+    for req, tokens in prompts.items():
+        reservation, admission = submitted[req]
+        first = reservation.num_cached_tokens // bs
+        moved += (reservation.table.shape[1] - first) * cluster.spec.bytes_per_block_per_layer * cluster.spec.num_layers
+        if req in ready:
+            problems += [f"{req!r}: {p}" for p in check_request(
+                cluster, tokens, np.asarray(reservation.table)[0], np.asarray(admission.table)[0], first)]
+            proxy.decode.free(req)  # decoding would start here; the demo ends the request
+    tail_ms = (max(ready.values()) - last_signal_ns) / 1e6 if ready else float("nan")
+    return {"requests": len(prompts), "tokens": int(sum(t.size for t in prompts.values())),
+            "decode_cached": {r: int(s[0].num_cached_tokens) for r, s in submitted.items()},
+            "prefill_cached": {r: int(s[1].num_cached_tokens) for r, s in submitted.items()},
+            "bytes": moved * cluster.spec.tp_size, "seconds": elapsed, "tail_ms": tail_ms, "problems": problems}
+
+
+def scenario(rng: np.random.Generator, block_size: int) -> list[tuple[str, dict[str, np.ndarray], str | None]]:
+    """Batches of (name, prompts, whose prefix cache to clear first): fresh, both hit, prefill hit, decode hit."""
+    base = {f"r{i}": rng.integers(0, 50_000, n) for i, n in enumerate((37, 300, 5 * block_size + 1, 1000))}
+    def longer(tag: str) -> dict[str, np.ndarray]:
+        return {f"{tag}{k}": np.concatenate([v, rng.integers(0, 50_000, 40)]) for k, v in base.items()}
+    return [("fresh prompts", base, None), ("prefix hits on both nodes", longer("both-"), None),
+            ("prefix hits on prefill only", longer("p-"), "decode"), ("prefix hits on decode only", longer("d-"), "prefill")]
+

@@ -1,0 +1,189 @@
+"""Worker-side PD wiring: a prefill rank's CacheMessager and a decode rank's CacheReceiver, tied to their daemons.
+
+    prefill worker rank p                          decode worker rank d
+    link = PrefillLink(prefill_endpoint, region,   link = DecodeLink(decode_endpoint, region, d)
+                       signal, p)                  (attaches its receiver to the decode daemon)
+    step = signal.begin_step()
+    link.run_step(step, reqs)
+    ... write each layer, send_cache(stream, signal, layer)
+
+The prefill link fetches plans from its daemon (``plans``), reports ``sent`` there, and on failure
+reports ``transfer_failed`` to both daemons (the decode one named in the plan). The decode link
+reports ``received``. Each thread that talks to a daemon has its own CacheClient (they are not
+thread-safe); every call has the client's deadline.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Sequence
+
+from kvcache.auth import CurveConfig
+from kvcache.client import CacheClient, DaemonError
+from kvcache.allocator.errors import KVCacheError
+from kvcache.transfer.messager import CacheMessager, CacheReceiver, TransferPlan
+from kvcache.transfer.nixl import NixlEngine
+from kvcache.transfer.regions import KVRegion
+from kvcache.transfer.signal import LayerSignal
+
+log = logging.getLogger("kvcache.pd_worker")
+
+
+class _Clients:
+    """One CacheClient per (thread, endpoint), closed together."""
+
+    def __init__(self, timeout: float, curve: CurveConfig | None) -> None:
+        self.timeout, self.curve = timeout, curve
+        self._local = threading.local()
+        self._all: list[CacheClient] = []
+        self._lock = threading.Lock()
+
+    def get(self, endpoint: str) -> CacheClient:
+        clients = self._local.__dict__.setdefault("clients", {})
+        client = clients.get(endpoint)
+        if client is None:
+            client = clients[endpoint] = CacheClient(endpoint, timeout=self.timeout, curve=self.curve)
+            with self._lock:
+                self._all.append(client)
+        return client
+
+    def close(self) -> None:
+        with self._lock:
+            for client in self._all:
+                client.close()
+            self._all.clear()
+
+
+class PrefillLink:
+    """A prefill rank's messager, fed by and reporting to the prefill daemon at ``endpoint``."""
+
+    def __init__(self, endpoint: str, region: KVRegion, signal: LayerSignal, rank: int, *,
+                 engine: NixlEngine | None = None, timeout: float = 5.0, curve: CurveConfig | None = None) -> None:
+        self.endpoint = endpoint
+        self._clients = _Clients(timeout, curve)
+        self._own_engine = engine is None
+        self.engine = engine or NixlEngine(f"prefill-r{rank}-{id(self):x}")
+        try:
+            self.messager = CacheMessager(self.engine, region, signal, rank, fetch_plans=self._plans,
+                                          on_sent=self._sent, on_failed=self._failed)
+        except BaseException:
+            if self._own_engine:
+                self.engine.close()
+            raise
+        self.rank = rank
+        self.failures: list[tuple[Any, str]] = []  # what this rank saw fail (also reported to both daemons)
+
+    def run_step(self, step: int, reqs: Sequence[Any]) -> None:
+        self.messager.run_step(step, reqs)
+
+    def close(self) -> None:
+        self.messager.close()
+        if self._own_engine:
+            self.engine.close()
+        self._clients.close()
+
+    def __enter__(self) -> PrefillLink:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _plans(self, reqs: list[Any]) -> list[TransferPlan | None]:
+        raw = self._clients.get(self.endpoint).plans(reqs)
+        return [None if p is None else TransferPlan.from_wire(p) for p in raw]
+
+    def _sent(self, req: Any) -> None:
+        try:
+            self._clients.get(self.endpoint).sent(req, self.rank)
+        except DaemonError as exc:  # e.g. cancelled meanwhile and already released
+            log.info("prefill daemon refused sent(%r): %s", req, exc)
+
+    def _failed(self, req: Any, error: str, plan: TransferPlan | None) -> None:
+        self.failures.append((req, error))
+        message = f"prefill rank {self.rank}: {error}"
+        targets = [self.endpoint] + ([plan.decode] if plan is not None and plan.decode else [])
+        for endpoint in targets:
+            try:
+                self._clients.get(endpoint).transfer_failed(req, message)
+            except KVCacheError as exc:  # the daemon is gone or already released it: its deadline covers it
+                log.info("could not report the failure of %r to %s: %s", req, endpoint, exc)
+
+
+class DecodeLink:
+    """A decode rank's receiver, attached to and reporting to the decode daemon at ``endpoint``."""
+
+    def __init__(self, endpoint: str, region: KVRegion, rank: int, *, engine: NixlEngine | None = None,
+                 listen: str = "tcp://127.0.0.1:*", timeout: float = 5.0, curve: CurveConfig | None = None) -> None:
+        self.endpoint = endpoint
+        self.rank = rank
+        self._clients = _Clients(timeout, curve)
+        self._own_engine = engine is None
+        self.engine = engine or NixlEngine(f"decode-r{rank}-{id(self):x}")
+        try:
+            self.receiver = CacheReceiver(self.engine, region, rank, on_received=self._received, endpoint=listen)
+            with CacheClient(endpoint, timeout=timeout, curve=curve) as client:
+                client.attach(rank, self.receiver.endpoint)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        receiver = getattr(self, "receiver", None)
+        if receiver is not None:
+            receiver.close()
+        if self._own_engine:
+            self.engine.close()
+        self._clients.close()
+
+    def __enter__(self) -> DecodeLink:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _received(self, req: Any) -> None:
+        try:
+            self._clients.get(self.endpoint).received(req, self.rank)
+        except DaemonError as exc:  # cancelled or failed meanwhile
+            log.info("decode daemon refused received(%r): %s", req, exc)
+
+
+class PDProxy:
+    """The scheduler's side of a PD pair: reserve on decode, then admit on prefill with that destination.
+
+    As vLLM's PD proxy does. ``cancel`` gives a request up on both daemons; outcomes reach each
+    side's scheduler through its own ``pd_poll`` (this proxy's clients own the requests here).
+    """
+
+    def __init__(self, prefill: CacheClient, decode: CacheClient, *, timeout: float | None = None) -> None:
+        self.prefill, self.decode, self.timeout = prefill, decode, timeout
+
+    def submit(self, request_id: Any, prompt_tokens: Any, **options: Any) -> tuple[Any, Any] | None:
+        """(Reservation, Admission) for a new request, or None when either side lacks blocks (nothing is left held)."""
+        reservation = self.decode.reserve(request_id, prompt_tokens, timeout=self.timeout, **options)
+        if reservation is None:
+            return None
+        try:
+            admission = self.prefill.admit(request_id, prompt_tokens,
+                                           dest=reservation.dest(self.decode.endpoint, self.timeout), **options)
+        except BaseException:
+            self._cancel_decode(request_id)
+            raise
+        if admission is None:
+            self._cancel_decode(request_id)
+            return None
+        return reservation, admission
+
+    def cancel(self, request_id: Any) -> None:
+        """Give the request up on both sides (either may have finished or failed it already)."""
+        for client in (self.prefill, self.decode):
+            try:
+                client.cancel(request_id)
+            except DaemonError:
+                pass  # not in transfer there any more
+
+    def _cancel_decode(self, request_id: Any) -> None:
+        try:
+            self.decode.cancel(request_id, release=True)
+        except DaemonError:
+            pass

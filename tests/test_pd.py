@@ -1,0 +1,336 @@
+"""PD disaggregation end to end: real `kvcache serve --role prefill|decode` daemons, worker processes, messagers over NIXL.
+
+The cluster and the fake model are kvcache.pd_cluster's, as examples/pd_demo.py uses them: what the demo shows is tested.
+Every scenario ends with no block held on either node.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvcache.client import CacheClient, DaemonError
+from kvcache.pd_cluster import Cluster, check_request, run_batch, scenario, signal_of, wait_outcomes
+from kvcache.transfer.nixl import nixl_available
+
+needs_nixl = pytest.mark.skipif(not nixl_available(), reason="NIXL is not installed (pip install nixl-cu12 --no-deps)")
+
+
+def clients(cluster: Cluster) -> tuple[CacheClient, CacheClient]:
+    return CacheClient(cluster.cfg["prefill"]), CacheClient(cluster.cfg["decode"])
+
+
+def assert_nothing_held(prefill: CacheClient, decode: CacheClient, within: float = 0.0) -> None:
+    """Both nodes back to zero blocks in use (waiting up to ``within`` seconds), and consistent."""
+    deadline = time.monotonic() + within
+    while (prefill.usage.max, decode.usage.max) != (0.0, 0.0) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert (prefill.usage.max, decode.usage.max) == (0.0, 0.0)
+    assert prefill.stats()["in_transfer"] == decode.stats()["in_transfer"] == 0
+    prefill.check_integrity()
+    decode.check_integrity()
+
+
+@needs_nixl
+def test_concurrent_requests_with_prefix_hits_on_either_side_arrive_byte_for_byte():
+    """Four concurrent prompts of 37 to 1,000 tokens, then prefix hits on both nodes, on prefill only, on decode only."""
+    from kvcache.pd_worker import PDProxy
+
+    with Cluster(layers=4, kv_heads=4, head_dim=32) as cluster:
+        prefill, decode = clients(cluster)
+        proxy = PDProxy(prefill, decode)
+        for name, prompts, clear in scenario(np.random.default_rng(1), cluster.spec.block_size):
+            if clear:
+                (prefill if clear == "prefill" else decode).reset_prefix_cache()
+            result = run_batch(cluster, proxy, prompts)
+            assert result["problems"] == [], name
+            hits_d, hits_p = result["decode_cached"], result["prefill_cached"]
+            if name == "fresh prompts":
+                assert set(hits_d.values()) == set(hits_p.values()) == {0}
+            elif name == "prefix hits on both nodes":
+                assert all(hits_d[r] == hits_p[r] > 0 for r in prompts)
+            elif name == "prefix hits on prefill only":
+                assert set(hits_d.values()) == {0} and all(v > 0 for v in hits_p.values())
+            else:
+                assert set(hits_p.values()) == {0} and all(v > 0 for v in hits_d.values())
+        assert_nothing_held(prefill, decode)
+
+
+@needs_nixl
+@pytest.mark.parametrize("prefill_tp, decode_tp, kv_heads", [(2, 1, 4), (1, 2, 4), (2, 4, 2)])
+def test_heads_are_resliced_between_different_tp_sizes(prefill_tp, decode_tp, kv_heads):
+    """Prefill TP 2 -> decode 1 (stacking), 1 -> 2 (splitting), 2 -> 4 with 2 heads (replicated on decode)."""
+    from kvcache.pd_worker import PDProxy
+
+    with Cluster(layers=3, kv_heads=kv_heads, head_dim=32, prefill_tp=prefill_tp, decode_tp=decode_tp) as cluster:
+        prefill, decode = clients(cluster)
+        proxy = PDProxy(prefill, decode)
+        batches = scenario(np.random.default_rng(2), cluster.spec.block_size)[:2]
+        for name, prompts, _ in batches:
+            result = run_batch(cluster, proxy, prompts)
+            assert result["problems"] == [], name
+        assert_nothing_held(prefill, decode)
+
+
+@needs_nixl
+def test_a_killed_decode_node_fails_the_transfer_on_the_prefill_side_within_its_deadline():
+    """SIGKILL the decode daemon and workers mid-prefill: the prefill scheduler hears of it; prefill holds nothing."""
+    from kvcache.pd_worker import PDProxy
+
+    timeout = 6.0
+    with Cluster(layers=6, kv_heads=4, head_dim=64, timeout=timeout) as cluster:
+        prefill, decode = clients(cluster)
+        proxy = PDProxy(prefill, decode)
+        rng = np.random.default_rng(3)
+        prompts = {f"k{i}": rng.integers(0, 50_000, n) for i, n in enumerate((500, 900))}
+        placed = {r: proxy.submit(r, t) for r, t in prompts.items()}
+        items = [(r, t, np.asarray(placed[r][1].table)[0].copy(), 0) for r, t in prompts.items()]
+        for w in cluster.prefill_workers:
+            w.send("step", (items, 0.2, True))  # 1.2 s of "compute"
+        time.sleep(0.5)
+        cluster.kill_decode()
+        killed = time.monotonic()
+        for w in cluster.prefill_workers:
+            w._reply("stepped", 30)
+        done, failed = wait_outcomes(prefill, set(prompts), timeout + 5)
+        assert not done and set(failed) == set(prompts), (done, failed)
+        assert time.monotonic() - killed < timeout + 3
+        assert prefill.usage.max == 0.0 and prefill.stats()["in_transfer"] == 0
+        prefill.check_integrity()
+        assert prefill.lookup(prompts["k0"]) == 0  # KV nobody finished sending is not offered as a prefix
+
+
+@needs_nixl
+def test_a_cancelled_request_is_reported_to_both_schedulers_and_released_at_once():
+    """Cancel one of two requests before its prefill step: both sides report it cancelled; the other arrives intact."""
+    from kvcache.pd_worker import PDProxy
+
+    with Cluster(layers=3, kv_heads=2, head_dim=32, timeout=30.0) as cluster:
+        prefill, decode = clients(cluster)
+        proxy = PDProxy(prefill, decode)
+        rng = np.random.default_rng(4)
+        prompts = {"keep": rng.integers(0, 50_000, 200), "drop": rng.integers(0, 50_000, 300)}
+        placed = {r: proxy.submit(r, t) for r, t in prompts.items()}
+        proxy.cancel("drop")
+        start = time.monotonic()
+        items = [(r, t, np.asarray(placed[r][1].table)[0].copy(), 0) for r, t in prompts.items()]
+        cluster.step(items)
+        ready, failed = wait_outcomes(decode, set(prompts), 10)
+        sent, failed_p = wait_outcomes(prefill, set(prompts), 10)
+        assert set(ready) == {"keep"} and failed == {"drop": "cancelled"}
+        assert set(sent) == {"keep"} and failed_p == {"drop": "cancelled"}
+        assert check_request(cluster, prompts["keep"], np.asarray(placed["keep"][0].table)[0],
+                                     np.asarray(placed["keep"][1].table)[0], 0) == []
+        decode.free("keep")
+        assert_nothing_held(prefill, decode, within=5.0)
+        assert time.monotonic() - start < 10  # released on the messagers' word, not at the 30 s deadline
+
+
+@needs_nixl
+def test_a_decode_side_cancel_mid_transfer_keeps_the_blocks_until_the_writes_stop():
+    """Blocks still being written must not be handed to anyone else: released only once the prefill side is done."""
+    from kvcache.pd_worker import PDProxy
+
+    with Cluster(layers=4, kv_heads=2, head_dim=32, timeout=30.0) as cluster:
+        prefill, decode = clients(cluster)
+        proxy = PDProxy(prefill, decode)
+        tokens = np.random.default_rng(5).integers(0, 50_000, 400)
+        reservation, admission = proxy.submit("x", tokens)
+        decode.cancel("x")
+        assert decode.pd_poll().failed == {"x": "cancelled"}
+        assert decode.usage.max > 0  # the prefill node may still write into them
+        cluster.step([("x", tokens, np.asarray(admission.table)[0].copy(), 0)])
+        sent, _ = wait_outcomes(prefill, {"x"}, 10)
+        assert set(sent) == {"x"}
+        assert_nothing_held(prefill, decode, within=5.0)
+        assert decode.lookup(tokens) == 0
+
+
+@needs_nixl
+def test_a_prefill_worker_that_dies_fails_the_request_on_both_sides_at_the_deadline():
+    """Nothing hangs: a writer gone mid-step leaves both reservations to their deadline, then both schedulers hear."""
+    from kvcache.pd_worker import PDProxy
+
+    timeout = 3.0
+    with Cluster(layers=4, kv_heads=2, head_dim=32, timeout=timeout) as cluster:
+        prefill, decode = clients(cluster)
+        proxy = PDProxy(prefill, decode)
+        tokens = np.random.default_rng(6).integers(0, 50_000, 300)
+        _, admission = proxy.submit("w", tokens)
+        worker = cluster.prefill_workers[0]
+        worker.send("step", ([("w", tokens, np.asarray(admission.table)[0].copy(), 0)], 0.5, True))
+        time.sleep(0.3)
+        worker.process.kill()
+        start = time.monotonic()
+        _, failed_d = wait_outcomes(decode, {"w"}, timeout + 5)
+        _, failed_p = wait_outcomes(prefill, {"w"}, timeout + 5)
+        assert "timed out" in failed_d["w"] and "timed out" in failed_p["w"]
+        assert time.monotonic() - start < timeout + 3
+        assert_nothing_held(prefill, decode)
+    assert not Path("/dev/shm", signal_of(cluster.cfg, 0)).exists()  # the dead writer's signal is gone too
+
+
+# --------------------------------------------------------------------------- the daemons' PD ops alone
+
+
+def test_pd_ops_refuse_bad_input_naming_the_field_and_change_nothing(daemon):
+    d = daemon("--num-blocks", "32", "--block-size", "16", "--role", "decode", "--tp", "2")
+    both = daemon("--num-blocks", "32", "--block-size", "16")
+    with CacheClient(d.endpoint) as c, CacheClient(both.endpoint) as plain:
+        with pytest.raises(DaemonError, match=r"decode rank\(s\) \[0, 1\] have no receiver attached"):
+            c.reserve("a", np.arange(40))
+        with pytest.raises(DaemonError, match=r"ops\[0\].rank: 2 is outside \[0, 1\]"):
+            c.attach(2, "tcp://127.0.0.1:1")
+        c.attach(0, "tcp://127.0.0.1:1")
+        c.attach(1, "tcp://127.0.0.1:2")
+        with pytest.raises(DaemonError, match=r"ops\[0\].timeout: must be seconds"):
+            c.batch().reserve("a", np.arange(40), timeout=-1).send()
+        r = c.reserve("a", np.arange(40))
+        assert r.receivers == ("tcp://127.0.0.1:1", "tcp://127.0.0.1:2") and r.table.shape == (1, 3)
+        with pytest.raises(DaemonError, match=r"ops\[0\].req: request 'a' is still in transfer; extend it"):
+            c.extend("a", [1])
+        with pytest.raises(DaemonError, match=r"ops\[0\].op: plans needs a daemon started with --role prefill"):
+            c.plans(["a"])
+        with pytest.raises(DaemonError, match=r"ops\[0\].req: request 'b' is not in transfer"):
+            c.received("b", 0)
+        with pytest.raises(DaemonError, match="reserve needs a daemon started with --role decode"):
+            plain.reserve("a", np.arange(40))
+        with pytest.raises(DaemonError, match="dest.table: has 2 blocks; 40 tokens at block size 16 need 3"):
+            CacheClient(daemon("--num-blocks", "8", "--block-size", "16", "--role", "prefill").endpoint).admit(
+                "a", np.arange(40), dest={"receivers": ["tcp://x:1"], "table": np.zeros((1, 2), np.int32),
+                                          "cached": 0, "decode": "ipc:///x"})
+        assert c.stats()["in_transfer"] == 1 and c.usage.max == 3 / 32
+        c.received("a", 0)
+        assert c.pd_poll().done == {}
+        c.received("a", 1)
+        assert list(c.pd_poll().done) == ["a"]
+        c.free("a")
+        assert c.usage.max == 0.0
+
+
+def test_a_reservation_survives_a_daemon_restart_from_its_journal(daemon, tmp_path):
+    """kill -9 the decode daemon while a request is arriving: restarted, it still holds and completes it."""
+    flags = ("--num-blocks", "32", "--block-size", "16", "--role", "decode", "--journal", str(tmp_path / "j"))
+    d = daemon(*flags)
+    with CacheClient(d.endpoint, name="sched") as c:
+        c.attach(0, "tcp://127.0.0.1:1")
+        table = c.reserve("a", np.arange(40)).table.copy()
+    d.kill()
+    again = daemon(*flags, folder=d.folder)
+    with CacheClient(again.endpoint, name="sched") as c:
+        assert c.stats()["in_transfer"] == 1
+        assert np.array_equal(c.table("a"), table)
+        c.received("a", 0)
+        assert list(c.pd_poll().done) == ["a"]
+        c.free("a")
+        c.check_integrity()
+
+
+@needs_nixl
+def test_bench_pd_quick_reports_the_tail_and_throughput_against_limits_from_the_same_run(capsys):
+    import json
+
+    from kvcache.bench import pd as bench
+
+    assert bench.main(["--quick", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["workload"]["layers"] == 4 and r["workload"]["bytes"] == 4096 * 8 * 128 * 2 * 2 * 4
+    assert 0 < r["one_layer_best_s"] <= r["one_layer_s"] and r["raw_s"] > 0
+    assert r["tail_limit_s"] == pytest.approx(r["one_layer_s"] + 1e-3)
+    assert r["tail_ok"] == (r["tail_s"]["median"] <= r["tail_limit_s"])
+    assert r["rate_ratio"] == pytest.approx(r["rate"] / r["raw_rate"])
+    assert r["tail_s"]["min"] > 0 and r["tail_received_s"] <= r["tail_s"]["median"] + 1e-3
+
+
+def test_a_request_sharing_still_arriving_blocks_is_ready_only_after_their_owner_and_fails_with_it(daemon):
+    """B hits A's blocks on decode while A's KV is still arriving: B waits for A; when A fails, B fails too."""
+    d = daemon("--num-blocks", "32", "--block-size", "16", "--role", "decode")
+    with CacheClient(d.endpoint) as c:
+        c.attach(0, "tcp://127.0.0.1:1")
+        prompt = np.arange(60)
+        c.reserve("a", prompt[:50])
+        b = c.reserve("b", prompt)
+        assert b.num_cached_tokens == 48  # a's three full blocks, not yet written
+        c.received("b", 0)
+        assert c.pd_poll() == ({}, {})  # b's own block landed, a's have not
+        c.received("a", 0)
+        assert list(c.pd_poll().done) == ["a", "b"]
+        c.check_integrity()
+        c.free("a")
+        c.free("b")
+        c.reserve("c", np.arange(100, 160))
+        d2 = c.reserve("d", np.arange(100, 170))
+        assert d2.num_cached_tokens == 48
+        c.transfer_failed("c", "prefill rank 0: boom")
+        failed = c.pd_poll().failed
+        assert failed["c"] == "prefill rank 0: boom" and "shares cached blocks" in failed["d"]
+        assert c.usage.max == 0.0 and c.lookup(np.arange(100, 170)) == 0  # nothing unwritten stays cached
+        c.check_integrity()
+
+
+def test_a_silent_schedulers_reservation_is_cancelled_by_its_lease_and_released_at_the_deadline(daemon):
+    d = daemon("--num-blocks", "32", "--block-size", "16", "--role", "decode", "--lease-timeout", "0.3",
+               "--transfer-timeout", "1.5")
+    with CacheClient(d.endpoint, name="receiver") as r, CacheClient(d.endpoint, name="sched") as s:
+        r.attach(0, "tcp://127.0.0.1:1")
+        s.reserve("a", np.arange(40))
+        deadline = time.monotonic() + 10
+        while r.stats()["expired_requests"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert r.stats()["expired_requests"] == 1
+        assert r.usage.max > 0  # cancelled, but a writer may still be at it
+        while r.usage.max > 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert r.usage.max == 0.0 and r.stats()["in_transfer"] == 0
+        r.check_integrity()
+
+
+@needs_nixl
+def test_chunked_prefill_sends_each_chunk_as_it_is_computed_and_notifies_after_the_last():
+    """A 700-token prompt prefilled in three chunks, the decode node holding its first 256 tokens already."""
+    from kvcache.pd_worker import PDProxy
+
+    with Cluster(layers=3, kv_heads=2, head_dim=32) as cluster:
+        prefill, decode = clients(cluster)
+        proxy = PDProxy(prefill, decode)
+        tokens = np.random.default_rng(7).integers(0, 50_000, 700)
+        assert run_batch(cluster, proxy, {"seed": tokens[:257]})["problems"] == []  # decode caches tokens [0, 256)
+        prefill.reset_prefix_cache()
+        reservation = decode.reserve("c", tokens)
+        assert reservation.num_cached_tokens == 256
+        admission = prefill.admit("c", tokens, num_tokens=200, dest=reservation.dest(decode.endpoint))
+        table = lambda: np.asarray(prefill.table("c"))[0].copy()  # noqa: E731
+        cluster.step([("c", tokens, table(), 0, 200, False)])  # entirely inside the decode node's cache
+        prefill.extend("c", tokens[200:450])
+        cluster.step([("c", tokens, table(), 200, 450, False)])
+        assert decode.pd_poll() == ({}, {})  # not before the last chunk
+        prefill.extend("c", tokens[450:])
+        whole = table()  # the prefill node frees the request once it is sent
+        cluster.step([("c", tokens, whole, 450, 700, True)])
+        ready, failed = wait_outcomes(decode, {"c"}, 10)
+        sent, _ = wait_outcomes(prefill, {"c"}, 10)
+        assert set(ready) == set(sent) == {"c"}, failed
+        assert admission.num_cached_tokens == 0
+        assert check_request(cluster, tokens, np.asarray(reservation.table)[0], whole, 16) == []
+        decode.free("c")
+        assert_nothing_held(prefill, decode)
+
+
+def test_a_failed_send_leaves_no_uncomputed_prefill_block_in_the_prefix_cache(daemon):
+    """The decode node had 2 blocks cached (not sent), the prefill node none (it computes them): a failure drops all."""
+    p = daemon("--num-blocks", "32", "--block-size", "16", "--role", "prefill")
+    with CacheClient(p.endpoint) as c:
+        dest = {"receivers": ["tcp://127.0.0.1:1"], "table": np.arange(3, dtype=np.int32)[None, :], "cached": 32,
+                "decode": "ipc:///nowhere"}
+        c.admit("a", np.arange(40), dest=dest)
+        assert c.plans(["a"])[0]["first_block"] == 2
+        c.transfer_failed("a", "decode rank 0 died")
+        assert c.pd_poll().failed == {"a": "decode rank 0 died"}
+        assert c.lookup(np.arange(40)) == 0 and c.usage.max == 0.0
+        c.admit("b", np.arange(40), dest=dest)
+        c.sent("b", 0)
+        assert list(c.pd_poll().done) == ["b"]
+        assert c.lookup(np.arange(40)) == 32  # sent: computed, so cached
+        c.check_integrity()

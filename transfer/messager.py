@@ -1,0 +1,414 @@
+"""CacheMessager and CacheReceiver: layer-wise KV transfer from a prefill rank to the decode ranks, over NIXL.
+
+One CacheMessager per prefill rank (in the worker's process, beside the model): for each step the
+worker runs, it is told the step and the requests it prefills, wakes on each layer's signal
+(``send_cache``) and writes that layer's blocks of every request past the decode side's cached
+prefix straight into the decode ranks' blocks, re-slicing heads when the two TP sizes differ
+(``kvcache.transfer.heads``); layers that finished while it was still posting earlier ones go out
+together, as one write. The last layer's write to each decode rank carries a NIXL notification
+when the earlier layers' writes have already landed (the pipelined case); otherwise the messager
+sends it once they all have. One CacheReceiver per decode rank counts the notifications and
+reports a request once every prefill rank that writes to it has finished::
+
+    worker (prefill rank p)       CacheMessager p                      CacheReceiver d (decode rank d)
+    step = signal.begin_step()
+    messager.run_step(step, reqs) -> plans(reqs) from the control plane
+    for layer:                       wait(layer, step) -> DONE
+        attention; write KV          write layer's blocks to each d --> (data lands in d's region)
+        send_cache(None, sig, layer) last layer: notification      ----> notifications() -> all writers in:
+                                     on_sent(req)                           on_received(req)
+
+Control-plane callbacks (where plans come from, whom to tell) are plain callables, so this module
+does no daemon I/O of its own; ``kvcache.pd_worker`` wires them to the daemons. Every wait has a
+deadline (the plan's): a dead writer, a dead peer or a late layer fails the request through
+``on_failed``, never a hang.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import msgpack
+import numpy as np
+
+from kvcache.allocator.errors import KVCacheError
+from kvcache.transfer.engines import TransferHandle, TransferStatus
+from kvcache.transfer.heads import Route, head_routes, route_ranges
+from kvcache.transfer.regions import CopyRanges, KVRegion
+from kvcache.transfer.signal import LayerSignal, WaitStatus
+
+if TYPE_CHECKING:
+    from kvcache.transfer.nixl import NixlEngine, Peer
+
+__all__ = ["CacheMessager", "CacheReceiver", "Chunk", "TransferPlan", "writers_of"]
+
+log = logging.getLogger("kvcache.messager")
+_STOP = object()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TransferPlan:
+    """One request's move: its prefill blocks, the decode blocks they land in, and which to skip.
+
+    Blocks ``[first_block, n)`` of ``src_blocks`` go to the same positions of ``dst_blocks``;
+    blocks before ``first_block`` the decode side had cached. ``receivers[d]`` is decode rank
+    d's CacheReceiver endpoint; ``decode`` names the decode daemon (for failure reports).
+    """
+
+    req: Any
+    src_blocks: np.ndarray
+    dst_blocks: np.ndarray
+    first_block: int
+    receivers: tuple[str, ...]
+    deadline: float  # time.monotonic() by which every write must be done
+    decode: str = ""
+    cancelled: bool = False  # the prefill scheduler gave it up: write nothing, report it failed
+
+    @classmethod
+    def from_wire(cls, plan: dict[str, Any]) -> TransferPlan:
+        """A plan as the prefill daemon's ``plans`` op returns it."""
+        if plan.get("cancelled"):
+            empty = np.empty(0, dtype=np.int64)
+            return cls(plan["req"], empty, empty, 0, (), time.monotonic(), plan.get("decode", ""), True)
+        return cls(plan["req"], np.asarray(plan["src_table"])[0].astype(np.int64),
+                   np.asarray(plan["table"])[0].astype(np.int64), int(plan["first_block"]),
+                   tuple(plan["receivers"]), time.monotonic() + float(plan["deadline_s"]), plan.get("decode", ""))
+
+
+class Chunk(NamedTuple):
+    """Part of a request's prompt a step computes (chunked prefill): its KV is valid up to token ``stop``.
+
+    Each step sends the blocks holding tokens not sent before, up to ``stop`` (a partly filled last
+    block goes again with the next chunk); ``last`` marks the chunk that completes the prompt, after
+    which the decode side is notified. A bare request id in ``run_step`` is one chunk of the whole prompt.
+    """
+
+    req: Any
+    stop: int
+    last: bool
+
+
+@dataclasses.dataclass(slots=True)
+class _Progress:
+    """A request being sent over several steps: the next block to send and every write so far, per decode rank."""
+
+    next_block: int
+    handles: dict[int, list[TransferHandle]]
+    agents: dict[int, str]
+    deadline: float
+
+
+def writers_of(num_kv_heads: int, prefill_tp: int, decode_tp: int, decode_rank: int) -> frozenset[int]:
+    """The prefill ranks that write to ``decode_rank``: the receiver waits for one notification from each."""
+    return frozenset(r.src for r in head_routes(num_kv_heads, prefill_tp, decode_tp) if r.dst == decode_rank)
+
+
+def _notice(req: Any, rank: int, tp: int) -> bytes:
+    return msgpack.packb({"req": req, "src": rank, "tp": tp}, use_bin_type=True)
+
+
+class CacheMessager:
+    """Sends one prefill rank's KV to the decode ranks, layer by layer, as the layer signals arrive.
+
+    ``fetch_plans(reqs)`` returns a TransferPlan (or None: skip it) per request; ``on_sent(req)``
+    runs once every write of the request landed and the decode ranks were notified;
+    ``on_failed(req, error, plan)`` when any part failed or ran out of time. Both callbacks run on
+    the messager's threads. ``close`` stops it and fails what is still running.
+    """
+
+    def __init__(self, engine: NixlEngine, region: KVRegion, signal: LayerSignal, rank: int, *,
+                 fetch_plans: Callable[[list[Any]], Sequence[TransferPlan | None]],
+                 on_sent: Callable[[Any], None], on_failed: Callable[[Any, str, TransferPlan | None], None],
+                 connect_timeout: float = 5.0) -> None:
+        spec = region.spec
+        if not 0 <= rank < spec.tp_size:
+            raise KVCacheError(f"rank: {rank} is outside the region's tp_size {spec.tp_size}")
+        if signal.num_layers < spec.num_layers:
+            raise KVCacheError(f"signal: has {signal.num_layers} layers, the cache {spec.num_layers}")
+        self.engine, self.region, self.signal, self.rank = engine, region, signal, rank
+        self.fetch_plans, self.on_sent, self.on_failed = fetch_plans, on_sent, on_failed
+        self.connect_timeout = connect_timeout
+        self.last_step_ns: dict[str, int] = {}  # timings of the last step, for benchmarks
+        self.posted_bytes: dict[Any, int] = {}  # bytes posted per request (the last 4096), for benchmarks
+        self._peers: dict[str, Peer] = {}
+        self._routes: dict[int, dict[int, list[Route]]] = {}  # decode tp -> decode rank -> my routes to it
+        self._progress: dict[Any, _Progress] = {}  # requests sent in chunks, between their steps (step thread only)
+        self._steps: queue.SimpleQueue = queue.SimpleQueue()
+        self._finishing: queue.SimpleQueue = queue.SimpleQueue()
+        engine.register(region)
+        self._thread = threading.Thread(target=self._run_steps, name=f"messager-{rank}", daemon=True)
+        self._completer = threading.Thread(target=self._run_completions, name=f"messager-{rank}-done", daemon=True)
+        self._thread.start()
+        self._completer.start()
+        self._closed = False
+
+    def run_step(self, step: int, reqs: Sequence[Any]) -> None:
+        """The worker is about to write step ``step``'s layers for ``reqs``: request ids (whole prompts) or Chunks."""
+        if self._closed:
+            raise KVCacheError("the messager is closed")
+        chunks = [r if isinstance(r, Chunk) else Chunk(r, 1 << 62, True) for r in reqs]
+        if chunks:
+            self._steps.put((step, chunks))
+
+    def close(self) -> None:
+        """Stop both threads (steps in progress fail at their deadline or now). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._steps.put(_STOP)
+        self._thread.join(timeout=10)
+        self._finishing.put(_STOP)
+        self._completer.join(timeout=10)
+
+    # ----------------------------------------------------------------- the step thread
+
+    def _run_steps(self) -> None:
+        while True:
+            item = self._steps.get()
+            if item is _STOP:
+                return
+            step, chunks = item
+            try:
+                self._send_step(step, chunks)
+            except Exception as exc:  # a bug or a broken control plane: fail the step's requests, keep serving
+                log.exception("messager %d: step %d failed", self.rank, step)
+                for chunk in chunks:
+                    self._progress.pop(chunk.req, None)
+                    self._fail(chunk.req, f"messager error: {type(exc).__name__}: {exc}", None)
+
+    def _send_step(self, step: int, chunks: list[Chunk]) -> None:
+        timings = {"start_ns": time.monotonic_ns()}
+        now = time.monotonic()
+        for req in [r for r, p in self._progress.items() if now >= p.deadline]:  # never finished: give up
+            del self._progress[req]
+            self._fail(req, "the prompt's last chunk never came before the deadline", None)
+        try:
+            plans = list(self.fetch_plans([c.req for c in chunks]))
+        except Exception as exc:
+            for chunk in chunks:
+                self._progress.pop(chunk.req, None)
+                self._fail(chunk.req, f"could not fetch the transfer plan: {exc}", None)
+            return
+        bs = self.region.spec.block_size
+        # (plan, chunk, its progress, this step's blocks [lo, hi), decode rank -> remote region)
+        active: list[tuple[TransferPlan, Chunk, _Progress, int, int, dict[int, KVRegion]]] = []
+        for chunk, plan in zip(chunks, plans):
+            if plan is None:
+                self._progress.pop(chunk.req, None)
+                continue
+            if plan.cancelled:
+                self._progress.pop(chunk.req, None)
+                self._fail(plan.req, "cancelled", plan)
+                continue
+            try:
+                targets = self._targets(plan)
+            except KVCacheError as exc:
+                self._progress.pop(chunk.req, None)
+                self._fail(plan.req, str(exc), plan)
+                continue
+            progress = self._progress.setdefault(plan.req, _Progress(
+                plan.first_block, {d: [] for d in targets}, {d: agent for d, (_, agent) in targets.items()},
+                plan.deadline))
+            lo = max(progress.next_block, plan.first_block)
+            hi = min(-(-chunk.stop // bs), plan.dst_blocks.size, plan.src_blocks.size)
+            progress.next_block = max(progress.next_block, min(chunk.stop // bs, hi))
+            active.append((plan, chunk, progress, lo, hi, {d: remote for d, (remote, _) in targets.items()}))
+        timings["planned_ns"] = time.monotonic_ns()
+        last = self.region.num_layers - 1
+        notified: set[tuple[Any, int]] = set()  # (request, decode rank) whose last write carries the notice
+        layer = 0
+        while layer <= last:
+            if not active:
+                return
+            deadline = min(plan.deadline for plan, *_ in active)
+            status = self.signal.wait(layer, step, timeout=max(0.0, deadline - time.monotonic()))
+            if status is not WaitStatus.DONE:
+                for plan, *_ in active:
+                    self._progress.pop(plan.req, None)
+                    self._fail(plan.req, f"layer {layer} of step {step} never completed ({status.name})", plan)
+                return
+            # Layers that finished while we were busy go together, as one write per request and rank.
+            finished = self.signal.layer_times().steps
+            upto = layer
+            while upto < last and finished[upto + 1] == step % (1 << 32):
+                upto += 1
+            layers = list(range(layer, upto + 1))
+            layer = upto + 1
+            if upto == last:
+                timings["last_signal_ns"] = time.monotonic_ns()
+            for plan, chunk, progress, lo, hi, remotes in active:
+                if lo >= hi:
+                    continue
+                for d, remote in remotes.items():
+                    ranges = self._ranges(plan, d, remote, layers, lo, hi)
+                    handles = progress.handles[d]
+                    notify = b""
+                    if chunk.last and upto == last and all(h.done() for h in handles):
+                        # The usual case in a pipeline: the notice rides on the last write, no extra message.
+                        notify = _notice(plan.req, self.rank, self.region.spec.tp_size)
+                        notified.add((plan.req, d))
+                    handles.append(self.engine.submit(ranges, progress.agents[d], self.region, remote,
+                                                      deadline=plan.deadline, notify=notify))
+                    self.posted_bytes[plan.req] = self.posted_bytes.get(plan.req, 0) + ranges.nbytes
+        timings["posted_ns"] = time.monotonic_ns()
+        self.last_step_ns = timings
+        while len(self.posted_bytes) > 4096:
+            self.posted_bytes.pop(next(iter(self.posted_bytes)))
+        for plan, chunk, progress, *_ in active:
+            if chunk.last:
+                del self._progress[plan.req]
+                pending = {progress.agents[d]: (hs, (plan.req, d) not in notified) for d, hs in progress.handles.items()}
+                self._finishing.put((plan, pending))
+
+    def _targets(self, plan: TransferPlan) -> dict[int, tuple[KVRegion, str]]:
+        """Decode rank -> (its region, its agent) for every decode rank this rank writes to; connects as needed."""
+        tp = len(plan.receivers)
+        routes = self._routes_to(tp)
+        out = {}
+        for d in routes:
+            endpoint = plan.receivers[d]
+            peer = self._peers.get(endpoint)
+            if peer is None:
+                peer = self._peers[endpoint] = self.engine.connect(endpoint, timeout=self.connect_timeout)
+            if not peer.regions:
+                raise KVCacheError(f"decode rank {d} at {endpoint} registered no region")
+            out[d] = (peer.regions[0], peer.agent)
+        return out
+
+    def _routes_to(self, decode_tp: int) -> dict[int, list[Route]]:
+        routes = self._routes.get(decode_tp)
+        if routes is None:
+            spec = self.region.spec
+            routes = {}
+            for r in head_routes(spec.num_kv_heads, spec.tp_size, decode_tp):
+                if r.src == self.rank:
+                    routes.setdefault(r.dst, []).append(r)
+            self._routes[decode_tp] = routes
+        return routes
+
+    def _ranges(self, plan: TransferPlan, d: int, remote: KVRegion, layers: list[int], lo: int | None = None,
+                hi: int | None = None) -> CopyRanges:
+        """Blocks ``[lo, hi)`` (default: all past the decode side's cache) of ``layers`` for decode rank ``d``."""
+        lo = plan.first_block if lo is None else lo
+        src, dst = plan.src_blocks[lo:hi], plan.dst_blocks[lo:hi]
+        parts = [route_ranges(self.region, src, remote, dst, r, layers=layers)
+                 for r in self._routes_to(len(plan.receivers))[d]]
+        if len(parts) == 1:
+            return parts[0]
+        return CopyRanges(*(np.concatenate([getattr(p, f) for p in parts]) for f in ("src", "dst", "length")))
+
+    def _fail(self, req: Any, error: str, plan: TransferPlan | None) -> None:
+        try:
+            self.on_failed(req, error, plan)
+        except Exception:
+            log.exception("messager %d: reporting the failure of %r failed", self.rank, req)
+
+    # ----------------------------------------------------------------- the completion thread
+
+    def _run_completions(self) -> None:
+        while True:
+            item = self._finishing.get()
+            if item is _STOP:
+                return
+            plan, by_agent = item
+            errors = []
+            for agent, (handles, notify) in by_agent.items():
+                for h in handles:
+                    if h.wait() is not TransferStatus.DONE:
+                        errors.append(h.error or h.status().value)
+                if notify and not errors:  # every write to this rank landed: say so
+                    try:
+                        self.engine.notify(agent, _notice(plan.req, self.rank, self.region.spec.tp_size))
+                    except KVCacheError as exc:
+                        errors.append(str(exc))
+            if errors:
+                for endpoint in plan.receivers:  # the peer may be gone: connect afresh next time
+                    peer = self._peers.pop(endpoint, None)
+                    if peer is not None:
+                        self.engine.disconnect(peer)
+                self._fail(plan.req, f"{len(errors)} write(s) to the decode side failed: {errors[0]}", plan)
+                continue
+            try:
+                self.on_sent(plan.req)
+            except Exception:
+                log.exception("messager %d: reporting %r sent failed", self.rank, plan.req)
+
+
+class CacheReceiver:
+    """A decode rank's side: registers its cache with NIXL, serves its metadata, and reports requests that landed.
+
+    ``on_received(req)`` runs (on the receiver's thread) once every prefill rank that writes to
+    this rank has notified that its writes of ``req`` are done. Partial counts older than
+    ``stale_after`` seconds (a sender that failed half way) are dropped.
+    """
+
+    def __init__(self, engine: NixlEngine, region: KVRegion, rank: int, *, on_received: Callable[[Any], None],
+                 endpoint: str = "tcp://127.0.0.1:*", poll_interval: float = 2e-4, stale_after: float = 600.0) -> None:
+        spec = region.spec
+        if not 0 <= rank < spec.tp_size:
+            raise KVCacheError(f"rank: {rank} is outside the region's tp_size {spec.tp_size}")
+        self.engine, self.region, self.rank, self.on_received = engine, region, rank, on_received
+        self.poll_interval, self.stale_after = poll_interval, stale_after
+        engine.register(region)
+        self.endpoint = engine.serve(endpoint)
+        self.received_ns: dict[Any, int] = {}  # when each request completed here, for benchmarks (last 4096)
+        self._partial: dict[Any, tuple[float, set[int]]] = {}
+        self._writers: dict[int, frozenset[int]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"receiver-{rank}", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop polling (the engine, owned by the caller, stays open). Idempotent."""
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        idle = 0.0
+        while not self._stop.is_set():
+            try:
+                notes = self.engine.notifications()
+            except KVCacheError:
+                return  # the engine closed
+            if not notes:
+                idle = min(self.poll_interval, idle * 2 or 20e-6)
+                time.sleep(idle)
+                continue
+            idle = 0.0
+            for messages in notes.values():
+                for message in messages:
+                    self._note(message)
+            self._prune()
+
+    def _note(self, message: bytes) -> None:
+        try:
+            note = msgpack.unpackb(message, raw=False)
+            req, src, tp = note["req"], int(note["src"]), int(note["tp"])
+            writers = self._writers.get(tp)
+            if writers is None:
+                spec = self.region.spec
+                writers = self._writers[tp] = writers_of(spec.num_kv_heads, tp, spec.tp_size, self.rank)
+        except Exception as exc:
+            log.warning("receiver %d: ignoring a malformed notification (%s)", self.rank, exc)
+            return
+        _, seen = self._partial.setdefault(req, (time.monotonic(), set()))
+        seen.add(src)
+        if seen >= writers:
+            del self._partial[req]
+            self.received_ns[req] = time.monotonic_ns()
+            if len(self.received_ns) > 4096:
+                self.received_ns.pop(next(iter(self.received_ns)))
+            try:
+                self.on_received(req)
+            except Exception:
+                log.exception("receiver %d: reporting %r received failed", self.rank, req)
+
+    def _prune(self) -> None:
+        now = time.monotonic()
+        for req in [r for r, (t, _) in self._partial.items() if now - t > self.stale_after]:
+            del self._partial[req]
