@@ -17,6 +17,7 @@ from kvcache.allocator.errors import KVCacheError
 from kvcache.allocator.events import AllBlocksCleared, BlockRemoved, BlockStored, CacheEvent
 from kvcache.allocator.pool import BlockPool, Usage, usage
 from kvcache.allocator.prefix import (
+    _PACKED,
     HASH_BYTES,
     BlockHash,
     BlockHasher,
@@ -64,10 +65,14 @@ class ManagerStats(NamedTuple):
 
 @dataclasses.dataclass(slots=True)
 class _Request:
-    """One admitted request: its tokens, table and hashing progress (buffers grow by doubling)."""
+    """One admitted request: its table and hashing progress (token counts live in the manager's slot arrays).
 
-    tokens: np.ndarray  # uint32 [capacity]
-    num_tokens: int
+    Only the tokens of the partial last block are kept (in the manager's
+    ``_tail[slot]``): every full block is hashed as it fills, and a block's
+    tokens are never read again after that.
+    """
+
+    slot: int  # row of the manager's per-request arrays
     table: np.ndarray  # int32 [num_groups, capacity_blocks]: one row per distinct policy
     heads: np.ndarray | None  # int32 [num_rows, capacity_blocks]: table expanded to rows, when they differ
     num_blocks: int
@@ -77,10 +82,24 @@ class _Request:
     cache_salt: str | None
     lora: str | None
     mm: list[MMPlaceholder] | None
-    changed: np.ndarray  # int32 columns the last admit/extend set
+    changed: np.ndarray | range  # columns the last admit/extend that changed anything set (see _changed_ok)
     view: np.ndarray | None = None  # cached read-only view of the table handed to callers
-    fast_limit: int = 0  # extends up to this many tokens need no block, hash or table change
-    next_recycle: float = 0  # first num_computed_tokens at which a window row would give a block back
+
+
+class TableDeltas(NamedTuple):
+    """What ``extend_many_deltas`` changed, in the wire protocol's compressed rows.
+
+    ``lens[i]`` is request i's table width after the batch (-1: no room, request
+    unchanged); request ``index[j]`` (ascending) set columns
+    ``cols[offsets[j]:offsets[j + 1]]`` to ``vals[:, offsets[j]:offsets[j + 1]]``
+    (int32 ``[num_rows, total]``); every other table is as it was.
+    """
+
+    lens: np.ndarray
+    index: np.ndarray
+    offsets: np.ndarray
+    cols: np.ndarray
+    vals: np.ndarray
 
 
 class KVCacheManager:
@@ -132,6 +151,21 @@ class KVCacheManager:
             (p, np.array([g], dtype=np.intp)) for g, p in enumerate(groups) if isinstance(p, Window)
         ]
         self._requests: dict[object, _Request] = {}
+        # Per-request hot fields as slot-indexed arrays, so a decode step updates them all at once:
+        # tokens covered, the fast-path limits (see _refresh), the partial last block's tokens,
+        # and whether req.changed is current (a fast-path extend changes no column).
+        self._slot_of: dict[object, int] = {}
+        self._by_slot: list[_Request | None] = []
+        self._free_slots: list[int] = []
+        self._ntok = np.zeros(0, dtype=np.int64)
+        self._fast_limit = np.zeros(0, dtype=np.int64)
+        self._next_recycle = np.zeros(0, dtype=np.int64)
+        self._width = np.zeros(0, dtype=np.int32)
+        self._changed_ok = np.zeros(0, dtype=bool)
+        self._tail = np.zeros((0, block_size), dtype=np.uint32)
+        self._stamp = np.zeros(0, dtype=np.intp)  # scratch for _has_repeats
+        self._keyed = np.zeros(0, dtype=bool)  # the request's blocks hash extra keys (LoRA, multimodal)
+        self._salted = np.zeros(0, dtype=bool)  # the request's block 0 hashes a cache salt
         self._events: list[CacheEvent] = []
         self._group_sizes = np.bincount(self._row_group)
         self._queries = self._hit_requests = self._queried_tokens = self._hit_tokens = 0
@@ -204,11 +238,11 @@ class KVCacheManager:
 
         What a daemon sends workers as the table's delta instead of the whole table.
         """
-        return self._get(request_id).changed
+        return self._changed_of(self._get(request_id))
 
     def num_tokens(self, request_id: object) -> int:
         """Tokens the request's table covers."""
-        return self._get(request_id).num_tokens
+        return int(self._ntok[self._get(request_id).slot])
 
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._requests
@@ -288,24 +322,31 @@ class KVCacheManager:
         if hit is not None:
             table[:, :num_hit] = hit
         table[:, num_hit:num_blocks] = allocation.blocks
-        buffer = np.empty(_grow(covered, 64), dtype=np.uint32)
-        buffer[:covered] = tokens[:covered]
+        slot = self._take_slot()
         req = _Request(
-            tokens=buffer, num_tokens=covered, table=table, heads=table[self._row_group] if self._expand else None,
+            slot=slot, table=table, heads=table[self._row_group] if self._expand else None,
             num_blocks=num_blocks, num_hashed=num_hit,
             last_hash=hashes[(num_hit - 1) * _H: num_hit * _H] if num_hit else None,
             recycled=[recyclable_blocks(w, num_hit * bs, bs).stop for w, _ in self._window_groups],
             cache_salt=cache_salt, lora=lora, mm=list(mm) if mm else None,
-            changed=np.arange(num_blocks, dtype=np.int32),
+            changed=range(0, num_blocks),
         )
         self._requests[request_id] = req
-        self._refresh(req)
+        self._slot_of[request_id] = slot
+        self._by_slot[slot] = req
+        self._ntok[slot] = covered
+        self._changed_ok[slot] = True
+        self._keyed[slot] = lora is not None or bool(mm)
+        self._salted[slot] = bool(cache_salt)
+        partial = covered % bs
+        self._tail[slot, :partial] = tokens[covered - partial:covered]
         if self._hasher is not None:
-            self._register(req, hashes[num_hit * _H: covered // bs * _H])
+            self._register(req, hashes[num_hit * _H: covered // bs * _H], tokens[num_hit * bs:])
             self._queries += 1
             self._hit_requests += num_hit > 0
             self._queried_tokens += int(tokens.size)
             self._hit_tokens += num_hit * bs
+        self._refresh(req)
         return Admission(num_hit * bs, _view(req), covered)
 
     def extend(self, request_id: object, tokens: Tokens, *, num_computed_tokens: int | None = None) -> np.ndarray | None:
@@ -320,16 +361,19 @@ class KVCacheManager:
         """
         req = self._get(request_id)
         new_tokens = as_token_array(tokens)
-        done = req.num_tokens if num_computed_tokens is None else num_computed_tokens
+        num_tokens = int(self._ntok[req.slot])
+        done = num_tokens if num_computed_tokens is None else num_computed_tokens
         _check_count(done, "num_computed_tokens", least=0)
-        if done > req.num_tokens:
-            raise KVCacheError(f"num_computed_tokens: {done} exceeds the request's {req.num_tokens} tokens")
+        if done > num_tokens:
+            raise KVCacheError(f"num_computed_tokens: {done} exceeds the request's {num_tokens} tokens")
         return self._extend(req, new_tokens, done)
 
     def _extend(self, req: _Request, new_tokens: np.ndarray, done: int) -> np.ndarray | None:
         """``extend`` after validation: ``new_tokens`` is uint32, ``done`` within the request's tokens."""
         bs = self.block_size
-        total = req.num_tokens + int(new_tokens.size)
+        slot = req.slot
+        num_tokens = int(self._ntok[slot])
+        total = num_tokens + int(new_tokens.size)
         num_blocks = -(-total // bs)
         num_new = num_blocks - req.num_blocks
         rows, blocks, stops = self._recyclable(req, done)
@@ -354,75 +398,312 @@ class KVCacheManager:
             allocation = self._pool.allocate(num_new)
             assert allocation is not None, "allocation failed after the free-block check"
             self._forget(allocation.evicted_rows, allocation.evicted_blocks)
-            if num_blocks > req.table.shape[1]:
-                req.table = _widen(req.table, req.num_blocks, _grow(num_blocks, 4))
-                if req.heads is not None:
-                    req.heads = _widen(req.heads, req.num_blocks, req.table.shape[1])
-            req.table[:, req.num_blocks:num_blocks] = allocation.blocks
-            if req.heads is not None:
-                req.heads[:, req.num_blocks:num_blocks] = allocation.blocks[self._row_group]
-            req.num_blocks = num_blocks
-        if total > req.tokens.size:
-            grown_tokens = np.empty(_grow(total, 64), dtype=np.uint32)
-            grown_tokens[: req.num_tokens] = req.tokens[: req.num_tokens]
-            req.tokens = grown_tokens
-        req.tokens[req.num_tokens:total] = new_tokens
-        req.num_tokens = total
+            self._place(req, allocation.blocks, num_blocks)
+        # The tokens from the partial block's start on: [num_tokens - partial, total).
+        partial = num_tokens % bs
+        pending = np.concatenate([self._tail[slot, :partial], new_tokens]) if partial else new_tokens
+        self._ntok[slot] = total
         req.changed = _columns(changed)
+        self._changed_ok[slot] = True
         if self._hasher is not None and total // bs > req.num_hashed:
             start = req.num_hashed
+            assert start * bs == num_tokens - partial, "full blocks left unhashed"
             hashes = self._hasher.hash_blocks_packed(
-                req.tokens[start * bs: (total // bs) * bs], cache_salt=req.cache_salt, lora=req.lora,
+                pending[: (total // bs - start) * bs], cache_salt=req.cache_salt, lora=req.lora,
                 mm=req.mm, parent=req.last_hash, start_block=start,
             )
-            self._register(req, hashes)
+            self._register(req, hashes, pending)
+        rest = total % bs
+        self._tail[slot, :rest] = pending[pending.size - rest:]
         self._refresh(req)
         return _view(req)
+
+    def _place(self, req: _Request, blocks: np.ndarray, num_blocks: int) -> None:
+        """Write newly allocated ``blocks`` (int32 ``[num_groups, k]``) after the table's last column."""
+        if num_blocks > req.table.shape[1]:
+            req.table = _widen(req.table, req.num_blocks, _grow(num_blocks, 4))
+            if req.heads is not None:
+                req.heads = _widen(req.heads, req.num_blocks, req.table.shape[1])
+        req.table[:, req.num_blocks:num_blocks] = blocks
+        if req.heads is not None:
+            req.heads[:, req.num_blocks:num_blocks] = blocks[self._row_group]
+        req.num_blocks = num_blocks
 
     def extend_many(self, request_ids: Sequence[object], tokens: Tokens, counts: Sequence[int] | np.ndarray,
                     *, changes: list[np.ndarray] | None = None) -> list[np.ndarray | None]:
         """``extend`` for many requests at once: request i gets the next ``counts[i]`` of ``tokens``.
 
         A decode step's shape: most requests gain one token that lands in a block
-        they already hold, and those take a fast path with no block, hash or
-        table work. Equivalent to calling ``extend`` for each in order (each may
-        return None for lack of blocks, changing nothing for that request).
-        Unknown ids or bad tokens raise before any request changes. Tables are
-        live read-only views, so a request listed twice shows its final table
-        in both places. With ``changes`` (a list), each request's changed columns
-        are appended to it in order (what ``changed_columns`` gives after each extend).
+        they already hold, and those take a vectorised fast path with no block,
+        hash or table work. Equivalent to calling ``extend`` for each in order
+        (each may return None for lack of blocks, changing nothing for that
+        request). Unknown ids or bad tokens raise before any request changes.
+        Tables are live read-only views, so a request listed twice shows its
+        final table in both places. With ``changes`` (a list), each request's
+        changed columns are appended to it in order (what ``changed_columns``
+        gives after each extend).
         """
+        slots, flat, counts = self._check_many(request_ids, tokens, counts)
+        ok, changed, _ = self._extend_slots(slots, flat, counts, changes)
+        by_slot = self._by_slot
+        out: list[np.ndarray | None] = []
+        for s, good in zip(slots.tolist(), ok.tolist()):
+            req = by_slot[s]
+            out.append(None if not good else req.view if req.view is not None else _view(req))
+        return out
+
+    def extend_many_deltas(self, request_ids: Sequence[object], tokens: Tokens,
+                           counts: Sequence[int] | np.ndarray) -> TableDeltas:
+        """``extend_many``, answering with array deltas instead of a table per request (what the daemon sends).
+
+        No Python object per request on the way out: a decode step changes
+        one table in ``block_size``, and only those are listed.
+        """
+        slots, flat, counts = self._check_many(request_ids, tokens, counts)
+        ok, changed, widths = self._extend_slots(slots, flat, counts, None)
+        lens = np.where(ok, self._width[slots] if widths is None else widths, -1).astype(np.int32)
+        if not changed:
+            return TableDeltas(lens, np.empty(0, dtype=np.int32), np.zeros(1, dtype=np.int32), _NO_COLUMNS,
+                               np.empty((self.num_rows, 0), dtype=np.int32))
+        index = np.array([i for i, _ in changed], dtype=np.int32)
+        sizes = np.array([c.size for _, c in changed], dtype=np.int32)
+        offsets = np.zeros(index.size + 1, dtype=np.int32)
+        np.cumsum(sizes, out=offsets[1:])
+        cols = np.concatenate([c for _, c in changed]).astype(np.int32, copy=False)
+        by_slot = self._by_slot
+        views = [_view(by_slot[s]) for s in slots[index].tolist()]
+        vals = np.concatenate([v[:, c] for v, (_, c) in zip(views, changed)], axis=1)
+        return TableDeltas(lens, index, offsets, cols, vals)
+
+    def _check_many(self, request_ids: Sequence[object], tokens: Tokens, counts: Sequence[int] | np.ndarray
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``extend_many``'s arguments checked, as (slots, uint32 tokens, int64 counts); raises before any change."""
         flat = as_token_array(tokens)
         counts = np.asarray(counts)
         if counts.ndim != 1 or counts.size != len(request_ids) or (counts.size and counts.dtype.kind not in "iu"):
             raise KVCacheError(f"counts: need one integer per request ({len(request_ids)}), got {counts.shape}")
         if counts.size and int(counts.min()) < 0:
             raise KVCacheError("counts: must not be negative")
+        counts = counts.astype(np.int64, copy=False)
         if int(counts.sum()) != flat.size:
             raise KVCacheError(f"counts: sum to {int(counts.sum())} but {flat.size} tokens were given")
-        requests = self._requests
-        for rid in request_ids:
-            if rid not in requests:
+        try:
+            slots = np.fromiter(map(self._slot_of.__getitem__, request_ids), dtype=np.intp, count=len(request_ids))
+        except (KeyError, TypeError):
+            for rid in request_ids:
                 self._get(rid)
-        out: list[np.ndarray | None] = []
-        offset = 0
-        for rid, k in zip(request_ids, counts.tolist()):
-            req = requests[rid]
-            t = req.num_tokens
-            if t < req.next_recycle and t + k <= req.fast_limit:
-                if k == 1:
-                    req.tokens[t] = flat[offset]
-                elif k:
-                    req.tokens[t:t + k] = flat[offset:offset + k]
-                req.num_tokens = t + k
-                req.changed = _NO_COLUMNS
-                out.append(req.view if req.view is not None else _view(req))
+            raise
+        return slots, flat, counts
+
+    def _extend_slots(self, slots: np.ndarray, flat: np.ndarray, counts: np.ndarray,
+                      changes: list[np.ndarray] | None
+                      ) -> tuple[np.ndarray, list[tuple[int, np.ndarray]], np.ndarray | None]:
+        """Extend request ``slots[i]`` by its ``counts[i]`` tokens of ``flat``, as ``extend`` would in order.
+
+        Returns which succeeded (bool ``[n]``), (i, columns) of each extend
+        that changed a table (ascending i), and, when a slot is listed twice,
+        each extend's table width (else None: the widths are ``_width[slots]``). Requests that stay inside their
+        partial block (``_fast_limit``) and free nothing (``_next_recycle``) are
+        updated together with array operations; the others run ``_extend`` in
+        order. They cannot interact with the fast ones, which touch no shared
+        state. A slot listed twice takes the one-by-one path.
+        """
+        n = slots.size
+        ok = np.ones(n, dtype=bool)
+        if n == 0:
+            return ok, [], None
+        bs = self.block_size
+        t = self._ntok[slots]
+        ends = t + counts
+        fast = (t < self._next_recycle[slots]) & (ends <= self._fast_limit[slots])
+        if n > 1 and self._has_repeats(slots):
+            widths = np.zeros(n, dtype=np.int32)
+            return ok, self._extend_in_order(slots, flat, counts, ok, widths, changes), widths
+        ones = bool((counts == 1).all())
+        offsets = np.arange(n) if ones else np.cumsum(counts) - counts
+        fi = np.flatnonzero(fast)
+        if fi.size:
+            fs = slots[fi] if fi.size < n else slots
+            if ones:
+                self._tail[fs, t[fi] % bs] = flat[fi]
             else:
-                out.append(self._extend(req, flat[offset:offset + k], t))
+                kf = counts[fi]
+                rep = np.repeat(np.arange(fi.size), kf)
+                within = np.arange(rep.size) - np.repeat(np.cumsum(kf) - kf, kf)
+                self._tail[fs[rep], (t[fi][rep] + within) % bs] = flat[offsets[fi][rep] + within]
+            self._ntok[fs] = ends[fi]
+            self._changed_ok[fs] = False
+        changed: list[tuple[int, np.ndarray]] = []
+        if fi.size < n:
+            slow = np.flatnonzero(~fast)
+            # One-token extends that free nothing and hash no extra keys go through _extend_run in
+            # runs; any other request runs alone between them, so the order of pool and index
+            # operations is the one-by-one order.
+            simple = (counts[slow] == 1) & (t[slow] < self._next_recycle[slots[slow]])
+            if self._hasher is not None:
+                simple &= ~self._keyed[slots[slow]] & ((t[slow] >= bs) | ~self._salted[slots[slow]])
+            start = 0
+            for j in [*np.flatnonzero(~simple).tolist(), slow.size]:
+                if j > start:
+                    self._extend_run(slow[start:j], slots, flat, counts, offsets, t, ok, changed)
+                if j < slow.size:
+                    self._extend_each(slow[j:j + 1], slots, flat, counts, offsets, t, ok, changed)
+                start = j + 1
+        if changes is not None:
+            found = dict(changed)
+            changes.extend(found.get(i, _NO_COLUMNS) for i in range(n))
+        return ok, changed, None
+
+    def _extend_each(self, index: np.ndarray, slots: np.ndarray, flat: np.ndarray, counts: np.ndarray,
+                     offsets: np.ndarray, t: np.ndarray, ok: np.ndarray, changed: list[tuple[int, np.ndarray]]) -> None:
+        """``_extend`` of requests ``index`` (no slot repeated) one by one, in order."""
+        by_slot = self._by_slot
+        for i in index.tolist():
+            req = by_slot[slots[i]]
+            o = int(offsets[i])
+            if self._extend(req, flat[o:o + int(counts[i])], int(t[i])) is None:
+                ok[i] = False
+            elif len(req.changed):
+                changed.append((i, self._changed_of(req)))
+
+    def _extend_run(self, index: np.ndarray, slots: np.ndarray, flat: np.ndarray, counts: np.ndarray,
+                    offsets: np.ndarray, t: np.ndarray, ok: np.ndarray, changed: list[tuple[int, np.ndarray]]) -> None:
+        """One-token extends (``index``, ascending) that each open a block, fill one, or both; batched.
+
+        A decode step's slow path: one pool allocation for every request that
+        crosses into a new block, one index insert for every block that
+        fills. Done in order one by one, allocations (pops and evictions of
+        cached free blocks) and inserts of new hashes commute, so the batch
+        is exact when every allocation succeeds and no hash it inserts is in
+        the index already or twice; otherwise (and when an eviction's event
+        would move) the run goes one by one.
+        """
+        bs = self.block_size
+        s = slots[index]
+        tt = t[index]
+        tok = flat[offsets[index]]
+        width = self._width[s].astype(np.int64)
+        need = tt == width * bs
+        num_need = int(np.count_nonzero(need))
+        pool = self._pool
+        if num_need:
+            free = pool.num_free()
+            if (free < num_need).any() or (
+                    self.enable_events and (free - pool.num_cached_free() < num_need).any()):
+                self._extend_each(index, slots, flat, counts, offsets, t, ok, changed)
+                return
+        by_slot = self._by_slot
+        hashes = b""
+        if self._hasher is not None:
+            fills = (tt + 1) % bs == 0
+            assert (need | fills).all(), "a slow one-token extend that neither opens nor fills a block"
+            fill = np.flatnonzero(fills)
+            if fill.size:
+                blocks_tok = self._tail[s[fill]]
+                blocks_tok[:, bs - 1] = tok[fill]
+                root = self._hasher.root
+                hashes = self._hasher.hash_each(blocks_tok, [by_slot[x].last_hash or root for x in s[fill].tolist()])
+                if (fill.size > 1 and len(set(np.frombuffer(hashes, dtype=_PACKED).tolist())) < fill.size) or \
+                        self._index.any_known(hashes):
+                    self._extend_each(index, slots, flat, counts, offsets, t, ok, changed)
+                    return
+        # Commit: nothing below can fail.
+        self._tail[s, tt % bs] = tok
+        self._ntok[s] = tt + 1
+        if num_need:
+            allocation = pool.allocate(num_need)
+            assert allocation is not None, "allocation failed after the free-block check"
+            self._forget(allocation.evicted_rows, allocation.evicted_blocks)
+            new_blocks = allocation.blocks
+            for j, (i, x) in enumerate(zip(index[need].tolist(), s[need].tolist())):
+                req = by_slot[x]
+                col = req.num_blocks
+                self._place(req, new_blocks[:, j:j + 1], col + 1)
+                req.changed = range(col, col + 1)
+                req.view = None
+                changed.append((i, np.array([col], dtype=np.int32)))
+            self._width[s[need]] = width[need] + 1
+        self._changed_ok[s] = need
+        if hashes:
+            filled = [by_slot[x] for x in s[fill].tolist()]
+            blocks = np.stack([req.table[:, req.num_hashed] for req in filled])
+            inserted = self._index.insert(hashes, blocks)
+            if inserted.added.any():
+                r_i, r = np.nonzero(inserted.added)
+                pool.mark_cached(r, blocks[r_i, r])
+            for j, req in enumerate(filled):
+                h = hashes[j * _H:(j + 1) * _H]
+                if self.enable_events:
+                    self._store_events(req, h, Inserted(inserted.added[j:j + 1], inserted.new[j:j + 1]), blocks_tok[j])
+                req.num_hashed += 1
+                req.last_hash = h
+        limit = self._width[s].astype(np.int64) * bs
+        if self._hasher is not None:
+            # Every full block is hashed, so the last block is the first unhashed one: stop before it fills.
+            limit = np.minimum(limit, (tt + 1) // bs * bs + bs - 1)
+        self._fast_limit[s] = limit
+
+    def _extend_in_order(self, slots: np.ndarray, flat: np.ndarray, counts: np.ndarray, ok: np.ndarray,
+                         widths: np.ndarray, changes: list[np.ndarray] | None) -> list[tuple[int, np.ndarray]]:
+        """``_extend_slots`` one request at a time (a slot is listed more than once)."""
+        bs = self.block_size
+        by_slot = self._by_slot
+        changed: list[tuple[int, np.ndarray]] = []
+        offset = 0
+        for i, (s, k) in enumerate(zip(slots.tolist(), counts.tolist())):
+            req = by_slot[s]
+            t = int(self._ntok[s])
+            if t < self._next_recycle[s] and t + k <= self._fast_limit[s]:
+                p = t % bs
+                self._tail[s, p:p + k] = flat[offset:offset + k]
+                self._ntok[s] = t + k
+                self._changed_ok[s] = False
+                cols = _NO_COLUMNS
+            elif self._extend(req, flat[offset:offset + k], t) is None:
+                ok[i] = False
+                cols = _NO_COLUMNS
+            else:
+                cols = self._changed_of(req)
+                if cols.size:
+                    changed.append((i, cols))
+            widths[i] = req.num_blocks
             if changes is not None:
-                changes.append(req.changed if out[-1] is not None else _NO_COLUMNS)
+                changes.append(cols)
             offset += k
-        return out
+        return changed
+
+    def _changed_of(self, req: _Request) -> np.ndarray:
+        """``changed_columns`` of a request record."""
+        if not self._changed_ok[req.slot]:
+            return _NO_COLUMNS
+        if isinstance(req.changed, range):
+            return np.arange(req.changed.start, req.changed.stop, dtype=np.int32)
+        return req.changed
+
+    def _has_repeats(self, slots: np.ndarray) -> bool:
+        """Whether a slot appears more than once (one scatter and one gather, no sort)."""
+        order = np.arange(slots.size)
+        self._stamp[slots] = order
+        return bool((self._stamp[slots] != order).any())
+
+    def _take_slot(self) -> int:
+        """A free row of the per-request arrays, growing them by doubling."""
+        if self._free_slots:
+            return self._free_slots.pop()
+        slot = len(self._by_slot)
+        if slot == self._ntok.size:
+            size = max(64, 2 * slot)
+            self._ntok = _resized(self._ntok, size)
+            self._fast_limit = _resized(self._fast_limit, size)
+            self._next_recycle = _resized(self._next_recycle, size)
+            self._width = _resized(self._width, size)
+            self._changed_ok = _resized(self._changed_ok, size)
+            self._tail = _resized(self._tail, size)
+            self._keyed = _resized(self._keyed, size)
+            self._salted = _resized(self._salted, size)
+            self._stamp = np.zeros(size, dtype=np.intp)
+        self._by_slot.append(None)
+        return slot
 
     def free(self, request_id: object) -> None:
         """End a request: its blocks return to the pool; full ones stay cached for later hits.
@@ -432,6 +713,9 @@ class KVCacheManager:
         """
         req = self._get(request_id)
         del self._requests[request_id]
+        del self._slot_of[request_id]
+        self._by_slot[req.slot] = None
+        self._free_slots.append(req.slot)
         self._pool.decref(self._group_col, req.table[:, req.num_blocks - 1::-1], unique=True)
 
     def reset_prefix_cache(self) -> int:
@@ -451,7 +735,8 @@ class KVCacheManager:
             t = req.table[:, : req.num_blocks]
             r, c = np.nonzero(t >= 0)
             np.add.at(refs, (r, t[r, c]), 1)
-            assert req.num_blocks == -(-req.num_tokens // self.block_size), "table length disagrees with tokens"
+            assert req.num_blocks == -(-int(self._ntok[req.slot]) // self.block_size), "table length disagrees with tokens"
+            assert self._by_slot[req.slot] is req, f"slot {req.slot} does not hold its request"
             if req.heads is not None:
                 assert (req.heads[:, : req.num_blocks] == t[self._row_group]).all(), "rows disagree with their group"
         actual = self._pool.refcount(self._group_col, np.arange(self.num_blocks)[None, :])
@@ -533,8 +818,11 @@ class KVCacheManager:
         live = blocks >= 0
         return rows[live], blocks[live], stops
 
-    def _register(self, req: _Request, hashes: bytes) -> None:
-        """Enter the request's newly full blocks (packed ``hashes``, from block ``num_hashed`` on) in the index."""
+    def _register(self, req: _Request, hashes: bytes, tokens: np.ndarray) -> None:
+        """Enter the request's newly full blocks (packed ``hashes``, from block ``num_hashed`` on) in the index.
+
+        ``tokens`` are the request's tokens from block ``num_hashed`` on (for events).
+        """
         if not hashes:
             return
         start = req.num_hashed
@@ -545,7 +833,7 @@ class KVCacheManager:
             i, r = np.nonzero(inserted.added)
             self._pool.mark_cached(r, blocks[i, r])
         if self.enable_events and inserted.new.any():
-            self._store_events(req, hashes, start, inserted)
+            self._store_events(req, hashes, inserted, tokens)
         req.num_hashed = stop
         req.last_hash = hashes[-_H:]
 
@@ -558,8 +846,11 @@ class KVCacheManager:
         if self.enable_events and len(removed.gone):
             self._events.append(BlockRemoved(tuple(bytes(h) for h in removed.gone)))
 
-    def _store_events(self, req: _Request, packed: bytes, start: int, inserted: Inserted) -> None:
-        """One BlockStored per run of consecutive hashes new to the index and stored on the same rows."""
+    def _store_events(self, req: _Request, packed: bytes, inserted: Inserted, tokens: np.ndarray) -> None:
+        """One BlockStored per run of consecutive hashes new to the index and stored on the same rows.
+
+        ``packed`` hashes blocks ``num_hashed`` on, whose tokens ``tokens`` start with.
+        """
         bs = self.block_size
         hashes = [packed[i: i + _H] for i in range(0, len(packed), _H)]
         keys = [bytes(p) if new else None for p, new in
@@ -569,11 +860,10 @@ class KVCacheManager:
             if i < len(keys) and keys[i] == keys[run_start]:
                 continue
             if keys[run_start] is not None:
-                first = start + run_start
                 self._events.append(BlockStored(
                     block_hashes=tuple(hashes[run_start:i]),
                     parent_block_hash=hashes[run_start - 1] if run_start else req.last_hash,
-                    token_ids=req.tokens[first * bs: (start + i) * bs].copy(),
+                    token_ids=tokens[run_start * bs: i * bs].copy(),
                     block_size=bs,
                     rows=self._rows_of(np.flatnonzero(inserted.added[run_start])),
                     lora=req.lora,
@@ -584,15 +874,19 @@ class KVCacheManager:
         """After a table change: drop the cached view and recompute the fast-path limits."""
         bs = self.block_size
         req.view = None
-        limit = min(req.num_blocks * bs, req.tokens.size)
+        slot = req.slot
+        # An extend up to ``limit`` tokens stays in the last block and, with hashing, does not fill it.
+        limit = req.num_blocks * bs
         if self._hasher is not None:
             limit = min(limit, (req.num_hashed + 1) * bs - 1)
-        req.fast_limit = limit
-        req.next_recycle = min(
+        self._fast_limit[slot] = limit
+        # The first num_computed_tokens at which a window row would give a block back.
+        self._next_recycle[slot] = min(
             ((req.recycled[g] + 1) * bs + policy.window_tokens - 1 for g, (policy, _) in
              enumerate(self._window_groups)),
-            default=float("inf"),
+            default=_NEVER,
         )
+        self._width[slot] = req.num_blocks
 
     def _rows_of(self, groups: np.ndarray) -> tuple[int, ...]:
         """The rows (heads) that the given groups stand for, ascending."""
@@ -600,6 +894,7 @@ class KVCacheManager:
 
 
 _EMPTY = np.empty(0, dtype=np.intp)
+_NEVER = 2**62  # a _next_recycle no request reaches
 _NO_COLUMNS = np.empty(0, dtype=np.int32)
 _H = HASH_BYTES
 
@@ -618,6 +913,13 @@ def _columns(ranges: list[range]) -> np.ndarray:
     if not parts:
         return np.empty(0, dtype=np.int32)
     return parts[0] if len(parts) == 1 else np.unique(np.concatenate(parts))
+
+
+def _resized(arr: np.ndarray, rows: int) -> np.ndarray:
+    """A zero-filled copy of ``arr`` with ``rows`` rows, the existing ones kept."""
+    out = np.zeros((rows, *arr.shape[1:]), dtype=arr.dtype)
+    out[: arr.shape[0]] = arr
+    return out
 
 
 def _widen(table: np.ndarray, used: int, capacity: int) -> np.ndarray:

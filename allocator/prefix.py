@@ -234,6 +234,15 @@ class BlockHasher:
         """``hash_blocks`` as one ``bytes`` of ``32 * num_full_blocks``: no object per block (what PrefixIndex takes)."""
         return self._hash(tokens, cache_salt, lora, mm, parent, start_block, split=False)  # type: ignore[return-value]
 
+    def hash_each(self, blocks: np.ndarray, parents: Sequence[bytes]) -> bytes:
+        """Packed hashes of full blocks of different requests: row j of ``blocks`` (uint32 ``[m, block_size]``) after ``parents[j]``.
+
+        A decode step's newly full blocks, one per request; none may carry extra keys
+        (cache salt at block 0, LoRA, multimodal items): the caller checks.
+        """
+        chain, bs = self._chain, self.block_size
+        return b"".join([chain(row, bs, parent, None, split=False) for row, parent in zip(blocks, parents)])
+
     def _hash(
         self,
         tokens: Sequence[int] | np.ndarray,
@@ -476,6 +485,10 @@ class PrefixIndex:
         if not isinstance(block_hash, bytes) or len(block_hash) != HASH_BYTES:
             return False
         return len(self._find(block_hash, stop_at_miss=True)) == 1
+
+    def any_known(self, hashes: bytes) -> bool:
+        """Whether any of the packed hashes is in the index."""
+        return bool((self._find(hashes, stop_at_miss=False) >= 0).any())
 
     def match(self, hashes: bytes) -> np.ndarray:
         """Blocks (int32 ``[k, num_rows]``, -1 = row lacks it) of the longest run of known leading hashes."""
