@@ -86,6 +86,19 @@ class _Request:
     view: np.ndarray | None = None  # cached read-only view of the table handed to callers
 
 
+class _Chunk(NamedTuple):
+    """Changed columns of some requests of a batch: request ``index[j]`` set ``sizes[j]`` of ``cols`` (in turn).
+
+    ``vals`` (int32 ``[num_rows, cols.size]``) holds the new values, or None
+    for one request's chunk whose values are read from its table afterwards.
+    """
+
+    index: np.ndarray
+    sizes: np.ndarray
+    cols: np.ndarray
+    vals: np.ndarray | None
+
+
 class TableDeltas(NamedTuple):
     """What ``extend_many_deltas`` changed, in the wire protocol's compressed rows.
 
@@ -165,6 +178,8 @@ class KVCacheManager:
         self._tail = np.zeros((0, block_size), dtype=np.uint32)
         self._stamp = np.zeros(0, dtype=np.intp)  # scratch for _has_repeats
         self._keyed = np.zeros(0, dtype=bool)  # the request's blocks hash extra keys (LoRA, multimodal)
+        self._last_block = np.zeros((0, len(groups)), dtype=np.int32)  # each group's block in the last column
+        self._all_new = Inserted(np.ones((1, len(groups)), dtype=bool), np.ones(1, dtype=bool))  # one new hash
         self._salted = np.zeros(0, dtype=bool)  # the request's block 0 hashes a cache salt
         self._events: list[CacheEvent] = []
         self._group_sizes = np.bincount(self._row_group)
@@ -337,6 +352,7 @@ class KVCacheManager:
         self._ntok[slot] = covered
         self._changed_ok[slot] = True
         self._keyed[slot] = lora is not None or bool(mm)
+        self._last_block[slot] = table[:, num_blocks - 1]
         self._salted[slot] = bool(cache_salt)
         partial = covered % bs
         self._tail[slot, :partial] = tokens[covered - partial:covered]
@@ -428,6 +444,7 @@ class KVCacheManager:
         if req.heads is not None:
             req.heads[:, req.num_blocks:num_blocks] = blocks[self._row_group]
         req.num_blocks = num_blocks
+        self._last_block[req.slot] = blocks[:, -1]
 
     def extend_many(self, request_ids: Sequence[object], tokens: Tokens, counts: Sequence[int] | np.ndarray,
                     *, changes: list[np.ndarray] | None = None) -> list[np.ndarray | None]:
@@ -444,7 +461,12 @@ class KVCacheManager:
         gives after each extend).
         """
         slots, flat, counts = self._check_many(request_ids, tokens, counts)
-        ok, changed, _ = self._extend_slots(slots, flat, counts, changes)
+        ok, changed, _ = self._extend_slots(slots, flat, counts)
+        if changes is not None:
+            found: dict[int, np.ndarray] = {}
+            for index, sizes, cols, _ in changed:
+                found.update(zip(index.tolist(), np.split(cols, np.cumsum(sizes)[:-1])))
+            changes.extend(found.get(i, _NO_COLUMNS) for i in range(slots.size))
         by_slot = self._by_slot
         out: list[np.ndarray | None] = []
         for s, good in zip(slots.tolist(), ok.tolist()):
@@ -460,20 +482,24 @@ class KVCacheManager:
         one table in ``block_size``, and only those are listed.
         """
         slots, flat, counts = self._check_many(request_ids, tokens, counts)
-        ok, changed, widths = self._extend_slots(slots, flat, counts, None)
+        ok, changed, widths = self._extend_slots(slots, flat, counts)
         lens = np.where(ok, self._width[slots] if widths is None else widths, -1).astype(np.int32)
         if not changed:
             return TableDeltas(lens, np.empty(0, dtype=np.int32), np.zeros(1, dtype=np.int32), _NO_COLUMNS,
                                np.empty((self.num_rows, 0), dtype=np.int32))
-        index = np.array([i for i, _ in changed], dtype=np.int32)
-        sizes = np.array([c.size for _, c in changed], dtype=np.int32)
+        by_slot = self._by_slot
+        vals = []
+        for index, _, cols, chunk_vals in changed:
+            # A chunk without values: one request's, read from its table (final even if listed twice).
+            vals.append(chunk_vals if chunk_vals is not None else _view(by_slot[slots[index[0]]])[:, cols])
+        if len(changed) == 1:
+            index, sizes, cols, _ = changed[0]
+        else:
+            index, sizes, cols = (np.concatenate([c[k] for c in changed]) for k in range(3))
         offsets = np.zeros(index.size + 1, dtype=np.int32)
         np.cumsum(sizes, out=offsets[1:])
-        cols = np.concatenate([c for _, c in changed]).astype(np.int32, copy=False)
-        by_slot = self._by_slot
-        views = [_view(by_slot[s]) for s in slots[index].tolist()]
-        vals = np.concatenate([v[:, c] for v, (_, c) in zip(views, changed)], axis=1)
-        return TableDeltas(lens, index, offsets, cols, vals)
+        return TableDeltas(lens, index.astype(np.int32, copy=False), offsets, cols.astype(np.int32, copy=False),
+                           vals[0] if len(vals) == 1 else np.concatenate(vals, axis=1))
 
     def _check_many(self, request_ids: Sequence[object], tokens: Tokens, counts: Sequence[int] | np.ndarray
                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -495,18 +521,19 @@ class KVCacheManager:
             raise
         return slots, flat, counts
 
-    def _extend_slots(self, slots: np.ndarray, flat: np.ndarray, counts: np.ndarray,
-                      changes: list[np.ndarray] | None
-                      ) -> tuple[np.ndarray, list[tuple[int, np.ndarray]], np.ndarray | None]:
+    def _extend_slots(self, slots: np.ndarray, flat: np.ndarray, counts: np.ndarray
+                      ) -> tuple[np.ndarray, list[_Chunk], np.ndarray | None]:
         """Extend request ``slots[i]`` by its ``counts[i]`` tokens of ``flat``, as ``extend`` would in order.
 
-        Returns which succeeded (bool ``[n]``), (i, columns) of each extend
-        that changed a table (ascending i), and, when a slot is listed twice,
-        each extend's table width (else None: the widths are ``_width[slots]``). Requests that stay inside their
-        partial block (``_fast_limit``) and free nothing (``_next_recycle``) are
-        updated together with array operations; the others run ``_extend`` in
-        order. They cannot interact with the fast ones, which touch no shared
-        state. A slot listed twice takes the one-by-one path.
+        Returns which succeeded (bool ``[n]``), the changed columns as chunks
+        in ascending request order (see ``_Chunk``), and, when a slot is
+        listed twice, each extend's table width (else None: the widths are
+        ``_width[slots]``). Requests that stay inside their partial block
+        (``_fast_limit``) and free nothing (``_next_recycle``) are updated
+        together with array operations; they touch no shared state, so they
+        commute with the others, which go through ``_extend_run`` (decode
+        steps, batched) or ``_extend`` one at a time, in order. A slot listed
+        twice sends the whole batch one at a time.
         """
         n = slots.size
         ok = np.ones(n, dtype=bool)
@@ -518,7 +545,7 @@ class KVCacheManager:
         fast = (t < self._next_recycle[slots]) & (ends <= self._fast_limit[slots])
         if n > 1 and self._has_repeats(slots):
             widths = np.zeros(n, dtype=np.int32)
-            return ok, self._extend_in_order(slots, flat, counts, ok, widths, changes), widths
+            return ok, self._extend_in_order(slots, flat, counts, ok, widths), widths
         ones = bool((counts == 1).all())
         offsets = np.arange(n) if ones else np.cumsum(counts) - counts
         fi = np.flatnonzero(fast)
@@ -533,7 +560,7 @@ class KVCacheManager:
                 self._tail[fs[rep], (t[fi][rep] + within) % bs] = flat[offsets[fi][rep] + within]
             self._ntok[fs] = ends[fi]
             self._changed_ok[fs] = False
-        changed: list[tuple[int, np.ndarray]] = []
+        changed: list[_Chunk] = []
         if fi.size < n:
             slow = np.flatnonzero(~fast)
             # One-token extends that free nothing and hash no extra keys go through _extend_run in
@@ -549,13 +576,10 @@ class KVCacheManager:
                 if j < slow.size:
                     self._extend_each(slow[j:j + 1], slots, flat, counts, offsets, t, ok, changed)
                 start = j + 1
-        if changes is not None:
-            found = dict(changed)
-            changes.extend(found.get(i, _NO_COLUMNS) for i in range(n))
         return ok, changed, None
 
     def _extend_each(self, index: np.ndarray, slots: np.ndarray, flat: np.ndarray, counts: np.ndarray,
-                     offsets: np.ndarray, t: np.ndarray, ok: np.ndarray, changed: list[tuple[int, np.ndarray]]) -> None:
+                     offsets: np.ndarray, t: np.ndarray, ok: np.ndarray, changed: list[_Chunk]) -> None:
         """``_extend`` of requests ``index`` (no slot repeated) one by one, in order."""
         by_slot = self._by_slot
         for i in index.tolist():
@@ -564,26 +588,27 @@ class KVCacheManager:
             if self._extend(req, flat[o:o + int(counts[i])], int(t[i])) is None:
                 ok[i] = False
             elif len(req.changed):
-                changed.append((i, self._changed_of(req)))
+                cols = self._changed_of(req)
+                changed.append(_Chunk(np.array([i]), np.array([cols.size]), cols, None))
 
     def _extend_run(self, index: np.ndarray, slots: np.ndarray, flat: np.ndarray, counts: np.ndarray,
-                    offsets: np.ndarray, t: np.ndarray, ok: np.ndarray, changed: list[tuple[int, np.ndarray]]) -> None:
+                    offsets: np.ndarray, t: np.ndarray, ok: np.ndarray, changed: list[_Chunk]) -> None:
         """One-token extends (``index``, ascending) that each open a block, fill one, or both; batched.
 
         A decode step's slow path: one pool allocation for every request that
-        crosses into a new block, one index insert for every block that
-        fills. Done in order one by one, allocations (pops and evictions of
-        cached free blocks) and inserts of new hashes commute, so the batch
-        is exact when every allocation succeeds and no hash it inserts is in
-        the index already or twice; otherwise (and when an eviction's event
-        would move) the run goes one by one.
+        crosses into a new block, one hash call and one index insert for every
+        block that fills. Done one by one in order, allocations (pops, and
+        evictions of cached free blocks) and inserts of hashes new to the index
+        commute, so the batch is exact when every allocation succeeds and
+        every hash it inserts is new and distinct; otherwise, or when an
+        eviction's event would move, the run goes one by one.
         """
         bs = self.block_size
         s = slots[index]
         tt = t[index]
         tok = flat[offsets[index]]
-        width = self._width[s].astype(np.int64)
-        need = tt == width * bs
+        width = self._width[s]
+        need = tt == width.astype(np.int64) * bs
         num_need = int(np.count_nonzero(need))
         pool = self._pool
         if num_need:
@@ -610,31 +635,40 @@ class KVCacheManager:
         # Commit: nothing below can fail.
         self._tail[s, tt % bs] = tok
         self._ntok[s] = tt + 1
+        self._changed_ok[s] = need
         if num_need:
             allocation = pool.allocate(num_need)
             assert allocation is not None, "allocation failed after the free-block check"
             self._forget(allocation.evicted_rows, allocation.evicted_blocks)
-            new_blocks = allocation.blocks
-            for j, (i, x) in enumerate(zip(index[need].tolist(), s[need].tolist())):
+            new_blocks = allocation.blocks  # [groups, num_need], in request order
+            heads = new_blocks[self._row_group] if self._expand else new_blocks
+            opened = s[need]
+            for j, x in enumerate(opened.tolist()):
                 req = by_slot[x]
                 col = req.num_blocks
-                self._place(req, new_blocks[:, j:j + 1], col + 1)
+                if col == req.table.shape[1]:
+                    req.table = _widen(req.table, col, _grow(col + 1, 4))
+                    if req.heads is not None:
+                        req.heads = _widen(req.heads, col, req.table.shape[1])
+                req.table[:, col] = new_blocks[:, j]
+                if req.heads is not None:
+                    req.heads[:, col] = heads[:, j]
+                req.num_blocks = col + 1
                 req.changed = range(col, col + 1)
                 req.view = None
-                changed.append((i, np.array([col], dtype=np.int32)))
-            self._width[s[need]] = width[need] + 1
-        self._changed_ok[s] = need
+            self._last_block[opened] = new_blocks.T
+            self._width[opened] = width[need] + 1
+            changed.append(_Chunk(index[need], np.ones(num_need, dtype=np.int32), width[need], heads))
         if hashes:
-            filled = [by_slot[x] for x in s[fill].tolist()]
-            blocks = np.stack([req.table[:, req.num_hashed] for req in filled])
-            inserted = self._index.insert(hashes, blocks)
-            if inserted.added.any():
-                r_i, r = np.nonzero(inserted.added)
-                pool.mark_cached(r, blocks[r_i, r])
-            for j, req in enumerate(filled):
+            filled = s[fill]
+            blocks = self._last_block[filled]
+            self._index.insert_new(hashes, blocks)
+            pool.mark_cached(self._group_col, blocks.T)
+            for j, x in enumerate(filled.tolist()):
+                req = by_slot[x]
                 h = hashes[j * _H:(j + 1) * _H]
                 if self.enable_events:
-                    self._store_events(req, h, Inserted(inserted.added[j:j + 1], inserted.new[j:j + 1]), blocks_tok[j])
+                    self._store_events(req, h, self._all_new, blocks_tok[j])
                 req.num_hashed += 1
                 req.last_hash = h
         limit = self._width[s].astype(np.int64) * bs
@@ -644,11 +678,11 @@ class KVCacheManager:
         self._fast_limit[s] = limit
 
     def _extend_in_order(self, slots: np.ndarray, flat: np.ndarray, counts: np.ndarray, ok: np.ndarray,
-                         widths: np.ndarray, changes: list[np.ndarray] | None) -> list[tuple[int, np.ndarray]]:
+                         widths: np.ndarray) -> list[_Chunk]:
         """``_extend_slots`` one request at a time (a slot is listed more than once)."""
         bs = self.block_size
         by_slot = self._by_slot
-        changed: list[tuple[int, np.ndarray]] = []
+        changed: list[_Chunk] = []
         offset = 0
         for i, (s, k) in enumerate(zip(slots.tolist(), counts.tolist())):
             req = by_slot[s]
@@ -658,17 +692,13 @@ class KVCacheManager:
                 self._tail[s, p:p + k] = flat[offset:offset + k]
                 self._ntok[s] = t + k
                 self._changed_ok[s] = False
-                cols = _NO_COLUMNS
             elif self._extend(req, flat[offset:offset + k], t) is None:
                 ok[i] = False
-                cols = _NO_COLUMNS
             else:
                 cols = self._changed_of(req)
                 if cols.size:
-                    changed.append((i, cols))
+                    changed.append(_Chunk(np.array([i]), np.array([cols.size]), cols, None))
             widths[i] = req.num_blocks
-            if changes is not None:
-                changes.append(cols)
             offset += k
         return changed
 
@@ -700,6 +730,7 @@ class KVCacheManager:
             self._changed_ok = _resized(self._changed_ok, size)
             self._tail = _resized(self._tail, size)
             self._keyed = _resized(self._keyed, size)
+            self._last_block = _resized(self._last_block, size)
             self._salted = _resized(self._salted, size)
             self._stamp = np.zeros(size, dtype=np.intp)
         self._by_slot.append(None)
@@ -737,6 +768,8 @@ class KVCacheManager:
             np.add.at(refs, (r, t[r, c]), 1)
             assert req.num_blocks == -(-int(self._ntok[req.slot]) // self.block_size), "table length disagrees with tokens"
             assert self._by_slot[req.slot] is req, f"slot {req.slot} does not hold its request"
+            if self._ntok[req.slot] % self.block_size:
+                assert (self._last_block[req.slot] == t[:, -1]).all(), "last block out of date"
             if req.heads is not None:
                 assert (req.heads[:, : req.num_blocks] == t[self._row_group]).all(), "rows disagree with their group"
         actual = self._pool.refcount(self._group_col, np.arange(self.num_blocks)[None, :])

@@ -240,6 +240,9 @@ class BlockHasher:
         A decode step's newly full blocks, one per request; none may carry extra keys
         (cache salt at block 0, LoRA, multimodal items): the caller checks.
         """
+        if self.native:
+            each = _chainhash.each_raw if self.algorithm == "sha256" else _chainhash.each_cbor
+            return each(np.ascontiguousarray(blocks, dtype=np.uint32).reshape(-1), self.block_size, b"".join(parents))
         chain, bs = self._chain, self.block_size
         return b"".join([chain(row, bs, parent, None, split=False) for row, parent in zip(blocks, parents)])
 
@@ -527,6 +530,25 @@ class PrefixIndex:
             self._add_keys(entries[fresh], packed[fresh])
             new[fresh] = True
         return Inserted(added, new)
+
+    def insert_new(self, hashes: bytes, blocks: np.ndarray) -> None:
+        """``insert`` of distinct hashes, none in the index, each held by a block on every row (``blocks >= 0``).
+
+        A decode step's newly full blocks once ``any_known`` said none is known:
+        no lookup and no duplicate handling; every pair is newly registered.
+        """
+        count = len(hashes) // HASH_BYTES
+        if count == 0:
+            return
+        entries = self._take_entries(count)
+        packed = np.frombuffer(hashes, dtype=_PACKED)
+        rows = np.arange(self._rows)[None, :]
+        assert (blocks >= 0).all() and (self._entry_at[rows, blocks] < 0).all(), "a pair already holds a hash"
+        self._hash_of[entries] = packed
+        self._blocks[entries] = blocks
+        self._entry_at[rows, blocks] = entries[:, None]
+        self._holders[entries] = self._rows
+        self._add_keys(entries, packed)
 
     def _insert_one(self, block_hash: bytes, blocks: np.ndarray) -> Inserted:
         """``insert`` of a single hash (a decode step filling one block) with scalar steps, not array passes."""
