@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, NamedTuple, Sequence, Union
 
 import numpy as np
 
+from kvcache.allocator import _tables
 from kvcache.allocator.errors import KVCacheError
 from kvcache.allocator.events import AllBlocksCleared, BlockRemoved, BlockStored, CacheEvent
 from kvcache.allocator.pool import BlockPool, Usage, usage
@@ -76,13 +77,11 @@ class _Request:
     table: np.ndarray  # int32 [num_groups, capacity_blocks]: one row per distinct policy
     heads: np.ndarray | None  # int32 [num_rows, capacity_blocks]: table expanded to rows, when they differ
     num_blocks: int
-    num_hashed: int  # leading full blocks whose hashes are registered
-    last_hash: BlockHash | None
     recycled: list[int]  # per window group: logical blocks [0, recycled) already given back
     cache_salt: str | None
     lora: str | None
     mm: list[MMPlaceholder] | None
-    changed: np.ndarray | range  # columns the last admit/extend that changed anything set (see _changed_ok)
+    changed: np.ndarray | range | None  # columns the last admit/extend set (None: the last one; see _changed_ok)
     view: np.ndarray | None = None  # cached read-only view of the table handed to callers
 
 
@@ -179,6 +178,7 @@ class KVCacheManager:
         self._stamp = np.zeros(0, dtype=np.intp)  # scratch for _has_repeats
         self._keyed = np.zeros(0, dtype=bool)  # the request's blocks hash extra keys (LoRA, multimodal)
         self._last_block = np.zeros((0, len(groups)), dtype=np.int32)  # each group's block in the last column
+        self._last_hash = np.zeros((0, HASH_BYTES), dtype=np.uint8)  # hash of the last full block (root: none)
         self._all_new = Inserted(np.ones((1, len(groups)), dtype=bool), np.ones(1, dtype=bool))  # one new hash
         self._salted = np.zeros(0, dtype=bool)  # the request's block 0 hashes a cache salt
         self._events: list[CacheEvent] = []
@@ -340,8 +340,7 @@ class KVCacheManager:
         slot = self._take_slot()
         req = _Request(
             slot=slot, table=table, heads=table[self._row_group] if self._expand else None,
-            num_blocks=num_blocks, num_hashed=num_hit,
-            last_hash=hashes[(num_hit - 1) * _H: num_hit * _H] if num_hit else None,
+            num_blocks=num_blocks,
             recycled=[recyclable_blocks(w, num_hit * bs, bs).stop for w, _ in self._window_groups],
             cache_salt=cache_salt, lora=lora, mm=list(mm) if mm else None,
             changed=range(0, num_blocks),
@@ -357,7 +356,9 @@ class KVCacheManager:
         partial = covered % bs
         self._tail[slot, :partial] = tokens[covered - partial:covered]
         if self._hasher is not None:
-            self._register(req, hashes[num_hit * _H: covered // bs * _H], tokens[num_hit * bs:])
+            self._last_hash[slot] = np.frombuffer(hashes[(num_hit - 1) * _H: num_hit * _H] if num_hit
+                                                  else self._hasher.root, dtype=np.uint8)
+            self._register(req, num_hit, hashes[num_hit * _H: covered // bs * _H], tokens[num_hit * bs:])
             self._queries += 1
             self._hit_requests += num_hit > 0
             self._queried_tokens += int(tokens.size)
@@ -421,14 +422,13 @@ class KVCacheManager:
         self._ntok[slot] = total
         req.changed = _columns(changed)
         self._changed_ok[slot] = True
-        if self._hasher is not None and total // bs > req.num_hashed:
-            start = req.num_hashed
-            assert start * bs == num_tokens - partial, "full blocks left unhashed"
+        start = num_tokens // bs  # every full block is hashed as it fills: the first unhashed one
+        if self._hasher is not None and total // bs > start:
             hashes = self._hasher.hash_blocks_packed(
                 pending[: (total // bs - start) * bs], cache_salt=req.cache_salt, lora=req.lora,
-                mm=req.mm, parent=req.last_hash, start_block=start,
+                mm=req.mm, parent=self._last_hash[slot].tobytes() if start else None, start_block=start,
             )
-            self._register(req, hashes, pending)
+            self._register(req, start, hashes, pending)
         rest = total % bs
         self._tail[slot, :rest] = pending[pending.size - rest:]
         self._refresh(req)
@@ -626,8 +626,7 @@ class KVCacheManager:
             if fill.size:
                 blocks_tok = self._tail[s[fill]]
                 blocks_tok[:, bs - 1] = tok[fill]
-                root = self._hasher.root
-                hashes = self._hasher.hash_each(blocks_tok, [by_slot[x].last_hash or root for x in s[fill].tolist()])
+                hashes = self._hasher.hash_each(blocks_tok, self._last_hash[s[fill]].tobytes())
                 if (fill.size > 1 and len(set(np.frombuffer(hashes, dtype=_PACKED).tolist())) < fill.size) or \
                         self._index.any_known(hashes):
                     self._extend_each(index, slots, flat, counts, offsets, t, ok, changed)
@@ -643,18 +642,20 @@ class KVCacheManager:
             new_blocks = allocation.blocks  # [groups, num_need], in request order
             heads = new_blocks[self._row_group] if self._expand else new_blocks
             opened = s[need]
-            for j, x in enumerate(opened.tolist()):
-                req = by_slot[x]
-                col = req.num_blocks
-                if col == req.table.shape[1]:
-                    req.table = _widen(req.table, col, _grow(col + 1, 4))
-                    if req.heads is not None:
-                        req.heads = _widen(req.heads, col, req.table.shape[1])
+            reqs = [by_slot[x] for x in opened.tolist()]
+            cols = width[need].astype(np.int64)
+            new_blocks = np.ascontiguousarray(new_blocks, dtype=np.int32)
+            for j in _tables.set_columns([req.table for req in reqs], cols, new_blocks):
+                req, col = reqs[j], int(cols[j])  # a full table: twice the columns
+                req.table = _widen(req.table, col, _grow(col + 1, 4))
                 req.table[:, col] = new_blocks[:, j]
                 if req.heads is not None:
-                    req.heads[:, col] = heads[:, j]
-                req.num_blocks = col + 1
-                req.changed = range(col, col + 1)
+                    req.heads = _widen(req.heads, col, req.table.shape[1])
+            if self._expand:
+                assert not _tables.set_columns([req.heads for req in reqs], cols, heads), "rows narrower than table"
+            for req in reqs:
+                req.num_blocks += 1
+                req.changed = None
                 req.view = None
             self._last_block[opened] = new_blocks.T
             self._width[opened] = width[need] + 1
@@ -664,13 +665,10 @@ class KVCacheManager:
             blocks = self._last_block[filled]
             self._index.insert_new(hashes, blocks)
             pool.mark_cached(self._group_col, blocks.T)
-            for j, x in enumerate(filled.tolist()):
-                req = by_slot[x]
-                h = hashes[j * _H:(j + 1) * _H]
-                if self.enable_events:
-                    self._store_events(req, h, self._all_new, blocks_tok[j])
-                req.num_hashed += 1
-                req.last_hash = h
+            if self.enable_events:
+                for j, (x, start) in enumerate(zip(filled.tolist(), (tt[fill] // bs).tolist())):
+                    self._store_events(by_slot[x], start, hashes[j * _H:(j + 1) * _H], self._all_new, blocks_tok[j])
+            self._last_hash[filled] = np.frombuffer(hashes, dtype=np.uint8).reshape(-1, _H)
         limit = self._width[s].astype(np.int64) * bs
         if self._hasher is not None:
             # Every full block is hashed, so the last block is the first unhashed one: stop before it fills.
@@ -706,6 +704,8 @@ class KVCacheManager:
         """``changed_columns`` of a request record."""
         if not self._changed_ok[req.slot]:
             return _NO_COLUMNS
+        if req.changed is None:
+            return np.array([req.num_blocks - 1], dtype=np.int32)
         if isinstance(req.changed, range):
             return np.arange(req.changed.start, req.changed.stop, dtype=np.int32)
         return req.changed
@@ -731,6 +731,7 @@ class KVCacheManager:
             self._tail = _resized(self._tail, size)
             self._keyed = _resized(self._keyed, size)
             self._last_block = _resized(self._last_block, size)
+            self._last_hash = _resized(self._last_hash, size)
             self._salted = _resized(self._salted, size)
             self._stamp = np.zeros(size, dtype=np.intp)
         self._by_slot.append(None)
@@ -851,14 +852,13 @@ class KVCacheManager:
         live = blocks >= 0
         return rows[live], blocks[live], stops
 
-    def _register(self, req: _Request, hashes: bytes, tokens: np.ndarray) -> None:
-        """Enter the request's newly full blocks (packed ``hashes``, from block ``num_hashed`` on) in the index.
+    def _register(self, req: _Request, start: int, hashes: bytes, tokens: np.ndarray) -> None:
+        """Enter the request's newly full blocks (packed ``hashes``, from block ``start`` on) in the index.
 
-        ``tokens`` are the request's tokens from block ``num_hashed`` on (for events).
+        ``tokens`` are the request's tokens from block ``start`` on (for events).
         """
         if not hashes:
             return
-        start = req.num_hashed
         stop = start + len(hashes) // _H
         blocks = req.table[:, start:stop].T
         inserted = self._index.insert(hashes, blocks)
@@ -866,9 +866,8 @@ class KVCacheManager:
             i, r = np.nonzero(inserted.added)
             self._pool.mark_cached(r, blocks[i, r])
         if self.enable_events and inserted.new.any():
-            self._store_events(req, hashes, inserted, tokens)
-        req.num_hashed = stop
-        req.last_hash = hashes[-_H:]
+            self._store_events(req, start, hashes, inserted, tokens)
+        self._last_hash[req.slot] = np.frombuffer(hashes[-_H:], dtype=np.uint8)
 
     def _forget(self, rows: np.ndarray, blocks: np.ndarray) -> None:
         """Drop evicted (row, block) pairs from the index and report the hashes that left it."""
@@ -879,10 +878,10 @@ class KVCacheManager:
         if self.enable_events and len(removed.gone):
             self._events.append(BlockRemoved(tuple(bytes(h) for h in removed.gone)))
 
-    def _store_events(self, req: _Request, packed: bytes, inserted: Inserted, tokens: np.ndarray) -> None:
+    def _store_events(self, req: _Request, start: int, packed: bytes, inserted: Inserted, tokens: np.ndarray) -> None:
         """One BlockStored per run of consecutive hashes new to the index and stored on the same rows.
 
-        ``packed`` hashes blocks ``num_hashed`` on, whose tokens ``tokens`` start with.
+        ``packed`` hashes blocks ``start`` on, whose tokens ``tokens`` start with.
         """
         bs = self.block_size
         hashes = [packed[i: i + _H] for i in range(0, len(packed), _H)]
@@ -895,7 +894,8 @@ class KVCacheManager:
             if keys[run_start] is not None:
                 self._events.append(BlockStored(
                     block_hashes=tuple(hashes[run_start:i]),
-                    parent_block_hash=hashes[run_start - 1] if run_start else req.last_hash,
+                    parent_block_hash=(hashes[run_start - 1] if run_start else
+                                       self._last_hash[req.slot].tobytes() if start else None),
                     token_ids=tokens[run_start * bs: i * bs].copy(),
                     block_size=bs,
                     rows=self._rows_of(np.flatnonzero(inserted.added[run_start])),
@@ -911,7 +911,7 @@ class KVCacheManager:
         # An extend up to ``limit`` tokens stays in the last block and, with hashing, does not fill it.
         limit = req.num_blocks * bs
         if self._hasher is not None:
-            limit = min(limit, (req.num_hashed + 1) * bs - 1)
+            limit = min(limit, (int(self._ntok[slot]) // bs + 1) * bs - 1)
         self._fast_limit[slot] = limit
         # The first num_computed_tokens at which a window row would give a block back.
         self._next_recycle[slot] = min(

@@ -234,17 +234,19 @@ class BlockHasher:
         """``hash_blocks`` as one ``bytes`` of ``32 * num_full_blocks``: no object per block (what PrefixIndex takes)."""
         return self._hash(tokens, cache_salt, lora, mm, parent, start_block, split=False)  # type: ignore[return-value]
 
-    def hash_each(self, blocks: np.ndarray, parents: Sequence[bytes]) -> bytes:
-        """Packed hashes of full blocks of different requests: row j of ``blocks`` (uint32 ``[m, block_size]``) after ``parents[j]``.
+    def hash_each(self, blocks: np.ndarray, parents: bytes) -> bytes:
+        """Packed hashes of full blocks of different requests: row j of ``blocks`` (uint32 ``[m, block_size]``) after parent j.
 
+        ``parents`` packs one 32-byte parent per row (the root for a request's block 0).
         A decode step's newly full blocks, one per request; none may carry extra keys
         (cache salt at block 0, LoRA, multimodal items): the caller checks.
         """
         if self.native:
             each = _chainhash.each_raw if self.algorithm == "sha256" else _chainhash.each_cbor
-            return each(np.ascontiguousarray(blocks, dtype=np.uint32).reshape(-1), self.block_size, b"".join(parents))
+            return each(np.ascontiguousarray(blocks, dtype=np.uint32).reshape(-1), self.block_size, parents)
         chain, bs = self._chain, self.block_size
-        return b"".join([chain(row, bs, parent, None, split=False) for row, parent in zip(blocks, parents)])
+        return b"".join([chain(row, bs, parents[j * HASH_BYTES:(j + 1) * HASH_BYTES], None, split=False)
+                         for j, row in enumerate(blocks)])
 
     def _hash(
         self,

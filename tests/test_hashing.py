@@ -666,6 +666,6 @@ def test_hash_each_is_each_requests_next_block_hash(algorithm, block_size, count
     blocks = rng.integers(0, 2**32, (count, block_size), dtype=np.uint32)
     parents = [rng.bytes(32) for _ in range(count)]
     want = b"".join(hasher.hash_blocks_packed(b, parent=p, start_block=1) for b, p in zip(blocks, parents))
-    assert hasher.hash_each(blocks, parents) == want
+    assert hasher.hash_each(blocks, b"".join(parents)) == want
     with pytest.raises(ValueError, match="parent"):
         native.each_raw(blocks.reshape(-1), block_size, b"\0" * (32 * count + 1))
