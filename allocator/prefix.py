@@ -508,7 +508,12 @@ class PrefixIndex:
         """
         if len(hashes) == HASH_BYTES:
             return self._insert_one(hashes, blocks[0])
-        entries = self._find(hashes, stop_at_miss=False).astype(np.intp)
+        found = self._find(hashes, stop_at_miss=False)
+        if int(found.max(initial=-1)) < 0 and int(blocks.min(initial=0)) >= 0:
+            # Every hash new and every row holding a block (an admit without a prefix hit): no merging.
+            self.insert_new(hashes, blocks)
+            return Inserted(np.ones(blocks.shape, dtype=bool), np.ones(len(found), dtype=bool))
+        entries = found.astype(np.intp)
         fresh = np.flatnonzero(entries < 0)
         packed = np.frombuffer(hashes, dtype=_PACKED)
         if fresh.size:
