@@ -3,7 +3,8 @@
  * Every request owns its table, an int32 [rows, capacity] numpy array. A decode step opens a new
  * block in one request of every block_size: one column to write per such request, in a different
  * array each time, which numpy cannot do in one operation and a Python loop does at ~1 us a
- * request. Here one call writes them all.
+ * request. Here one call writes them all; another runs a decode step's fast path (extends that stay
+ * inside their partial last block) over the manager's slot arrays in one pass.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -74,7 +75,98 @@ done:
     return skipped;
 }
 
+PyDoc_STRVAR(extend_fast_doc,
+"extend_fast(slots, counts, tokens, num_tokens, fast_limit, next_recycle, tail, changed, stamp) -> bytes | None\n\n"
+"The fast path of a batch of extends, in one pass. Request i (slot slots[i], intp) gets the next counts[i]\n"
+"(int64) of tokens (uint32). It is fast when num_tokens[s] < next_recycle[s] and num_tokens[s] + counts[i]\n"
+"<= fast_limit[s] (int64 arrays): its tokens go to tail[s, num_tokens[s] % block_size ...] (uint32\n"
+"[slots, block_size]; the limit keeps them in one block), num_tokens[s] grows and changed[s] (bool) is\n"
+"cleared. Returns the other requests' i, ascending, as packed intp; or None, changing nothing, when a slot\n"
+"is listed twice (stamp: intp scratch, one entry per slot).");
+
+static PyObject *extend_fast(PyObject *self, PyObject *args)
+{
+    (void)self;
+    Py_buffer slots, counts, tokens, ntok, limit, recycle, tail, changed, stamp;
+    if (!PyArg_ParseTuple(args, "y*y*y*w*y*y*w*w*w*", &slots, &counts, &tokens, &ntok, &limit, &recycle, &tail,
+                          &changed, &stamp))
+        return NULL;
+    PyObject *result = NULL;
+    const Py_ssize_t n = slots.len / (Py_ssize_t)sizeof(Py_ssize_t);
+    const Py_ssize_t cap = ntok.len / (Py_ssize_t)sizeof(int64_t);
+    const Py_ssize_t bs = cap ? tail.len / (Py_ssize_t)sizeof(uint32_t) / cap : 0;
+    if (counts.len != n * (Py_ssize_t)sizeof(int64_t) || limit.len != ntok.len || recycle.len != ntok.len
+        || changed.len != cap || stamp.len != cap * (Py_ssize_t)sizeof(Py_ssize_t)
+        || (cap && tail.len != cap * bs * (Py_ssize_t)sizeof(uint32_t)) || tokens.len % sizeof(uint32_t)) {
+        PyErr_SetString(PyExc_ValueError, "extend_fast: array sizes disagree");
+        goto done;
+    }
+    const Py_ssize_t *slot = slots.buf;
+    const int64_t *count = counts.buf;
+    const uint32_t *tok = tokens.buf;
+    const Py_ssize_t num_tok = tokens.len / (Py_ssize_t)sizeof(uint32_t);
+    int64_t *nt = ntok.buf;
+    const int64_t *lim = limit.buf, *rec = recycle.buf;
+    uint32_t *tl = tail.buf;
+    uint8_t *ch = changed.buf;
+    Py_ssize_t *st = stamp.buf;
+    Py_ssize_t total = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (slot[i] < 0 || slot[i] >= cap || count[i] < 0) {
+            PyErr_Format(PyExc_ValueError, "extend_fast: slot %zd or count %lld out of range", slot[i],
+                         (long long)count[i]);
+            goto done;
+        }
+        st[slot[i]] = i;
+        total += count[i];
+    }
+    if (total != num_tok) {
+        PyErr_Format(PyExc_ValueError, "extend_fast: counts sum to %zd, %zd tokens given", total, num_tok);
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (st[slot[i]] != i) { /* listed twice: the caller goes one by one */
+            Py_INCREF(Py_None);
+            result = Py_None;
+            goto done;
+        }
+    }
+    result = PyBytes_FromStringAndSize(NULL, n * (Py_ssize_t)sizeof(Py_ssize_t));
+    if (!result)
+        goto done;
+    Py_ssize_t *slow = (Py_ssize_t *)PyBytes_AS_STRING(result);
+    Py_ssize_t num_slow = 0, offset = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const Py_ssize_t s = slot[i];
+        const int64_t t = nt[s], k = count[i];
+        if (t < rec[s] && t + k <= lim[s]) {
+            uint32_t *row = tl + s * bs + t % bs;
+            for (int64_t j = 0; j < k; j++)
+                row[j] = tok[offset + j];
+            nt[s] = t + k;
+            ch[s] = 0;
+        } else {
+            slow[num_slow++] = i;
+        }
+        offset += k;
+    }
+    if (_PyBytes_Resize(&result, num_slow * (Py_ssize_t)sizeof(Py_ssize_t)) < 0)
+        result = NULL;
+done:
+    PyBuffer_Release(&slots);
+    PyBuffer_Release(&counts);
+    PyBuffer_Release(&tokens);
+    PyBuffer_Release(&ntok);
+    PyBuffer_Release(&limit);
+    PyBuffer_Release(&recycle);
+    PyBuffer_Release(&tail);
+    PyBuffer_Release(&changed);
+    PyBuffer_Release(&stamp);
+    return result;
+}
+
 static PyMethodDef methods[] = {
+    {"extend_fast", extend_fast, METH_VARARGS, extend_fast_doc},
     {"set_columns", set_columns, METH_VARARGS, set_columns_doc},
     {NULL, NULL, 0, NULL},
 };

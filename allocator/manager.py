@@ -510,7 +510,7 @@ class KVCacheManager:
             raise KVCacheError(f"counts: need one integer per request ({len(request_ids)}), got {counts.shape}")
         if counts.size and int(counts.min()) < 0:
             raise KVCacheError("counts: must not be negative")
-        counts = counts.astype(np.int64, copy=False)
+        counts = np.ascontiguousarray(counts, dtype=np.int64)
         if int(counts.sum()) != flat.size:
             raise KVCacheError(f"counts: sum to {int(counts.sum())} but {flat.size} tokens were given")
         try:
@@ -530,7 +530,7 @@ class KVCacheManager:
         listed twice, each extend's table width (else None: the widths are
         ``_width[slots]``). Requests that stay inside their partial block
         (``_fast_limit``) and free nothing (``_next_recycle``) are updated
-        together with array operations; they touch no shared state, so they
+        in one C pass (``_tables.extend_fast``); they touch no shared state, so they
         commute with the others, which go through ``_extend_run`` (decode
         steps, batched) or ``_extend`` one at a time, in order. A slot listed
         twice sends the whole batch one at a time.
@@ -540,29 +540,16 @@ class KVCacheManager:
         if n == 0:
             return ok, [], None
         bs = self.block_size
-        t = self._ntok[slots]
-        ends = t + counts
-        fast = (t < self._next_recycle[slots]) & (ends <= self._fast_limit[slots])
-        if n > 1 and self._has_repeats(slots):
+        slow_packed = _tables.extend_fast(slots, counts, flat, self._ntok, self._fast_limit, self._next_recycle,
+                                          self._tail, self._changed_ok, self._stamp)
+        if slow_packed is None:
             widths = np.zeros(n, dtype=np.int32)
             return ok, self._extend_in_order(slots, flat, counts, ok, widths), widths
-        ones = bool((counts == 1).all())
-        offsets = np.arange(n) if ones else np.cumsum(counts) - counts
-        fi = np.flatnonzero(fast)
-        if fi.size:
-            fs = slots[fi] if fi.size < n else slots
-            if ones:
-                self._tail[fs, t[fi] % bs] = flat[fi]
-            else:
-                kf = counts[fi]
-                rep = np.repeat(np.arange(fi.size), kf)
-                within = np.arange(rep.size) - np.repeat(np.cumsum(kf) - kf, kf)
-                self._tail[fs[rep], (t[fi][rep] + within) % bs] = flat[offsets[fi][rep] + within]
-            self._ntok[fs] = ends[fi]
-            self._changed_ok[fs] = False
         changed: list[_Chunk] = []
-        if fi.size < n:
-            slow = np.flatnonzero(~fast)
+        if slow_packed:
+            slow = np.frombuffer(slow_packed, dtype=np.intp)
+            t = self._ntok[slots]  # the slow ones' are still as before the batch
+            offsets = np.cumsum(counts) - counts
             # One-token extends that free nothing and hash no extra keys go through _extend_run in
             # runs; any other request runs alone between them, so the order of pool and index
             # operations is the one-by-one order.
@@ -709,12 +696,6 @@ class KVCacheManager:
         if isinstance(req.changed, range):
             return np.arange(req.changed.start, req.changed.stop, dtype=np.int32)
         return req.changed
-
-    def _has_repeats(self, slots: np.ndarray) -> bool:
-        """Whether a slot appears more than once (one scatter and one gather, no sort)."""
-        order = np.arange(slots.size)
-        self._stamp[slots] = order
-        return bool((self._stamp[slots] != order).any())
 
     def _take_slot(self) -> int:
         """A free row of the per-request arrays, growing them by doubling."""

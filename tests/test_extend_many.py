@@ -194,3 +194,17 @@ def test_extend_many_deltas_refuses_bad_input_before_any_change():
         with pytest.raises(KVCacheError, match=field):
             m.extend_many_deltas(*args)
         assert m.num_tokens("a") == 3
+
+
+def test_extend_many_takes_strided_counts_and_any_integer_tokens():
+    """Counts and tokens as views or other integer dtypes give the same result as plain arrays."""
+    a, b = KVCacheManager(64, 4, hash_seed=b"x"), KVCacheManager(64, 4, hash_seed=b"x")
+    for m in (a, b):
+        for rid in range(3):
+            m.admit(rid, list(range(rid, rid + 3)))
+    strided = np.array([[1, 9], [2, 9], [1, 9]], dtype=np.int16)[:, 0]
+    got = a.extend_many([0, 1, 2], np.array([5, 6, 7, 8], dtype=np.uint16), strided)
+    want = b.extend_many([0, 1, 2], np.array([5, 6, 7, 8], dtype=np.uint32), np.array([1, 2, 1]))
+    assert [t.tolist() for t in got] == [t.tolist() for t in want]
+    assert [a.num_tokens(r) for r in range(3)] == [b.num_tokens(r) for r in range(3)] == [4, 5, 4]
+    assert a.lookup([0, 1, 2, 5, 0]) == b.lookup([0, 1, 2, 5, 0]) == 4
