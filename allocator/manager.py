@@ -83,6 +83,18 @@ class _Request:
     mm: list[MMPlaceholder] | None
     changed: np.ndarray | range | None  # columns the last admit/extend set (None: the last one; see _changed_ok)
     view: np.ndarray | None = None  # cached read-only view of the table handed to callers
+    legacy: tuple | None = None  # unpickled from an older snapshot: (tokens, num_tokens, last_hash) until adopted
+
+    def __setstate__(self, state: tuple[None, dict[str, object]]) -> None:
+        """Unpickle, keeping an older snapshot's per-request fields (now slot arrays) in ``legacy``."""
+        fields = dict(state[1])
+        if "tokens" in fields:  # written before the slot arrays: see KVCacheManager._adopt_legacy
+            fields["legacy"] = (fields["tokens"], fields["num_tokens"], fields["last_hash"])
+            fields["slot"] = -1
+            for old in ("tokens", "num_tokens", "num_hashed", "last_hash", "fast_limit", "next_recycle"):
+                fields.pop(old, None)
+        for name, value in fields.items():
+            object.__setattr__(self, name, value)
 
 
 class _Chunk(NamedTuple):
@@ -163,9 +175,34 @@ class KVCacheManager:
             (p, np.array([g], dtype=np.intp)) for g, p in enumerate(groups) if isinstance(p, Window)
         ]
         self._requests: dict[object, _Request] = {}
-        # Per-request hot fields as slot-indexed arrays, so a decode step updates them all at once:
-        # tokens covered, the fast-path limits (see _refresh), the partial last block's tokens,
-        # and whether req.changed is current (a fast-path extend changes no column).
+        self._init_slots()
+        self._events: list[CacheEvent] = []
+        self._group_sizes = np.bincount(self._row_group)
+        self._queries = self._hit_requests = self._queried_tokens = self._hit_tokens = 0
+        self._evicted = self._recycled = 0
+
+    def __setstate__(self, state: dict) -> None:
+        """Unpickling (a journal snapshot): cached table views would be copies now, so drop them.
+
+        A snapshot written before the slot arrays existed (its requests kept
+        their own tokens and counts) is converted, so a daemon upgraded in
+        place recovers its journal.
+        """
+        self.__dict__.update(state)
+        if "_slot_of" not in state:
+            self._adopt_legacy()
+        for req in self._requests.values():
+            req.view = None
+
+    def _init_slots(self) -> None:
+        """Empty per-request slot arrays: a decode step updates these hot fields all at once.
+
+        Per slot: tokens covered, the fast-path limits (see _refresh), the table
+        width, whether req.changed is current (a fast-path extend changes no
+        column), the partial last block's tokens, the last column's blocks, the
+        last full block's hash, and whether hashing needs extra keys.
+        """
+        groups = len(self._group_col)
         self._slot_of: dict[object, int] = {}
         self._by_slot: list[_Request | None] = []
         self._free_slots: list[int] = []
@@ -174,23 +211,35 @@ class KVCacheManager:
         self._next_recycle = np.zeros(0, dtype=np.int64)
         self._width = np.zeros(0, dtype=np.int32)
         self._changed_ok = np.zeros(0, dtype=bool)
-        self._tail = np.zeros((0, block_size), dtype=np.uint32)
-        self._stamp = np.zeros(0, dtype=np.intp)  # scratch for _has_repeats
+        self._tail = np.zeros((0, self.block_size), dtype=np.uint32)
+        self._stamp = np.zeros(0, dtype=np.intp)  # scratch for _tables.extend_fast
         self._keyed = np.zeros(0, dtype=bool)  # the request's blocks hash extra keys (LoRA, multimodal)
-        self._last_block = np.zeros((0, len(groups)), dtype=np.int32)  # each group's block in the last column
-        self._last_hash = np.zeros((0, HASH_BYTES), dtype=np.uint8)  # hash of the last full block (root: none)
-        self._all_new = Inserted(np.ones((1, len(groups)), dtype=bool), np.ones(1, dtype=bool))  # one new hash
         self._salted = np.zeros(0, dtype=bool)  # the request's block 0 hashes a cache salt
-        self._events: list[CacheEvent] = []
-        self._group_sizes = np.bincount(self._row_group)
-        self._queries = self._hit_requests = self._queried_tokens = self._hit_tokens = 0
-        self._evicted = self._recycled = 0
+        self._last_block = np.zeros((0, groups), dtype=np.int32)  # each group's block in the last column
+        self._last_hash = np.zeros((0, HASH_BYTES), dtype=np.uint8)  # hash of the last full block (root: none)
+        self._all_new = Inserted(np.ones((1, groups), dtype=bool), np.ones(1, dtype=bool))  # one new hash, all rows
 
-    def __setstate__(self, state: dict) -> None:
-        """Unpickling (a journal snapshot): cached table views would be copies now, so drop them."""
-        self.__dict__.update(state)
-        for req in self._requests.values():
-            req.view = None
+    def _adopt_legacy(self) -> None:
+        """Move the hot fields of a pre-slot-array snapshot's requests (``req.legacy``) into slot arrays."""
+        self._init_slots()
+        bs = self.block_size
+        for rid, req in self._requests.items():
+            assert req.legacy is not None, f"request {rid!r} of a legacy snapshot has no legacy fields"
+            tokens, num_tokens, last_hash = req.legacy
+            req.legacy = None
+            slot = req.slot = self._take_slot()
+            self._slot_of[rid] = slot
+            self._by_slot[slot] = req
+            self._ntok[slot] = num_tokens
+            self._changed_ok[slot] = True
+            self._keyed[slot] = req.lora is not None or bool(req.mm)
+            self._salted[slot] = bool(req.cache_salt)
+            self._last_block[slot] = req.table[:, req.num_blocks - 1]
+            if self._hasher is not None:
+                self._last_hash[slot] = np.frombuffer(last_hash or self._hasher.root, dtype=np.uint8)
+            partial = num_tokens % bs
+            self._tail[slot, :partial] = tokens[num_tokens - partial:num_tokens]
+            self._refresh(req)
 
     @classmethod
     def from_spec(
