@@ -76,27 +76,32 @@ done:
 }
 
 PyDoc_STRVAR(extend_fast_doc,
-"extend_fast(slots, counts, tokens, num_tokens, fast_limit, next_recycle, tail, changed, stamp) -> bytes | None\n\n"
+"extend_fast(slots, counts, tokens, num_tokens, fast_limit, next_recycle, tail, changed, stamp, keyed, salted,\n"
+"            hashing) -> (bytes, bytes) | None\n\n"
 "The fast path of a batch of extends, in one pass. Request i (slot slots[i], intp) gets the next counts[i]\n"
 "(int64) of tokens (uint32). It is fast when num_tokens[s] < next_recycle[s] and num_tokens[s] + counts[i]\n"
 "<= fast_limit[s] (int64 arrays): its tokens go to tail[s, num_tokens[s] % block_size ...] (uint32\n"
 "[slots, block_size]; the limit keeps them in one block), num_tokens[s] grows and changed[s] (bool) is\n"
-"cleared. Returns the other requests' i, ascending, as packed intp; or None, changing nothing, when a slot\n"
-"is listed twice (stamp: intp scratch, one entry per slot).");
+"cleared. Returns the other requests' i, ascending, as packed intp, and per such request whether it is a\n"
+"plain decode extend (one token, num_tokens[s] < next_recycle[s], and with hashing no extra keys: not\n"
+"keyed[s], and not salted[s] unless past block 0) as bytes of 0/1; or None, changing nothing, when a slot is\n"
+"listed twice (stamp: intp scratch, one entry per slot).");
 
 static PyObject *extend_fast(PyObject *self, PyObject *args)
 {
     (void)self;
-    Py_buffer slots, counts, tokens, ntok, limit, recycle, tail, changed, stamp;
-    if (!PyArg_ParseTuple(args, "y*y*y*w*y*y*w*w*w*", &slots, &counts, &tokens, &ntok, &limit, &recycle, &tail,
-                          &changed, &stamp))
+    Py_buffer slots, counts, tokens, ntok, limit, recycle, tail, changed, stamp, keyed, salted;
+    int hashing;
+    if (!PyArg_ParseTuple(args, "y*y*y*w*y*y*w*w*w*y*y*p", &slots, &counts, &tokens, &ntok, &limit, &recycle, &tail,
+                          &changed, &stamp, &keyed, &salted, &hashing))
         return NULL;
-    PyObject *result = NULL;
+    PyObject *result = NULL, *slow_obj = NULL, *plain_obj = NULL;
     const Py_ssize_t n = slots.len / (Py_ssize_t)sizeof(Py_ssize_t);
     const Py_ssize_t cap = ntok.len / (Py_ssize_t)sizeof(int64_t);
     const Py_ssize_t bs = cap ? tail.len / (Py_ssize_t)sizeof(uint32_t) / cap : 0;
     if (counts.len != n * (Py_ssize_t)sizeof(int64_t) || limit.len != ntok.len || recycle.len != ntok.len
-        || changed.len != cap || stamp.len != cap * (Py_ssize_t)sizeof(Py_ssize_t)
+        || changed.len != cap || keyed.len != cap || salted.len != cap
+        || stamp.len != cap * (Py_ssize_t)sizeof(Py_ssize_t)
         || (cap && tail.len != cap * bs * (Py_ssize_t)sizeof(uint32_t)) || tokens.len % sizeof(uint32_t)) {
         PyErr_SetString(PyExc_ValueError, "extend_fast: array sizes disagree");
         goto done;
@@ -131,10 +136,13 @@ static PyObject *extend_fast(PyObject *self, PyObject *args)
             goto done;
         }
     }
-    result = PyBytes_FromStringAndSize(NULL, n * (Py_ssize_t)sizeof(Py_ssize_t));
-    if (!result)
+    slow_obj = PyBytes_FromStringAndSize(NULL, n * (Py_ssize_t)sizeof(Py_ssize_t));
+    plain_obj = PyBytes_FromStringAndSize(NULL, n);
+    if (!slow_obj || !plain_obj)
         goto done;
-    Py_ssize_t *slow = (Py_ssize_t *)PyBytes_AS_STRING(result);
+    Py_ssize_t *slow = (Py_ssize_t *)PyBytes_AS_STRING(slow_obj);
+    uint8_t *plain = (uint8_t *)PyBytes_AS_STRING(plain_obj);
+    const uint8_t *key = keyed.buf, *salt = salted.buf;
     Py_ssize_t num_slow = 0, offset = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         const Py_ssize_t s = slot[i];
@@ -146,13 +154,20 @@ static PyObject *extend_fast(PyObject *self, PyObject *args)
             nt[s] = t + k;
             ch[s] = 0;
         } else {
+            plain[num_slow] = k == 1 && t < rec[s] && (!hashing || (!key[s] && (t >= bs || !salt[s])));
             slow[num_slow++] = i;
         }
         offset += k;
     }
-    if (_PyBytes_Resize(&result, num_slow * (Py_ssize_t)sizeof(Py_ssize_t)) < 0)
-        result = NULL;
+    if (_PyBytes_Resize(&slow_obj, num_slow * (Py_ssize_t)sizeof(Py_ssize_t)) < 0
+        || _PyBytes_Resize(&plain_obj, num_slow) < 0)
+        goto done;
+    result = PyTuple_Pack(2, slow_obj, plain_obj);
 done:
+    Py_XDECREF(slow_obj);
+    Py_XDECREF(plain_obj);
+    PyBuffer_Release(&keyed);
+    PyBuffer_Release(&salted);
     PyBuffer_Release(&slots);
     PyBuffer_Release(&counts);
     PyBuffer_Release(&tokens);

@@ -589,24 +589,21 @@ class KVCacheManager:
         if n == 0:
             return ok, [], None
         bs = self.block_size
-        slow_packed = _tables.extend_fast(slots, counts, flat, self._ntok, self._fast_limit, self._next_recycle,
-                                          self._tail, self._changed_ok, self._stamp)
-        if slow_packed is None:
+        found = _tables.extend_fast(slots, counts, flat, self._ntok, self._fast_limit, self._next_recycle, self._tail,
+                                    self._changed_ok, self._stamp, self._keyed, self._salted, self._hasher is not None)
+        if found is None:
             widths = np.zeros(n, dtype=np.int32)
             return ok, self._extend_in_order(slots, flat, counts, ok, widths), widths
         changed: list[_Chunk] = []
-        if slow_packed:
-            slow = np.frombuffer(slow_packed, dtype=np.intp)
+        if found[0]:
+            slow = np.frombuffer(found[0], dtype=np.intp)
             t = self._ntok[slots]  # the slow ones' are still as before the batch
             offsets = np.cumsum(counts) - counts
-            # One-token extends that free nothing and hash no extra keys go through _extend_run in
+            # Plain one-token extends (nothing to free, no extra keys to hash) go through _extend_run in
             # runs; any other request runs alone between them, so the order of pool and index
             # operations is the one-by-one order.
-            simple = (counts[slow] == 1) & (t[slow] < self._next_recycle[slots[slow]])
-            if self._hasher is not None:
-                simple &= ~self._keyed[slots[slow]] & ((t[slow] >= bs) | ~self._salted[slots[slow]])
             start = 0
-            for j in [*np.flatnonzero(~simple).tolist(), slow.size]:
+            for j in [*(i for i, plain in enumerate(found[1]) if not plain), slow.size]:
                 if j > start:
                     self._extend_run(slow[start:j], slots, flat, counts, offsets, t, ok, changed)
                 if j < slow.size:
@@ -644,7 +641,8 @@ class KVCacheManager:
         tt = t[index]
         tok = flat[offsets[index]]
         width = self._width[s]
-        need = tt == width.astype(np.int64) * bs
+        pos = tt % bs
+        need = pos == 0  # at a block boundary: opens a block (a request holds >= 1 token)
         num_need = int(np.count_nonzero(need))
         pool = self._pool
         if num_need:
@@ -656,8 +654,7 @@ class KVCacheManager:
         by_slot = self._by_slot
         hashes = b""
         if self._hasher is not None:
-            fills = (tt + 1) % bs == 0
-            assert (need | fills).all(), "a slow one-token extend that neither opens nor fills a block"
+            fills = pos == bs - 1
             fill = np.flatnonzero(fills)
             if fill.size:
                 blocks_tok = self._tail[s[fill]]
@@ -668,7 +665,7 @@ class KVCacheManager:
                     self._extend_each(index, slots, flat, counts, offsets, t, ok, changed)
                     return
         # Commit: nothing below can fail.
-        self._tail[s, tt % bs] = tok
+        self._tail[s, pos] = tok
         self._ntok[s] = tt + 1
         self._changed_ok[s] = need
         if num_need:
@@ -700,16 +697,17 @@ class KVCacheManager:
             filled = s[fill]
             blocks = self._last_block[filled]
             self._index.insert_new(hashes, blocks)
-            pool.mark_cached(self._group_col, blocks.T)
+            pool.mark_cached_columns(blocks)
             if self.enable_events:
                 for j, (x, start) in enumerate(zip(filled.tolist(), (tt[fill] // bs).tolist())):
                     self._store_events(by_slot[x], start, hashes[j * _H:(j + 1) * _H], self._all_new, blocks_tok[j])
             self._last_hash[filled] = np.frombuffer(hashes, dtype=np.uint8).reshape(-1, _H)
-        limit = self._width[s].astype(np.int64) * bs
-        if self._hasher is not None:
-            # Every full block is hashed, so the last block is the first unhashed one: stop before it fills.
-            limit = np.minimum(limit, (tt + 1) // bs * bs + bs - 1)
-        self._fast_limit[s] = limit
+        # _refresh's limits: an opened block takes bs tokens (with hashing bs - 1: its last one fills
+        # it), a filled one none (the next extend opens a block).
+        if self._hasher is None:
+            self._fast_limit[s] = tt + bs
+        else:
+            self._fast_limit[s] = np.where(fills, tt + 1, tt + bs - 1)
 
     def _extend_in_order(self, slots: np.ndarray, flat: np.ndarray, counts: np.ndarray, ok: np.ndarray,
                          widths: np.ndarray) -> list[_Chunk]:
