@@ -510,12 +510,15 @@ class KVCacheManager:
         gives after each extend).
         """
         slots, flat, counts = self._check_many(request_ids, tokens, counts)
-        ok, changed, _ = self._extend_slots(slots, flat, counts)
+        views: list[np.ndarray | None] = []
+        ok, changed, widths = self._extend_slots(slots, flat, counts, views)
         if changes is not None:
             found: dict[int, np.ndarray] = {}
             for index, sizes, cols, _ in changed:
                 found.update(zip(index.tolist(), np.split(cols, np.cumsum(sizes)[:-1])))
             changes.extend(found.get(i, _NO_COLUMNS) for i in range(slots.size))
+        if widths is not None:  # a slot listed twice: each extend's table as it was made, as one by one
+            return views
         by_slot = self._by_slot
         out: list[np.ndarray | None] = []
         for s, good in zip(slots.tolist(), ok.tolist()):
@@ -531,7 +534,7 @@ class KVCacheManager:
         one table in ``block_size``, and only those are listed.
         """
         slots, flat, counts = self._check_many(request_ids, tokens, counts)
-        ok, changed, widths = self._extend_slots(slots, flat, counts)
+        ok, changed, widths = self._extend_slots(slots, flat, counts, None)
         lens = np.where(ok, self._width[slots] if widths is None else widths, -1).astype(np.int32)
         if not changed:
             return TableDeltas(lens, np.empty(0, dtype=np.int32), np.zeros(1, dtype=np.int32), _NO_COLUMNS,
@@ -570,14 +573,15 @@ class KVCacheManager:
             raise
         return slots, flat, counts
 
-    def _extend_slots(self, slots: np.ndarray, flat: np.ndarray, counts: np.ndarray
-                      ) -> tuple[np.ndarray, list[_Chunk], np.ndarray | None]:
+    def _extend_slots(self, slots: np.ndarray, flat: np.ndarray, counts: np.ndarray,
+                      views: list[np.ndarray | None] | None) -> tuple[np.ndarray, list[_Chunk], np.ndarray | None]:
         """Extend request ``slots[i]`` by its ``counts[i]`` tokens of ``flat``, as ``extend`` would in order.
 
         Returns which succeeded (bool ``[n]``), the changed columns as chunks
         in ascending request order (see ``_Chunk``), and, when a slot is
         listed twice, each extend's table width (else None: the widths are
-        ``_width[slots]``). Requests that stay inside their partial block
+        ``_width[slots]``; then ``views``, if a list, receives each extend's
+        table view as it was made, as ``extend`` returns it). Requests that stay inside their partial block
         (``_fast_limit``) and free nothing (``_next_recycle``) are updated
         in one C pass (``_tables.extend_fast``); they touch no shared state, so they
         commute with the others, which go through ``_extend_run`` (decode
@@ -593,7 +597,7 @@ class KVCacheManager:
                                     self._changed_ok, self._stamp, self._keyed, self._salted, self._hasher is not None)
         if found is None:
             widths = np.zeros(n, dtype=np.int32)
-            return ok, self._extend_in_order(slots, flat, counts, ok, widths), widths
+            return ok, self._extend_in_order(slots, flat, counts, ok, widths, views), widths
         changed: list[_Chunk] = []
         if found[0]:
             slow = np.frombuffer(found[0], dtype=np.intp)
@@ -710,7 +714,7 @@ class KVCacheManager:
             self._fast_limit[s] = np.where(fills, tt + 1, tt + bs - 1)
 
     def _extend_in_order(self, slots: np.ndarray, flat: np.ndarray, counts: np.ndarray, ok: np.ndarray,
-                         widths: np.ndarray) -> list[_Chunk]:
+                         widths: np.ndarray, views: list[np.ndarray | None] | None) -> list[_Chunk]:
         """``_extend_slots`` one request at a time (a slot is listed more than once)."""
         bs = self.block_size
         by_slot = self._by_slot
@@ -731,6 +735,8 @@ class KVCacheManager:
                 if cols.size:
                     changed.append(_Chunk(np.array([i]), np.array([cols.size]), cols, None))
             widths[i] = req.num_blocks
+            if views is not None:
+                views.append(None if not ok[i] else req.view if req.view is not None else _view(req))
             offset += k
         return changed
 

@@ -23,6 +23,7 @@ SHAPES = {
     "uniform": [Full()],
     "head-wise": [Full(), Window(6, 2), Window(9), Full(), Window(6, 2)],
     "one window": [Window(5)],
+    "sink and full": [Window(8, 4), Full()],
 }
 PREFIXES = [list(range(40)), list(range(1000, 1040)), list(range(12)) + list(range(5000, 5028))]
 
@@ -118,6 +119,8 @@ def test_extend_many_equals_extends_one_at_a_time(shape, num_blocks, caching, al
                 assert [t is None for t in tables] == [w is None for w in want]
                 last = {rid: i for i, rid in enumerate(rids)}
                 for i, (rid, w) in enumerate(zip(rids, want)):
+                    if w is not None:  # each table as its extend made it: the width of that moment
+                        assert tables[i].shape[1] == w[0]
                     if w is not None and last[rid] == i:
                         assert changes[i].tolist() == w[1]
                         assert tables[i].tolist() == single.table(rid).tolist()
