@@ -5,6 +5,18 @@ grows (next prefill chunk, decoded tokens), and ``free`` when it ends. Every
 call that would need more blocks than are free returns None and changes
 nothing. Tables are int32 ``[num_rows, num_blocks]``; ``-1`` marks a slot a
 sliding-window row no longer holds.
+
+A decode step (``extend_many``, one token per request) is the hot path. Each
+request's hot fields live in slot-indexed arrays, so the step touches a
+request in one of three ways (block_size 4, prefix caching on)::
+
+    tokens   | t0 t1 t2 t3 | t4 t5 .  .  |
+    fast     |             | t4 t5 +1    |  inside the last block: one C pass over all of them
+    fill     |             | t4 t5 t6 +1 |  fills it: hashed and indexed with the step's other fills
+    open     | t0 t1 t2 t3 | +1          |  a new block: one pool allocation for the step's opens
+
+Anything else (recycling a window, several tokens, extra hash keys) runs
+``extend`` one request at a time, in order between the batched runs.
 """
 from __future__ import annotations
 
@@ -20,7 +32,6 @@ from kvcache.allocator.pool import BlockPool, Usage, usage
 from kvcache.allocator.prefix import (
     _PACKED,
     HASH_BYTES,
-    BlockHash,
     BlockHasher,
     Inserted,
     MMPlaceholder,
