@@ -83,9 +83,9 @@ PyDoc_STRVAR(extend_fast_doc,
 "<= fast_limit[s] (int64 arrays): its tokens go to tail[s, num_tokens[s] % block_size ...] (uint32\n"
 "[slots, block_size]; the limit keeps them in one block), num_tokens[s] grows and changed[s] (bool) is\n"
 "cleared. Returns the other requests' i, ascending, as packed intp, and per such request whether it is a\n"
-"plain decode extend (one token, num_tokens[s] < next_recycle[s], and with hashing no extra keys: not\n"
-"keyed[s], and not salted[s] unless past block 0) as bytes of 0/1; or None, changing nothing, when a slot is\n"
-"listed twice (stamp: intp scratch, one entry per slot).");
+"plain decode extend (one token; with hashing no extra keys: not keyed[s], and not salted[s] unless past\n"
+"block 0; without, num_tokens[s] < next_recycle[s]) as bytes of 0/1; or None, changing nothing, when a slot\n"
+"is listed twice (stamp: intp scratch, one entry per slot).");
 
 static PyObject *extend_fast(PyObject *self, PyObject *args)
 {
@@ -154,7 +154,8 @@ static PyObject *extend_fast(PyObject *self, PyObject *args)
             nt[s] = t + k;
             ch[s] = 0;
         } else {
-            plain[num_slow] = k == 1 && t < rec[s] && (!hashing || (!key[s] && (t >= bs || !salt[s])));
+            /* With hashing, released window blocks are cached (they go to the LRU ring) and may join a run. */
+            plain[num_slow] = k == 1 && (hashing ? !key[s] && (t >= bs || !salt[s]) : t < rec[s]);
             slow[num_slow++] = i;
         }
         offset += k;

@@ -465,12 +465,7 @@ class KVCacheManager:
         if blocks.size:
             self._pool.decref(rows, blocks, unique=True)
             self._recycled += int(self._group_sizes[rows].sum())
-            for g, (_, group) in enumerate(self._window_groups):
-                changed.append(range(req.recycled[g], stops[g]))
-                req.table[group, req.recycled[g]:stops[g]] = -1
-                if req.heads is not None:
-                    req.heads[self._row_group == group[0], req.recycled[g]:stops[g]] = -1
-                req.recycled[g] = max(req.recycled[g], stops[g])
+            changed += self._mark_recycled(req, stops)
         if num_new:
             allocation = self._pool.allocate(num_new)
             assert allocation is not None, "allocation failed after the free-block check"
@@ -641,15 +636,19 @@ class KVCacheManager:
 
     def _extend_run(self, index: np.ndarray, slots: np.ndarray, flat: np.ndarray, counts: np.ndarray,
                     offsets: np.ndarray, t: np.ndarray, ok: np.ndarray, changed: list[_Chunk]) -> None:
-        """One-token extends (``index``, ascending) that each open a block, fill one, or both; batched.
+        """One-token extends (``index``, ascending) that open a block, fill one, or free window blocks; batched.
 
         A decode step's slow path: one pool allocation for every request that
         crosses into a new block, one hash call and one index insert for every
-        block that fills. Done one by one in order, allocations (pops, and
-        evictions of cached free blocks) and inserts of hashes new to the index
-        commute, so the batch is exact when every allocation succeeds and
-        every hash it inserts is new and distinct; otherwise, or when an
-        eviction's event would move, the run goes one by one.
+        block that fills, one release of every block a window row gives back.
+        Done one by one in order, allocations (pops, and evictions of cached
+        free blocks), inserts of hashes new to the index, and releases of
+        cached blocks (appended to the LRU ring) while the allocations come off
+        the free stacks, all commute; so the batch is exact when every
+        allocation succeeds and every hash it inserts is new and distinct, and
+        with releases, every released block is cached and the stacks hold every
+        allocation. Otherwise, or when an eviction's event would move, the run
+        goes one by one.
         """
         bs = self.block_size
         s = slots[index]
@@ -667,6 +666,15 @@ class KVCacheManager:
                 self._extend_each(index, slots, flat, counts, offsets, t, ok, changed)
                 return
         by_slot = self._by_slot
+        recycle = np.flatnonzero(tt >= self._next_recycle[s])  # only with hashing: see extend_fast's plain
+        if recycle.size:
+            returns = [self._recyclable(by_slot[x], d) for x, d in zip(s[recycle].tolist(), tt[recycle].tolist())]
+            rec_rows = np.concatenate([r for r, _, _ in returns])
+            rec_blocks = np.concatenate([b for _, b, _ in returns])
+            if (rec_rows.size and not pool.is_cached(rec_rows, rec_blocks).all()) or (
+                    num_need and (pool.num_free() - pool.num_cached_free() < num_need).any()):
+                self._extend_each(index, slots, flat, counts, offsets, t, ok, changed)
+                return
         hashes = b""
         if self._hasher is not None:
             fills = pos == bs - 1
@@ -683,6 +691,14 @@ class KVCacheManager:
         self._tail[s, pos] = tok
         self._ntok[s] = tt + 1
         self._changed_ok[s] = need
+        recycled: dict[int, list[range]] = {}  # position in the run -> window columns it emptied
+        if recycle.size:
+            if rec_rows.size:  # in request order, tail first: the LRU order of one by one
+                pool.decref(rec_rows, rec_blocks)
+                self._recycled += int(self._group_sizes[rec_rows].sum())
+            for j, (_, blocks, stops) in zip(recycle.tolist(), returns):
+                if blocks.size:  # as _extend: a window with nothing left to give keeps its marks
+                    recycled[j] = self._mark_recycled(by_slot[s[j]], stops)
         if num_need:
             allocation = pool.allocate(num_need)
             assert allocation is not None, "allocation failed after the free-block check"
@@ -707,7 +723,15 @@ class KVCacheManager:
                 req.view = None
             self._last_block[opened] = new_blocks.T
             self._width[opened] = width[need] + 1
-            changed.append(_Chunk(index[need], np.ones(num_need, dtype=np.int32), width[need], heads))
+            if not recycled:
+                changed.append(_Chunk(index[need], np.ones(num_need, dtype=np.int32), width[need], heads))
+        if recycled:  # changes one request at a time, in order, each the union of its columns
+            for j in sorted(set(np.flatnonzero(need).tolist()) | recycled.keys()):
+                req = by_slot[s[j]]
+                opened_col = [range(int(width[j]), int(width[j]) + 1)] if need[j] else []
+                req.changed = cols = _columns(opened_col + recycled.get(j, []))
+                self._changed_ok[s[j]] = True
+                changed.append(_Chunk(index[j:j + 1], np.array([cols.size]), cols, None))
         if hashes:
             filled = s[fill]
             blocks = self._last_block[filled]
@@ -723,6 +747,19 @@ class KVCacheManager:
             self._fast_limit[s] = tt + bs
         else:
             self._fast_limit[s] = np.where(fills, tt + 1, tt + bs - 1)
+        for j in recycled:
+            self._refresh(by_slot[s[j]])  # the next recycling point moved on
+
+    def _mark_recycled(self, req: _Request, stops: list[int]) -> list[range]:
+        """Empty (-1) each window group's columns up to ``stops[g]`` whose blocks went back; returns those columns."""
+        emptied = []
+        for g, (_, group) in enumerate(self._window_groups):
+            emptied.append(range(req.recycled[g], stops[g]))
+            req.table[group, req.recycled[g]:stops[g]] = -1
+            if req.heads is not None:
+                req.heads[self._row_group == group[0], req.recycled[g]:stops[g]] = -1
+            req.recycled[g] = max(req.recycled[g], stops[g])
+        return emptied
 
     def _extend_in_order(self, slots: np.ndarray, flat: np.ndarray, counts: np.ndarray, ok: np.ndarray,
                          widths: np.ndarray, views: list[np.ndarray | None] | None) -> list[_Chunk]:
