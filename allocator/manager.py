@@ -28,7 +28,7 @@ import numpy as np
 from kvcache.allocator import _tables
 from kvcache.allocator.errors import KVCacheError
 from kvcache.allocator.events import AllBlocksCleared, BlockRemoved, BlockStored, CacheEvent
-from kvcache.allocator.pool import BlockPool, Usage, usage
+from kvcache.allocator.pool import Allocation, BlockPool, Usage, usage
 from kvcache.allocator.prefix import (
     _PACKED,
     HASH_BYTES,
@@ -647,8 +647,8 @@ class KVCacheManager:
         the free stacks, all commute; so the batch is exact when every
         allocation succeeds and every hash it inserts is new and distinct, and
         with releases, every released block is cached and the stacks hold every
-        allocation. Otherwise, or when an eviction's event would move, the run
-        goes one by one.
+        allocation. Otherwise the run goes one by one. Events keep the
+        one-by-one order: each open's evictions, then each fill's store.
         """
         bs = self.block_size
         s = slots[index]
@@ -659,12 +659,9 @@ class KVCacheManager:
         need = pos == 0  # at a block boundary: opens a block (a request holds >= 1 token)
         num_need = int(np.count_nonzero(need))
         pool = self._pool
-        if num_need:
-            free = pool.num_free()
-            if (free < num_need).any() or (
-                    self.enable_events and (free - pool.num_cached_free() < num_need).any()):
-                self._extend_each(index, slots, flat, counts, offsets, t, ok, changed)
-                return
+        if num_need and (pool.num_free() < num_need).any():
+            self._extend_each(index, slots, flat, counts, offsets, t, ok, changed)
+            return
         by_slot = self._by_slot
         recycle = np.flatnonzero(tt >= self._next_recycle[s])  # only with hashing: see extend_fast's plain
         if recycle.size:
@@ -692,6 +689,7 @@ class KVCacheManager:
         self._ntok[s] = tt + 1
         self._changed_ok[s] = need
         recycled: dict[int, list[range]] = {}  # position in the run -> window columns it emptied
+        tagged: list[tuple[int, int, CacheEvent]] = []  # events with their request's position in the run
         if recycle.size:
             if rec_rows.size:  # in request order, tail first: the LRU order of one by one
                 pool.decref(rec_rows, rec_blocks)
@@ -702,7 +700,10 @@ class KVCacheManager:
         if num_need:
             allocation = pool.allocate(num_need)
             assert allocation is not None, "allocation failed after the free-block check"
-            self._forget(allocation.evicted_rows, allocation.evicted_blocks)
+            if self.enable_events and allocation.evicted_rows.size:
+                tagged = self._forget_each(allocation, np.flatnonzero(need))
+            else:
+                self._forget(allocation.evicted_rows, allocation.evicted_blocks)
             new_blocks = allocation.blocks  # [groups, num_need], in request order
             heads = new_blocks[self._row_group] if self._expand else new_blocks
             opened = s[need]
@@ -737,9 +738,17 @@ class KVCacheManager:
             blocks = self._last_block[filled]
             self._index.insert_new(hashes, blocks)
             pool.mark_cached_columns(blocks)
-            if self.enable_events:
-                for j, (x, start) in enumerate(zip(filled.tolist(), (tt[fill] // bs).tolist())):
-                    self._store_events(by_slot[x], start, hashes[j * _H:(j + 1) * _H], self._all_new, blocks_tok[j])
+        if self.enable_events and hashes:
+            for f, j in enumerate(fill.tolist()):
+                before = len(self._events)
+                self._store_events(by_slot[s[j]], int(tt[j]) // bs, hashes[f * _H:(f + 1) * _H], self._all_new,
+                                   blocks_tok[f])
+                tagged += [(j, 1, e) for e in self._events[before:]]
+                del self._events[before:]
+        if tagged:  # one by one, request j's evictions come before its store, and both before j + 1's
+            tagged.sort(key=lambda item: item[:2])
+            self._events += [e for _, _, e in tagged]
+        if hashes:
             self._last_hash[filled] = np.frombuffer(hashes, dtype=np.uint8).reshape(-1, _H)
         # _refresh's limits: an opened block takes bs tokens (with hashing bs - 1: its last one fills
         # it), a filled one none (the next extend opens a block).
@@ -749,6 +758,28 @@ class KVCacheManager:
             self._fast_limit[s] = np.where(fills, tt + 1, tt + bs - 1)
         for j in recycled:
             self._refresh(by_slot[s[j]])  # the next recycling point moved on
+
+    def _forget_each(self, allocation: Allocation, opens: np.ndarray) -> list[tuple[int, int, CacheEvent]]:
+        """``_forget`` of a run's evictions one open at a time, in order; their events, tagged with the open's position.
+
+        Row g's part of the allocation took its stack's blocks first and then
+        evicted, so the last ``e_g`` opens of the run are the ones that evicted
+        there. The events are taken back out for the caller to merge with the
+        run's stores.
+        """
+        m = allocation.blocks.shape[1]
+        first = m - np.bincount(allocation.evicted_rows, minlength=allocation.blocks.shape[0])
+        took = np.arange(m) >= first[:, None]  # [groups, opens]: that open evicted in that row
+        start = len(self._events)
+        tagged = []
+        for q, j in enumerate(opens.tolist()):
+            rows = np.flatnonzero(took[:, q])
+            if rows.size:
+                before = len(self._events)
+                self._forget(rows, allocation.blocks[rows, q])
+                tagged += [(j, 0, e) for e in self._events[before:]]
+        del self._events[start:]
+        return tagged
 
     def _mark_recycled(self, req: _Request, stops: list[int]) -> list[range]:
         """Empty (-1) each window group's columns up to ``stops[g]`` whose blocks went back; returns those columns."""
