@@ -14,6 +14,12 @@ EXTENSIONS: list[Extension] = [
         ["allocator/_hashtable.c"],
         extra_compile_args=["-O3", "-std=gnu11", "-Wall", "-Wextra"],
     ),
+    # One column written into each of many per-request block tables (a decode step's new blocks).
+    Extension(
+        "kvcache.allocator._tables",
+        ["allocator/_tables.c"],
+        extra_compile_args=["-O3", "-std=gnu11", "-Wall", "-Wextra"],
+    ),
     # send_cache and the layer signal: futex + shared memory; the CUDA runtime is dlopen'ed at run time.
     Extension(
         "kvcache.ops._send_cache",

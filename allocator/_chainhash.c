@@ -945,6 +945,80 @@ static PyObject *chain_cbor(PyObject *self, PyObject *args, PyObject *kwargs)
     return chain_common(args, kwargs, 1);
 }
 
+/* One block per parent: block i (tokens [i*bs, (i+1)*bs)) hashed after parents[32*i, 32*i+32), no extra
+ * keys; packed digests. A decode step's newly full blocks, one per request, in one call. */
+static PyObject *each_common(PyObject *args, int cbor)
+{
+    PyObject *tokens_obj;
+    Py_ssize_t bs;
+    Py_buffer parents;
+    token_buf t;
+    extras_buf e;
+    if (!PyArg_ParseTuple(args, "Ony*", &tokens_obj, &bs, &parents))
+        return NULL;
+    if (bs < 1 || bs > (PY_SSIZE_T_MAX / 8)) {
+        PyErr_Format(PyExc_ValueError, "block_size must be between 1 and %zd, got %zd", PY_SSIZE_T_MAX / 8, bs);
+        PyBuffer_Release(&parents);
+        return NULL;
+    }
+    if (get_tokens(tokens_obj, &t) < 0) {
+        PyBuffer_Release(&parents);
+        return NULL;
+    }
+    const Py_ssize_t n = parents.len / 32;
+    if (parents.len % 32 || t.count != n * bs) {
+        PyErr_Format(PyExc_ValueError, "need 32 bytes of parent per block: %zd tokens of block_size %zd, %zd parent bytes",
+                     t.count, bs, parents.len);
+        PyBuffer_Release(&t.view);
+        PyBuffer_Release(&parents);
+        return NULL;
+    }
+    if (get_extras(Py_None, 1, &e) < 0) {
+        PyBuffer_Release(&t.view);
+        PyBuffer_Release(&parents);
+        return NULL;
+    }
+    PyObject *result = PyBytes_FromStringAndSize(NULL, n * 32);
+    const size_t longest = cbor ? cbor_longest(bs, &e) : 32 + 4 * (size_t)bs;
+    const size_t half = padded_len(longest) + 64;
+    uint8_t *scratch = result ? PyMem_Malloc(2 * half) : NULL;
+    if (result && !scratch) {
+        PyErr_NoMemory();
+        Py_CLEAR(result);
+    }
+    if (result) {
+        const int backend = g_backend_id;
+        uint8_t *out = (uint8_t *)PyBytes_AS_STRING(result);
+        const uint8_t *parent = parents.buf;
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t i = 0; i < n; i++) {
+            token_buf block = t;
+            block.data = t.data + (size_t)i * (size_t)bs * 4;
+            block.count = bs;
+            sink sk = {NULL, out + 32 * i, 1, 0};
+            run_chain(backend, cbor, &block, bs, 1, &e, parent + 32 * i, scratch, half, &sk);
+        }
+        Py_END_ALLOW_THREADS
+    }
+    PyMem_Free(scratch);
+    release_extras(&e);
+    PyBuffer_Release(&t.view);
+    PyBuffer_Release(&parents);
+    return result;
+}
+
+static PyObject *each_raw(PyObject *self, PyObject *args)
+{
+    (void)self;
+    return each_common(args, 0);
+}
+
+static PyObject *each_cbor(PyObject *self, PyObject *args)
+{
+    (void)self;
+    return each_common(args, 1);
+}
+
 /* ------------------------------------------------------------------ small helpers */
 
 static PyObject *sha256_py(PyObject *self, PyObject *arg)
@@ -996,6 +1070,10 @@ static PyObject *available_backends_py(PyObject *self, PyObject *unused)
 }
 
 static PyMethodDef methods[] = {
+    {"each_raw", each_raw, METH_VARARGS,
+     "each_raw(tokens, block_size, parents) -> bytes: block i of tokens hashed as chain_raw would after parents[i] "
+     "(32 bytes each), no extras; packed."},
+    {"each_cbor", each_cbor, METH_VARARGS, "each_cbor(tokens, block_size, parents) -> bytes: each_raw for chain_cbor."},
     {"chain_raw", (PyCFunction)(void (*)(void))chain_raw, METH_VARARGS | METH_KEYWORDS,
      "chain_raw(tokens, block_size, parent, extras=None, *, split=False) -> bytes | list[bytes]\n\n"
      "Chained digests of the full blocks: SHA256(prev || tokens as uint32 LE || extra)."},

@@ -5,6 +5,18 @@ grows (next prefill chunk, decoded tokens), and ``free`` when it ends. Every
 call that would need more blocks than are free returns None and changes
 nothing. Tables are int32 ``[num_rows, num_blocks]``; ``-1`` marks a slot a
 sliding-window row no longer holds.
+
+A decode step (``extend_many``, one token per request) is the hot path. Each
+request's hot fields live in slot-indexed arrays, so the step touches a
+request in one of three ways (block_size 4, prefix caching on)::
+
+    tokens   | t0 t1 t2 t3 | t4 t5 .  .  |
+    fast     |             | t4 t5 +1    |  inside the last block: one C pass over all of them
+    fill     |             | t4 t5 t6 +1 |  fills it: hashed and indexed with the step's other fills
+    open     | t0 t1 t2 t3 | +1          |  a new block: one pool allocation for the step's opens
+
+Anything else (recycling a window, several tokens, extra hash keys) runs
+``extend`` one request at a time, in order between the batched runs.
 """
 from __future__ import annotations
 
@@ -13,12 +25,13 @@ from typing import TYPE_CHECKING, NamedTuple, Sequence, Union
 
 import numpy as np
 
+from kvcache.allocator import _tables
 from kvcache.allocator.errors import KVCacheError
 from kvcache.allocator.events import AllBlocksCleared, BlockRemoved, BlockStored, CacheEvent
-from kvcache.allocator.pool import BlockPool, Usage, usage
+from kvcache.allocator.pool import Allocation, BlockPool, Usage, usage
 from kvcache.allocator.prefix import (
+    _PACKED,
     HASH_BYTES,
-    BlockHash,
     BlockHasher,
     Inserted,
     MMPlaceholder,
@@ -66,23 +79,64 @@ class ManagerStats(NamedTuple):
 
 @dataclasses.dataclass(slots=True)
 class _Request:
-    """One admitted request: its tokens, table and hashing progress (buffers grow by doubling)."""
+    """One admitted request: its table and hashing progress (token counts live in the manager's slot arrays).
 
-    tokens: np.ndarray  # uint32 [capacity]
-    num_tokens: int
+    Only the tokens of the partial last block are kept (in the manager's
+    ``_tail[slot]``): every full block is hashed as it fills, and a block's
+    tokens are never read again after that.
+    """
+
+    slot: int  # row of the manager's per-request arrays
     table: np.ndarray  # int32 [num_groups, capacity_blocks]: one row per distinct policy
     heads: np.ndarray | None  # int32 [num_rows, capacity_blocks]: table expanded to rows, when they differ
     num_blocks: int
-    num_hashed: int  # leading full blocks whose hashes are registered
-    last_hash: BlockHash | None
     recycled: list[int]  # per window group: logical blocks [0, recycled) already given back
     cache_salt: str | None
     lora: str | None
     mm: list[MMPlaceholder] | None
-    changed: np.ndarray  # int32 columns the last admit/extend set
+    changed: np.ndarray | range | None  # columns the last admit/extend set (None: the last one; see _changed_ok)
     view: np.ndarray | None = None  # cached read-only view of the table handed to callers
-    fast_limit: int = 0  # extends up to this many tokens need no block, hash or table change
-    next_recycle: float = 0  # first num_computed_tokens at which a window row would give a block back
+    legacy: tuple | None = None  # unpickled from an older snapshot: (tokens, num_tokens, last_hash) until adopted
+
+    def __setstate__(self, state: tuple[None, dict[str, object]]) -> None:
+        """Unpickle, keeping an older snapshot's per-request fields (now slot arrays) in ``legacy``."""
+        fields = dict(state[1])
+        if "tokens" in fields:  # written before the slot arrays: see KVCacheManager._adopt_legacy
+            fields["legacy"] = (fields["tokens"], fields["num_tokens"], fields["last_hash"])
+            fields["slot"] = -1
+            for old in ("tokens", "num_tokens", "num_hashed", "last_hash", "fast_limit", "next_recycle"):
+                fields.pop(old, None)
+        for name, value in fields.items():
+            object.__setattr__(self, name, value)
+
+
+class _Chunk(NamedTuple):
+    """Changed columns of some requests of a batch: request ``index[j]`` set ``sizes[j]`` of ``cols`` (in turn).
+
+    ``vals`` (int32 ``[num_rows, cols.size]``) holds the new values, or None
+    for one request's chunk whose values are read from its table afterwards.
+    """
+
+    index: np.ndarray
+    sizes: np.ndarray
+    cols: np.ndarray
+    vals: np.ndarray | None
+
+
+class TableDeltas(NamedTuple):
+    """What ``extend_many_deltas`` changed, in the wire protocol's compressed rows.
+
+    ``lens[i]`` is request i's table width after the batch (-1: no room, request
+    unchanged); request ``index[j]`` (ascending) set columns
+    ``cols[offsets[j]:offsets[j + 1]]`` to ``vals[:, offsets[j]:offsets[j + 1]]``
+    (int32 ``[num_rows, total]``); every other table is as it was.
+    """
+
+    lens: np.ndarray
+    index: np.ndarray
+    offsets: np.ndarray
+    cols: np.ndarray
+    vals: np.ndarray
 
 
 class KVCacheManager:
@@ -134,23 +188,84 @@ class KVCacheManager:
             (p, np.array([g], dtype=np.intp)) for g, p in enumerate(groups) if isinstance(p, Window)
         ]
         self._requests: dict[object, _Request] = {}
+        self._init_slots()
         self._events: list[CacheEvent] = []
         self._group_sizes = np.bincount(self._row_group)
         self._queries = self._hit_requests = self._queried_tokens = self._hit_tokens = 0
         self._evicted = self._recycled = 0
         self.tier: LowerTier | None = None  # a cache tier under the GPU blocks (attach_tier)
+        # With a tier: each request's tokens since admit, by slot (the tier keys and announces what it
+        # takes by them; without a tier only the partial last block's tokens are kept).
+        self._tier_tokens: dict[int, list[np.ndarray]] = {}
 
     def __getstate__(self) -> dict:
         """Pickle (a journal snapshot) without the attached tier: it holds memory and threads, not state."""
         state = self.__dict__.copy()
         state["tier"] = None
+        state["_tier_tokens"] = {}
         return state
 
     def __setstate__(self, state: dict) -> None:
-        """Unpickling (a journal snapshot): cached table views would be copies now, so drop them."""
+        """Unpickling (a journal snapshot): cached table views would be copies now, so drop them.
+
+        A snapshot written before the slot arrays existed (its requests kept
+        their own tokens and counts) is converted, so a daemon upgraded in
+        place recovers its journal.
+        """
         self.__dict__.update(state)
+        self.__dict__.setdefault("tier", None)
+        self.__dict__.setdefault("_tier_tokens", {})
+        if "_slot_of" not in state:
+            self._adopt_legacy()
         for req in self._requests.values():
             req.view = None
+
+    def _init_slots(self) -> None:
+        """Empty per-request slot arrays: a decode step updates these hot fields all at once.
+
+        Per slot: tokens covered, the fast-path limits (see _refresh), the table
+        width, whether req.changed is current (a fast-path extend changes no
+        column), the partial last block's tokens, the last column's blocks, the
+        last full block's hash, and whether hashing needs extra keys.
+        """
+        groups = len(self._group_col)
+        self._slot_of: dict[object, int] = {}
+        self._by_slot: list[_Request | None] = []
+        self._free_slots: list[int] = []
+        self._ntok = np.zeros(0, dtype=np.int64)
+        self._fast_limit = np.zeros(0, dtype=np.int64)
+        self._next_recycle = np.zeros(0, dtype=np.int64)
+        self._width = np.zeros(0, dtype=np.int32)
+        self._changed_ok = np.zeros(0, dtype=bool)
+        self._tail = np.zeros((0, self.block_size), dtype=np.uint32)
+        self._stamp = np.zeros(0, dtype=np.intp)  # scratch for _tables.extend_fast
+        self._keyed = np.zeros(0, dtype=bool)  # the request's blocks hash extra keys (LoRA, multimodal)
+        self._salted = np.zeros(0, dtype=bool)  # the request's block 0 hashes a cache salt
+        self._last_block = np.zeros((0, groups), dtype=np.int32)  # each group's block in the last column
+        self._last_hash = np.zeros((0, HASH_BYTES), dtype=np.uint8)  # hash of the last full block (root: none)
+        self._all_new = Inserted(np.ones((1, groups), dtype=bool), np.ones(1, dtype=bool))  # one new hash, all rows
+
+    def _adopt_legacy(self) -> None:
+        """Move the hot fields of a pre-slot-array snapshot's requests (``req.legacy``) into slot arrays."""
+        self._init_slots()
+        bs = self.block_size
+        for rid, req in self._requests.items():
+            assert req.legacy is not None, f"request {rid!r} of a legacy snapshot has no legacy fields"
+            tokens, num_tokens, last_hash = req.legacy
+            req.legacy = None
+            slot = req.slot = self._take_slot()
+            self._slot_of[rid] = slot
+            self._by_slot[slot] = req
+            self._ntok[slot] = num_tokens
+            self._changed_ok[slot] = True
+            self._keyed[slot] = req.lora is not None or bool(req.mm)
+            self._salted[slot] = bool(req.cache_salt)
+            self._last_block[slot] = req.table[:, req.num_blocks - 1]
+            if self._hasher is not None:
+                self._last_hash[slot] = np.frombuffer(last_hash or self._hasher.root, dtype=np.uint8)
+            partial = num_tokens % bs
+            self._tail[slot, :partial] = tokens[num_tokens - partial:num_tokens]
+            self._refresh(req)
 
     @classmethod
     def from_spec(
@@ -216,11 +331,11 @@ class KVCacheManager:
 
         What a daemon sends workers as the table's delta instead of the whole table.
         """
-        return self._get(request_id).changed
+        return self._changed_of(self._get(request_id))
 
     def num_tokens(self, request_id: object) -> int:
         """Tokens the request's table covers."""
-        return self._get(request_id).num_tokens
+        return int(self._ntok[self._get(request_id).slot])
 
     def __contains__(self, request_id: object) -> bool:
         return request_id in self._requests
@@ -311,26 +426,36 @@ class KVCacheManager:
             g, j = np.nonzero(~tier_held)
             self._pool.decref(g, table[g, num_hit + j], unique=True)
             table[g, num_hit + j] = -1
-        buffer = np.empty(_grow(covered, 64), dtype=np.uint32)
-        buffer[:covered] = tokens[:covered]
+        slot = self._take_slot()
         req = _Request(
-            tokens=buffer, num_tokens=covered, table=table, heads=table[self._row_group] if self._expand else None,
-            num_blocks=num_blocks, num_hashed=num_hit,
-            last_hash=hashes[(num_hit - 1) * _H: num_hit * _H] if num_hit else None,
+            slot=slot, table=table, heads=table[self._row_group] if self._expand else None,
+            num_blocks=num_blocks,
             recycled=[recyclable_blocks(w, num_hit * bs, bs).stop for w, _ in self._window_groups],
             cache_salt=cache_salt, lora=lora, mm=list(mm) if mm else None,
-            changed=np.arange(num_blocks, dtype=np.int32),
+            changed=range(0, num_blocks),
         )
         self._requests[request_id] = req
-        self._refresh(req)
+        self._slot_of[request_id] = slot
+        self._by_slot[slot] = req
+        self._ntok[slot] = covered
+        self._changed_ok[slot] = True
+        self._keyed[slot] = lora is not None or bool(mm)
+        self._last_block[slot] = table[:, num_blocks - 1]
+        self._salted[slot] = bool(cache_salt)
+        partial = covered % bs
+        self._tail[slot, :partial] = tokens[covered - partial:covered]
         if self._hasher is not None:
-            self._register(req, hashes[num_hit * _H: covered // bs * _H])
+            self._last_hash[slot] = np.frombuffer(hashes[(num_hit - 1) * _H: num_hit * _H] if num_hit
+                                                  else self._hasher.root, dtype=np.uint8)
+            self._register(req, num_hit, hashes[num_hit * _H: covered // bs * _H], tokens[num_hit * bs:])
             self._queries += 1
             self._hit_requests += num_cached > 0
             self._queried_tokens += int(tokens.size)
             self._hit_tokens += num_cached * bs
+        self._refresh(req)
         view = _view(req)
         if self.tier is not None:
+            self._tier_tokens[slot] = [tokens[:covered].copy()]
             self.tier.admitted(request_id, view, num_hit, hashes[num_hit * _H: num_cached * _H])
         return Admission(num_cached * bs, view, covered)
 
@@ -346,16 +471,22 @@ class KVCacheManager:
         """
         req = self._get(request_id)
         new_tokens = as_token_array(tokens)
-        done = req.num_tokens if num_computed_tokens is None else num_computed_tokens
+        num_tokens = int(self._ntok[req.slot])
+        done = num_tokens if num_computed_tokens is None else num_computed_tokens
         _check_count(done, "num_computed_tokens", least=0)
-        if done > req.num_tokens:
-            raise KVCacheError(f"num_computed_tokens: {done} exceeds the request's {req.num_tokens} tokens")
-        return self._extend(req, new_tokens, done)
+        if done > num_tokens:
+            raise KVCacheError(f"num_computed_tokens: {done} exceeds the request's {num_tokens} tokens")
+        table = self._extend(req, new_tokens, done)
+        if table is not None and self.tier is not None and req.slot in self._tier_tokens:
+            self._tier_tokens[req.slot].append(new_tokens.copy())
+        return table
 
     def _extend(self, req: _Request, new_tokens: np.ndarray, done: int) -> np.ndarray | None:
         """``extend`` after validation: ``new_tokens`` is uint32, ``done`` within the request's tokens."""
         bs = self.block_size
-        total = req.num_tokens + int(new_tokens.size)
+        slot = req.slot
+        num_tokens = int(self._ntok[slot])
+        total = num_tokens + int(new_tokens.size)
         num_blocks = -(-total // bs)
         num_new = num_blocks - req.num_blocks
         rows, blocks, stops = self._recyclable(req, done)
@@ -370,85 +501,394 @@ class KVCacheManager:
         if blocks.size:
             self._pool.decref(rows, blocks, unique=True)
             self._recycled += int(self._group_sizes[rows].sum())
-            for g, (_, group) in enumerate(self._window_groups):
-                changed.append(range(req.recycled[g], stops[g]))
-                req.table[group, req.recycled[g]:stops[g]] = -1
-                if req.heads is not None:
-                    req.heads[self._row_group == group[0], req.recycled[g]:stops[g]] = -1
-                req.recycled[g] = max(req.recycled[g], stops[g])
+            changed += self._mark_recycled(req, stops)
         if num_new:
             allocation = self._pool.allocate(num_new)
             assert allocation is not None, "allocation failed after the free-block check"
             self._forget(allocation.evicted_rows, allocation.evicted_blocks)
-            if num_blocks > req.table.shape[1]:
-                req.table = _widen(req.table, req.num_blocks, _grow(num_blocks, 4))
-                if req.heads is not None:
-                    req.heads = _widen(req.heads, req.num_blocks, req.table.shape[1])
-            req.table[:, req.num_blocks:num_blocks] = allocation.blocks
-            if req.heads is not None:
-                req.heads[:, req.num_blocks:num_blocks] = allocation.blocks[self._row_group]
-            req.num_blocks = num_blocks
-        if total > req.tokens.size:
-            grown_tokens = np.empty(_grow(total, 64), dtype=np.uint32)
-            grown_tokens[: req.num_tokens] = req.tokens[: req.num_tokens]
-            req.tokens = grown_tokens
-        req.tokens[req.num_tokens:total] = new_tokens
-        req.num_tokens = total
+            self._place(req, allocation.blocks, num_blocks)
+        # The tokens from the partial block's start on: [num_tokens - partial, total).
+        partial = num_tokens % bs
+        pending = np.concatenate([self._tail[slot, :partial], new_tokens]) if partial else new_tokens
+        self._ntok[slot] = total
         req.changed = _columns(changed)
-        if self._hasher is not None and total // bs > req.num_hashed:
-            start = req.num_hashed
+        self._changed_ok[slot] = True
+        start = num_tokens // bs  # every full block is hashed as it fills: the first unhashed one
+        if self._hasher is not None and total // bs > start:
             hashes = self._hasher.hash_blocks_packed(
-                req.tokens[start * bs: (total // bs) * bs], cache_salt=req.cache_salt, lora=req.lora,
-                mm=req.mm, parent=req.last_hash, start_block=start,
+                pending[: (total // bs - start) * bs], cache_salt=req.cache_salt, lora=req.lora,
+                mm=req.mm, parent=self._last_hash[slot].tobytes() if start else None, start_block=start,
             )
-            self._register(req, hashes)
+            self._register(req, start, hashes, pending)
+        rest = total % bs
+        self._tail[slot, :rest] = pending[pending.size - rest:]
         self._refresh(req)
         return _view(req)
+
+    def _place(self, req: _Request, blocks: np.ndarray, num_blocks: int) -> None:
+        """Write newly allocated ``blocks`` (int32 ``[num_groups, k]``) after the table's last column."""
+        if num_blocks > req.table.shape[1]:
+            req.table = _widen(req.table, req.num_blocks, _grow(num_blocks, 4))
+            if req.heads is not None:
+                req.heads = _widen(req.heads, req.num_blocks, req.table.shape[1])
+        req.table[:, req.num_blocks:num_blocks] = blocks
+        if req.heads is not None:
+            req.heads[:, req.num_blocks:num_blocks] = blocks[self._row_group]
+        req.num_blocks = num_blocks
+        self._last_block[req.slot] = blocks[:, -1]
 
     def extend_many(self, request_ids: Sequence[object], tokens: Tokens, counts: Sequence[int] | np.ndarray,
                     *, changes: list[np.ndarray] | None = None) -> list[np.ndarray | None]:
         """``extend`` for many requests at once: request i gets the next ``counts[i]`` of ``tokens``.
 
         A decode step's shape: most requests gain one token that lands in a block
-        they already hold, and those take a fast path with no block, hash or
-        table work. Equivalent to calling ``extend`` for each in order (each may
-        return None for lack of blocks, changing nothing for that request).
-        Unknown ids or bad tokens raise before any request changes. Tables are
-        live read-only views, so a request listed twice shows its final table
-        in both places. With ``changes`` (a list), each request's changed columns
-        are appended to it in order (what ``changed_columns`` gives after each extend).
+        they already hold, and those take a vectorised fast path with no block,
+        hash or table work. Equivalent to calling ``extend`` for each in order
+        (each may return None for lack of blocks, changing nothing for that
+        request). Unknown ids or bad tokens raise before any request changes.
+        Tables are live read-only views, so a request listed twice shows its
+        final table in both places. With ``changes`` (a list), each request's
+        changed columns are appended to it in order (what ``changed_columns``
+        gives after each extend).
         """
+        slots, flat, counts = self._check_many(request_ids, tokens, counts)
+        views: list[np.ndarray | None] = []
+        ok, changed, widths = self._extend_slots(slots, flat, counts, views)
+        if self.tier is not None:
+            self._record_tier_tokens(slots, flat, counts, ok)
+        if changes is not None:
+            found: dict[int, np.ndarray] = {}
+            for index, sizes, cols, _ in changed:
+                found.update(zip(index.tolist(), np.split(cols, np.cumsum(sizes)[:-1])))
+            changes.extend(found.get(i, _NO_COLUMNS) for i in range(slots.size))
+        if widths is not None:  # a slot listed twice: each extend's table as it was made, as one by one
+            return views
+        by_slot = self._by_slot
+        out: list[np.ndarray | None] = []
+        for s, good in zip(slots.tolist(), ok.tolist()):
+            req = by_slot[s]
+            out.append(None if not good else req.view if req.view is not None else _view(req))
+        return out
+
+    def extend_many_deltas(self, request_ids: Sequence[object], tokens: Tokens,
+                           counts: Sequence[int] | np.ndarray) -> TableDeltas:
+        """``extend_many``, answering with array deltas instead of a table per request (what the daemon sends).
+
+        No Python object per request on the way out: a decode step changes
+        one table in ``block_size``, and only those are listed.
+        """
+        slots, flat, counts = self._check_many(request_ids, tokens, counts)
+        ok, changed, widths = self._extend_slots(slots, flat, counts, None)
+        if self.tier is not None:
+            self._record_tier_tokens(slots, flat, counts, ok)
+        lens = np.where(ok, self._width[slots] if widths is None else widths, -1).astype(np.int32)
+        if not changed:
+            return TableDeltas(lens, np.empty(0, dtype=np.int32), np.zeros(1, dtype=np.int32), _NO_COLUMNS,
+                               np.empty((self.num_rows, 0), dtype=np.int32))
+        by_slot = self._by_slot
+        vals = []
+        for index, _, cols, chunk_vals in changed:
+            # A chunk without values: one request's, read from its table (final even if listed twice).
+            vals.append(chunk_vals if chunk_vals is not None else _view(by_slot[slots[index[0]]])[:, cols])
+        if len(changed) == 1:
+            index, sizes, cols, _ = changed[0]
+        else:
+            index, sizes, cols = (np.concatenate([c[k] for c in changed]) for k in range(3))
+        offsets = np.zeros(index.size + 1, dtype=np.int32)
+        np.cumsum(sizes, out=offsets[1:])
+        return TableDeltas(lens, index.astype(np.int32, copy=False), offsets, cols.astype(np.int32, copy=False),
+                           vals[0] if len(vals) == 1 else np.concatenate(vals, axis=1))
+
+    def _check_many(self, request_ids: Sequence[object], tokens: Tokens, counts: Sequence[int] | np.ndarray
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``extend_many``'s arguments checked, as (slots, uint32 tokens, int64 counts); raises before any change."""
         flat = as_token_array(tokens)
         counts = np.asarray(counts)
         if counts.ndim != 1 or counts.size != len(request_ids) or (counts.size and counts.dtype.kind not in "iu"):
             raise KVCacheError(f"counts: need one integer per request ({len(request_ids)}), got {counts.shape}")
         if counts.size and int(counts.min()) < 0:
             raise KVCacheError("counts: must not be negative")
+        counts = np.ascontiguousarray(counts, dtype=np.int64)
         if int(counts.sum()) != flat.size:
             raise KVCacheError(f"counts: sum to {int(counts.sum())} but {flat.size} tokens were given")
-        requests = self._requests
-        for rid in request_ids:
-            if rid not in requests:
+        try:
+            slots = np.fromiter(map(self._slot_of.__getitem__, request_ids), dtype=np.intp, count=len(request_ids))
+        except (KeyError, TypeError):
+            for rid in request_ids:
                 self._get(rid)
-        out: list[np.ndarray | None] = []
-        offset = 0
-        for rid, k in zip(request_ids, counts.tolist()):
-            req = requests[rid]
-            t = req.num_tokens
-            if t < req.next_recycle and t + k <= req.fast_limit:
-                if k == 1:
-                    req.tokens[t] = flat[offset]
-                elif k:
-                    req.tokens[t:t + k] = flat[offset:offset + k]
-                req.num_tokens = t + k
-                req.changed = _NO_COLUMNS
-                out.append(req.view if req.view is not None else _view(req))
+            raise
+        return slots, flat, counts
+
+    def _extend_slots(self, slots: np.ndarray, flat: np.ndarray, counts: np.ndarray,
+                      views: list[np.ndarray | None] | None) -> tuple[np.ndarray, list[_Chunk], np.ndarray | None]:
+        """Extend request ``slots[i]`` by its ``counts[i]`` tokens of ``flat``, as ``extend`` would in order.
+
+        Returns which succeeded (bool ``[n]``), the changed columns as chunks
+        in ascending request order (see ``_Chunk``), and, when a slot is
+        listed twice, each extend's table width (else None: the widths are
+        ``_width[slots]``; then ``views``, if a list, receives each extend's
+        table view as it was made, as ``extend`` returns it). Requests that stay inside their partial block
+        (``_fast_limit``) and free nothing (``_next_recycle``) are updated
+        in one C pass (``_tables.extend_fast``); they touch no shared state, so they
+        commute with the others, which go through ``_extend_run`` (decode
+        steps, batched) or ``_extend`` one at a time, in order. A slot listed
+        twice sends the whole batch one at a time.
+        """
+        n = slots.size
+        ok = np.ones(n, dtype=bool)
+        if n == 0:
+            return ok, [], None
+        bs = self.block_size
+        found = _tables.extend_fast(slots, counts, flat, self._ntok, self._fast_limit, self._next_recycle, self._tail,
+                                    self._changed_ok, self._stamp, self._keyed, self._salted, self._hasher is not None)
+        if found is None:
+            widths = np.zeros(n, dtype=np.int32)
+            return ok, self._extend_in_order(slots, flat, counts, ok, widths, views), widths
+        changed: list[_Chunk] = []
+        if found[0]:
+            slow = np.frombuffer(found[0], dtype=np.intp)
+            t = self._ntok[slots]  # the slow ones' are still as before the batch
+            offsets = np.cumsum(counts) - counts
+            # Plain one-token extends (nothing to free, no extra keys to hash) go through _extend_run in
+            # runs; any other request runs alone between them, so the order of pool and index
+            # operations is the one-by-one order.
+            start = 0
+            for j in [*(i for i, plain in enumerate(found[1]) if not plain), slow.size]:
+                if j > start:
+                    self._extend_run(slow[start:j], slots, flat, counts, offsets, t, ok, changed)
+                if j < slow.size:
+                    self._extend_each(slow[j:j + 1], slots, flat, counts, offsets, t, ok, changed)
+                start = j + 1
+        return ok, changed, None
+
+    def _extend_each(self, index: np.ndarray, slots: np.ndarray, flat: np.ndarray, counts: np.ndarray,
+                     offsets: np.ndarray, t: np.ndarray, ok: np.ndarray, changed: list[_Chunk]) -> None:
+        """``_extend`` of requests ``index`` (no slot repeated) one by one, in order."""
+        by_slot = self._by_slot
+        for i in index.tolist():
+            req = by_slot[slots[i]]
+            o = int(offsets[i])
+            if self._extend(req, flat[o:o + int(counts[i])], int(t[i])) is None:
+                ok[i] = False
+            elif len(req.changed):
+                cols = self._changed_of(req)
+                changed.append(_Chunk(np.array([i]), np.array([cols.size]), cols, None))
+
+    def _extend_run(self, index: np.ndarray, slots: np.ndarray, flat: np.ndarray, counts: np.ndarray,
+                    offsets: np.ndarray, t: np.ndarray, ok: np.ndarray, changed: list[_Chunk]) -> None:
+        """One-token extends (``index``, ascending) that open a block, fill one, or free window blocks; batched.
+
+        A decode step's slow path: one pool allocation for every request that
+        crosses into a new block, one hash call and one index insert for every
+        block that fills, one release of every block a window row gives back.
+        Done one by one in order, allocations (pops, and evictions of cached
+        free blocks), inserts of hashes new to the index, and releases of
+        cached blocks (appended to the LRU ring) while the allocations come off
+        the free stacks, all commute; so the batch is exact when every
+        allocation succeeds and every hash it inserts is new and distinct, and
+        with releases, every released block is cached and the stacks hold every
+        allocation. Otherwise the run goes one by one. Events keep the
+        one-by-one order: each open's evictions, then each fill's store.
+        """
+        bs = self.block_size
+        s = slots[index]
+        tt = t[index]
+        tok = flat[offsets[index]]
+        width = self._width[s]
+        pos = tt % bs
+        need = pos == 0  # at a block boundary: opens a block (a request holds >= 1 token)
+        num_need = int(np.count_nonzero(need))
+        pool = self._pool
+        if num_need and (pool.num_free() < num_need).any():
+            self._extend_each(index, slots, flat, counts, offsets, t, ok, changed)
+            return
+        by_slot = self._by_slot
+        recycle = np.flatnonzero(tt >= self._next_recycle[s])  # only with hashing: see extend_fast's plain
+        if recycle.size:
+            returns = [self._recyclable(by_slot[x], d) for x, d in zip(s[recycle].tolist(), tt[recycle].tolist())]
+            rec_rows = np.concatenate([r for r, _, _ in returns])
+            rec_blocks = np.concatenate([b for _, b, _ in returns])
+            if (rec_rows.size and not pool.is_cached(rec_rows, rec_blocks).all()) or (
+                    num_need and (pool.num_free() - pool.num_cached_free() < num_need).any()):
+                self._extend_each(index, slots, flat, counts, offsets, t, ok, changed)
+                return
+        hashes = b""
+        if self._hasher is not None:
+            fills = pos == bs - 1
+            fill = np.flatnonzero(fills)
+            if fill.size:
+                blocks_tok = self._tail[s[fill]]
+                blocks_tok[:, bs - 1] = tok[fill]
+                hashes = self._hasher.hash_each(blocks_tok, self._last_hash[s[fill]].tobytes())
+                if (fill.size > 1 and len(set(np.frombuffer(hashes, dtype=_PACKED).tolist())) < fill.size) or \
+                        self._index.any_known(hashes):
+                    self._extend_each(index, slots, flat, counts, offsets, t, ok, changed)
+                    return
+        # Commit: nothing below can fail.
+        self._tail[s, pos] = tok
+        self._ntok[s] = tt + 1
+        self._changed_ok[s] = need
+        recycled: dict[int, list[range]] = {}  # position in the run -> window columns it emptied
+        tagged: list[tuple[int, int, CacheEvent]] = []  # events with their request's position in the run
+        if recycle.size:
+            if rec_rows.size:  # in request order, tail first: the LRU order of one by one
+                pool.decref(rec_rows, rec_blocks)
+                self._recycled += int(self._group_sizes[rec_rows].sum())
+            for j, (_, blocks, stops) in zip(recycle.tolist(), returns):
+                if blocks.size:  # as _extend: a window with nothing left to give keeps its marks
+                    recycled[j] = self._mark_recycled(by_slot[s[j]], stops)
+        if num_need:
+            allocation = pool.allocate(num_need)
+            assert allocation is not None, "allocation failed after the free-block check"
+            if self.enable_events and allocation.evicted_rows.size:
+                tagged = self._forget_each(allocation, np.flatnonzero(need))
             else:
-                out.append(self._extend(req, flat[offset:offset + k], t))
-            if changes is not None:
-                changes.append(req.changed if out[-1] is not None else _NO_COLUMNS)
+                self._forget(allocation.evicted_rows, allocation.evicted_blocks)
+            new_blocks = allocation.blocks  # [groups, num_need], in request order
+            heads = new_blocks[self._row_group] if self._expand else new_blocks
+            opened = s[need]
+            reqs = [by_slot[x] for x in opened.tolist()]
+            cols = width[need].astype(np.int64)
+            new_blocks = np.ascontiguousarray(new_blocks, dtype=np.int32)
+            for j in _tables.set_columns([req.table for req in reqs], cols, new_blocks):
+                req, col = reqs[j], int(cols[j])  # a full table: twice the columns
+                req.table = _widen(req.table, col, _grow(col + 1, 4))
+                req.table[:, col] = new_blocks[:, j]
+                if req.heads is not None:
+                    req.heads = _widen(req.heads, col, req.table.shape[1])
+            if self._expand:
+                assert not _tables.set_columns([req.heads for req in reqs], cols, heads), "rows narrower than table"
+            for req in reqs:
+                req.num_blocks += 1
+                req.changed = None
+                req.view = None
+            self._last_block[opened] = new_blocks.T
+            self._width[opened] = width[need] + 1
+            if not recycled:
+                changed.append(_Chunk(index[need], np.ones(num_need, dtype=np.int32), width[need], heads))
+        if recycled:  # changes one request at a time, in order, each the union of its columns
+            for j in sorted(set(np.flatnonzero(need).tolist()) | recycled.keys()):
+                req = by_slot[s[j]]
+                opened_col = [range(int(width[j]), int(width[j]) + 1)] if need[j] else []
+                req.changed = cols = _columns(opened_col + recycled.get(j, []))
+                self._changed_ok[s[j]] = True
+                changed.append(_Chunk(index[j:j + 1], np.array([cols.size]), cols, None))
+        if hashes:
+            filled = s[fill]
+            blocks = self._last_block[filled]
+            self._index.insert_new(hashes, blocks)
+            pool.mark_cached_columns(blocks)
+        if self.enable_events and hashes:
+            for f, j in enumerate(fill.tolist()):
+                before = len(self._events)
+                self._store_events(by_slot[s[j]], int(tt[j]) // bs, hashes[f * _H:(f + 1) * _H], self._all_new,
+                                   blocks_tok[f])
+                tagged += [(j, 1, e) for e in self._events[before:]]
+                del self._events[before:]
+        if tagged:  # one by one, request j's evictions come before its store, and both before j + 1's
+            tagged.sort(key=lambda item: item[:2])
+            self._events += [e for _, _, e in tagged]
+        if hashes:
+            self._last_hash[filled] = np.frombuffer(hashes, dtype=np.uint8).reshape(-1, _H)
+        # _refresh's limits: an opened block takes bs tokens (with hashing bs - 1: its last one fills
+        # it), a filled one none (the next extend opens a block).
+        if self._hasher is None:
+            self._fast_limit[s] = tt + bs
+        else:
+            self._fast_limit[s] = np.where(fills, tt + 1, tt + bs - 1)
+        for j in recycled:
+            self._refresh(by_slot[s[j]])  # the next recycling point moved on
+
+    def _forget_each(self, allocation: Allocation, opens: np.ndarray) -> list[tuple[int, int, CacheEvent]]:
+        """``_forget`` of a run's evictions one open at a time, in order; their events, tagged with the open's position.
+
+        Row g's part of the allocation took its stack's blocks first and then
+        evicted, so the last ``e_g`` opens of the run are the ones that evicted
+        there. The events are taken back out for the caller to merge with the
+        run's stores.
+        """
+        m = allocation.blocks.shape[1]
+        first = m - np.bincount(allocation.evicted_rows, minlength=allocation.blocks.shape[0])
+        took = np.arange(m) >= first[:, None]  # [groups, opens]: that open evicted in that row
+        start = len(self._events)
+        tagged = []
+        for q, j in enumerate(opens.tolist()):
+            rows = np.flatnonzero(took[:, q])
+            if rows.size:
+                before = len(self._events)
+                self._forget(rows, allocation.blocks[rows, q])
+                tagged += [(j, 0, e) for e in self._events[before:]]
+        del self._events[start:]
+        return tagged
+
+    def _mark_recycled(self, req: _Request, stops: list[int]) -> list[range]:
+        """Empty (-1) each window group's columns up to ``stops[g]`` whose blocks went back; returns those columns."""
+        emptied = []
+        for g, (_, group) in enumerate(self._window_groups):
+            emptied.append(range(req.recycled[g], stops[g]))
+            req.table[group, req.recycled[g]:stops[g]] = -1
+            if req.heads is not None:
+                req.heads[self._row_group == group[0], req.recycled[g]:stops[g]] = -1
+            req.recycled[g] = max(req.recycled[g], stops[g])
+        return emptied
+
+    def _extend_in_order(self, slots: np.ndarray, flat: np.ndarray, counts: np.ndarray, ok: np.ndarray,
+                         widths: np.ndarray, views: list[np.ndarray | None] | None) -> list[_Chunk]:
+        """``_extend_slots`` one request at a time (a slot is listed more than once)."""
+        bs = self.block_size
+        by_slot = self._by_slot
+        changed: list[_Chunk] = []
+        offset = 0
+        for i, (s, k) in enumerate(zip(slots.tolist(), counts.tolist())):
+            req = by_slot[s]
+            t = int(self._ntok[s])
+            if t < self._next_recycle[s] and t + k <= self._fast_limit[s]:
+                p = t % bs
+                self._tail[s, p:p + k] = flat[offset:offset + k]
+                self._ntok[s] = t + k
+                self._changed_ok[s] = False
+            elif self._extend(req, flat[offset:offset + k], t) is None:
+                ok[i] = False
+            else:
+                cols = self._changed_of(req)
+                if cols.size:
+                    changed.append(_Chunk(np.array([i]), np.array([cols.size]), cols, None))
+            widths[i] = req.num_blocks
+            if views is not None:
+                views.append(None if not ok[i] else req.view if req.view is not None else _view(req))
             offset += k
-        return out
+        return changed
+
+    def _changed_of(self, req: _Request) -> np.ndarray:
+        """``changed_columns`` of a request record."""
+        if not self._changed_ok[req.slot]:
+            return _NO_COLUMNS
+        if req.changed is None:
+            return np.array([req.num_blocks - 1], dtype=np.int32)
+        if isinstance(req.changed, range):
+            return np.arange(req.changed.start, req.changed.stop, dtype=np.int32)
+        return req.changed
+
+    def _take_slot(self) -> int:
+        """A free row of the per-request arrays, growing them by doubling."""
+        if self._free_slots:
+            return self._free_slots.pop()
+        slot = len(self._by_slot)
+        if slot == self._ntok.size:
+            size = max(64, 2 * slot)
+            self._ntok = _resized(self._ntok, size)
+            self._fast_limit = _resized(self._fast_limit, size)
+            self._next_recycle = _resized(self._next_recycle, size)
+            self._width = _resized(self._width, size)
+            self._changed_ok = _resized(self._changed_ok, size)
+            self._tail = _resized(self._tail, size)
+            self._keyed = _resized(self._keyed, size)
+            self._last_block = _resized(self._last_block, size)
+            self._last_hash = _resized(self._last_hash, size)
+            self._salted = _resized(self._salted, size)
+            self._stamp = np.zeros(size, dtype=np.intp)
+        self._by_slot.append(None)
+        return slot
 
     def free(self, request_id: object) -> None:
         """End a request: its blocks return to the pool; full ones stay cached for later hits.
@@ -459,7 +899,11 @@ class KVCacheManager:
         req = self._get(request_id)
         if self.tier is not None:
             self._release_to_tier(request_id, req)
+        self._tier_tokens.pop(req.slot, None)
         del self._requests[request_id]
+        del self._slot_of[request_id]
+        self._by_slot[req.slot] = None
+        self._free_slots.append(req.slot)
         self._pool.decref(self._group_col, req.table[:, req.num_blocks - 1::-1], unique=True)
 
     def discard(self, request_id: object, first_block: int = 0) -> None:
@@ -548,7 +992,10 @@ class KVCacheManager:
             t = req.table[:, : req.num_blocks]
             r, c = np.nonzero(t >= 0)
             np.add.at(refs, (r, t[r, c]), 1)
-            assert req.num_blocks == -(-req.num_tokens // self.block_size), "table length disagrees with tokens"
+            assert req.num_blocks == -(-int(self._ntok[req.slot]) // self.block_size), "table length disagrees with tokens"
+            assert self._by_slot[req.slot] is req, f"slot {req.slot} does not hold its request"
+            if self._ntok[req.slot] % self.block_size:
+                assert (self._last_block[req.slot] == t[:, -1]).all(), "last block out of date"
             if req.heads is not None:
                 assert (req.heads[:, : req.num_blocks] == t[self._row_group]).all(), "rows disagree with their group"
         actual = self._pool.refcount(self._group_col, np.arange(self.num_blocks)[None, :])
@@ -633,18 +1080,28 @@ class KVCacheManager:
         """Offer the tier the request's hashed blocks that lose their last reference with this free."""
         assert self.tier is not None
         self.tier.poll()
-        n = req.num_hashed
+        bs = self.block_size
+        history = self._tier_tokens.get(req.slot)
+        tokens = np.concatenate(history) if history else np.empty(0, dtype=np.uint32)
+        n = int(self._ntok[req.slot]) // bs if history and self._hasher is not None else 0
         hashes = b""
         blocks = np.empty((self.num_rows, 0), dtype=np.int32)
-        if n and self._hasher is not None:
-            bs = self.block_size
-            hashes = self._hasher.hash_blocks_packed(req.tokens[: n * bs], cache_salt=req.cache_salt, lora=req.lora,
+        if n:
+            hashes = self._hasher.hash_blocks_packed(tokens[: n * bs], cache_salt=req.cache_salt, lora=req.lora,
                                                      mm=req.mm)
             table = req.table[:, :n]
             last = self._pool.refcount(self._group_col, table) == 1
             holds = (self._index.blocks_of(hashes).T == table) & (table >= 0)
             blocks = np.where(last & holds, table, -1)[self._row_group]
-        self.tier.released(request_id, hashes, blocks, req.tokens[: n * self.block_size].copy(), req.lora)
+        self.tier.released(request_id, hashes, blocks, tokens[: n * bs], req.lora)
+
+    def _record_tier_tokens(self, slots: np.ndarray, flat: np.ndarray, counts: np.ndarray, ok: np.ndarray) -> None:
+        """Append each successful extend's tokens, in order, to its request's history (a tier is attached)."""
+        ends = np.cumsum(counts)
+        for s, good, end, k in zip(slots.tolist(), np.asarray(ok).tolist(), ends.tolist(), np.asarray(counts).tolist()):
+            history = self._tier_tokens.get(s)
+            if good and history is not None:
+                history.append(flat[end - k:end].copy())
 
     def _expand_pairs(self, groups: np.ndarray, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(group, block) pairs as the (row, block) pairs they stand for."""
@@ -674,11 +1131,13 @@ class KVCacheManager:
         live = blocks >= 0
         return rows[live], blocks[live], stops
 
-    def _register(self, req: _Request, hashes: bytes) -> None:
-        """Enter the request's newly full blocks (packed ``hashes``, from block ``num_hashed`` on) in the index."""
+    def _register(self, req: _Request, start: int, hashes: bytes, tokens: np.ndarray) -> None:
+        """Enter the request's newly full blocks (packed ``hashes``, from block ``start`` on) in the index.
+
+        ``tokens`` are the request's tokens from block ``start`` on (for events).
+        """
         if not hashes:
             return
-        start = req.num_hashed
         stop = start + len(hashes) // _H
         blocks = req.table[:, start:stop].T
         inserted = self._index.insert(hashes, blocks)
@@ -686,9 +1145,8 @@ class KVCacheManager:
             i, r = np.nonzero(inserted.added)
             self._pool.mark_cached(r, blocks[i, r])
         if self.enable_events and inserted.new.any():
-            self._store_events(req, hashes, start, inserted)
-        req.num_hashed = stop
-        req.last_hash = hashes[-_H:]
+            self._store_events(req, start, hashes, inserted, tokens)
+        self._last_hash[req.slot] = np.frombuffer(hashes[-_H:], dtype=np.uint8)
 
     def _forget(self, rows: np.ndarray, blocks: np.ndarray) -> None:
         """Drop evicted (row, block) pairs from the index and report the hashes that left it."""
@@ -701,8 +1159,11 @@ class KVCacheManager:
         if self.enable_events and len(removed.gone):
             self._events.append(BlockRemoved(tuple(bytes(h) for h in removed.gone)))
 
-    def _store_events(self, req: _Request, packed: bytes, start: int, inserted: Inserted) -> None:
-        """One BlockStored per run of consecutive hashes new to the index and stored on the same rows."""
+    def _store_events(self, req: _Request, start: int, packed: bytes, inserted: Inserted, tokens: np.ndarray) -> None:
+        """One BlockStored per run of consecutive hashes new to the index and stored on the same rows.
+
+        ``packed`` hashes blocks ``start`` on, whose tokens ``tokens`` start with.
+        """
         bs = self.block_size
         hashes = [packed[i: i + _H] for i in range(0, len(packed), _H)]
         keys = [bytes(p) if new else None for p, new in
@@ -712,11 +1173,11 @@ class KVCacheManager:
             if i < len(keys) and keys[i] == keys[run_start]:
                 continue
             if keys[run_start] is not None:
-                first = start + run_start
                 self._events.append(BlockStored(
                     block_hashes=tuple(hashes[run_start:i]),
-                    parent_block_hash=hashes[run_start - 1] if run_start else req.last_hash,
-                    token_ids=req.tokens[first * bs: (start + i) * bs].copy(),
+                    parent_block_hash=(hashes[run_start - 1] if run_start else
+                                       self._last_hash[req.slot].tobytes() if start else None),
+                    token_ids=tokens[run_start * bs: i * bs].copy(),
                     block_size=bs,
                     rows=self._rows_of(np.flatnonzero(inserted.added[run_start])),
                     lora=req.lora,
@@ -727,15 +1188,19 @@ class KVCacheManager:
         """After a table change: drop the cached view and recompute the fast-path limits."""
         bs = self.block_size
         req.view = None
-        limit = min(req.num_blocks * bs, req.tokens.size)
+        slot = req.slot
+        # An extend up to ``limit`` tokens stays in the last block and, with hashing, does not fill it.
+        limit = req.num_blocks * bs
         if self._hasher is not None:
-            limit = min(limit, (req.num_hashed + 1) * bs - 1)
-        req.fast_limit = limit
-        req.next_recycle = min(
+            limit = min(limit, (int(self._ntok[slot]) // bs + 1) * bs - 1)
+        self._fast_limit[slot] = limit
+        # The first num_computed_tokens at which a window row would give a block back.
+        self._next_recycle[slot] = min(
             ((req.recycled[g] + 1) * bs + policy.window_tokens - 1 for g, (policy, _) in
              enumerate(self._window_groups)),
-            default=float("inf"),
+            default=_NEVER,
         )
+        self._width[slot] = req.num_blocks
 
     def _rows_of(self, groups: np.ndarray) -> tuple[int, ...]:
         """The rows (heads) that the given groups stand for, ascending."""
@@ -743,6 +1208,7 @@ class KVCacheManager:
 
 
 _EMPTY = np.empty(0, dtype=np.intp)
+_NEVER = 2**62  # a _next_recycle no request reaches
 _NO_COLUMNS = np.empty(0, dtype=np.int32)
 _H = HASH_BYTES
 
@@ -761,6 +1227,13 @@ def _columns(ranges: list[range]) -> np.ndarray:
     if not parts:
         return np.empty(0, dtype=np.int32)
     return parts[0] if len(parts) == 1 else np.unique(np.concatenate(parts))
+
+
+def _resized(arr: np.ndarray, rows: int) -> np.ndarray:
+    """A zero-filled copy of ``arr`` with ``rows`` rows, the existing ones kept."""
+    out = np.zeros((rows, *arr.shape[1:]), dtype=arr.dtype)
+    out[: arr.shape[0]] = arr
+    return out
 
 
 def _widen(table: np.ndarray, used: int, capacity: int) -> np.ndarray:

@@ -359,6 +359,16 @@ class BlockPool:
                                      f"first (row {r[i]}, block {b[i]})")
         self._cached[flat] = True
 
+    def mark_cached_columns(self, blocks: np.ndarray) -> None:
+        """``mark_cached`` of int32 ``[m, num_rows]`` blocks (row r's block in column r), all referenced.
+
+        A decode step's newly full blocks, one row of ``blocks`` per request: no
+        holes, no pair checks beyond the reference counts.
+        """
+        flat = blocks.astype(np.intp) if self._rows == 1 else blocks + self._row_base.T
+        assert np.count_nonzero(self._ref[flat]) == flat.size, "mark_cached_columns of a free block"
+        self._cached[flat] = True
+
     def uncache(self, rows: np.ndarray, blocks: np.ndarray) -> None:
         """Clear the cached flag; a cached free block moves to the free stack (in pair order).
 

@@ -234,6 +234,20 @@ class BlockHasher:
         """``hash_blocks`` as one ``bytes`` of ``32 * num_full_blocks``: no object per block (what PrefixIndex takes)."""
         return self._hash(tokens, cache_salt, lora, mm, parent, start_block, split=False)  # type: ignore[return-value]
 
+    def hash_each(self, blocks: np.ndarray, parents: bytes) -> bytes:
+        """Packed hashes of full blocks of different requests: row j of ``blocks`` (uint32 ``[m, block_size]``) after parent j.
+
+        ``parents`` packs one 32-byte parent per row (the root for a request's block 0).
+        A decode step's newly full blocks, one per request; none may carry extra keys
+        (cache salt at block 0, LoRA, multimodal items): the caller checks.
+        """
+        if self.native:
+            each = _chainhash.each_raw if self.algorithm == "sha256" else _chainhash.each_cbor
+            return each(np.ascontiguousarray(blocks, dtype=np.uint32).reshape(-1), self.block_size, parents)
+        chain, bs = self._chain, self.block_size
+        return b"".join([chain(row, bs, parents[j * HASH_BYTES:(j + 1) * HASH_BYTES], None, split=False)
+                         for j, row in enumerate(blocks)])
+
     def _hash(
         self,
         tokens: Sequence[int] | np.ndarray,
@@ -477,6 +491,10 @@ class PrefixIndex:
             return False
         return len(self._find(block_hash, stop_at_miss=True)) == 1
 
+    def any_known(self, hashes: bytes) -> bool:
+        """Whether any of the packed hashes is in the index."""
+        return bool((self._find(hashes, stop_at_miss=False) >= 0).any())
+
     def match(self, hashes: bytes) -> np.ndarray:
         """Blocks (int32 ``[k, num_rows]``, -1 = row lacks it) of the longest run of known leading hashes."""
         return self._blocks[self._find(hashes, stop_at_miss=True)]
@@ -502,7 +520,12 @@ class PrefixIndex:
         """
         if len(hashes) == HASH_BYTES:
             return self._insert_one(hashes, blocks[0])
-        entries = self._find(hashes, stop_at_miss=False).astype(np.intp)
+        found = self._find(hashes, stop_at_miss=False)
+        if int(found.max(initial=-1)) < 0 and int(blocks.min(initial=0)) >= 0:
+            # Every hash new and every row holding a block (an admit without a prefix hit): no merging.
+            self.insert_new(hashes, blocks)
+            return Inserted(np.ones(blocks.shape, dtype=bool), np.ones(len(found), dtype=bool))
+        entries = found.astype(np.intp)
         fresh = np.flatnonzero(entries < 0)
         packed = np.frombuffer(hashes, dtype=_PACKED)
         if fresh.size:
@@ -526,6 +549,25 @@ class PrefixIndex:
             self._add_keys(entries[fresh], packed[fresh])
             new[fresh] = True
         return Inserted(added, new)
+
+    def insert_new(self, hashes: bytes, blocks: np.ndarray) -> None:
+        """``insert`` of distinct hashes, none in the index, each held by a block on every row (``blocks >= 0``).
+
+        A decode step's newly full blocks once ``any_known`` said none is known:
+        no lookup and no duplicate handling; every pair is newly registered.
+        """
+        count = len(hashes) // HASH_BYTES
+        if count == 0:
+            return
+        entries = self._take_entries(count)
+        packed = np.frombuffer(hashes, dtype=_PACKED)
+        rows = np.arange(self._rows)[None, :]
+        assert (blocks >= 0).all() and (self._entry_at[rows, blocks] < 0).all(), "a pair already holds a hash"
+        self._hash_of[entries] = packed
+        self._blocks[entries] = blocks
+        self._entry_at[rows, blocks] = entries[:, None]
+        self._holders[entries] = self._rows
+        self._add_keys(entries, packed)
 
     def _insert_one(self, block_hash: bytes, blocks: np.ndarray) -> Inserted:
         """``insert`` of a single hash (a decode step filling one block) with scalar steps, not array passes."""

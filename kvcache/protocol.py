@@ -122,7 +122,11 @@ _CODES = {
     10: np.dtype("<f4"),
 }
 _CODE_OF = {dt: code for code, dt in _CODES.items()}
+# Hot-path lookups: the code of a native-order dtype (the dtypes arrays come in), and one struct per ndim.
+_NATIVE_CODE = {dt.newbyteorder("="): code for code, dt in _CODES.items()}
+_HEADERS = [struct.Struct(f"<BB{ndim}I") for ndim in range(5)]
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+_LITTLE_HOST = np.dtype("=i4") == np.dtype("<i4")
 
 
 class ProtocolError(KVCacheError):
@@ -140,12 +144,15 @@ def show(value: Any) -> str:
 
 def encode_array(arr: np.ndarray) -> msgpack.ExtType:
     """An array as the protocol's ExtType: dtype code, shape, raw little-endian bytes."""
-    code = _CODE_OF.get(arr.dtype.newbyteorder("<") if arr.dtype.itemsize > 1 else arr.dtype)
+    code = _NATIVE_CODE.get(arr.dtype) if _LITTLE_HOST else None
     if code is None:
-        raise ProtocolError(f"array: dtype {arr.dtype} has no wire code")
+        code = _CODE_OF.get(arr.dtype.newbyteorder("<") if arr.dtype.itemsize > 1 else arr.dtype)
+        if code is None:
+            raise ProtocolError(f"array: dtype {arr.dtype} has no wire code")
     data = np.ascontiguousarray(arr, dtype=_CODES[code])
-    header = struct.pack(f"<BB{data.ndim}I", code, data.ndim, *data.shape)
-    return msgpack.ExtType(ARRAY_EXT, header + data.tobytes())
+    if data.ndim > 4:
+        raise ProtocolError(f"array: {data.ndim} dimensions, at most 4 allowed")
+    return msgpack.ExtType(ARRAY_EXT, b"".join((_HEADERS[data.ndim].pack(code, data.ndim, *data.shape), data)))
 
 
 def _decode_ext(code: int, data: bytes) -> Any:
@@ -162,7 +169,7 @@ def _decode_ext(code: int, data: bytes) -> Any:
     start = 2 + 4 * ndim
     if len(data) < start:
         raise ProtocolError("array: truncated shape")
-    shape = struct.unpack_from(f"<{ndim}I", data, 2)
+    shape = _HEADERS[ndim].unpack_from(data)[2:]
     count = 1
     for n in shape:
         count *= n

@@ -791,26 +791,14 @@ class CacheServer:
         ``block_size``); their columns and values go out back to back, shared
         by the reply and the delta.
         """
-        m = self.manager
         assert op.reqs is not None and op.counts is not None
-        columns: list[np.ndarray] = []
-        tables = m.extend_many(op.reqs, op.tokens, op.counts, changes=columns)
-        lens = np.array([-1 if t is None else t.shape[1] for t in tables], dtype=np.int32)
-        sizes = np.fromiter(map(len, columns), dtype=np.int32, count=len(columns))
-        index = np.flatnonzero(sizes).astype(np.int32)
-        offsets = np.zeros(index.size + 1, dtype=np.int32)
-        np.cumsum(sizes[index], out=offsets[1:])
-        picked = index.tolist()
-        if picked:
-            cols = np.concatenate([columns[i] for i in picked]).astype(np.int32, copy=False)
-            vals = np.concatenate([tables[i][:, columns[i]] for i in picked], axis=1)
-            reqs = [op.reqs[i] for i in picked]
+        d = self.manager.extend_many_deltas(op.reqs, op.tokens, op.counts)
+        if d.index.size:
+            reqs = [op.reqs[i] for i in d.index.tolist()]
             slot_of = self._slots.of
-            changes.add_many(reqs, [slot_of[r] for r in reqs], lens[index].tolist(), sizes[index].tolist(), cols,
-                             vals)
-        else:
-            cols, vals = np.empty(0, dtype=np.int32), np.empty((m.num_rows, 0), dtype=np.int32)
-        return {"lens": lens, "changed": {"index": index, "offsets": offsets, "cols": cols, "vals": vals}}
+            changes.add_many(reqs, [slot_of[r] for r in reqs], d.lens[d.index].tolist(),
+                             np.diff(d.offsets).tolist(), d.cols, d.vals)
+        return {"lens": d.lens, "changed": {"index": d.index, "offsets": d.offsets, "cols": d.cols, "vals": d.vals}}
 
     def _stage(self, changes: _Changes, freed: list[Any], reset: bool) -> None:
         """Number a delta and keep it for replay; it is sent (and its "t" written) once its message is durable."""

@@ -654,3 +654,18 @@ def test_bad_hash_blocks_arguments_raise_naming_the_field(kwargs: dict[str, obje
     """Malformed parent, start_block, salt, LoRA and multimodal placeholders are refused."""
     with pytest.raises(KVCacheError, match=field):
         BlockHasher(4, seed="s").hash_blocks([1, 2, 3, 4], **kwargs)
+
+
+@settings(max_examples=60, deadline=None)
+@given(algorithm=st.sampled_from(["sha256", "sha256_cbor"]), block_size=st.sampled_from([1, 3, 16, 32, 64]),
+       count=st.integers(0, 9), seed=st.integers(0, 2**32 - 1))
+def test_hash_each_is_each_requests_next_block_hash(algorithm, block_size, count, seed):
+    """hash_each (one C call for a decode step's full blocks) equals hash_blocks_packed of each block after its parent."""
+    hasher = BlockHasher(block_size, algorithm, seed=b"each")
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 2**32, (count, block_size), dtype=np.uint32)
+    parents = [rng.bytes(32) for _ in range(count)]
+    want = b"".join(hasher.hash_blocks_packed(b, parent=p, start_block=1) for b, p in zip(blocks, parents))
+    assert hasher.hash_each(blocks, b"".join(parents)) == want
+    with pytest.raises(ValueError, match="parent"):
+        native.each_raw(blocks.reshape(-1), block_size, b"\0" * (32 * count + 1))

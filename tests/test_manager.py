@@ -1,6 +1,9 @@
 """KVCacheManager: admit/extend/free, prefix hits, sliding-window recycling, and a model-based test."""
 from __future__ import annotations
 
+import io
+import pickle
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
@@ -568,3 +571,57 @@ def test_discard_of_a_shared_block_uncaches_it_for_later_requests_only():
     assert m.lookup(np.arange(9)) == 0 and m.num_free_blocks.tolist() == [8]
     with pytest.raises(KVCacheError, match="not admitted"):
         m.discard("a")
+
+
+class _LegacyPickler(pickle.Pickler):
+    """Pickles a manager as the layout before slot arrays did: each request held its tokens and counts."""
+
+    def __init__(self, file, prompts: dict) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.prompts = prompts
+
+    def reducer_override(self, obj):
+        from kvcache.allocator.manager import _Request
+
+        if type(obj) is _Request:
+            fields = {name: getattr(obj, name) for name in _Request.__slots__ if name not in ("slot", "legacy")}
+            rid = next(r for r, s in self.manager._slot_of.items() if s == obj.slot)
+            n = self.manager.num_tokens(rid)
+            tokens = np.zeros(64, dtype=np.uint32)
+            tokens[:n] = self.prompts[rid][:n]
+            nh = n // BS
+            fields.update(tokens=tokens, num_tokens=n, num_hashed=nh, fast_limit=0, next_recycle=0,
+                          last_hash=self.manager._last_hash[obj.slot].tobytes() if nh else None,
+                          changed=np.arange(obj.num_blocks, dtype=np.int32))
+            return object.__new__, (_Request,), (None, fields)
+        if type(obj) is KVCacheManager:
+            self.manager = obj
+            new = {"_slot_of", "_by_slot", "_free_slots", "_ntok", "_fast_limit", "_next_recycle", "_width",
+                   "_changed_ok", "_tail", "_stamp", "_keyed", "_salted", "_last_block", "_last_hash", "_all_new"}
+            return object.__new__, (KVCacheManager,), {k: v for k, v in vars(obj).items() if k not in new}
+        return NotImplemented
+
+
+@pytest.mark.parametrize("rows", [[Full()], [Full(), Window(6, 2)]])
+def test_a_snapshot_from_before_slot_arrays_is_adopted(rows):
+    """A journal snapshot whose requests kept their own tokens loads and then behaves as the live manager."""
+    live = make_manager(64, rows, enable_events=False)
+    twin = make_manager(64, rows, enable_events=False)
+    prompts = {}
+    for rid, n in enumerate([3, 4, 9, 15]):
+        prompts[rid] = list(range(100 * rid, 100 * rid + n)) + [7] * 40
+        for m in (live, twin):
+            m.admit(rid, prompts[rid][:n])
+    buffer = io.BytesIO()
+    _LegacyPickler(buffer, prompts).dump(live)
+    adopted = pickle.loads(buffer.getvalue())
+    adopted.check_integrity()
+    for step in range(9):
+        counts = [1, 1, 2, 1]
+        flat = np.array([prompts[rid][twin.num_tokens(rid) + j] for rid, k in enumerate(counts) for j in range(k)])
+        got = adopted.extend_many(list(range(4)), flat, counts)
+        want = twin.extend_many(list(range(4)), flat, counts)
+        assert [g.tolist() for g in got] == [w.tolist() for w in want]
+        adopted.check_integrity()
+    assert adopted.lookup(prompts[2][:20]) == twin.lookup(prompts[2][:20]) > 0
+    assert adopted.num_free_blocks.tolist() == twin.num_free_blocks.tolist()

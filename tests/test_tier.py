@@ -243,6 +243,33 @@ def test_window_rows_load_only_blocks_the_host_holds(tiers) -> None:
     tier.check_host()
 
 
+def test_blocks_decoded_through_extend_many_reach_host_and_come_back(tiers) -> None:
+    """Decode steps in one batch (the daemon's shape): the generated blocks are offloaded under the right keys."""
+    spec = make_spec("bf16")
+    tier = tiers(spec, num_blocks=24, host_blocks=32)
+    prompts = {"a": list(range(1, 8)), "b": list(range(100, 111))}
+    tokens = {rid: list(p) for rid, p in prompts.items()}
+    for rid, prompt in prompts.items():
+        assert tier.admit(rid, prompt) == 0
+    for step in range(13):  # "b" is listed twice in a step: two tokens, in order
+        new = {"a": [200 + step], "b": [300 + 2 * step, 301 + 2 * step]}
+        views = tier.manager.extend_many(["a", "b", "b"], new["a"] + new["b"], [1, 1, 1])
+        assert all(v is not None for v in views)
+        for rid in ("a", "b"):
+            start = (len(tokens[rid]) - 1) // spec.block_size
+            tokens[rid] += new[rid]
+            tier.compute(rid, tokens[rid], tier.manager.table(rid), start)
+    for rid in ("a", "b"):
+        tier.manager.free(rid)
+    assert tier.tm.drain(10)
+    fill_gpu(tier, 2)
+    for rid in ("a", "b"):
+        full = (len(tokens[rid]) - 1) // spec.block_size * spec.block_size
+        assert tier.tm.lookup(tokens[rid]) == (0, full)
+        assert tier.admit(f"{rid}-again", tokens[rid]) == full  # check_cached inside: identical bytes
+    tier.check_host()
+
+
 @given(st.data())
 @settings(max_examples=200, deadline=None)
 def test_tier_extension_matches_a_loop_over_lengths(data) -> None:

@@ -972,6 +972,7 @@ _MEANING = {
     "check_request_id": "type and range, per request",
     "check_tokens": "token array check",
     "extend_many": "decode extends",
+    "extend_many_deltas": "decode extends",
     "extend": "slow path: allocate, hash, register",
     "admit": "hash, match, allocate",
     "free": "blocks back to the pool",

@@ -1,0 +1,213 @@
+"""KVCacheManager.extend_many and extend_many_deltas against the same extends applied one at a time.
+
+The batch takes a vectorised fast path and a batched slow path (one allocation
+and one index insert for a whole decode step); whatever it does, the result
+must be exactly that of ``extend`` called request by request in order: the same
+tables, free counts, eviction order, prefix index, events and statistics.
+"""
+from __future__ import annotations
+
+import dataclasses
+import pickle
+
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvcache.allocator import Full, KVCacheError, KVCacheManager, Window
+
+import pytest
+
+BS = 4
+SHAPES = {
+    "uniform": [Full()],
+    "head-wise": [Full(), Window(6, 2), Window(9), Full(), Window(6, 2)],
+    "one window": [Window(5)],
+    "sink and full": [Window(8, 4), Full()],
+}
+PREFIXES = [list(range(40)), list(range(1000, 1040)), list(range(12)) + list(range(5000, 5028))]
+
+
+def twins(shape: str, num_blocks: int, caching: bool, algorithm: str, block_size: int = BS
+          ) -> tuple[KVCacheManager, KVCacheManager]:
+    """Two identical managers: one is driven by batches, the other one request at a time."""
+    make = lambda: KVCacheManager(num_blocks, block_size, SHAPES[shape], enable_prefix_caching=caching,
+                                  hash_algorithm=algorithm, hash_seed=b"twins", enable_events=True)
+    return make(), make()
+
+
+def assert_same(batched: KVCacheManager, single: KVCacheManager, live: list[int]) -> None:
+    batched.check_integrity()
+    for rid in live:
+        assert batched.table(rid).tolist() == single.table(rid).tolist(), f"request {rid}"
+        assert batched.num_tokens(rid) == single.num_tokens(rid), f"request {rid}"
+    assert batched.num_free_blocks.tolist() == single.num_free_blocks.tolist()
+    assert batched.stats() == single.stats()
+    assert plain(batched.take_events()) == plain(single.take_events())
+
+
+def plain(events: list) -> list:
+    """Events as comparable tuples (token ids as lists)."""
+    return [(type(e).__name__, *(v.tolist() if isinstance(v, np.ndarray) else v for v in dataclasses.astuple(e)))
+            for e in events]
+
+
+decode = st.tuples(st.just("decode"), st.lists(st.integers(0, 10**6), min_size=1, max_size=12, unique=True),
+                   st.lists(st.sampled_from([1, 1, 1, 1, 1, 1, 0, 2]), min_size=12, max_size=12), st.booleans(),
+                   st.integers(0, 3))
+step = st.one_of(
+    decode, decode, decode,
+    st.tuples(st.just("admit"), st.integers(0, 2), st.integers(1, 40), st.lists(st.integers(0, 9), max_size=6),
+              st.sampled_from([None, None, "salt"]), st.sampled_from([None, None, None, "lora"])),
+    st.tuples(st.just("free"), st.integers(0, 10**6)),
+    st.tuples(st.just("repeat"), st.lists(st.integers(0, 10**6), min_size=2, max_size=6)),
+    st.tuples(st.just("reset")),
+)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(shape=st.sampled_from(sorted(SHAPES)), num_blocks=st.integers(4, 48), caching=st.booleans(),
+       algorithm=st.sampled_from(["sha256", "sha256_cbor"]), block_size=st.sampled_from([1, BS]),
+       steps=st.lists(step, max_size=60))
+def test_extend_many_equals_extends_one_at_a_time(shape, num_blocks, caching, algorithm, block_size, steps):
+    """Random admits, frees and decode batches (evictions, no room, shared prefixes): the twins never differ."""
+    batched, single = twins(shape, num_blocks, caching, algorithm, block_size)
+    live: list[int] = []
+    next_id = 0
+    for op in steps:
+        if op[0] == "admit":
+            _, base, keep, suffix, salt, lora = op
+            prompt = PREFIXES[base][:keep] + suffix
+            a = batched.admit(next_id, prompt, cache_salt=salt, lora=lora)
+            b = single.admit(next_id, prompt, cache_salt=salt, lora=lora)
+            assert (a is None) == (b is None)
+            if a is not None:
+                assert a.table.tolist() == b.table.tolist() and a.num_cached_tokens == b.num_cached_tokens
+                live.append(next_id)
+            next_id += 1
+        elif op[0] == "free" and live:
+            rid = live.pop(op[1] % len(live))
+            batched.free(rid)
+            single.free(rid)
+        elif op[0] in ("decode", "repeat") and live:
+            if op[0] == "decode":
+                picks, counts_all, use_deltas, seed = op[1:]
+                rids = list(dict.fromkeys(live[p % len(live)] for p in picks))
+                counts = counts_all[: len(rids)]
+            else:
+                rids, counts, use_deltas, seed = [live[p % len(live)] for p in op[1]], [1] * len(op[1]), False, 0
+            # Same-content decodes (token = seed) make equal chains, so inserts meet hashes already indexed.
+            flat = np.full(sum(counts), seed, dtype=np.int64) if seed < 2 else np.arange(sum(counts)) % 7
+            want = []
+            offset = 0
+            for rid, k in zip(rids, counts):
+                got = single.extend(rid, flat[offset:offset + k])
+                want.append(None if got is None else (got.shape[1], single.changed_columns(rid).tolist()))
+                offset += k
+            if use_deltas:
+                d = batched.extend_many_deltas(rids, flat, counts)
+                assert d.lens.tolist() == [-1 if w is None else w[0] for w in want]
+                changed = [i for i, w in enumerate(want) if w is not None and w[1]]
+                assert d.index.tolist() == changed
+                for j, i in enumerate(changed):
+                    cols = d.cols[d.offsets[j]:d.offsets[j + 1]]
+                    assert cols.tolist() == want[i][1]
+                    assert d.vals[:, d.offsets[j]:d.offsets[j + 1]].tolist() == single.table(rids[i])[:, cols].tolist()
+            else:
+                changes: list[np.ndarray] = []
+                tables = batched.extend_many(rids, flat, counts, changes=changes)
+                assert [t is None for t in tables] == [w is None for w in want]
+                last = {rid: i for i, rid in enumerate(rids)}
+                for i, (rid, w) in enumerate(zip(rids, want)):
+                    if w is not None:  # each table as its extend made it: the width of that moment
+                        assert tables[i].shape[1] == w[0]
+                    if w is not None and last[rid] == i:
+                        assert changes[i].tolist() == w[1]
+                        assert tables[i].tolist() == single.table(rid).tolist()
+        elif op[0] == "reset":
+            assert batched.reset_prefix_cache() == single.reset_prefix_cache()
+        assert_same(batched, single, live)
+    copy = pickle.loads(pickle.dumps(batched))  # a journal snapshot keeps the slot arrays
+    assert_same(copy, single, live)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(shape=st.sampled_from(sorted(SHAPES)), num_blocks=st.integers(8, 64), caching=st.booleans(),
+       algorithm=st.sampled_from(["sha256", "sha256_cbor"]), block_size=st.sampled_from([1, 2, BS]),
+       prompts=st.lists(st.tuples(st.integers(0, 2), st.integers(1, 24), st.sampled_from([None, None, "salt"])),
+                        min_size=1, max_size=10),
+       steps=st.lists(st.tuples(st.lists(st.sampled_from([1] * 8 + [0, 2]), min_size=10, max_size=10),
+                                st.integers(0, 9), st.integers(0, 3)), min_size=1, max_size=30))
+def test_decode_steps_equal_extends_one_at_a_time(shape, num_blocks, caching, algorithm, block_size, prompts, steps):
+    """Steps of a running server: every live request decodes (mostly one token), one finishes, one arrives."""
+    batched, single = twins(shape, num_blocks, caching, algorithm, block_size)
+    live: list[int] = []
+
+    def admit(rid: int, base: int, keep: int, salt: str | None) -> None:
+        a = batched.admit(rid, PREFIXES[base][:keep], cache_salt=salt)
+        b = single.admit(rid, PREFIXES[base][:keep], cache_salt=salt)
+        assert (a is None) == (b is None)
+        if a is not None:
+            live.append(rid)
+
+    for rid, prompt in enumerate(prompts):
+        admit(rid, *prompt)
+    next_id = len(prompts)
+    for n, (counts_all, finish, seed) in enumerate(steps):
+        counts = [counts_all[j % 10] for j in range(len(live))]
+        flat = np.full(sum(counts), seed, dtype=np.int64) if seed < 2 else np.arange(sum(counts)) % 5
+        want = []
+        offset = 0
+        for rid, k in zip(live, counts):
+            got = single.extend(rid, flat[offset:offset + k])
+            want.append(-1 if got is None else got.shape[1])
+            offset += k
+        assert batched.extend_many_deltas(live, flat, counts).lens.tolist() == want
+        assert_same(batched, single, live)
+        if live and finish < 3:
+            rid = live.pop(finish % len(live))
+            batched.free(rid)
+            single.free(rid)
+        admit(next_id, *prompts[n % len(prompts)])
+        next_id += 1
+        assert_same(batched, single, live)
+
+
+def test_a_decode_step_changes_only_the_tables_that_open_a_block():
+    """256 one-token extends: the requests at a block boundary get one new column each, the rest nothing."""
+    m = KVCacheManager(4096, 16, enable_prefix_caching=True, hash_seed=b"x")
+    for rid in range(256):
+        m.admit(rid, np.arange(rid, rid + 16 + rid % 16))
+    d = m.extend_many_deltas(list(range(256)), np.ones(256, dtype=np.int32), np.ones(256, dtype=np.int32))
+    opened = [rid for rid in range(256) if rid % 16 == 0]
+    assert d.index.tolist() == opened
+    assert d.lens.tolist() == [2] * 256
+    assert d.offsets.tolist() == list(range(len(opened) + 1))
+    assert d.cols.tolist() == [1] * len(opened)
+    assert d.vals.tolist() == [[m.table(rid)[0, 1] for rid in opened]]
+    assert len(set(d.vals[0].tolist())) == len(opened), "each opened its own block"
+    m.check_integrity()
+
+
+def test_extend_many_deltas_refuses_bad_input_before_any_change():
+    m = KVCacheManager(64, 4, hash_seed=b"x")
+    m.admit("a", [1, 2, 3])
+    for args, field in [((["a", "zz"], [1, 2], [1, 1]), "request_id"), ((["a"], [1, 2], [1]), "counts"),
+                        ((["a"], [-1], [1]), "tokens"), ((["a"], [1], [-1]), "counts")]:
+        with pytest.raises(KVCacheError, match=field):
+            m.extend_many_deltas(*args)
+        assert m.num_tokens("a") == 3
+
+
+def test_extend_many_takes_strided_counts_and_any_integer_tokens():
+    """Counts and tokens as views or other integer dtypes give the same result as plain arrays."""
+    a, b = KVCacheManager(64, 4, hash_seed=b"x"), KVCacheManager(64, 4, hash_seed=b"x")
+    for m in (a, b):
+        for rid in range(3):
+            m.admit(rid, list(range(rid, rid + 3)))
+    strided = np.array([[1, 9], [2, 9], [1, 9]], dtype=np.int16)[:, 0]
+    got = a.extend_many([0, 1, 2], np.array([5, 6, 7, 8], dtype=np.uint16), strided)
+    want = b.extend_many([0, 1, 2], np.array([5, 6, 7, 8], dtype=np.uint32), np.array([1, 2, 1]))
+    assert [t.tolist() for t in got] == [t.tolist() for t in want]
+    assert [a.num_tokens(r) for r in range(3)] == [b.num_tokens(r) for r in range(3)] == [4, 5, 4]
+    assert a.lookup([0, 1, 2, 5, 0]) == b.lookup([0, 1, 2, 5, 0]) == 4
