@@ -33,6 +33,7 @@ from kvcache.allocator.layout import CacheSpec
 from kvcache.bench.common import Fleet, expect
 from kvcache.bench.common import mark as _mark
 from kvcache.bench.common import positive_int as _positive_int
+from kvcache.bench.common import nonnegative_int
 from kvcache.bench.common import table as _table
 from kvcache.transfer.engines import HOST_METHODS, LocalEngine, TransferStatus
 from kvcache.transfer.regions import CopyRanges, KVRegion
@@ -417,16 +418,6 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _nonnegative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
-    return value
-
-
 def _sections(text: str) -> list[str]:
     chosen = [s for s in text.split(",") if s]
     bad = [s for s in chosen if s not in ("host", "nixl", "gpu")]
@@ -450,7 +441,7 @@ def add_parser(targets: argparse._SubParsersAction) -> None:
                    help=f"{QUICK_LAYERS} layers and {QUICK_REPEAT} runs instead of {LAYERS} and {REPEAT}, for tests")
     p.add_argument("--repeat", type=_positive_int, metavar="N", help="timed runs per measurement; the best is reported")
     p.add_argument("--layers", type=_positive_int, metavar="N", help=f"model layers (default {LAYERS})")
-    p.add_argument("--threads", type=_nonnegative_int, metavar="N",
+    p.add_argument("--threads", type=nonnegative_int, metavar="N",
                    help="threads of the host copy and NIXL engines (default: theirs, from the CPU count; 0 or 1: one)")
     p.add_argument("--sections", type=_sections, default=["host", "nixl", "gpu"], metavar="LIST",
                    help="comma-separated subset of host,nixl,gpu (default: all; absent libraries are skipped)")
