@@ -160,6 +160,9 @@ def prefill_worker(conn: Any, cfg: dict[str, Any], rank: int) -> None:
             if command == "posted":
                 conn.send(("posted", link.messager.posted_bytes.get(payload, 0)))
                 continue
+            if command == "sent_ns":
+                conn.send(("sent_ns", link.messager.sent_ns.get(payload, {})))
+                continue
             if command == "probe":
                 conn.send(("probe", probe(link, region, *payload)))
                 continue
