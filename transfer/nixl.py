@@ -101,7 +101,8 @@ class _NixlHandle(TransferHandle):
         self.xfer: Any = None
         self.cancelled = False
         self.event = threading.Event()
-        self.posted_ns = 0  # when the worker posted it to NIXL (time.monotonic_ns), for benchmarks
+        self.picked_ns = 0  # when the worker took it up (time.monotonic_ns), for benchmarks
+        self.posted_ns = 0  # when NIXL's transfer() returned
         self.done_ns = 0  # when the worker saw it finish
 
     def _poll(self) -> None:
@@ -367,6 +368,7 @@ class NixlEngine(TransferEngine):
                     inflight.remove(handle)
 
     def _post(self, handle: _NixlHandle) -> None:
+        handle.picked_ns = time.monotonic_ns()
         if handle.cancelled or time.monotonic() >= handle.deadline:
             self._end(handle, TransferStatus.TIMEOUT, "its deadline passed before it was posted")
             return
