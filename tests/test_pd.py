@@ -242,6 +242,11 @@ def test_bench_pd_quick_reports_the_tail_and_throughput_against_limits_from_the_
     assert r["tail_ok"] == (r["tail_s"]["median"] <= r["tail_limit_s"])
     assert r["rate_ratio"] == pytest.approx(r["rate"] / r["raw_rate"])
     assert r["tail_s"]["min"] > 0 and r["tail_received_s"] <= r["tail_s"]["median"] + 1e-3
+    stages = r["tail_stages_s"]
+    order = ["messager woke", "engine took up the last write", "its transfer() call returned", "engine saw it done"]
+    assert [stages[name] for name in order] == sorted(stages[name] for name in order)
+    assert stages["receiver has all notes"] <= stages["decode daemon ready"]
+    assert r["separate_notifications"] == 0  # the notice goes with the last write, never through the completion thread
 
 
 def test_a_request_sharing_still_arriving_blocks_is_ready_only_after_their_owner_and_fails_with_it(daemon):

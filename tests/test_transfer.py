@@ -313,11 +313,13 @@ def receiver(conn: Any, spec_fields: dict, num_blocks: int, seed: int, env: dict
             command = conn.recv()
             if command == "dump":
                 conn.send(("dump", cache.buffer.tobytes()))
-            elif command == "notifications":
+            elif command == "notifications":  # all so far; waits up to 5 s for the first
                 deadline = time.monotonic() + 5
-                while not notes and time.monotonic() < deadline:
+                while True:
                     for k, v in engine.notifications().items():
                         notes.setdefault(k, []).extend(v)
+                    if notes or time.monotonic() >= deadline:
+                        break
                     time.sleep(0.001)
                 conn.send(("notifications", notes))
             else:
@@ -376,6 +378,42 @@ def test_nixl_writes_scattered_blocks_into_another_process_byte_for_byte(transpo
             want = Cache(spec, 48, seed=5).expect_copy(src, src_ids, dst_ids)
             assert np.array_equal(got, want)
             assert peer_proc.call("notifications") == {"prefill": [b"req-1:done"]}
+    finally:
+        peer_proc.stop()
+
+
+@needs_nixl
+def test_nixl_notify_after_earlier_writes_goes_out_once_they_landed_and_never_after_one_failed():
+    """A notification with ``after`` reaches the peer once, only when those writes are DONE; an earlier failure stops it."""
+    from kvcache.transfer.nixl import NixlEngine
+    from kvcache.transfer.regions import copy_ranges
+
+    spec = make_spec("bf16")
+    rng = np.random.default_rng(12)
+    peer_proc = Receiver(spec, 48, seed=5)
+    try:
+        src = Cache(spec, 40, seed=4)
+        with NixlEngine("prefill", threads=0) as engine:
+            remote = engine.connect(peer_proc.endpoint).regions[0]
+            engine.register(src.region)
+            src_ids, dst_ids = scattered(rng, 40, 30), scattered(rng, 48, 30)
+            big = engine.write(src.region, src_ids[:-1], remote, dst_ids[:-1])
+            last = engine.submit(copy_ranges(src.region, src_ids[-1:], remote, dst_ids[-1:]), remote.owner,
+                                 src.region, remote, notify=b"req-1:done", after=[big])
+            assert last.wait() is TransferStatus.DONE, last.error
+            assert big.status() is TransferStatus.DONE and big.done_ns <= last.done_ns
+            got = np.frombuffer(peer_proc.call("dump"), dtype=np.uint8)
+            assert np.array_equal(got, Cache(spec, 48, seed=5).expect_copy(src, src_ids, dst_ids))
+            assert peer_proc.call("notifications") == {"prefill": [b"req-1:done"]}
+
+            late = engine.submit(copy_ranges(src.region, src_ids[:1], remote, dst_ids[:1]), remote.owner, src.region,
+                                 remote, deadline=time.monotonic() - 1)
+            after_late = engine.submit(copy_ranges(src.region, src_ids[1:2], remote, dst_ids[1:2]), remote.owner,
+                                       src.region, remote, notify=b"req-2:done", after=[late])
+            assert late.wait() is TransferStatus.TIMEOUT
+            assert after_late.wait() is TransferStatus.FAILED and "earlier write" in after_late.error
+            time.sleep(0.2)  # a notification sent anyway would have arrived by now
+            assert peer_proc.call("notifications") == {"prefill": [b"req-1:done"]}  # nothing new came
     finally:
         peer_proc.stop()
 

@@ -5,9 +5,10 @@ worker runs, it is told the step and the requests it prefills, wakes on each lay
 (``send_cache``) and writes that layer's blocks of every request past the decode side's cached
 prefix straight into the decode ranks' blocks, re-slicing heads when the two TP sizes differ
 (``kvcache.transfer.heads``); layers that finished while it was still posting earlier ones go out
-together, as one write. The last layer's write to each decode rank carries a NIXL notification
-when the earlier layers' writes have already landed (the pipelined case); otherwise the messager
-sends it once they all have. One CacheReceiver per decode rank counts the notifications and
+together, as one write. The last layer's write to each decode rank carries the NIXL notification,
+ordered after every earlier write of the request (``NixlEngine.submit(after=...)``): it rides on
+that write when the earlier ones have landed by then (the pipelined case), else the engine's worker
+sends it the moment the last of them lands. One CacheReceiver per decode rank counts the notifications and
 reports a request once every prefill rank that writes to it has finished::
 
     worker (prefill rank p)       CacheMessager p                      CacheReceiver d (decode rank d)
@@ -135,6 +136,7 @@ class CacheMessager:
         self.connect_timeout = connect_timeout
         self.last_step_ns: dict[str, int] = {}  # timings of the last step, for benchmarks
         self.posted_bytes: dict[Any, int] = {}  # bytes posted per request (the last 4096), for benchmarks
+        self.sent_ns: dict[Any, dict[str, int]] = {}  # per request, when each stage of its end happened (last 4096)
         self._peers: dict[str, Peer] = {}
         self._routes: dict[int, dict[int, list[Route]]] = {}  # decode tp -> decode rank -> my routes to it
         self._progress: dict[Any, _Progress] = {}  # requests sent in chunks, between their steps (step thread only)
@@ -248,12 +250,14 @@ class CacheMessager:
                     ranges = self._ranges(plan, d, remote, layers, lo, hi)
                     handles = progress.handles[d]
                     notify = b""
-                    if chunk.last and upto == last and all(h.done() for h in handles):
-                        # The usual case in a pipeline: the notice rides on the last write, no extra message.
+                    if chunk.last and upto == last:
+                        # The notice goes with the last write: NIXL carries it on that write when the earlier
+                        # ones have landed by the time it is posted, else the engine's worker sends it the
+                        # moment the last of them lands (no hand-off to the completion thread).
                         notify = _notice(plan.req, self.rank, self.region.spec.tp_size)
                         notified.add((plan.req, d))
                     handles.append(self.engine.submit(ranges, progress.agents[d], self.region, remote,
-                                                      deadline=plan.deadline, notify=notify))
+                                                      deadline=plan.deadline, notify=notify, after=list(handles)))
                     self.posted_bytes[plan.req] = self.posted_bytes.get(plan.req, 0) + ranges.nbytes
         timings["posted_ns"] = time.monotonic_ns()
         self.last_step_ns = timings
@@ -263,7 +267,7 @@ class CacheMessager:
             if chunk.last:
                 del self._progress[plan.req]
                 pending = {progress.agents[d]: (hs, (plan.req, d) not in notified) for d, hs in progress.handles.items()}
-                self._finishing.put((plan, pending))
+                self._finishing.put((plan, pending, timings.get("last_signal_ns", 0)))
 
     def _targets(self, plan: TransferPlan) -> dict[int, tuple[KVRegion, str]]:
         """Decode rank -> (its region, its agent) for every decode rank this rank writes to; connects as needed."""
@@ -315,17 +319,25 @@ class CacheMessager:
             item = self._finishing.get()
             if item is _STOP:
                 return
-            plan, by_agent = item
+            plan, by_agent, last_signal_ns = item
             errors = []
+            stamps = {"last_signal": last_signal_ns, "picked": 0, "posted": 0, "landed": 0, "notified": 0}
             for agent, (handles, notify) in by_agent.items():
                 for h in handles:
                     if h.wait() is not TransferStatus.DONE:
                         errors.append(h.error or h.status().value)
+                    stamps["picked"] = max(stamps["picked"], getattr(h, "picked_ns", 0))
+                    stamps["posted"] = max(stamps["posted"], getattr(h, "posted_ns", 0))
+                    stamps["landed"] = max(stamps["landed"], getattr(h, "done_ns", 0))
                 if notify and not errors:  # every write to this rank landed: say so
                     try:
                         self.engine.notify(agent, _notice(plan.req, self.rank, self.region.spec.tp_size))
+                        stamps["notified"] = time.monotonic_ns()
                     except KVCacheError as exc:
                         errors.append(str(exc))
+            self.sent_ns[plan.req] = stamps
+            while len(self.sent_ns) > 4096:
+                self.sent_ns.pop(next(iter(self.sent_ns)))
             if errors:
                 for endpoint in plan.receivers:  # the peer may be gone: connect afresh next time
                     peer = self._peers.pop(endpoint, None)

@@ -29,6 +29,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import msgpack
@@ -51,7 +52,7 @@ SPLIT_DESCRIPTORS = 128
 chunks, each posted by its own UCX worker and thread (NIXL's thread-pool engine). On one host UCX
 moves data with process_vm_writev, whose kernel cost is per range (pinning the pages of each),
 so one thread reaches about half the speed of a single range there; chunks run in parallel."""
-_POLL_MAX = 250e-6  # the worker polls transfers in flight at least this often (seconds)
+_POLL_MAX = 50e-6  # the worker polls transfers in flight at least this often (seconds); idle, it blocks
 _STOP = object()
 _AGENT_LOCK = threading.Lock()
 
@@ -87,16 +88,22 @@ class _NixlHandle(TransferHandle):
     """A NIXL write; the engine's worker posts and polls it, then sets ``event``."""
 
     def __init__(self, ranges: CopyRanges, peer: str, local_mem: str, remote_mem: str, local_dev: int,
-                 remote_dev: int, notify: bytes, deadline: float) -> None:
+                 remote_dev: int, notify: bytes, deadline: float, after: tuple[TransferHandle, ...] = ()) -> None:
         super().__init__(ranges.nbytes, ranges.num_ranges, deadline)
         self.ranges = ranges
         self.peer = peer
         self.local_mem, self.remote_mem = local_mem, remote_mem
         self.local_dev, self.remote_dev = local_dev, remote_dev
         self.notify = notify
+        self.after = after  # writes that must be DONE before ``notify`` goes out
+        self.held = b""  # ``notify``, held back by the worker until ``after`` are DONE
+        self.landed = False  # NIXL reported the data written; a held notification may still be due
         self.xfer: Any = None
         self.cancelled = False
         self.event = threading.Event()
+        self.picked_ns = 0  # when the worker took it up (time.monotonic_ns), for benchmarks
+        self.posted_ns = 0  # when NIXL's transfer() returned
+        self.done_ns = 0  # when the worker saw it finish
 
     def _poll(self) -> None:
         pass  # the worker finishes it
@@ -300,11 +307,19 @@ class NixlEngine(TransferEngine):
         return self.submit(ranges, peer, src_region, dst_region, deadline=deadline, notify=notify)
 
     def submit(self, ranges: CopyRanges, peer: str, src_region: KVRegion, dst_region: KVRegion, *,
-               deadline: float | None = None, notify: bytes = b"") -> TransferHandle:
-        """Post precomputed ranges (inside registered memory of both sides) to ``peer``; used by benchmarks."""
+               deadline: float | None = None, notify: bytes = b"", after: Sequence[TransferHandle] = ()
+               ) -> TransferHandle:
+        """Post precomputed ranges (inside registered memory of both sides) to ``peer``.
+
+        ``notify`` reaches the peer once this write and every write in ``after`` (earlier handles of
+        this engine) are DONE: it rides on this write when those have landed by the time it is posted,
+        otherwise the worker sends it the moment the last of them lands. The handle is DONE only after
+        the notification went out; FAILED, without one, if any of ``after`` failed.
+        """
         self._check_open()
         handle = _NixlHandle(ranges, peer, _mem_type(src_region), _mem_type(dst_region), src_region.device_index,
-                             dst_region.device_index, bytes(notify), deadline or self._deadline(None))
+                             dst_region.device_index, bytes(notify), deadline or self._deadline(None),
+                             tuple(h for h in after if h is not None))
         self._jobs.put(handle)
         return handle
 
@@ -353,22 +368,27 @@ class NixlEngine(TransferEngine):
                     inflight.remove(handle)
 
     def _post(self, handle: _NixlHandle) -> None:
+        handle.picked_ns = time.monotonic_ns()
         if handle.cancelled or time.monotonic() >= handle.deadline:
             self._end(handle, TransferStatus.TIMEOUT, "its deadline passed before it was posted")
             return
+        notify = handle.notify
+        if notify and any(a.status() is not TransferStatus.DONE for a in handle.after):
+            handle.held, notify = notify, b""  # earlier writes still in flight: send it once they land
         r = handle.ranges
         local = np.stack([r.src, r.length, np.full_like(r.src, handle.local_dev)], axis=1).astype(np.uint64)
         remote = np.stack([r.dst, r.length, np.full_like(r.dst, handle.remote_dev)], axis=1).astype(np.uint64)
         try:
             handle.xfer = self.agent.initialize_xfer(
                 "WRITE", self.agent.get_xfer_descs(local, handle.local_mem),
-                self.agent.get_xfer_descs(remote, handle.remote_mem), handle.peer, handle.notify)
+                self.agent.get_xfer_descs(remote, handle.remote_mem), handle.peer, notify)
             state = self.agent.transfer(handle.xfer)
+            handle.posted_ns = time.monotonic_ns()
         except Exception as exc:
             self._end(handle, TransferStatus.FAILED, f"NIXL write to {handle.peer!r} failed: {exc}")
             return
         if state == "DONE":
-            self._end(handle, TransferStatus.DONE)
+            self._land(handle)
         elif state == "ERR":
             self._end(handle, TransferStatus.FAILED, f"NIXL write to {handle.peer!r} failed when posted")
 
@@ -380,6 +400,8 @@ class NixlEngine(TransferEngine):
             self._end(handle, TransferStatus.TIMEOUT, f"not finished by its deadline ({handle.nbytes:,} bytes to "
                                                       f"{handle.peer!r})")
             return True
+        if handle.landed:
+            return self._land(handle)
         try:
             state = self.agent.check_xfer_state(handle.xfer)
         except Exception as exc:  # e.g. NIXL_ERR_REMOTE_DISCONNECT: the peer died
@@ -388,14 +410,34 @@ class NixlEngine(TransferEngine):
         if state == "PROC":
             return False
         if state == "DONE":
-            self._end(handle, TransferStatus.DONE)
-        else:
-            self._end(handle, TransferStatus.FAILED, f"NIXL write to {handle.peer!r} failed")
+            return self._land(handle)
+        self._end(handle, TransferStatus.FAILED, f"NIXL write to {handle.peer!r} failed")
+        return True
+
+    def _land(self, handle: _NixlHandle) -> bool:
+        """The write's data landed: DONE, once its held notification (if any) went out; True once finished."""
+        handle.landed = True
+        if handle.held:
+            statuses = [a.status() for a in handle.after]
+            if any(s.finished and s is not TransferStatus.DONE for s in statuses):
+                self._end(handle, TransferStatus.FAILED, "an earlier write it waited for failed; no notification sent")
+                return True
+            if any(not s.finished for s in statuses):
+                return False  # polled again on the worker's next pass
+            try:
+                self.agent.send_notif(handle.peer, handle.held)
+            except Exception as exc:
+                self._end(handle, TransferStatus.FAILED, f"NIXL notification to {handle.peer!r} failed: {exc}")
+                return True
+            handle.held = b""
+        self._end(handle, TransferStatus.DONE)
         return True
 
     def _end(self, handle: _NixlHandle, status: TransferStatus, error: str | None = None) -> None:
         """Finish a handle and release its NIXL request (cancelling it if still active)."""
         handle._finish(status, error)
+        handle.done_ns = time.monotonic_ns()
+        handle.after = ()  # drop the references to earlier handles (and their ranges)
         if handle.xfer is not None:
             try:
                 handle.xfer.release()
