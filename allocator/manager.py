@@ -1141,10 +1141,12 @@ class KVCacheManager:
         stop = start + len(hashes) // _H
         blocks = req.table[:, start:stop].T
         inserted = self._index.insert(hashes, blocks)
-        if inserted.added.any():
+        if inserted.everything:  # no hole, all referenced: no pair selection
+            self._pool.mark_cached_columns(blocks)
+        elif inserted.added.any():
             i, r = np.nonzero(inserted.added)
             self._pool.mark_cached(r, blocks[i, r])
-        if self.enable_events and inserted.new.any():
+        if self.enable_events and (inserted.everything or inserted.new.any()):
             self._store_events(req, start, hashes, inserted, tokens)
         self._last_hash[req.slot] = np.frombuffer(hashes[-_H:], dtype=np.uint8)
 
@@ -1155,9 +1157,9 @@ class KVCacheManager:
         self._evicted += int(self._group_sizes[rows].sum())
         if self.tier is not None:
             self.tier.evicting(*self._expand_pairs(rows, blocks))
-        removed = self._index.remove(rows, blocks)
-        if self.enable_events and len(removed.gone):
-            self._events.append(BlockRemoved(tuple(bytes(h) for h in removed.gone)))
+        gone = self._index.remove_gone(rows, blocks)
+        if self.enable_events and len(gone):
+            self._events.append(BlockRemoved(tuple(bytes(h) for h in gone)))
 
     def _store_events(self, req: _Request, start: int, packed: bytes, inserted: Inserted, tokens: np.ndarray) -> None:
         """One BlockStored per run of consecutive hashes new to the index and stored on the same rows.

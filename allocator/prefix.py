@@ -443,6 +443,7 @@ class Inserted(NamedTuple):
 
     added: np.ndarray  # bool [n, rows]: row r now holds hash i with the given block
     new: np.ndarray  # bool [n]: hash i was not in the index before
+    everything: bool = False  # every pair added and every hash new (an admit without a prefix hit)
 
 
 class RemovedBlocks(NamedTuple):
@@ -524,7 +525,7 @@ class PrefixIndex:
         if int(found.max(initial=-1)) < 0 and int(blocks.min(initial=0)) >= 0:
             # Every hash new and every row holding a block (an admit without a prefix hit): no merging.
             self.insert_new(hashes, blocks)
-            return Inserted(np.ones(blocks.shape, dtype=bool), np.ones(len(found), dtype=bool))
+            return Inserted(np.ones(blocks.shape, dtype=bool), np.ones(len(found), dtype=bool), True)
         entries = found.astype(np.intp)
         fresh = np.flatnonzero(entries < 0)
         packed = np.frombuffer(hashes, dtype=_PACKED)
@@ -600,13 +601,23 @@ class PrefixIndex:
 
         Pairs holding no hash are ignored. A hash no row holds any more is gone.
         """
+        rows, blocks, entries, gone = self._drop(rows, blocks)
+        # Entries keep their hash when dropped (until reused), so these read the same as before the drop.
+        return RemovedBlocks(rows.astype(np.int32), blocks.astype(np.int32), self._hash_of[entries],
+                             self._hash_of[gone])
+
+    def remove_gone(self, rows: np.ndarray, blocks: np.ndarray) -> np.ndarray:
+        """``remove``, answering only its ``gone`` (an eviction's call: no per-pair hashes gathered)."""
+        return self._hash_of[self._drop(rows, blocks)[3]]
+
+    def _drop(self, rows: np.ndarray, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """``remove``'s work: the pairs that held a hash (rows, blocks, entries) and the entries now gone."""
         rows = np.asarray(rows, dtype=np.intp).ravel()
         blocks = np.asarray(blocks, dtype=np.intp).ravel()
         entries = self._entry_at[rows, blocks]
         held = entries >= 0
         if not held.all():
             rows, blocks, entries = rows[held], blocks[held], entries[held]
-        hashes = self._hash_of[entries]
         gone = entries[:0]
         if entries.size:
             self._blocks[entries, rows] = -1
@@ -623,7 +634,7 @@ class PrefixIndex:
                 _hashtable.remove(self._slot_keys, self._slot_vals, self._seed, self._hash_of[gone].tobytes())
                 self._count -= gone.size
                 self._push_spare(gone)
-        return RemovedBlocks(rows.astype(np.int32), blocks.astype(np.int32), hashes, self._hash_of[gone])
+        return rows, blocks, entries, gone
 
     def clear(self) -> int:
         """Forget everything; returns how many hashes there were."""

@@ -95,6 +95,21 @@ class _Mirror:
             return self._view(req, buf, length)
         return self.views[req]
 
+    def append_column(self, req: Any, length: int, vals: np.ndarray) -> np.ndarray | None:
+        """A decode step's delta: ``req``'s table gains column ``length - 1`` holding ``vals`` (one per row).
+
+        Basic indexing instead of ``apply``'s fancy indexing; None (nothing
+        changed) when the delta is not that shape or the buffer is full.
+        """
+        view = self.views.get(req)
+        if view is None or view.shape[1] != length - 1:
+            return None
+        buf = self._buffers[req]
+        if length > buf.shape[1]:
+            return None
+        buf[:, length - 1] = vals
+        return self._view(req, buf, length)
+
     def drop(self, req: Any) -> None:
         self.views.pop(req, None)
         self._buffers.pop(req, None)
@@ -461,10 +476,14 @@ class CacheClient:
         index = changed["index"]
         if index.size:
             offsets, cols, vals = changed["offsets"].tolist(), changed["cols"], changed["vals"]
+            col_of = cols.tolist()
             for k, (j, length) in enumerate(zip(index.tolist(), lens[index].tolist())):
                 if reqs[j] in views:  # else admitted by another client: fetched whole below
                     a, b = offsets[k], offsets[k + 1]
-                    out[j] = mirror.apply(reqs[j], length, cols[a:b], vals[:, a:b])
+                    # Most changes in a decode step are one new last column: the cheap path first.
+                    table = (mirror.append_column(reqs[j], length, vals[:, a])
+                             if b - a == 1 and col_of[a] == length - 1 else None)
+                    out[j] = table if table is not None else mirror.apply(reqs[j], length, cols[a:b], vals[:, a:b])
         if lens.size and int(lens.min()) < 0:
             for j in np.flatnonzero(lens < 0).tolist():
                 out[j] = None

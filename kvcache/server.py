@@ -683,10 +683,10 @@ class CacheServer:
                         continue
                     slot = self._slots.take(op.req, op.slot)
                     self._leases.own(client, op.req)
-                    changes.add(op.req, slot, adm.table.shape[1], np.arange(adm.table.shape[1], dtype=np.int32),
-                                adm.table.copy())
-                    result = {"cached": adm.num_cached_tokens, "num_tokens": adm.num_tokens,
-                              "table": adm.table.copy(), "slot": slot}
+                    table = adm.table.copy()  # read-only from here on: the delta and the reply share it
+                    changes.add(op.req, slot, table.shape[1], np.arange(table.shape[1], dtype=np.int32), table)
+                    result = {"cached": adm.num_cached_tokens, "num_tokens": adm.num_tokens, "table": table,
+                              "slot": slot}
                     if op.pd is not None:
                         dest = None if op.kind == "reserve" else op.pd
                         self._pd.start(op.req, client, adm.table, adm.num_cached_tokens, op.pd["timeout"],

@@ -102,6 +102,30 @@ def test_extend_many_takes_arrays_and_gives_the_librarys_tables(daemon):
             client.extend_many([0, "zz"], [1, 2], [1, 1])
 
 
+def test_decode_steps_keep_every_table_as_the_librarys_across_buffer_growth(daemon):
+    """One-token extends of many requests per batch (a decode step): each result equals the library's table.
+
+    Tables cross block boundaries every few steps and outgrow the client's buffers (8, 16, 32 columns).
+    """
+    d = daemon("--num-blocks", "400", "--block-size", "2", "--rows", ROWS, "--hash-seed", "s")
+    library = KVCacheManager(400, 2, POLICIES, hash_seed="s")
+    rng = np.random.default_rng(3)
+    with CacheClient(d.endpoint) as client:
+        for rid in range(6):
+            prompt = rng.integers(0, 50, 3 + 5 * rid)
+            client.admit(rid, prompt)
+            library.admit(rid, prompt)
+        for step in range(60):
+            batch = client.batch()
+            tokens = rng.integers(0, 50, 6)
+            for rid in range(6):
+                batch.extend(rid, tokens[rid: rid + 1])
+            got = batch.send()
+            want = [library.extend(rid, tokens[rid: rid + 1]) for rid in range(6)]
+            for g, w in zip(got, want):
+                assert np.array_equal(g, w), f"step {step}"
+
+
 def test_tables_are_read_only_views_the_client_keeps_current(daemon):
     """As the library's: an extend that changes no column gives the same view; one that adds a block, a wider one."""
     d = daemon("--num-blocks", "20", "--block-size", "4")
