@@ -419,6 +419,37 @@ def test_nixl_notify_after_earlier_writes_goes_out_once_they_landed_and_never_af
 
 
 @needs_nixl
+def test_writes_queued_behind_a_busy_one_share_one_transfer_and_land_byte_for_byte():
+    """A layer-at-a-time producer outrunning the engine: queued writes go as one transfer, the notice after all."""
+    from kvcache.transfer.nixl import NixlEngine
+    from kvcache.transfer.regions import copy_ranges
+
+    spec = CacheSpec(num_layers=4, num_kv_heads=8, head_dim=128, block_size=64)
+    blocks = (64 << 20) // spec.bytes_per_block  # a first write of 64 MiB keeps the worker busy
+    peer_proc = Receiver(spec, blocks, seed=3)
+    try:
+        src = Cache(spec, blocks, seed=2)
+        with NixlEngine("prefill", threads=0) as engine:
+            remote = engine.connect(peer_proc.endpoint).regions[0]
+            engine.register(src.region)
+            ids = np.arange(blocks)
+            handles = [engine.write(src.region, ids[1:], remote, ids[1:])]
+            small = [engine.submit(copy_ranges(src.region, ids[:1], remote, ids[:1], layers=[layer]), remote.owner,
+                                   src.region, remote, notify=b"done" if layer == spec.num_layers - 1 else b"",
+                                   after=handles[:] if layer == spec.num_layers - 1 else ())
+                     for layer in range(spec.num_layers)]
+            handles += small
+            assert [h.wait() for h in handles] == [TransferStatus.DONE] * len(handles), [h.error for h in handles]
+            assert engine.merged_writes >= 1, "the small writes queued behind the big one should have merged"
+            assert max(h.done_ns for h in handles[:-1]) <= small[-1].done_ns
+            got = np.frombuffer(peer_proc.call("dump"), dtype=np.uint8)
+            assert np.array_equal(got, Cache(spec, blocks, seed=3).expect_copy(src, ids, ids))
+            assert peer_proc.call("notifications") == {"prefill": [b"done"]}
+    finally:
+        peer_proc.stop()
+
+
+@needs_nixl
 def test_nixl_head_wise_layer_by_layer_writes_match_local_copies():
     """The messager's pattern: each layer's blocks of some heads as the layer finishes; NIXL loopback vs LocalEngine."""
     from kvcache.transfer.nixl import NixlEngine
