@@ -13,7 +13,8 @@ from kvcache.allocator.layout import DTYPE_BYTES
 from kvcache.transfer.heads import Route, head_routes, rank_heads, route_ranges
 from kvcache.transfer.regions import KVRegion
 
-RAW = {1: np.uint8, 2: np.uint16, 4: np.uint32}
+from caches import RAW
+
 
 
 def make_spec(heads: int, tp: int, quant: str = "none", **overrides: Any) -> CacheSpec:

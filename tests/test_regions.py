@@ -10,10 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcache.allocator import CacheSpec, KVCacheError, QuantType
-from kvcache.allocator.layout import DTYPE_BYTES
 from kvcache.transfer.regions import KVRegion, copy_ranges, describe_tensor
 
-RAW = {1: np.uint8, 2: np.uint16, 4: np.uint32}
+from caches import random_views
+
 LAYOUTS = ("separate", "interleaved")
 
 
@@ -28,24 +28,7 @@ class Cache:
 
     def __init__(self, spec: CacheSpec, num_blocks: int, layout: str, seed: int = 0) -> None:
         self.spec = spec
-        tensors = spec.tensors()
-        per_layer = spec.bytes_per_block_per_layer * num_blocks
-        self.buffer = np.random.default_rng(seed).integers(0, 256, per_layer * spec.num_layers, dtype=np.uint8)
-        self.views: list[list[np.ndarray]] = []
-        for layer in range(spec.num_layers):
-            row, offset = [], layer * per_layer
-            for t in tensors:
-                raw = RAW[DTYPE_BYTES[t.dtype]]
-                inner = np.empty(t.block_shape, dtype=raw).strides
-                if layout == "separate":
-                    block_stride, start = t.bytes_per_block, offset
-                    offset += t.bytes_per_block * num_blocks
-                else:  # every tensor's block b sits inside one page b of all the layer's tensors
-                    block_stride, start = spec.bytes_per_block_per_layer, offset
-                    offset += t.bytes_per_block
-                row.append(np.ndarray(t.shape(num_blocks), dtype=raw, buffer=self.buffer,
-                                      offset=start, strides=(block_stride, *inner)))
-            self.views.append(row)
+        self.buffer, self.views = random_views(spec, num_blocks, seed, layout)
         self.region = KVRegion.from_tensors(spec, self.views)
 
     @property
@@ -312,3 +295,14 @@ def test_regions_of_different_specs_cannot_be_paired():
     b = Cache(make_spec(quant="int8"), 8, "separate").region
     with pytest.raises(KVCacheError, match="different tensors per block"):
         copy_ranges(a, [1], b, [1])
+
+
+@pytest.mark.parametrize("quant", [QuantType.NONE, QuantType.BLOCK_WISE_FP8, QuantType.MLA])
+def test_a_region_over_one_buffer_lays_out_layers_then_tensors_then_blocks(quant):
+    """from_buffer gives the addresses the typed views of the same buffer register with."""
+    mla = dict(num_kv_heads=None, head_dim=None, kv_lora_rank=16, qk_rope_head_dim=8)
+    spec = make_spec(quant=quant, **(mla if quant is QuantType.MLA else {}))
+    buffer, views = random_views(spec, 5, seed=1)
+    region = KVRegion.from_buffer(spec, 5, buffer.ctypes.data, keep=(buffer,))
+    assert np.array_equal(region.addrs, KVRegion.from_tensors(spec, views).addrs)
+    assert region.extents().nbytes == buffer.nbytes == spec.cache_bytes(5)

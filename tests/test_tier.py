@@ -10,20 +10,20 @@ from typing import Any
 import msgpack
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvcache.allocator import CacheSpec, Full, KVCacheError, KVCacheManager, Window
 from kvcache.allocator.events import BlockRemoved, BlockStored
-from kvcache.allocator.layout import DTYPE_BYTES
 from kvcache.allocator.prefix import BlockHasher
 from kvcache.allocator.tiers import tier_extension
 from kvcache.events import encode_batch
 from kvcache.transfer import HostTierConfig, KVRegion, TransferManager, TransferStatus
 from kvcache.transfer.regions import CopyRanges
 
-RAW = {1: np.uint8, 2: np.uint16, 4: np.uint32}
+from caches import random_views
+
 SPECS = {
     "bf16": dict(num_kv_heads=4, head_dim=16),
     "int8": dict(num_kv_heads=4, head_dim=16, quant="int8"),
@@ -45,15 +45,7 @@ class Memory:
     """KV memory standing in for a GPU cache: one random numpy buffer (layer, tensor, block) registered as a KVRegion."""
 
     def __init__(self, spec: CacheSpec, num_blocks: int, seed: int = 0) -> None:
-        self.buffer = np.random.default_rng(seed).integers(0, 256, spec.cache_bytes(num_blocks), dtype=np.uint8)
-        views, offset = [], 0
-        for _ in range(spec.num_layers):
-            row = []
-            for t in spec.tensors():
-                n = t.nbytes(num_blocks)
-                row.append(self.buffer[offset:offset + n].view(RAW[DTYPE_BYTES[t.dtype]]).reshape(t.shape(num_blocks)))
-                offset += n
-            views.append(row)
+        self.buffer, views = random_views(spec, num_blocks, seed)
         self.region = KVRegion.from_tensors(spec, views)
 
 

@@ -16,12 +16,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcache.allocator import CacheSpec, KVCacheError
-from kvcache.allocator.layout import DTYPE_BYTES
 from kvcache.transfer import KVRegion, LocalEngine, TransferStatus, create_engine
 from kvcache.transfer._copy import copy as host_copy
 from kvcache.transfer.nixl import nixl_available
 
-RAW = {1: np.uint8, 2: np.uint16, 4: np.uint32}
+from caches import random_views
+
 SPECS = {
     "bf16": dict(num_kv_heads=4, head_dim=16),
     "int4_zp": dict(num_kv_heads=2, head_dim=16, quant="int4_zp"),
@@ -41,16 +41,7 @@ class Cache:
 
     def __init__(self, spec: CacheSpec, num_blocks: int, seed: int) -> None:
         self.spec, self.num_blocks, self.seed = spec, num_blocks, seed
-        self.buffer = np.random.default_rng(seed).integers(0, 256, spec.cache_bytes(num_blocks), dtype=np.uint8)
-        self.views: list[list[np.ndarray]] = []
-        offset = 0
-        for _ in range(spec.num_layers):
-            row = []
-            for t in spec.tensors():
-                n = t.nbytes(num_blocks)
-                row.append(self.buffer[offset:offset + n].view(RAW[DTYPE_BYTES[t.dtype]]).reshape(t.shape(num_blocks)))
-                offset += n
-            self.views.append(row)
+        self.buffer, self.views = random_views(spec, num_blocks, seed)
         self.region = KVRegion.from_tensors(spec, self.views)
 
     def expect_copy(self, src: Cache, src_blocks: np.ndarray, dst_blocks: np.ndarray,

@@ -455,13 +455,7 @@ class TransferManager:
         else:
             buffer = mmap.mmap(-1, max(nbytes, 1))
             addr = np.frombuffer(buffer, dtype=np.uint8).ctypes.data
-        addrs = np.zeros((spec.num_layers, len(spec.tensors())), dtype=np.int64)
-        offset = 0
-        for layer in range(spec.num_layers):
-            for t, tensor in enumerate(spec.tensors()):
-                addrs[layer, t] = addr + offset
-                offset += tensor.nbytes(num_blocks)
-        return KVRegion.from_addresses(spec, num_blocks, addrs, device="cpu", pinned=pinned, keep=(buffer,))
+        return KVRegion.from_buffer(spec, num_blocks, addr, pinned=pinned, keep=(buffer,))
 
     def _copy_layers(self, engine: LocalEngine, src: KVRegion, src_ids: np.ndarray, dst: KVRegion,
                      dst_ids: np.ndarray) -> list[TransferHandle]:

@@ -363,6 +363,14 @@ class KVRegion:
         return cls(spec, num_blocks, device, np.array(values, dtype=np.int64).reshape(shape), strides,
                    pinned, owner, keep)
 
+    @classmethod
+    def from_buffer(cls, spec: CacheSpec, num_blocks: int, addr: int, *, device: str = "cpu", pinned: bool = False,
+                    keep: tuple = ()) -> KVRegion:
+        """A region over one buffer of ``spec.cache_bytes(num_blocks)`` at ``addr``: layer-major, then tensor, then block."""
+        per_tensor = [t.nbytes(num_blocks) for t in spec.tensors()]
+        offsets = np.cumsum([0] + per_tensor * spec.num_layers)[:-1].reshape(spec.num_layers, len(per_tensor))
+        return cls.from_addresses(spec, num_blocks, int(addr) + offsets, device=device, pinned=pinned, keep=keep)
+
     # ----------------------------------------------------------------- wire form
 
     def describe(self) -> dict[str, Any]:

@@ -68,11 +68,8 @@ def scattered_ids(block_size: int, seed: int) -> tuple[int, np.ndarray]:
 
 def host_region(spec: CacheSpec, num_blocks: int, fill: int) -> tuple[KVRegion, np.ndarray]:
     """A region over one numpy buffer (layer-major, then key/value), and the buffer."""
-    per_tensor = [t.nbytes(num_blocks) for t in spec.tensors()]
-    buffer = np.full(sum(per_tensor) * spec.num_layers, fill, dtype=np.uint8)
-    base = buffer.ctypes.data
-    offsets = np.cumsum([0] + per_tensor * spec.num_layers)[:-1].reshape(spec.num_layers, len(per_tensor))
-    return KVRegion.from_addresses(spec, num_blocks, base + offsets, keep=(buffer,)), buffer
+    buffer = np.full(spec.cache_bytes(num_blocks), fill, dtype=np.uint8)
+    return KVRegion.from_buffer(spec, num_blocks, buffer.ctypes.data, keep=(buffer,)), buffer
 
 
 def one_range(nbytes: int, src: int, dst: int) -> CopyRanges:
