@@ -23,7 +23,7 @@ import os
 import struct
 import zlib
 from pathlib import Path
-from typing import NamedTuple
+from typing import Iterator, NamedTuple
 
 from kvcache.allocator.errors import KVCacheError
 
@@ -43,26 +43,35 @@ class Recovered(NamedTuple):
     truncated_bytes: int  # torn or corrupt tail cut off
 
 
+def _whole_records(data: bytes) -> Iterator[tuple[int, int, bytes]]:
+    """(end offset, lsn, payload) of each whole, checksummed record from the start of ``data``, up to the first that is not."""
+    offset = 0
+    while offset + _HEADER.size <= len(data):
+        length, crc, lsn = _HEADER.unpack_from(data, offset)
+        end = offset + _HEADER.size + length
+        if length > MAX_RECORD_BYTES or end > len(data):
+            return
+        payload = data[offset + _HEADER.size:end]
+        if zlib.crc32(payload, zlib.crc32(struct.pack("<Q", lsn))) != crc:
+            return  # a torn or corrupt record, or the preallocated zeros (a zero header never checks out)
+        yield end, lsn, payload
+        offset = end
+
+
 def records_end(wal: str | Path) -> int:
-    """Where a WAL's records end (its preallocated zeros start), by their headers alone; 0 for a missing file.
+    """Where a WAL's whole records end (its preallocated zeros start); 0 for a missing file.
 
     For observers such as a benchmark measuring bytes journaled: the file's
     size says nothing once it is preallocated.
     """
     try:
-        with open(wal, "rb") as f:
-            end = 0
-            while True:
-                f.seek(end)
-                head = f.read(_HEADER.size)
-                if len(head) < _HEADER.size:
-                    return end
-                length, crc, _ = _HEADER.unpack(head)
-                if length == 0 and crc == 0:
-                    return end
-                end += _HEADER.size + length
+        data = Path(wal).read_bytes()
     except FileNotFoundError:
         return 0
+    end = 0
+    for end, _, _ in _whole_records(data):
+        pass
+    return end
 
 
 def _fsync_dir(path: Path) -> None:
@@ -99,20 +108,12 @@ class Journal:
         records: list[bytes] = []
         offset = 0
         self.lsn = snapshot_lsn
-        while offset + _HEADER.size <= len(data):
-            length, crc, lsn = _HEADER.unpack_from(data, offset)
-            end = offset + _HEADER.size + length
-            if length > MAX_RECORD_BYTES or end > len(data):
-                break
-            payload = data[offset + _HEADER.size:end]
-            if zlib.crc32(payload, zlib.crc32(struct.pack("<Q", lsn))) != crc:
-                break
+        for offset, lsn, payload in _whole_records(data):
             if lsn > snapshot_lsn:
                 if lsn != self.lsn + 1:
                     raise KVCacheError(f"journal: record {lsn} follows {self.lsn} in {wal}; the journal is damaged")
                 records.append(payload)
                 self.lsn = lsn
-            offset = end
         truncated = len(data[offset:].rstrip(b"\0"))  # zeros past the end are preallocation, not damage
         self._fd = os.open(wal, os.O_WRONLY | os.O_CREAT, 0o600)
         self._wal_bytes = self._allocated = offset
