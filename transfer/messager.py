@@ -257,7 +257,8 @@ class CacheMessager:
                         notify = _notice(plan.req, self.rank, self.region.spec.tp_size)
                         notified.add((plan.req, d))
                     handles.append(self.engine.submit(ranges, progress.agents[d], self.region, remote,
-                                                      deadline=plan.deadline, notify=notify, after=list(handles)))
+                                                      deadline=plan.deadline, notify=notify,
+                                                      after=list(handles) if notify else ()))
                     self.posted_bytes[plan.req] = self.posted_bytes.get(plan.req, 0) + ranges.nbytes
         timings["posted_ns"] = time.monotonic_ns()
         self.last_step_ns = timings
