@@ -312,14 +312,7 @@ class KVCacheManager:
     def lookup(self, prompt_tokens: Tokens, *, cache_salt: str | None = None, lora: str | None = None,
                mm: Sequence[MMPlaceholder | tuple[str, int, int]] | None = None) -> int:
         """Tokens of ``prompt_tokens`` that ``admit`` would find cached now (no state change)."""
-        tokens = as_token_array(prompt_tokens)
-        if self._hasher is None or tokens.size < 2:
-            return 0
-        hashes = self._hasher.hash_blocks_packed(tokens[: tokens.size - 1], cache_salt=cache_salt, lora=lora, mm=mm)
-        num_hit = self._match(hashes)[0]
-        if self.tier is not None:
-            num_hit += self._match_tier(hashes, num_hit, len(hashes) // _H)[0]
-        return num_hit * self.block_size
+        return sum(self.lookup_tiers(prompt_tokens, cache_salt=cache_salt, lora=lora, mm=mm))
 
     def table(self, request_id: object) -> np.ndarray:
         """The request's block table, int32 ``[num_rows, num_blocks]`` (a read-only view)."""
@@ -638,7 +631,6 @@ class KVCacheManager:
         ok = np.ones(n, dtype=bool)
         if n == 0:
             return ok, [], None
-        bs = self.block_size
         found = _tables.extend_fast(slots, counts, flat, self._ntok, self._fast_limit, self._next_recycle, self._tail,
                                     self._changed_ok, self._stamp, self._keyed, self._salted, self._hasher is not None)
         if found is None:
