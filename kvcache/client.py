@@ -69,7 +69,8 @@ class _Mirror:
 
     def __init__(self) -> None:
         self.views: dict[Any, np.ndarray] = {}
-        self._buffers: dict[Any, np.ndarray] = {}  # int32 [rows, capacity]: the view's columns, then -1
+        # int32 [rows, capacity] (the view's columns, then -1) and a read-only alias whose slices are the views
+        self._buffers: dict[Any, tuple[np.ndarray, np.ndarray]] = {}
 
     def __contains__(self, req: Any) -> bool:
         return req in self.views
@@ -78,21 +79,22 @@ class _Mirror:
         """Start mirroring ``req`` at ``table`` (a whole table); returns its view."""
         buf = np.full((table.shape[0], _capacity(table.shape[1])), -1, dtype=np.int32)
         buf[:, : table.shape[1]] = table
-        self._buffers[req] = buf
-        return self._view(req, buf, table.shape[1])
+        return self._adopt(req, buf, table.shape[1])
 
     def apply(self, req: Any, length: int, cols: np.ndarray, vals: np.ndarray) -> np.ndarray:
         """``req``'s table after a delta: ``length`` columns wide, ``cols`` set to ``vals``; returns its view."""
-        buf, old = self._buffers[req], self.views[req].shape[1]
+        (buf, ro), old = self._buffers[req], self.views[req].shape[1]
         if length > buf.shape[1]:
             grown = np.full((buf.shape[0], _capacity(length)), -1, dtype=np.int32)
             grown[:, :old] = buf[:, :old]
-            buf = self._buffers[req] = grown
-        elif length < old:
+            grown[:, cols] = vals
+            return self._adopt(req, grown, length)
+        if length < old:
             buf[:, length:old] = -1
         buf[:, cols] = vals
-        if length != old or buf is not self.views[req].base:
-            return self._view(req, buf, length)
+        if length != old:
+            view = self.views[req] = ro[:, :length]
+            return view
         return self.views[req]
 
     def append_column(self, req: Any, length: int, vals: np.ndarray) -> np.ndarray | None:
@@ -104,20 +106,23 @@ class _Mirror:
         view = self.views.get(req)
         if view is None or view.shape[1] != length - 1:
             return None
-        buf = self._buffers[req]
+        buf, ro = self._buffers[req]
         if length > buf.shape[1]:
             return None
         buf[:, length - 1] = vals
-        return self._view(req, buf, length)
+        view = self.views[req] = ro[:, :length]
+        return view
 
     def drop(self, req: Any) -> None:
         self.views.pop(req, None)
         self._buffers.pop(req, None)
 
-    def _view(self, req: Any, buf: np.ndarray, length: int) -> np.ndarray:
-        view = buf[:, :length]
-        view.flags.writeable = False
-        self.views[req] = view
+    def _adopt(self, req: Any, buf: np.ndarray, length: int) -> np.ndarray:
+        """Make ``buf`` ``req``'s buffer; returns its view of ``length`` columns."""
+        ro = buf.view()
+        ro.flags.writeable = False
+        self._buffers[req] = (buf, ro)
+        view = self.views[req] = ro[:, :length]
         return view
 
 
@@ -478,12 +483,13 @@ class CacheClient:
             offsets, cols, vals = changed["offsets"].tolist(), changed["cols"], changed["vals"]
             col_of = cols.tolist()
             for k, (j, length) in enumerate(zip(index.tolist(), lens[index].tolist())):
-                if reqs[j] in views:  # else admitted by another client: fetched whole below
+                req = reqs[j]
+                if req in views:  # else admitted by another client: fetched whole below
                     a, b = offsets[k], offsets[k + 1]
                     # Most changes in a decode step are one new last column: the cheap path first.
-                    table = (mirror.append_column(reqs[j], length, vals[:, a])
+                    table = (mirror.append_column(req, length, vals[:, a])
                              if b - a == 1 and col_of[a] == length - 1 else None)
-                    out[j] = table if table is not None else mirror.apply(reqs[j], length, cols[a:b], vals[:, a:b])
+                    out[j] = table if table is not None else mirror.apply(req, length, cols[a:b], vals[:, a:b])
         if lens.size and int(lens.min()) < 0:
             for j in np.flatnonzero(lens < 0).tolist():
                 out[j] = None
