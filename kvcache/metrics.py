@@ -17,10 +17,13 @@ from kvcache.allocator.pool import usage
 
 if TYPE_CHECKING:
     from kvcache.allocator.manager import KVCacheManager, ManagerStats
+    from kvcache.pd import PDState
 
 # Step latency from 10 µs (a ping) to 100 ms (a step of thousands of ops).
 STEP_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 1e-1)
 ERROR_KINDS = ("decode", "validate", "internal")
+# A PD transfer from its reserve/admit to done: a layer-wise pipeline's prefill time plus its tail.
+PD_BUCKETS = (1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 GAUGE_INTERVAL_S = 0.1
 
 # ManagerStats totals mirrored as counters: (stats field, metric name, help).
@@ -42,7 +45,8 @@ class DaemonMetrics:
     total that goes backwards (a new manager) is taken as a counter reset.
     """
 
-    def __init__(self, num_rows: int, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, num_rows: int, registry: CollectorRegistry | None = None, *, pd: bool = False) -> None:
+        """``pd``: also the PD transfer metrics (a daemon with ``--role prefill`` or ``decode``)."""
         self.registry = CollectorRegistry() if registry is None else registry
         reg = self.registry
         self.num_rows = num_rows
@@ -71,6 +75,16 @@ class DaemonMetrics:
         self._delta_bytes = Counter("kvcache_delta_bytes", "Payload bytes of published deltas", registry=reg)
         self._next_gauges = 0.0
         self._http: object | None = None
+        self._pd: tuple[Counter, Histogram, Gauge] | None = None
+        self._pd_last: dict[str, int] = {}
+        if pd:
+            self._pd = (
+                Counter("kvcache_pd_transfers", "PD transfers begun (started) and ended (done: decode ready or every "
+                        "prefill rank sent; failed; cancelled)", ["outcome"], registry=reg),
+                Histogram("kvcache_pd_transfer_seconds", "PD transfer time from reserve (decode) or admit (prefill) "
+                          "to done", buckets=PD_BUCKETS, registry=reg),
+                Gauge("kvcache_pd_in_transfer", "Requests in PD transfer now", registry=reg),
+            )
 
     def observe_step(self, ops: Mapping[str, int], seconds: float) -> None:
         """Count one scheduler message's operations by type and record its latency.
@@ -113,6 +127,20 @@ class DaemonMetrics:
             gauge.set(value)
         for gauge, value in zip(self._usage, per_row.tolist()):
             gauge.set(value)
+
+    def update_pd(self, pd: PDState) -> None:
+        """Refresh the PD metrics from the daemon's PD state: totals by difference, done transfers' durations drained."""
+        if self._pd is None:
+            return
+        counter, seconds, in_transfer = self._pd
+        for outcome, total in pd.totals.items():
+            grown = total - self._pd_last.get(outcome, 0)
+            if grown:
+                counter.labels(outcome).inc(grown if grown > 0 else total)
+                self._pd_last[outcome] = total
+        while pd.durations:
+            seconds.observe(pd.durations.popleft())
+        in_transfer.set(len(pd.transfers))
 
     def set_subscribers(self, count: int) -> None:
         """Peers now connected to the table-delta PUB socket (from SubscriberCounter)."""

@@ -29,6 +29,7 @@ module asks for (so deltas, slots and leases stay in one place).
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 from typing import Any, NamedTuple
@@ -46,6 +47,8 @@ PD_OPS = DECODE_OPS | PREFILL_OPS | SHARED_OPS
 MUTATING = frozenset({"reserve", "attach", "received", "sent", "transfer_failed", "cancel"})
 MAX_ENDPOINT = 1024
 MAX_ERROR = 4096
+OUTCOMES = ("started", "done", "failed", "cancelled")
+MAX_DURATIONS = 4096  # done transfers' durations kept for the metrics to drain (the oldest go first)
 
 
 class Reservation(NamedTuple):
@@ -117,18 +120,28 @@ class PDState:
         self._serial = 0
         self._pending = np.full((rows, num_blocks), -1, dtype=np.int64)  # decode: serial still writing each block
         self._outbox: dict[str, list[tuple[str, Any, Any]]] = {}  # owner -> ("done", req, t_ns) / ("failed", req, error)
+        self.totals = dict.fromkeys(OUTCOMES, 0)  # transfers begun and ended, by outcome (kept across restarts)
+        self._begun: dict[int, float] = {}  # serial -> time.monotonic() at start, for transfers begun in this process
+        self.durations: collections.deque[float] = collections.deque(maxlen=MAX_DURATIONS)  # done ones' seconds
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        """After a restart (journal snapshot) every deadline starts afresh."""
+        """After a restart (journal snapshot) every deadline starts afresh; durations count only what this process saw."""
+        self.totals = dict.fromkeys(OUTCOMES, 0)  # snapshots of earlier versions lack them
         for key, value in state.items():
             setattr(self, key, value)
+        self.forget_timing()
         now = time.monotonic()
         for t in self.transfers.values():
             t.deadline = now + t.timeout
 
     def __getstate__(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in ("role", "tp", "block_size", "timeout", "receivers", "transfers",
-                                                       "_by_serial", "_serial", "_pending", "_outbox")}
+                                                       "_by_serial", "_serial", "_pending", "_outbox", "totals")}
+
+    def forget_timing(self) -> None:
+        """Drop start times and durations (after replaying a journal, whose clock readings are the replay's)."""
+        self._begun = {}
+        self.durations = collections.deque(maxlen=MAX_DURATIONS)
 
     # ------------------------------------------------------------------ validation (no state change)
 
@@ -218,6 +231,8 @@ class PDState:
         t = Transfer(req, owner, first, own, timeout, now + timeout, self._serial, dest=dest)
         self.transfers[req] = t
         self._by_serial[t.serial] = req
+        self._begun[t.serial] = now
+        self.totals["started"] += 1
         if self.role == "decode" and table.size:
             rows = np.arange(table.shape[0])[:, None]
             hit = table[:, :first]
@@ -242,6 +257,7 @@ class PDState:
             if t is None:
                 continue
             self._forget(t)
+            self.totals["cancelled" if t.cancelled else "failed"] += 1
             if not t.cancelled:
                 self._tell(t.owner, "failed", t.req, error)
             ends.append((t.req, t.own_blocks))
@@ -314,8 +330,12 @@ class PDState:
                 if len(t.reported) < self.tp or (t.deps and not t.cancelled):
                     continue
                 del self.transfers[t.req]
+                begun = self._begun.get(t.serial)
                 self._forget(t)
                 progress = True
+                self.totals["cancelled" if t.cancelled else "done"] += 1
+                if begun is not None and not t.cancelled:
+                    self.durations.append(max(0.0, now_ns / 1e9 - begun))
                 for other in self.transfers.values():
                     other.deps.discard(t.serial)
                 if t.cancelled:
@@ -329,6 +349,7 @@ class PDState:
 
     def _forget(self, t: Transfer) -> None:
         self._by_serial.pop(t.serial, None)
+        self._begun.pop(t.serial, None)
         if self.role == "decode":
             self._pending[self._pending == t.serial] = -1
 

@@ -289,7 +289,7 @@ class CacheServer:
         except ImportError:  # metrics are optional: prometheus-client may be absent
             DaemonMetrics = SubscriberCounter = None  # type: ignore[assignment,misc]
         if DaemonMetrics is not None:
-            self._metrics = DaemonMetrics(self.manager.num_rows)
+            self._metrics = DaemonMetrics(self.manager.num_rows, pd=self.config.role != "both")
             if self.config.metrics_port:
                 self._metrics.serve_http(self.config.metrics_port)
             self._subscribers = SubscriberCounter(self.pub)
@@ -326,6 +326,7 @@ class CacheServer:
         self._staged.clear()
         self._staged_events.clear()
         self.manager.take_events()
+        self._pd.forget_timing()
         log.info("journal %s: recovered %d requests at seq %d (%d messages replayed, %d torn bytes dropped)",
                  self.config.journal, len(self.manager), self._seq, len(recovered.records),
                  recovered.truncated_bytes)
@@ -522,9 +523,11 @@ class CacheServer:
             self._journal.append(payload)
         if self._events is not None:
             self._staged_events.extend(self.manager.take_events())
-        if self._metrics is not None:
+        if self._metrics is not None and not replaying:  # a replayed message's counts reach them by difference
             self._metrics.observe_step(collections.Counter(op.kind for op in ops), time.perf_counter() - start)
             self._metrics.update(self.manager, now=time.monotonic())
+            if self._pd.role != "both":
+                self._metrics.update_pd(self._pd)
         return reply
 
     def _validate(self, raw_ops: list) -> list[_Op]:
@@ -884,6 +887,7 @@ class CacheServer:
         out["subscribers"] = self._subscribers.count if self._subscribers is not None else None
         out["expired_requests"] = self._expired
         out["in_transfer"] = len(self._pd.transfers)
+        out["transfers"] = dict(self._pd.totals)
         return out
 
     def _count_subscribers(self) -> None:

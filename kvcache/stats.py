@@ -47,6 +47,10 @@ def render(snapshot: dict[str, Any], previous: dict[str, Any] | None = None, int
         f"evicted {stats['evicted_blocks']:,}   SWA recycled {stats['recycled_blocks']:,}   "
         f"delta seq {stats['seq']:,}",
     ]
+    if info.get("role") in ("prefill", "decode"):
+        t = stats.get("transfers", {})
+        lines.append(f"PD {info['role']}: in transfer {stats['in_transfer']:,}   started {t.get('started', 0):,}   "
+                     f"done {t.get('done', 0):,}   failed {t.get('failed', 0):,}   cancelled {t.get('cancelled', 0):,}")
     if previous is not None and interval > 0:
         prev = previous["stats"]
         lines.append(f"per second: deltas {(stats['seq'] - prev['seq']) / interval:,.0f}   admits "

@@ -1,16 +1,22 @@
 """Daemon metrics: exact counters from a real manager, the HTTP endpoint, and subscriber counting."""
 from __future__ import annotations
 
+import pickle
 import socket
+import subprocess
+import sys
 import time
 import urllib.request
 
+import numpy as np
 import pytest
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvcache.allocator import Full, KVCacheManager, Window
+from kvcache.client import CacheClient
 from kvcache.metrics import DaemonMetrics, SubscriberCounter
+from kvcache.pd import PDState
 
 BS = 4
 TIMEOUT_S = 5.0
@@ -229,3 +235,66 @@ def test_subscriber_counter_counts_tcp_peers(ctx):
         sub.close(linger=0)
         counter.close()
         pub.close(linger=0)
+
+
+# -- PD transfers --------------------------------------------------------------------------------
+
+def test_pd_transfers_are_counted_by_outcome_with_the_done_ones_durations():
+    """Three reservations on a decode PDState end done, failed and cancelled: counted once each, one duration."""
+    pd = PDState("decode", tp=1, rows=1, num_blocks=8, block_size=BS, timeout=5.0)
+    table = np.array([[0, 1]], dtype=np.int32)
+    for i, req in enumerate("abc"):
+        pd.start(req, "sched", table + 2 * i, 0, 5.0, now=100.0)
+    metrics = DaemonMetrics(1, pd=True)
+    metrics.update_pd(pd)
+    s = scrape(metrics.render())
+    assert value(s, "kvcache_pd_transfers_total", outcome="started") == 3
+    assert value(s, "kvcache_pd_in_transfer") == 3
+    pd.report("a", 0, now_ns=int(100.25e9))
+    pd.fail("b", "boom")
+    pd.cancel("c", release=True)
+    metrics.update_pd(pd)
+    metrics.update_pd(pd)  # a second update adds nothing
+    s = scrape(metrics.render())
+    for outcome, n in (("started", 3), ("done", 1), ("failed", 1), ("cancelled", 1)):
+        assert value(s, "kvcache_pd_transfers_total", outcome=outcome) == n, outcome
+    assert value(s, "kvcache_pd_in_transfer") == 0
+    assert value(s, "kvcache_pd_transfer_seconds_count") == 1
+    assert value(s, "kvcache_pd_transfer_seconds_sum") == pytest.approx(0.25)
+    assert value(s, "kvcache_pd_transfer_seconds_bucket", le="0.25") == 1
+    assert value(s, "kvcache_pd_transfer_seconds_bucket", le="0.1") == 0
+
+    again = pickle.loads(pickle.dumps(pd))  # a journal snapshot: totals kept, no durations or start times
+    assert again.totals == {"started": 3, "done": 1, "failed": 1, "cancelled": 1}
+    assert not again.durations and not again._begun
+
+
+def test_a_daemon_without_a_pd_role_has_no_pd_metrics():
+    assert "kvcache_pd" not in DaemonMetrics(1).render().decode()
+
+
+def test_a_decode_daemon_serves_its_transfers_on_metrics_and_in_stats(daemon):
+    """A real `kvcache serve --role decode`: transfers that end ready, failed and cancelled, scraped over HTTP."""
+    port = free_port()
+    d = daemon("--num-blocks", "32", "--block-size", "16", "--role", "decode", "--metrics-port", str(port))
+    with CacheClient(d.endpoint, name="sched") as c:
+        c.attach(0, "tcp://127.0.0.1:1")
+        for req in ("a", "b", "c"):
+            c.reserve(req, np.arange(40) + 100 * ord(req))
+        c.received("a", 0)
+        c.transfer_failed("b", "peer died")
+        c.cancel("c", release=True)
+        stats = c.stats()
+    assert stats["transfers"] == {"started": 3, "done": 1, "failed": 1, "cancelled": 1}
+    assert stats["in_transfer"] == 0
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=TIMEOUT_S) as reply:
+        s = scrape(reply.read())
+    for outcome, n in (("started", 3), ("done", 1), ("failed", 1), ("cancelled", 1)):
+        assert value(s, "kvcache_pd_transfers_total", outcome=outcome) == n, outcome
+    assert value(s, "kvcache_pd_transfer_seconds_count") == 1
+    assert 0 < value(s, "kvcache_pd_transfer_seconds_sum") < 30
+    assert value(s, "kvcache_pd_in_transfer") == 0
+    out = subprocess.run([sys.executable, "-m", "kvcache", "stats", d.endpoint], capture_output=True, text=True,
+                         timeout=60, check=True).stdout
+    assert "PD decode: in transfer 0   started 3   done 1   failed 1   cancelled 1" in out
+    assert "32 blocks x 1 row(s), block_size 16" in out
