@@ -96,6 +96,57 @@ def test_every_decode_head_byte_is_written_exactly_once_from_a_rank_holding_it(h
                 assert (per_unit[written] == 1).all() and (per_unit[~written] == 0).all()
 
 
+@settings(max_examples=60, deadline=None)
+@given(heads=st.sampled_from([1, 2, 4, 8]), src_tp=st.sampled_from([1, 2, 4]), dst_tp=st.sampled_from([1, 2, 4]),
+       quant=st.sampled_from(["none", "block_wise_fp8"]), data=st.data())
+def test_head_wise_tables_write_each_heads_own_blocks_exactly_once(heads, src_tp, dst_tp, quant, data):
+    """One table row per kv head, ids differing per head, -1 holes on either side: each decode (block, head) unit
+
+    with a pair gets that head's prefill block, written once; every other unit is untouched."""
+    num_blocks, n = 6, data.draw(st.integers(0, 6))
+    src_spec, dst_spec = make_spec(heads, src_tp, quant), make_spec(heads, dst_tp, quant)
+    model = Model(src_spec, num_blocks, seed=data.draw(st.integers(0, 99)))
+
+    def table() -> np.ndarray:
+        rows = [np.array(data.draw(st.permutations(range(num_blocks)))[:n], dtype=np.int64) for _ in range(heads)]
+        out = np.stack(rows) if n else np.empty((heads, 0), dtype=np.int64)
+        holes = np.array(data.draw(st.lists(st.booleans(), min_size=out.size, max_size=out.size)), dtype=bool)
+        out[holes.reshape(out.shape)] = -1
+        return out
+
+    src_table, dst_table = table(), table()
+    prefill = [model.rank_cache(src_tp, p) for p in range(src_tp)]
+    regions_p = [KVRegion.from_tensors(src_spec, c) for c in prefill]
+    decode = [[[np.zeros_like(a[:, :len(rank_heads(heads, dst_tp, d))]) for a in layer]
+               for layer in model.arrays] for d in range(dst_tp)]
+    counts = [[[np.zeros(a.nbytes, np.int64) for a in layer] for layer in cache] for cache in decode]
+    regions_d = [KVRegion.from_tensors(dst_spec, c) for c in decode]
+    for route in head_routes(heads, src_tp, dst_tp):
+        g = rank_heads(heads, src_tp, route.src)[route.src_row]
+        rows = slice(g, g + route.count)
+        r = route_ranges(regions_p[route.src], src_table[rows], regions_d[route.dst], dst_table[rows], route)
+        apply(r, prefill[route.src], decode[route.dst], counts[route.dst])
+    for d in range(dst_tp):
+        for layer in range(src_spec.num_layers):
+            for t, truth in enumerate(model.arrays[layer]):
+                want = np.zeros_like(decode[d][layer][t])
+                written = np.zeros(want.shape[:2], bool)
+                for local, g in enumerate(rank_heads(heads, dst_tp, d)):
+                    pair = (src_table[g] >= 0) & (dst_table[g] >= 0)
+                    want[dst_table[g][pair], local] = truth[src_table[g][pair], g]
+                    written[dst_table[g][pair], local] = True
+                assert np.array_equal(decode[d][layer][t], want), (d, layer, t)
+                per_unit = counts[d][layer][t].reshape(*want.shape[:2], -1)
+                assert (per_unit[written] == 1).all() and (per_unit[~written] == 0).all()
+
+
+def test_head_wise_lists_of_the_wrong_shape_are_refused():
+    spec = make_spec(4, 1)
+    a = KVRegion.from_tensors(spec, Model(spec, 4, 0).rank_cache(1, 0))
+    with pytest.raises(KVCacheError, match=r"head-wise lists are \[4 heads of the route, blocks\]"):
+        route_ranges(a, np.zeros((3, 2), np.int64), a, np.zeros((3, 2), np.int64), head_routes(4, 1, 1)[0])
+
+
 def test_equal_tp_routes_each_rank_to_itself_whole():
     assert head_routes(8, 2, 2) == [Route(0, 0, 0, 0, 4), Route(1, 1, 0, 0, 4)]
 

@@ -97,16 +97,26 @@ def _check_pair(src: KVRegion, dst: KVRegion) -> np.ndarray:
 
 def route_ranges(src: KVRegion, src_blocks: Any, dst: KVRegion, dst_blocks: Any, route: Route,
                  layers: Any = None) -> CopyRanges:
-    """Ranges writing ``route``'s heads of ``src_blocks`` (1-D) onto the same heads of ``dst_blocks``.
+    """Ranges writing ``route``'s heads of ``src_blocks`` onto the same heads of ``dst_blocks``.
 
-    Position i of one block list pairs with position i of the other; a pair with a ``-1`` moves
-    nothing. Ranges come in (layer, tensor, block) order, merged where both sides continue.
+    Block lists are 1-D (a uniform table: every head of block i lives in block i) or, for a
+    head-wise table, 2-D ``[route.count, n]``: row k holds the blocks of the route's k-th head on
+    its side. Position i of one list pairs with position i of the other; a pair with a ``-1``
+    moves nothing (a window head's block it does not keep). Ranges come in (layer, tensor, block,
+    head) order, merged where both sides continue.
     """
     unit = _check_pair(src, dst)
-    sb = np.asarray(src_blocks, dtype=np.int64).ravel()
-    db = np.asarray(dst_blocks, dtype=np.int64).ravel()
-    if sb.shape != db.shape:
-        raise KVCacheError(f"src_blocks has {sb.size} ids but dst_blocks has {db.size}; they pair up one to one")
+    sb = np.asarray(src_blocks, dtype=np.int64)
+    db = np.asarray(dst_blocks, dtype=np.int64)
+    head_wise = sb.ndim == 2 or db.ndim == 2
+    if head_wise:
+        if sb.shape != db.shape or sb.ndim != 2 or sb.shape[0] != route.count:
+            raise KVCacheError(f"src_blocks {sb.shape} and dst_blocks {db.shape}: head-wise lists are "
+                               f"[{route.count} heads of the route, blocks] on both sides")
+    else:
+        sb, db = sb.ravel(), db.ravel()
+        if sb.shape != db.shape:
+            raise KVCacheError(f"src_blocks has {sb.size} ids but dst_blocks has {db.size}; they pair up one to one")
     for name, ids, region in (("src_blocks", sb, src), ("dst_blocks", db, dst)):
         bad = (ids < -1) | (ids >= region.num_blocks)
         if bad.any():
@@ -116,12 +126,16 @@ def route_ranges(src: KVRegion, src_blocks: Any, dst: KVRegion, dst_blocks: Any,
         raise KVCacheError(f"route {route} reaches past the {src.heads} (prefill) or {dst.heads} (decode) "
                            "heads per block")
     keep = (sb >= 0) & (db >= 0)
-    sb, db = sb[keep], db[keep]
+    if head_wise:  # one range per (block, head), block-major so a block's neighbouring heads merge
+        col, head = np.nonzero(keep.T)
+        sb, db, per = sb[head, col], db[head, col], 1
+    else:
+        sb, db, head, per = sb[keep], db[keep], np.zeros(int(keep.sum()), dtype=np.int64), route.count
     ids = _layer_ids(layers, src.num_layers)
     parts = []
     for region, blocks, row in ((src, sb, route.src_row), (dst, db, route.dst_row)):
-        base = region.addrs[ids][:, :, None] + (row * unit)[None, :, None]
+        base = region.addrs[ids][:, :, None] + (unit[None, :, None] * (row + head)[None, None, :])
         parts.append((base + blocks[None, None, :] * region.block_strides[ids][:, :, None]).ravel())
-    length = np.broadcast_to((unit * route.count)[None, :, None], (ids.size, unit.size, sb.size)).ravel()
+    length = np.broadcast_to((unit * per)[None, :, None], (ids.size, unit.size, sb.size)).ravel()
     (s, d), n = _merge((parts[0], parts[1]), length)
     return CopyRanges(s, d, n)
