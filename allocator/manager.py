@@ -917,6 +917,36 @@ class KVCacheManager:
                 self._events.append(BlockRemoved(tuple(bytes(h) for h in removed.gone)))
         self.free(request_id)
 
+    def shed_window(self, request_id: object, first_block: int = 0) -> np.ndarray:
+        """Give back now what the request's window rows no longer need (as its next extend would); returns the changed columns.
+
+        For a request whose prompt KV another node computes and sends (a PD decode node): a
+        window row's blocks behind its window are never read here, and the sender may not even
+        hold them (its own prefix hit skipped them), so from ``first_block`` on (the blocks this
+        node did not have cached) they leave the prefix index before they go back, as in ``discard``.
+        """
+        req = self._get(request_id)
+        _check_count(first_block, "first_block", least=0)
+        rows, blocks, stops = self._recyclable(req, int(self._ntok[req.slot]))
+        if not blocks.size:
+            return _NO_COLUMNS
+        bs = self.block_size
+        for g, (policy, group) in enumerate(self._window_groups):
+            part = req.table[group, max(req.recycled[g], -(-policy.sink_tokens // bs), first_block):stops[g]]
+            held = part >= 0
+            if held.any():
+                r, b = np.broadcast_to(group[:, None], part.shape)[held], part[held]
+                removed = self._index.remove(r, b)
+                self._pool.uncache(r, b)
+                if self.enable_events and len(removed.gone):
+                    self._events.append(BlockRemoved(tuple(bytes(h) for h in removed.gone)))
+        self._pool.decref(rows, blocks, unique=True)
+        self._recycled += int(self._group_sizes[rows].sum())
+        req.changed = changed = _columns(self._mark_recycled(req, stops))
+        self._changed_ok[req.slot] = True
+        self._refresh(req)
+        return changed
+
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix (live requests keep their blocks); returns the hashes dropped."""
         if self.tier is not None:

@@ -3,6 +3,7 @@
     python examples/pd_demo.py                        # CPU: numpy caches, NIXL over shared memory/TCP
     python examples/pd_demo.py --prefill-tp 2 --decode-tp 1
     python examples/pd_demo.py --device cuda          # PyTorch caches on the GPU
+    python examples/pd_demo.py --rows "window:64:16*2,full*2"   # head-wise: one table row per kv head
 
 Starts `kvcache serve --role prefill` and `--role decode`, one worker process per prefill rank
 (its cache, a LayerSignal, a CacheMessager) and per decode rank (its cache, a CacheReceiver).
@@ -34,17 +35,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rows", default="full", help="both daemons' --rows: full (uniform tables), or one policy "
+                        "per kv head, e.g. window:64:16*2,full*2 (head-wise; window heads keep sink and window)")
     args = parser.parse_args(argv)
     device = "cuda:0" if args.device == "cuda" else args.device
     from kvcache.client import CacheClient
     from kvcache.pd_worker import PDProxy
 
     with Cluster(layers=args.layers, kv_heads=args.kv_heads, head_dim=args.head_dim, block_size=args.block_size,
-                 prefill_tp=args.prefill_tp, decode_tp=args.decode_tp, device=device) as cluster, \
+                 prefill_tp=args.prefill_tp, decode_tp=args.decode_tp, device=device, rows=args.rows) as cluster, \
             CacheClient(cluster.cfg["prefill"]) as prefill, CacheClient(cluster.cfg["decode"]) as decode:
         proxy = PDProxy(prefill, decode)
         print(f"prefill tp {args.prefill_tp} -> decode tp {args.decode_tp}, {args.layers} layers, {args.kv_heads} kv "
-              f"heads x {args.head_dim}, block {args.block_size}, {device}")
+              f"heads x {args.head_dim}, block {args.block_size}, rows {args.rows}, {device}")
         failures = 0
         for name, prompts, clear in scenario(np.random.default_rng(args.seed), args.block_size):
             if clear:

@@ -178,14 +178,16 @@ class PDState:
             _check_str(e, f"{field}.dest.receivers[{i}]", MAX_ENDPOINT)
         table = dest.get("table")
         blocks = -(-num_tokens // self.block_size)
-        if not isinstance(table, np.ndarray) or table.dtype.kind not in "iu" or table.ndim != 2 or table.shape[0] != 1:
-            raise ProtocolError(f"{field}.dest.table: must be the decode side's int32 table [1, blocks] "
-                                "(head-wise tables are not supported for PD yet)")
+        rows = self._pending.shape[0]
+        if not isinstance(table, np.ndarray) or table.dtype.kind not in "iu" or table.ndim != 2 or table.shape[0] != rows:
+            raise ProtocolError(f"{field}.dest.table: must be the decode side's int table [{rows}, blocks] (one row "
+                                f"per row of this daemon: both nodes must use the same --rows)")
         if table.shape[1] != blocks:
             raise ProtocolError(f"{field}.dest.table: has {table.shape[1]} blocks; {num_tokens} tokens at block size "
                                 f"{self.block_size} need {blocks} (both nodes must use one block size)")
-        if table.size and (int(table.min()) < 0 or int(table.max()) > 2**31 - 1):
-            raise ProtocolError(f"{field}.dest.table: block ids must be in [0, 2**31)")
+        least = -1 if rows > 1 else 0  # a head-wise table has -1 where a window head keeps no block
+        if table.size and (int(table.min()) < least or int(table.max()) > 2**31 - 1):
+            raise ProtocolError(f"{field}.dest.table: block ids must be in [{least}, 2**31)")
         cached = check_int(dest.get("cached"), f"{field}.dest.cached", most=max(0, num_tokens - 1))
         if cached % self.block_size:
             raise ProtocolError(f"{field}.dest.cached: {cached} is not a multiple of the block size {self.block_size}")
@@ -234,12 +236,13 @@ class PDState:
         self._begun[t.serial] = now
         self.totals["started"] += 1
         if self.role == "decode" and table.size:
-            rows = np.arange(table.shape[0])[:, None]
-            hit = table[:, :first]
-            owners = self._pending[np.broadcast_to(rows, hit.shape), hit]
+            rows = np.broadcast_to(np.arange(table.shape[0])[:, None], table.shape)
+            held = table >= 0  # a head-wise table's window heads have holes
+            hit = held[:, :first]
+            owners = self._pending[rows[:, :first][hit], table[:, :first][hit]]
             t.deps = {int(s) for s in np.unique(owners[owners >= 0])}
-            arriving = table[:, first:]
-            self._pending[np.broadcast_to(rows, arriving.shape), arriving] = t.serial
+            arriving = held[:, first:]
+            self._pending[rows[:, first:][arriving], table[:, first:][arriving]] = t.serial
         return t
 
     def report(self, req: Any, rank: int, now_ns: int) -> list[tuple[Any, int | None]]:

@@ -94,18 +94,19 @@ class Cache:
                 offset += n
             self.layers.append(row)
 
-    def write(self, layer: int, ids: np.ndarray, values: np.ndarray, valid: np.ndarray) -> None:
-        """Put ``values`` in blocks ``ids`` of every tensor's slots that hold tokens (others keep their bytes)."""
+    def write(self, layer: int, ids: np.ndarray, values: np.ndarray, valid: np.ndarray, heads: slice = slice(None)
+              ) -> None:
+        """Put ``values`` in ``heads`` of blocks ``ids`` of every tensor's slots that hold tokens (others keep their bytes)."""
         for t, (arr, vals) in enumerate(zip(self.layers[layer], values)):
             if self.torch is None:
-                old = arr[ids]
-                arr[ids] = np.where(valid[:, None, :, None], vals, old)
+                old = arr[ids, heads]
+                arr[ids, heads] = np.where(valid[:, None, :, None], vals, old)
             else:
                 torch = self.torch
                 index = torch.from_numpy(ids).to(arr.device)
                 new = torch.from_numpy(vals.view(np.dtype(f"i{vals.itemsize}"))).to(arr.device, non_blocking=True)
                 mask = torch.from_numpy(valid[:, None, :, None]).to(arr.device)
-                arr[index] = torch.where(mask, new, arr[index])
+                arr[index, heads] = torch.where(mask, new, arr[index, heads])
 
     def read(self, ids: np.ndarray) -> list[list[np.ndarray]]:
         """Blocks ``ids`` of every layer and tensor, as numpy (raw unsigned views)."""
@@ -166,10 +167,11 @@ def prefill_worker(conn: Any, cfg: dict[str, Any], rank: int) -> None:
             if command == "probe":
                 conn.send(("probe", probe(link, region, *payload)))
                 continue
-            # items: (req, tokens, table row, first token to compute[, stop token, last chunk]); without a stop,
-            # the step computes the rest of the prompt (every block of the table)
+            # items: (req, tokens, table, first token to compute[, stop token, last chunk]); the table is a
+            # uniform one's row, or a head-wise table [kv heads, blocks]; without a stop, the step computes the
+            # rest of the prompt (every block of the table)
             items, layer_delay, compute = payload
-            items = [(*item, len(item[2]) * spec.block_size, True) if len(item) == 4 else item for item in items]
+            items = [(*item, item[2].shape[-1] * spec.block_size, True) if len(item) == 4 else item for item in items]
             step = sig.begin_step()
             link.run_step(step, [Chunk(req, stop, last) for req, _, _, _, stop, last in items])
             stream = None
@@ -178,12 +180,19 @@ def prefill_worker(conn: Any, cfg: dict[str, Any], rank: int) -> None:
             for layer in range(spec.num_layers):
                 for _, tokens, table, start, stop, _ in items:
                     first = start // spec.block_size
-                    blocks = range(first, min(table.size, -(-stop // spec.block_size)))
+                    blocks = range(first, min(table.shape[-1], -(-stop // spec.block_size)))
                     if blocks and compute:
                         values = [kv_values(tokens[:stop], blocks, layer, heads, t, ts.block_shape,
                                             RAW[DTYPE_BYTES[ts.dtype]]) for t, ts in enumerate(spec.tensors())]
-                        ids = table[blocks.start:blocks.stop].astype(np.int64)
-                        cache.write(layer, ids, [v for v, _ in values], values[0][1])
+                        if table.ndim == 1:
+                            ids = table[blocks.start:blocks.stop].astype(np.int64)
+                            cache.write(layer, ids, [v for v, _ in values], values[0][1])
+                            continue
+                        for k, g in enumerate(heads):  # head-wise: each head's blocks come from its own row
+                            ids = table[g, blocks.start:blocks.stop].astype(np.int64)
+                            held = ids >= 0
+                            cache.write(layer, ids[held], [v[held, k:k + 1] for v, _ in values], values[0][1][held],
+                                        slice(k, k + 1))
                 send_cache(stream, sig, layer)
                 if layer_delay:
                     time.sleep(layer_delay)
@@ -204,7 +213,7 @@ def probe(link: Any, region: Any, src: np.ndarray, dst: np.ndarray, receivers: t
     from kvcache.transfer.regions import CopyRanges
 
     messager = link.messager
-    plan = TransferPlan("probe", src, dst, 0, tuple(receivers), time.monotonic() + 60)
+    plan = TransferPlan("probe", np.atleast_2d(src), np.atleast_2d(dst), 0, tuple(receivers), time.monotonic() + 60)
     (d, (remote, agent)), *_ = messager._targets(plan).items()
     layer = messager._ranges(plan, d, remote, [0])
     total = messager._ranges(plan, d, remote, list(range(region.num_layers))).nbytes
@@ -298,14 +307,15 @@ class Cluster:
 
     def __init__(self, *, layers: int = 4, kv_heads: int = 4, head_dim: int = 32, block_size: int = 16,
                  num_blocks: int = 512, prefill_tp: int = 1, decode_tp: int = 1, device: str = "cpu",
-                 timeout: float = 20.0) -> None:
+                 timeout: float = 20.0, rows: str = "full") -> None:
+        """``rows``: both daemons' ``--rows`` (``full``: uniform tables; one policy per kv head: head-wise)."""
         self.folder = Path(tempfile.mkdtemp(prefix="kv-pd-", dir="/tmp"))
         self.daemons: dict[str, subprocess.Popen] = {}
         self.prefill_workers: list[Worker] = []
         self.decode_workers: list[Worker] = []
         self.cfg = dict(layers=layers, kv_heads=kv_heads, head_dim=head_dim, block_size=block_size,
                         num_blocks=num_blocks, prefill_tp=prefill_tp, decode_tp=decode_tp, device=device,
-                        timeout=5.0, prefill=f"ipc://{self.folder}/prefill.sock",
+                        timeout=5.0, rows=rows, prefill=f"ipc://{self.folder}/prefill.sock",
                         signal_prefix=f"kvcache-pd-{uuid.uuid4().hex[:12]}",
                         decode=f"ipc://{self.folder}/decode.sock")
         try:
@@ -324,7 +334,8 @@ class Cluster:
         with open(self.folder / f"{role}.log", "wb") as log:
             return subprocess.Popen([sys.executable, "-m", "kvcache", "serve", "--role", role, "--tp", str(tp),
                                      "--endpoint", self.cfg[role], "--num-blocks", str(num_blocks),
-                                     "--block-size", str(block_size), "--transfer-timeout", str(timeout)],
+                                     "--block-size", str(block_size), "--transfer-timeout", str(timeout),
+                                     "--rows", self.cfg["rows"]],
                                     stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
     def _wait_ready(self, role: str, timeout: float = 30.0) -> None:
@@ -382,9 +393,25 @@ class Cluster:
         return StepTimes(min(t.first_ns for t in times), max(t.last_ns for t in times))
 
     def read(self, workers: list[Worker], table: np.ndarray) -> list[np.ndarray]:
-        """The global KV (every head) of ``table``'s blocks on one node, per (layer, tensor)."""
-        parts = [w.call("read", np.asarray(table, dtype=np.int64)) for w in workers]
-        return gather(parts, self.spec.num_kv_heads)
+        """The global KV (every head) of ``table``'s blocks on one node, per (layer, tensor), ``[blocks, heads, ...]``.
+
+        ``table`` is a uniform table's row, or a head-wise table ``[heads, blocks]``: then head g of
+        column c is read from block ``table[g, c]`` (zeros where that is -1).
+        """
+        table = np.asarray(table, dtype=np.int64)
+        if table.ndim == 1:
+            parts = [w.call("read", table) for w in workers]
+            return gather(parts, self.spec.num_kv_heads)
+        ids = np.unique(table[table >= 0])
+        whole = gather([w.call("read", ids) for w in workers], self.spec.num_kv_heads)  # [ids, heads, ...]
+        heads = np.arange(table.shape[0])[:, None]
+        where = np.searchsorted(ids, np.maximum(table, 0))
+        out = []
+        for arr in whole:
+            picked = arr[where, heads] if ids.size else np.zeros((*table.shape, *arr.shape[2:]), arr.dtype)
+            picked[table < 0] = 0
+            out.append(np.swapaxes(picked, 0, 1))  # [blocks, heads, ...]
+        return out
 
     def expected(self, tokens: np.ndarray, num_blocks: int) -> tuple[list[np.ndarray], np.ndarray]:
         """The formula's KV of every head for the request's blocks, per (layer, tensor), and the valid slots."""
@@ -422,19 +449,37 @@ def wait_outcomes(client: Any, reqs: set[Any], timeout: float, interval: float =
 
 def check_request(cluster: Cluster, tokens: np.ndarray, decode_table: np.ndarray, prefill_table: np.ndarray,
                   first_block: int) -> list[str]:
-    """Mismatches of one request: decode vs prefill (moved blocks, whole) and decode vs the formula (every token)."""
+    """Mismatches of one request: decode vs prefill (moved blocks, whole) and decode vs the formula (every token).
+
+    Tables are a uniform table's row, or head-wise ``[heads, blocks]``: then only the (block, head)
+    units the decode table holds are checked, moved ones where the prefill table holds them too.
+    """
     problems = []
     decode = cluster.read(cluster.decode_workers, decode_table)
     prefill = cluster.read(cluster.prefill_workers, prefill_table)
-    want, valid = cluster.expected(tokens, decode_table.size)
+    n, heads = decode_table.shape[-1], cluster.spec.num_kv_heads
+    want, valid = cluster.expected(tokens, n)
+    held = np.ones((n, heads), bool)  # [block, head] units the decode node holds
+    moved = np.zeros((n, heads), bool)
+    moved[first_block:] = True
+    if decode_table.ndim == 2:
+        held = (decode_table >= 0).T
+        moved &= held & (prefill_table >= 0).T
+        held &= moved | (np.arange(n) < first_block)[:, None]  # the rest was never meant to arrive
     for i, (d, p, w) in enumerate(zip(decode, prefill, want)):
         layer, tensor = divmod(i, len(cluster.spec.tensors()))
-        if not np.array_equal(d[first_block:], p[first_block:]):
+        if not np.array_equal(d[moved], p[moved]):
             problems.append(f"layer {layer} tensor {tensor}: decode blocks differ from prefill's")
-        mask = np.broadcast_to(valid[:, None, :, None], d.shape)
+        mask = np.broadcast_to(held[:, :, None, None] & valid[:, None, :, None], d.shape)
         if not np.array_equal(d[mask], w[mask]):
             problems.append(f"layer {layer} tensor {tensor}: decode KV differs from the model's")
     return problems
+
+
+def table_of(placed: Any) -> np.ndarray:
+    """What a worker and ``check_request`` take: a uniform table's row, or a head-wise table whole."""
+    table = np.asarray(placed.table)
+    return (table[0] if table.shape[0] == 1 else table).copy()
 
 
 def run_batch(cluster: Cluster, proxy: Any, prompts: dict[Any, np.ndarray], *, layer_delay: float = 0.0,
@@ -447,7 +492,7 @@ def run_batch(cluster: Cluster, proxy: Any, prompts: dict[Any, np.ndarray], *, l
         if placed is None:
             raise RuntimeError(f"no room for request {req!r}")
         submitted[req] = placed
-    items = [(req, tokens, np.asarray(submitted[req][1].table)[0].copy(), submitted[req][1].num_cached_tokens)
+    items = [(req, tokens, table_of(submitted[req][1]), submitted[req][1].num_cached_tokens)
              for req, tokens in prompts.items()]
     last_signal_ns = cluster.step(items, layer_delay).last_ns
     ready, failed = wait_outcomes(proxy.decode, set(prompts), timeout)
@@ -461,16 +506,18 @@ def run_batch(cluster: Cluster, proxy: Any, prompts: dict[Any, np.ndarray], *, l
     for req, tokens in prompts.items():
         reservation, admission = submitted[req]
         first = reservation.num_cached_tokens // bs
-        moved += (reservation.table.shape[1] - first) * cluster.spec.bytes_per_block_per_layer * cluster.spec.num_layers
+        dst, src = np.asarray(reservation.table)[:, first:], np.asarray(admission.table)[:, first:]
+        units = ((dst >= 0) & (src >= 0)).sum() / dst.shape[0]  # blocks' worth of heads moved (all heads: uniform)
+        moved += units * cluster.spec.bytes_per_block_per_layer * cluster.spec.num_layers
         if req in ready:
             problems += [f"{req!r}: {p}" for p in check_request(
-                cluster, tokens, np.asarray(reservation.table)[0], np.asarray(admission.table)[0], first)]
+                cluster, tokens, table_of(reservation), table_of(admission), first)]
             proxy.decode.free(req)  # decoding would start here; the demo ends the request
     tail_ms = (max(ready.values()) - last_signal_ns) / 1e6 if ready else float("nan")
     return {"requests": len(prompts), "tokens": int(sum(t.size for t in prompts.values())),
             "decode_cached": {r: int(s[0].num_cached_tokens) for r, s in submitted.items()},
             "prefill_cached": {r: int(s[1].num_cached_tokens) for r, s in submitted.items()},
-            "bytes": moved * cluster.spec.tp_size, "seconds": elapsed, "tail_ms": tail_ms, "problems": problems}
+            "bytes": int(moved * cluster.spec.tp_size), "seconds": elapsed, "tail_ms": tail_ms, "problems": problems}
 
 
 def scenario(rng: np.random.Generator, block_size: int) -> list[tuple[str, dict[str, np.ndarray], str | None]]:

@@ -686,13 +686,15 @@ class CacheServer:
                         continue
                     slot = self._slots.take(op.req, op.slot)
                     self._leases.own(client, op.req)
-                    table = adm.table.copy()  # read-only from here on: the delta and the reply share it
+                    if op.kind == "reserve":  # window rows keep only what decoding reads; the rest never arrives
+                        m.shed_window(op.req, adm.num_cached_tokens // m.block_size)
+                    table = m.table(op.req).copy()  # read-only from here on: the delta and the reply share it
                     changes.add(op.req, slot, table.shape[1], np.arange(table.shape[1], dtype=np.int32), table)
                     result = {"cached": adm.num_cached_tokens, "num_tokens": adm.num_tokens, "table": table,
                               "slot": slot}
                     if op.pd is not None:
                         dest = None if op.kind == "reserve" else op.pd
-                        self._pd.start(op.req, client, adm.table, adm.num_cached_tokens, op.pd["timeout"],
+                        self._pd.start(op.req, client, table, adm.num_cached_tokens, op.pd["timeout"],
                                        time.monotonic(), dest)
                         if op.kind == "reserve":
                             result["receivers"] = list(self._pd.receivers)

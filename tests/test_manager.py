@@ -573,6 +573,49 @@ def test_discard_of_a_shared_block_uncaches_it_for_later_requests_only():
         m.discard("a")
 
 
+def test_shed_window_gives_back_blocks_behind_the_window_and_uncaches_those_not_held_before():
+    """A PD decode reservation of 40 tokens (Window(8, sink 4), block 4): blocks 1..7 go back at once; those
+    past the node's own hit (block 6 on) leave the prefix index, since the sender may never write them.
+    """
+    rows = [Full(), Window(8, 4)]
+    prompt = np.arange(40)
+    m = make_manager(32, rows)
+    m.admit("x", prompt[:24])
+    m.free("x")  # 6 blocks cached on both rows
+    adm = m.admit("a", prompt)
+    assert adm.num_cached_tokens == 24
+    assert adm.table[1].tolist() == [0, -1, -1, -1, 4, 5, 6, 7, 8, 9]  # the hit keeps sink and window only
+    changed = m.shed_window("a", first_block=6)
+    m.check_integrity()
+    assert changed.tolist() == [4, 5, 6, 7]  # 1..3 the hit already skipped
+    assert m.table("a")[1].tolist() == [0, -1, -1, -1, -1, -1, -1, -1, 8, 9]
+    assert m.table("a")[0].tolist() == list(range(10))
+    assert m.changed_columns("a").tolist() == [4, 5, 6, 7]
+    assert m.num_free_blocks.tolist() == [22, 29]
+    assert m.lookup(prompt[:25]) == 24  # blocks 4, 5 were this node's own hit: still cached
+    assert m.lookup(prompt[:33]) == 24  # blocks 6, 7 never arrived: gone from the index
+    twin = make_manager(32, rows)
+    twin.admit("x", prompt[:24])
+    twin.free("x")
+    twin.admit("a", prompt)
+    twin.extend("a", [99], num_computed_tokens=40)  # the same blocks recycled the ordinary way stay cached
+    assert twin.lookup(prompt[:33]) == 32
+    m.extend("a", [99], num_computed_tokens=40)  # nothing more to give back
+    assert m.table("a")[1].tolist() == [0, -1, -1, -1, -1, -1, -1, -1, 8, 9, 6]  # 6 went back uncached: reused first
+    m.free("a")
+    m.check_integrity()
+    assert m.num_free_blocks.tolist() == [32, 32]
+
+
+def test_shed_window_without_window_rows_changes_nothing():
+    m = make_manager(8)
+    m.admit("a", np.arange(9))
+    assert m.shed_window("a").size == 0
+    assert m.table("a").tolist() == [[0, 1, 2]] and m.num_free_blocks.tolist() == [5]
+    with pytest.raises(KVCacheError, match="first_block"):
+        m.shed_window("a", first_block=-1)
+
+
 class _LegacyPickler(pickle.Pickler):
     """Pickles a manager as the layout before slot arrays did: each request held its tokens and counts."""
 

@@ -31,3 +31,10 @@ def test_bench_pd_quick_runs_on_gpu_caches(capsys):
     assert bench.main(["--quick", "--json", "--device", "cuda"]) == 0
     r = json.loads(capsys.readouterr().out)
     assert r["workload"]["device"] == "cuda:0" and r["rate"] > 0 and r["tail_s"]["median"] > 0
+
+
+def test_the_demo_moves_head_wise_gpu_caches_byte_for_byte():
+    run = subprocess.run([sys.executable, str(DEMO), "--device", "cuda", "--prefill-tp", "2", "--layers", "4",
+                          "--rows", "window:64:16*2,full*2"], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "OK: decode KV equals prefill KV byte for byte" in run.stdout

@@ -39,7 +39,7 @@ import numpy as np
 
 from kvcache.allocator.errors import KVCacheError
 from kvcache.transfer.engines import TransferHandle, TransferStatus
-from kvcache.transfer.heads import Route, head_routes, route_ranges
+from kvcache.transfer.heads import Route, head_routes, rank_heads, route_ranges
 from kvcache.transfer.regions import CopyRanges, KVRegion
 from kvcache.transfer.signal import LayerSignal, WaitStatus
 
@@ -56,9 +56,11 @@ _STOP = object()
 class TransferPlan:
     """One request's move: its prefill blocks, the decode blocks they land in, and which to skip.
 
-    Blocks ``[first_block, n)`` of ``src_blocks`` go to the same positions of ``dst_blocks``;
-    blocks before ``first_block`` the decode side had cached. ``receivers[d]`` is decode rank
-    d's CacheReceiver endpoint; ``decode`` names the decode daemon (for failure reports).
+    Tables are ``[rows, n]`` as the daemons hold them: one row (uniform), or one per kv head
+    (head-wise; ``-1`` where a window head keeps no block, moved by neither side). Columns
+    ``[first_block, n)`` of ``src_blocks`` go to the same columns of ``dst_blocks``; columns
+    before ``first_block`` the decode side had cached. ``receivers[d]`` is decode rank d's
+    CacheReceiver endpoint; ``decode`` names the decode daemon (for failure reports).
     """
 
     req: Any
@@ -74,10 +76,10 @@ class TransferPlan:
     def from_wire(cls, plan: dict[str, Any]) -> TransferPlan:
         """A plan as the prefill daemon's ``plans`` op returns it."""
         if plan.get("cancelled"):
-            empty = np.empty(0, dtype=np.int64)
+            empty = np.empty((1, 0), dtype=np.int64)
             return cls(plan["req"], empty, empty, 0, (), time.monotonic(), plan.get("decode", ""), True)
-        return cls(plan["req"], np.asarray(plan["src_table"])[0].astype(np.int64),
-                   np.asarray(plan["table"])[0].astype(np.int64), int(plan["first_block"]),
+        return cls(plan["req"], np.atleast_2d(plan["src_table"]).astype(np.int64),
+                   np.atleast_2d(plan["table"]).astype(np.int64), int(plan["first_block"]),
                    tuple(plan["receivers"]), time.monotonic() + float(plan["deadline_s"]), plan.get("decode", ""))
 
 
@@ -208,6 +210,7 @@ class CacheMessager:
                 self._fail(plan.req, "cancelled", plan)
                 continue
             try:
+                self._check_rows(plan)
                 targets = self._targets(plan)
             except KVCacheError as exc:
                 self._progress.pop(chunk.req, None)
@@ -217,7 +220,7 @@ class CacheMessager:
                 plan.first_block, {d: [] for d in targets}, {d: agent for d, (_, agent) in targets.items()},
                 plan.deadline))
             lo = max(progress.next_block, plan.first_block)
-            hi = min(-(-chunk.stop // bs), plan.dst_blocks.size, plan.src_blocks.size)
+            hi = min(-(-chunk.stop // bs), plan.dst_blocks.shape[1], plan.src_blocks.shape[1])
             progress.next_block = max(progress.next_block, min(chunk.stop // bs, hi))
             active.append((plan, chunk, progress, lo, hi, {d: remote for d, (remote, _) in targets.items()}))
         timings["planned_ns"] = time.monotonic_ns()
@@ -270,6 +273,13 @@ class CacheMessager:
                 pending = {progress.agents[d]: (hs, (plan.req, d) not in notified) for d, hs in progress.handles.items()}
                 self._finishing.put((plan, pending, timings.get("last_signal_ns", 0)))
 
+    def _check_rows(self, plan: TransferPlan) -> None:
+        """Both tables uniform (one row) or both head-wise (one row per kv head); else the request fails."""
+        rows, heads = (plan.src_blocks.shape[0], plan.dst_blocks.shape[0]), self.region.spec.num_kv_heads
+        if rows[0] != rows[1] or rows[0] not in (1, heads):
+            raise KVCacheError(f"tables of {rows[0]} (prefill) and {rows[1]} (decode) rows: both need one row, "
+                               f"or one per kv head ({heads})")
+
     def _targets(self, plan: TransferPlan) -> dict[int, tuple[KVRegion, str]]:
         """Decode rank -> (its region, its agent) for every decode rank this rank writes to; connects as needed."""
         tp = len(plan.receivers)
@@ -300,9 +310,16 @@ class CacheMessager:
                 hi: int | None = None) -> CopyRanges:
         """Blocks ``[lo, hi)`` (default: all past the decode side's cache) of ``layers`` for decode rank ``d``."""
         lo = plan.first_block if lo is None else lo
-        src, dst = plan.src_blocks[lo:hi], plan.dst_blocks[lo:hi]
-        parts = [route_ranges(self.region, src, remote, dst, r, layers=layers)
-                 for r in self._routes_to(len(plan.receivers))[d]]
+        src, dst = plan.src_blocks[:, lo:hi], plan.dst_blocks[:, lo:hi]
+        spec = self.region.spec
+        parts = []
+        for r in self._routes_to(len(plan.receivers))[d]:
+            if src.shape[0] == 1:
+                parts.append(route_ranges(self.region, src[0], remote, dst[0], r, layers=layers))
+            else:  # head-wise: the route's heads, by their global index, pick their rows on both sides
+                g = rank_heads(spec.num_kv_heads, spec.tp_size, self.rank)[r.src_row]
+                parts.append(route_ranges(self.region, src[g:g + r.count], remote, dst[g:g + r.count], r,
+                                          layers=layers))
         if len(parts) == 1:
             return parts[0]
         return CopyRanges(*(np.concatenate([getattr(p, f) for p in parts]) for f in ("src", "dst", "length")))

@@ -1,0 +1,87 @@
+"""PD with head-wise tables: one row per kv head, sliding-window heads keeping sink and window only, over real daemons and NIXL.
+
+A decode reservation gives its window heads' blocks behind the window back at once (uncached where
+they would have arrived, as the prefill node may not hold them after its own prefix hit); each
+head's blocks move to that head's decode blocks, re-sliced across TP sizes.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvcache.client import CacheClient
+from kvcache.pd_cluster import Cluster, run_batch, scenario
+from kvcache.transfer.nixl import nixl_available
+
+needs_nixl = pytest.mark.skipif(not nixl_available(), reason="NIXL is not installed (pip install nixl-cu12 --no-deps)")
+
+# 4 kv heads: two sliding-window heads (32 tokens, a 16-token sink) and two full ones.
+ROWS = "window:32:16*2,full*2"
+
+
+def nothing_held(prefill: CacheClient, decode: CacheClient) -> None:
+    assert (prefill.usage.max, decode.usage.max) == (0.0, 0.0)
+    assert prefill.stats()["in_transfer"] == decode.stats()["in_transfer"] == 0
+    prefill.check_integrity()
+    decode.check_integrity()
+
+
+@needs_nixl
+@pytest.mark.parametrize("prefill_tp, decode_tp", [(1, 1), (2, 1), (1, 2)])
+def test_head_wise_requests_arrive_head_by_head_with_prefix_hits_on_either_side(prefill_tp, decode_tp):
+    """Fresh prompts, hits on both nodes, on prefill only (its window heads skip blocks), on decode only."""
+    from kvcache.pd_worker import PDProxy
+
+    with Cluster(layers=3, kv_heads=4, head_dim=32, prefill_tp=prefill_tp, decode_tp=decode_tp, rows=ROWS) as cluster:
+        prefill, decode = CacheClient(cluster.cfg["prefill"]), CacheClient(cluster.cfg["decode"])
+        proxy = PDProxy(prefill, decode)
+        for name, prompts, clear in scenario(np.random.default_rng(3), cluster.spec.block_size):
+            if clear:
+                (prefill if clear == "prefill" else decode).reset_prefix_cache()
+            result = run_batch(cluster, proxy, prompts)
+            assert result["problems"] == [], name
+            if name == "prefix hits on prefill only":
+                assert all(v > 0 for v in result["prefill_cached"].values())
+            if name == "prefix hits on decode only":
+                assert all(v > 0 for v in result["decode_cached"].values())
+        nothing_held(prefill, decode)
+
+
+def test_a_decode_reservation_keeps_only_what_its_window_heads_read(daemon):
+    """1,000 tokens, block 16: window heads hold the sink block and the last window's blocks; full heads every block."""
+    d = daemon("--num-blocks", "256", "--block-size", "16", "--role", "decode", "--rows", ROWS)
+    with CacheClient(d.endpoint, name="sched") as c:
+        c.attach(0, "tcp://127.0.0.1:1")
+        table = c.reserve("a", np.arange(1000)).table
+        assert table.shape == (4, 63)
+        assert (table[2:] >= 0).all()
+        window = table[:2]
+        kept = np.flatnonzero(window[0] >= 0).tolist()
+        assert kept == [0, 60, 61, 62]  # sink; tokens 969.. (the next query, at 1000, sees 969..1000)
+        assert (window[1] == window[0]).all()  # one policy, one pool: the same blocks
+        assert c.usage.per_row.tolist() == pytest.approx([4 / 256, 4 / 256, 63 / 256, 63 / 256])
+        c.cancel("a", release=True)
+        assert c.usage.max == 0.0
+        c.check_integrity()
+
+
+@needs_nixl
+def test_blocks_the_prefill_node_never_sent_are_never_a_decode_prefix_hit():
+    """The prefill node hits a prompt's head (its window heads skip the blocks behind their window), the decode
+    node does not: those decode blocks stay unwritten, so a later prompt sharing a shorter head must not hit them."""
+    from kvcache.pd_worker import PDProxy
+
+    rng = np.random.default_rng(4)
+    head = rng.integers(0, 50_000, 400)
+    with Cluster(layers=2, kv_heads=4, head_dim=32, rows=ROWS) as cluster:
+        prefill, decode = CacheClient(cluster.cfg["prefill"]), CacheClient(cluster.cfg["decode"])
+        proxy = PDProxy(prefill, decode)
+        assert run_batch(cluster, proxy, {"p": head})["problems"] == []
+        decode.reset_prefix_cache()
+        longer = run_batch(cluster, proxy, {"q": np.concatenate([head, rng.integers(0, 50_000, 200)])})
+        assert longer["problems"] == [] and longer["prefill_cached"]["q"] > 0 and longer["decode_cached"]["q"] == 0
+        shorter = run_batch(cluster, proxy, {"r": np.concatenate([head[:200], rng.integers(0, 50_000, 100)])})
+        assert shorter["problems"] == []
+        # Its window heads would need blocks 10, 11 of the head: "q" held them unwritten, so no hit reaches them.
+        assert shorter["decode_cached"]["r"] < 12 * cluster.spec.block_size
+        nothing_held(prefill, decode)
