@@ -57,6 +57,7 @@ class ServeConfig:
     replay_buffer: int = 4096
     dedupe_window: int = 1024
     pub_hwm: int = 100_000
+    io_threads: int = 1
     heartbeat_ms: int = 100
     journal: str = ""
     lease_timeout: float = 0.0
@@ -82,6 +83,8 @@ class ServeConfig:
             raise KVCacheError(f"events_format: {self.events_format!r} is neither 'array' nor 'map'")
         if self.role not in ("both", "prefill", "decode"):
             raise KVCacheError(f"role: {self.role!r} is not one of both, prefill, decode")
+        if isinstance(self.io_threads, bool) or not isinstance(self.io_threads, int) or not 1 <= self.io_threads <= 64:
+            raise KVCacheError(f"io_threads: must be an integer in [1, 64], got {self.io_threads!r}")
         if not self.transfer_timeout > 0:
             raise KVCacheError(f"transfer_timeout: must be positive seconds, got {self.transfer_timeout!r}")
 

@@ -48,6 +48,7 @@ HELP = {
     "replay_buffer": "deltas kept for replay before workers must resync from a snapshot (default 4096)",
     "dedupe_window": "replies remembered per client for retried requests (default 1024)",
     "pub_hwm": "messages queued per slow subscriber before it is dropped and must resync (default 100,000)",
+    "io_threads": "ZMQ I/O threads: more spread the table-delta fan-out to many subscribers over cores (default 1)",
     "heartbeat_ms": "publish the latest seq after this much silence, so workers notice lost deltas and restarts "
                     "(default 100)",
     "journal": "folder of a write-ahead journal: every acknowledged operation survives kill -9 and restart "
@@ -132,13 +133,16 @@ def build_manager(cfg: ServeConfig) -> tuple[KVCacheManager, list[AttentionPolic
 
 
 def _run(args: argparse.Namespace) -> int:
+    import zmq
+
     from kvcache.server import CacheServer
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     log = logging.getLogger("kvcache.serve")
     cfg = config_from_args(args).resolved()
     manager, rows, extra = build_manager(cfg)
-    server = CacheServer(cfg, manager, rows, extra_info=extra)
+    context = zmq.Context(io_threads=cfg.io_threads)
+    server = CacheServer(cfg, manager, rows, context=context, extra_info=extra)
     stopping: list[int] = []
 
     def stop(signum: int, _frame: Any) -> None:
@@ -157,5 +161,6 @@ def _run(args: argparse.Namespace) -> int:
         server.serve(lambda: bool(stopping))
     finally:
         server.close()
+        context.destroy(linger=0)  # the server closed its sockets; anything left (a monitor) must not block exit
         log.info("stopped (signal %s)", stopping[0] if stopping else "none")
     return 0

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import zmq
 
-from kvcache.allocator import Full, KVCacheManager, Window
+from kvcache.allocator import Full, KVCacheError, KVCacheManager, Window
 from kvcache.config import ServeConfig, derive_endpoints, parse_rows
 from kvcache.protocol import PROTOCOL_VERSION, ProtocolError, pack, seq_frame, unpack
 from kvcache.server import CacheServer
@@ -278,6 +278,28 @@ def test_config_helpers():
     for bad in ("window", "window:x", "full*0", "sliding"):
         with pytest.raises(Exception, match="rows"):
             parse_rows(bad)
+    for bad in (0, 65, True, 2.0):
+        with pytest.raises(KVCacheError, match=r"io_threads: must be an integer in \[1, 64\]"):
+            ServeConfig(io_threads=bad)
+    assert ServeConfig(io_threads=4).io_threads == 4
+
+
+def test_a_daemon_with_several_io_threads_serves_and_publishes(daemon):
+    """`kvcache serve --io-threads 3`: a step's reply and its delta both arrive, and the daemon stops cleanly."""
+    from kvcache.client import CacheClient
+    from kvcache.worker import TableSubscriber
+
+    d = daemon("--num-blocks", "64", "--block-size", "16", "--io-threads", "3")
+    with CacheClient(d.endpoint) as c:
+        sub = TableSubscriber(d.endpoint, timeout=10)
+        try:
+            c.admit("a", np.arange(40))
+            sub.wait_for(c.last_seq, timeout=10)
+            assert np.array_equal(sub.table("a"), c.table("a"))
+        finally:
+            sub.close()
+    d.stop()
+    assert d.process.returncode == 0, d.log()
 
 
 def test_protocol_errors_are_the_package_error():

@@ -98,6 +98,7 @@ class BenchConfig:
     clients: tuple[int, ...] = (1, 2, 4)
     window: int = 64
     subscribers: int = 8
+    io_threads: int = 1  # the daemons' --io-threads
     lag_steps: int = 500
     profile_steps: int = 300
     fsync_probes: int = 500  # 4 KiB appends + fdatasync timed in section 3b
@@ -626,7 +627,8 @@ def _serve_argv(cfg: BenchConfig, endpoint: str, pub: str, replay: str, *extra: 
     """`kvcache serve` as every daemon of the benchmark is started (``extra`` appended)."""
     return [sys.executable, "-m", "kvcache", "serve", "--endpoint", endpoint, "--pub-endpoint", pub,
             "--replay-endpoint", replay, "--num-blocks", str(cfg.num_blocks), "--block-size", str(cfg.block_size),
-            "--rows", "full", "--enable-prefix-caching", "--log-level", "WARNING", *extra]
+            "--rows", "full", "--enable-prefix-caching", "--io-threads", str(cfg.io_threads), "--log-level", "WARNING",
+            *extra]
 
 
 def _filesystem(path: Path) -> str:
@@ -1199,7 +1201,7 @@ def render(result: dict[str, Any]) -> str:
         f"kvcache bench daemon: transport {cfg['transport']}, python {cfg['python']}, pyzmq {cfg['pyzmq']} "
         f"(libzmq {cfg['libzmq']}), {cfg['cpus']} cpu(s){', quick' if cfg['quick'] else ''}",
         f"  daemon: kvcache serve --num-blocks {cfg['num_blocks']:,} --block-size {cfg['block_size']} --rows full "
-        f"--enable-prefix-caching; {cfg['requests']} requests of {cfg['prompt_tokens']:,}-token prompts",
+        f"--enable-prefix-caching --io-threads {cfg['io_threads']}; {cfg['requests']} requests of {cfg['prompt_tokens']:,}-token prompts",
         "",
         "1. limit: raw ZMQ DEALER/ROUTER echo (own process, pyzmq only) at a real step's sizes",
         table(
@@ -1267,7 +1269,7 @@ def render(result: dict[str, Any]) -> str:
 
 def _config_from_args(args: argparse.Namespace) -> BenchConfig:
     values: dict[str, Any] = BenchConfig.quick_defaults() if args.quick else {}
-    for name in ("transport", "steps", "seconds", "subscribers", "window", "num_blocks", "lag_steps",
+    for name in ("transport", "steps", "seconds", "subscribers", "io_threads", "window", "num_blocks", "lag_steps",
                  "profile_steps", "timeout"):
         given = getattr(args, name)
         if given is not None:
@@ -1338,6 +1340,8 @@ def add_parser(targets: argparse._SubParsersAction) -> None:
                    help=f"requests in flight for the pipelined echo (default {d.window})")
     p.add_argument("--subscribers", type=positive_int, metavar="N",
                    help=f"SUB processes timing table deltas in section 4 (default {d.subscribers})")
+    p.add_argument("--io-threads", type=positive_int, metavar="N",
+                   help=f"the daemons' ZMQ I/O threads (kvcache serve --io-threads; default {d.io_threads})")
     p.add_argument("--num-blocks", type=positive_int, metavar="N",
                    help=f"the daemon's blocks (default {d.num_blocks:,}; the steady set takes about "
                    f"{d.requests * (d.prompt_tokens // d.block_size + 10):,})")
