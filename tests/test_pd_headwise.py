@@ -85,3 +85,35 @@ def test_blocks_the_prefill_node_never_sent_are_never_a_decode_prefix_hit():
         # Its window heads would need blocks 10, 11 of the head: "q" held them unwritten, so no hit reaches them.
         assert shorter["decode_cached"]["r"] < 12 * cluster.spec.block_size
         nothing_held(prefill, decode)
+
+
+@needs_nixl
+def test_chunked_prefill_with_window_heads_recycling_between_chunks():
+    """700 tokens in three chunks; the prefill node's window heads give blocks back between chunks (they went out
+    with their chunk, or the decode node never wanted them); the decode node holds the first 256 tokens already."""
+    from kvcache.pd_cluster import check_request, wait_outcomes
+    from kvcache.pd_worker import PDProxy
+
+    with Cluster(layers=3, kv_heads=4, head_dim=32, rows=ROWS) as cluster:
+        prefill, decode = CacheClient(cluster.cfg["prefill"]), CacheClient(cluster.cfg["decode"])
+        proxy = PDProxy(prefill, decode)
+        tokens = np.random.default_rng(8).integers(0, 50_000, 700)
+        assert run_batch(cluster, proxy, {"seed": tokens[:257]})["problems"] == []
+        prefill.reset_prefix_cache()
+        reservation = decode.reserve("c", tokens)
+        assert reservation.num_cached_tokens == 256
+        prefill.admit("c", tokens, num_tokens=200, dest=reservation.dest(decode.endpoint))
+        table = lambda: np.asarray(prefill.table("c")).copy()  # noqa: E731
+        cluster.step([("c", tokens, table(), 0, 200, False)])
+        prefill.extend("c", tokens[200:450])
+        cluster.step([("c", tokens, table(), 200, 450, False)])
+        prefill.extend("c", tokens[450:])
+        whole = table()
+        assert (whole[:2, 1:20] == -1).all()  # the window heads recycled behind each chunk
+        cluster.step([("c", tokens, whole, 450, 700, True)])
+        ready, failed = wait_outcomes(decode, {"c"}, 10)
+        sent, _ = wait_outcomes(prefill, {"c"}, 10)
+        assert set(ready) == set(sent) == {"c"}, failed
+        assert check_request(cluster, tokens, np.asarray(reservation.table), whole, 16) == []
+        decode.free("c")
+        nothing_held(prefill, decode)
