@@ -216,10 +216,96 @@ static PyObject *remove_keys(PyObject *self, PyObject *args)
     return result;
 }
 
+PyDoc_STRVAR(insert_new_doc,
+             "insert_new(keys, vals, seed, hashes, entries, blocks, hash_of, entry_blocks, entry_at, holders) -> int\n\n"
+             "The prefix index's insert of n hashes new to it, each held by a block on every row, in one pass:\n"
+             "entry entries[i] (int64) gets hash i (hash_of: 32 bytes per entry), its blocks\n"
+             "blocks[i, :] (int32 [n, rows]) in entry_blocks (int32 [entries, rows]), the reverse map\n"
+             "entry_at[r, b] = entry (int32 [rows, num_blocks]) and holders[entry] = rows; then the key goes\n"
+             "in the table. Raises AssertionError, changing nothing, if a block is out of range or a pair\n"
+             "already holds a hash. Returns the keys inserted. The caller guarantees table room.");
+
+static PyObject *insert_new(PyObject *self, PyObject *args)
+{
+    Py_buffer keys, vals, hashes, entries, blocks, hash_of, entry_blocks, entry_at, holders;
+    unsigned long long seed;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "w*w*Ky*y*y*w*w*w*w*", &keys, &vals, &seed, &hashes, &entries, &blocks, &hash_of,
+                          &entry_blocks, &entry_at, &holders)) {
+        return NULL;
+    }
+    PyObject *result = NULL;
+    table_t t;
+    if (open_table(&t, &keys, &vals, seed) == 0 && check_packed(&hashes, "hashes") == 0) {
+        const Py_ssize_t n = hashes.len / KEY_BYTES;
+        const Py_ssize_t cap = holders.len / (Py_ssize_t)sizeof(int32_t);
+        const Py_ssize_t rows = cap ? entry_blocks.len / (Py_ssize_t)sizeof(int32_t) / cap : 0;
+        const Py_ssize_t num_blocks = rows ? entry_at.len / (Py_ssize_t)sizeof(int32_t) / rows : 0;
+        const int64_t *e = (const int64_t *)entries.buf;
+        const int32_t *b = (const int32_t *)blocks.buf;
+        int32_t *eb = (int32_t *)entry_blocks.buf, *at = (int32_t *)entry_at.buf, *held = (int32_t *)holders.buf;
+        uint8_t *ho = (uint8_t *)hash_of.buf;
+        const uint8_t *k = (const uint8_t *)hashes.buf;
+        if (rows < 1 || entries.len != n * (Py_ssize_t)sizeof(int64_t)
+            || blocks.len != n * rows * (Py_ssize_t)sizeof(int32_t) || hash_of.len != cap * KEY_BYTES
+            || entry_blocks.len != cap * rows * (Py_ssize_t)sizeof(int32_t)
+            || entry_at.len != rows * num_blocks * (Py_ssize_t)sizeof(int32_t)) {
+            PyErr_Format(PyExc_ValueError, "insert_new: buffers disagree (n %zd, rows %zd, entries %zd, blocks %zd)",
+                         n, rows, cap, num_blocks);
+            goto done;
+        }
+        for (Py_ssize_t i = 0; i < n; i++) {
+            if (e[i] < 0 || e[i] >= cap) {
+                PyErr_Format(PyExc_AssertionError, "entry %lld of hash %zd is outside [0, %zd)", (long long)e[i], i,
+                             cap);
+                goto done;
+            }
+            for (Py_ssize_t r = 0; r < rows; r++) {
+                const int32_t blk = b[i * rows + r];
+                if (blk < 0 || blk >= num_blocks || at[r * num_blocks + blk] >= 0) {
+                    PyErr_Format(PyExc_AssertionError, "a pair already holds a hash (or is out of range): row %zd, "
+                                 "block %d", r, (int)blk);
+                    goto done;
+                }
+            }
+        }
+        Py_ssize_t inserted = 0;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            const int64_t entry = e[i];
+            memcpy(ho + entry * KEY_BYTES, k + i * KEY_BYTES, KEY_BYTES);
+            for (Py_ssize_t r = 0; r < rows; r++) {
+                const int32_t blk = b[i * rows + r];
+                eb[entry * rows + r] = blk;
+                at[r * num_blocks + blk] = (int32_t)entry;
+            }
+            held[entry] = (int32_t)rows;
+            uint64_t slot = probe(&t, k + i * KEY_BYTES);
+            if (t.vals[slot] < 0) {
+                memcpy(t.keys + slot * KEY_BYTES, k + i * KEY_BYTES, KEY_BYTES);
+                t.vals[slot] = (int32_t)entry;
+                inserted++;
+            }
+        }
+        result = PyLong_FromSsize_t(inserted);
+    }
+done:
+    PyBuffer_Release(&keys);
+    PyBuffer_Release(&vals);
+    PyBuffer_Release(&hashes);
+    PyBuffer_Release(&entries);
+    PyBuffer_Release(&blocks);
+    PyBuffer_Release(&hash_of);
+    PyBuffer_Release(&entry_blocks);
+    PyBuffer_Release(&entry_at);
+    PyBuffer_Release(&holders);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"find", find, METH_VARARGS, find_doc},
     {"insert", insert, METH_VARARGS, insert_doc},
     {"remove", remove_keys, METH_VARARGS, remove_doc},
+    {"insert_new", insert_new, METH_VARARGS, insert_new_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -561,14 +561,15 @@ class PrefixIndex:
         if count == 0:
             return
         entries = self._take_entries(count)
-        packed = np.frombuffer(hashes, dtype=_PACKED)
-        rows = np.arange(self._rows)[None, :]
-        assert (blocks >= 0).all() and (self._entry_at[rows, blocks] < 0).all(), "a pair already holds a hash"
-        self._hash_of[entries] = packed
-        self._blocks[entries] = blocks
-        self._entry_at[rows, blocks] = entries[:, None]
-        self._holders[entries] = self._rows
-        self._add_keys(entries, packed)
+        self._reserve_keys(count)
+        try:  # one C pass: checks every pair is free (AssertionError, nothing written), then writes and keys
+            self._count += _hashtable.insert_new(
+                self._slot_keys, self._slot_vals, self._seed, hashes, entries.astype(np.int64, copy=False),
+                np.ascontiguousarray(blocks, dtype=np.int32), self._hash_of, self._blocks, self._entry_at,
+                self._holders)
+        except AssertionError:
+            self._push_spare(entries[::-1])
+            raise
 
     def _insert_one(self, block_hash: bytes, blocks: np.ndarray) -> Inserted:
         """``insert`` of a single hash (a decode step filling one block) with scalar steps, not array passes."""
@@ -682,17 +683,21 @@ class PrefixIndex:
 
     def _add_keys(self, entries: np.ndarray, packed: np.ndarray) -> None:
         """Put ``entries`` under their hashes (``V32`` array), growing the table to keep its load <= 1/2."""
-        needed = 2 * (self._count + entries.size)
-        if needed > self._slot_vals.size:
-            live = self._slot_vals[self._slot_vals >= 0].astype(np.intp)
-            capacity = 1 << (needed - 1).bit_length()
-            self._slot_keys = np.zeros((capacity, HASH_BYTES), dtype=np.uint8)
-            self._slot_vals = np.full(capacity, -1, dtype=np.int32)
-            self._count = 0
-            entries = np.concatenate([live, entries])
-            packed = self._hash_of[entries]
+        self._reserve_keys(entries.size)
         self._count += _hashtable.insert(self._slot_keys, self._slot_vals, self._seed,
                                          packed.tobytes(), entries.astype(np.int32).tobytes())
+
+    def _reserve_keys(self, extra: int) -> None:
+        """Grow (and rebuild) the table if ``extra`` more keys would push its load past 1/2."""
+        needed = 2 * (self._count + extra)
+        if needed <= self._slot_vals.size:
+            return
+        live = self._slot_vals[self._slot_vals >= 0].astype(np.intp)
+        capacity = 1 << (needed - 1).bit_length()
+        self._slot_keys = np.zeros((capacity, HASH_BYTES), dtype=np.uint8)
+        self._slot_vals = np.full(capacity, -1, dtype=np.int32)
+        self._count = _hashtable.insert(self._slot_keys, self._slot_vals, self._seed, self._hash_of[live].tobytes(),
+                                        live.astype(np.int32).tobytes())
 
     def _push_spare(self, entries: np.ndarray) -> None:
         """Return entry ids to the spare stack (the last pushed is reused first)."""

@@ -120,6 +120,22 @@ TestHashTable = HashTableMachine.TestCase
 TestHashTable.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
 
 
+def test_insert_new_refuses_a_pair_that_already_holds_a_hash_and_changes_nothing():
+    import pytest
+
+    index = PrefixIndex(2, 16)
+    index.insert_new(packed([1, 2]), np.array([[5, 6], [7, 8]], dtype=np.int32))
+    with pytest.raises(AssertionError, match="row 1, block 8"):
+        index.insert_new(packed([3, 4]), np.array([[9, 10], [11, 8]], dtype=np.int32))
+    with pytest.raises(AssertionError, match="row 0, block 16"):
+        index.insert_new(packed([3]), np.array([[16, 1]], dtype=np.int32))
+    index.check_integrity()
+    assert len(index) == 2 and h(3) not in index and h(4) not in index
+    index.insert_new(packed([3, 4]), np.array([[9, 10], [11, 12]], dtype=np.int32))
+    assert index.match(packed([1, 2, 3, 4])).tolist() == [[5, 6], [7, 8], [9, 10], [11, 12]]
+    index.check_integrity()
+
+
 def test_hash_table_rejects_malformed_buffers():
     import pytest
 
@@ -134,19 +150,20 @@ def test_hash_table_rejects_malformed_buffers():
 
 @settings(max_examples=100, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["insert", "remove"]), st.lists(st.integers(0, 30), max_size=6,
-                                                                             unique=True)), max_size=25))
+                                                                             unique=True), st.booleans()), max_size=25))
 def test_prefix_index_matches_a_dict_model(ops):
-    """Random inserts (all rows of fresh blocks) and removals keep index and dict model equal."""
+    """Random inserts (fresh blocks on some rows, or on every row: the one-pass path when all hashes are new) and
+    removals keep index and dict model equal."""
     rows, num_blocks = 3, 256
     index = PrefixIndex(rows, num_blocks)
     model: dict[bytes, dict[int, int]] = {}
     next_block = [0] * rows
-    for kind, ids in ops:
+    for kind, ids, every_row in ops:
         if kind == "insert":
             blocks = np.full((len(ids), rows), -1, dtype=np.int32)
             for j, i in enumerate(ids):
                 for r in range(rows):
-                    if (i + r) % 3 and next_block[r] < num_blocks:
+                    if (every_row or (i + r) % 3) and next_block[r] < num_blocks:
                         blocks[j, r] = next_block[r]
                         next_block[r] += 1
             index.insert(packed(ids), blocks)
