@@ -20,6 +20,12 @@ EXTENSIONS: list[Extension] = [
         ["allocator/_tables.c"],
         extra_compile_args=["-O3", "-std=gnu11", "-Wall", "-Wextra"],
     ),
+    # A request's references dropped row by row in one pass (BlockPool.decref of a whole table).
+    Extension(
+        "kvcache.allocator._pool",
+        ["allocator/_pool.c"],
+        extra_compile_args=["-O3", "-std=gnu11", "-Wall", "-Wextra"],
+    ),
     # send_cache and the layer signal: futex + shared memory; the CUDA runtime is dlopen'ed at run time.
     Extension(
         "kvcache.ops._send_cache",

@@ -33,6 +33,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from kvcache.allocator import _pool
 from kvcache.allocator.errors import KVCacheError
 
 _EMPTY_I32 = np.empty(0, dtype=np.int32)
@@ -301,6 +302,12 @@ class BlockPool:
         r, b = np.asarray(rows), np.asarray(blocks)
         if r.size == 1 and b.size == 1:
             self._decref_one(*self._one_pair(r, b))
+            return
+        if unique and b.ndim == 2 and r.shape == (b.shape[0], 1):  # a whole table, row by row: one C pass
+            self._check_pairs(r, b)
+            _pool.release(self._ref, self._cached, self._stack, self._top, self._ring, self._lru_pos, self._head,
+                          self._tail, self._lru_count, r.astype(np.int64).reshape(-1),
+                          np.ascontiguousarray(b, dtype=np.int32))
             return
         r, b, flat = self._pairs(r, b)
         if flat.size == 0:

@@ -23,6 +23,7 @@ def test_wheel_installs_and_runs_outside_the_source_tree(tmp_path):
                      "kvcache/examples/llama-3.1-70b.json", "kvcache/cli.py", "kvcache/bench/allocator.py"):
         assert expected in names
     for extension in ("kvcache/allocator/_chainhash", "kvcache/allocator/_hashtable", "kvcache/allocator/_tables",
+                      "kvcache/allocator/_pool",
                       "kvcache/ops/_send_cache",
                       "kvcache/transfer/_copy"):
         assert any(n.startswith(extension) and n.endswith(".so") for n in names), f"{extension} not built"

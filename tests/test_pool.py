@@ -432,9 +432,10 @@ def test_ring_compaction_keeps_lru_order():
 
 
 @settings(max_examples=200, deadline=None)
-@given(num_rows=st.integers(1, 3), num_blocks=st.integers(1, 6), data=st.data())
-def test_lru_order_survives_churn_and_compaction(num_rows: int, num_blocks: int, data: st.DataObject):
-    """Long revive/release churn (stale entries, repeated compaction) evicts exactly like the baseline."""
+@given(num_rows=st.integers(1, 3), num_blocks=st.integers(1, 6), as_table=st.booleans(), data=st.data())
+def test_lru_order_survives_churn_and_compaction(num_rows: int, num_blocks: int, as_table: bool, data: st.DataObject):
+    """Long revive/release churn (stale entries, repeated compaction) evicts exactly like the baseline, also when
+    the releases come as a table column per row with unique=True (the one-pass C path, its own compaction)."""
     pool, ref = BlockPool(num_rows, num_blocks), ReferencePool(num_rows, num_blocks)
     rows = np.arange(num_rows)[:, None]
     table = pool.allocate(num_blocks).blocks
@@ -451,7 +452,10 @@ def test_lru_order_survives_churn_and_compaction(num_rows: int, num_blocks: int,
         r, b = np.arange(num_rows), np.array(step)
         pool.incref(r, b)
         ref.incref(pairs)
-        pool.decref(r, b)
+        if as_table:
+            pool.decref(r[:, None], b[:, None], unique=True)
+        else:
+            pool.decref(r, b)
         ref.decref(pairs)
         pool.check_integrity()
     got = pool.allocate(num_blocks)

@@ -1,0 +1,156 @@
+/* Reference drops of whole table rows in one pass (kvcache.allocator._pool).
+ *
+ * Freeing a request drops one reference on each of its blocks, row by row; blocks reaching zero go
+ * on their row's free stack (uncached) or to the tail of its LRU ring (cached). BlockPool keeps
+ * that state in numpy arrays; numpy needs a dozen passes (gather, compare, scatter, split by
+ * cached, slot arithmetic) where one loop here does it. Same arrays, same order, same results as
+ * BlockPool.decref's vectorised path: releases in pair order, stack pushes and ring appends each
+ * in that order; a row whose ring would overflow drops its stale entries first.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <stdint.h>
+#include <string.h>
+
+typedef struct {
+    int32_t *ref;
+    uint8_t *cached;
+    int32_t *stack;
+    int32_t *ring;
+    Py_ssize_t *lru_pos, *top, *head, *tail, *lru_count;
+    Py_ssize_t rows, n, cap;
+} pool_t;
+
+/* Drop row r's stale ring entries in place: live ones (oldest first) close up behind its head. A write
+ * never passes the read position in ring order, so nothing unread is overwritten. */
+static void compact(pool_t *p, Py_ssize_t r)
+{
+    const Py_ssize_t mask = p->cap - 1, base = r * p->cap, head = p->head[r];
+    Py_ssize_t k = 0;
+    for (Py_ssize_t pos = head; pos < p->tail[r]; pos++) {
+        const Py_ssize_t g = base + (pos & mask);
+        const int32_t blk = p->ring[g];
+        if (p->lru_pos[r * p->n + blk] != g)
+            continue;
+        const Py_ssize_t to = base + ((head + k++) & mask);
+        p->ring[to] = blk;
+        p->lru_pos[r * p->n + blk] = to;
+    }
+    p->tail[r] = head + k;
+}
+
+PyDoc_STRVAR(release_doc,
+"release(ref, cached, stack, top, ring, lru_pos, head, tail, lru_count, rows, blocks) -> int\n\n"
+"BlockPool.decref(rows[:, None], blocks, unique=True) in one pass: rows int64 [k], blocks int32 [k, L]\n"
+"C-contiguous (-1 = hole, skipped); the other arguments are the pool's arrays. Raises\n"
+"AssertionError, changing nothing, if a block has no reference or an id is out of range.\n"
+"Returns how many blocks became free.");
+
+static PyObject *release(PyObject *self, PyObject *args)
+{
+    (void)self;
+    Py_buffer b_ref, b_cached, b_stack, b_top, b_ring, b_lru_pos, b_head, b_tail, b_count, b_rows, b_blocks;
+    if (!PyArg_ParseTuple(args, "w*w*w*w*w*w*w*w*w*y*y*", &b_ref, &b_cached, &b_stack, &b_top, &b_ring, &b_lru_pos,
+                          &b_head, &b_tail, &b_count, &b_rows, &b_blocks))
+        return NULL;
+    PyObject *result = NULL;
+    pool_t p;
+    p.rows = b_top.len / (Py_ssize_t)sizeof(Py_ssize_t);
+    p.n = p.rows ? b_ref.len / (Py_ssize_t)sizeof(int32_t) / p.rows : 0;
+    p.cap = p.rows ? b_ring.len / (Py_ssize_t)sizeof(int32_t) / p.rows : 0;
+    const Py_ssize_t k = b_rows.len / (Py_ssize_t)sizeof(int64_t);
+    const Py_ssize_t width = k ? b_blocks.len / (Py_ssize_t)sizeof(int32_t) / k : 0;
+    if (p.rows < 1 || p.n < 1 || p.cap < 1 || (p.cap & (p.cap - 1)) || b_cached.len != p.rows * p.n
+        || b_stack.len != b_ref.len || b_lru_pos.len != p.rows * p.n * (Py_ssize_t)sizeof(Py_ssize_t)
+        || b_head.len != b_top.len || b_tail.len != b_top.len || b_count.len != b_top.len
+        || b_blocks.len != k * width * (Py_ssize_t)sizeof(int32_t)) {
+        PyErr_SetString(PyExc_ValueError, "release: the pool's arrays or the pairs have inconsistent sizes");
+        goto done;
+    }
+    p.ref = b_ref.buf;
+    p.cached = b_cached.buf;
+    p.stack = b_stack.buf;
+    p.ring = b_ring.buf;
+    p.lru_pos = b_lru_pos.buf;
+    p.top = b_top.buf;
+    p.head = b_head.buf;
+    p.tail = b_tail.buf;
+    p.lru_count = b_count.buf;
+    const int64_t *rows = b_rows.buf;
+    const int32_t *blocks = b_blocks.buf;
+    for (Py_ssize_t i = 0; i < k; i++) {
+        if (rows[i] < 0 || rows[i] >= p.rows) {
+            PyErr_Format(PyExc_AssertionError, "decref: row %lld is not in [0, %zd)", (long long)rows[i], p.rows);
+            goto done;
+        }
+        for (Py_ssize_t j = 0; j < width; j++) {
+            const int32_t blk = blocks[i * width + j];
+            if (blk == -1)
+                continue;
+            if (blk < -1 || blk >= p.n) {
+                PyErr_Format(PyExc_AssertionError, "decref: block %d is not in [0, %zd)", (int)blk, p.n);
+                goto done;
+            }
+            if (p.ref[rows[i] * p.n + blk] < 1) {
+                PyErr_Format(PyExc_AssertionError, "decref of a free block: (row %lld, block %d) has 0 references",
+                             (long long)rows[i], (int)blk);
+                goto done;
+            }
+        }
+    }
+    Py_ssize_t released = 0;
+    const Py_ssize_t mask = p.cap - 1;
+    for (Py_ssize_t i = 0; i < k; i++) {
+        const Py_ssize_t r = rows[i];
+        for (Py_ssize_t j = 0; j < width; j++) {
+            const int32_t blk = blocks[i * width + j];
+            if (blk < 0)
+                continue;
+            const Py_ssize_t flat = r * p.n + blk;
+            if (--p.ref[flat] > 0)
+                continue;
+            released++;
+            if (!p.cached[flat]) {
+                p.stack[r * p.n + p.top[r]++] = blk;
+                continue;
+            }
+            if (p.lru_count[r] == 0) {  /* every entry is stale: restart at 0 */
+                p.head[r] = p.tail[r] = 0;
+            } else if (p.tail[r] - p.head[r] + 1 > p.cap) {
+                compact(&p, r);
+            }
+            const Py_ssize_t g = r * p.cap + (p.tail[r] & mask);
+            p.ring[g] = blk;
+            p.lru_pos[flat] = g;
+            p.tail[r]++;
+            p.lru_count[r]++;
+        }
+    }
+    result = PyLong_FromSsize_t(released);
+done:
+    PyBuffer_Release(&b_ref);
+    PyBuffer_Release(&b_cached);
+    PyBuffer_Release(&b_stack);
+    PyBuffer_Release(&b_top);
+    PyBuffer_Release(&b_ring);
+    PyBuffer_Release(&b_lru_pos);
+    PyBuffer_Release(&b_head);
+    PyBuffer_Release(&b_tail);
+    PyBuffer_Release(&b_count);
+    PyBuffer_Release(&b_rows);
+    PyBuffer_Release(&b_blocks);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"release", release, METH_VARARGS, release_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_pool", "Reference drops of whole table rows in one pass.", -1,
+    methods, NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__pool(void) { return PyModule_Create(&module); }
