@@ -22,6 +22,7 @@ from typing import Any, Sequence
 import numpy as np
 import zmq
 
+from kvcache.allocator import _tables
 from kvcache.allocator.errors import KVCacheError
 from kvcache.auth import CurveConfig, secure_client_socket
 from kvcache.allocator.manager import Admission
@@ -55,8 +56,12 @@ def _as_token_array(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
 
 
 def _capacity(columns: int) -> int:
-    """Columns to allocate for a table of ``columns``: the next power of two, at least 8 (decode grows by one)."""
-    return max(8, 1 << max(0, columns - 1).bit_length())
+    """Columns to allocate for a table of ``columns``: the next power of two above it, at least 8.
+
+    Strictly above: decode grows tables by one column, so a prompt of exactly a power of two blocks
+    must not need a new buffer at its first decode block.
+    """
+    return max(8, 1 << max(0, columns).bit_length())
 
 
 class _Mirror:
@@ -112,6 +117,29 @@ class _Mirror:
         buf[:, length - 1] = vals
         view = self.views[req] = ro[:, :length]
         return view
+
+    def append_columns(self, reqs: list[Any], lengths: list[int], vals: np.ndarray) -> list[np.ndarray] | None:
+        """``append_column`` for distinct requests at once (a decode step's deltas): one C call writes every column.
+
+        Returns their views, or None (nothing changed) unless each is that shape.
+        """
+        views = self.views
+        bufs = []
+        for req, length in zip(reqs, lengths):
+            view = views.get(req)
+            if view is None or view.shape[1] != length - 1:
+                return None
+            bufs.append(self._buffers[req])
+        cols = np.array(lengths, dtype=np.int64) - 1
+        full = set(_tables.set_columns([buf for buf, _ in bufs], cols, np.ascontiguousarray(vals, dtype=np.int32)))
+        out = []
+        for j, (req, length, (_, ro)) in enumerate(zip(reqs, lengths, bufs)):
+            if j in full:  # its buffer is full: grow it
+                out.append(self.apply(req, length, cols[j:j + 1].astype(np.int32), vals[:, j:j + 1]))
+            else:
+                view = views[req] = ro[:, :length]
+                out.append(view)
+        return out
 
     def drop(self, req: Any) -> None:
         self.views.pop(req, None)
@@ -479,6 +507,8 @@ class CacheClient:
         views = mirror.views
         out: list[np.ndarray | None] = list(map(views.get, reqs))
         index = changed["index"]
+        if index.size and self._append_all(reqs, lens, changed, out):
+            index = index[:0]
         if index.size:
             offsets, cols, vals = changed["offsets"].tolist(), changed["cols"], changed["vals"]
             col_of = cols.tolist()
@@ -501,6 +531,26 @@ class CacheClient:
                         mirror.put(req, self.table(req))
                     out[j] = mirror.views[req]
         return out
+
+    def _append_all(self, reqs: list[Any], lens: np.ndarray, changed: dict[str, Any], out: list) -> bool:
+        """A decode step's usual delta, every change one new last column of a distinct mirrored request, in one pass.
+
+        Fills ``out`` and returns True; False (nothing changed) when the delta is any other shape.
+        """
+        index, offsets, cols = changed["index"], changed["offsets"], changed["cols"]
+        lengths = lens[index]
+        if cols.size != index.size or not (np.diff(offsets) == 1).all() or not (cols == lengths - 1).all():
+            return False
+        which = index.tolist()
+        named = [reqs[j] for j in which]
+        if len(set(named)) != len(named):
+            return False
+        tables = self._mirror.append_columns(named, lengths.tolist(), changed["vals"])
+        if tables is None:
+            return False
+        for j, table in zip(which, tables):
+            out[j] = table
+        return True
 
     def _result(self, op: dict[str, Any], raw: Any) -> Any:
         """A raw result in the library's types, keeping this client's table mirror current."""

@@ -102,13 +102,15 @@ def test_extend_many_takes_arrays_and_gives_the_librarys_tables(daemon):
             client.extend_many([0, "zz"], [1, 2], [1, 1])
 
 
-def test_decode_steps_keep_every_table_as_the_librarys_across_buffer_growth(daemon):
+@pytest.mark.parametrize("rows, policies", [(ROWS, POLICIES), ("full", [Full()])])
+def test_decode_steps_keep_every_table_as_the_librarys_across_buffer_growth(daemon, rows, policies):
     """One-token extends of many requests per batch (a decode step): each result equals the library's table.
 
-    Tables cross block boundaries every few steps and outgrow the client's buffers (8, 16, 32 columns).
+    Tables cross block boundaries every few steps and outgrow the client's buffers (8, 16, 32 columns);
+    uniform rows give the usual decode delta (one new column each), head-wise ones recycled columns too.
     """
-    d = daemon("--num-blocks", "400", "--block-size", "2", "--rows", ROWS, "--hash-seed", "s")
-    library = KVCacheManager(400, 2, POLICIES, hash_seed="s")
+    d = daemon("--num-blocks", "400", "--block-size", "2", "--rows", rows, "--hash-seed", "s")
+    library = KVCacheManager(400, 2, policies, hash_seed="s")
     rng = np.random.default_rng(3)
     with CacheClient(d.endpoint) as client:
         for rid in range(6):
