@@ -117,3 +117,21 @@ def test_chunked_prefill_with_window_heads_recycling_between_chunks():
         assert check_request(cluster, tokens, np.asarray(reservation.table), whole, 16) == []
         decode.free("c")
         nothing_held(prefill, decode)
+
+
+def test_a_prefill_daemon_refuses_a_destination_table_of_another_row_layout(daemon):
+    from kvcache.client import DaemonError
+
+    head_wise = daemon("--num-blocks", "64", "--block-size", "16", "--role", "prefill", "--rows", ROWS)
+    uniform = daemon("--num-blocks", "64", "--block-size", "16", "--role", "prefill")
+    dest = {"receivers": ["tcp://127.0.0.1:1"], "cached": 0, "decode": "ipc:///x"}
+    with CacheClient(head_wise.endpoint) as c:
+        with pytest.raises(DaemonError, match=r"dest.table: must be the decode side's int table \[4, blocks\]"):
+            c.admit("a", np.arange(40), dest={**dest, "table": np.zeros((1, 3), np.int32)})
+        holes = np.array([[0, -1, 2]] * 2 + [[0, 1, 2]] * 2, np.int32)
+        assert c.admit("b", np.arange(40), dest={**dest, "table": holes}) is not None
+        assert c.stats()["in_transfer"] == 1 and c.usage.max == 3 / 64
+    with CacheClient(uniform.endpoint) as c:
+        with pytest.raises(DaemonError, match=r"dest.table: block ids must be in \[0, 2\*\*31\)"):
+            c.admit("a", np.arange(40), dest={**dest, "table": np.array([[0, -1, 2]], np.int32)})
+        assert c.usage.max == 0.0
