@@ -322,11 +322,12 @@ class CacheMessager:
                 return
             plan, by_agent, last_signal_ns = item
             errors = []
-            stamps = {"last_signal": last_signal_ns, "picked": 0, "posted": 0, "landed": 0, "notified": 0}
+            stamps = {"last_signal": last_signal_ns, "submitted": 0, "picked": 0, "posted": 0, "landed": 0, "notified": 0}
             for agent, (handles, notify) in by_agent.items():
                 for h in handles:
                     if h.wait() is not TransferStatus.DONE:
                         errors.append(h.error or h.status().value)
+                    stamps["submitted"] = max(stamps["submitted"], getattr(h, "submitted_ns", 0))
                     stamps["picked"] = max(stamps["picked"], getattr(h, "picked_ns", 0))
                     stamps["posted"] = max(stamps["posted"], getattr(h, "posted_ns", 0))
                     stamps["landed"] = max(stamps["landed"], getattr(h, "done_ns", 0))

@@ -106,7 +106,8 @@ class _NixlHandle(TransferHandle):
         self.cancelled = False
         self.event = threading.Event()
         self.followers: list[_NixlHandle] = []  # later writes merged into this one's transfer; end with it
-        self.picked_ns = 0  # when the worker took it up (time.monotonic_ns), for benchmarks
+        self.submitted_ns = time.monotonic_ns()  # when the caller queued it, for benchmarks
+        self.picked_ns = 0  # when the worker took it up (time.monotonic_ns)
         self.posted_ns = 0  # when NIXL's transfer() returned
         self.done_ns = 0  # when the worker saw it finish
 

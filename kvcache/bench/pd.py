@@ -82,6 +82,7 @@ def run_benchmark(*, layers: int, block_size: int, repeat: int, pace: float, dev
             since = lambda ns: (ns - times.last_ns) / 1e9 if ns else float("nan")  # noqa: E731
             return {"tail_s": since(ready[req]), "received_s": since(received), "total_s": (ready[req] - times.first_ns) / 1e9,
                     "stages_s": {"messager woke": since(sent.get("last_signal", 0)),
+                                 "messager queued the last write": since(sent.get("submitted", 0)),
                                  "engine took up the last write": since(sent.get("picked", 0)),
                                  "its transfer() call returned": since(sent.get("posted", 0)),
                                  "engine saw it done": since(sent.get("landed", 0)),
