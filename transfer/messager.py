@@ -223,10 +223,18 @@ class CacheMessager:
         timings["planned_ns"] = time.monotonic_ns()
         last = self.region.num_layers - 1
         notified: set[tuple[Any, int]] = set()  # (request, decode rank) whose last write carries the notice
+        ahead: dict[tuple[int, int], CopyRanges] = {}  # (active index, decode rank) -> ranges of layer ``layer`` alone
         layer = 0
         while layer <= last:
             if not active:
                 return
+            if self.signal.layer_times().steps[layer] != step % (1 << 32):
+                # Not finished yet: build its ranges while we wait, so its write goes out the moment it is.
+                ahead = {(i, d): self._ranges(plan, d, remote, [layer], lo, hi)
+                         for i, (plan, _, _, lo, hi, remotes) in enumerate(active) if lo < hi
+                         for d, remote in remotes.items()}
+            else:
+                ahead = {}
             deadline = min(plan.deadline for plan, *_ in active)
             status = self.signal.wait(layer, step, timeout=max(0.0, deadline - time.monotonic()))
             if status is not WaitStatus.DONE:
@@ -243,11 +251,13 @@ class CacheMessager:
             layer = upto + 1
             if upto == last:
                 timings["last_signal_ns"] = time.monotonic_ns()
-            for plan, chunk, progress, lo, hi, remotes in active:
+            for i, (plan, chunk, progress, lo, hi, remotes) in enumerate(active):
                 if lo >= hi:
                     continue
                 for d, remote in remotes.items():
-                    ranges = self._ranges(plan, d, remote, layers, lo, hi)
+                    ranges = ahead.get((i, d)) if len(layers) == 1 else None
+                    if ranges is None:
+                        ranges = self._ranges(plan, d, remote, layers, lo, hi)
                     handles = progress.handles[d]
                     notify = b""
                     if chunk.last and upto == last:
