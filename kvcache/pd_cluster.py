@@ -148,7 +148,7 @@ def prefill_worker(conn: Any, cfg: dict[str, Any], rank: int) -> None:
     region = KVRegion.from_tensors(spec, cache.layers)
     sig = LayerSignal.create(signal_of(cfg, rank), spec.num_layers, replace=True)
     heads = rank_heads(spec.num_kv_heads, spec.tp_size, rank)
-    with sig, PrefillLink(cfg["prefill"], region, sig, rank, timeout=cfg["timeout"]) as link:
+    with sig, PrefillLink(cfg["prefill"], region, sig, rank, timeout=cfg["timeout"], progress=cfg["progress"]) as link:
         conn.send(("ready", None))
         while True:
             command, payload = conn.recv()
@@ -238,7 +238,7 @@ def decode_worker(conn: Any, cfg: dict[str, Any], rank: int) -> None:
     spec = spec_of(cfg, cfg["decode_tp"])
     cache = Cache(spec, cfg["num_blocks"], cfg["device"])
     region = KVRegion.from_tensors(spec, cache.layers)
-    with DecodeLink(cfg["decode"], region, rank, timeout=cfg["timeout"]) as link:
+    with DecodeLink(cfg["decode"], region, rank, timeout=cfg["timeout"], progress=cfg["progress"]) as link:
         conn.send(("ready", link.receiver.endpoint))
         while True:
             command, payload = conn.recv()
@@ -298,14 +298,14 @@ class Cluster:
 
     def __init__(self, *, layers: int = 4, kv_heads: int = 4, head_dim: int = 32, block_size: int = 16,
                  num_blocks: int = 512, prefill_tp: int = 1, decode_tp: int = 1, device: str = "cpu",
-                 timeout: float = 20.0) -> None:
+                 timeout: float = 20.0, progress: str = "thread") -> None:
         self.folder = Path(tempfile.mkdtemp(prefix="kv-pd-", dir="/tmp"))
         self.daemons: dict[str, subprocess.Popen] = {}
         self.prefill_workers: list[Worker] = []
         self.decode_workers: list[Worker] = []
         self.cfg = dict(layers=layers, kv_heads=kv_heads, head_dim=head_dim, block_size=block_size,
                         num_blocks=num_blocks, prefill_tp=prefill_tp, decode_tp=decode_tp, device=device,
-                        timeout=5.0, prefill=f"ipc://{self.folder}/prefill.sock",
+                        timeout=5.0, progress=progress, prefill=f"ipc://{self.folder}/prefill.sock",
                         signal_prefix=f"kvcache-pd-{uuid.uuid4().hex[:12]}",
                         decode=f"ipc://{self.folder}/decode.sock")
         try:

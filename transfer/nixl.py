@@ -19,9 +19,17 @@ one big range). All NIXL calls that post or poll transfers run on the engine's o
 handle's ``wait`` returns at its deadline even if that thread is stuck inside NIXL. A peer that
 dies makes its transfers FAILED (UCX reports the disconnect) or TIMEOUT, never a hang, and
 ``close`` releases every transfer, remote agent and registration the engine made.
+
+Who drives UCX (``progress``): ``thread`` (the default), NIXL's progress thread, which sleeps in
+poll() between events for up to PROGRESS_DELAY_US (whole milliseconds: poll()'s unit), so a
+completion that raises no event (a CUDA copy over cuda_ipc) is seen up to that late; ``poll``, no
+such thread: the engine's worker progresses UCX itself, every _POLL_MAX while any write is in
+flight (each check of a transfer's state progresses it) and every _IDLE_PROGRESS otherwise, and a
+caller's ``notifications()`` progresses it too. Idle, both cost a wake-up per millisecond.
 """
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import socket
@@ -40,7 +48,9 @@ from kvcache.allocator.errors import KVCacheError
 from kvcache.transfer.engines import DEFAULT_TIMEOUT, TransferEngine, TransferHandle, TransferStatus
 from kvcache.transfer.regions import CopyRanges, KVRegion, copy_ranges
 
-__all__ = ["NixlEngine", "Peer", "default_threads", "nixl_available"]
+log = logging.getLogger("kvcache.nixl")
+
+__all__ = ["PROGRESS_MODES", "NixlEngine", "Peer", "default_threads", "nixl_available"]
 
 PROTOCOL = 1
 PROGRESS_DELAY_US = 1000
@@ -53,6 +63,8 @@ chunks, each posted by its own UCX worker and thread (NIXL's thread-pool engine)
 moves data with process_vm_writev, whose kernel cost is per range (pinning the pages of each),
 so one thread reaches about half the speed of a single range there; chunks run in parallel."""
 _POLL_MAX = 50e-6  # the worker polls transfers in flight at least this often (seconds); idle, it blocks
+_IDLE_PROGRESS = 1e-3  # with progress="poll", an idle worker still progresses UCX this often (seconds)
+PROGRESS_MODES = ("thread", "poll")
 MERGE_MAX = 64
 """The worker posts writes that queued up behind a busy one (same peer and memory kinds) as one NIXL
 transfer of at most this many writes: each transfer() call has a fixed CPU cost (about 0.6 ms with
@@ -125,12 +137,13 @@ class NixlEngine(TransferEngine):
     """One NIXL agent: registers regions, serves and fetches metadata over ZMQ, writes blocks to peers.
 
     ``threads`` (default ``default_threads()``; 0 or 1 for none) UCX workers, each on its own
-    thread, share every write of SPLIT_DESCRIPTORS ranges or more.
+    thread, share every write of SPLIT_DESCRIPTORS ranges or more. ``progress`` (one of
+    PROGRESS_MODES) says which thread drives UCX: NIXL's own, or the engine's worker (see the module).
     """
 
     def __init__(self, name: str | None = None, *, timeout: float = DEFAULT_TIMEOUT,
                  backends: tuple[str, ...] = ("UCX",), connect_timeout: float = 5.0,
-                 threads: int | None = None) -> None:
+                 threads: int | None = None, progress: str = "thread") -> None:
         nixl = _import_nixl()
         if nixl is None:
             raise KVCacheError("NIXL is not installed: pip install nixl-cu12 (or nixl-cu13), without the 'nixl' "
@@ -139,11 +152,14 @@ class NixlEngine(TransferEngine):
             threads = default_threads()
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 0:
             raise KVCacheError(f"threads must be a whole number >= 0, got {threads!r}")
+        if progress not in PROGRESS_MODES:
+            raise KVCacheError(f"progress: unknown {progress!r}; expected one of {', '.join(PROGRESS_MODES)}")
+        self.progress = progress
         self.name = name or f"kvcache-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.timeout = timeout
         self.connect_timeout = connect_timeout
         self.threads = threads if threads > 1 else 0
-        config = nixl.nixl_agent_config(enable_prog_thread=True, backends=[],
+        config = nixl.nixl_agent_config(enable_prog_thread=progress == "thread", backends=[],
                                         sync_mode=nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
         try:
             self.agent = _make_agent(nixl, self.name, config, PROGRESS_DELAY_US)
@@ -168,7 +184,8 @@ class NixlEngine(TransferEngine):
         self._held_job: _NixlHandle | None = None  # taken from the queue but not mergeable: next to post
         self.merged_writes = 0  # writes that shared another's transfer (see MERGE_MAX)
         self._leaked: list[Any] = []
-        self._notifs: dict[str, list[bytes]] = {}
+        self._notifs: dict[str, list[bytes]] = {}  # progress="poll": what the worker's progress calls collected
+        self._notifs_lock = threading.Lock()
         self._worker = threading.Thread(target=self._run, name=f"nixl-{self.name}", daemon=True)
         self._worker.start()
         self._closed = False
@@ -347,20 +364,33 @@ class NixlEngine(TransferEngine):
     def notifications(self) -> dict[str, list[bytes]]:
         """Notifications received since the last call, by sender agent name."""
         self._check_open()
-        new = self.agent.get_new_notifs()
-        return {(k.decode() if isinstance(k, bytes) else k): list(v) for k, v in new.items()}
+        with self._notifs_lock:
+            out, self._notifs = self._notifs, {}
+            _add_notifs(out, self.agent.get_new_notifs())
+        return out
+
+    def _progress_idle(self) -> None:
+        """progress="poll" with nothing in flight: progress UCX (answer peers, take in notices) and keep what came."""
+        try:
+            with self._notifs_lock:
+                _add_notifs(self._notifs, self.agent.get_new_notifs())
+        except Exception:
+            log.exception("NIXL engine %s: progressing UCX failed", self.name)
 
     def _run(self) -> None:
         """The worker: post new transfers, poll those in flight, release finished and expired ones."""
         inflight: list[_NixlHandle] = []
         delay = 20e-6
+        idle_wait = 0.5 if self.progress == "thread" else _IDLE_PROGRESS
         while True:
             job, self._held_job = self._held_job, None
             if job is None:
                 try:
-                    job = self._jobs.get(timeout=delay if inflight else 0.5)
+                    job = self._jobs.get(timeout=delay if inflight else idle_wait)
                 except queue.Empty:
                     job = None
+                    if not inflight and self.progress == "poll":
+                        self._progress_idle()
             if job is _STOP:
                 for handle in inflight:
                     handle.cancelled = True
@@ -538,6 +568,12 @@ class NixlEngine(TransferEngine):
     def __repr__(self) -> str:
         return (f"NixlEngine({self.name!r}, {len(self._registered)} regions, {len(self._peers)} peers"
                 f"{', closed' if self._closed else ''})")
+
+
+def _add_notifs(into: dict[str, list[bytes]], new: dict) -> None:
+    """Append NIXL's notifications (agent name, as bytes or str -> messages) to ``into``."""
+    for agent, messages in new.items():
+        into.setdefault(agent.decode() if isinstance(agent, bytes) else agent, []).extend(messages)
 
 
 def default_threads() -> int:

@@ -45,8 +45,8 @@ THROUGHPUT_TARGET = 0.80
 OUTCOME_POLL_S = 0.02  # the daemons stamp outcomes themselves; polling slowly keeps the bench off the CPUs it measures
 
 
-def run_benchmark(*, layers: int, block_size: int, repeat: int, pace: float, device: str, tokens: int = TOKENS
-                  ) -> dict[str, Any]:
+def run_benchmark(*, layers: int, block_size: int, repeat: int, pace: float, device: str, tokens: int = TOKENS,
+                  progress: str = "thread") -> dict[str, Any]:
     from kvcache.client import CacheClient
     from kvcache.pd_cluster import Cluster, wait_outcomes
     from kvcache.pd_worker import PDProxy
@@ -54,7 +54,7 @@ def run_benchmark(*, layers: int, block_size: int, repeat: int, pace: float, dev
     blocks = -(-tokens // block_size)
     rng = np.random.default_rng(0)
     with Cluster(layers=layers, kv_heads=KV_HEADS, head_dim=HEAD_DIM, block_size=block_size, num_blocks=2 * blocks,
-                 device=device, timeout=120.0) as cluster, \
+                 device=device, timeout=120.0, progress=progress) as cluster, \
             CacheClient(cluster.cfg["prefill"], timeout=30) as prefill, \
             CacheClient(cluster.cfg["decode"], timeout=30) as decode:
         proxy = PDProxy(prefill, decode)
@@ -105,7 +105,8 @@ def run_benchmark(*, layers: int, block_size: int, repeat: int, pace: float, dev
     rate = nbytes / best_total
     return {
         "workload": {"tokens": tokens, "layers": layers, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "dtype": "bfloat16",
-                     "block_size": block_size, "device": device, "bytes": nbytes, "repeat": repeat, "pace": pace},
+                     "block_size": block_size, "device": device, "bytes": nbytes, "repeat": repeat, "pace": pace,
+                     "progress": progress},
         "host": platform.node(),
         "one_layer_s": layer_s,
         "one_layer_best_s": limits["layer_best_s"],
@@ -152,13 +153,16 @@ def render(r: dict[str, Any]) -> str:
          f"{r['rate_ratio']:.2f}", mark(r["rate_ok"]) + f" (>= {THROUGHPUT_TARGET:.0%})"],
     ]
     head = (f"kvcache bench pd: {w['tokens']:,} tokens, {w['layers']} layers, {w['kv_heads']} kv heads x "
-            f"{w['head_dim']}, {w['dtype']}, block {w['block_size']}, {w['bytes'] / 2**20:.0f} MiB, {w['device']}; "
+            f"{w['head_dim']}, {w['dtype']}, block {w['block_size']}, {w['bytes'] / 2**20:.0f} MiB, {w['device']}, "
+            f"NIXL progress by {w['progress']}; "
             f"paced at {ms(r['paced_layer_delay_s'])} per layer ({w['pace']}x one layer); best/median of {w['repeat']}")
     return head + "\n" + table(["measure", "ours", "limit", "ratio", ""], rows, align_left=1)
 
 
 def add_parser(targets: argparse._SubParsersAction) -> None:
     """Register `kvcache bench pd`."""
+    from kvcache.transfer.nixl import PROGRESS_MODES
+
     p = targets.add_parser(
         "pd", help="PD pipeline: last layer -> decode ready vs one layer's transfer; bytes/s vs raw NIXL (needs NIXL)",
         description="Move one 4,096-token request (32 layers, 8 kv heads x 128, bf16) from a prefill worker to a "
@@ -168,11 +172,17 @@ def add_parser(targets: argparse._SubParsersAction) -> None:
         "to back against a one-descriptor NIXL write of the same bytes (target >= 80%), all measured in the same run. "
         "Always exits 0.")
     p.add_argument("--layers", type=positive_int, default=LAYERS, help=f"model layers (default {LAYERS})")
+    p.add_argument("--tokens", type=positive_int, default=TOKENS,
+                   help=f"prompt tokens (default {TOKENS}); few tokens make small layers, whose time is the per-layer "
+                   "fixed cost")
     p.add_argument("--block-size", type=positive_int, default=BLOCK_SIZE, help=f"tokens per block (default {BLOCK_SIZE})")
     p.add_argument("--repeat", type=positive_int, default=REPEAT, help=f"runs of each measure (default {REPEAT})")
     p.add_argument("--pace", type=float, default=PACE,
                    help=f"fake compute per layer, in units of one layer's transfer time (default {PACE})")
     p.add_argument("--device", default="cpu", help="cpu (numpy caches) or cuda[:N] (PyTorch caches)")
+    p.add_argument("--progress", choices=PROGRESS_MODES, default="thread",
+                   help="who drives UCX in both workers' NIXL engines: NIXL's progress thread (wakes on events or "
+                   "every 1 ms) or the engine's worker (polls every 50 us while a write is in flight)")
     p.add_argument("--quick", action="store_true", help=f"{QUICK_LAYERS} layers, {QUICK_REPEAT} runs (a smoke test)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.set_defaults(run=_run)
@@ -186,7 +196,8 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     device = "cuda:0" if args.device == "cuda" else args.device
     result = run_benchmark(layers=QUICK_LAYERS if args.quick else args.layers, block_size=args.block_size,
-                           repeat=QUICK_REPEAT if args.quick else args.repeat, pace=args.pace, device=device)
+                           repeat=QUICK_REPEAT if args.quick else args.repeat, pace=args.pace, device=device,
+                           tokens=args.tokens, progress=args.progress)
     print(json.dumps(result, indent=2) if args.json else render(result))
     return 0
 
