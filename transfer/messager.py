@@ -278,7 +278,7 @@ class CacheMessager:
             if chunk.last:
                 del self._progress[plan.req]
                 pending = {progress.agents[d]: (hs, (plan.req, d) not in notified) for d, hs in progress.handles.items()}
-                self._finishing.put((plan, pending, timings.get("last_signal_ns", 0)))
+                self._finishing.put((plan, pending, timings))
 
     def _targets(self, plan: TransferPlan) -> dict[int, tuple[KVRegion, str]]:
         """Decode rank -> (its region, its agent) for every decode rank this rank writes to; connects as needed."""
@@ -330,9 +330,10 @@ class CacheMessager:
             item = self._finishing.get()
             if item is _STOP:
                 return
-            plan, by_agent, last_signal_ns = item
+            plan, by_agent, timings = item
             errors = []
-            stamps = {"last_signal": last_signal_ns, "submitted": 0, "picked": 0, "posted": 0, "landed": 0, "notified": 0}
+            stamps = {"step_start": timings["start_ns"], "planned": timings.get("planned_ns", 0),
+                      "last_signal": timings.get("last_signal_ns", 0), "submitted": 0, "picked": 0, "posted": 0, "landed": 0, "notified": 0}
             for agent, (handles, notify) in by_agent.items():
                 for h in handles:
                     if h.wait() is not TransferStatus.DONE:
