@@ -198,7 +198,9 @@ def probe(link: Any, region: Any, src: np.ndarray, dst: np.ndarray, receivers: t
     """Limits measured on the messager's own path: one layer's write alone, and all its bytes as one descriptor.
 
     Each a write posted and waited for, into decode rank 0's region, 2 x ``repeat`` times: one
-    layer's median and best, the one-descriptor write's best.
+    layer's median and best, the one-descriptor write's best. Also every layer's ranges as one
+    write (best), and how long each kind's transfer() call took (median): with the raw write,
+    they split the pipeline's cost into per transfer, per range and per byte.
     """
     from kvcache.transfer.messager import TransferPlan
     from kvcache.transfer.regions import CopyRanges
@@ -207,27 +209,27 @@ def probe(link: Any, region: Any, src: np.ndarray, dst: np.ndarray, receivers: t
     plan = TransferPlan("probe", src, dst, 0, tuple(receivers), time.monotonic() + 60)
     (d, (remote, agent)), *_ = messager._targets(plan).items()
     layer = messager._ranges(plan, d, remote, [0])
-    total = messager._ranges(plan, d, remote, list(range(region.num_layers))).nbytes
+    every = messager._ranges(plan, d, remote, list(range(region.num_layers)))
+    total = every.nbytes
     lo, hi = region.extents(), remote.extents()
     assert lo.length[0] >= total and hi.length[0] >= total, "caches are not one buffer each"
     one = CopyRanges(lo.addr[:1], hi.addr[:1], np.array([total], dtype=np.int64))
 
-    def timed(ranges: Any) -> list[float]:
-        times = []
-        for _ in range(repeat):
-            start = time.perf_counter()
-            handle = link.engine.submit(ranges, agent, region, remote, deadline=time.monotonic() + 60)
-            status = handle.wait()
-            times.append(time.perf_counter() - start)
-            assert status.value == "done", handle.error
-        return times
-
-    layer_times, raw_times = [], []
-    for _ in range(2):  # alternate, so both see the same machine
-        layer_times += timed(layer)
-        raw_times += timed(one)
-    return {"layer_s": float(np.median(layer_times)), "layer_best_s": min(layer_times), "layer_bytes": layer.nbytes,
-            "layer_ranges": layer.num_ranges, "raw_s": min(raw_times), "raw_bytes": total}
+    times: dict[str, list[float]] = {"layer": [], "every": [], "raw": []}
+    posts: dict[str, list[float]] = {"layer": [], "every": [], "raw": []}
+    for _ in range(2):  # alternate, so all see the same machine
+        for name, ranges in (("layer", layer), ("every", every), ("raw", one)):
+            for _ in range(repeat):
+                start = time.monotonic_ns()
+                handle = link.engine.submit(ranges, agent, region, remote, deadline=time.monotonic() + 60)
+                status = handle.wait()
+                times[name].append((time.monotonic_ns() - start) / 1e9)
+                posts[name].append((handle.posted_ns - handle.picked_ns) / 1e9)
+                assert status.value == "done", handle.error
+    return {"layer_s": float(np.median(times["layer"])), "layer_best_s": min(times["layer"]), "layer_bytes": layer.nbytes,
+            "layer_ranges": layer.num_ranges, "raw_s": min(times["raw"]), "raw_bytes": total,
+            "every_s": min(times["every"]), "every_ranges": every.num_ranges,
+            "post_s": {name: float(np.median(v)) for name, v in posts.items()}}
 
 
 def decode_worker(conn: Any, cfg: dict[str, Any], rank: int) -> None:

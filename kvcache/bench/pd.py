@@ -116,6 +116,9 @@ def run_benchmark(*, layers: int, block_size: int, repeat: int, pace: float, dev
         "one_layer_bytes": limits["layer_bytes"],
         "one_layer_ranges": limits["layer_ranges"],
         "raw_s": limits["raw_s"],
+        "every_layer_s": limits["every_s"],
+        "every_layer_ranges": limits["every_ranges"],
+        "post_s": limits["post_s"],
         "paced_layer_delay_s": pace * layer_s,
         "tail_s": {"median": tail, "min": min(tails), "max": max(tails)},
         "tail_received_s": statistics.median(r["received_s"] for r in paced),
@@ -157,8 +160,11 @@ def render(r: dict[str, Any]) -> str:
         ["throughput, layers back to back", gbs(r["rate"]), f"raw one-descriptor NIXL {gbs(r['raw_rate'])}",
          f"{r['rate_ratio']:.2f}", mark(r["rate_ok"]) + f" (>= {THROUGHPUT_TARGET:.0%})"],
         ["  first signal -> decode ready (best)", ms(r["unpaced_total_s"]), f"raw {ms(r['raw_s'])}", "", ""],
-        *[[f"  {name} (since first signal)", ms(v) if v == v else "-", "", "", ""]
+        *[[f"    {name} (since first signal)", ms(v) if v == v else "-", "", "", ""]
           for name, v in r["unpaced_stages_s"].items()],
+        ["  every layer as one write, alone (best)", ms(r["every_layer_s"]), f"{r['every_layer_ranges']} ranges", "", ""],
+        ["  transfer() call (median): one layer / every layer / raw",
+         " / ".join(ms(r["post_s"][k]) for k in ("layer", "every", "raw")), "", "", ""],
     ]
     head = (f"kvcache bench pd: {w['tokens']:,} tokens, {w['layers']} layers, {w['kv_heads']} kv heads x "
             f"{w['head_dim']}, {w['dtype']}, block {w['block_size']}, {w['bytes'] / 2**20:.0f} MiB, {w['device']}, "
