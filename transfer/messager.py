@@ -334,8 +334,12 @@ class CacheMessager:
             plan, by_agent, timings = item
             errors = []
             stamps = {"step_start": timings["start_ns"], "planned": timings.get("planned_ns", 0),
-                      "last_signal": timings.get("last_signal_ns", 0), "submitted": 0, "picked": 0, "posted": 0, "landed": 0, "notified": 0}
+                      "last_signal": timings.get("last_signal_ns", 0), "earlier_landed": 0, "submitted": 0, "picked": 0,
+                      "posted": 0, "landed": 0, "notified": 0}
             for agent, (handles, notify) in by_agent.items():
+                for h in handles[:-1]:  # every write but the last, which carries the notice
+                    h.wait()
+                    stamps["earlier_landed"] = max(stamps["earlier_landed"], getattr(h, "done_ns", 0))
                 for h in handles:
                     if h.wait() is not TransferStatus.DONE:
                         errors.append(h.error or h.status().value)
