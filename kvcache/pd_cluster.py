@@ -226,8 +226,8 @@ def probe(link: Any, region: Any, src: np.ndarray, dst: np.ndarray, receivers: t
                 times[name].append((time.monotonic_ns() - start) / 1e9)
                 posts[name].append((handle.posted_ns - handle.picked_ns) / 1e9)
                 assert status.value == "done", handle.error
-    return {"layer_s": float(np.median(times["layer"])), "layer_best_s": min(times["layer"]), "layer_bytes": layer.nbytes,
-            "layer_ranges": layer.num_ranges, "raw_s": min(times["raw"]), "raw_bytes": total,
+    return {"layer_s": float(np.median(times["layer"])), "layer_best_s": min(times["layer"]),
+            "layer_bytes": layer.nbytes, "layer_ranges": layer.num_ranges, "raw_s": min(times["raw"]), "raw_bytes": total,
             "every_s": min(times["every"]), "every_ranges": every.num_ranges,
             "post_s": {name: float(np.median(v)) for name, v in posts.items()}}
 

@@ -6,11 +6,12 @@ worker runs, it is told the step and the requests it prefills, wakes on each lay
 prefix straight into the decode ranks' blocks, re-slicing heads when the two TP sizes differ
 (``kvcache.transfer.heads``); layers that finished while it was still posting earlier ones go out
 together, as one write. While it waits for a layer, it builds that layer's ranges, so the write is
-queued within microseconds of the signal. The last layer's write to each decode rank carries the NIXL notification,
-ordered after every earlier write of the request (``NixlEngine.submit(after=...)``): it rides on
-that write when the earlier ones have landed by then (the pipelined case), else the engine's worker
-sends it the moment the last of them lands. One CacheReceiver per decode rank counts the notifications and
-reports a request once every prefill rank that writes to it has finished::
+queued within microseconds of the signal. The last layer's write to each decode rank carries the
+NIXL notification, ordered after every earlier write of the request (``NixlEngine.submit(after=...)``):
+it rides on that write when the earlier ones have landed by then (the pipelined case), else the
+engine's worker sends it the moment the last of them lands. One CacheReceiver per decode rank
+counts the notifications and reports a request once every prefill rank that writes to it has
+finished::
 
     worker (prefill rank p)       CacheMessager p                      CacheReceiver d (decode rank d)
     step = signal.begin_step()

@@ -79,7 +79,8 @@ def run_benchmark(*, layers: int, block_size: int, repeat: int, pace: float, dev
                 raise RuntimeError(f"the messager posted {posted:,} bytes of the request's {nbytes:,}")
             decode.free(req)
             sent = cluster.prefill_workers[0].call("sent_ns", req)
-            stamps = {"messager woke": sent.get("last_signal", 0), "earlier writes all landed": sent.get("earlier_landed", 0),
+            stamps = {"messager woke": sent.get("last_signal", 0),
+                      "earlier writes all landed": sent.get("earlier_landed", 0),
                       "messager queued the last write": sent.get("submitted", 0),
                       "engine took up the last write": sent.get("picked", 0),
                       "its transfer() call returned": sent.get("posted", 0), "engine saw it done": sent.get("landed", 0),
@@ -129,8 +130,8 @@ def run_benchmark(*, layers: int, block_size: int, repeat: int, pace: float, dev
         "tail_limit_s": layer_s + TAIL_SLACK_S,
         "tail_ok": tail <= layer_s + TAIL_SLACK_S,
         "unpaced_total_s": best_total,
-        "unpaced_stages_s": {name: _median([r["from_first_s"][name] for r in unpaced]) for name in unpaced[0]["from_first_s"]
-                             if not name.startswith("separate")},
+        "unpaced_stages_s": {name: _median([r["from_first_s"][name] for r in unpaced])
+                             for name in unpaced[0]["from_first_s"] if not name.startswith("separate")},
         "rate": rate,
         "raw_rate": raw_rate,
         "rate_ratio": rate / raw_rate,
