@@ -578,3 +578,36 @@ def test_an_idle_nixl_engine_leaves_the_cpu_alone_and_close_ends_its_threads(pro
     while len(os.listdir("/proc/self/task")) > threads_before and time.monotonic() < deadline:
         time.sleep(0.01)
     assert len(os.listdir("/proc/self/task")) <= threads_before
+
+
+@needs_nixl
+def test_an_inline_write_posts_from_the_caller_when_idle_and_queues_in_order_behind_others():
+    """submit(inline=True) posts in the calling thread on an idle engine; behind a queued write it waits its turn."""
+    from kvcache.transfer.nixl import NixlEngine
+    from kvcache.transfer.regions import copy_ranges
+
+    spec = CacheSpec(num_layers=4, num_kv_heads=8, head_dim=128, block_size=64)
+    blocks = (64 << 20) // spec.bytes_per_block  # a first write of 64 MiB keeps the worker busy
+    peer_proc = Receiver(spec, blocks, seed=3)
+    try:
+        src = Cache(spec, blocks, seed=2)
+        with NixlEngine("prefill", threads=0) as engine:
+            remote = engine.connect(peer_proc.endpoint).regions[0]
+            engine.register(src.region)
+            ids = np.arange(blocks)
+            alone = engine.submit(copy_ranges(src.region, ids[:1], remote, ids[:1], layers=[0]), remote.owner,
+                                  src.region, remote, notify=b"alone", inline=True)
+            assert alone.picked_ns and alone.posted_ns, "an idle engine's inline write is posted before submit returns"
+            assert alone.wait() is TransferStatus.DONE, alone.error
+            assert peer_proc.call("notifications") == {"prefill": [b"alone"]}
+
+            big = engine.write(src.region, ids[1:], remote, ids[1:])
+            last = engine.submit(copy_ranges(src.region, ids[:1], remote, ids[:1], layers=[1, 2, 3]), remote.owner,
+                                 src.region, remote, notify=b"last", after=[big], inline=True)
+            assert [big.wait(), last.wait()] == [TransferStatus.DONE] * 2, (big.error, last.error)
+            assert big.picked_ns <= last.picked_ns and big.done_ns <= last.done_ns
+            got = np.frombuffer(peer_proc.call("dump"), dtype=np.uint8)
+            assert np.array_equal(got, Cache(spec, blocks, seed=3).expect_copy(src, ids, ids))
+            assert peer_proc.call("notifications") == {"prefill": [b"alone", b"last"]}
+    finally:
+        peer_proc.stop()

@@ -268,9 +268,10 @@ class CacheMessager:
                         # moment the last of them lands (no hand-off to the completion thread).
                         notify = _notice(plan.req, self.rank, self.region.spec.tp_size)
                         notified.add((plan.req, d))
+                    # The write that carries the notice ends the tail: post it from here when the engine is idle.
                     handles.append(self.engine.submit(ranges, progress.agents[d], self.region, remote,
                                                       deadline=plan.deadline, notify=notify,
-                                                      after=list(handles) if notify else ()))
+                                                      after=list(handles) if notify else (), inline=bool(notify)))
                     self.posted_bytes[plan.req] = self.posted_bytes.get(plan.req, 0) + ranges.nbytes
         timings["posted_ns"] = time.monotonic_ns()
         self.last_step_ns = timings

@@ -15,7 +15,8 @@ and ``write``s blocks from its own registered regions into them:
 A large write is cut into chunks that ``threads`` UCX workers post in parallel (on one host the
 kernel's cost is per range, so one thread moves scattered 32 KiB blocks at about half the speed of
 one big range). All NIXL calls that post or poll transfers run on the engine's one worker thread
-(a post over shared memory copies inside the call, so the caller's ``write`` must not make it); a
+(a post over shared memory copies inside the call, so the caller's ``write`` must not make it),
+except a post its caller asks to make itself (``submit(inline=True)``, when nothing else waits); a
 handle's ``wait`` returns at its deadline even if that thread is stuck inside NIXL. A peer that
 dies makes its transfers FAILED (UCX reports the disconnect) or TIMEOUT, never a hang, and
 ``close`` releases every transfer, remote agent and registration the engine made.
@@ -71,6 +72,7 @@ transfer of at most this many writes: each transfer() call has a fixed CPU cost 
 GPU memory over cuda_ipc on the H100), so a producer posting a layer at a time must not fall behind."""
 _STOP = object()
 _AGENT_LOCK = threading.Lock()
+
 
 
 def _import_nixl() -> Any:
@@ -133,6 +135,12 @@ class _NixlHandle(TransferHandle):
         self.event.wait(seconds)
 
 
+class _Posted(NamedTuple):
+    """A write its caller posted (``submit(inline=True)``), handed to the worker to poll until it ends."""
+
+    handle: _NixlHandle
+
+
 class NixlEngine(TransferEngine):
     """One NIXL agent: registers regions, serves and fetches metadata over ZMQ, writes blocks to peers.
 
@@ -181,7 +189,10 @@ class NixlEngine(TransferEngine):
         self._stopping = threading.Event()
         self._endpoint: str | None = None
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._held_job: _NixlHandle | None = None  # taken from the queue but not mergeable: next to post
+        self._held_job: _NixlHandle | _Posted | None = None  # taken from the queue but not mergeable: next to post
+        self._post_lock = threading.Lock()  # held while a write is posted (by the worker or an inline caller)
+        self._count_lock = threading.Lock()
+        self._unposted = 0  # writes queued for the worker and not yet posted
         self.merged_writes = 0  # writes that shared another's transfer (see MERGE_MAX)
         self._leaked: list[Any] = []
         self._notifs: dict[str, list[bytes]] = {}  # progress="poll": what the worker's progress calls collected
@@ -332,19 +343,37 @@ class NixlEngine(TransferEngine):
         return self.submit(ranges, peer, src_region, dst_region, deadline=deadline, notify=notify)
 
     def submit(self, ranges: CopyRanges, peer: str, src_region: KVRegion, dst_region: KVRegion, *,
-               deadline: float | None = None, notify: bytes = b"", after: Sequence[TransferHandle] = ()
-               ) -> TransferHandle:
+               deadline: float | None = None, notify: bytes = b"", after: Sequence[TransferHandle] = (),
+               inline: bool = False) -> TransferHandle:
         """Post precomputed ranges (inside registered memory of both sides) to ``peer``.
 
         ``notify`` reaches the peer once this write and every write in ``after`` (earlier handles of
         this engine) are DONE: it rides on this write when those have landed by the time it is posted,
         otherwise the worker sends it the moment the last of them lands. The handle is DONE only after
         the notification went out; FAILED, without one, if any of ``after`` failed.
+
+        ``inline``: when no other write is queued or being posted, post from the calling thread (it
+        blocks for the post; over shared memory that copies the data) instead of waking the worker,
+        which saves a thread hand-off (0.1-0.3 ms on a busy 2-core host). Otherwise it queues as usual,
+        so posts keep their order either way.
         """
         self._check_open()
         handle = _NixlHandle(ranges, peer, _mem_type(src_region), _mem_type(dst_region), src_region.device_index,
                              dst_region.device_index, bytes(notify), deadline or self._deadline(None),
                              tuple(h for h in after if h is not None))
+        if inline and self._post_lock.acquire(blocking=False):
+            try:
+                with self._count_lock:
+                    idle = self._unposted == 0  # nothing queued or being posted (the worker posts under this lock)
+                if idle:
+                    self._post(handle)
+                    if not handle.event.is_set():
+                        self._jobs.put(_Posted(handle))  # the worker polls it from here on
+                    return handle
+            finally:
+                self._post_lock.release()
+        with self._count_lock:
+            self._unposted += 1
         self._jobs.put(handle)
         return handle
 
@@ -396,10 +425,17 @@ class NixlEngine(TransferEngine):
                     handle.cancelled = True
                     self._settle(handle)
                 return
+            if isinstance(job, _Posted):
+                inflight.append(job.handle)
+                job = None
             if job is not None:
                 delay = 20e-6
-                job, stop = self._merge_queued(job)
-                self._post(job)
+                with self._post_lock:
+                    job, stop = self._merge_queued(job)
+                    posted = 1 + len(job.followers)
+                    self._post(job)
+                    with self._count_lock:
+                        self._unposted -= posted
                 if not job.event.is_set():
                     inflight.append(job)
                 if stop:
@@ -428,6 +464,9 @@ class NixlEngine(TransferEngine):
                 break
             if job is _STOP:
                 stop = True
+                break
+            if isinstance(job, _Posted):
+                self._held_job = job  # polled from the worker's next turn
                 break
             if (job.peer, job.local_mem, job.remote_mem, job.local_dev, job.remote_dev) != key or job.cancelled or (
                     now >= job.deadline):
