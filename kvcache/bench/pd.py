@@ -24,6 +24,7 @@ import json
 import platform
 import statistics
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -69,6 +70,7 @@ def run_benchmark(*, layers: int, block_size: int, repeat: int, pace: float, dev
             tables["src"], tables["dst"] = (np.asarray(a.table)[0].astype(np.int64) for a in (admission, reservation))
             items = [(req, np.empty(0, np.int64), tables["src"].copy(), 0)]
             times = cluster.step(items, layer_delay, compute=False)
+            time.sleep(OUTCOME_POLL_S)  # ask only after the tail: a poll now would take CPU from the transfer it times
             ready, failed = wait_outcomes(decode, {req}, 120, interval=OUTCOME_POLL_S)
             wait_outcomes(prefill, {req}, 120, interval=OUTCOME_POLL_S)
             if req not in ready:
