@@ -7,7 +7,8 @@ process (CacheReceiver), NIXL between them (UCX's choice of transport on one hos
 numpy, or PyTorch with --device cuda). Measured in one run:
   1. limits, from the prefill worker on the messager's own path into the decode worker: one
      layer's write alone (median of 2N; its best shown too), and all the request's bytes as one
-     NIXL descriptor (best of 2N);
+     NIXL descriptor (best of 2N); also every layer's ranges as one write and each kind's
+     transfer() call, which split the pipeline's cost into per transfer, per range and per byte;
   2. tail (paced): the fake model spends ``--pace`` x one layer's (median) transfer time per layer, the
      premise of a layer-wise pipeline (compute per layer >= transfer per layer); the tail is the
      decode daemon marking the request ready minus the last layer's signal. Target: at most one
@@ -15,6 +16,10 @@ numpy, or PyTorch with --device cuda). Measured in one run:
   3. throughput (unpaced): every layer signalled back to back, so the messager moves data as fast
      as it can; bytes / (first layer's signal -> decode ready). Target: >= 80% of the one-descriptor
      NIXL write's bytes/s.
+Each measure lists its stages (when the messager woke, queued the last write, the engine posted it,
+saw it done, the receiver had every notice, the decode daemon marked it ready), so a miss says where
+the time went. ``--tokens`` shrinks the layers to their fixed costs (a CPU stand-in for GPU caches,
+whose layers move in microseconds); ``--progress`` picks who drives UCX (NixlEngine's ``progress``).
 Exits 0 whatever the numbers.
 """
 from __future__ import annotations
