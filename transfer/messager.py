@@ -48,7 +48,7 @@ from kvcache.transfer.signal import LayerSignal, WaitStatus
 if TYPE_CHECKING:
     from kvcache.transfer.nixl import NixlEngine, Peer
 
-__all__ = ["CacheMessager", "CacheReceiver", "Chunk", "TransferPlan", "writers_of"]
+__all__ = ["CacheMessager", "CacheReceiver", "Chunk", "TransferPlan", "layer_spans", "split_by_layer", "writers_of"]
 
 log = logging.getLogger("kvcache.messager")
 _STOP = object()
@@ -111,6 +111,38 @@ def writers_of(num_kv_heads: int, prefill_tp: int, decode_tp: int, decode_rank: 
     return frozenset(r.src for r in head_routes(num_kv_heads, prefill_tp, decode_tp) if r.dst == decode_rank)
 
 
+LayerSpans = tuple[np.ndarray, np.ndarray, np.ndarray]
+
+
+def layer_spans(region: KVRegion) -> LayerSpans | None:
+    """The layers in address order and each one's memory [lo, hi) over its tensors; None if two layers overlap."""
+    hi_t = region.addrs + (region.num_blocks - 1) * region.block_strides + region.block_bytes[None, :]
+    lo, hi = region.addrs.min(axis=1), hi_t.max(axis=1)
+    order = np.argsort(lo, kind="stable")
+    if np.any(lo[order][1:] < hi[order][:-1]):
+        return None
+    return order, lo, hi
+
+
+def split_by_layer(spans: LayerSpans | None, ranges: CopyRanges) -> tuple[CopyRanges, np.ndarray] | None:
+    """``ranges`` (of a region with these ``layer_spans``) ordered by layer, and where each layer starts.
+
+    Layer L's ranges are ``starts[L]:starts[L + 1]``. None where the layers overlap in memory or a
+    range reaches past its layer (merged across a boundary): then each layer's ranges must be
+    built apart, so that no write carries a layer that has not finished.
+    """
+    if spans is None:
+        return None
+    order, lo, hi = spans
+    at = np.searchsorted(lo[order], ranges.src, side="right") - 1
+    if at.size and (at.min() < 0 or np.any(ranges.src + ranges.length > hi[order[at]])):
+        return None
+    layer = order[at]
+    sort = np.argsort(layer, kind="stable")
+    starts = np.searchsorted(layer[sort], np.arange(lo.size + 1))
+    return CopyRanges(ranges.src[sort], ranges.dst[sort], ranges.length[sort]), starts
+
+
 def _notice(req: Any, rank: int, tp: int) -> bytes:
     return msgpack.packb({"req": req, "src": rank, "tp": tp}, use_bin_type=True)
 
@@ -142,6 +174,7 @@ class CacheMessager:
         self._peers: dict[str, Peer] = {}
         self._routes: dict[int, dict[int, list[Route]]] = {}  # decode tp -> decode rank -> my routes to it
         self._progress: dict[Any, _Progress] = {}  # requests sent in chunks, between their steps (step thread only)
+        self._spans = layer_spans(region)
         self._steps: queue.SimpleQueue = queue.SimpleQueue()
         self._finishing: queue.SimpleQueue = queue.SimpleQueue()
         engine.register(region)
@@ -225,6 +258,10 @@ class CacheMessager:
         timings["planned_ns"] = time.monotonic_ns()
         last = self.region.num_layers - 1
         notified: set[tuple[Any, int]] = set()  # (request, decode rank) whose last write carries the notice
+        # Every layer's ranges at once, ordered by layer, where the layout allows (one vectorised call instead of
+        # one per layer): (active index, decode rank) -> (ranges, where each layer's start).
+        by_layer = {(i, d): split_by_layer(self._spans, self._ranges(plan, d, remote, list(range(last + 1)), lo, hi))
+                    for i, (plan, _, _, lo, hi, remotes) in enumerate(active) if lo < hi for d, remote in remotes.items()}
         ahead: dict[tuple[int, int], CopyRanges] = {}  # (active index, decode rank) -> ranges of layer ``layer`` alone
         layer = 0
         while layer <= last:
@@ -234,7 +271,7 @@ class CacheMessager:
                 # Not finished yet: build its ranges while we wait, so its write goes out the moment it is.
                 ahead = {(i, d): self._ranges(plan, d, remote, [layer], lo, hi)
                          for i, (plan, _, _, lo, hi, remotes) in enumerate(active) if lo < hi
-                         for d, remote in remotes.items()}
+                         for d, remote in remotes.items() if by_layer.get((i, d)) is None}
             else:
                 ahead = {}
             deadline = min(plan.deadline for plan, *_ in active)
@@ -257,9 +294,15 @@ class CacheMessager:
                 if lo >= hi:
                     continue
                 for d, remote in remotes.items():
-                    ranges = ahead.get((i, d)) if len(layers) == 1 else None
-                    if ranges is None:
-                        ranges = self._ranges(plan, d, remote, layers, lo, hi)
+                    split = by_layer.get((i, d))
+                    if split is not None:
+                        every, starts = split
+                        part = slice(starts[layers[0]], starts[upto + 1])
+                        ranges = CopyRanges(every.src[part], every.dst[part], every.length[part])
+                    else:
+                        ranges = ahead.get((i, d)) if len(layers) == 1 else None
+                        if ranges is None:
+                            ranges = self._ranges(plan, d, remote, layers, lo, hi)
                     handles = progress.handles[d]
                     notify = b""
                     if chunk.last and upto == last:
