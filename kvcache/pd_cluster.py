@@ -149,7 +149,7 @@ def prefill_worker(conn: Any, cfg: dict[str, Any], rank: int) -> None:
     region = KVRegion.from_tensors(spec, cache.layers)
     sig = LayerSignal.create(signal_of(cfg, rank), spec.num_layers, replace=True)
     heads = rank_heads(spec.num_kv_heads, spec.tp_size, rank)
-    with sig, PrefillLink(cfg["prefill"], region, sig, rank, timeout=cfg["timeout"]) as link:
+    with sig, PrefillLink(cfg["prefill"], region, sig, rank, timeout=cfg["timeout"], progress=cfg["progress"]) as link:
         conn.send(("ready", None))
         while True:
             command, payload = conn.recv()
@@ -207,7 +207,9 @@ def probe(link: Any, region: Any, src: np.ndarray, dst: np.ndarray, receivers: t
     """Limits measured on the messager's own path: one layer's write alone, and all its bytes as one descriptor.
 
     Each a write posted and waited for, into decode rank 0's region, 2 x ``repeat`` times: one
-    layer's median and best, the one-descriptor write's best.
+    layer's median and best, the one-descriptor write's best. Also every layer's ranges as one
+    write (best), and how long each kind's transfer() call took (median): with the raw write,
+    they split the pipeline's cost into per transfer, per range and per byte.
     """
     from kvcache.transfer.messager import TransferPlan
     from kvcache.transfer.regions import CopyRanges
@@ -216,27 +218,27 @@ def probe(link: Any, region: Any, src: np.ndarray, dst: np.ndarray, receivers: t
     plan = TransferPlan("probe", np.atleast_2d(src), np.atleast_2d(dst), 0, tuple(receivers), time.monotonic() + 60)
     (d, (remote, agent)), *_ = messager._targets(plan).items()
     layer = messager._ranges(plan, d, remote, [0])
-    total = messager._ranges(plan, d, remote, list(range(region.num_layers))).nbytes
+    every = messager._ranges(plan, d, remote, list(range(region.num_layers)))
+    total = every.nbytes
     lo, hi = region.extents(), remote.extents()
     assert lo.length[0] >= total and hi.length[0] >= total, "caches are not one buffer each"
     one = CopyRanges(lo.addr[:1], hi.addr[:1], np.array([total], dtype=np.int64))
 
-    def timed(ranges: Any) -> list[float]:
-        times = []
-        for _ in range(repeat):
-            start = time.perf_counter()
-            handle = link.engine.submit(ranges, agent, region, remote, deadline=time.monotonic() + 60)
-            status = handle.wait()
-            times.append(time.perf_counter() - start)
-            assert status.value == "done", handle.error
-        return times
-
-    layer_times, raw_times = [], []
-    for _ in range(2):  # alternate, so both see the same machine
-        layer_times += timed(layer)
-        raw_times += timed(one)
-    return {"layer_s": float(np.median(layer_times)), "layer_best_s": min(layer_times), "layer_bytes": layer.nbytes,
-            "layer_ranges": layer.num_ranges, "raw_s": min(raw_times), "raw_bytes": total}
+    times: dict[str, list[float]] = {"layer": [], "every": [], "raw": []}
+    posts: dict[str, list[float]] = {"layer": [], "every": [], "raw": []}
+    for _ in range(2):  # alternate, so all see the same machine
+        for name, ranges in (("layer", layer), ("every", every), ("raw", one)):
+            for _ in range(repeat):
+                start = time.monotonic_ns()
+                handle = link.engine.submit(ranges, agent, region, remote, deadline=time.monotonic() + 60)
+                status = handle.wait()
+                times[name].append((time.monotonic_ns() - start) / 1e9)
+                posts[name].append((handle.posted_ns - handle.picked_ns) / 1e9)
+                assert status.value == "done", handle.error
+    return {"layer_s": float(np.median(times["layer"])), "layer_best_s": min(times["layer"]),
+            "layer_bytes": layer.nbytes, "layer_ranges": layer.num_ranges, "raw_s": min(times["raw"]), "raw_bytes": total,
+            "every_s": min(times["every"]), "every_ranges": every.num_ranges,
+            "post_s": {name: float(np.median(v)) for name, v in posts.items()}}
 
 
 def decode_worker(conn: Any, cfg: dict[str, Any], rank: int) -> None:
@@ -247,7 +249,7 @@ def decode_worker(conn: Any, cfg: dict[str, Any], rank: int) -> None:
     spec = spec_of(cfg, cfg["decode_tp"])
     cache = Cache(spec, cfg["num_blocks"], cfg["device"])
     region = KVRegion.from_tensors(spec, cache.layers)
-    with DecodeLink(cfg["decode"], region, rank, timeout=cfg["timeout"]) as link:
+    with DecodeLink(cfg["decode"], region, rank, timeout=cfg["timeout"], progress=cfg["progress"]) as link:
         conn.send(("ready", link.receiver.endpoint))
         while True:
             command, payload = conn.recv()
@@ -307,15 +309,16 @@ class Cluster:
 
     def __init__(self, *, layers: int = 4, kv_heads: int = 4, head_dim: int = 32, block_size: int = 16,
                  num_blocks: int = 512, prefill_tp: int = 1, decode_tp: int = 1, device: str = "cpu",
-                 timeout: float = 20.0, rows: str = "full") -> None:
-        """``rows``: both daemons' ``--rows`` (``full``: uniform tables; one policy per kv head: head-wise)."""
+                 timeout: float = 20.0, rows: str = "full", progress: str = "thread") -> None:
+        """``rows``: both daemons' ``--rows`` (``full``: uniform tables; one policy per kv head: head-wise);
+        ``progress``: the NIXL engines' progress mode (``thread`` or ``poll``, see NixlEngine)."""
         self.folder = Path(tempfile.mkdtemp(prefix="kv-pd-", dir="/tmp"))
         self.daemons: dict[str, subprocess.Popen] = {}
         self.prefill_workers: list[Worker] = []
         self.decode_workers: list[Worker] = []
         self.cfg = dict(layers=layers, kv_heads=kv_heads, head_dim=head_dim, block_size=block_size,
                         num_blocks=num_blocks, prefill_tp=prefill_tp, decode_tp=decode_tp, device=device,
-                        timeout=5.0, rows=rows, prefill=f"ipc://{self.folder}/prefill.sock",
+                        timeout=5.0, rows=rows, progress=progress, prefill=f"ipc://{self.folder}/prefill.sock",
                         signal_prefix=f"kvcache-pd-{uuid.uuid4().hex[:12]}",
                         decode=f"ipc://{self.folder}/decode.sock")
         try:

@@ -55,14 +55,18 @@ class _Clients:
 
 
 class PrefillLink:
-    """A prefill rank's messager, fed by and reporting to the prefill daemon at ``endpoint``."""
+    """A prefill rank's messager, fed by and reporting to the prefill daemon at ``endpoint``.
+
+    Without an ``engine`` it makes its own NIXL engine, whose UCX ``progress`` is driven as NixlEngine says.
+    """
 
     def __init__(self, endpoint: str, region: KVRegion, signal: LayerSignal, rank: int, *,
-                 engine: NixlEngine | None = None, timeout: float = 5.0, curve: CurveConfig | None = None) -> None:
+                 engine: NixlEngine | None = None, timeout: float = 5.0, curve: CurveConfig | None = None,
+                 progress: str = "thread") -> None:
         self.endpoint = endpoint
         self._clients = _Clients(timeout, curve)
         self._own_engine = engine is None
-        self.engine = engine or NixlEngine(f"prefill-r{rank}-{id(self):x}")
+        self.engine = engine or NixlEngine(f"prefill-r{rank}-{id(self):x}", progress=progress)
         try:
             self.messager = CacheMessager(self.engine, region, signal, rank, fetch_plans=self._plans,
                                           on_sent=self._sent, on_failed=self._failed)
@@ -110,15 +114,19 @@ class PrefillLink:
 
 
 class DecodeLink:
-    """A decode rank's receiver, attached to and reporting to the decode daemon at ``endpoint``."""
+    """A decode rank's receiver, attached to and reporting to the decode daemon at ``endpoint``.
+
+    Without an ``engine`` it makes its own NIXL engine, whose UCX ``progress`` is driven as NixlEngine says.
+    """
 
     def __init__(self, endpoint: str, region: KVRegion, rank: int, *, engine: NixlEngine | None = None,
-                 listen: str = "tcp://127.0.0.1:*", timeout: float = 5.0, curve: CurveConfig | None = None) -> None:
+                 listen: str = "tcp://127.0.0.1:*", timeout: float = 5.0, curve: CurveConfig | None = None,
+                 progress: str = "thread") -> None:
         self.endpoint = endpoint
         self.rank = rank
         self._clients = _Clients(timeout, curve)
         self._own_engine = engine is None
-        self.engine = engine or NixlEngine(f"decode-r{rank}-{id(self):x}")
+        self.engine = engine or NixlEngine(f"decode-r{rank}-{id(self):x}", progress=progress)
         try:
             self.receiver = CacheReceiver(self.engine, region, rank, on_received=self._received, endpoint=listen)
             with CacheClient(endpoint, timeout=timeout, curve=curve) as client:

@@ -14,6 +14,7 @@ import pytest
 from kvcache.client import CacheClient, DaemonError
 from kvcache.pd_cluster import Cluster, check_request, run_batch, scenario, signal_of, wait_outcomes
 from kvcache.transfer.nixl import nixl_available
+from kvcache.transfer.regions import CopyRanges
 
 needs_nixl = pytest.mark.skipif(not nixl_available(), reason="NIXL is not installed (pip install nixl-cu12 --no-deps)")
 
@@ -34,11 +35,15 @@ def assert_nothing_held(prefill: CacheClient, decode: CacheClient, within: float
 
 
 @needs_nixl
-def test_concurrent_requests_with_prefix_hits_on_either_side_arrive_byte_for_byte():
-    """Four concurrent prompts of 37 to 1,000 tokens, then prefix hits on both nodes, on prefill only, on decode only."""
+@pytest.mark.parametrize("progress", ["thread", "poll"])
+def test_concurrent_requests_with_prefix_hits_on_either_side_arrive_byte_for_byte(progress):
+    """Four concurrent prompts of 37 to 1,000 tokens, then prefix hits on both nodes, on prefill only, on decode only.
+
+    Either NIXL's progress thread drives UCX in both workers, or their engines' worker threads do.
+    """
     from kvcache.pd_worker import PDProxy
 
-    with Cluster(layers=4, kv_heads=4, head_dim=32) as cluster:
+    with Cluster(layers=4, kv_heads=4, head_dim=32, progress=progress) as cluster:
         prefill, decode = clients(cluster)
         proxy = PDProxy(prefill, decode)
         for name, prompts, clear in scenario(np.random.default_rng(1), cluster.spec.block_size):
@@ -243,9 +248,14 @@ def test_bench_pd_quick_reports_the_tail_and_throughput_against_limits_from_the_
     assert r["rate_ratio"] == pytest.approx(r["rate"] / r["raw_rate"])
     assert r["tail_s"]["min"] > 0 and r["tail_received_s"] <= r["tail_s"]["median"] + 1e-3
     stages = r["tail_stages_s"]
-    order = ["messager woke", "engine took up the last write", "its transfer() call returned", "engine saw it done"]
+    order = ["messager woke", "messager queued the last write", "engine took up the last write", "its transfer() call returned", "engine saw it done"]
     assert [stages[name] for name in order] == sorted(stages[name] for name in order)
     assert stages["receiver has all notes"] <= stages["decode daemon ready"]
+    assert r["every_layer_ranges"] >= r["one_layer_ranges"] and r["every_layer_s"] > 0
+    assert set(r["post_s"]) == {"layer", "every", "raw"} and all(v >= 0 for v in r["post_s"].values())
+    unpaced = r["unpaced_stages_s"]
+    assert unpaced["messager fetched the plans"] <= unpaced["messager woke"] <= unpaced["messager queued the last write"]
+    assert unpaced["decode daemon ready"] >= r["unpaced_total_s"]  # the median run against the best one
     assert r["separate_notifications"] == 0  # the notice goes with the last write, never through the completion thread
 
 
@@ -339,3 +349,69 @@ def test_a_failed_send_leaves_no_uncomputed_prefill_block_in_the_prefix_cache(da
         assert list(c.pd_poll().done) == ["b"]
         assert c.lookup(np.arange(40)) == 32  # sent: computed, so cached
         c.check_integrity()
+
+
+# -- the messager's per-layer split of one vectorised range computation ------------------------------------------
+
+
+def _buffer_region(spec, num_blocks, addrs=None, block_strides=None):
+    from kvcache.transfer.regions import KVRegion
+
+    buf = np.zeros(spec.cache_bytes(num_blocks), np.uint8)
+    if addrs is None:
+        return KVRegion.from_buffer(spec, num_blocks, buf.ctypes.data, keep=(buf,))
+    return KVRegion.from_addresses(spec, num_blocks, buf.ctypes.data + addrs, block_strides=block_strides,
+                                   keep=(buf,))
+
+
+def _triples(r):
+    return sorted(zip(r.src.tolist(), r.dst.tolist(), r.length.tolist()))
+
+
+@pytest.mark.parametrize("prefill_tp", [1, 2])
+def test_split_by_layer_gives_each_layer_exactly_the_ranges_built_for_it_alone(prefill_tp):
+    """All layers' ranges built at once and split by layer equal each layer's own, for every route (TP 2 -> 1 too)."""
+    from kvcache.allocator import CacheSpec
+    from kvcache.transfer.heads import head_routes, route_ranges
+    from kvcache.transfer.messager import layer_spans, split_by_layer
+
+    layers, rng = 5, np.random.default_rng(3)
+    src = _buffer_region(CacheSpec(num_layers=layers, num_kv_heads=4, head_dim=32, block_size=16, tp_size=prefill_tp), 40)
+    dst = _buffer_region(CacheSpec(num_layers=layers, num_kv_heads=4, head_dim=32, block_size=16, tp_size=1), 50)
+    sb, db = rng.permutation(40)[:20], rng.permutation(50)[:20]
+    db[3] = -1  # a block the decode side had: moves nothing
+    routes = [r for r in head_routes(4, prefill_tp, 1) if r.src == 0]
+
+    def build(ls):
+        parts = [route_ranges(src, sb, dst, db, r, layers=ls) for r in routes]
+        return [np.concatenate([getattr(p, f) for p in parts]) for f in ("src", "dst", "length")]
+
+    split = split_by_layer(layer_spans(src), CopyRanges(*build(list(range(layers)))))
+    assert split is not None
+    every, starts = split
+    assert starts[0] == 0 and starts[-1] == every.num_ranges and np.all(np.diff(starts) > 0)
+    for layer in range(layers):
+        part = CopyRanges(*(a[starts[layer]:starts[layer + 1]] for a in every))
+        assert _triples(part) == _triples(CopyRanges(*build([layer]))), layer
+
+
+def test_split_by_layer_refuses_layers_that_share_memory_or_ranges_merged_across_layers():
+    """Layers interleaved in memory, or every block of every layer in order (one range across layers): no split."""
+    from kvcache.allocator import CacheSpec
+    from kvcache.transfer.heads import head_routes, route_ranges
+    from kvcache.transfer.messager import layer_spans, split_by_layer
+
+    spec = CacheSpec(num_layers=3, num_kv_heads=2, head_dim=32, block_size=16)
+    route = head_routes(2, 1, 1)[0]
+    tensors, bb = len(spec.tensors()), spec.bytes_per_block_per_layer // len(spec.tensors())
+    # block-major: block b of layer l, tensor t at ((b * layers + l) * tensors + t) * bb; layers interleave
+    inner = np.arange(3 * tensors, dtype=np.int64).reshape(3, tensors) * bb
+    interleaved = _buffer_region(spec, 8, inner, block_strides=3 * tensors * bb)
+    assert layer_spans(interleaved) is None
+    assert split_by_layer(layer_spans(interleaved), route_ranges(interleaved, [0], interleaved, [1], route)) is None
+
+    whole = _buffer_region(spec, 8)
+    ids = np.arange(8)
+    merged = route_ranges(whole, ids, whole, ids, route)
+    assert merged.num_ranges == 1  # every layer's blocks in order are one stretch of memory
+    assert split_by_layer(layer_spans(whole), merged) is None

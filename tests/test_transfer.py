@@ -290,13 +290,13 @@ needs_nixl = pytest.mark.skipif(not nixl_available(), reason="NIXL is not instal
 TCP_ONLY = "tcp,cuda_copy" if glob.glob("/dev/nvidia[0-9]*") else "tcp"
 
 
-def receiver(conn: Any, spec_fields: dict, num_blocks: int, seed: int, env: dict) -> None:
+def receiver(conn: Any, spec_fields: dict, num_blocks: int, seed: int, env: dict, progress: str) -> None:
     """The decode side, in its own process: register a random cache, serve metadata, answer commands."""
     os.environ.update(env)
     from kvcache.transfer.nixl import NixlEngine
 
     cache = Cache(CacheSpec(**spec_fields), num_blocks, seed)
-    with NixlEngine(f"decode-{os.getpid()}") as engine:
+    with NixlEngine(f"decode-{os.getpid()}", progress=progress) as engine:
         engine.register(cache.region)
         conn.send(("ready", engine.serve("tcp://127.0.0.1:*"), engine.name))
         notes: dict[str, list[bytes]] = {}
@@ -320,11 +320,13 @@ def receiver(conn: Any, spec_fields: dict, num_blocks: int, seed: int, env: dict
 class Receiver:
     """A receiver process and the pipe that drives it."""
 
-    def __init__(self, spec: CacheSpec, num_blocks: int, seed: int, env: dict | None = None) -> None:
+    def __init__(self, spec: CacheSpec, num_blocks: int, seed: int, env: dict | None = None,
+                 progress: str = "thread") -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         fields = {k: v for k, v in spec.describe().items() if k != "kv_heads_per_rank"}
-        self.process = ctx.Process(target=receiver, args=(child, fields, num_blocks, seed, env or {}), daemon=True)
+        self.process = ctx.Process(target=receiver, args=(child, fields, num_blocks, seed, env or {}, progress),
+                                   daemon=True)
         self.process.start()
         assert self.conn.poll(60), "receiver did not start"
         _, self.endpoint, self.agent = self.conn.recv()
@@ -344,9 +346,16 @@ class Receiver:
 
 
 @needs_nixl
-@pytest.mark.parametrize(("transport", "threads"), [("default", 0), ("default", 3), ("tcp", 3)])
-def test_nixl_writes_scattered_blocks_into_another_process_byte_for_byte(transport, threads, monkeypatch):
-    """UCX's own choice (shared memory on one host) and TCP land exactly the listed units, split over threads or not."""
+@pytest.mark.parametrize(("transport", "threads", "progress"), [
+    ("default", 0, "thread"), ("default", 3, "thread"), ("tcp", 3, "thread"), ("default", 0, "poll"),
+    ("default", 3, "poll"), ("tcp", 0, "poll")])
+def test_nixl_writes_scattered_blocks_into_another_process_byte_for_byte(transport, threads, progress, monkeypatch):
+    """UCX's own choice (shared memory on one host) and TCP land exactly the listed units, split over threads or not.
+
+    With progress="poll" neither side runs NIXL's progress thread: the writer's worker progresses
+    UCX while its write is in flight, and the receiver's idle worker answers TCP while nobody
+    there calls into the engine (its command loop is blocked on the pipe).
+    """
     from kvcache.transfer.nixl import SPLIT_DESCRIPTORS, NixlEngine
 
     env = {"UCX_TLS": TCP_ONLY} if transport == "tcp" else {}
@@ -354,10 +363,10 @@ def test_nixl_writes_scattered_blocks_into_another_process_byte_for_byte(transpo
         monkeypatch.setenv(k, v)
     spec = make_spec("block_wise_fp8")
     rng = np.random.default_rng(11)
-    peer_proc = Receiver(spec, 48, seed=5, env=env)
+    peer_proc = Receiver(spec, 48, seed=5, env=env, progress=progress)
     try:
         src = Cache(spec, 40, seed=4)
-        with NixlEngine("prefill", threads=threads) as engine:
+        with NixlEngine("prefill", threads=threads, progress=progress) as engine:
             peer = engine.connect(peer_proc.endpoint)
             assert peer.agent == peer_proc.agent and peer.pid == peer_proc.process.pid
             remote = peer.regions[0]
@@ -530,6 +539,15 @@ def test_nixl_refuses_writes_to_unknown_peers_and_after_close():
 
 
 @needs_nixl
+@pytest.mark.parametrize("progress", ["", "Thread", None, "spin"])
+def test_nixl_engine_refuses_an_unknown_progress_mode(progress):
+    from kvcache.transfer.nixl import NixlEngine
+
+    with pytest.raises(KVCacheError, match="progress: unknown"):
+        NixlEngine(progress=progress)
+
+
+@needs_nixl
 @pytest.mark.parametrize("threads", [-1, 1.5, "2", True])
 def test_nixl_engine_refuses_a_bad_thread_count(threads):
     from kvcache.transfer.nixl import NixlEngine
@@ -539,14 +557,16 @@ def test_nixl_engine_refuses_a_bad_thread_count(threads):
 
 
 @needs_nixl
-def test_an_idle_nixl_engine_leaves_the_cpu_alone_and_close_ends_its_threads():
-    """NIXL's progress thread sleeps in poll() between events (its Python API would make it spin a core)."""
+@pytest.mark.parametrize("progress", ["thread", "poll"])
+def test_an_idle_nixl_engine_leaves_the_cpu_alone_and_close_ends_its_threads(progress):
+    """NIXL's progress thread sleeps in poll() between events (its Python API would make it spin a core); without
+    it, the engine's worker progresses UCX once a millisecond when idle."""
     import resource
 
     from kvcache.transfer.nixl import NixlEngine
 
     threads_before = len(os.listdir("/proc/self/task"))
-    with NixlEngine(threads=3) as engine:
+    with NixlEngine(threads=3, progress=progress) as engine:
         engine.serve()
         assert len(os.listdir("/proc/self/task")) > threads_before
         before = resource.getrusage(resource.RUSAGE_SELF)
@@ -558,3 +578,36 @@ def test_an_idle_nixl_engine_leaves_the_cpu_alone_and_close_ends_its_threads():
     while len(os.listdir("/proc/self/task")) > threads_before and time.monotonic() < deadline:
         time.sleep(0.01)
     assert len(os.listdir("/proc/self/task")) <= threads_before
+
+
+@needs_nixl
+def test_an_inline_write_posts_from_the_caller_when_idle_and_queues_in_order_behind_others():
+    """submit(inline=True) posts in the calling thread on an idle engine; behind a queued write it waits its turn."""
+    from kvcache.transfer.nixl import NixlEngine
+    from kvcache.transfer.regions import copy_ranges
+
+    spec = CacheSpec(num_layers=4, num_kv_heads=8, head_dim=128, block_size=64)
+    blocks = (64 << 20) // spec.bytes_per_block  # a first write of 64 MiB keeps the worker busy
+    peer_proc = Receiver(spec, blocks, seed=3)
+    try:
+        src = Cache(spec, blocks, seed=2)
+        with NixlEngine("prefill", threads=0) as engine:
+            remote = engine.connect(peer_proc.endpoint).regions[0]
+            engine.register(src.region)
+            ids = np.arange(blocks)
+            alone = engine.submit(copy_ranges(src.region, ids[:1], remote, ids[:1], layers=[0]), remote.owner,
+                                  src.region, remote, notify=b"alone", inline=True)
+            assert alone.picked_ns and alone.posted_ns, "an idle engine's inline write is posted before submit returns"
+            assert alone.wait() is TransferStatus.DONE, alone.error
+            assert peer_proc.call("notifications") == {"prefill": [b"alone"]}
+
+            big = engine.write(src.region, ids[1:], remote, ids[1:])
+            last = engine.submit(copy_ranges(src.region, ids[:1], remote, ids[:1], layers=[1, 2, 3]), remote.owner,
+                                 src.region, remote, notify=b"last", after=[big], inline=True)
+            assert [big.wait(), last.wait()] == [TransferStatus.DONE] * 2, (big.error, last.error)
+            assert big.picked_ns <= last.picked_ns and big.done_ns <= last.done_ns
+            got = np.frombuffer(peer_proc.call("dump"), dtype=np.uint8)
+            assert np.array_equal(got, Cache(spec, blocks, seed=3).expect_copy(src, ids, ids))
+            assert peer_proc.call("notifications") == {"prefill": [b"alone", b"last"]}
+    finally:
+        peer_proc.stop()

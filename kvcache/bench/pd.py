@@ -7,7 +7,8 @@ process (CacheReceiver), NIXL between them (UCX's choice of transport on one hos
 numpy, or PyTorch with --device cuda). Measured in one run:
   1. limits, from the prefill worker on the messager's own path into the decode worker: one
      layer's write alone (median of 2N; its best shown too), and all the request's bytes as one
-     NIXL descriptor (best of 2N);
+     NIXL descriptor (best of 2N); also every layer's ranges as one write and each kind's
+     transfer() call, which split the pipeline's cost into per transfer, per range and per byte;
   2. tail (paced): the fake model spends ``--pace`` x one layer's (median) transfer time per layer, the
      premise of a layer-wise pipeline (compute per layer >= transfer per layer); the tail is the
      decode daemon marking the request ready minus the last layer's signal. Target: at most one
@@ -15,6 +16,10 @@ numpy, or PyTorch with --device cuda). Measured in one run:
   3. throughput (unpaced): every layer signalled back to back, so the messager moves data as fast
      as it can; bytes / (first layer's signal -> decode ready). Target: >= 80% of the one-descriptor
      NIXL write's bytes/s.
+Each measure lists its stages (when the messager woke, queued the last write, the engine posted it,
+saw it done, the receiver had every notice, the decode daemon marked it ready), so a miss says where
+the time went. ``--tokens`` shrinks the layers to their fixed costs (a CPU stand-in for GPU caches,
+whose layers move in microseconds); ``--progress`` picks who drives UCX (NixlEngine's ``progress``).
 Exits 0 whatever the numbers.
 """
 from __future__ import annotations
@@ -24,6 +29,7 @@ import json
 import platform
 import statistics
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -45,8 +51,8 @@ THROUGHPUT_TARGET = 0.80
 OUTCOME_POLL_S = 0.02  # the daemons stamp outcomes themselves; polling slowly keeps the bench off the CPUs it measures
 
 
-def run_benchmark(*, layers: int, block_size: int, repeat: int, pace: float, device: str, tokens: int = TOKENS
-                  ) -> dict[str, Any]:
+def run_benchmark(*, layers: int, block_size: int, repeat: int, pace: float, device: str, tokens: int = TOKENS,
+                  progress: str = "thread") -> dict[str, Any]:
     from kvcache.client import CacheClient
     from kvcache.pd_cluster import Cluster, wait_outcomes
     from kvcache.pd_worker import PDProxy
@@ -54,7 +60,7 @@ def run_benchmark(*, layers: int, block_size: int, repeat: int, pace: float, dev
     blocks = -(-tokens // block_size)
     rng = np.random.default_rng(0)
     with Cluster(layers=layers, kv_heads=KV_HEADS, head_dim=HEAD_DIM, block_size=block_size, num_blocks=2 * blocks,
-                 device=device, timeout=120.0) as cluster, \
+                 device=device, timeout=120.0, progress=progress) as cluster, \
             CacheClient(cluster.cfg["prefill"], timeout=30) as prefill, \
             CacheClient(cluster.cfg["decode"], timeout=30) as decode:
         proxy = PDProxy(prefill, decode)
@@ -69,6 +75,7 @@ def run_benchmark(*, layers: int, block_size: int, repeat: int, pace: float, dev
             tables["src"], tables["dst"] = (np.asarray(a.table)[0].astype(np.int64) for a in (admission, reservation))
             items = [(req, np.empty(0, np.int64), tables["src"].copy(), 0)]
             times = cluster.step(items, layer_delay, compute=False)
+            time.sleep(OUTCOME_POLL_S)  # ask only after the tail: a poll now would take CPU from the transfer it times
             ready, failed = wait_outcomes(decode, {req}, 120, interval=OUTCOME_POLL_S)
             wait_outcomes(prefill, {req}, 120, interval=OUTCOME_POLL_S)
             if req not in ready:
@@ -79,14 +86,20 @@ def run_benchmark(*, layers: int, block_size: int, repeat: int, pace: float, dev
                 raise RuntimeError(f"the messager posted {posted:,} bytes of the request's {nbytes:,}")
             decode.free(req)
             sent = cluster.prefill_workers[0].call("sent_ns", req)
-            since = lambda ns: (ns - times.last_ns) / 1e9 if ns else float("nan")  # noqa: E731
-            return {"tail_s": since(ready[req]), "received_s": since(received), "total_s": (ready[req] - times.first_ns) / 1e9,
-                    "stages_s": {"messager woke": since(sent.get("last_signal", 0)),
-                                 "engine took up the last write": since(sent.get("picked", 0)),
-                                 "its transfer() call returned": since(sent.get("posted", 0)),
-                                 "engine saw it done": since(sent.get("landed", 0)),
-                                 "separate notification sent": since(sent.get("notified", 0)),
-                                 "receiver has all notes": since(received), "decode daemon ready": since(ready[req])}}
+            stamps = {"messager woke": sent.get("last_signal", 0),
+                      "earlier writes all landed": sent.get("earlier_landed", 0),
+                      "messager queued the last write": sent.get("submitted", 0),
+                      "engine took up the last write": sent.get("picked", 0),
+                      "its transfer() call returned": sent.get("posted", 0), "engine saw it done": sent.get("landed", 0),
+                      "separate notification sent": sent.get("notified", 0), "receiver has all notes": received,
+                      "decode daemon ready": ready[req]}
+            since = lambda ns, t0: (ns - t0) / 1e9 if ns else float("nan")  # noqa: E731
+            from_first = {"messager fetched the plans": since(sent.get("planned", 0), times.first_ns),
+                          "last layer signalled": since(times.last_ns, times.first_ns)}
+            return {"tail_s": since(ready[req], times.last_ns), "received_s": since(received, times.last_ns),
+                    "total_s": (ready[req] - times.first_ns) / 1e9,
+                    "stages_s": {name: since(ns, times.last_ns) for name, ns in stamps.items()},
+                    "from_first_s": {**from_first, **{name: since(ns, times.first_ns) for name, ns in stamps.items()}}}
 
         for _ in range(2):  # connects the messager to the receiver, warms both sides' memory and UCX's paths
             one(0.0)
@@ -104,13 +117,17 @@ def run_benchmark(*, layers: int, block_size: int, repeat: int, pace: float, dev
     rate = nbytes / best_total
     return {
         "workload": {"tokens": tokens, "layers": layers, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "dtype": "bfloat16",
-                     "block_size": block_size, "device": device, "bytes": nbytes, "repeat": repeat, "pace": pace},
+                     "block_size": block_size, "device": device, "bytes": nbytes, "repeat": repeat, "pace": pace,
+                     "progress": progress},
         "host": platform.node(),
         "one_layer_s": layer_s,
         "one_layer_best_s": limits["layer_best_s"],
         "one_layer_bytes": limits["layer_bytes"],
         "one_layer_ranges": limits["layer_ranges"],
         "raw_s": limits["raw_s"],
+        "every_layer_s": limits["every_s"],
+        "every_layer_ranges": limits["every_ranges"],
+        "post_s": limits["post_s"],
         "paced_layer_delay_s": pace * layer_s,
         "tail_s": {"median": tail, "min": min(tails), "max": max(tails)},
         "tail_received_s": statistics.median(r["received_s"] for r in paced),
@@ -120,6 +137,8 @@ def run_benchmark(*, layers: int, block_size: int, repeat: int, pace: float, dev
         "tail_limit_s": layer_s + TAIL_SLACK_S,
         "tail_ok": tail <= layer_s + TAIL_SLACK_S,
         "unpaced_total_s": best_total,
+        "unpaced_stages_s": {name: _median([r["from_first_s"][name] for r in unpaced])
+                             for name in unpaced[0]["from_first_s"] if not name.startswith("separate")},
         "rate": rate,
         "raw_rate": raw_rate,
         "rate_ratio": rate / raw_rate,
@@ -149,15 +168,24 @@ def render(r: dict[str, Any]) -> str:
           for name, v in r["tail_stages_s"].items()],
         ["throughput, layers back to back", gbs(r["rate"]), f"raw one-descriptor NIXL {gbs(r['raw_rate'])}",
          f"{r['rate_ratio']:.2f}", mark(r["rate_ok"]) + f" (>= {THROUGHPUT_TARGET:.0%})"],
+        ["  first signal -> decode ready (best)", ms(r["unpaced_total_s"]), f"raw {ms(r['raw_s'])}", "", ""],
+        *[[f"    {name} (since first signal)", ms(v) if v == v else "-", "", "", ""]
+          for name, v in r["unpaced_stages_s"].items()],
+        ["  every layer as one write, alone (best)", ms(r["every_layer_s"]), f"{r['every_layer_ranges']} ranges", "", ""],
+        ["  transfer() call (median): one layer / every layer / raw",
+         " / ".join(ms(r["post_s"][k]) for k in ("layer", "every", "raw")), "", "", ""],
     ]
     head = (f"kvcache bench pd: {w['tokens']:,} tokens, {w['layers']} layers, {w['kv_heads']} kv heads x "
-            f"{w['head_dim']}, {w['dtype']}, block {w['block_size']}, {w['bytes'] / 2**20:.0f} MiB, {w['device']}; "
+            f"{w['head_dim']}, {w['dtype']}, block {w['block_size']}, {w['bytes'] / 2**20:.0f} MiB, {w['device']}, "
+            f"NIXL progress by {w['progress']}; "
             f"paced at {ms(r['paced_layer_delay_s'])} per layer ({w['pace']}x one layer); best/median of {w['repeat']}")
     return head + "\n" + table(["measure", "ours", "limit", "ratio", ""], rows, align_left=1)
 
 
 def add_parser(targets: argparse._SubParsersAction) -> None:
     """Register `kvcache bench pd`."""
+    from kvcache.transfer.nixl import PROGRESS_MODES
+
     p = targets.add_parser(
         "pd", help="PD pipeline: last layer -> decode ready vs one layer's transfer; bytes/s vs raw NIXL (needs NIXL)",
         description="Move one 4,096-token request (32 layers, 8 kv heads x 128, bf16) from a prefill worker to a "
@@ -167,11 +195,17 @@ def add_parser(targets: argparse._SubParsersAction) -> None:
         "to back against a one-descriptor NIXL write of the same bytes (target >= 80%), all measured in the same run. "
         "Always exits 0.")
     p.add_argument("--layers", type=positive_int, default=LAYERS, help=f"model layers (default {LAYERS})")
+    p.add_argument("--tokens", type=positive_int, default=TOKENS,
+                   help=f"prompt tokens (default {TOKENS}); few tokens make small layers, whose time is the per-layer "
+                   "fixed cost")
     p.add_argument("--block-size", type=positive_int, default=BLOCK_SIZE, help=f"tokens per block (default {BLOCK_SIZE})")
     p.add_argument("--repeat", type=positive_int, default=REPEAT, help=f"runs of each measure (default {REPEAT})")
     p.add_argument("--pace", type=float, default=PACE,
                    help=f"fake compute per layer, in units of one layer's transfer time (default {PACE})")
     p.add_argument("--device", default="cpu", help="cpu (numpy caches) or cuda[:N] (PyTorch caches)")
+    p.add_argument("--progress", choices=PROGRESS_MODES, default="thread",
+                   help="who drives UCX in both workers' NIXL engines: NIXL's progress thread (wakes on events or "
+                   "every 1 ms) or the engine's worker (polls every 50 us while a write is in flight)")
     p.add_argument("--quick", action="store_true", help=f"{QUICK_LAYERS} layers, {QUICK_REPEAT} runs (a smoke test)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.set_defaults(run=_run)
@@ -185,7 +219,8 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     device = "cuda:0" if args.device == "cuda" else args.device
     result = run_benchmark(layers=QUICK_LAYERS if args.quick else args.layers, block_size=args.block_size,
-                           repeat=QUICK_REPEAT if args.quick else args.repeat, pace=args.pace, device=device)
+                           repeat=QUICK_REPEAT if args.quick else args.repeat, pace=args.pace, device=device,
+                           tokens=args.tokens, progress=args.progress)
     print(json.dumps(result, indent=2) if args.json else render(result))
     return 0
 
