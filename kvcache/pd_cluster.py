@@ -11,6 +11,7 @@ CPU, PyTorch on ``cuda:N``; each rank's cache is one buffer, so one NIXL descrip
 """
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import shutil
@@ -21,6 +22,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -75,6 +77,7 @@ class Cache:
     def __init__(self, spec: CacheSpec, num_blocks: int, device: str) -> None:
         self.spec, self.device = spec, device
         self.torch: Any = None
+        self._stream: Any = None
         if device == "cpu":
             self.buffer = np.zeros(spec.cache_bytes(num_blocks), np.uint8)
             view = lambda lo, hi, dtype, shape: self.buffer[lo:hi].view(dtype).reshape(shape)  # noqa: E731
@@ -93,6 +96,20 @@ class Cache:
                 row.append(view(offset, offset + n, RAW[DTYPE_BYTES[t.dtype]], t.shape(num_blocks)))
                 offset += n
             self.layers.append(row)
+
+    @contextlib.contextmanager
+    def computing(self) -> Iterator[Any]:
+        """A step's compute stream (None on the CPU): a stream of its own, as an engine's model runs on, made current;
+        synchronised on the way out. Not the legacy default stream, which would order the transfers' copies behind
+        every kernel."""
+        if self.torch is None:
+            yield None
+            return
+        if self._stream is None:
+            self._stream = self.torch.cuda.Stream(device=self.buffer.device)
+        with self.torch.cuda.stream(self._stream):
+            yield self._stream
+        self._stream.synchronize()
 
     def write(self, layer: int, ids: np.ndarray, values: np.ndarray, valid: np.ndarray, heads: slice = slice(None)
               ) -> None:
@@ -139,7 +156,6 @@ def gather(parts: list[list[list[np.ndarray]]], num_kv_heads: int) -> list[np.nd
 
 def prefill_worker(conn: Any, cfg: dict[str, Any], rank: int) -> None:
     """A prefill rank: cache, layer signal, messager; runs steps of the fake model on command."""
-    from kvcache.ops import send_cache
     from kvcache.pd_worker import PrefillLink
     from kvcache.transfer import KVRegion, LayerSignal
     from kvcache.transfer.messager import Chunk
@@ -174,32 +190,36 @@ def prefill_worker(conn: Any, cfg: dict[str, Any], rank: int) -> None:
             items = [(*item, item[2].shape[-1] * spec.block_size, True) if len(item) == 4 else item for item in items]
             step = sig.begin_step()
             link.run_step(step, [Chunk(req, stop, last) for req, _, _, _, stop, last in items])
-            stream = None
-            if cache.torch is not None:
-                stream = cache.torch.cuda.current_stream()
-            for layer in range(spec.num_layers):
-                for _, tokens, table, start, stop, _ in items:
-                    first = start // spec.block_size
-                    blocks = range(first, min(table.shape[-1], -(-stop // spec.block_size)))
-                    if blocks and compute:
-                        values = [kv_values(tokens[:stop], blocks, layer, heads, t, ts.block_shape,
-                                            RAW[DTYPE_BYTES[ts.dtype]]) for t, ts in enumerate(spec.tensors())]
-                        if table.ndim == 1:
-                            ids = table[blocks.start:blocks.stop].astype(np.int64)
-                            cache.write(layer, ids, [v for v, _ in values], values[0][1])
-                            continue
-                        for k, g in enumerate(heads):  # head-wise: each head's blocks come from its own row
-                            ids = table[g, blocks.start:blocks.stop].astype(np.int64)
-                            held = ids >= 0
-                            cache.write(layer, ids[held], [v[held, k:k + 1] for v, _ in values], values[0][1][held],
-                                        slice(k, k + 1))
-                send_cache(stream, sig, layer)
-                if layer_delay:
-                    time.sleep(layer_delay)
-            if stream is not None:
-                stream.synchronize()
+            with cache.computing() as stream:
+                run_layers(cache, spec, sig, heads, items, layer_delay, compute, stream)
             done = sig.layer_times().done_ns
             conn.send(("stepped", StepTimes(int(done[0]), int(done[spec.num_layers - 1]))))
+
+
+def run_layers(cache: Cache, spec: CacheSpec, sig: Any, heads: range, items: list, layer_delay: float, compute: bool,
+               stream: Any) -> None:
+    """The fake model's layers for one step: each writes its KV (unless ``compute`` is off), then ``send_cache``."""
+    from kvcache.ops import send_cache
+
+    for layer in range(spec.num_layers):
+        for _, tokens, table, start, stop, _ in items:
+            first = start // spec.block_size
+            blocks = range(first, min(table.shape[-1], -(-stop // spec.block_size)))
+            if blocks and compute:
+                values = [kv_values(tokens[:stop], blocks, layer, heads, t, ts.block_shape,
+                                    RAW[DTYPE_BYTES[ts.dtype]]) for t, ts in enumerate(spec.tensors())]
+                if table.ndim == 1:
+                    ids = table[blocks.start:blocks.stop].astype(np.int64)
+                    cache.write(layer, ids, [v for v, _ in values], values[0][1])
+                    continue
+                for k, g in enumerate(heads):  # head-wise: each head's blocks come from its own row
+                    ids = table[g, blocks.start:blocks.stop].astype(np.int64)
+                    held = ids >= 0
+                    cache.write(layer, ids[held], [v[held, k:k + 1] for v, _ in values], values[0][1][held],
+                                slice(k, k + 1))
+        send_cache(stream, sig, layer)
+        if layer_delay:
+            time.sleep(layer_delay)
 
 
 def probe(link: Any, region: Any, src: np.ndarray, dst: np.ndarray, receivers: tuple[str, ...], repeat: int
