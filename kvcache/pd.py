@@ -90,6 +90,7 @@ class Transfer:
     deps: set[int] = dataclasses.field(default_factory=set)  # decode: serials of requests whose blocks it shares
     cancelled: bool = False
     dest: dict[str, Any] | None = None  # prefill: receivers, table, cached, decode
+    arriving: tuple[np.ndarray, np.ndarray] | None = None  # decode: the (row, block) pairs it marked pending
 
 
 def check_timeout(value: Any, field: str) -> float:
@@ -242,7 +243,8 @@ class PDState:
             owners = self._pending[rows[:, :first][hit], table[:, :first][hit]]
             t.deps = {int(s) for s in np.unique(owners[owners >= 0])}
             arriving = held[:, first:]
-            self._pending[rows[:, first:][arriving], table[:, first:][arriving]] = t.serial
+            t.arriving = (rows[:, first:][arriving], table[:, first:][arriving].astype(np.intp))
+            self._pending[t.arriving] = t.serial
         return t
 
     def report(self, req: Any, rank: int, now_ns: int) -> list[tuple[Any, int | None]]:
@@ -354,7 +356,12 @@ class PDState:
         self._by_serial.pop(t.serial, None)
         self._begun.pop(t.serial, None)
         if self.role == "decode":
-            self._pending[self._pending == t.serial] = -1
+            marked = getattr(t, "arriving", None)  # transfers from snapshots of earlier versions lack it
+            if marked is None:
+                self._pending[self._pending == t.serial] = -1
+            else:  # only its own pairs: O(its blocks), not a scan of every block
+                mine = self._pending[marked] == t.serial
+                self._pending[marked[0][mine], marked[1][mine]] = -1
 
     def _tell(self, owner: str, kind: str, req: Any, detail: Any) -> None:
         self._outbox.setdefault(owner, []).append((kind, req, detail))
