@@ -611,3 +611,51 @@ def test_an_inline_write_posts_from_the_caller_when_idle_and_queues_in_order_beh
             assert peer_proc.call("notifications") == {"prefill": [b"alone", b"last"]}
     finally:
         peer_proc.stop()
+
+
+@settings(max_examples=200, deadline=None)
+@given(lengths=st.lists(st.integers(1, 5000), min_size=1, max_size=12), pieces=st.integers(1, 300))
+def test_chop_cuts_ranges_into_pieces_that_cover_the_same_bytes_in_order(lengths, pieces):
+    from kvcache.transfer.nixl import chop
+    from kvcache.transfer.regions import CopyRanges
+
+    length = np.array(lengths, dtype=np.int64)
+    src = np.cumsum(np.concatenate([[0], length[:-1] + 7])) + 1000  # gaps between ranges
+    dst = np.cumsum(np.concatenate([[0], length[:-1] + 3])) + 90_000
+    r = CopyRanges(src, dst, length)
+    c = chop(r, pieces)
+    assert (c.length > 0).all() and c.nbytes == r.nbytes
+    assert c.num_ranges >= min(pieces, r.nbytes)
+    want = [(s + i, d + i) for s, d, n in zip(src.tolist(), dst.tolist(), length.tolist()) for i in range(n)]
+    got = [(s + i, d + i) for s, d, n in zip(c.src.tolist(), c.dst.tolist(), c.length.tolist()) for i in range(n)]
+    assert got == want
+
+
+@needs_nixl
+def test_nixl_chops_a_large_host_write_over_its_threads_byte_for_byte(monkeypatch):
+    """A write of few, long ranges (a layer's K and V) is cut into SPLIT_DESCRIPTORS pieces for UCX's threads."""
+    from kvcache.transfer import nixl
+    from kvcache.transfer.regions import copy_ranges
+
+    monkeypatch.setattr(nixl, "CHOP_MIN_BYTES", 0)
+    posted = []
+    real = nixl.chop
+    monkeypatch.setattr(nixl, "chop", lambda r, n: posted.append(r.num_ranges) or real(r, n))
+    spec = make_spec("bf16")
+    peer_proc = Receiver(spec, 48, seed=5)
+    try:
+        src = Cache(spec, 40, seed=4)
+        with nixl.NixlEngine("prefill", threads=3) as engine:
+            peer = engine.connect(peer_proc.endpoint)
+            remote = peer.regions[0]
+            engine.register(src.region)
+            src_ids, dst_ids = np.arange(4, 36), np.arange(10, 42)  # consecutive: one range per layer and tensor
+            ranges = copy_ranges(src.region, src_ids, remote, dst_ids)
+            assert ranges.num_ranges < nixl.SPLIT_DESCRIPTORS
+            handle = engine.submit(ranges, peer.agent, src.region, remote)
+            assert handle.wait() is TransferStatus.DONE, handle.error
+            assert posted == [ranges.num_ranges]
+            got = np.frombuffer(peer_proc.call("dump"), dtype=np.uint8)
+            assert np.array_equal(got, Cache(spec, 48, seed=5).expect_copy(src, src_ids, dst_ids))
+    finally:
+        peer_proc.stop()
