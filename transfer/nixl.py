@@ -63,11 +63,6 @@ SPLIT_DESCRIPTORS = 128
 chunks, each posted by its own UCX worker and thread (NIXL's thread-pool engine). On one host UCX
 moves data with process_vm_writev, whose kernel cost is per range (pinning the pages of each),
 so one thread reaches about half the speed of a single range there; chunks run in parallel."""
-CHOP_MIN_THREADS = 3
-"""A host-to-host write of fewer than SPLIT_DESCRIPTORS ranges (a layer's K and V) is cut into that
-many equal pieces, so UCX splits it over its threads too, when the engine has at least this many:
-with 2 threads on a 2-core host the copies only compete with the model and the messager."""
-CHOP_MIN_BYTES = 4 << 20  # ... and when it moves at least this much
 _POLL_MAX = 50e-6  # the worker polls transfers in flight at least this often (seconds); idle, it blocks
 _IDLE_PROGRESS = 1e-3  # with progress="poll", an idle worker still progresses UCX this often (seconds)
 PROGRESS_MODES = ("thread", "poll")
@@ -503,9 +498,6 @@ class NixlEngine(TransferEngine):
         if notify and any(a.status() is not TransferStatus.DONE for a in handle.after):
             handle.held, notify = notify, b""  # earlier writes still in flight: send it once they land
         r = handle.ranges
-        if (self.threads >= CHOP_MIN_THREADS and handle.local_mem == handle.remote_mem == "DRAM"
-                and r.num_ranges < SPLIT_DESCRIPTORS and r.nbytes >= CHOP_MIN_BYTES):
-            r = chop(r, SPLIT_DESCRIPTORS)
         local = np.stack([r.src, r.length, np.full_like(r.src, handle.local_dev)], axis=1).astype(np.uint64)
         remote = np.stack([r.dst, r.length, np.full_like(r.dst, handle.remote_dev)], axis=1).astype(np.uint64)
         try:
@@ -621,16 +613,6 @@ def _add_notifs(into: dict[str, list[bytes]], new: dict) -> None:
     """Append NIXL's notifications (agent name, as bytes or str -> messages) to ``into``."""
     for agent, messages in new.items():
         into.setdefault(agent.decode() if isinstance(agent, bytes) else agent, []).extend(messages)
-
-
-def chop(ranges: CopyRanges, pieces: int) -> CopyRanges:
-    """The same bytes as at least ``pieces`` ranges: each range cut into parts of ``total // pieces`` bytes, in order."""
-    size = max(1, ranges.nbytes // pieces)
-    counts = -(-ranges.length // size)
-    which = np.repeat(np.arange(ranges.length.size), counts)
-    offset = (np.arange(which.size) - np.repeat(np.cumsum(counts) - counts, counts)) * size
-    return CopyRanges(ranges.src[which] + offset, ranges.dst[which] + offset,
-                      np.minimum(size, ranges.length[which] - offset))
 
 
 def default_threads() -> int:
