@@ -1,13 +1,15 @@
 """Transfer engines: LocalEngine host copies and NixlEngine writes between processes, byte for byte, with deadlines."""
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import multiprocessing as mp
 import os
 import signal
 import time
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, NamedTuple
 
 import numpy as np
 import pytest
@@ -418,35 +420,52 @@ def test_nixl_notify_after_earlier_writes_goes_out_once_they_landed_and_never_af
         peer_proc.stop()
 
 
-@needs_nixl
-def test_writes_queued_behind_a_busy_one_share_one_transfer_and_land_byte_for_byte():
-    """A layer-at-a-time producer outrunning the engine: queued writes go as one transfer, the notice after all."""
+class _Pair(NamedTuple):
+    spec: CacheSpec
+    blocks: int
+    src: Cache
+    engine: Any
+    remote: Any
+    peer: Receiver
+
+
+@contextlib.contextmanager
+def big_pair() -> Iterator[_Pair]:
+    """A one-thread NIXL engine over a 64 MiB cache (a write of it all keeps the engine busy) and a receiver process."""
     from kvcache.transfer.nixl import NixlEngine
-    from kvcache.transfer.regions import copy_ranges
 
     spec = CacheSpec(num_layers=4, num_kv_heads=8, head_dim=128, block_size=64)
-    blocks = (64 << 20) // spec.bytes_per_block  # a first write of 64 MiB keeps the worker busy
+    blocks = (64 << 20) // spec.bytes_per_block
     peer_proc = Receiver(spec, blocks, seed=3)
     try:
         src = Cache(spec, blocks, seed=2)
         with NixlEngine("prefill", threads=0) as engine:
             remote = engine.connect(peer_proc.endpoint).regions[0]
             engine.register(src.region)
-            ids = np.arange(blocks)
-            handles = [engine.write(src.region, ids[1:], remote, ids[1:])]
-            small = [engine.submit(copy_ranges(src.region, ids[:1], remote, ids[:1], layers=[layer]), remote.owner,
-                                   src.region, remote, notify=b"done" if layer == spec.num_layers - 1 else b"",
-                                   after=handles[:] if layer == spec.num_layers - 1 else ())
-                     for layer in range(spec.num_layers)]
-            handles += small
-            assert [h.wait() for h in handles] == [TransferStatus.DONE] * len(handles), [h.error for h in handles]
-            assert engine.merged_writes >= 1, "the small writes queued behind the big one should have merged"
-            assert max(h.done_ns for h in handles[:-1]) <= small[-1].done_ns
-            got = np.frombuffer(peer_proc.call("dump"), dtype=np.uint8)
-            assert np.array_equal(got, Cache(spec, blocks, seed=3).expect_copy(src, ids, ids))
-            assert peer_proc.call("notifications") == {"prefill": [b"done"]}
+            yield _Pair(spec, blocks, src, engine, remote, peer_proc)
     finally:
         peer_proc.stop()
+
+
+@needs_nixl
+def test_writes_queued_behind_a_busy_one_share_one_transfer_and_land_byte_for_byte():
+    """A layer-at-a-time producer outrunning the engine: queued writes go as one transfer, the notice after all."""
+    from kvcache.transfer.regions import copy_ranges
+
+    with big_pair() as (spec, blocks, src, engine, remote, peer_proc):
+        ids = np.arange(blocks)
+        handles = [engine.write(src.region, ids[1:], remote, ids[1:])]
+        small = [engine.submit(copy_ranges(src.region, ids[:1], remote, ids[:1], layers=[layer]), remote.owner,
+                               src.region, remote, notify=b"done" if layer == spec.num_layers - 1 else b"",
+                               after=handles[:] if layer == spec.num_layers - 1 else ())
+                 for layer in range(spec.num_layers)]
+        handles += small
+        assert [h.wait() for h in handles] == [TransferStatus.DONE] * len(handles), [h.error for h in handles]
+        assert engine.merged_writes >= 1, "the small writes queued behind the big one should have merged"
+        assert max(h.done_ns for h in handles[:-1]) <= small[-1].done_ns
+        got = np.frombuffer(peer_proc.call("dump"), dtype=np.uint8)
+        assert np.array_equal(got, Cache(spec, blocks, seed=3).expect_copy(src, ids, ids))
+        assert peer_proc.call("notifications") == {"prefill": [b"done"]}
 
 
 @needs_nixl
@@ -583,31 +602,21 @@ def test_an_idle_nixl_engine_leaves_the_cpu_alone_and_close_ends_its_threads(pro
 @needs_nixl
 def test_an_inline_write_posts_from_the_caller_when_idle_and_queues_in_order_behind_others():
     """submit(inline=True) posts in the calling thread on an idle engine; behind a queued write it waits its turn."""
-    from kvcache.transfer.nixl import NixlEngine
     from kvcache.transfer.regions import copy_ranges
 
-    spec = CacheSpec(num_layers=4, num_kv_heads=8, head_dim=128, block_size=64)
-    blocks = (64 << 20) // spec.bytes_per_block  # a first write of 64 MiB keeps the worker busy
-    peer_proc = Receiver(spec, blocks, seed=3)
-    try:
-        src = Cache(spec, blocks, seed=2)
-        with NixlEngine("prefill", threads=0) as engine:
-            remote = engine.connect(peer_proc.endpoint).regions[0]
-            engine.register(src.region)
-            ids = np.arange(blocks)
-            alone = engine.submit(copy_ranges(src.region, ids[:1], remote, ids[:1], layers=[0]), remote.owner,
-                                  src.region, remote, notify=b"alone", inline=True)
-            assert alone.picked_ns and alone.posted_ns, "an idle engine's inline write is posted before submit returns"
-            assert alone.wait() is TransferStatus.DONE, alone.error
-            assert peer_proc.call("notifications") == {"prefill": [b"alone"]}
+    with big_pair() as (spec, blocks, src, engine, remote, peer_proc):
+        ids = np.arange(blocks)
+        alone = engine.submit(copy_ranges(src.region, ids[:1], remote, ids[:1], layers=[0]), remote.owner,
+                              src.region, remote, notify=b"alone", inline=True)
+        assert alone.picked_ns and alone.posted_ns, "an idle engine's inline write is posted before submit returns"
+        assert alone.wait() is TransferStatus.DONE, alone.error
+        assert peer_proc.call("notifications") == {"prefill": [b"alone"]}
 
-            big = engine.write(src.region, ids[1:], remote, ids[1:])
-            last = engine.submit(copy_ranges(src.region, ids[:1], remote, ids[:1], layers=[1, 2, 3]), remote.owner,
-                                 src.region, remote, notify=b"last", after=[big], inline=True)
-            assert [big.wait(), last.wait()] == [TransferStatus.DONE] * 2, (big.error, last.error)
-            assert big.picked_ns <= last.picked_ns and big.done_ns <= last.done_ns
-            got = np.frombuffer(peer_proc.call("dump"), dtype=np.uint8)
-            assert np.array_equal(got, Cache(spec, blocks, seed=3).expect_copy(src, ids, ids))
-            assert peer_proc.call("notifications") == {"prefill": [b"alone", b"last"]}
-    finally:
-        peer_proc.stop()
+        big = engine.write(src.region, ids[1:], remote, ids[1:])
+        last = engine.submit(copy_ranges(src.region, ids[:1], remote, ids[:1], layers=[1, 2, 3]), remote.owner,
+                             src.region, remote, notify=b"last", after=[big], inline=True)
+        assert [big.wait(), last.wait()] == [TransferStatus.DONE] * 2, (big.error, last.error)
+        assert big.picked_ns <= last.picked_ns and big.done_ns <= last.done_ns
+        got = np.frombuffer(peer_proc.call("dump"), dtype=np.uint8)
+        assert np.array_equal(got, Cache(spec, blocks, seed=3).expect_copy(src, ids, ids))
+        assert peer_proc.call("notifications") == {"prefill": [b"alone", b"last"]}
