@@ -134,10 +134,7 @@ class DaemonMetrics:
             return
         counter, seconds, in_transfer = self._pd
         for outcome, total in pd.totals.items():
-            grown = total - self._pd_last.get(outcome, 0)
-            if grown:
-                counter.labels(outcome).inc(grown if grown > 0 else total)
-                self._pd_last[outcome] = total
+            _follow(counter.labels(outcome), self._pd_last, outcome, total)
         while pd.durations:
             seconds.observe(pd.durations.popleft())
         in_transfer.set(len(pd.transfers))
@@ -171,13 +168,16 @@ class DaemonMetrics:
 
     def _count_totals(self, stats: ManagerStats) -> None:
         """Add to each counter what the manager's total grew by since the last update."""
-        last = self._last
         for field, counter in self._totals:
-            total = getattr(stats, field)
-            grown = total - last[field]
-            if grown:
-                counter.inc(grown if grown > 0 else total)
-                last[field] = total
+            _follow(counter, self._last, field, getattr(stats, field))
+
+
+def _follow(counter: Counter, last: dict[str, int], key: str, total: int) -> None:
+    """Add to ``counter`` what ``total`` grew by since ``last[key]``; a total that went back is a reset (a new source)."""
+    grown = total - last.get(key, 0)
+    if grown:
+        counter.inc(grown if grown > 0 else total)
+        last[key] = total
 
 
 class SubscriberCounter:
