@@ -102,26 +102,11 @@ class _Mirror:
             return view
         return self.views[req]
 
-    def append_column(self, req: Any, length: int, vals: np.ndarray) -> np.ndarray | None:
-        """A decode step's delta: ``req``'s table gains column ``length - 1`` holding ``vals`` (one per row).
-
-        Basic indexing instead of ``apply``'s fancy indexing; None (nothing
-        changed) when the delta is not that shape or the buffer is full.
-        """
-        view = self.views.get(req)
-        if view is None or view.shape[1] != length - 1:
-            return None
-        buf, ro = self._buffers[req]
-        if length > buf.shape[1]:
-            return None
-        buf[:, length - 1] = vals
-        view = self.views[req] = ro[:, :length]
-        return view
-
     def append_columns(self, reqs: list[Any], lengths: list[int], vals: np.ndarray) -> list[np.ndarray] | None:
-        """``append_column`` for distinct requests at once (a decode step's deltas): one C call writes every column.
+        """A decode step's deltas: each of ``reqs`` (distinct) gains column ``lengths[j] - 1`` holding ``vals[:, j]``.
 
-        Returns their views, or None (nothing changed) unless each is that shape.
+        One C call writes every column (no fancy indexing). Returns their views, or None
+        (nothing changed) unless each delta is that shape.
         """
         views = self.views
         bufs = []
@@ -517,9 +502,9 @@ class CacheClient:
                 if req in views:  # else admitted by another client: fetched whole below
                     a, b = offsets[k], offsets[k + 1]
                     # Most changes in a decode step are one new last column: the cheap path first.
-                    table = (mirror.append_column(req, length, vals[:, a])
-                             if b - a == 1 and col_of[a] == length - 1 else None)
-                    out[j] = table if table is not None else mirror.apply(req, length, cols[a:b], vals[:, a:b])
+                    tables = (mirror.append_columns([req], [length], vals[:, a:b])
+                              if b - a == 1 and col_of[a] == length - 1 else None)
+                    out[j] = tables[0] if tables else mirror.apply(req, length, cols[a:b], vals[:, a:b])
         if lens.size and int(lens.min()) < 0:
             for j in np.flatnonzero(lens < 0).tolist():
                 out[j] = None
