@@ -22,7 +22,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -166,34 +166,36 @@ def prefill_worker(conn: Any, cfg: dict[str, Any], rank: int) -> None:
     sig = LayerSignal.create(signal_of(cfg, rank), spec.num_layers, replace=True)
     heads = rank_heads(spec.num_kv_heads, spec.tp_size, rank)
     with sig, PrefillLink(cfg["prefill"], region, sig, rank, timeout=cfg["timeout"], progress=cfg["progress"]) as link:
-        conn.send(("ready", None))
-        while True:
-            command, payload = conn.recv()
-            if command == "stop":
-                return
-            if command == "read":
-                conn.send(("read", cache.read(np.asarray(payload, dtype=np.int64))))
-                continue
-            if command == "posted":
-                conn.send(("posted", link.messager.posted_bytes.get(payload, 0)))
-                continue
-            if command == "sent_ns":
-                conn.send(("sent_ns", link.messager.sent_ns.get(payload, {})))
-                continue
-            if command == "probe":
-                conn.send(("probe", probe(link, region, *payload)))
-                continue
+        def step(payload: Any) -> StepTimes:
             # items: (req, tokens, table, first token to compute[, stop token, last chunk]); the table is a
             # uniform one's row, or a head-wise table [kv heads, blocks]; without a stop, the step computes the
             # rest of the prompt (every block of the table)
             items, layer_delay, compute = payload
             items = [(*item, item[2].shape[-1] * spec.block_size, True) if len(item) == 4 else item for item in items]
-            step = sig.begin_step()
-            link.run_step(step, [Chunk(req, stop, last) for req, _, _, _, stop, last in items])
+            number = sig.begin_step()
+            link.run_step(number, [Chunk(req, stop, last) for req, _, _, _, stop, last in items])
             with cache.computing() as stream:
                 run_layers(cache, spec, sig, heads, items, layer_delay, compute, stream)
             done = sig.layer_times().done_ns
-            conn.send(("stepped", StepTimes(int(done[0]), int(done[spec.num_layers - 1]))))
+            return StepTimes(int(done[0]), int(done[spec.num_layers - 1]))
+
+        conn.send(("ready", None))
+        answer_commands(conn, {
+            "read": lambda ids: cache.read(np.asarray(ids, dtype=np.int64)),
+            "posted": lambda req: link.messager.posted_bytes.get(req, 0),
+            "sent_ns": lambda req: link.messager.sent_ns.get(req, {}),
+            "probe": lambda args: probe(link, region, *args),
+            "step": step,
+        })
+
+
+def answer_commands(conn: Any, answers: dict[str, Callable[[Any], Any]]) -> None:
+    """A worker process's loop: ``(command, payload)`` in, ``(command, answers[command](payload))`` out, until stop."""
+    while True:
+        command, payload = conn.recv()
+        if command == "stop":
+            return
+        conn.send((command, answers[command](payload)))
 
 
 def run_layers(cache: Cache, spec: CacheSpec, sig: Any, heads: range, items: list, layer_delay: float, compute: bool,
@@ -271,14 +273,10 @@ def decode_worker(conn: Any, cfg: dict[str, Any], rank: int) -> None:
     region = KVRegion.from_tensors(spec, cache.layers)
     with DecodeLink(cfg["decode"], region, rank, timeout=cfg["timeout"], progress=cfg["progress"]) as link:
         conn.send(("ready", link.receiver.endpoint))
-        while True:
-            command, payload = conn.recv()
-            if command == "stop":
-                return
-            if command == "read":
-                conn.send(("read", cache.read(np.asarray(payload, dtype=np.int64))))
-            elif command == "received_ns":
-                conn.send(("received_ns", dict(link.receiver.received_ns)))
+        answer_commands(conn, {
+            "read": lambda ids: cache.read(np.asarray(ids, dtype=np.int64)),
+            "received_ns": lambda _: dict(link.receiver.received_ns),
+        })
 
 
 class Worker:
@@ -412,7 +410,7 @@ class Cluster:
         """
         for w in self.prefill_workers:
             w.send("step", (items, layer_delay, compute))
-        times = [w._reply("stepped", 120.0) for w in self.prefill_workers]
+        times = [w._reply("step", 120.0) for w in self.prefill_workers]
         return StepTimes(min(t.first_ns for t in times), max(t.last_ns for t in times))
 
     def read(self, workers: list[Worker], table: np.ndarray) -> list[np.ndarray]:

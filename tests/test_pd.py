@@ -98,7 +98,7 @@ def test_a_killed_decode_node_fails_the_transfer_on_the_prefill_side_within_its_
         cluster.kill_decode()
         killed = time.monotonic()
         for w in cluster.prefill_workers:
-            w._reply("stepped", 30)
+            w._reply("step", 30)
         done, failed = wait_outcomes(prefill, set(prompts), timeout + 5)
         assert not done and set(failed) == set(prompts), (done, failed)
         assert time.monotonic() - killed < timeout + 3
