@@ -500,15 +500,12 @@ class TransferManager:
         if any(s is TransferStatus.PENDING for s in statuses):
             return False
         del self._offloads[job]
-        r, c = np.nonzero(off.src >= 0)
-        srcs = off.src[r, c]
-        mine = self._src_job[r, srcs] == job
-        self._src_job[r[mine], srcs[mine]] = -1
+        _unmark(self._src_job, off.src, job)
         worst = _worst(statuses)
         keep = ~off.dropped if worst is TransferStatus.DONE else np.zeros(off.cols.size, dtype=bool)
         if worst is not TransferStatus.DONE:
-            error = next((h.error for h in off.handles if h.error), worst.value)
-            log.warning("host tier: offload of %d blocks %s: %s", off.cols.size, worst.value, error)
+            log.warning("host tier: offload of %d blocks %s: %s", off.cols.size, worst.value,
+                        _first_error(off.handles, worst))
         gone = off.host_ids[~keep]
         if gone.size:
             self._index.remove(np.repeat(np.arange(self._rows), gone.size), np.tile(gone, self._rows))
@@ -537,19 +534,16 @@ class TransferManager:
         if any(s is TransferStatus.PENDING for s in statuses):
             return False
         del self._loads[job]
-        r, c = np.nonzero(load.dst >= 0)
-        dsts = load.dst[r, c]
-        mine = self._dst_job[r, dsts] == job
-        self._dst_job[r[mine], dsts[mine]] = -1
+        rows, dsts = _unmark(self._dst_job, load.dst, job)
         self._pool.decref(np.zeros(load.host_ids.size, dtype=np.intp), load.host_ids, unique=True)
         worst = _worst(statuses)
         if worst is TransferStatus.DONE:
             self._counts["loaded"] += int(load.host_ids.size)
         else:
-            error = next((h.error for h in load.handles if h.error), worst.value)
-            log.warning("host tier: load of %d blocks for %r %s: %s", load.nblocks, load.owner, worst.value, error)
+            log.warning("host tier: load of %d blocks for %r %s: %s", load.nblocks, load.owner, worst.value,
+                        _first_error(load.handles, worst))
             self._counts["failed"] += 1
-            self.manager.drop_cached(r, dsts)
+            self.manager.drop_cached(rows, dsts)
             for rid, jobs in self._waits.items():
                 if job in jobs and rid not in self._failed:
                     self._failed.append(rid)
@@ -596,3 +590,17 @@ def _worst(statuses: Any) -> TransferStatus:
         if status in seen:
             return status
     return TransferStatus.DONE
+
+
+def _first_error(handles: Any, worst: TransferStatus) -> str:
+    """The first error a job's per-layer handles report, else the worst status's name (for the log)."""
+    return next((h.error for h in handles if h.error), worst.value)
+
+
+def _unmark(marks: np.ndarray, table: np.ndarray, job: int) -> tuple[np.ndarray, np.ndarray]:
+    """Clear the (row, block) pairs of ``table`` (-1 = none) that ``marks`` still gives to ``job``; returns all its pairs."""
+    r, c = np.nonzero(table >= 0)
+    ids = table[r, c]
+    mine = marks[r, ids] == job
+    marks[r[mine], ids[mine]] = -1
+    return r, ids
