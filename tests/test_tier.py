@@ -179,6 +179,14 @@ def fill_gpu(tier: Tier, count: int = 1, base: int = 10_000) -> None:
             tier.manager.free(rid)
 
 
+def only_on_host(tier: Tier, prompt: list[int], fills: int = 1) -> None:
+    """Compute ``prompt`` as request "a", free it, wait until its blocks are on host, then evict them from the GPU."""
+    tier.admit("a", prompt)
+    tier.manager.free("a")
+    assert tier.tm.drain(10)
+    fill_gpu(tier, fills)
+
+
 # --------------------------------------------------------------------------- evict -> host hit -> identical bytes
 
 
@@ -375,10 +383,7 @@ def test_timed_out_load_forgets_its_gpu_blocks_and_names_the_request(tiers) -> N
     spec = make_spec()
     tier = tiers(spec, num_blocks=8, host_blocks=8)
     prompt = list(range(1, 10))
-    tier.admit("a", prompt)
-    tier.manager.free("a")
-    tier.tm.drain(10)
-    fill_gpu(tier, 2)
+    only_on_host(tier, prompt, fills=2)
     tier.manager.take_events()
     tier.tm._in.timeout = 1e-9  # the load engine's deadline: real expiry, nothing stubbed
     admission = tier.manager.admit("b", prompt)
@@ -607,10 +612,7 @@ def test_a_hit_on_blocks_still_loading_waits_for_that_load(tiers) -> None:
     spec = make_spec()
     tier = tiers(spec, num_blocks=16, host_blocks=16)
     prompt = list(range(1, 14))
-    tier.admit("a", prompt)
-    tier.manager.free("a")
-    assert tier.tm.drain(10)
-    fill_gpu(tier)
+    only_on_host(tier, prompt)
     busy = occupy(tier.tm._in)
     b = tier.manager.admit("b", prompt)
     c = tier.manager.admit("c", prompt)
@@ -631,10 +633,7 @@ def test_a_request_freed_while_loading_is_not_reused_mid_copy(tiers) -> None:
     spec = make_spec()
     tier = tiers(spec, num_blocks=8, host_blocks=8)
     prompt = list(range(1, 14))
-    tier.admit("a", prompt)
-    tier.manager.free("a")
-    assert tier.tm.drain(10)
-    fill_gpu(tier)
+    only_on_host(tier, prompt)
     busy = occupy(tier.tm._in)
     tier.manager.admit("b", prompt)
     assert tier.tm.stats().pending_loads == 1
