@@ -27,7 +27,7 @@ from kvcache.allocator.errors import KVCacheError
 from kvcache.auth import CurveConfig, secure_client_socket
 from kvcache.allocator.manager import Admission
 from kvcache.allocator.pool import Usage
-from kvcache.pd import Outcomes, Reservation
+from kvcache.pd import Outcomes, Reservation, Sending
 from kvcache.protocol import PROTOCOL_VERSION, pack, unpack
 
 _MAX_REPLY_BYTES = 1 << 31
@@ -311,7 +311,8 @@ class CacheClient:
         """As KVCacheManager.admit; ``slot`` names the engine's batch slot (default: the daemon picks).
 
         ``dest`` (a ``--role prefill`` daemon) sends the request's KV to a decode node:
-        ``Reservation.dest(decode_endpoint)`` of the decode daemon's ``reserve``.
+        ``Reservation.dest(decode_endpoint)`` of the decode daemon's ``reserve``; the result is then a
+        ``Sending``, whose ``plan`` the prefill workers can take with the step.
         """
         return self._single(self.batch().admit(request_id, prompt_tokens, cache_salt=cache_salt, lora=lora, mm=mm,
                                                num_tokens=num_tokens, slot=slot, dest=dest))
@@ -549,6 +550,8 @@ class CacheClient:
             table = self._mirror.put(op["req"], raw["table"])
             if kind == "reserve":
                 return Reservation(raw["cached"], table, raw["num_tokens"], tuple(raw["receivers"]))
+            if "plan" in raw:
+                return Sending(raw["cached"], table, raw["num_tokens"], raw["plan"])
             return Admission(raw["cached"], table, raw["num_tokens"])
         if kind == "extend":
             if raw is None:

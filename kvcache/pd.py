@@ -37,6 +37,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from kvcache.allocator.errors import KVCacheError
+from kvcache.allocator.manager import Admission
 from kvcache.protocol import ProtocolError, check_int, check_request_id, show
 
 ROLES = ("both", "prefill", "decode")
@@ -66,6 +67,22 @@ class Reservation(NamedTuple):
         if timeout is not None:
             out["timeout"] = timeout
         return out
+
+
+class Sending(Admission):
+    """A prefill daemon's admit with ``dest``: the admission, plus ``plan``, what its messagers write where.
+
+    ``plan`` is what the ``plans`` op returns for the request. A scheduler that hands it to the
+    prefill workers with the step (``PrefillLink.run_step(..., plans=...)``) saves them asking the
+    daemon after the step has begun (vLLM's connector metadata travels the same way).
+    """
+
+    plan: dict[str, Any]
+
+    def __new__(cls, num_cached_tokens: int, table: np.ndarray, num_tokens: int, plan: dict[str, Any]) -> Sending:
+        self = super().__new__(cls, num_cached_tokens, table, num_tokens)
+        self.plan = plan
+        return self
 
 
 class Outcomes(NamedTuple):

@@ -170,10 +170,11 @@ def prefill_worker(conn: Any, cfg: dict[str, Any], rank: int) -> None:
             # items: (req, tokens, table, first token to compute[, stop token, last chunk]); the table is a
             # uniform one's row, or a head-wise table [kv heads, blocks]; without a stop, the step computes the
             # rest of the prompt (every block of the table)
-            items, layer_delay, compute = payload
+            # plans: by request, the plans their prefill admits returned (the others' the messager fetches)
+            items, layer_delay, compute, plans = payload
             items = [(*item, item[2].shape[-1] * spec.block_size, True) if len(item) == 4 else item for item in items]
             number = sig.begin_step()
-            link.run_step(number, [Chunk(req, stop, last) for req, _, _, _, stop, last in items])
+            link.run_step(number, [Chunk(req, stop, last) for req, _, _, _, stop, last in items], plans)
             with cache.computing() as stream:
                 run_layers(cache, spec, sig, heads, items, layer_delay, compute, stream)
             done = sig.layer_times().done_ns
@@ -403,13 +404,14 @@ class Cluster:
     # ----------------------------------------------------------------- requests
 
     def step(self, items: list[tuple[Any, np.ndarray, np.ndarray, int]], layer_delay: float = 0.0,
-             compute: bool = True) -> StepTimes:
+             compute: bool = True, plans: dict[Any, dict[str, Any]] | None = None) -> StepTimes:
         """Run one prefill step on every prefill rank; returns its earliest first and latest last layer signals.
 
-        ``layer_delay`` seconds of "compute" follow each layer; ``compute=False`` writes no KV (benchmarks).
+        ``layer_delay`` seconds of "compute" follow each layer; ``compute=False`` writes no KV (benchmarks);
+        ``plans`` go with the step (``Sending.plan`` by request), else the messagers fetch them.
         """
         for w in self.prefill_workers:
-            w.send("step", (items, layer_delay, compute))
+            w.send("step", (items, layer_delay, compute, plans))
         times = [w._reply("step", 120.0) for w in self.prefill_workers]
         return StepTimes(min(t.first_ns for t in times), max(t.last_ns for t in times))
 
@@ -504,8 +506,12 @@ def table_of(placed: Any) -> np.ndarray:
 
 
 def run_batch(cluster: Cluster, proxy: Any, prompts: dict[Any, np.ndarray], *, layer_delay: float = 0.0,
-              timeout: float = 30.0) -> dict[str, Any]:
-    """Submit, prefill, transfer and check one batch of concurrent requests; the decode side frees them after."""
+              timeout: float = 30.0, hand_plans: bool = True) -> dict[str, Any]:
+    """Submit, prefill, transfer and check one batch of concurrent requests; the decode side frees them after.
+
+    ``hand_plans``: the step carries the plans the prefill admits returned, as a scheduler would
+    (else the messagers fetch them from the prefill daemon).
+    """
     t0 = time.perf_counter()
     submitted = {}
     for req, tokens in prompts.items():
@@ -515,7 +521,8 @@ def run_batch(cluster: Cluster, proxy: Any, prompts: dict[Any, np.ndarray], *, l
         submitted[req] = placed
     items = [(req, tokens, table_of(submitted[req][1]), submitted[req][1].num_cached_tokens)
              for req, tokens in prompts.items()]
-    last_signal_ns = cluster.step(items, layer_delay).last_ns
+    plans = {req: placed[1].plan for req, placed in submitted.items()} if hand_plans else None
+    last_signal_ns = cluster.step(items, layer_delay, plans=plans).last_ns
     ready, failed = wait_outcomes(proxy.decode, set(prompts), timeout)
     sent, failed_p = wait_outcomes(proxy.prefill, set(prompts), timeout)
     elapsed = time.perf_counter() - t0

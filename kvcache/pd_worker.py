@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from kvcache.auth import CurveConfig
 from kvcache.client import CacheClient, DaemonError
@@ -77,8 +78,11 @@ class PrefillLink:
         self.rank = rank
         self.failures: list[tuple[Any, str]] = []  # what this rank saw fail (also reported to both daemons)
 
-    def run_step(self, step: int, reqs: Sequence[Any]) -> None:
-        self.messager.run_step(step, reqs)
+    def run_step(self, step: int, reqs: Sequence[Any], plans: Mapping[Any, dict[str, Any]] | None = None) -> None:
+        """Send step ``step``'s layers of ``reqs``; ``plans`` maps requests to the plan their prefill admit returned
+        (``Sending.plan``, handed to the worker with the step), else the messager fetches it from the daemon."""
+        given = {req: TransferPlan.from_wire(plan) for req, plan in (plans or {}).items()}
+        self.messager.run_step(step, reqs, given)
 
     def close(self) -> None:
         self.messager.close()

@@ -698,6 +698,8 @@ class CacheServer:
                                        time.monotonic(), dest)
                         if op.kind == "reserve":
                             result["receivers"] = list(self._pd.receivers)
+                        else:  # the scheduler may hand it to the workers with the step: no plans round trip
+                            result["plan"] = self._plans([op.req])[0]
                     results.append(result)
                 elif op.kind == "extend":
                     table = m.extend(op.req, op.tokens, num_computed_tokens=op.number)
@@ -775,11 +777,7 @@ class CacheServer:
         if op.kind == "pd_poll":
             return pd.poll(client), []
         if op.kind == "plans":
-            plans = pd.plans(fields["reqs"])
-            for plan in plans:
-                if plan is not None:
-                    plan["src_table"] = self.manager.table(plan["req"]).copy()
-            return plans, []
+            return self._plans(fields["reqs"]), []
         if op.req not in pd.transfers:  # ended earlier in this message
             return {"error": f"request {op.req!r} is no longer in transfer"}, []
         if op.kind in ("received", "sent"):
@@ -788,6 +786,14 @@ class CacheServer:
             return True, pd.cancel(op.req, fields["release"])
         log.warning("transfer of %r failed: %s", op.req, fields["error"])
         return True, pd.fail(op.req, fields["error"])
+
+    def _plans(self, reqs: list[Any]) -> list[dict[str, Any] | None]:
+        """What the prefill messagers write for each request: PDState's plans plus this node's table (the source)."""
+        plans = self._pd.plans(reqs)
+        for plan in plans:
+            if plan is not None and not plan.get("cancelled"):
+                plan["src_table"] = self.manager.table(plan["req"]).copy()
+        return plans
 
     def _extend_many(self, op: _Op, changes: _Changes) -> dict[str, Any]:
         """Apply a batch of extends; the result lists every table's length and the changed ones' deltas.

@@ -35,11 +35,12 @@ def assert_nothing_held(prefill: CacheClient, decode: CacheClient, within: float
 
 
 @needs_nixl
-@pytest.mark.parametrize("progress", ["thread", "poll"])
-def test_concurrent_requests_with_prefix_hits_on_either_side_arrive_byte_for_byte(progress):
+@pytest.mark.parametrize("progress, hand_plans", [("thread", True), ("poll", False)])
+def test_concurrent_requests_with_prefix_hits_on_either_side_arrive_byte_for_byte(progress, hand_plans):
     """Four concurrent prompts of 37 to 1,000 tokens, then prefix hits on both nodes, on prefill only, on decode only.
 
-    Either NIXL's progress thread drives UCX in both workers, or their engines' worker threads do.
+    Either NIXL's progress thread drives UCX in both workers, or their engines' worker threads do;
+    the plans go with the step, or the messagers fetch them.
     """
     from kvcache.pd_worker import PDProxy
 
@@ -49,7 +50,7 @@ def test_concurrent_requests_with_prefix_hits_on_either_side_arrive_byte_for_byt
         for name, prompts, clear in scenario(np.random.default_rng(1), cluster.spec.block_size):
             if clear:
                 (prefill if clear == "prefill" else decode).reset_prefix_cache()
-            result = run_batch(cluster, proxy, prompts)
+            result = run_batch(cluster, proxy, prompts, hand_plans=hand_plans)
             assert result["problems"] == [], name
             hits_d, hits_p = result["decode_cached"], result["prefill_cached"]
             if name == "fresh prompts":
@@ -93,7 +94,7 @@ def test_a_killed_decode_node_fails_the_transfer_on_the_prefill_side_within_its_
         placed = {r: proxy.submit(r, t) for r, t in prompts.items()}
         items = [(r, t, np.asarray(placed[r][1].table)[0].copy(), 0) for r, t in prompts.items()]
         for w in cluster.prefill_workers:
-            w.send("step", (items, 0.2, True))  # 1.2 s of "compute"
+            w.send("step", (items, 0.2, True, None))  # 1.2 s of "compute"
         time.sleep(0.5)
         cluster.kill_decode()
         killed = time.monotonic()
@@ -134,6 +135,28 @@ def test_a_cancelled_request_is_reported_to_both_schedulers_and_released_at_once
 
 
 @needs_nixl
+def test_a_request_cancelled_after_its_plan_went_with_the_step_is_released_once_the_messager_reports():
+    """The messager cannot see a cancel it was never asked about: it writes, and both sides release on its word."""
+    from kvcache.pd_worker import PDProxy
+
+    with Cluster(layers=3, kv_heads=2, head_dim=32, timeout=30.0) as cluster:
+        prefill, decode = clients(cluster)
+        proxy = PDProxy(prefill, decode)
+        tokens = np.random.default_rng(7).integers(0, 50_000, 300)
+        reservation, admission = proxy.submit("h", tokens)
+        proxy.cancel("h")
+        start = time.monotonic()
+        cluster.step([("h", tokens, np.asarray(admission.table)[0].copy(), 0)], plans={"h": admission.plan})
+        _, failed = wait_outcomes(decode, {"h"}, 10)
+        _, failed_p = wait_outcomes(prefill, {"h"}, 10)
+        assert failed == failed_p == {"h": "cancelled"}
+        assert_nothing_held(prefill, decode, within=5.0)
+        assert time.monotonic() - start < 10  # on the reports, not at the 30 s deadline
+        assert cluster.prefill_workers[0].call("posted", "h") > 0  # it was written: the plan said where
+        assert decode.lookup(tokens) == 0
+
+
+@needs_nixl
 def test_a_decode_side_cancel_mid_transfer_keeps_the_blocks_until_the_writes_stop():
     """Blocks still being written must not be handed to anyone else: released only once the prefill side is done."""
     from kvcache.pd_worker import PDProxy
@@ -165,7 +188,7 @@ def test_a_prefill_worker_that_dies_fails_the_request_on_both_sides_at_the_deadl
         tokens = np.random.default_rng(6).integers(0, 50_000, 300)
         _, admission = proxy.submit("w", tokens)
         worker = cluster.prefill_workers[0]
-        worker.send("step", ([("w", tokens, np.asarray(admission.table)[0].copy(), 0)], 0.5, True))
+        worker.send("step", ([("w", tokens, np.asarray(admission.table)[0].copy(), 0)], 0.5, True, None))
         time.sleep(0.3)
         worker.process.kill()
         start = time.monotonic()
@@ -213,6 +236,32 @@ def test_pd_ops_refuse_bad_input_naming_the_field_and_change_nothing(daemon):
         assert list(c.pd_poll().done) == ["a"]
         c.free("a")
         assert c.usage.max == 0.0
+
+
+def test_a_prefill_admit_with_a_destination_returns_the_plan_the_plans_op_gives(daemon):
+    """Sending.plan is what the messagers would fetch: source = the admission's table, destination = the reservation's."""
+    from kvcache.pd import Sending
+
+    d = daemon("--num-blocks", "32", "--block-size", "16", "--role", "decode")
+    p = daemon("--num-blocks", "32", "--block-size", "16", "--role", "prefill", "--transfer-timeout", "9")
+    with CacheClient(d.endpoint) as dc, CacheClient(p.endpoint) as pc:
+        dc.attach(0, "tcp://127.0.0.1:1")
+        dc.reserve("seed", np.arange(40))
+        dc.received("seed", 0)
+        reservation = dc.reserve("a", np.arange(70))  # hits seed's 2 full blocks on decode
+        assert reservation.num_cached_tokens == 32
+        sending = pc.admit("a", np.arange(70), dest=reservation.dest(d.endpoint))
+        assert isinstance(sending, Sending) and sending.num_tokens == 70
+        fetched, = pc.plans(["a"])
+        for plan in (sending.plan, fetched):
+            assert plan["req"] == "a" and plan["first_block"] == 2 and plan["decode"] == d.endpoint
+            assert plan["receivers"] == ["tcp://127.0.0.1:1"]
+            assert np.array_equal(plan["src_table"], sending.table)
+            assert np.array_equal(plan["table"], reservation.table)
+            assert 0 < plan["deadline_s"] <= 9
+        assert type(pc.admit("b", np.arange(20))) is not Sending  # no destination, no plan
+        pc.cancel("a")
+        assert pc.plans(["a"]) == [{"req": "a", "cancelled": True, "decode": d.endpoint}]
 
 
 def test_a_reservation_survives_a_daemon_restart_from_its_journal(daemon, tmp_path):

@@ -15,7 +15,8 @@ finished::
 
     worker (prefill rank p)       CacheMessager p                      CacheReceiver d (decode rank d)
     step = signal.begin_step()
-    messager.run_step(step, reqs) -> plans(reqs) from the control plane
+    messager.run_step(step, reqs,    plans: handed over with the step,
+                      plans)         else plans(reqs) from the control plane
     for layer:                       wait(layer, step) -> DONE
         attention; write KV          write layer's blocks to each d --> (data lands in d's region)
         send_cache(None, sig, layer) last layer: notification      ----> notifications() -> all writers in:
@@ -33,7 +34,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgpack
@@ -186,13 +187,17 @@ class CacheMessager:
         self._completer.start()
         self._closed = False
 
-    def run_step(self, step: int, reqs: Sequence[Any]) -> None:
-        """The worker is about to write step ``step``'s layers for ``reqs``: request ids (whole prompts) or Chunks."""
+    def run_step(self, step: int, reqs: Sequence[Any], plans: Mapping[Any, TransferPlan] | None = None) -> None:
+        """The worker is about to write step ``step``'s layers for ``reqs``: request ids (whole prompts) or Chunks.
+
+        ``plans`` (by request) are plans the scheduler handed over with the step (``Sending.plan``):
+        those requests skip ``fetch_plans``, a control-plane round trip after the step has begun.
+        """
         if self._closed:
             raise KVCacheError("the messager is closed")
         chunks = [r if isinstance(r, Chunk) else Chunk(r, 1 << 62, True) for r in reqs]
         if chunks:
-            self._steps.put((step, chunks))
+            self._steps.put((step, chunks, dict(plans or {})))
 
     def close(self) -> None:
         """Stop both threads (steps in progress fail at their deadline or now). Idempotent."""
@@ -211,23 +216,25 @@ class CacheMessager:
             item = self._steps.get()
             if item is _STOP:
                 return
-            step, chunks = item
+            step, chunks, given = item
             try:
-                self._send_step(step, chunks)
+                self._send_step(step, chunks, given)
             except Exception as exc:  # a bug or a broken control plane: fail the step's requests, keep serving
                 log.exception("messager %d: step %d failed", self.rank, step)
                 for chunk in chunks:
                     self._progress.pop(chunk.req, None)
                     self._fail(chunk.req, f"messager error: {type(exc).__name__}: {exc}", None)
 
-    def _send_step(self, step: int, chunks: list[Chunk]) -> None:
+    def _send_step(self, step: int, chunks: list[Chunk], given: dict[Any, TransferPlan]) -> None:
         timings = {"start_ns": time.monotonic_ns()}
         now = time.monotonic()
         for req in [r for r, p in self._progress.items() if now >= p.deadline]:  # never finished: give up
             del self._progress[req]
             self._fail(req, "the prompt's last chunk never came before the deadline", None)
         try:
-            plans = list(self.fetch_plans([c.req for c in chunks]))
+            missing = [c.req for c in chunks if c.req not in given]
+            fetched = dict(zip(missing, self.fetch_plans(missing))) if missing else {}
+            plans = [given[c.req] if c.req in given else fetched[c.req] for c in chunks]
         except Exception as exc:
             for chunk in chunks:
                 self._progress.pop(chunk.req, None)
