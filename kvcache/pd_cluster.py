@@ -225,14 +225,15 @@ def run_layers(cache: Cache, spec: CacheSpec, sig: Any, heads: range, items: lis
             time.sleep(layer_delay)
 
 
-def probe(link: Any, region: Any, src: np.ndarray, dst: np.ndarray, receivers: tuple[str, ...], repeat: int
-          ) -> dict[str, Any]:
+def probe(link: Any, region: Any, src: np.ndarray, dst: np.ndarray, receivers: tuple[str, ...], repeat: int,
+          batch: int = 1) -> dict[str, Any]:
     """Limits measured on the messager's own path: one layer's write alone, and all its bytes as one descriptor.
 
     Each a write posted and waited for, into decode rank 0's region, 2 x ``repeat`` times: one
-    layer's median and best, the one-descriptor write's best. Also every layer's ranges as one
-    write (best), and how long each kind's transfer() call took (median): with the raw write,
-    they split the pipeline's cost into per transfer, per range and per byte.
+    layer's median and best, the one-descriptor write's best, and the best of one descriptor of
+    ``batch`` times the request's bytes. Also every layer's ranges as one write (best), and how
+    long each kind's transfer() call took (median): with the raw write, they split the pipeline's
+    cost into per transfer, per range and per byte.
     """
     from kvcache.transfer.messager import TransferPlan
     from kvcache.transfer.regions import CopyRanges
@@ -244,13 +245,15 @@ def probe(link: Any, region: Any, src: np.ndarray, dst: np.ndarray, receivers: t
     every = messager._ranges(plan, d, remote, list(range(region.num_layers)))
     total = every.nbytes
     lo, hi = region.extents(), remote.extents()
-    assert lo.length[0] >= total and hi.length[0] >= total, "caches are not one buffer each"
+    assert lo.length[0] >= batch * total and hi.length[0] >= batch * total, "caches are not one buffer each"
     one = CopyRanges(lo.addr[:1], hi.addr[:1], np.array([total], dtype=np.int64))
+    many = CopyRanges(lo.addr[:1], hi.addr[:1], np.array([batch * total], dtype=np.int64))
 
-    times: dict[str, list[float]] = {"layer": [], "every": [], "raw": []}
-    posts: dict[str, list[float]] = {"layer": [], "every": [], "raw": []}
+    kinds = (("layer", layer), ("every", every), ("raw", one), ("raw_batch", many))
+    times: dict[str, list[float]] = {name: [] for name, _ in kinds}
+    posts: dict[str, list[float]] = {name: [] for name, _ in kinds}
     for _ in range(2):  # alternate, so all see the same machine
-        for name, ranges in (("layer", layer), ("every", every), ("raw", one)):
+        for name, ranges in kinds:
             for _ in range(repeat):
                 start = time.monotonic_ns()
                 handle = link.engine.submit(ranges, agent, region, remote, deadline=time.monotonic() + 60)
@@ -260,8 +263,8 @@ def probe(link: Any, region: Any, src: np.ndarray, dst: np.ndarray, receivers: t
                 assert status.value == "done", handle.error
     return {"layer_s": float(np.median(times["layer"])), "layer_best_s": min(times["layer"]),
             "layer_bytes": layer.nbytes, "layer_ranges": layer.num_ranges, "raw_s": min(times["raw"]), "raw_bytes": total,
-            "every_s": min(times["every"]), "every_ranges": every.num_ranges,
-            "post_s": {name: float(np.median(v)) for name, v in posts.items()}}
+            "every_s": min(times["every"]), "every_ranges": every.num_ranges, "raw_batch_s": min(times["raw_batch"]),
+            "post_s": {name: float(np.median(v)) for name, v in posts.items() if name != "raw_batch"}}
 
 
 def decode_worker(conn: Any, cfg: dict[str, Any], rank: int) -> None:
