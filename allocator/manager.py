@@ -406,7 +406,7 @@ class KVCacheManager:
             return None
         if hit is not None:
             self._pool.incref(self._group_col, hit, unique=True)
-        allocation = self._pool.allocate(num_new)
+        allocation = self._pool.allocate(num_new, ascending=True)  # a prompt's blocks side by side: longer copies
         assert allocation is not None, "allocation failed after the free-block check"
         self._forget(allocation.evicted_rows, allocation.evicted_blocks)
         capacity = _grow(num_blocks, 4)

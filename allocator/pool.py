@@ -172,13 +172,24 @@ class BlockPool:
 
     # ----------------------------------------------------------------- actions
 
-    def allocate(self, n: int, rows: np.ndarray | None = None) -> Allocation | None:
+    def allocate(self, n: int, rows: np.ndarray | None = None, *, ascending: bool = False) -> Allocation | None:
         """Take ``n`` blocks in each of ``rows`` (None: all rows) with refcount 1.
 
         Per row: pop the free stack (LIFO), then evict from the LRU ring
         (oldest first). Returns None and changes nothing if any row has fewer
-        than ``n`` allocatable blocks.
+        than ``n`` allocatable blocks. ``ascending`` sorts each row's blocks:
+        for one request's table, so neighbours in memory sit side by side in it
+        and every transfer of them (PD writes, host-tier copies) merges them
+        into fewer, longer ranges (without it, blocks freed together come back
+        in reverse).
         """
+        allocation = self._take(n, rows)
+        if ascending and allocation is not None and n > 1:
+            allocation.blocks.sort(axis=1)  # a fresh array on every path
+        return allocation
+
+    def _take(self, n: int, rows: np.ndarray | None) -> Allocation | None:
+        """``allocate``'s blocks in pop order."""
         self._check_n(n)
         if rows is None and self._rows == 1:
             return self._allocate_row(0, n)

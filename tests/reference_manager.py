@@ -102,12 +102,13 @@ class ReferenceManager:
                 if not self.index[h]:
                     del self.index[h]
 
-    def _allocate(self, n: int) -> list[list[int]]:
+    def _allocate(self, n: int, ascending: bool = False) -> list[list[int]]:
+        """``n`` blocks per row in pop order, or sorted (an admit's: its blocks side by side)."""
         out = []
         for row, pool in enumerate(self.pools):
             blocks, evicted = pool.allocate(n)
             self._evict(row, evicted)
-            out.append(blocks)
+            out.append(sorted(blocks) if ascending else blocks)
         return out
 
     def _register(self, req: Req, upto: int) -> None:
@@ -158,7 +159,7 @@ class ReferenceManager:
             for b in hit_table[row]:
                 if b >= 0:
                     pool.incref(b)
-        new = self._allocate(num_blocks - hit)
+        new = self._allocate(num_blocks - hit, ascending=True)
         req = Req(tokens=list(prompt[:covered]), table=[hit_table[r] + new[r] for r in range(len(self.rows))],
                   num_hashed=hit, salt=salt)
         self.reqs[rid] = req

@@ -38,6 +38,20 @@ def test_fresh_admit_allocates_blocks_in_order():
     m.check_integrity()
 
 
+@pytest.mark.parametrize("caching", [False, True])
+def test_a_prompt_gets_its_blocks_in_ascending_order_also_when_they_were_freed_in_any_order(caching):
+    """Reused blocks come back sorted (the stack and the LRU ring would hand them out reversed or mixed)."""
+    m = make_manager(num_blocks=14, enable_prefix_caching=caching)
+    for rid, n in (("a", 14), ("b", 9), ("c", 23)):  # 4 + 3 + 6 of the 14 blocks
+        m.admit(rid, tokens(n, 1000 * len(rid) + n))
+    m.free("b")
+    m.free("a")
+    m.free("c")
+    table = m.admit("d", tokens(52, 50_000)).table[0]
+    assert sorted(table.tolist()) == table.tolist() and len(set(table.tolist())) == 13
+    m.check_integrity()
+
+
 def test_extend_allocates_only_when_a_block_fills():
     m = make_manager()
     m.admit("a", tokens(7))
@@ -242,8 +256,8 @@ def test_eviction_is_lru_among_unreferenced_cached_blocks():
     m.free("a")                        # released 2, then 1, 0 into the LRU
     m.free("b")                        # released 5, then 4, 3
     adm = m.admit("c", tokens(9, 500))
-    # Uncached free blocks 5 and 2 (LIFO), then the oldest cached block: a's tail, block 1.
-    assert adm.table.tolist() == [[5, 2, 1]]
+    # Uncached free blocks 5 and 2, then the oldest cached block: a's tail, block 1; the table has them sorted.
+    assert adm.table.tolist() == [[1, 2, 5]]
     assert m.lookup(tokens(9)) == 4     # a's chain lost its second block, keeps the first
     assert m.lookup(tokens(9, 100)) == 8
     m.check_integrity()

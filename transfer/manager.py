@@ -394,7 +394,7 @@ class TransferManager:
         cols = np.flatnonzero(wanted)[: int(self._pool.num_free()[0])]
         if cols.size == 0:
             return
-        allocation = self._pool.allocate(cols.size)
+        allocation = self._pool.allocate(cols.size, ascending=True)  # neighbours side by side: longer copies
         assert allocation is not None, "host allocation failed after the free-block check"
         if allocation.evicted_blocks.size:
             self._evict_host(allocation.evicted_blocks)
