@@ -25,6 +25,7 @@ Per layer, per rank, for ``num_blocks`` blocks of ``block_size`` tokens::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 from enum import Enum
@@ -254,6 +255,9 @@ class CacheSpec:
 
     def tensors(self) -> tuple[TensorSpec, ...]:
         """The per-layer cache tensors one rank allocates, each of shape ``(num_blocks, *block_shape)``."""
+        return _tensors_of(self)  # a spec is immutable; transfers ask for its tensors on every write
+
+    def _tensors(self) -> tuple[TensorSpec, ...]:
         q, bs, heads = self.quant, self.block_size, self.kv_heads_per_rank
         assert self.head_dim is not None and self.head_dim_v is not None or q.is_mla
         if q is QuantType.MLA:
@@ -364,3 +368,8 @@ def _load_config(config: str | Path | Mapping[str, Any]) -> Mapping[str, Any]:
         merged.update(text)
         return merged
     return cfg
+
+
+@functools.lru_cache(maxsize=1024)
+def _tensors_of(spec: CacheSpec) -> tuple[TensorSpec, ...]:
+    return spec._tensors()

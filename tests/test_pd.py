@@ -55,6 +55,8 @@ def test_concurrent_requests_with_prefix_hits_on_either_side_arrive_byte_for_byt
             hits_d, hits_p = result["decode_cached"], result["prefill_cached"]
             if name == "fresh prompts":
                 assert set(hits_d.values()) == set(hits_p.values()) == {0}
+                stamps = [cluster.prefill_workers[0].call("sent_ns", req) for req in prompts]
+                assert len({s["posted"] for s in stamps}) == 1 and stamps[0]["posted"] > 0  # one closing write for all
             elif name == "prefix hits on both nodes":
                 assert all(hits_d[r] == hits_p[r] > 0 for r in prompts)
             elif name == "prefix hits on prefill only":

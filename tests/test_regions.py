@@ -306,3 +306,36 @@ def test_a_region_over_one_buffer_lays_out_layers_then_tensors_then_blocks(quant
     region = KVRegion.from_buffer(spec, 5, buffer.ctypes.data, keep=(buffer,))
     assert np.array_equal(region.addrs, KVRegion.from_tensors(spec, views).addrs)
     assert region.extents().nbytes == buffer.nbytes == spec.cache_bytes(5)
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data(), units=st.integers(1, 40), parts=st.integers(1, 4))
+def test_joined_copies_move_the_same_bytes_as_their_parts_in_no_more_ranges(data, units, parts):
+    """Disjoint unit-sized copies split among parts: one joined copy writes the same destination, merged."""
+    from kvcache.transfer.regions import CopyRanges
+
+    unit = 4
+    src_units = data.draw(st.permutations(range(units)))
+    dst_units = data.draw(st.permutations(range(units)))
+    cuts = sorted(data.draw(st.lists(st.integers(0, units), min_size=parts - 1, max_size=parts - 1)))
+    bounds = [0, *cuts, units]
+    pieces = [CopyRanges(np.array(src_units[a:b], dtype=np.int64) * unit, np.array(dst_units[a:b], dtype=np.int64) * unit,
+                         np.full(b - a, unit, dtype=np.int64)) for a, b in zip(bounds, bounds[1:])]
+    source = np.arange(units * unit, dtype=np.uint8)
+
+    def apply(copies: list[CopyRanges]) -> np.ndarray:
+        out = np.zeros_like(source)
+        for c in copies:
+            for s, d, n in zip(c.src.tolist(), c.dst.tolist(), c.length.tolist()):
+                out[d:d + n] = source[s:s + n]
+        return out
+
+    joined = CopyRanges.joined(pieces)
+    assert np.array_equal(apply([joined]), apply(pieces))
+    assert joined.nbytes == units * unit and joined.num_ranges <= units
+    if parts == 1:
+        assert joined is pieces[0]
+        return
+    assert np.all(np.diff(joined.src) > 0)  # in source order
+    if src_units == dst_units == list(range(units)):
+        assert joined.num_ranges == 1  # neighbours on both sides: one range

@@ -109,6 +109,16 @@ class _Progress:
     deadline: float
 
 
+class _Closing(NamedTuple):
+    """A request's last write to one decode rank, waiting to go out with the step's others to the same rank."""
+
+    plan: TransferPlan
+    progress: _Progress
+    d: int
+    remote: KVRegion
+    ranges: CopyRanges
+
+
 def writers_of(num_kv_heads: int, prefill_tp: int, decode_tp: int, decode_rank: int) -> frozenset[int]:
     """The prefill ranks that write to ``decode_rank``: the receiver waits for one notification from each."""
     return frozenset(r.src for r in head_routes(num_kv_heads, prefill_tp, decode_tp) if r.dst == decode_rank)
@@ -146,8 +156,9 @@ def split_by_layer(spans: LayerSpans | None, ranges: CopyRanges) -> tuple[CopyRa
     return CopyRanges(ranges.src[sort], ranges.dst[sort], ranges.length[sort]), starts
 
 
-def _notice(req: Any, rank: int, tp: int) -> bytes:
-    return msgpack.packb({"req": req, "src": rank, "tp": tp}, use_bin_type=True)
+def _notice(reqs: list[Any], rank: int, tp: int) -> bytes:
+    """What a receiver hears when prefill rank ``rank`` (of ``tp``) finished writing ``reqs`` to it."""
+    return msgpack.packb({"reqs": reqs, "src": rank, "tp": tp}, use_bin_type=True)
 
 
 class CacheMessager:
@@ -300,6 +311,7 @@ class CacheMessager:
             layer = upto + 1
             if upto == last:
                 timings["last_signal_ns"] = time.monotonic_ns()
+            closing: dict[str, list[_Closing]] = {}  # decode agent -> the last writes to it
             for i, (plan, chunk, progress, lo, hi, remotes) in enumerate(active):
                 if lo >= hi:
                     continue
@@ -313,19 +325,14 @@ class CacheMessager:
                         ranges = ahead.get((i, d)) if len(layers) == 1 else None
                         if ranges is None:
                             ranges = self._ranges(plan, d, remote, layers, lo, hi)
-                    handles = progress.handles[d]
-                    notify = b""
-                    if chunk.last and upto == last:
-                        # The notice goes with the last write: NIXL carries it on that write when the earlier
-                        # ones have landed by the time it is posted, else the engine's worker sends it the
-                        # moment the last of them lands (no hand-off to the completion thread).
-                        notify = _notice(plan.req, self.rank, self.region.spec.tp_size)
-                        notified.add((plan.req, d))
-                    # The write that carries the notice ends the tail: post it from here when the engine is idle.
-                    handles.append(self.engine.submit(ranges, progress.agents[d], self.region, remote,
-                                                      deadline=plan.deadline, notify=notify,
-                                                      after=list(handles) if notify else (), inline=bool(notify)))
                     self.posted_bytes[plan.req] = self.posted_bytes.get(plan.req, 0) + ranges.nbytes
+                    if chunk.last and upto == last:
+                        closing.setdefault(progress.agents[d], []).append(_Closing(plan, progress, d, remote, ranges))
+                        continue
+                    progress.handles[d].append(self.engine.submit(ranges, progress.agents[d], self.region, remote,
+                                                                  deadline=plan.deadline))
+            for parts in closing.values():
+                self._close(parts, notified)
         timings["posted_ns"] = time.monotonic_ns()
         self.last_step_ns = timings
         while len(self.posted_bytes) > 4096:
@@ -335,6 +342,25 @@ class CacheMessager:
                 del self._progress[plan.req]
                 pending = {progress.agents[d]: (hs, (plan.req, d) not in notified) for d, hs in progress.handles.items()}
                 self._finishing.put((plan, pending, timings))
+
+    def _close(self, parts: list[_Closing], notified: set[tuple[Any, int]]) -> None:
+        """Post the last writes of requests whose prompts end in this step, to one decode rank, as one write.
+
+        It carries one notice naming them all: NIXL sends it with the write when the requests'
+        earlier writes have landed by the time it is posted, else the engine's worker sends it the
+        moment the last of them lands (no hand-off to the completion thread). One write of all the
+        step's requests costs one transfer() call, which UCX's workers post in parallel. The write
+        that carries the notice ends the tail, so it is posted from here when the engine is idle.
+        """
+        reqs = [p.plan.req for p in parts]
+        first = parts[0]
+        handle = self.engine.submit(
+            CopyRanges.joined([p.ranges for p in parts]), first.progress.agents[first.d], self.region, first.remote,
+            deadline=min(p.plan.deadline for p in parts), notify=_notice(reqs, self.rank, self.region.spec.tp_size),
+            after=[h for p in parts for h in p.progress.handles[p.d]], inline=True)
+        for p in parts:
+            p.progress.handles[p.d].append(handle)
+            notified.add((p.plan.req, p.d))
 
     def _check_rows(self, plan: TransferPlan) -> None:
         """Both tables uniform (one row) or both head-wise (one row per kv head); else the request fails."""
@@ -418,7 +444,7 @@ class CacheMessager:
                     stamps["landed"] = max(stamps["landed"], getattr(h, "done_ns", 0))
                 if notify and not errors:  # every write to this rank landed: say so
                     try:
-                        self.engine.notify(agent, _notice(plan.req, self.rank, self.region.spec.tp_size))
+                        self.engine.notify(agent, _notice([plan.req], self.rank, self.region.spec.tp_size))
                         stamps["notified"] = time.monotonic_ns()
                     except KVCacheError as exc:
                         errors.append(str(exc))
@@ -487,7 +513,9 @@ class CacheReceiver:
     def _note(self, message: bytes) -> None:
         try:
             note = msgpack.unpackb(message, raw=False)
-            req, src, tp = note["req"], int(note["src"]), int(note["tp"])
+            reqs, src, tp = note["reqs"], int(note["src"]), int(note["tp"])
+            if not isinstance(reqs, list):
+                raise TypeError(f"reqs is a {type(reqs).__name__}, not a list")
             writers = self._writers.get(tp)
             if writers is None:
                 spec = self.region.spec
@@ -495,17 +523,18 @@ class CacheReceiver:
         except Exception as exc:
             log.warning("receiver %d: ignoring a malformed notification (%s)", self.rank, exc)
             return
-        _, seen = self._partial.setdefault(req, (time.monotonic(), set()))
-        seen.add(src)
-        if seen >= writers:
-            del self._partial[req]
-            self.received_ns[req] = time.monotonic_ns()
-            if len(self.received_ns) > 4096:
-                self.received_ns.pop(next(iter(self.received_ns)))
-            try:
-                self.on_received(req)
-            except Exception:
-                log.exception("receiver %d: reporting %r received failed", self.rank, req)
+        for req in reqs:
+            _, seen = self._partial.setdefault(req, (time.monotonic(), set()))
+            seen.add(src)
+            if seen >= writers:
+                del self._partial[req]
+                self.received_ns[req] = time.monotonic_ns()
+                if len(self.received_ns) > 4096:
+                    self.received_ns.pop(next(iter(self.received_ns)))
+                try:
+                    self.on_received(req)
+                except Exception:
+                    log.exception("receiver %d: reporting %r received failed", self.rank, req)
 
     def _prune(self) -> None:
         now = time.monotonic()

@@ -69,6 +69,16 @@ class CopyRanges(NamedTuple):
     def num_ranges(self) -> int:
         return int(self.length.size)
 
+    @classmethod
+    def joined(cls, parts: Sequence[CopyRanges]) -> CopyRanges:
+        """Several copies as one: a single part as it is; more in source order, neighbours merged where both sides continue."""
+        if len(parts) == 1:
+            return parts[0]
+        src, dst, length = (np.concatenate([getattr(p, f) for p in parts]) for f in cls._fields)
+        order = np.argsort(src, kind="stable")
+        (src, dst), length = _merge((src[order], dst[order]), length[order])
+        return cls(src, dst, length)
+
 
 class TensorInfo(NamedTuple):
     """What registration needs to know of one framework tensor: where it is and how it is laid out."""
