@@ -153,11 +153,24 @@ class DecodeLink:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _received(self, req: Any) -> None:
+    def _received(self, reqs: list[Any]) -> None:
+        """Tell the decode daemon, in one message, that these requests landed on this rank."""
+        client = self._clients.get(self.endpoint)
+        batch = client.batch()
+        for req in reqs:
+            batch.op("received", req=req, rank=self.rank)
         try:
-            self._clients.get(self.endpoint).received(req, self.rank)
-        except DaemonError as exc:  # cancelled or failed meanwhile
-            log.info("decode daemon refused received(%r): %s", req, exc)
+            results = batch.send()
+        except DaemonError:  # one no longer in transfer refuses the message: report them one by one
+            results = []
+            for req in reqs:
+                try:
+                    results.append(client.received(req, self.rank))
+                except DaemonError as exc:
+                    results.append(exc)
+        for req, result in zip(reqs, results):
+            if isinstance(result, DaemonError):  # cancelled or failed meanwhile
+                log.info("decode daemon refused received(%r): %s", req, result)
 
 
 class PDProxy:

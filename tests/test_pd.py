@@ -266,6 +266,30 @@ def test_a_prefill_admit_with_a_destination_returns_the_plan_the_plans_op_gives(
         assert pc.plans(["a"]) == [{"req": "a", "cancelled": True, "decode": d.endpoint}]
 
 
+@needs_nixl
+def test_a_receivers_batch_report_lands_every_request_still_in_transfer_when_one_is_gone(daemon):
+    """The receiver reports a poll's requests in one message; one no longer in transfer must not sink the rest."""
+    from kvcache.pd_cluster import Cache, spec_of
+    from kvcache.pd_worker import DecodeLink
+    from kvcache.transfer import KVRegion
+
+    d = daemon("--num-blocks", "32", "--block-size", "16", "--role", "decode")
+    cfg = dict(layers=2, kv_heads=2, head_dim=16, block_size=16)
+    spec = spec_of(cfg, 1)
+    region = KVRegion.from_tensors(spec, Cache(spec, 32, "cpu").layers)
+    with DecodeLink(d.endpoint, region, 0) as link, CacheClient(d.endpoint) as c:
+        for req in ("a", "b", "c"):
+            c.reserve(req, np.arange(40) + 100 * ord(req))
+        c.transfer_failed("b", "prefill rank 0: gone")
+        link._received(["a", "b", "c"])
+        outcome = c.pd_poll()
+        assert set(outcome.done) == {"a", "c"} and set(outcome.failed) == {"b"}
+        link._received(["a"])  # reported twice (a retry): refused, logged, nothing breaks
+        for req in ("a", "c"):
+            c.free(req)
+        assert c.usage.max == 0.0
+
+
 def test_a_reservation_survives_a_daemon_restart_from_its_journal(daemon, tmp_path):
     """kill -9 the decode daemon while a request is arriving: restarted, it still holds and completes it."""
     flags = ("--num-blocks", "32", "--block-size", "16", "--role", "decode", "--journal", str(tmp_path / "j"))

@@ -20,7 +20,7 @@ finished::
     for layer:                       wait(layer, step) -> DONE
         attention; write KV          write layer's blocks to each d --> (data lands in d's region)
         send_cache(None, sig, layer) last layer: notification      ----> notifications() -> all writers in:
-                                     on_sent(req)                           on_received(req)
+                                     on_sent(req)                           on_received(reqs)
 
 Control-plane callbacks (where plans come from, whom to tell) are plain callables, so this module
 does no daemon I/O of its own; ``kvcache.pd_worker`` wires them to the daemons. Every wait has a
@@ -467,12 +467,13 @@ class CacheMessager:
 class CacheReceiver:
     """A decode rank's side: registers its cache with NIXL, serves its metadata, and reports requests that landed.
 
-    ``on_received(req)`` runs (on the receiver's thread) once every prefill rank that writes to
-    this rank has notified that its writes of ``req`` are done. Partial counts older than
+    ``on_received(reqs)`` runs (on the receiver's thread) with the requests for which every prefill
+    rank that writes to this rank has notified that its writes are done: all that one poll of the
+    notifications completed, so a step's batch is reported in one call. Partial counts older than
     ``stale_after`` seconds (a sender that failed half way) are dropped.
     """
 
-    def __init__(self, engine: NixlEngine, region: KVRegion, rank: int, *, on_received: Callable[[Any], None],
+    def __init__(self, engine: NixlEngine, region: KVRegion, rank: int, *, on_received: Callable[[list[Any]], None],
                  endpoint: str = "tcp://127.0.0.1:*", poll_interval: float = 2e-4, stale_after: float = 600.0) -> None:
         spec = region.spec
         if not 0 <= rank < spec.tp_size:
@@ -505,12 +506,16 @@ class CacheReceiver:
                 time.sleep(idle)
                 continue
             idle = 0.0
-            for messages in notes.values():
-                for message in messages:
-                    self._note(message)
+            complete = [req for messages in notes.values() for message in messages for req in self._note(message)]
+            if complete:
+                try:
+                    self.on_received(complete)
+                except Exception:
+                    log.exception("receiver %d: reporting %r received failed", self.rank, complete)
             self._prune()
 
-    def _note(self, message: bytes) -> None:
+    def _note(self, message: bytes) -> list[Any]:
+        """Count one notification; the requests it completed."""
         try:
             note = msgpack.unpackb(message, raw=False)
             reqs, src, tp = note["reqs"], int(note["src"]), int(note["tp"])
@@ -522,7 +527,8 @@ class CacheReceiver:
                 writers = self._writers[tp] = writers_of(spec.num_kv_heads, tp, spec.tp_size, self.rank)
         except Exception as exc:
             log.warning("receiver %d: ignoring a malformed notification (%s)", self.rank, exc)
-            return
+            return []
+        complete = []
         for req in reqs:
             _, seen = self._partial.setdefault(req, (time.monotonic(), set()))
             seen.add(src)
@@ -531,10 +537,8 @@ class CacheReceiver:
                 self.received_ns[req] = time.monotonic_ns()
                 if len(self.received_ns) > 4096:
                     self.received_ns.pop(next(iter(self.received_ns)))
-                try:
-                    self.on_received(req)
-                except Exception:
-                    log.exception("receiver %d: reporting %r received failed", self.rank, req)
+                complete.append(req)
+        return complete
 
     def _prune(self) -> None:
         now = time.monotonic()
