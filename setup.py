@@ -33,6 +33,12 @@ EXTENSIONS: list[Extension] = [
         extra_compile_args=["-O3", "-std=gnu11", "-Wall", "-Wextra"],
         libraries=["dl", "rt"],
     ),
+    # The merged byte ranges of a block-to-block KV copy (PD writes), built in one pass.
+    Extension(
+        "kvcache.transfer._ranges",
+        ["transfer/_ranges.c"],
+        extra_compile_args=["-O3", "-std=gnu11", "-Wall", "-Wextra"],
+    ),
     # Host memcpy over a whole list of KV byte ranges in one call, without the GIL.
     Extension(
         "kvcache.transfer._copy",

@@ -448,49 +448,40 @@ def _triples(r):
 
 
 @pytest.mark.parametrize("prefill_tp", [1, 2])
-def test_split_by_layer_gives_each_layer_exactly_the_ranges_built_for_it_alone(prefill_tp):
-    """All layers' ranges built at once and split by layer equal each layer's own, for every route (TP 2 -> 1 too)."""
+@pytest.mark.parametrize("layout", ["layer-major", "block-major"])
+def test_a_messagers_layer_ranges_give_each_layer_exactly_the_ranges_built_for_it_alone(prefill_tp, layout):
+    """Every layer's ranges built at once equal each layer's own, for every route to the rank (TP 2 -> 1 too),
+
+    also where layers interleave in memory (block-major), and none reaches into another layer."""
     from kvcache.allocator import CacheSpec
     from kvcache.transfer.heads import head_routes, route_ranges
-    from kvcache.transfer.messager import layer_spans, split_by_layer
+    from kvcache.transfer.messager import CacheMessager, TransferPlan
 
     layers, rng = 5, np.random.default_rng(3)
-    src = _buffer_region(CacheSpec(num_layers=layers, num_kv_heads=4, head_dim=32, block_size=16, tp_size=prefill_tp), 40)
-    dst = _buffer_region(CacheSpec(num_layers=layers, num_kv_heads=4, head_dim=32, block_size=16, tp_size=1), 50)
+    spec = CacheSpec(num_layers=layers, num_kv_heads=4, head_dim=32, block_size=16, tp_size=prefill_tp)
+    dspec = CacheSpec(num_layers=layers, num_kv_heads=4, head_dim=32, block_size=16, tp_size=1)
+    tensors = len(spec.tensors())
+
+    def region(s: CacheSpec, blocks: int):
+        if layout == "layer-major":
+            return _buffer_region(s, blocks)
+        bb = s.bytes_per_block_per_layer // tensors  # block b of layer l, tensor t at ((b * layers + l) * tensors + t) * bb
+        inner = np.arange(layers * tensors, dtype=np.int64).reshape(layers, tensors) * bb
+        return _buffer_region(s, blocks, inner, block_strides=layers * tensors * bb)
+
+    src, dst = region(spec, 40), region(dspec, 50)
     sb, db = rng.permutation(40)[:20], rng.permutation(50)[:20]
-    db[3] = -1  # a block the decode side had: moves nothing
-    routes = [r for r in head_routes(4, prefill_tp, 1) if r.src == 0]
-
-    def build(ls):
-        parts = [route_ranges(src, sb, dst, db, r, layers=ls) for r in routes]
-        return [np.concatenate([getattr(p, f) for p in parts]) for f in ("src", "dst", "length")]
-
-    split = split_by_layer(layer_spans(src), CopyRanges(*build(list(range(layers)))))
-    assert split is not None
-    every, starts = split
+    sb[:6], db[:6] = np.arange(6), np.arange(10, 16)  # a run of neighbours on both sides: merged within a layer
+    db[7] = -1  # a block the decode side had: moves nothing
+    plan = TransferPlan("r", sb[None], db[None], 0, ("tcp://x:1",), time.monotonic() + 60)
+    messager = CacheMessager.__new__(CacheMessager)  # only its range building: no engine, no threads
+    messager.region, messager.rank, messager._routes = src, 0, {}
+    every, starts = messager._layer_ranges(plan, 0, dst, 0, None)
     assert starts[0] == 0 and starts[-1] == every.num_ranges and np.all(np.diff(starts) > 0)
+    routes = [r for r in head_routes(4, prefill_tp, 1) if r.src == 0]
     for layer in range(layers):
         part = CopyRanges(*(a[starts[layer]:starts[layer + 1]] for a in every))
-        assert _triples(part) == _triples(CopyRanges(*build([layer]))), layer
-
-
-def test_split_by_layer_refuses_layers_that_share_memory_or_ranges_merged_across_layers():
-    """Layers interleaved in memory, or every block of every layer in order (one range across layers): no split."""
-    from kvcache.allocator import CacheSpec
-    from kvcache.transfer.heads import head_routes, route_ranges
-    from kvcache.transfer.messager import layer_spans, split_by_layer
-
-    spec = CacheSpec(num_layers=3, num_kv_heads=2, head_dim=32, block_size=16)
-    route = head_routes(2, 1, 1)[0]
-    tensors, bb = len(spec.tensors()), spec.bytes_per_block_per_layer // len(spec.tensors())
-    # block-major: block b of layer l, tensor t at ((b * layers + l) * tensors + t) * bb; layers interleave
-    inner = np.arange(3 * tensors, dtype=np.int64).reshape(3, tensors) * bb
-    interleaved = _buffer_region(spec, 8, inner, block_strides=3 * tensors * bb)
-    assert layer_spans(interleaved) is None
-    assert split_by_layer(layer_spans(interleaved), route_ranges(interleaved, [0], interleaved, [1], route)) is None
-
-    whole = _buffer_region(spec, 8)
-    ids = np.arange(8)
-    merged = route_ranges(whole, ids, whole, ids, route)
-    assert merged.num_ranges == 1  # every layer's blocks in order are one stretch of memory
-    assert split_by_layer(layer_spans(whole), merged) is None
+        alone = [route_ranges(src, sb, dst, db, r, layers=[layer]) for r in routes]
+        assert _triples(part) == sorted(t for r in alone for t in _triples(r)), layer
+        if prefill_tp == 1 and layout == "layer-major":  # whole blocks, tensors apart: the run of 6 is one range
+            assert part.num_ranges == (19 - 5) * tensors

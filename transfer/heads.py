@@ -20,9 +20,10 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from kvcache.allocator.errors import KVCacheError
-from kvcache.transfer.regions import CopyRanges, KVRegion, _layer_ids, _merge
+from kvcache.transfer import _ranges
+from kvcache.transfer.regions import CopyRanges, KVRegion, _layer_ids
 
-__all__ = ["Route", "head_routes", "rank_heads", "route_ranges"]
+__all__ = ["Route", "head_routes", "rank_heads", "route_layer_ranges", "route_ranges"]
 
 
 class Route(NamedTuple):
@@ -105,6 +106,23 @@ def route_ranges(src: KVRegion, src_blocks: Any, dst: KVRegion, dst_blocks: Any,
     moves nothing (a window head's block it does not keep). Ranges come in (layer, tensor, block,
     head) order, merged where both sides continue.
     """
+    return _build(src, src_blocks, dst, dst_blocks, route, layers, per_layer=False)[0]
+
+
+def route_layer_ranges(src: KVRegion, src_blocks: Any, dst: KVRegion, dst_blocks: Any, route: Route,
+                       layers: Any = None) -> tuple[CopyRanges, np.ndarray]:
+    """``route_ranges`` merged only within a layer, and where each layer's ranges start.
+
+    The k-th of ``layers`` (default all) owns ranges ``starts[k]:starts[k + 1]``, so a messager
+    can post any run of finished layers without carrying one that has not finished, whatever the
+    cache's layout in memory.
+    """
+    return _build(src, src_blocks, dst, dst_blocks, route, layers, per_layer=True)
+
+
+def _build(src: KVRegion, src_blocks: Any, dst: KVRegion, dst_blocks: Any, route: Route, layers: Any,
+           per_layer: bool) -> tuple[CopyRanges, np.ndarray]:
+    """The checked block pairs of ``route``, laid out per (layer, tensor) and merged in C (``_ranges``)."""
     unit = _check_pair(src, dst)
     sb = np.asarray(src_blocks, dtype=np.int64)
     db = np.asarray(dst_blocks, dtype=np.int64)
@@ -129,13 +147,18 @@ def route_ranges(src: KVRegion, src_blocks: Any, dst: KVRegion, dst_blocks: Any,
     if head_wise:  # one range per (block, head), block-major so a block's neighbouring heads merge
         col, head = np.nonzero(keep.T)
         sb, db, per = sb[head, col], db[head, col], 1
+        head = head.astype(np.int64)
     else:
         sb, db, head, per = sb[keep], db[keep], np.zeros(int(keep.sum()), dtype=np.int64), route.count
     ids = _layer_ids(layers, src.num_layers)
-    parts = []
-    for region, blocks, row in ((src, sb, route.src_row), (dst, db, route.dst_row)):
-        base = region.addrs[ids][:, :, None] + (unit[None, :, None] * (row + head)[None, None, :])
-        parts.append((base + blocks[None, None, :] * region.block_strides[ids][:, :, None]).ravel())
-    length = np.broadcast_to((unit * per)[None, :, None], (ids.size, unit.size, sb.size)).ravel()
-    (s, d), n = _merge((parts[0], parts[1]), length)
-    return CopyRanges(s, d, n)
+    tensors = unit.size
+    units = ids.size * tensors
+    each = np.tile(unit, ids.size)  # per (layer, tensor) unit, layer-major
+    out = np.empty((3, units * sb.size), dtype=np.int64)
+    starts = np.empty(ids.size + 1 if per_layer else 2, dtype=np.int64)
+    n = _ranges.pair_ranges(
+        (src.addrs[ids] + unit * route.src_row).ravel(), np.ascontiguousarray(src.block_strides[ids]).ravel(),
+        (dst.addrs[ids] + unit * route.dst_row).ravel(), np.ascontiguousarray(dst.block_strides[ids]).ravel(),
+        each, each * per, np.ascontiguousarray(sb), np.ascontiguousarray(db), np.ascontiguousarray(head),
+        tensors if per_layer else max(units, 1), out[0], out[1], out[2], starts)
+    return CopyRanges(out[0, :n].copy(), out[1, :n].copy(), out[2, :n].copy()), starts

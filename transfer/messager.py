@@ -5,8 +5,8 @@ worker runs, it is told the step and the requests it prefills, wakes on each lay
 (``send_cache``) and writes that layer's blocks of every request past the decode side's cached
 prefix straight into the decode ranks' blocks, re-slicing heads when the two TP sizes differ
 (``kvcache.transfer.heads``); layers that finished while it was still posting earlier ones go out
-together, as one write. While it waits for a layer, it builds that layer's ranges, so the write is
-queued within microseconds of the signal. The last layer's write to each decode rank carries the
+together, as one write. Before the first signal it builds every layer's ranges (in C, merged within
+each layer), so a write is queued within microseconds of its signal. The last layer's write to each decode rank carries the
 NIXL notification, ordered after every earlier write of the request (``NixlEngine.submit(after=...)``):
 it rides on that write when the earlier ones have landed by then (the pipelined case), else the
 engine's worker sends it the moment the last of them lands. One CacheReceiver per decode rank
@@ -42,14 +42,14 @@ import numpy as np
 
 from kvcache.allocator.errors import KVCacheError
 from kvcache.transfer.engines import TransferHandle, TransferStatus
-from kvcache.transfer.heads import Route, head_routes, rank_heads, route_ranges
+from kvcache.transfer.heads import Route, head_routes, rank_heads, route_layer_ranges
 from kvcache.transfer.regions import CopyRanges, KVRegion
 from kvcache.transfer.signal import LayerSignal, WaitStatus
 
 if TYPE_CHECKING:
     from kvcache.transfer.nixl import NixlEngine, Peer
 
-__all__ = ["CacheMessager", "CacheReceiver", "Chunk", "TransferPlan", "layer_spans", "split_by_layer", "writers_of"]
+__all__ = ["CacheMessager", "CacheReceiver", "Chunk", "TransferPlan", "writers_of"]
 
 log = logging.getLogger("kvcache.messager")
 _STOP = object()
@@ -124,38 +124,6 @@ def writers_of(num_kv_heads: int, prefill_tp: int, decode_tp: int, decode_rank: 
     return frozenset(r.src for r in head_routes(num_kv_heads, prefill_tp, decode_tp) if r.dst == decode_rank)
 
 
-LayerSpans = tuple[np.ndarray, np.ndarray, np.ndarray]
-
-
-def layer_spans(region: KVRegion) -> LayerSpans | None:
-    """The layers in address order and each one's memory [lo, hi) over its tensors; None if two layers overlap."""
-    hi_t = region.addrs + (region.num_blocks - 1) * region.block_strides + region.block_bytes[None, :]
-    lo, hi = region.addrs.min(axis=1), hi_t.max(axis=1)
-    order = np.argsort(lo, kind="stable")
-    if np.any(lo[order][1:] < hi[order][:-1]):
-        return None
-    return order, lo, hi
-
-
-def split_by_layer(spans: LayerSpans | None, ranges: CopyRanges) -> tuple[CopyRanges, np.ndarray] | None:
-    """``ranges`` (of a region with these ``layer_spans``) ordered by layer, and where each layer starts.
-
-    Layer L's ranges are ``starts[L]:starts[L + 1]``. None where the layers overlap in memory or a
-    range reaches past its layer (merged across a boundary): then each layer's ranges must be
-    built apart, so that no write carries a layer that has not finished.
-    """
-    if spans is None:
-        return None
-    order, lo, hi = spans
-    at = np.searchsorted(lo[order], ranges.src, side="right") - 1
-    if at.size and (at.min() < 0 or np.any(ranges.src + ranges.length > hi[order[at]])):
-        return None
-    layer = order[at]
-    sort = np.argsort(layer, kind="stable")
-    starts = np.searchsorted(layer[sort], np.arange(lo.size + 1))
-    return CopyRanges(ranges.src[sort], ranges.dst[sort], ranges.length[sort]), starts
-
-
 def _notice(reqs: list[Any], rank: int, tp: int) -> bytes:
     """What a receiver hears when prefill rank ``rank`` (of ``tp``) finished writing ``reqs`` to it."""
     return msgpack.packb({"reqs": reqs, "src": rank, "tp": tp}, use_bin_type=True)
@@ -188,7 +156,6 @@ class CacheMessager:
         self._peers: dict[str, Peer] = {}
         self._routes: dict[int, dict[int, list[Route]]] = {}  # decode tp -> decode rank -> my routes to it
         self._progress: dict[Any, _Progress] = {}  # requests sent in chunks, between their steps (step thread only)
-        self._spans = layer_spans(region)
         self._steps: queue.SimpleQueue = queue.SimpleQueue()
         self._finishing: queue.SimpleQueue = queue.SimpleQueue()
         engine.register(region)
@@ -279,22 +246,14 @@ class CacheMessager:
         timings["planned_ns"] = time.monotonic_ns()
         last = self.region.num_layers - 1
         notified: set[tuple[Any, int]] = set()  # (request, decode rank) whose last write carries the notice
-        # Every layer's ranges at once, ordered by layer, where the layout allows (one vectorised call instead of
-        # one per layer): (active index, decode rank) -> (ranges, where each layer's start).
-        by_layer = {(i, d): split_by_layer(self._spans, self._ranges(plan, d, remote, list(range(last + 1)), lo, hi))
+        # Every layer's ranges at once, built before the signals come: (active index, decode rank) -> (ranges in
+        # layer order, where each layer's start).
+        by_layer = {(i, d): self._layer_ranges(plan, d, remote, lo, hi)
                     for i, (plan, _, _, lo, hi, remotes) in enumerate(active) if lo < hi for d, remote in remotes.items()}
-        ahead: dict[tuple[int, int], CopyRanges] = {}  # (active index, decode rank) -> ranges of layer ``layer`` alone
         layer = 0
         while layer <= last:
             if not active:
                 return
-            if self.signal.layer_times().steps[layer] != step % (1 << 32):
-                # Not finished yet: build its ranges while we wait, so its write goes out the moment it is.
-                ahead = {(i, d): self._ranges(plan, d, remote, [layer], lo, hi)
-                         for i, (plan, _, _, lo, hi, remotes) in enumerate(active) if lo < hi
-                         for d, remote in remotes.items() if by_layer.get((i, d)) is None}
-            else:
-                ahead = {}
             deadline = min(plan.deadline for plan, *_ in active)
             status = self.signal.wait(layer, step, timeout=max(0.0, deadline - time.monotonic()))
             if status is not WaitStatus.DONE:
@@ -316,15 +275,9 @@ class CacheMessager:
                 if lo >= hi:
                     continue
                 for d, remote in remotes.items():
-                    split = by_layer.get((i, d))
-                    if split is not None:
-                        every, starts = split
-                        part = slice(starts[layers[0]], starts[upto + 1])
-                        ranges = CopyRanges(every.src[part], every.dst[part], every.length[part])
-                    else:
-                        ranges = ahead.get((i, d)) if len(layers) == 1 else None
-                        if ranges is None:
-                            ranges = self._ranges(plan, d, remote, layers, lo, hi)
+                    every, starts = by_layer[(i, d)]
+                    part = slice(starts[layers[0]], starts[upto + 1])
+                    ranges = CopyRanges(every.src[part], every.dst[part], every.length[part])
                     self.posted_bytes[plan.req] = self.posted_bytes.get(plan.req, 0) + ranges.nbytes
                     if chunk.last and upto == last:
                         closing.setdefault(progress.agents[d], []).append(_Closing(plan, progress, d, remote, ranges))
@@ -395,23 +348,31 @@ class CacheMessager:
             self._routes[decode_tp] = routes
         return routes
 
-    def _ranges(self, plan: TransferPlan, d: int, remote: KVRegion, layers: list[int], lo: int | None = None,
-                hi: int | None = None) -> CopyRanges:
-        """Blocks ``[lo, hi)`` (default: all past the decode side's cache) of ``layers`` for decode rank ``d``."""
-        lo = plan.first_block if lo is None else lo
+    def _ranges(self, plan: TransferPlan, d: int, remote: KVRegion, layers: list[int]) -> CopyRanges:
+        """Every block past the decode side's cache, of ``layers``, for decode rank ``d``."""
+        return self._layer_ranges(plan, d, remote, plan.first_block, None, layers)[0]
+
+    def _layer_ranges(self, plan: TransferPlan, d: int, remote: KVRegion, lo: int, hi: int | None,
+                      layers: list[int] | None = None) -> tuple[CopyRanges, np.ndarray]:
+        """Blocks ``[lo, hi)`` of ``layers`` (default all) for decode rank ``d``, in layer order, and where each starts."""
         src, dst = plan.src_blocks[:, lo:hi], plan.dst_blocks[:, lo:hi]
         spec = self.region.spec
         parts = []
         for r in self._routes_to(len(plan.receivers))[d]:
             if src.shape[0] == 1:
-                parts.append(route_ranges(self.region, src[0], remote, dst[0], r, layers=layers))
+                parts.append(route_layer_ranges(self.region, src[0], remote, dst[0], r, layers=layers))
             else:  # head-wise: the route's heads, by their global index, pick their rows on both sides
                 g = rank_heads(spec.num_kv_heads, spec.tp_size, self.rank)[r.src_row]
-                parts.append(route_ranges(self.region, src[g:g + r.count], remote, dst[g:g + r.count], r,
-                                          layers=layers))
+                parts.append(route_layer_ranges(self.region, src[g:g + r.count], remote, dst[g:g + r.count], r,
+                                                layers=layers))
         if len(parts) == 1:
             return parts[0]
-        return CopyRanges(*(np.concatenate([getattr(p, f) for p in parts]) for f in ("src", "dst", "length")))
+        # Several routes (TP re-slicing): each layer's ranges of every route together, layers in order.
+        count = parts[0][1].size - 1
+        layer = np.concatenate([np.repeat(np.arange(count), np.diff(starts)) for _, starts in parts])
+        order = np.argsort(layer, kind="stable")
+        joined = CopyRanges(*(np.concatenate([getattr(p, f) for p, _ in parts])[order] for f in CopyRanges._fields))
+        return joined, np.searchsorted(layer[order], np.arange(count + 1))
 
     def _fail(self, req: Any, error: str, plan: TransferPlan | None) -> None:
         try:
