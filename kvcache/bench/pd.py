@@ -85,11 +85,15 @@ def run_benchmark(*, layers: int, block_size: int, repeat: int, pace: float, dev
             wait_outcomes(prefill, {req}, 120, interval=OUTCOME_POLL_S)
             if req not in ready:
                 raise RuntimeError(f"transfer failed: {failed.get(req, 'no answer')}")
-            received = receiver.call("received_ns")[req]
             posted = cluster.prefill_workers[0].call("posted", req)
             if posted != nbytes:
                 raise RuntimeError(f"the messager posted {posted:,} bytes of the request's {nbytes:,}")
             decode.free(req)
+            return stages(req, times, ready[req])
+
+        def stages(req: str, times: Any, ready_ns: int) -> dict[str, Any]:
+            """When each stage of ``req``'s end happened, since the last and since the first layer's signal."""
+            received = receiver.call("received_ns")[req]
             sent = cluster.prefill_workers[0].call("sent_ns", req)
             stamps = {"messager woke": sent.get("last_signal", 0),
                       "earlier writes all landed": sent.get("earlier_landed", 0),
@@ -97,17 +101,17 @@ def run_benchmark(*, layers: int, block_size: int, repeat: int, pace: float, dev
                       "engine took up the last write": sent.get("picked", 0),
                       "its transfer() call returned": sent.get("posted", 0), "engine saw it done": sent.get("landed", 0),
                       "separate notification sent": sent.get("notified", 0), "receiver has all notes": received,
-                      "decode daemon ready": ready[req]}
+                      "decode daemon ready": ready_ns}
             since = lambda ns, t0: (ns - t0) / 1e9 if ns else float("nan")  # noqa: E731
             from_first = {"messager had the plans": since(sent.get("planned", 0), times.first_ns),
                           "last layer signalled": since(times.last_ns, times.first_ns)}
-            return {"tail_s": since(ready[req], times.last_ns), "received_s": since(received, times.last_ns),
-                    "total_s": (ready[req] - times.first_ns) / 1e9,
+            return {"tail_s": since(ready_ns, times.last_ns), "received_s": since(received, times.last_ns),
+                    "total_s": (ready_ns - times.first_ns) / 1e9,
                     "stages_s": {name: since(ns, times.last_ns) for name, ns in stamps.items()},
                     "from_first_s": {**from_first, **{name: since(ns, times.first_ns) for name, ns in stamps.items()}}}
 
-        def batch() -> float:
-            """A prefill step of ``inflight`` requests, layers back to back: first signal -> the last one ready, s."""
+        def batch() -> dict[str, Any]:
+            """A prefill step of ``inflight`` requests, layers back to back: the stages of the last one to be ready."""
             reqs = [f"bench-{next(counter)}" for _ in range(inflight)]
             placed = {req: proxy.submit(req, rng.integers(0, 1 << 31, tokens)) for req in reqs}
             if any(p is None for p in placed.values()):
@@ -122,7 +126,8 @@ def run_benchmark(*, layers: int, block_size: int, repeat: int, pace: float, dev
                 raise RuntimeError(f"batch transfer failed: {failed}")
             for req in reqs:
                 decode.free(req)
-            return (max(ready.values()) - times.first_ns) / 1e9
+            last = max(ready, key=ready.__getitem__)
+            return stages(last, times, ready[last])
 
         for _ in range(2):  # connects the messager to the receiver, warms both sides' memory and UCX's paths
             one(0.0)
@@ -134,7 +139,8 @@ def run_benchmark(*, layers: int, block_size: int, repeat: int, pace: float, dev
         layer_s = limits["layer_s"]
         paced = [one(pace * layer_s) for _ in range(repeat)]
         unpaced = [one(0.0) for _ in range(repeat)]
-        batches = [batch() for _ in range(repeat)]
+        batched = [batch() for _ in range(repeat)]
+    batches = [r["total_s"] for r in batched]
     assert nbytes == limits["raw_bytes"], (nbytes, limits["raw_bytes"])
     tails = [r["tail_s"] for r in paced]
     tail = statistics.median(tails)
@@ -170,6 +176,8 @@ def run_benchmark(*, layers: int, block_size: int, repeat: int, pace: float, dev
         "raw_rate": raw_rate,
         "rate_ratio": rate / raw_rate,
         "batch_s": {"best": min(batches), "median": statistics.median(batches)},
+        "batch_stages_s": {name: _median([r["from_first_s"][name] for r in batched])
+                           for name in batched[0]["from_first_s"] if not name.startswith("separate")},
         "batch_rate": batch_rate,
         "raw_batch_s": limits["raw_batch_s"],
         "raw_batch_rate": batch_raw_rate,
@@ -203,6 +211,8 @@ def render(r: dict[str, Any]) -> str:
          mark(r["rate_ok"]) + f" (>= {THROUGHPUT_TARGET:.0%})"],
         ["  first signal -> last request ready (best; median)",
          f"{ms(r['batch_s']['best'])}; {ms(r['batch_s']['median'])}", f"raw {ms(r['raw_batch_s'])}", "", ""],
+        *[[f"    {name} (since first signal)", ms(v) if v == v else "-", "", "", ""]
+          for name, v in r["batch_stages_s"].items()],
         ["throughput, one request alone, layers back to back", gbs(r["rate"]),
          f"raw one-descriptor NIXL {gbs(r['raw_rate'])}", f"{r['rate_ratio']:.2f}", ""],
         ["  first signal -> decode ready (best)", ms(r["unpaced_total_s"]), f"raw {ms(r['raw_s'])}", "", ""],
