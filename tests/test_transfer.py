@@ -620,3 +620,30 @@ def test_an_inline_write_posts_from_the_caller_when_idle_and_queues_in_order_beh
         got = np.frombuffer(peer_proc.call("dump"), dtype=np.uint8)
         assert np.array_equal(got, Cache(spec, blocks, seed=3).expect_copy(src, ids, ids))
         assert peer_proc.call("notifications") == {"prefill": [b"alone", b"last"]}
+
+
+@settings(max_examples=200, deadline=None)
+@given(lengths=st.lists(st.integers(1, 5000), min_size=1, max_size=6), pieces=st.integers(1, 16),
+       least=st.integers(1, 3000))
+def test_spread_cuts_host_writes_into_pieces_that_move_the_same_bytes(lengths, pieces, least):
+    """Each range is cut end to end, in order, into pieces of one size (the last shorter), none under ``least``."""
+    from kvcache.transfer.nixl import spread
+    from kvcache.transfer.regions import CopyRanges
+
+    length = np.array(lengths, dtype=np.int64)
+    src = np.concatenate([[0], np.cumsum(length + 7)[:-1]])  # gaps between ranges: nothing merges
+    dst = src[::-1].copy() * 3 + 100_000
+    ranges = CopyRanges(src, dst, length)
+    out = spread(ranges, pieces, least)
+    total = int(length.sum())
+    if len(lengths) >= pieces or total < 2 * least:
+        assert out is ranges
+        return
+    assert out.nbytes == total and np.all(out.length > 0)
+    size = int(out.length.max())
+    assert size >= least and out.num_ranges <= pieces + len(lengths)
+    assert out.num_ranges >= min(pieces, total // size)  # as many as asked, unless least forbids it
+    # Per byte, the same destination as the original write.
+    def mapping(r: CopyRanges) -> dict[int, int]:
+        return {s + k: d + k for s, d, n in zip(r.src.tolist(), r.dst.tolist(), r.length.tolist()) for k in range(n)}
+    assert mapping(out) == mapping(ranges)

@@ -58,11 +58,13 @@ PROGRESS_DELAY_US = 1000
 """NIXL's progress thread waits for UCX events in poll() with this timeout (µs, rounded up to ms).
 NIXL's Python API fixes it at 0, which makes the thread spin: 80% of a core per idle agent here,
 taken from the transfers themselves on a small host. Events still wake it at once."""
-SPLIT_DESCRIPTORS = 128
+SPLIT_DESCRIPTORS = 8
 """With ``threads`` > 1, a write of at least this many descriptors is cut into up to ``threads``
 chunks, each posted by its own UCX worker and thread (NIXL's thread-pool engine). On one host UCX
 moves data with process_vm_writev, whose kernel cost is per range (pinning the pages of each),
 so one thread reaches about half the speed of a single range there; chunks run in parallel."""
+SPREAD_MIN_BYTES = 1 << 20
+"""``spread`` cuts host writes into pieces of at least this many bytes (smaller ones cost more to post than they gain)."""
 _POLL_MAX = 50e-6  # the worker polls transfers in flight at least this often (seconds); idle, it blocks
 _IDLE_PROGRESS = 1e-3  # with progress="poll", an idle worker still progresses UCX this often (seconds)
 PROGRESS_MODES = ("thread", "poll")
@@ -498,6 +500,8 @@ class NixlEngine(TransferEngine):
         if notify and any(a.status() is not TransferStatus.DONE for a in handle.after):
             handle.held, notify = notify, b""  # earlier writes still in flight: send it once they land
         r = handle.ranges
+        if self.threads and handle.local_mem == handle.remote_mem == "DRAM":
+            r = spread(r, SPLIT_DESCRIPTORS)
         local = np.stack([r.src, r.length, np.full_like(r.src, handle.local_dev)], axis=1).astype(np.uint64)
         remote = np.stack([r.dst, r.length, np.full_like(r.dst, handle.remote_dev)], axis=1).astype(np.uint64)
         try:
@@ -613,6 +617,25 @@ def _add_notifs(into: dict[str, list[bytes]], new: dict) -> None:
     """Append NIXL's notifications (agent name, as bytes or str -> messages) to ``into``."""
     for agent, messages in new.items():
         into.setdefault(agent.decode() if isinstance(agent, bytes) else agent, []).extend(messages)
+
+
+def spread(ranges: CopyRanges, pieces: int, least: int = SPREAD_MIN_BYTES) -> CopyRanges:
+    """``ranges`` cut into about ``pieces`` equal ranges (none under ``least`` bytes) when they are fewer.
+
+    Host to host, UCX copies inside the post, one range on one thread; a write of SPLIT_DESCRIPTORS
+    ranges or more is shared by the engine's UCX workers. A layer of a paged cache is a couple of
+    long ranges once its blocks sit side by side, so it is cut to reach them.
+    """
+    total = ranges.nbytes
+    if ranges.num_ranges >= pieces or total < 2 * least:
+        return ranges
+    size = max(least, -(-total // pieces))
+    cuts = -(-ranges.length // size)  # pieces per range
+    which = np.repeat(np.arange(ranges.num_ranges), cuts)
+    first = np.cumsum(cuts) - cuts
+    offset = (np.arange(which.size) - first[which]) * size
+    length = np.minimum(size, ranges.length[which] - offset)
+    return CopyRanges(ranges.src[which] + offset, ranges.dst[which] + offset, length)
 
 
 def default_threads() -> int:
