@@ -634,15 +634,19 @@ def test_spread_cuts_host_writes_into_pieces_that_move_the_same_bytes(lengths, p
     src = np.concatenate([[0], np.cumsum(length + 7)[:-1]])  # gaps between ranges: nothing merges
     dst = src[::-1].copy() * 3 + 100_000
     ranges = CopyRanges(src, dst, length)
-    out = spread(ranges, pieces, least)
     total = int(length.sum())
+    assert spread(ranges, pieces, least, total_least=total + 1) is ranges  # too small a write: whole
+    out = spread(ranges, pieces, least, total_least=0)
     if len(lengths) >= pieces or total < 2 * least:
         assert out is ranges
         return
-    assert out.nbytes == total and np.all(out.length > 0)
-    size = int(out.length.max())
-    assert size >= least and out.num_ranges <= pieces + len(lengths)
-    assert out.num_ranges >= min(pieces, total // size)  # as many as asked, unless least forbids it
+    assert out.nbytes == total and np.all(out.length > 0) and out.num_ranges <= pieces + len(lengths)
+    size = max(least, -(-total // pieces))  # every cut piece is this long, a range's last one at most
+    at = 0
+    for n in lengths:  # each range's pieces, in order, end to end
+        k = -(-n // size)
+        assert out.length[at:at + k].tolist() == [size] * (k - 1) + [n - size * (k - 1)]
+        at += k
     # Per byte, the same destination as the original write.
     def mapping(r: CopyRanges) -> dict[int, int]:
         return {s + k: d + k for s, d, n in zip(r.src.tolist(), r.dst.tolist(), r.length.tolist()) for k in range(n)}
