@@ -503,7 +503,7 @@ class NixlEngine(TransferEngine):
             handle.held, notify = notify, b""  # earlier writes still in flight: send it once they land
         r = handle.ranges
         if self.threads and handle.local_mem == handle.remote_mem == "DRAM":
-            r = spread(r, SPLIT_DESCRIPTORS)
+            r = spread(r, SPLIT_DESCRIPTORS * self.threads)  # enough for every worker, however NIXL cuts
         local = np.stack([r.src, r.length, np.full_like(r.src, handle.local_dev)], axis=1).astype(np.uint64)
         remote = np.stack([r.dst, r.length, np.full_like(r.dst, handle.remote_dev)], axis=1).astype(np.uint64)
         try:
