@@ -145,7 +145,7 @@ def test_a_request_cancelled_after_its_plan_went_with_the_step_is_released_once_
         prefill, decode = clients(cluster)
         proxy = PDProxy(prefill, decode)
         tokens = np.random.default_rng(7).integers(0, 50_000, 300)
-        reservation, admission = proxy.submit("h", tokens)
+        _, admission = proxy.submit("h", tokens)
         proxy.cancel("h")
         start = time.monotonic()
         cluster.step([("h", tokens, np.asarray(admission.table)[0].copy(), 0)], plans={"h": admission.plan})
