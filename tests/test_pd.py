@@ -333,7 +333,8 @@ def test_bench_pd_quick_reports_the_tail_and_throughput_against_limits_from_the_
     assert r["every_layer_ranges"] >= r["one_layer_ranges"] and r["every_layer_s"] > 0
     assert set(r["post_s"]) == {"layer", "every", "raw"} and all(v >= 0 for v in r["post_s"].values())
     unpaced = r["unpaced_stages_s"]
-    assert unpaced["messager had the plans"] <= unpaced["messager woke"] <= unpaced["messager queued the last write"]
+    assert (unpaced["messager had the plans"] <= unpaced["messager built every layer's ranges"] <= unpaced["messager woke"]
+            <= unpaced["messager queued the last write"])
     assert unpaced["decode daemon ready"] >= r["unpaced_total_s"]  # the median run against the best one
     assert r["separate_notifications"] == 0  # the notice goes with the last write, never through the completion thread
 
@@ -475,7 +476,7 @@ def test_a_messagers_layer_ranges_give_each_layer_exactly_the_ranges_built_for_i
     db[7] = -1  # a block the decode side had: moves nothing
     plan = TransferPlan("r", sb[None], db[None], 0, ("tcp://x:1",), time.monotonic() + 60)
     messager = CacheMessager.__new__(CacheMessager)  # only its range building: no engine, no threads
-    messager.region, messager.rank, messager._routes = src, 0, {}
+    messager.region, messager.rank, messager._routes, messager._layouts = src, 0, {}, {}
     every, starts = messager._layer_ranges(plan, 0, dst, 0, None)
     assert starts[0] == 0 and starts[-1] == every.num_ranges and np.all(np.diff(starts) > 0)
     routes = [r for r in head_routes(4, prefill_tp, 1) if r.src == 0]

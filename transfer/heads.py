@@ -23,7 +23,8 @@ from kvcache.allocator.errors import KVCacheError
 from kvcache.transfer import _ranges
 from kvcache.transfer.regions import CopyRanges, KVRegion, _layer_ids
 
-__all__ = ["Route", "head_routes", "rank_heads", "route_layer_ranges", "route_ranges"]
+__all__ = ["Route", "RouteLayout", "head_routes", "layout_ranges", "rank_heads", "route_layer_ranges", "route_layout",
+           "route_ranges"]
 
 
 class Route(NamedTuple):
@@ -106,7 +107,7 @@ def route_ranges(src: KVRegion, src_blocks: Any, dst: KVRegion, dst_blocks: Any,
     moves nothing (a window head's block it does not keep). Ranges come in (layer, tensor, block,
     head) order, merged where both sides continue.
     """
-    return _build(src, src_blocks, dst, dst_blocks, route, layers, per_layer=False)[0]
+    return layout_ranges(route_layout(src, dst, route, layers), src_blocks, dst_blocks, per_layer=False)[0]
 
 
 def route_layer_ranges(src: KVRegion, src_blocks: Any, dst: KVRegion, dst_blocks: Any, route: Route,
@@ -117,13 +118,49 @@ def route_layer_ranges(src: KVRegion, src_blocks: Any, dst: KVRegion, dst_blocks
     can post any run of finished layers without carrying one that has not finished, whatever the
     cache's layout in memory.
     """
-    return _build(src, src_blocks, dst, dst_blocks, route, layers, per_layer=True)
+    return layout_ranges(route_layout(src, dst, route, layers), src_blocks, dst_blocks)
 
 
-def _build(src: KVRegion, src_blocks: Any, dst: KVRegion, dst_blocks: Any, route: Route, layers: Any,
-           per_layer: bool) -> tuple[CopyRanges, np.ndarray]:
-    """The checked block pairs of ``route``, laid out per (layer, tensor) and merged in C (``_ranges``)."""
+class RouteLayout(NamedTuple):
+    """What every request's ranges along one route between two regions start from, per (layer, tensor) unit.
+
+    Built once per route and pair of regions (``route_layout``); ``layout_ranges`` then needs only
+    a request's blocks.
+    """
+
+    route: Route
+    src_base: np.ndarray  # int64 [units]: the route's first head in block 0, source side
+    src_stride: np.ndarray
+    dst_base: np.ndarray
+    dst_stride: np.ndarray
+    unit: np.ndarray  # bytes of one head of one block
+    tensors: int  # units per layer
+    src_blocks: int  # blocks of each region, to check ids against
+    dst_blocks: int
+
+
+def route_layout(src: KVRegion, dst: KVRegion, route: Route, layers: Any = None) -> RouteLayout:
+    """``route``'s units between ``src`` and ``dst`` for ``layers`` (default all); a clear error if they do not fit."""
     unit = _check_pair(src, dst)
+    if route.src_row + route.count > src.heads or route.dst_row + route.count > dst.heads:
+        raise KVCacheError(f"route {route} reaches past the {src.heads} (prefill) or {dst.heads} (decode) "
+                           "heads per block")
+    ids = _layer_ids(layers, src.num_layers)
+    return RouteLayout(route, (src.addrs[ids] + unit * route.src_row).ravel(),
+                       np.ascontiguousarray(src.block_strides[ids]).ravel(),
+                       (dst.addrs[ids] + unit * route.dst_row).ravel(),
+                       np.ascontiguousarray(dst.block_strides[ids]).ravel(),
+                       np.tile(unit, ids.size), unit.size, src.num_blocks, dst.num_blocks)
+
+
+def layout_ranges(layout: RouteLayout, src_blocks: Any, dst_blocks: Any, per_layer: bool = True
+                  ) -> tuple[CopyRanges, np.ndarray]:
+    """The ranges of ``layout``'s route for these block lists (as ``route_ranges`` takes them), merged in C.
+
+    ``per_layer``: merged only within a layer, with where each layer's ranges start; else merged
+    wherever both sides continue (``starts`` is then ``[0, n]``).
+    """
+    route = layout.route
     sb = np.asarray(src_blocks, dtype=np.int64)
     db = np.asarray(dst_blocks, dtype=np.int64)
     head_wise = sb.ndim == 2 or db.ndim == 2
@@ -135,14 +172,11 @@ def _build(src: KVRegion, src_blocks: Any, dst: KVRegion, dst_blocks: Any, route
         sb, db = sb.ravel(), db.ravel()
         if sb.shape != db.shape:
             raise KVCacheError(f"src_blocks has {sb.size} ids but dst_blocks has {db.size}; they pair up one to one")
-    for name, ids, region in (("src_blocks", sb, src), ("dst_blocks", db, dst)):
-        bad = (ids < -1) | (ids >= region.num_blocks)
+    for name, ids, count in (("src_blocks", sb, layout.src_blocks), ("dst_blocks", db, layout.dst_blocks)):
+        bad = (ids < -1) | (ids >= count)
         if bad.any():
             raise KVCacheError(f"{name}: {int(ids[bad][0])} is not a block id of a region with "
-                               f"{region.num_blocks} blocks (or -1)")
-    if route.src_row + route.count > src.heads or route.dst_row + route.count > dst.heads:
-        raise KVCacheError(f"route {route} reaches past the {src.heads} (prefill) or {dst.heads} (decode) "
-                           "heads per block")
+                               f"{count} blocks (or -1)")
     keep = (sb >= 0) & (db >= 0)
     if head_wise:  # one range per (block, head), block-major so a block's neighbouring heads merge
         col, head = np.nonzero(keep.T)
@@ -150,15 +184,11 @@ def _build(src: KVRegion, src_blocks: Any, dst: KVRegion, dst_blocks: Any, route
         head = head.astype(np.int64)
     else:
         sb, db, head, per = sb[keep], db[keep], np.zeros(int(keep.sum()), dtype=np.int64), route.count
-    ids = _layer_ids(layers, src.num_layers)
-    tensors = unit.size
-    units = ids.size * tensors
-    each = np.tile(unit, ids.size)  # per (layer, tensor) unit, layer-major
+    units = layout.unit.size
     out = np.empty((3, units * sb.size), dtype=np.int64)
-    starts = np.empty(ids.size + 1 if per_layer else 2, dtype=np.int64)
-    n = _ranges.pair_ranges(
-        (src.addrs[ids] + unit * route.src_row).ravel(), np.ascontiguousarray(src.block_strides[ids]).ravel(),
-        (dst.addrs[ids] + unit * route.dst_row).ravel(), np.ascontiguousarray(dst.block_strides[ids]).ravel(),
-        each, each * per, np.ascontiguousarray(sb), np.ascontiguousarray(db), np.ascontiguousarray(head),
-        tensors if per_layer else max(units, 1), out[0], out[1], out[2], starts)
+    starts = np.empty(units // layout.tensors + 1 if per_layer else 2, dtype=np.int64)
+    n = _ranges.pair_ranges(layout.src_base, layout.src_stride, layout.dst_base, layout.dst_stride, layout.unit,
+                            layout.unit * per, np.ascontiguousarray(sb), np.ascontiguousarray(db),
+                            np.ascontiguousarray(head), layout.tensors if per_layer else max(units, 1),
+                            out[0], out[1], out[2], starts)
     return CopyRanges(out[0, :n].copy(), out[1, :n].copy(), out[2, :n].copy()), starts

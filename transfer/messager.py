@@ -42,7 +42,7 @@ import numpy as np
 
 from kvcache.allocator.errors import KVCacheError
 from kvcache.transfer.engines import TransferHandle, TransferStatus
-from kvcache.transfer.heads import Route, head_routes, rank_heads, route_layer_ranges
+from kvcache.transfer.heads import Route, RouteLayout, head_routes, layout_ranges, rank_heads, route_layout
 from kvcache.transfer.regions import CopyRanges, KVRegion
 from kvcache.transfer.signal import LayerSignal, WaitStatus
 
@@ -155,6 +155,8 @@ class CacheMessager:
         self.sent_ns: dict[Any, dict[str, int]] = {}  # per request, when each stage of its end happened (last 4096)
         self._peers: dict[str, Peer] = {}
         self._routes: dict[int, dict[int, list[Route]]] = {}  # decode tp -> decode rank -> my routes to it
+        # (id(peer region), route) -> (that region, its layout): what every request to it starts from
+        self._layouts: dict[tuple[int, Route], tuple[KVRegion, RouteLayout]] = {}
         self._progress: dict[Any, _Progress] = {}  # requests sent in chunks, between their steps (step thread only)
         self._steps: queue.SimpleQueue = queue.SimpleQueue()
         self._finishing: queue.SimpleQueue = queue.SimpleQueue()
@@ -250,6 +252,7 @@ class CacheMessager:
         # layer order, where each layer's start).
         by_layer = {(i, d): self._layer_ranges(plan, d, remote, lo, hi)
                     for i, (plan, _, _, lo, hi, remotes) in enumerate(active) if lo < hi for d, remote in remotes.items()}
+        timings["ranged_ns"] = time.monotonic_ns()
         layer = 0
         while layer <= last:
             if not active:
@@ -348,6 +351,16 @@ class CacheMessager:
             self._routes[decode_tp] = routes
         return routes
 
+    def _layout(self, remote: KVRegion, route: Route) -> RouteLayout:
+        """Every layer's units of ``route`` into ``remote``, built once per peer region (not per request)."""
+        key = (id(remote), route)
+        held = self._layouts.get(key)
+        if held is None or held[0] is not remote:
+            if len(self._layouts) >= 256:  # peers come and go: forget the oldest
+                self._layouts.pop(next(iter(self._layouts)))
+            held = self._layouts[key] = (remote, route_layout(self.region, remote, route))
+        return held[1]
+
     def _ranges(self, plan: TransferPlan, d: int, remote: KVRegion, layers: list[int]) -> CopyRanges:
         """Every block past the decode side's cache, of ``layers``, for decode rank ``d``."""
         return self._layer_ranges(plan, d, remote, plan.first_block, None, layers)[0]
@@ -359,12 +372,12 @@ class CacheMessager:
         spec = self.region.spec
         parts = []
         for r in self._routes_to(len(plan.receivers))[d]:
+            layout = self._layout(remote, r) if layers is None else route_layout(self.region, remote, r, layers)
             if src.shape[0] == 1:
-                parts.append(route_layer_ranges(self.region, src[0], remote, dst[0], r, layers=layers))
+                parts.append(layout_ranges(layout, src[0], dst[0]))
             else:  # head-wise: the route's heads, by their global index, pick their rows on both sides
                 g = rank_heads(spec.num_kv_heads, spec.tp_size, self.rank)[r.src_row]
-                parts.append(route_layer_ranges(self.region, src[g:g + r.count], remote, dst[g:g + r.count], r,
-                                                layers=layers))
+                parts.append(layout_ranges(layout, src[g:g + r.count], dst[g:g + r.count]))
         if len(parts) == 1:
             return parts[0]
         # Several routes (TP re-slicing): each layer's ranges of every route together, layers in order.
@@ -390,6 +403,7 @@ class CacheMessager:
             plan, by_agent, timings = item
             errors = []
             stamps = {"step_start": timings["start_ns"], "planned": timings.get("planned_ns", 0),
+                      "ranged": timings.get("ranged_ns", 0),
                       "last_signal": timings.get("last_signal_ns", 0), "earlier_landed": 0, "submitted": 0, "picked": 0,
                       "posted": 0, "landed": 0, "notified": 0}
             for agent, (handles, notify) in by_agent.items():

@@ -104,6 +104,7 @@ def run_benchmark(*, layers: int, block_size: int, repeat: int, pace: float, dev
                       "decode daemon ready": ready_ns}
             since = lambda ns, t0: (ns - t0) / 1e9 if ns else float("nan")  # noqa: E731
             from_first = {"messager had the plans": since(sent.get("planned", 0), times.first_ns),
+                          "messager built every layer's ranges": since(sent.get("ranged", 0), times.first_ns),
                           "last layer signalled": since(times.last_ns, times.first_ns)}
             return {"tail_s": since(ready_ns, times.last_ns), "received_s": since(received, times.last_ns),
                     "total_s": (ready_ns - times.first_ns) / 1e9,
