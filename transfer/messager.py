@@ -6,8 +6,8 @@ worker runs, it is told the step and the requests it prefills, wakes on each lay
 prefix straight into the decode ranks' blocks, re-slicing heads when the two TP sizes differ
 (``kvcache.transfer.heads``); layers that finished while it was still posting earlier ones go out
 together, as one write. Before the first signal it builds every layer's ranges (in C, merged within
-each layer), so a write is queued within microseconds of its signal. The last layer's write to each decode rank carries the
-NIXL notification, ordered after every earlier write of the request (``NixlEngine.submit(after=...)``):
+each layer), so a write is queued within microseconds of its signal. The last layer's write to each
+decode rank carries the NIXL notification, ordered after every earlier write of the request (``NixlEngine.submit(after=...)``):
 it rides on that write when the earlier ones have landed by then (the pipelined case), else the
 engine's worker sends it the moment the last of them lands. One CacheReceiver per decode rank
 counts the notifications and reports a request once every prefill rank that writes to it has
@@ -307,6 +307,7 @@ class CacheMessager:
         moment the last of them lands (no hand-off to the completion thread). One write of all the
         step's requests costs one transfer() call, which UCX's workers post in parallel. The write
         that carries the notice ends the tail, so it is posted from here when the engine is idle.
+        The requests share its fate: if it fails, each of them fails.
         """
         reqs = [p.plan.req for p in parts]
         first = parts[0]
