@@ -185,7 +185,8 @@ class BlockPool:
         """
         allocation = self._take(n, rows)
         if ascending and allocation is not None and n > 1:
-            allocation.blocks.sort(axis=1)  # a fresh array on every path
+            # A copy: on some paths the blocks and the evicted ids (oldest first) share memory.
+            allocation = allocation._replace(blocks=np.sort(allocation.blocks, axis=1))
         return allocation
 
     def _take(self, n: int, rows: np.ndarray | None) -> Allocation | None:
