@@ -51,7 +51,7 @@ from kvcache.transfer.regions import CopyRanges, KVRegion, copy_ranges
 
 log = logging.getLogger("kvcache.nixl")
 
-__all__ = ["PROGRESS_MODES", "NixlEngine", "Peer", "default_threads", "nixl_available"]
+__all__ = ["PROGRESS_MODES", "NixlEngine", "Peer", "default_threads", "nixl_available", "spread"]
 
 PROTOCOL = 1
 PROGRESS_DELAY_US = 1000
