@@ -23,8 +23,7 @@ from kvcache.allocator.errors import KVCacheError
 from kvcache.transfer import _ranges
 from kvcache.transfer.regions import CopyRanges, KVRegion, _layer_ids
 
-__all__ = ["Route", "RouteLayout", "head_routes", "layout_ranges", "rank_heads", "route_layer_ranges", "route_layout",
-           "route_ranges"]
+__all__ = ["Route", "RouteLayout", "head_routes", "layout_ranges", "rank_heads", "route_layout", "route_ranges"]
 
 
 class Route(NamedTuple):
@@ -108,17 +107,6 @@ def route_ranges(src: KVRegion, src_blocks: Any, dst: KVRegion, dst_blocks: Any,
     head) order, merged where both sides continue.
     """
     return layout_ranges(route_layout(src, dst, route, layers), src_blocks, dst_blocks, per_layer=False)[0]
-
-
-def route_layer_ranges(src: KVRegion, src_blocks: Any, dst: KVRegion, dst_blocks: Any, route: Route,
-                       layers: Any = None) -> tuple[CopyRanges, np.ndarray]:
-    """``route_ranges`` merged only within a layer, and where each layer's ranges start.
-
-    The k-th of ``layers`` (default all) owns ranges ``starts[k]:starts[k + 1]``, so a messager
-    can post any run of finished layers without carrying one that has not finished, whatever the
-    cache's layout in memory.
-    """
-    return layout_ranges(route_layout(src, dst, route, layers), src_blocks, dst_blocks)
 
 
 class RouteLayout(NamedTuple):

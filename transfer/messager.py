@@ -385,7 +385,7 @@ class CacheMessager:
         count = parts[0][1].size - 1
         layer = np.concatenate([np.repeat(np.arange(count), np.diff(starts)) for _, starts in parts])
         order = np.argsort(layer, kind="stable")
-        joined = CopyRanges(*(np.concatenate([getattr(p, f) for p, _ in parts])[order] for f in CopyRanges._fields))
+        joined = CopyRanges(*(a[order] for a in CopyRanges.concat([p for p, _ in parts])))
         return joined, np.searchsorted(layer[order], np.arange(count + 1))
 
     def _fail(self, req: Any, error: str, plan: TransferPlan | None) -> None:
@@ -408,12 +408,11 @@ class CacheMessager:
                       "last_signal": timings.get("last_signal_ns", 0), "earlier_landed": 0, "submitted": 0, "picked": 0,
                       "posted": 0, "landed": 0, "notified": 0}
             for agent, (handles, notify) in by_agent.items():
-                for h in handles[:-1]:  # every write but the last, which carries the notice
-                    h.wait()
-                    stamps["earlier_landed"] = max(stamps["earlier_landed"], getattr(h, "done_ns", 0))
-                for h in handles:
+                for k, h in enumerate(handles):  # in posting order; the last carries the notice
                     if h.wait() is not TransferStatus.DONE:
                         errors.append(h.error or h.status().value)
+                    if k < len(handles) - 1:
+                        stamps["earlier_landed"] = max(stamps["earlier_landed"], getattr(h, "done_ns", 0))
                     stamps["submitted"] = max(stamps["submitted"], getattr(h, "submitted_ns", 0))
                     stamps["picked"] = max(stamps["picked"], getattr(h, "picked_ns", 0))
                     stamps["posted"] = max(stamps["posted"], getattr(h, "posted_ns", 0))

@@ -483,7 +483,7 @@ class NixlEngine(TransferEngine):
         """One handle that posts the whole group's ranges; the others end when it ends."""
         leader = group[0]
         leader.followers = group[1:]
-        leader.ranges = CopyRanges(*(np.concatenate([getattr(h.ranges, f) for h in group]) for f in CopyRanges._fields))
+        leader.ranges = CopyRanges.concat([h.ranges for h in group])
         leader.notify = group[-1].notify
         members = {id(h) for h in group}
         leader.after = tuple(a for h in group for a in h.after if id(a) not in members)

@@ -70,11 +70,16 @@ class CopyRanges(NamedTuple):
         return int(self.length.size)
 
     @classmethod
+    def concat(cls, parts: Sequence[CopyRanges]) -> CopyRanges:
+        """Several copies as one, their ranges in the parts' order."""
+        return cls(*(np.concatenate([getattr(p, f) for p in parts]) for f in cls._fields))
+
+    @classmethod
     def joined(cls, parts: Sequence[CopyRanges]) -> CopyRanges:
         """Several copies as one: a single part as it is; more in source order, neighbours merged where both sides continue."""
         if len(parts) == 1:
             return parts[0]
-        src, dst, length = (np.concatenate([getattr(p, f) for p in parts]) for f in cls._fields)
+        src, dst, length = cls.concat(parts)
         order = np.argsort(src, kind="stable")
         (src, dst), length = _merge((src[order], dst[order]), length[order])
         return cls(src, dst, length)
