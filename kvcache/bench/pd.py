@@ -71,25 +71,32 @@ def run_benchmark(*, layers: int, block_size: int, repeat: int, pace: float, dev
         proxy = PDProxy(prefill, decode)
         receiver = cluster.decode_workers[0]
         counter = iter(range(1 << 30))
-        tables: dict[str, np.ndarray] = {}
+        tables: dict[str, np.ndarray] = {}  # the last request's, for the probe of the limits
         nbytes = blocks * cluster.spec.bytes_per_block_per_layer * layers
 
-        def one(layer_delay: float) -> dict[str, float]:
-            req = f"bench-{next(counter)}"
-            reservation, admission = proxy.submit(req, rng.integers(0, 1 << 31, tokens))
-            tables["src"], tables["dst"] = (np.asarray(a.table)[0].astype(np.int64) for a in (admission, reservation))
-            items = [(req, np.empty(0, np.int64), tables["src"].copy(), 0)]
-            times = cluster.step(items, layer_delay, compute=False, plans={req: admission.plan})
+        def run(count: int = 1, layer_delay: float = 0.0) -> dict[str, Any]:
+            """A prefill step of ``count`` new requests, each layer followed by ``layer_delay`` s of fake compute:
+            the stages of the last request to be ready."""
+            reqs = [f"bench-{next(counter)}" for _ in range(count)]
+            placed = {req: proxy.submit(req, rng.integers(0, 1 << 31, tokens)) for req in reqs}
+            if any(p is None for p in placed.values()):
+                raise RuntimeError("no room for the step's requests")
+            src = {req: np.asarray(a.table)[0].astype(np.int64) for req, (_, a) in placed.items()}
+            tables["src"], tables["dst"] = src[reqs[-1]], np.asarray(placed[reqs[-1]][0].table)[0].astype(np.int64)
+            items = [(req, np.empty(0, np.int64), src[req], 0) for req in reqs]
+            times = cluster.step(items, layer_delay, compute=False, plans={req: a.plan for req, (_, a) in placed.items()})
             time.sleep(OUTCOME_POLL_S)  # ask only after the tail: a poll now would take CPU from the transfer it times
-            ready, failed = wait_outcomes(decode, {req}, 120, interval=OUTCOME_POLL_S)
-            wait_outcomes(prefill, {req}, 120, interval=OUTCOME_POLL_S)
-            if req not in ready:
-                raise RuntimeError(f"transfer failed: {failed.get(req, 'no answer')}")
-            posted = cluster.prefill_workers[0].call("posted", req)
-            if posted != nbytes:
-                raise RuntimeError(f"the messager posted {posted:,} bytes of the request's {nbytes:,}")
-            decode.free(req)
-            return stages(req, times, ready[req])
+            ready, failed = wait_outcomes(decode, set(reqs), 120, interval=OUTCOME_POLL_S)
+            wait_outcomes(prefill, set(reqs), 120, interval=OUTCOME_POLL_S)
+            if set(ready) != set(reqs):
+                raise RuntimeError(f"transfer failed: {failed or 'no answer'}")
+            for req in reqs:
+                posted = cluster.prefill_workers[0].call("posted", req)
+                if posted != nbytes:
+                    raise RuntimeError(f"the messager posted {posted:,} bytes of request {req}'s {nbytes:,}")
+                decode.free(req)
+            last = max(ready, key=ready.__getitem__)
+            return stages(last, times, ready[last])
 
         def stages(req: str, times: Any, ready_ns: int) -> dict[str, Any]:
             """When each stage of ``req``'s end happened, since the last and since the first layer's signal."""
@@ -111,36 +118,17 @@ def run_benchmark(*, layers: int, block_size: int, repeat: int, pace: float, dev
                     "stages_s": {name: since(ns, times.last_ns) for name, ns in stamps.items()},
                     "from_first_s": {**from_first, **{name: since(ns, times.first_ns) for name, ns in stamps.items()}}}
 
-        def batch() -> dict[str, Any]:
-            """A prefill step of ``inflight`` requests, layers back to back: the stages of the last one to be ready."""
-            reqs = [f"bench-{next(counter)}" for _ in range(inflight)]
-            placed = {req: proxy.submit(req, rng.integers(0, 1 << 31, tokens)) for req in reqs}
-            if any(p is None for p in placed.values()):
-                raise RuntimeError("no room for the batch")
-            items = [(req, np.empty(0, np.int64), np.asarray(a.table)[0].astype(np.int64), 0)
-                     for req, (_, a) in placed.items()]
-            times = cluster.step(items, 0.0, compute=False, plans={req: a.plan for req, (_, a) in placed.items()})
-            time.sleep(OUTCOME_POLL_S)
-            ready, failed = wait_outcomes(decode, set(reqs), 120, interval=OUTCOME_POLL_S)
-            wait_outcomes(prefill, set(reqs), 120, interval=OUTCOME_POLL_S)
-            if set(ready) != set(reqs):
-                raise RuntimeError(f"batch transfer failed: {failed}")
-            for req in reqs:
-                decode.free(req)
-            last = max(ready, key=ready.__getitem__)
-            return stages(last, times, ready[last])
-
+        run(inflight)  # touches every block the batches use, on both sides
         for _ in range(2):  # connects the messager to the receiver, warms both sides' memory and UCX's paths
-            one(0.0)
-        batch()  # touches every block the batches use, on both sides
+            run()
         # The limits move the warm-up request's own tables, as the messager did.
         limits = cluster.prefill_workers[0].call(
             "probe", (tables["src"], tables["dst"], tuple(decode.info()["receivers"]), repeat + 2, inflight),
             timeout=300)
         layer_s = limits["layer_s"]
-        paced = [one(pace * layer_s) for _ in range(repeat)]
-        unpaced = [one(0.0) for _ in range(repeat)]
-        batched = [batch() for _ in range(repeat)]
+        paced = [run(1, pace * layer_s) for _ in range(repeat)]
+        unpaced = [run() for _ in range(repeat)]
+        batched = [run(inflight) for _ in range(repeat)]
     batches = [r["total_s"] for r in batched]
     assert nbytes == limits["raw_bytes"], (nbytes, limits["raw_bytes"])
     tails = [r["tail_s"] for r in paced]
