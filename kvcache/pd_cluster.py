@@ -166,19 +166,29 @@ def prefill_worker(conn: Any, cfg: dict[str, Any], rank: int) -> None:
     sig = LayerSignal.create(signal_of(cfg, rank), spec.num_layers, replace=True)
     heads = rank_heads(spec.num_kv_heads, spec.tp_size, rank)
     with sig, PrefillLink(cfg["prefill"], region, sig, rank, timeout=cfg["timeout"], progress=cfg["progress"]) as link:
-        def step(payload: Any) -> StepTimes:
-            # items: (req, tokens, table, first token to compute[, stop token, last chunk]); the table is a
-            # uniform one's row, or a head-wise table [kv heads, blocks]; without a stop, the step computes the
-            # rest of the prompt (every block of the table)
-            # plans: by request, the plans their prefill admits returned (the others' the messager fetches)
-            items, layer_delay, compute, plans = payload
-            items = [(*item, item[2].shape[-1] * spec.block_size, True) if len(item) == 4 else item for item in items]
-            number = sig.begin_step()
-            link.run_step(number, [Chunk(req, stop, last) for req, _, _, _, stop, last in items], plans)
-            with cache.computing() as stream:
-                run_layers(cache, spec, sig, heads, items, layer_delay, compute, stream)
-            done = sig.layer_times().done_ns
-            return StepTimes(int(done[0]), int(done[spec.num_layers - 1]))
+        def steps(payload: Any) -> list[StepTimes]:
+            # per step: items, plans. items: (req, tokens, table, first token to compute[, stop token, last
+            # chunk]); the table is a uniform one's row, or a head-wise table [kv heads, blocks]; without a stop,
+            # the step computes the rest of the prompt (every block of the table). plans: by request, the plans
+            # their prefill admits returned (the others' the messager fetches).
+            # behind: the messager hears of every step only once all of them are computed (a messager that fell
+            # behind the writer by whole steps)
+            batches, layer_delay, compute, behind = payload
+            times, queued = [], []
+            for items, plans in batches:
+                items = [(*item, item[2].shape[-1] * spec.block_size, True) if len(item) == 4 else item
+                         for item in items]
+                number = sig.begin_step()
+                queued.append((number, [Chunk(req, stop, last) for req, _, _, _, stop, last in items], plans))
+                if not behind:
+                    link.run_step(*queued.pop())
+                with cache.computing() as stream:
+                    run_layers(cache, spec, sig, heads, items, layer_delay, compute, stream)
+                done = sig.layer_times().done_ns
+                times.append(StepTimes(int(done[0]), int(done[spec.num_layers - 1])))
+            for number, chunks, plans in queued:
+                link.run_step(number, chunks, plans)
+            return times
 
         conn.send(("ready", None))
         answer_commands(conn, {
@@ -186,7 +196,7 @@ def prefill_worker(conn: Any, cfg: dict[str, Any], rank: int) -> None:
             "posted": lambda req: link.messager.posted_bytes.get(req, 0),
             "sent_ns": lambda req: link.messager.sent_ns.get(req, {}),
             "probe": lambda args: probe(link, region, *args),
-            "step": step,
+            "steps": steps,
         })
 
 
@@ -413,10 +423,19 @@ class Cluster:
         ``layer_delay`` seconds of "compute" follow each layer; ``compute=False`` writes no KV (benchmarks);
         ``plans`` go with the step (``Sending.plan`` by request), else the messagers fetch them.
         """
+        return self.steps([(items, plans)], layer_delay, compute)[0]
+
+    def steps(self, batches: list[tuple[list[tuple[Any, ...]], dict[Any, dict[str, Any]] | None]],
+              layer_delay: float = 0.0, compute: bool = True, *, messager_behind: bool = False) -> list[StepTimes]:
+        """Prefill steps back to back, each ``(items, plans)`` as for ``step``; returns each one's layer signals.
+
+        ``messager_behind``: the messagers hear of the steps only after every one of them was computed,
+        as a messager that fell whole steps behind its writer.
+        """
         for w in self.prefill_workers:
-            w.send("step", (items, layer_delay, compute, plans))
-        times = [w._reply("step", 120.0) for w in self.prefill_workers]
-        return StepTimes(min(t.first_ns for t in times), max(t.last_ns for t in times))
+            w.send("steps", (batches, layer_delay, compute, messager_behind))
+        per_worker = [w._reply("steps", 120.0) for w in self.prefill_workers]
+        return [StepTimes(min(t.first_ns for t in ts), max(t.last_ns for t in ts)) for ts in zip(*per_worker)]
 
     def read(self, workers: list[Worker], table: np.ndarray) -> list[np.ndarray]:
         """The global KV (every head) of ``table``'s blocks on one node, per (layer, tensor), ``[blocks, heads, ...]``.

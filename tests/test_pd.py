@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from kvcache.client import CacheClient, DaemonError
-from kvcache.pd_cluster import Cluster, check_request, run_batch, scenario, signal_of, wait_outcomes
+from kvcache.pd_cluster import Cluster, check_request, run_batch, scenario, signal_of, table_of, wait_outcomes
 from kvcache.transfer.nixl import nixl_available
 from kvcache.transfer.regions import CopyRanges
 
@@ -96,12 +96,12 @@ def test_a_killed_decode_node_fails_the_transfer_on_the_prefill_side_within_its_
         placed = {r: proxy.submit(r, t) for r, t in prompts.items()}
         items = [(r, t, np.asarray(placed[r][1].table)[0].copy(), 0) for r, t in prompts.items()]
         for w in cluster.prefill_workers:
-            w.send("step", (items, 0.2, True, None))  # 1.2 s of "compute"
+            w.send("steps", ([(items, None)], 0.2, True, False))  # 1.2 s of "compute"
         time.sleep(0.5)
         cluster.kill_decode()
         killed = time.monotonic()
         for w in cluster.prefill_workers:
-            w._reply("step", 30)
+            w._reply("steps", 30)
         done, failed = wait_outcomes(prefill, set(prompts), timeout + 5)
         assert not done and set(failed) == set(prompts), (done, failed)
         assert time.monotonic() - killed < timeout + 3
@@ -190,7 +190,7 @@ def test_a_prefill_worker_that_dies_fails_the_request_on_both_sides_at_the_deadl
         tokens = np.random.default_rng(6).integers(0, 50_000, 300)
         _, admission = proxy.submit("w", tokens)
         worker = cluster.prefill_workers[0]
-        worker.send("step", ([("w", tokens, np.asarray(admission.table)[0].copy(), 0)], 0.5, True, None))
+        worker.send("steps", ([([("w", tokens, np.asarray(admission.table)[0].copy(), 0)], None)], 0.5, True, False))
         time.sleep(0.3)
         worker.process.kill()
         start = time.monotonic()
@@ -410,6 +410,34 @@ def test_chunked_prefill_sends_each_chunk_as_it_is_computed_and_notifies_after_t
         assert admission.num_cached_tokens == 0
         assert check_request(cluster, tokens, np.asarray(reservation.table)[0], whole, 16) == []
         decode.free("c")
+        assert_nothing_held(prefill, decode)
+
+
+@needs_nixl
+def test_a_messager_whole_steps_behind_its_writer_still_sends_every_step():
+    """The writer computes three steps before the messager hears of the first: each layer is then already
+    done in a later step (STALE to the signal), which means done in the step asked for too."""
+    from kvcache.pd_worker import PDProxy
+
+    with Cluster(layers=3, kv_heads=2, head_dim=32) as cluster:
+        prefill, decode = clients(cluster)
+        proxy = PDProxy(prefill, decode)
+        rng = np.random.default_rng(11)
+        steps = [{f"s{k}-{i}": rng.integers(0, 50_000, n) for i, n in enumerate((90 + 40 * k, 300))} for k in range(3)]
+        placed = {req: proxy.submit(req, tokens) for prompts in steps for req, tokens in prompts.items()}
+        batches = [([(req, tokens, table_of(placed[req][1]), 0) for req, tokens in prompts.items()],
+                    {req: placed[req][1].plan for req in prompts}) for prompts in steps]
+        cluster.steps(batches, compute=True, messager_behind=True)
+        every = {req for prompts in steps for req in prompts}
+        ready, failed = wait_outcomes(decode, every, 20)
+        sent, failed_p = wait_outcomes(prefill, every, 20)
+        assert set(ready) == set(sent) == every, (failed, failed_p)
+        for prompts in steps:
+            for req, tokens in prompts.items():
+                reservation, admission = placed[req]
+                first = reservation.num_cached_tokens // cluster.spec.block_size
+                assert check_request(cluster, tokens, np.asarray(reservation.table)[0], table_of(admission), first) == []
+                decode.free(req)
         assert_nothing_held(prefill, decode)
 
 

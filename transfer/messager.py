@@ -44,7 +44,7 @@ from kvcache.allocator.errors import KVCacheError
 from kvcache.transfer.engines import TransferHandle, TransferStatus
 from kvcache.transfer.heads import Route, RouteLayout, head_routes, layout_ranges, rank_heads, route_layout
 from kvcache.transfer.regions import CopyRanges, KVRegion
-from kvcache.transfer.signal import LayerSignal, WaitStatus
+from kvcache.transfer.signal import STEP_MOD, LayerSignal, WaitStatus
 
 if TYPE_CHECKING:
     from kvcache.transfer.nixl import NixlEngine, Peer
@@ -122,6 +122,11 @@ class _Closing(NamedTuple):
 def writers_of(num_kv_heads: int, prefill_tp: int, decode_tp: int, decode_rank: int) -> frozenset[int]:
     """The prefill ranks that write to ``decode_rank``: the receiver waits for one notification from each."""
     return frozenset(r.src for r in head_routes(num_kv_heads, prefill_tp, decode_tp) if r.dst == decode_rank)
+
+
+def _done_in(finished: int, step: int) -> bool:
+    """A layer whose last completion was in step ``finished`` (-1: never) has completed ``step``: that step or a later one."""
+    return finished >= 0 and (finished - step) % STEP_MOD < STEP_MOD // 2
 
 
 def _notice(reqs: list[Any], rank: int, tp: int) -> bytes:
@@ -259,7 +264,9 @@ class CacheMessager:
                 return
             deadline = min(plan.deadline for plan, *_ in active)
             status = self.signal.wait(layer, step, timeout=max(0.0, deadline - time.monotonic()))
-            if status is not WaitStatus.DONE:
+            # STALE: the writer has since finished the layer in a later step, so it finished it in this one
+            # first (a step's layers run in order on one stream): the messager fell behind, the data is there.
+            if status not in (WaitStatus.DONE, WaitStatus.STALE):
                 for plan, *_ in active:
                     self._progress.pop(plan.req, None)
                     self._fail(plan.req, f"layer {layer} of step {step} never completed ({status.name})", plan)
@@ -267,7 +274,7 @@ class CacheMessager:
             # Layers that finished while we were busy go together, as one write per request and rank.
             finished = self.signal.layer_times().steps
             upto = layer
-            while upto < last and finished[upto + 1] == step % (1 << 32):
+            while upto < last and _done_in(int(finished[upto + 1]), step):
                 upto += 1
             layers = list(range(layer, upto + 1))
             layer = upto + 1
