@@ -12,6 +12,7 @@ CPU, PyTorch on ``cuda:N``; each rank's cache is one buffer, so one NIXL descrip
 from __future__ import annotations
 
 import contextlib
+import itertools
 import multiprocessing as mp
 import os
 import shutil
@@ -240,7 +241,7 @@ def probe(link: Any, region: Any, src: np.ndarray, dst: np.ndarray, receivers: t
     """Limits measured on the messager's own path: one layer's write alone, and all its bytes as one descriptor.
 
     Each a write posted and waited for, into decode rank 0's region, 2 x ``repeat`` times: one
-    layer's median and best, the one-descriptor write's best, and the best of one descriptor of
+    layer's median and best (the layers in turn), the one-descriptor write's best, and the best of one descriptor of
     ``batch`` times the request's bytes. Also every layer's ranges as one write (best), and how
     long each kind's transfer() call took (median): with the raw write, they split the pipeline's
     cost into per transfer, per range and per byte.
@@ -251,7 +252,11 @@ def probe(link: Any, region: Any, src: np.ndarray, dst: np.ndarray, receivers: t
     messager = link.messager
     plan = TransferPlan("probe", np.atleast_2d(src), np.atleast_2d(dst), 0, tuple(receivers), time.monotonic() + 60)
     (d, (remote, agent)), *_ = messager._targets(plan).items()
-    layer = messager._ranges(plan, d, remote, [0])
+    # One layer alone: each write a different layer, in turn, as the pipeline moves them; the same layer
+    # again and again would move bytes the previous write left in the CPU's caches, which no layer of the
+    # pipeline finds there.
+    layers = [messager._ranges(plan, d, remote, [n]) for n in range(region.num_layers)]
+    layer = layers[0]
     every = messager._ranges(plan, d, remote, list(range(region.num_layers)))
     total = every.nbytes
     lo, hi = region.extents(), remote.extents()
@@ -259,12 +264,14 @@ def probe(link: Any, region: Any, src: np.ndarray, dst: np.ndarray, receivers: t
     one = CopyRanges(lo.addr[:1], hi.addr[:1], np.array([total], dtype=np.int64))
     many = CopyRanges(lo.addr[:1], hi.addr[:1], np.array([batch * total], dtype=np.int64))
 
-    kinds = (("layer", layer), ("every", every), ("raw", one), ("raw_batch", many))
+    kinds = (("layer", layers), ("every", [every]), ("raw", [one]), ("raw_batch", [many]))
     times: dict[str, list[float]] = {name: [] for name, _ in kinds}
     posts: dict[str, list[float]] = {name: [] for name, _ in kinds}
+    turn = itertools.count()
     for _ in range(2):  # alternate, so all see the same machine
-        for name, ranges in kinds:
+        for name, choices in kinds:
             for _ in range(repeat):
+                ranges = choices[next(turn) % len(choices)]
                 start = time.monotonic_ns()
                 handle = link.engine.submit(ranges, agent, region, remote, deadline=time.monotonic() + 60)
                 status = handle.wait()

@@ -324,7 +324,10 @@ def test_bench_pd_quick_reports_the_tail_and_throughput_against_limits_from_the_
     assert r["workload"]["inflight"] == 2 and 0 < r["raw_batch_s"] and r["batch_s"]["best"] <= r["batch_s"]["median"]
     assert r["batch_rate"] == pytest.approx(2 * r["workload"]["bytes"] / r["batch_s"]["best"])
     assert r["batch_rate_ratio"] == pytest.approx(r["batch_rate"] / r["raw_batch_rate"])
-    assert r["rate_ok"] == (r["batch_rate_ratio"] >= 0.8)
+    assert r["workload"]["steps"] == 2 and r["stream_s"]["best"] <= r["stream_s"]["median"]
+    assert r["stream_rate"] == pytest.approx(2 * 2 * r["workload"]["bytes"] / r["stream_s"]["best"])
+    assert r["stream_rate_ratio"] == pytest.approx(r["stream_rate"] / r["raw_batch_rate"])
+    assert r["rate_ok"] == (r["stream_rate_ratio"] >= 0.8)
     assert r["tail_s"]["min"] > 0 and r["tail_received_s"] <= r["tail_s"]["median"] + 1e-3
     stages = r["tail_stages_s"]
     order = ["messager woke", "messager queued the last write", "engine took up the last write", "its transfer() call returned", "engine saw it done"]
