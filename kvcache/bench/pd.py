@@ -52,7 +52,7 @@ QUICK_LAYERS = 4
 QUICK_REPEAT = 2
 QUICK_INFLIGHT = 2
 QUICK_STEPS = 2
-GPU_STEPS = 4  # steps in the throughput measure on a GPU; on the CPU 1, as every step's requests need host memory
+GPU_STEPS = 8  # steps in the throughput measure on a GPU; on the CPU 1, as every step's requests need host memory
 PACE = 1.25
 TAIL_SLACK_S = 1e-3
 THROUGHPUT_TARGET = 0.80
@@ -119,7 +119,8 @@ def run_benchmark(*, layers: int, block_size: int, repeat: int, pace: float, dev
                       "separate notification sent": sent.get("notified", 0), "receiver has all notes": received,
                       "decode daemon ready": ready_ns}
             since = lambda ns, t0: (ns - t0) / 1e9 if ns else float("nan")  # noqa: E731
-            from_first = {"messager had the plans": since(sent.get("planned", 0), times.first_ns),
+            from_first = {"messager began the step": since(sent.get("step_start", 0), times.first_ns),
+                          "messager had the plans": since(sent.get("planned", 0), times.first_ns),
                           "messager built every layer's ranges": since(sent.get("ranged", 0), times.first_ns),
                           "last layer signalled": since(times.last_ns, times.first_ns)}
             return {"tail_s": since(ready_ns, times.last_ns), "received_s": since(received, times.last_ns),
@@ -272,8 +273,9 @@ def add_parser(targets: argparse._SubParsersAction) -> None:
                    "holds one more request's worth of blocks than this")
     p.add_argument("--steps", type=positive_int, default=None,
                    help=f"prefill steps back to back in the throughput measure (default {GPU_STEPS} with --device "
-                   "cuda, else 1: each step's requests hold their own blocks on both nodes, 512 MiB each by default, "
-                   "so on the CPU they take host memory)")
+                   "cuda, else 1). Each step's requests hold their own blocks on both nodes, 512 MiB each by default: "
+                   f"2 x ({GPU_STEPS} x 8 + 1) x 512 MiB = 65 GiB of GPU memory at the defaults (pass --steps 4 on a "
+                   "40 GB GPU), and host memory on the CPU")
     p.add_argument("--pace", type=float, default=PACE,
                    help=f"fake compute per layer, in units of one layer's transfer time (default {PACE})")
     p.add_argument("--device", default="cpu", help="cpu (numpy caches) or cuda[:N] (PyTorch caches)")
