@@ -174,7 +174,7 @@ def prefill_worker(conn: Any, cfg: dict[str, Any], rank: int) -> None:
             # their prefill admits returned (the others' the messager fetches).
             # behind: the messager hears of every step only once all of them are computed (a messager that fell
             # behind the writer by whole steps)
-            batches, layer_delay, compute, behind = payload
+            batches, layer_delay, compute, behind, spin = payload
             times, queued = [], []
             for items, plans in batches:
                 items = [(*item, item[2].shape[-1] * spec.block_size, True) if len(item) == 4 else item
@@ -184,7 +184,7 @@ def prefill_worker(conn: Any, cfg: dict[str, Any], rank: int) -> None:
                 if not behind:
                     link.run_step(*queued.pop())
                 with cache.computing() as stream:
-                    run_layers(cache, spec, sig, heads, items, layer_delay, compute, stream)
+                    run_layers(cache, spec, sig, heads, items, layer_delay, compute, stream, spin)
                 done = sig.layer_times().done_ns
                 times.append(StepTimes(int(done[0]), int(done[spec.num_layers - 1])))
             for number, chunks, plans in queued:
@@ -211,8 +211,11 @@ def answer_commands(conn: Any, answers: dict[str, Callable[[Any], Any]]) -> None
 
 
 def run_layers(cache: Cache, spec: CacheSpec, sig: Any, heads: range, items: list, layer_delay: float, compute: bool,
-               stream: Any) -> None:
-    """The fake model's layers for one step: each writes its KV (unless ``compute`` is off), then ``send_cache``."""
+               stream: Any, spin: bool = False) -> None:
+    """The fake model's layers for one step: each writes its KV (unless ``compute`` is off), then ``send_cache``.
+
+    ``layer_delay`` is spent asleep (the GIL free, as a runner waiting on its GPU) or, with ``spin``,
+    running Python (the GIL held, as a runner launching kernels)."""
     from kvcache.ops import send_cache
 
     for layer in range(spec.num_layers):
@@ -232,7 +235,11 @@ def run_layers(cache: Cache, spec: CacheSpec, sig: Any, heads: range, items: lis
                     cache.write(layer, ids[held], [v[held, k:k + 1] for v, _ in values], values[0][1][held],
                                 slice(k, k + 1))
         send_cache(stream, sig, layer)
-        if layer_delay:
+        if layer_delay and spin:
+            end = time.perf_counter() + layer_delay
+            while time.perf_counter() < end:
+                pass
+        elif layer_delay:
             time.sleep(layer_delay)
 
 
@@ -424,23 +431,25 @@ class Cluster:
     # ----------------------------------------------------------------- requests
 
     def step(self, items: list[tuple[Any, np.ndarray, np.ndarray, int]], layer_delay: float = 0.0,
-             compute: bool = True, plans: dict[Any, dict[str, Any]] | None = None) -> StepTimes:
+             compute: bool = True, plans: dict[Any, dict[str, Any]] | None = None, *, spin: bool = False) -> StepTimes:
         """Run one prefill step on every prefill rank; returns its earliest first and latest last layer signals.
 
         ``layer_delay`` seconds of "compute" follow each layer; ``compute=False`` writes no KV (benchmarks);
         ``plans`` go with the step (``Sending.plan`` by request), else the messagers fetch them.
         """
-        return self.steps([(items, plans)], layer_delay, compute)[0]
+        return self.steps([(items, plans)], layer_delay, compute, spin=spin)[0]
 
     def steps(self, batches: list[tuple[list[tuple[Any, ...]], dict[Any, dict[str, Any]] | None]],
-              layer_delay: float = 0.0, compute: bool = True, *, messager_behind: bool = False) -> list[StepTimes]:
+              layer_delay: float = 0.0, compute: bool = True, *, messager_behind: bool = False,
+              spin: bool = False) -> list[StepTimes]:
         """Prefill steps back to back, each ``(items, plans)`` as for ``step``; returns each one's layer signals.
 
         ``messager_behind``: the messagers hear of the steps only after every one of them was computed,
-        as a messager that fell whole steps behind its writer.
+        as a messager that fell whole steps behind its writer. ``spin``: each layer's ``layer_delay``
+        runs Python (holding the GIL) instead of sleeping.
         """
         for w in self.prefill_workers:
-            w.send("steps", (batches, layer_delay, compute, messager_behind))
+            w.send("steps", (batches, layer_delay, compute, messager_behind, spin))
         per_worker = [w._reply("steps", 120.0) for w in self.prefill_workers]
         return [StepTimes(min(t.first_ns for t in ts), max(t.last_ns for t in ts)) for ts in zip(*per_worker)]
 

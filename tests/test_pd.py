@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from kvcache.allocator.errors import KVCacheError
 from kvcache.client import CacheClient, DaemonError
 from kvcache.pd_cluster import Cluster, check_request, run_batch, scenario, signal_of, table_of, wait_outcomes
 from kvcache.transfer.nixl import nixl_available
@@ -96,7 +97,7 @@ def test_a_killed_decode_node_fails_the_transfer_on_the_prefill_side_within_its_
         placed = {r: proxy.submit(r, t) for r, t in prompts.items()}
         items = [(r, t, np.asarray(placed[r][1].table)[0].copy(), 0) for r, t in prompts.items()]
         for w in cluster.prefill_workers:
-            w.send("steps", ([(items, None)], 0.2, True, False))  # 1.2 s of "compute"
+            w.send("steps", ([(items, None)], 0.2, True, False, False))  # 1.2 s of "compute"
         time.sleep(0.5)
         cluster.kill_decode()
         killed = time.monotonic()
@@ -190,7 +191,7 @@ def test_a_prefill_worker_that_dies_fails_the_request_on_both_sides_at_the_deadl
         tokens = np.random.default_rng(6).integers(0, 50_000, 300)
         _, admission = proxy.submit("w", tokens)
         worker = cluster.prefill_workers[0]
-        worker.send("steps", ([([("w", tokens, np.asarray(admission.table)[0].copy(), 0)], None)], 0.5, True, False))
+        worker.send("steps", ([([("w", tokens, np.asarray(admission.table)[0].copy(), 0)], None)], 0.5, True, False, False))
         time.sleep(0.3)
         worker.process.kill()
         start = time.monotonic()
@@ -443,6 +444,45 @@ def test_a_messager_whole_steps_behind_its_writer_still_sends_every_step():
                 assert check_request(cluster, tokens, np.asarray(reservation.table)[0], table_of(admission), first) == []
                 decode.free(req)
         assert_nothing_held(prefill, decode)
+
+
+@needs_nixl
+def test_the_messager_and_the_receiver_shorten_the_gil_switch_interval_unless_told_not_to(tmp_path):
+    """A model runner holding the GIL would make their threads wait the default 5 ms per hand-off."""
+    import sys
+
+    from kvcache.pd_cluster import Cache, spec_of
+    from kvcache.transfer import KVRegion, LayerSignal
+    from kvcache.transfer.messager import SWITCH_INTERVAL_S, CacheMessager, CacheReceiver
+    from kvcache.transfer.nixl import NixlEngine
+
+    spec = spec_of(dict(layers=2, kv_heads=2, head_dim=16, block_size=16), 1)
+    region = KVRegion.from_tensors(spec, Cache(spec, 8, "cpu").layers)
+    before = sys.getswitchinterval()
+
+    def build(kind: str, sig: LayerSignal, **kw) -> None:
+        """Make one and close it, each with an engine of its own (a receiver serves its engine's metadata)."""
+        with NixlEngine(f"switch-test-{kind}") as engine:
+            made = (CacheMessager(engine, region, sig, 0, fetch_plans=list, on_sent=print, on_failed=print, **kw)
+                    if kind == "messager" else CacheReceiver(engine, region, 0, on_received=print, **kw))
+            made.close()
+
+    try:
+        with LayerSignal.create(f"kvcache-switch-test-{tmp_path.name}", spec.num_layers, replace=True) as sig:
+            for kind in ("messager", "receiver"):
+                sys.setswitchinterval(0.005)
+                build(kind, sig)
+                assert sys.getswitchinterval() == pytest.approx(SWITCH_INTERVAL_S), kind
+                sys.setswitchinterval(0.005)
+                build(kind, sig, switch_interval=None)
+                assert sys.getswitchinterval() == pytest.approx(0.005), kind
+                sys.setswitchinterval(SWITCH_INTERVAL_S / 2)  # already shorter: left alone
+                build(kind, sig)
+                assert sys.getswitchinterval() == pytest.approx(SWITCH_INTERVAL_S / 2), kind
+                with pytest.raises(KVCacheError, match="switch_interval"):
+                    build(kind, sig, switch_interval=0.0)
+    finally:
+        sys.setswitchinterval(before)
 
 
 def test_a_failed_send_leaves_no_uncomputed_prefill_block_in_the_prefix_cache(daemon):

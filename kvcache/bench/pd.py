@@ -23,7 +23,9 @@ The plans go to the prefill worker with each step, as a scheduler hands them ove
 Each measure lists its stages (when the messager woke, queued the last write, the engine posted it,
 saw it done, the receiver had every notice, the decode daemon marked it ready), so a miss says where
 the time went. ``--tokens`` shrinks the layers to their fixed costs (a CPU stand-in for GPU caches,
-whose layers move in microseconds); ``--progress`` picks who drives UCX (NixlEngine's ``progress``).
+whose layers move in microseconds); ``--progress`` picks who drives UCX (NixlEngine's ``progress``);
+``--compute spin`` makes the fake model hold the GIL through each paced layer, as a runner launching
+kernels does.
 Exits 0 whatever the numbers.
 """
 from __future__ import annotations
@@ -60,7 +62,8 @@ OUTCOME_POLL_S = 0.02  # the daemons stamp outcomes themselves; polling slowly k
 
 
 def run_benchmark(*, layers: int, block_size: int, repeat: int, pace: float, device: str, tokens: int = TOKENS,
-                  progress: str = "thread", inflight: int = INFLIGHT, steps: int | None = None) -> dict[str, Any]:
+                  progress: str = "thread", inflight: int = INFLIGHT, steps: int | None = None,
+                  compute: str = "sleep") -> dict[str, Any]:
     from kvcache.client import CacheClient
     from kvcache.pd_cluster import Cluster, wait_outcomes
     from kvcache.pd_worker import PDProxy
@@ -92,7 +95,7 @@ def run_benchmark(*, layers: int, block_size: int, repeat: int, pace: float, dev
             tables["src"], tables["dst"] = src[reqs[-1]], np.asarray(placed[reqs[-1]][0].table)[0].astype(np.int64)
             batches = [([(req, np.empty(0, np.int64), src[req], 0) for req in step],
                         {req: placed[req][1].plan for req in step}) for step in per_step]
-            signalled = cluster.steps(batches, layer_delay, compute=False)
+            signalled = cluster.steps(batches, layer_delay, compute=False, spin=compute == "spin")
             times = signalled[0]._replace(last_ns=signalled[-1].last_ns)
             time.sleep(OUTCOME_POLL_S)  # ask only after the tail: a poll now would take CPU from the transfer it times
             ready, failed = wait_outcomes(decode, set(reqs), 120, interval=OUTCOME_POLL_S)
@@ -153,7 +156,7 @@ def run_benchmark(*, layers: int, block_size: int, repeat: int, pace: float, dev
     return {
         "workload": {"tokens": tokens, "layers": layers, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "dtype": "bfloat16",
                      "block_size": block_size, "device": device, "bytes": nbytes, "repeat": repeat, "pace": pace,
-                     "progress": progress, "inflight": inflight, "steps": steps},
+                     "progress": progress, "inflight": inflight, "steps": steps, "compute": compute},
         "host": platform.node(),
         "one_layer_s": layer_s,
         "one_layer_best_s": limits["layer_best_s"],
@@ -245,7 +248,9 @@ def render(r: dict[str, Any]) -> str:
     head = (f"kvcache bench pd: {w['tokens']:,} tokens, {w['layers']} layers, {w['kv_heads']} kv heads x "
             f"{w['head_dim']}, {w['dtype']}, block {w['block_size']}, {w['bytes'] / 2**20:.0f} MiB, {w['device']}, "
             f"NIXL progress by {w['progress']}; throughput: steps of {w['inflight']} requests; "
-            f"paced at {ms(r['paced_layer_delay_s'])} per layer ({w['pace']}x one layer); best/median of {w['repeat']}")
+            f"paced at {ms(r['paced_layer_delay_s'])} per layer ({w['pace']}x one layer, the model "
+            f"{'spinning in Python' if w['compute'] == 'spin' else 'asleep'}); "
+            f"best/median of {w['repeat']}")
     return head + "\n" + table(["measure", "ours", "limit", "ratio", ""], rows, align_left=1)
 
 
@@ -278,6 +283,10 @@ def add_parser(targets: argparse._SubParsersAction) -> None:
                    "40 GB GPU), and host memory on the CPU")
     p.add_argument("--pace", type=float, default=PACE,
                    help=f"fake compute per layer, in units of one layer's transfer time (default {PACE})")
+    p.add_argument("--compute", choices=("sleep", "spin"), default="sleep",
+                   help="how the fake model spends each paced layer: asleep (the GIL free, as a model runner waiting "
+                   "on its GPU; default) or running Python (the GIL held, as a runner launching kernels, which the "
+                   "messager's threads then wait for)")
     p.add_argument("--device", default="cpu", help="cpu (numpy caches) or cuda[:N] (PyTorch caches)")
     p.add_argument("--progress", choices=PROGRESS_MODES, default="thread",
                    help="who drives UCX in both workers' NIXL engines: NIXL's progress thread (wakes on events or "
@@ -299,7 +308,8 @@ def _run(args: argparse.Namespace) -> int:
                            repeat=QUICK_REPEAT if args.quick else args.repeat, pace=args.pace, device=device,
                            tokens=args.tokens, progress=args.progress,
                            inflight=QUICK_INFLIGHT if args.quick else args.inflight,
-                           steps=QUICK_STEPS if args.quick and args.steps is None else args.steps)
+                           steps=QUICK_STEPS if args.quick and args.steps is None else args.steps,
+                           compute=args.compute)
     print(json.dumps(result, indent=2) if args.json else render(result))
     return 0
 
