@@ -61,8 +61,8 @@ SWITCH_INTERVAL_S = 2e-4
 GIL while it launches a step's kernels; CPython hands the GIL to a waiting thread only after the
 switch interval (5 ms by default), so a layer's write could wait that long after its signal. Both
 lower the process's interval to this. H100, a runner spinning in Python (``kvcache bench pd
---compute spin``): tail 1.70 ms at 5 ms, 1.13 ms at 0.2 ms, 1.01 ms at 0.05 ms (0.65 ms beside a
-sleeping runner); the runner's own Python keeps about 97% of its speed at 0.2 ms beside a thread
+--compute spin``): tail 1.70 ms at 5 ms, 1.13-1.31 ms at 0.2 ms, 1.01 ms at 0.05 ms (0.65-0.88 ms
+beside a sleeping runner); the runner's own Python keeps about 97% of its speed at 0.2 ms beside a thread
 that wakes every 50 µs, 84% at 0.05 ms."""
 
 
