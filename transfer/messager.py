@@ -313,8 +313,12 @@ class CacheMessager:
                     if chunk.last and upto == last:
                         closing.setdefault(progress.agents[d], []).append(_Closing(plan, progress, d, remote, ranges))
                         continue
+                    # Posted from this thread when the engine is idle (no hand-off to its worker, which beside a
+                    # runner holding the GIL costs up to a switch interval per layer), unless both sides are host
+                    # memory: there the post itself copies, and this thread must be free for the next signal.
                     progress.handles[d].append(self.engine.submit(ranges, progress.agents[d], self.region, remote,
-                                                                  deadline=plan.deadline))
+                                                                  deadline=plan.deadline,
+                                                                  inline=self.region.is_cuda or remote.is_cuda))
             for parts in closing.values():
                 self._close(parts, notified)
         timings["posted_ns"] = time.monotonic_ns()
