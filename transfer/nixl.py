@@ -195,7 +195,6 @@ class NixlEngine(TransferEngine):
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._held_job: _NixlHandle | _Posted | None = None  # taken from the queue but not mergeable: next to post
         self._post_lock = threading.Lock()  # held while a write is posted (by the worker or an inline caller)
-        self._settle_lock = threading.Lock()  # held while a posted write is polled or ended (worker or inline poster)
         self._count_lock = threading.Lock()
         self._unposted = 0  # writes queued for the worker and not yet posted
         self.merged_writes = 0  # writes that shared another's transfer (see MERGE_MAX)
@@ -426,10 +425,9 @@ class NixlEngine(TransferEngine):
                     if not inflight and self.progress == "poll":
                         self._progress_idle()
             if job is _STOP:
-                with self._settle_lock:
-                    for handle in inflight:
-                        handle.cancelled = True
-                        self._settle(handle)
+                for handle in inflight:
+                    handle.cancelled = True
+                    self._settle(handle)
                 return
             if isinstance(job, _Posted):
                 inflight.append(job.handle)
@@ -448,10 +446,9 @@ class NixlEngine(TransferEngine):
                     self._jobs.put(_STOP)
             else:
                 delay = min(delay * 2, _POLL_MAX)
-            with self._settle_lock:
-                for handle in list(inflight):
-                    if self._settle(handle):
-                        inflight.remove(handle)
+            for handle in list(inflight):
+                if self._settle(handle):
+                    inflight.remove(handle)
 
     def _merge_queued(self, first: _NixlHandle) -> tuple[_NixlHandle, bool]:
         """``first`` with the writes queued right behind it that can share its transfer; and whether a stop came.
@@ -502,7 +499,7 @@ class NixlEngine(TransferEngine):
             self._end(handle, TransferStatus.TIMEOUT, "its deadline passed before it was posted")
             return
         notify = handle.notify
-        if notify and not self._landed(handle.after):
+        if notify and any(a.status() is not TransferStatus.DONE for a in handle.after):
             handle.held, notify = notify, b""  # earlier writes still in flight: send it once they land
         r = handle.ranges
         if self.threads and handle.local_mem == handle.remote_mem == "DRAM":
@@ -524,28 +521,6 @@ class NixlEngine(TransferEngine):
             self._land(handle)
         elif state == "ERR":
             self._end(handle, TransferStatus.FAILED, f"NIXL write to {handle.peer!r} failed when posted")
-
-    def _landed(self, after: Sequence[TransferHandle]) -> bool:
-        """Whether every write in ``after`` is DONE, asking NIXL about those the worker has not yet seen finish.
-
-        An inline poster asks itself rather than wait for the worker's next pass (beside a runner holding
-        the GIL that pass can be a switch interval away), so its notice rides on the write. Only when the
-        worker is not polling at that moment; a write not yet posted, or that failed, answers no.
-        """
-        pending = [a for a in after if a.status() is not TransferStatus.DONE]
-        if not pending:
-            return True
-        if not all(isinstance(a, _NixlHandle) and a.xfer is not None and not a.event.is_set() for a in pending):
-            return False
-        if not self._settle_lock.acquire(blocking=False):
-            return False
-        try:
-            for a in pending:
-                if not a.event.is_set():
-                    self._settle(a)
-        finally:
-            self._settle_lock.release()
-        return all(a.status() is TransferStatus.DONE for a in pending)
 
     def _settle(self, handle: _NixlHandle) -> bool:
         """Poll one transfer in flight; True once it is finished and released."""
