@@ -179,10 +179,11 @@ def prefill_worker(conn: Any, cfg: dict[str, Any], rank: int) -> None:
             for items, plans in batches:
                 items = [(*item, item[2].shape[-1] * spec.block_size, True) if len(item) == 4 else item
                          for item in items]
-                number = sig.begin_step()
-                queued.append((number, [Chunk(req, stop, last) for req, _, _, _, stop, last in items], plans))
-                if not behind:
-                    link.run_step(*queued.pop())
+                step = (sig.begin_step(), [Chunk(req, stop, last) for req, _, _, _, stop, last in items], plans)
+                if behind:
+                    queued.append(step)
+                else:
+                    link.run_step(*step)
                 with cache.computing() as stream:
                     run_layers(cache, spec, sig, heads, items, layer_delay, compute, stream, spin)
                 done = sig.layer_times().done_ns

@@ -175,21 +175,18 @@ def run_benchmark(*, layers: int, block_size: int, repeat: int, pace: float, dev
         "tail_limit_s": layer_s + TAIL_SLACK_S,
         "tail_ok": tail <= layer_s + TAIL_SLACK_S,
         "unpaced_total_s": best_total,
-        "unpaced_stages_s": {name: _median([r["from_first_s"][name] for r in unpaced])
-                             for name in unpaced[0]["from_first_s"] if not name.startswith("separate")},
+        "unpaced_stages_s": _stage_medians(unpaced),
         "rate": rate,
         "raw_rate": raw_rate,
         "rate_ratio": rate / raw_rate,
         "batch_s": {"best": min(batches), "median": statistics.median(batches)},
-        "batch_stages_s": {name: _median([r["from_first_s"][name] for r in batched])
-                           for name in batched[0]["from_first_s"] if not name.startswith("separate")},
+        "batch_stages_s": _stage_medians(batched),
         "batch_rate": batch_rate,
         "raw_batch_s": limits["raw_batch_s"],
         "raw_batch_rate": batch_raw_rate,
         "batch_rate_ratio": batch_rate / batch_raw_rate,
         "stream_s": {"best": min(streams), "median": statistics.median(streams)},
-        "stream_stages_s": {name: _median([r["from_first_s"][name] for r in streamed])
-                            for name in streamed[0]["from_first_s"] if not name.startswith("separate")},
+        "stream_stages_s": _stage_medians(streamed),
         "stream_rate": stream_rate,
         "stream_rate_ratio": stream_rate / batch_raw_rate,
         "rate_ok": stream_rate / batch_raw_rate >= THROUGHPUT_TARGET,
@@ -199,6 +196,12 @@ def run_benchmark(*, layers: int, block_size: int, repeat: int, pace: float, dev
 def default_steps(device: str) -> int:
     """Prefill steps in the throughput measure: several on a GPU, one on the CPU (where caches take host memory)."""
     return GPU_STEPS if device.startswith("cuda") else 1
+
+
+def _stage_medians(runs: list[dict[str, Any]]) -> dict[str, float]:
+    """Each stage's median time since the first signal over ``runs`` (the separate notice left out)."""
+    return {name: _median([r["from_first_s"][name] for r in runs])
+            for name in runs[0]["from_first_s"] if not name.startswith("separate")}
 
 
 def _median(values: list[float]) -> float:
@@ -212,6 +215,10 @@ def render(r: dict[str, Any]) -> str:
     ms = lambda s: f"{s * 1e3:.2f} ms"  # noqa: E731
     gbs = lambda b: f"{b / 1e9:.2f} GB/s"  # noqa: E731
     t = r["tail_s"]
+
+    def since_first(stages: dict[str, float]) -> list[list[str]]:
+        return [[f"    {name} (since first signal)", ms(v) if v == v else "-", "", "", ""] for name, v in stages.items()]
+
     rows = [
         ["one layer alone (limit)", f"{ms(r['one_layer_s'])} (median; best {ms(r['one_layer_best_s'])})",
          f"{r['one_layer_bytes'] / 2**20:.1f} MiB in {r['one_layer_ranges']} ranges", "", ""],
@@ -227,20 +234,17 @@ def render(r: dict[str, Any]) -> str:
            ["  first signal -> last request ready (best; median)",
             f"{ms(r['stream_s']['best'])}; {ms(r['stream_s']['median'])}",
             f"raw {ms(r['raw_batch_s'] * w['steps'])}", "", ""],
-           *[[f"    {name} (since first signal)", ms(v) if v == v else "-", "", "", ""]
-             for name, v in r["stream_stages_s"].items()]] if w["steps"] > 1 else []),
+           *since_first(r["stream_stages_s"])] if w["steps"] > 1 else []),
         [f"throughput, one step of {w['inflight']} requests, layers back to back (best)", gbs(r["batch_rate"]),
          f"raw one-descriptor NIXL {gbs(r['raw_batch_rate'])}", f"{r['batch_rate_ratio']:.2f}",
          "" if w["steps"] > 1 else mark(r["rate_ok"]) + f" (>= {THROUGHPUT_TARGET:.0%})"],
         ["  first signal -> last request ready (best; median)",
          f"{ms(r['batch_s']['best'])}; {ms(r['batch_s']['median'])}", f"raw {ms(r['raw_batch_s'])}", "", ""],
-        *[[f"    {name} (since first signal)", ms(v) if v == v else "-", "", "", ""]
-          for name, v in r["batch_stages_s"].items()],
+        *since_first(r["batch_stages_s"]),
         ["throughput, one request alone, layers back to back", gbs(r["rate"]),
          f"raw one-descriptor NIXL {gbs(r['raw_rate'])}", f"{r['rate_ratio']:.2f}", ""],
         ["  first signal -> decode ready (best)", ms(r["unpaced_total_s"]), f"raw {ms(r['raw_s'])}", "", ""],
-        *[[f"    {name} (since first signal)", ms(v) if v == v else "-", "", "", ""]
-          for name, v in r["unpaced_stages_s"].items()],
+        *since_first(r["unpaced_stages_s"]),
         ["  every layer as one write, alone (best)", ms(r["every_layer_s"]), f"{r['every_layer_ranges']} ranges", "", ""],
         ["  transfer() call (median): one layer / every layer / raw",
          " / ".join(ms(r["post_s"][k]) for k in ("layer", "every", "raw")), "", "", ""],
