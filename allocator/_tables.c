@@ -10,6 +10,7 @@
 #include <Python.h>
 
 #include <stdint.h>
+#include <string.h>
 
 PyDoc_STRVAR(set_columns_doc,
 "set_columns(tables, cols, values) -> list[int]\n\n"
@@ -181,8 +182,156 @@ done:
     return result;
 }
 
+PyDoc_STRVAR(mirror_step_doc,
+"mirror_step(reqs, lens, index, offsets, cols, vals, views, buffers) -> list | None\n\n"
+"A client's mirror update for a decode step's reply, in one pass: request reqs[j] is lens[j] columns wide\n"
+"(int32 [n]); changed request index[k] (int32 [m]) gained columns cols[offsets[k]:offsets[k + 1]] (int32\n"
+"[m + 1] and [total]) holding vals (int32 C-contiguous [rows, total]). views maps a request to its read-only\n"
+"table view, buffers to its (writable int32 [rows, capacity] buffer, read-only alias). Applies the reply and\n"
+"returns every request's view, in order, when it has the usual shape: each change one new last column of a\n"
+"distinct request whose buffer has room, every request mirrored, none refused (lens >= 0). Otherwise returns\n"
+"None and changes nothing (the caller's general path handles it).");
+
+static int32_t load_i32(const char *base, Py_ssize_t i)
+{
+    int32_t v; /* wire arrays can sit at any byte offset of their message */
+    memcpy(&v, base + i * (Py_ssize_t)sizeof(int32_t), sizeof v);
+    return v;
+}
+
+/* Columns of a 2-D buffer-protocol object (a numpy view), or -1 when it is not int32 2-D with ``rows`` rows. */
+static Py_ssize_t columns_of(PyObject *obj, Py_ssize_t rows, int32_t **data, int writable)
+{
+    Py_buffer b;
+    if (PyObject_GetBuffer(obj, &b, writable ? (PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE | PyBUF_FORMAT)
+                                             : (PyBUF_STRIDES | PyBUF_FORMAT)) < 0) {
+        PyErr_Clear();
+        return -1;
+    }
+    Py_ssize_t cols = -1;
+    if (b.ndim == 2 && b.itemsize == 4 && b.format && (b.format[0] == 'i' || b.format[0] == 'l')
+        && b.format[1] == '\0' && (rows < 0 || b.shape[0] == rows)) {
+        cols = b.shape[1];
+        if (data)
+            *data = b.buf;
+    }
+    PyBuffer_Release(&b); /* the array behind it stays alive: the caller's dicts hold it */
+    return cols;
+}
+
+static PyObject *mirror_step(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *reqs, *views, *buffers;
+    Py_buffer lens, index, offsets, cols, vals;
+    if (!PyArg_ParseTuple(args, "O!y*y*y*y*y*O!O!", &PyList_Type, &reqs, &lens, &index, &offsets, &cols, &vals,
+                          &PyDict_Type, &views, &PyDict_Type, &buffers))
+        return NULL;
+    PyObject *out = NULL, *seen = NULL, *all_cols = NULL;
+    int32_t **data = NULL;
+    Py_ssize_t *capacity = NULL;
+    const Py_ssize_t n = PyList_GET_SIZE(reqs), m = index.len / (Py_ssize_t)sizeof(int32_t);
+    const Py_ssize_t rows = m ? vals.len / (Py_ssize_t)sizeof(int32_t) / m : 0;
+    const char *len_of = lens.buf, *idx = index.buf, *off = offsets.buf, *col = cols.buf;
+    int usual = lens.len == n * (Py_ssize_t)sizeof(int32_t) && index.len % sizeof(int32_t) == 0
+                && offsets.len == (m + 1) * (Py_ssize_t)sizeof(int32_t) && cols.len == index.len
+                && vals.len == rows * m * (Py_ssize_t)sizeof(int32_t) && (!m || rows > 0);
+    if (!usual)
+        goto unusual;
+    out = PyList_New(n);
+    seen = PySet_New(NULL);
+    data = PyMem_Calloc(m ? m : 1, sizeof *data);
+    capacity = PyMem_Calloc(m ? m : 1, sizeof *capacity);
+    if (!out || !seen || !data || !capacity)
+        goto fail;
+    for (Py_ssize_t j = 0; j < n; j++) {
+        PyObject *req = PyList_GET_ITEM(reqs, j);
+        PyObject *view = PyDict_GetItemWithError(views, req);
+        if (!view) {
+            if (PyErr_Occurred())
+                goto fail;
+            goto unusual; /* not mirrored here (admitted by another client) */
+        }
+        if (load_i32(len_of, j) < 0)
+            goto unusual;
+        Py_INCREF(view);
+        PyList_SET_ITEM(out, j, view);
+    }
+    /* Check every change before writing any. */
+    if (m && load_i32(off, 0) != 0)
+        goto unusual;
+    for (Py_ssize_t k = 0; k < m; k++) {
+        const Py_ssize_t j = load_i32(idx, k);
+        if (j < 0 || j >= n || load_i32(off, k + 1) != k + 1)
+            goto unusual;
+        const Py_ssize_t length = load_i32(len_of, j);
+        PyObject *req = PyList_GET_ITEM(reqs, j);
+        if (load_i32(col, k) != length - 1 || columns_of(PyList_GET_ITEM(out, j), rows, NULL, 0) != length - 1)
+            goto unusual;
+        const int dup = PySet_Contains(seen, req);
+        if (dup < 0)
+            goto fail;
+        if (dup || PySet_Add(seen, req) < 0)
+            goto unusual;
+        PyObject *pair = PyDict_GetItemWithError(buffers, req);
+        if (!pair) {
+            if (PyErr_Occurred())
+                goto fail;
+            goto unusual;
+        }
+        if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2)
+            goto unusual;
+        capacity[k] = columns_of(PyTuple_GET_ITEM(pair, 0), rows, &data[k], 1);
+        if (capacity[k] < length) /* not 2-D int32 (-1), or full: the caller grows it */
+            goto unusual;
+    }
+    all_cols = PySlice_New(NULL, NULL, NULL);
+    if (!all_cols)
+        goto fail;
+    const char *val = vals.buf;
+    for (Py_ssize_t k = 0; k < m; k++) {
+        const Py_ssize_t j = load_i32(idx, k), length = load_i32(len_of, j);
+        for (Py_ssize_t r = 0; r < rows; r++)
+            data[k][r * capacity[k] + length - 1] = load_i32(val, r * m + k);
+        PyObject *req = PyList_GET_ITEM(reqs, j);
+        PyObject *alias = PyTuple_GET_ITEM(PyDict_GetItem(buffers, req), 1);
+        PyObject *stop = PyLong_FromSsize_t(length);
+        PyObject *first = stop ? PySlice_New(NULL, stop, NULL) : NULL;
+        PyObject *key = first ? PyTuple_Pack(2, all_cols, first) : NULL;
+        PyObject *view = key ? PyObject_GetItem(alias, key) : NULL;
+        Py_XDECREF(stop);
+        Py_XDECREF(first);
+        Py_XDECREF(key);
+        if (!view || PyDict_SetItem(views, req, view) < 0) {
+            Py_XDECREF(view);
+            goto fail;
+        }
+        PyList_SetItem(out, j, view); /* steals view, drops the old one */
+    }
+    goto done;
+unusual:
+    Py_CLEAR(out);
+    Py_INCREF(Py_None);
+    out = Py_None;
+    goto done;
+fail:
+    Py_CLEAR(out);
+done:
+    Py_XDECREF(seen);
+    Py_XDECREF(all_cols);
+    PyMem_Free(data);
+    PyMem_Free(capacity);
+    PyBuffer_Release(&lens);
+    PyBuffer_Release(&index);
+    PyBuffer_Release(&offsets);
+    PyBuffer_Release(&cols);
+    PyBuffer_Release(&vals);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"extend_fast", extend_fast, METH_VARARGS, extend_fast_doc},
+    {"mirror_step", mirror_step, METH_VARARGS, mirror_step_doc},
     {"set_columns", set_columns, METH_VARARGS, set_columns_doc},
     {NULL, NULL, 0, NULL},
 };

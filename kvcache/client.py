@@ -484,17 +484,21 @@ class CacheClient:
         """The tables of one extend_many result in request order, keeping the mirror current.
 
         Unchanged tables are the mirror's views as they are; only the changed
-        ones (one request in ``block_size`` in a decode step) are touched.
+        ones (one request in ``block_size`` in a decode step) are touched. A
+        decode step's usual reply (each change one new last column) is applied
+        in one C pass; anything else goes request by request.
         """
         if isinstance(raw, dict) and set(raw) == {"error"}:
             return DaemonError(raw["error"])
         lens, changed = raw["lens"], raw["changed"]
         mirror = self._mirror
         views = mirror.views
-        out: list[np.ndarray | None] = list(map(views.get, reqs))
         index = changed["index"]
-        if index.size and self._append_all(reqs, lens, changed, out):
-            index = index[:0]
+        usual = _tables.mirror_step(reqs, lens, index, changed["offsets"], changed["cols"], changed["vals"], views,
+                                    mirror._buffers)
+        if usual is not None:
+            return usual
+        out: list[np.ndarray | None] = list(map(views.get, reqs))
         if index.size:
             offsets, cols, vals = changed["offsets"].tolist(), changed["cols"], changed["vals"]
             col_of = cols.tolist()
@@ -517,26 +521,6 @@ class CacheClient:
                         mirror.put(req, self.table(req))
                     out[j] = mirror.views[req]
         return out
-
-    def _append_all(self, reqs: list[Any], lens: np.ndarray, changed: dict[str, Any], out: list) -> bool:
-        """A decode step's usual delta, every change one new last column of a distinct mirrored request, in one pass.
-
-        Fills ``out`` and returns True; False (nothing changed) when the delta is any other shape.
-        """
-        index, offsets, cols = changed["index"], changed["offsets"], changed["cols"]
-        lengths = lens[index]
-        if cols.size != index.size or not (np.diff(offsets) == 1).all() or not (cols == lengths - 1).all():
-            return False
-        which = index.tolist()
-        named = [reqs[j] for j in which]
-        if len(set(named)) != len(named):
-            return False
-        tables = self._mirror.append_columns(named, lengths.tolist(), changed["vals"])
-        if tables is None:
-            return False
-        for j, table in zip(which, tables):
-            out[j] = table
-        return True
 
     def _result(self, op: dict[str, Any], raw: Any) -> Any:
         """A raw result in the library's types, keeping this client's table mirror current."""
