@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from kvcache.allocator import CacheSpec, KVCacheError
 from kvcache.transfer import KVRegion, LocalEngine, TransferStatus, create_engine
+from kvcache.transfer.regions import copy_ranges
 from kvcache.transfer._copy import copy as host_copy
 from kvcache.transfer.nixl import nixl_available
 
@@ -130,6 +131,34 @@ def test_many_writes_in_flight_all_complete(engine):
     for i in range(8):
         apply_copy(want, src, ids[i::8], ids[i::8][::-1], layers=[i % 3])
     assert np.array_equal(dst.buffer, want.buffer)
+
+
+def test_submit_parts_copies_each_part_with_its_own_handle(engine):
+    spec = make_spec()
+    rng = np.random.default_rng(5)
+    src, dst = Cache(spec, 40, seed=1), Cache(spec, 40, seed=2)
+    src_ids, dst_ids = scattered(rng, 40, 20), scattered(rng, 40, 20)
+    want = dst.expect_copy(src, src_ids, dst_ids)
+    ranges = copy_ranges(src.region, src_ids, dst.region, dst_ids)
+    cuts = [0, 0, 3, ranges.num_ranges // 2, ranges.num_ranges]  # an empty part too
+    handles = engine.submit_parts(ranges, cuts)
+    assert [h.wait() for h in handles] == [TransferStatus.DONE] * 4
+    assert [h.num_ranges for h in handles] == np.diff(cuts).tolist()
+    assert sum(h.nbytes for h in handles) == ranges.nbytes
+    assert np.array_equal(dst.buffer, want)
+
+
+@pytest.mark.parametrize("cuts", [[0, 5], [1, 10], [0, 7, 3, 10], [0.0, 10.0], [[0, 10]], [0]])
+def test_submit_parts_refuses_cuts_that_do_not_split_the_ranges_and_copies_nothing(engine, cuts):
+    spec = make_spec()
+    src, dst = Cache(spec, 10, seed=1), Cache(spec, 10, seed=2)
+    ids = np.arange(10, dtype=np.int32)
+    ranges = copy_ranges(src.region, ids, dst.region, ids[::-1].copy())
+    ranges = type(ranges)(*(np.resize(f, 10) for f in ranges))  # exactly 10 ranges
+    before = dst.buffer.copy()
+    with pytest.raises(KVCacheError, match="cuts"):
+        engine.submit_parts(ranges, cuts)
+    assert np.array_equal(dst.buffer, before)
 
 
 def test_an_empty_selection_is_done_at_once(engine):

@@ -11,6 +11,7 @@ torch = pytest.importorskip("torch")
 from kvcache.allocator import CacheSpec  # noqa: E402
 from kvcache.transfer import KVRegion, LocalEngine, TransferStatus  # noqa: E402
 from kvcache.transfer.engines import _cupy  # noqa: E402
+from kvcache.transfer.regions import copy_ranges  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -124,6 +125,26 @@ def test_kernels_copy_ranges_of_any_length_and_alignment(method, geometry):
     with engine_for(method) as engine:
         handle = engine.write(KVRegion.from_tensors(spec, src), src_ids, KVRegion.from_tensors(spec, dst), dst_ids)
         assert handle.wait() is TransferStatus.DONE, handle.error
+    assert same_bytes(dst, want)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_parts_of_one_copy_finish_in_order_each_with_its_own_handle(method):
+    """A layer-by-layer swap in one call: one part per layer, every byte where one write would put it."""
+    spec = make_spec()
+    src = random_caches(spec, "cuda", 21, pinned=True)
+    dst = random_caches(spec, "cuda", 22)
+    src_ids, dst_ids = scattered(23, 40), scattered(24, 40)
+    want = expected(dst, src, src_ids, dst_ids)
+    src_region, dst_region = KVRegion.from_tensors(spec, src), KVRegion.from_tensors(spec, dst)
+    ranges = copy_ranges(src_region, src_ids, dst_region, dst_ids)
+    cuts = np.linspace(0, ranges.num_ranges, spec.num_layers + 1).astype(np.int64)
+    with engine_for(method) as engine:
+        handles = engine.submit_parts(ranges, cuts, device="cuda:0")
+        assert len(handles) == spec.num_layers
+        assert handles[-1].wait() is TransferStatus.DONE, handles[-1].error
+        assert all(h.done() for h in handles)  # one stream: the last part done means every part is
+        assert [h.status() for h in handles] == [TransferStatus.DONE] * spec.num_layers
     assert same_bytes(dst, want)
 
 

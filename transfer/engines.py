@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -549,6 +549,31 @@ class LocalEngine(TransferEngine):
             return self._submit_host(ranges, deadline)
         return self._submit_cuda(ranges, int(device.split(":")[1]), deadline)
 
+    def submit_parts(self, ranges: CopyRanges, cuts: Sequence[int] | np.ndarray, *, device: str = "cpu",
+                     timeout: float | None = None) -> list[TransferHandle]:
+        """``submit`` of each part ``ranges[cuts[i]:cuts[i + 1]]`` in turn, one handle per part, in one call.
+
+        Parts finish in order (one queue, or one stream). On a GPU the kernel methods send every
+        part's range arrays to the device in one copy: a copy per part, from pageable memory,
+        could wait for the stream and leave it idle between parts (a layer-by-layer transfer's
+        parts, say).
+        """
+        if self._closed:
+            raise KVCacheError("the engine is closed")
+        edges = np.asarray(cuts)
+        if (edges.ndim != 1 or edges.size < 2 or edges.dtype.kind not in "iu" or int(edges[0]) != 0
+                or int(edges[-1]) != ranges.num_ranges or (np.diff(edges) < 0).any()):
+            raise KVCacheError(f"cuts: need ascending integers from 0 to the {ranges.num_ranges} ranges, "
+                               f"got {edges.tolist() if edges.size <= 8 else edges.shape}")
+        bounds = list(zip(edges[:-1].tolist(), edges[1:].tolist()))
+        deadline = self._deadline(timeout)
+        if device == "cpu":
+            return [self._submit_host(_part(ranges, a, b), deadline) for a, b in bounds]
+        try:
+            return self._enqueue_cuda(ranges, bounds, int(device.split(":")[1]), deadline)
+        except RuntimeError as exc:  # a CUDA error: the transfer failed, the arguments were fine
+            return [_Finished(_part(ranges, a, b), deadline, TransferStatus.FAILED, str(exc)) for a, b in bounds]
+
     def close(self) -> None:
         """Stop the worker, drain and destroy the streams, unpin what this engine pinned. Idempotent."""
         if self._closed:
@@ -593,53 +618,68 @@ class LocalEngine(TransferEngine):
 
     def _submit_cuda(self, ranges: CopyRanges, device: int, deadline: float) -> TransferHandle:
         try:
-            return self._enqueue_cuda(ranges, device, deadline)
+            return self._enqueue_cuda(ranges, [(0, ranges.num_ranges)], device, deadline)[0]
         except RuntimeError as exc:  # a CUDA error: the transfer failed, the arguments were fine
             return _Finished(ranges, deadline, TransferStatus.FAILED, str(exc))
 
-    def _enqueue_cuda(self, ranges: CopyRanges, device: int, deadline: float) -> TransferHandle:
+    def _enqueue_cuda(self, ranges: CopyRanges, bounds: list[tuple[int, int]], device: int,
+                      deadline: float) -> list[TransferHandle]:
+        """Enqueue each part ``ranges[a:b]`` of ``bounds`` on the device's stream, an event behind each."""
         cuda = self.cuda
         method = self.resolved_cuda_method()
         previous = cuda.device()
+        handles: list[TransferHandle] = []
         with self._lock:
             try:
                 if previous != device:
                     cuda.check(cuda.lib.cudaSetDevice(device), f"cudaSetDevice({device})")
                 stream = self._stream(device)
                 keep: tuple = ()
-                if ranges.num_ranges:
-                    if method == "batch":
-                        if cuda.batch is None:
-                            raise KVCacheError(f"cuda_method batch: the CUDA runtime ({cuda.version}) has no "
-                                               "cudaMemcpyBatchAsync (needs 12.8 or later)")
-                        cuda.memcpy_batch(ranges, stream)
-                    elif method in _KERNELS:
-                        keep = self._launch_kernel(_KERNELS[method], ranges, device, stream)
-                    else:
-                        cuda.memcpy_loop(ranges, stream)
-                event = ctypes.c_void_p()
-                cuda.check(cuda.lib.cudaEventCreateWithFlags(ctypes.byref(event), _EVENT_DISABLE_TIMING),
-                           "cudaEventCreateWithFlags")
-                cuda.check(cuda.lib.cudaEventRecord(event, ctypes.c_void_p(stream)), "cudaEventRecord")
+                if method in _KERNELS and ranges.num_ranges:
+                    keep = self._upload_ranges(ranges, device, stream)
+                for a, b in bounds:
+                    part = _part(ranges, a, b)
+                    if b > a:
+                        if method == "batch":
+                            if cuda.batch is None:
+                                raise KVCacheError(f"cuda_method batch: the CUDA runtime ({cuda.version}) has no "
+                                                   "cudaMemcpyBatchAsync (needs 12.8 or later)")
+                            cuda.memcpy_batch(part, stream)
+                        elif method in _KERNELS:
+                            self._launch_kernel(_KERNELS[method], keep[0], a, b, device, stream)
+                        else:
+                            cuda.memcpy_loop(part, stream)
+                    event = ctypes.c_void_p()
+                    cuda.check(cuda.lib.cudaEventCreateWithFlags(ctypes.byref(event), _EVENT_DISABLE_TIMING),
+                               "cudaEventCreateWithFlags")
+                    handles.append(_CudaHandle(cuda, part, event.value or 0, deadline, keep))
+                    cuda.check(cuda.lib.cudaEventRecord(event, ctypes.c_void_p(stream)), "cudaEventRecord")
+            except BaseException:
+                for handle in handles:  # parts already enqueued still run; their events go with them
+                    handle._release()
+                raise
             finally:
                 if previous != device:
                     cuda.lib.cudaSetDevice(previous)
-        return _CudaHandle(cuda, ranges, event.value or 0, deadline, keep)
+        return handles
 
-    def _launch_kernel(self, name: str, ranges: CopyRanges, device: int, stream: int) -> tuple:
+    def _upload_ranges(self, ranges: CopyRanges, device: int, stream: int) -> tuple:
+        """The range arrays on the device ([3, n] int64: src, dst, length), for the copy kernels; kept with the handles."""
         cp = _cupy()
         if cp is None:
             raise KVCacheError(f"cuda_method {self.cuda_method} needs CuPy (pip install cupy-cuda12x)")
+        with cp.cuda.Device(device), cp.cuda.ExternalStream(stream):
+            return (cp.asarray(np.stack([ranges.src, ranges.dst, ranges.length])),)
+
+    def _launch_kernel(self, name: str, table: Any, a: int, b: int, device: int, stream: int) -> None:
+        """The copy kernel over ranges ``[a, b)`` of the uploaded ``table``."""
+        cp = _cupy()
         kernel = self._kernels.get(name)
         if kernel is None:
             kernel = self._kernels[name] = cp.RawKernel(_KERNEL_SOURCE, name)
-        with cp.cuda.Device(device):
-            ext = cp.cuda.ExternalStream(stream)
-            with ext:
-                table = cp.asarray(np.stack([ranges.src, ranges.dst, ranges.length]))
-                n = ranges.num_ranges
-                kernel((min(n, 65535),), (256,), (table[0], table[1], table[2], np.int64(n)))
-        return (table,)
+        with cp.cuda.Device(device), cp.cuda.ExternalStream(stream):
+            n = b - a
+            kernel((min(n, 65535),), (256,), (table[0, a:b], table[1, a:b], table[2, a:b], np.int64(n)))
 
     def _synchronize(self) -> None:
         if self._cuda is None:
@@ -657,3 +697,10 @@ def _cupy() -> Any:
     except Exception:
         return None
     return cupy
+
+
+def _part(ranges: CopyRanges, a: int, b: int) -> CopyRanges:
+    """Ranges ``[a, b)`` of a copy (views, no copy)."""
+    if a == 0 and b == ranges.num_ranges:
+        return ranges
+    return CopyRanges(ranges.src[a:b], ranges.dst[a:b], ranges.length[a:b])

@@ -461,27 +461,31 @@ class TransferManager:
                      dst_ids: np.ndarray) -> list[TransferHandle]:
         """One transfer per layer, in layer order on one engine (so layer l's is done when layer l+1's is).
 
-        The byte ranges of all layers are computed in one pass and split by the layer whose memory
-        each range starts in; a range merged across a layer boundary goes with the earlier layer,
+        Layers go to the engine in groups of doubling size (1, 1, 2, 4, ...): the first layer's
+        copy starts once its own ranges are known, and each later group's ranges are computed
+        while the groups before it copy. Within a group the ranges are split by the layer whose
+        memory each starts in; one merged across a layer boundary goes with the earlier layer,
         which the engine's in-order queue finishes first.
         """
         if self._uniform:  # whole blocks (1-D ids); otherwise per head [rows, n]
             src_ids, dst_ids = src_ids[0], dst_ids[0]
-        ranges = copy_ranges(src, src_ids, dst, dst_ids)
         starts = src.addrs.ravel()
         order = np.argsort(starts, kind="stable")
         owner = np.repeat(np.arange(src.num_layers), src.addrs.shape[1])[order]
-        layer = owner[np.searchsorted(starts[order], ranges.src, side="right") - 1]
-        cut = np.searchsorted(layer, np.arange(src.num_layers + 1)) if (np.diff(layer) >= 0).all() else None
         device = self.gpu.device if self.gpu.is_cuda else "cpu"
-        handles = []
-        for l in range(src.num_layers):
-            if cut is not None:
-                part = slice(int(cut[l]), int(cut[l + 1]))
-            else:
-                part = np.flatnonzero(layer == l)
-            handles.append(engine.submit(CopyRanges(ranges.src[part], ranges.dst[part], ranges.length[part]),
-                                         device=device))
+        handles: list[TransferHandle] = []
+        first = 0
+        while first < src.num_layers:
+            stop = min(src.num_layers, first + max(1, first))
+            ranges = copy_ranges(src, src_ids, dst, dst_ids, layers=np.arange(first, stop))
+            layer = owner[np.searchsorted(starts[order], ranges.src, side="right") - 1]
+            if (np.diff(layer) < 0).any():  # not in layer order: group each layer's ranges into one part
+                by_layer = np.argsort(layer, kind="stable")
+                ranges, layer = CopyRanges(*(f[by_layer] for f in ranges)), layer[by_layer]
+            cuts = np.searchsorted(layer, np.arange(first, stop + 1))
+            cuts[-1] = ranges.num_ranges
+            handles += engine.submit_parts(ranges, cuts, device=device)
+            first = stop
         return handles
 
     def _evict_host(self, host_ids: np.ndarray) -> None:
