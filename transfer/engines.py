@@ -14,6 +14,7 @@ blocks to other processes and nodes. Pick one by name with ``create_engine("loca
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import enum
 import os
@@ -634,26 +635,12 @@ class LocalEngine(TransferEngine):
                 if previous != device:
                     cuda.check(cuda.lib.cudaSetDevice(device), f"cudaSetDevice({device})")
                 stream = self._stream(device)
-                keep: tuple = ()
-                if method in _KERNELS and ranges.num_ranges:
-                    keep = self._upload_ranges(ranges, device, stream)
-                for a, b in bounds:
-                    part = _part(ranges, a, b)
-                    if b > a:
-                        if method == "batch":
-                            if cuda.batch is None:
-                                raise KVCacheError(f"cuda_method batch: the CUDA runtime ({cuda.version}) has no "
-                                                   "cudaMemcpyBatchAsync (needs 12.8 or later)")
-                            cuda.memcpy_batch(part, stream)
-                        elif method in _KERNELS:
-                            self._launch_kernel(_KERNELS[method], keep[0], a, b, device, stream)
-                        else:
-                            cuda.memcpy_loop(part, stream)
-                    event = ctypes.c_void_p()
-                    cuda.check(cuda.lib.cudaEventCreateWithFlags(ctypes.byref(event), _EVENT_DISABLE_TIMING),
-                               "cudaEventCreateWithFlags")
-                    handles.append(_CudaHandle(cuda, part, event.value or 0, deadline, keep))
-                    cuda.check(cuda.lib.cudaEventRecord(event, ctypes.c_void_p(stream)), "cudaEventRecord")
+                with contextlib.ExitStack() as scope:  # closed before the device is set back
+                    launch = None
+                    keep: tuple = ()
+                    if method in _KERNELS and ranges.num_ranges:
+                        launch, keep = self._kernel_launcher(_KERNELS[method], ranges, device, stream, scope)
+                    self._enqueue_parts(ranges, bounds, stream, launch, keep, deadline, handles)
             except BaseException:
                 for handle in handles:  # parts already enqueued still run; their events go with them
                     handle._release()
@@ -663,23 +650,60 @@ class LocalEngine(TransferEngine):
                     cuda.lib.cudaSetDevice(previous)
         return handles
 
-    def _upload_ranges(self, ranges: CopyRanges, device: int, stream: int) -> tuple:
-        """The range arrays on the device ([3, n] int64: src, dst, length), for the copy kernels; kept with the handles."""
+    def _enqueue_parts(self, ranges: CopyRanges, bounds: list[tuple[int, int]], stream: int, launch: Any,
+                       keep: tuple, deadline: float, handles: list[TransferHandle]) -> None:
+        """Each part's copies (the kernel ``launch``, else the method's runtime calls), then its event."""
+        cuda = self.cuda
+        method = self.resolved_cuda_method()
+        for a, b in bounds:
+            part = _part(ranges, a, b)
+            if b > a:
+                if launch is not None:
+                    launch(a, b)
+                elif method == "batch":
+                    if cuda.batch is None:
+                        raise KVCacheError(f"cuda_method batch: the CUDA runtime ({cuda.version}) has no "
+                                           "cudaMemcpyBatchAsync (needs 12.8 or later)")
+                    cuda.memcpy_batch(part, stream)
+                else:
+                    cuda.memcpy_loop(part, stream)
+            event = ctypes.c_void_p()
+            cuda.check(cuda.lib.cudaEventCreateWithFlags(ctypes.byref(event), _EVENT_DISABLE_TIMING),
+                       "cudaEventCreateWithFlags")
+            handles.append(_CudaHandle(cuda, part, event.value or 0, deadline, keep))
+            cuda.check(cuda.lib.cudaEventRecord(event, ctypes.c_void_p(stream)), "cudaEventRecord")
+
+    def _kernel_launcher(self, name: str, ranges: CopyRanges, device: int, stream: int,
+                         scope: contextlib.ExitStack) -> tuple[Any, tuple]:
+        """Send the range arrays to the device once ([3, n] int64: src, dst, length); returns a launcher of the
+        copy kernel over ranges ``[a, b)`` of them, and what must live until the copies end.
+
+        The device and stream contexts stay entered in ``scope`` while the parts launch, and the kernel gets
+        raw pointers into the uploaded table: a part costs one launch and no array objects.
+        """
         cp = _cupy()
         if cp is None:
             raise KVCacheError(f"cuda_method {self.cuda_method} needs CuPy (pip install cupy-cuda12x)")
-        with cp.cuda.Device(device), cp.cuda.ExternalStream(stream):
-            return (cp.asarray(np.stack([ranges.src, ranges.dst, ranges.length])),)
-
-    def _launch_kernel(self, name: str, table: Any, a: int, b: int, device: int, stream: int) -> None:
-        """The copy kernel over ranges ``[a, b)`` of the uploaded ``table``."""
-        cp = _cupy()
         kernel = self._kernels.get(name)
         if kernel is None:
             kernel = self._kernels[name] = cp.RawKernel(_KERNEL_SOURCE, name)
-        with cp.cuda.Device(device), cp.cuda.ExternalStream(stream):
-            n = b - a
-            kernel((min(n, 65535),), (256,), (table[0, a:b], table[1, a:b], table[2, a:b], np.int64(n)))
+        scope.enter_context(cp.cuda.Device(device))
+        scope.enter_context(cp.cuda.ExternalStream(stream))
+        n = ranges.num_ranges
+        # Staged in pinned memory: a copy from pageable memory may wait for the stream, idling the GPU
+        # between one call's copies and the next's.
+        staged = _pinned_int64((3, n))
+        staged[0], staged[1], staged[2] = ranges.src, ranges.dst, ranges.length
+        table = cp.empty((3, n), dtype=np.int64)
+        table.data.copy_from_host_async(staged.ctypes.data, staged.nbytes)
+        base = table.data.ptr
+
+        def launch(a: int, b: int) -> None:
+            count = b - a
+            kernel((min(count, 65535),), (256,), (np.uint64(base + 8 * a), np.uint64(base + 8 * (n + a)),
+                                                  np.uint64(base + 8 * (2 * n + a)), np.int64(count)))
+
+        return launch, (table, staged)  # both live until the copies end
 
     def _synchronize(self) -> None:
         if self._cuda is None:
@@ -704,3 +728,10 @@ def _part(ranges: CopyRanges, a: int, b: int) -> CopyRanges:
     if a == 0 and b == ranges.num_ranges:
         return ranges
     return CopyRanges(ranges.src[a:b], ranges.dst[a:b], ranges.length[a:b])
+
+
+def _pinned_int64(shape: tuple[int, int]) -> np.ndarray:
+    """An int64 host array in pinned memory (CuPy's pinned pool), for copies to the device that do not wait."""
+    import cupyx
+
+    return cupyx.empty_pinned(shape, dtype=np.int64)
