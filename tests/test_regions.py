@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcache.allocator import CacheSpec, KVCacheError, QuantType
-from kvcache.transfer.regions import KVRegion, copy_ranges, describe_tensor
+from kvcache.transfer.regions import KVRegion, copy_ranges, copy_ranges_by_layers, describe_tensor
 
 from caches import random_views
 
@@ -150,6 +150,36 @@ def test_copy_ranges_move_each_listed_unit_onto_its_partner_and_nothing_else(dat
     for s, d, n in zip(got.src.tolist(), got.dst.tolist(), got.length.tolist()):
         ctypes.memmove(d, s, n)
     assert np.array_equal(dst.buffer, want)
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), spec=specs(), num_blocks=st.integers(1, 12),
+       layouts=st.tuples(st.sampled_from(LAYOUTS), st.sampled_from(LAYOUTS)))
+def test_copy_ranges_by_layers_gives_each_groups_copy_ranges(data, spec, num_blocks, layouts):
+    """Checked and sorted once, the pairs give every layer group exactly its own copy_ranges."""
+    src, dst = Cache(spec, num_blocks, layouts[0], seed=1), Cache(spec, num_blocks, layouts[1], seed=2)
+    dst_blocks, rows = data.draw(selections(num_blocks, src.region.heads, unique=True))
+    src_blocks = np.array(data.draw(st.lists(st.integers(-1, num_blocks - 1), min_size=dst_blocks.size,
+                                             max_size=dst_blocks.size)), dtype=np.int64).reshape(dst_blocks.shape)
+    groups = data.draw(st.lists(st.lists(st.integers(0, spec.num_layers - 1), min_size=1, max_size=3,
+                                         unique=True), min_size=1, max_size=4))
+    got = list(copy_ranges_by_layers(src.region, src_blocks, dst.region, dst_blocks, groups, rows=rows))
+    assert len(got) == len(groups)
+    for layers, ranges in zip(groups, got):
+        want = copy_ranges(src.region, src_blocks, dst.region, dst_blocks, layers=layers, rows=rows)
+        for a, b in zip(ranges, want):
+            assert np.array_equal(a, b)
+
+
+def test_copy_ranges_by_layers_checks_the_pairs_before_the_first_group():
+    spec = make_spec()
+    src, dst = Cache(spec, 4, "separate", seed=1), Cache(spec, 4, "separate", seed=2)
+    with pytest.raises(KVCacheError, match="written twice"):
+        copy_ranges_by_layers(src.region, np.array([0, 1]), dst.region, np.array([2, 2]), [[0]])
+    groups = copy_ranges_by_layers(src.region, np.array([0, 1]), dst.region, np.array([2, 3]), [[0], [99]])
+    next(groups)
+    with pytest.raises(KVCacheError, match="layers: 99"):
+        next(groups)
 
 
 def test_consecutive_ids_merge_into_one_range_per_layer_and_tensor():

@@ -41,7 +41,7 @@ from kvcache.allocator.events import BlockRemoved, BlockStored
 from kvcache.allocator.pool import BlockPool
 from kvcache.allocator.prefix import HASH_BYTES, PrefixIndex
 from kvcache.transfer.engines import CUDA_METHODS, DEFAULT_TIMEOUT, LocalEngine, TransferHandle, TransferStatus
-from kvcache.transfer.regions import CopyRanges, KVRegion, copy_ranges
+from kvcache.transfer.regions import CopyRanges, KVRegion, copy_ranges_by_layers
 
 if TYPE_CHECKING:
     from kvcache.allocator.layout import CacheSpec
@@ -401,7 +401,7 @@ class TransferManager:
         host_ids = allocation.blocks[0]
         src = blocks[:, cols]
         dst = np.where(src >= 0, host_ids[None, :], -1).astype(np.int32)
-        picked = b"".join(hashes[i * _H:(i + 1) * _H] for i in cols.tolist())
+        picked = np.frombuffer(hashes, dtype=f"V{_H}")[cols].tobytes()
         self._index.insert(picked, dst.T)
         handles = self._copy_layers(self._out, self.gpu, src, self.host, dst)
         job = next(self._ids)
@@ -473,11 +473,13 @@ class TransferManager:
         order = np.argsort(starts, kind="stable")
         owner = np.repeat(np.arange(src.num_layers), src.addrs.shape[1])[order]
         device = self.gpu.device if self.gpu.is_cuda else "cpu"
-        handles: list[TransferHandle] = []
-        first = 0
+        bounds, first = [], 0
         while first < src.num_layers:
-            stop = min(src.num_layers, first + max(1, first))
-            ranges = copy_ranges(src, src_ids, dst, dst_ids, layers=np.arange(first, stop))
+            bounds.append((first, min(src.num_layers, first + max(1, first))))
+            first = bounds[-1][1]
+        groups = copy_ranges_by_layers(src, src_ids, dst, dst_ids, [np.arange(a, b) for a, b in bounds])
+        handles: list[TransferHandle] = []
+        for (first, stop), ranges in zip(bounds, groups):
             layer = owner[np.searchsorted(starts[order], ranges.src, side="right") - 1]
             if (np.diff(layer) < 0).any():  # not in layer order: group each layer's ranges into one part
                 by_layer = np.argsort(layer, kind="stable")
@@ -485,7 +487,6 @@ class TransferManager:
             cuts = np.searchsorted(layer, np.arange(first, stop + 1))
             cuts[-1] = ranges.num_ranges
             handles += engine.submit_parts(ranges, cuts, device=device)
-            first = stop
         return handles
 
     def _evict_host(self, host_ids: np.ndarray) -> None:

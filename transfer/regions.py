@@ -22,7 +22,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -440,6 +440,37 @@ def copy_ranges(src: KVRegion, src_blocks: Any, dst: KVRegion, dst_blocks: Any,
     destination block (and head) are an error; the same source may go to several destinations.
     Ranges are merged where both sides continue, so consecutive ids on both sides move as one.
     """
+    return _pair_ranges(src, dst, _copy_pairs(src, src_blocks, dst, dst_blocks, rows), layers)
+
+
+def copy_ranges_by_layers(src: KVRegion, src_blocks: Any, dst: KVRegion, dst_blocks: Any,
+                          groups: Iterable[Any], rows: Any = None) -> Iterator[CopyRanges]:
+    """``copy_ranges`` of each layer selection in ``groups`` in turn, the block pairs checked and sorted once.
+
+    Lazy: a group's ranges are computed when the caller asks for them, so the caller can start
+    copying one group while the next is worked out. The pairs are checked before the first yield.
+    """
+    pairs = _copy_pairs(src, src_blocks, dst, dst_blocks, rows)
+
+    def each() -> Iterator[CopyRanges]:
+        for layers in groups:
+            yield _pair_ranges(src, dst, pairs, layers)
+
+    return each()
+
+
+class _Pairs(NamedTuple):
+    """A copy's (block, row) units on both sides, checked and in source order."""
+
+    src_block: np.ndarray
+    src_row: np.ndarray
+    dst_block: np.ndarray
+    dst_row: np.ndarray
+    per_row: bool
+
+
+def _copy_pairs(src: KVRegion, src_blocks: Any, dst: KVRegion, dst_blocks: Any, rows: Any) -> _Pairs:
+    """``copy_ranges``'s checks and pairing, which do not depend on the layers."""
     _check_compatible(src, dst)
     sb, sr, per_row = _units(src, src_blocks, rows, "src_blocks")
     db, dr, _ = _units(dst, dst_blocks, rows, "dst_blocks")
@@ -456,9 +487,14 @@ def copy_ranges(src: KVRegion, src_blocks: Any, dst: KVRegion, dst_blocks: Any,
         where = f"block {dup // width}" + (f" head {dup % width}" if per_row else "")
         raise KVCacheError(f"dst_blocks: {where} is written twice in one copy")
     order = np.argsort(sb * width + sr, kind="stable")
+    return _Pairs(sb[order], sr[order], db[order], dr[order], per_row)
+
+
+def _pair_ranges(src: KVRegion, dst: KVRegion, pairs: _Pairs, layers: Any) -> CopyRanges:
+    """The merged ranges of ``pairs`` in the selected layers."""
     layer_ids = _layer_ids(layers, src.num_layers)
-    s_addr, length = _addresses(src, sb[order], sr[order], per_row, layer_ids)
-    d_addr, _ = _addresses(dst, db[order], dr[order], per_row, layer_ids)
+    s_addr, length = _addresses(src, pairs.src_block, pairs.src_row, pairs.per_row, layer_ids)
+    d_addr, _ = _addresses(dst, pairs.dst_block, pairs.dst_row, pairs.per_row, layer_ids)
     (s_addr, d_addr), length = _merge((s_addr, d_addr), length)
     return CopyRanges(s_addr, d_addr, length)
 
