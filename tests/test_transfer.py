@@ -609,23 +609,33 @@ def test_nixl_engine_refuses_a_bad_thread_count(threads):
 def test_an_idle_nixl_engine_leaves_the_cpu_alone_and_close_ends_its_threads(progress):
     """NIXL's progress thread sleeps in poll() between events (its Python API would make it spin a core); without
     it, the engine's worker progresses UCX once a millisecond when idle."""
-    import resource
-
     from kvcache.transfer.nixl import NixlEngine
 
-    threads_before = len(os.listdir("/proc/self/task"))
+    def cpu_seconds(tids: set[str]) -> float:
+        """CPU time of the given threads of this process (gone ones count 0): only the engine's, not other tests'."""
+        ticks = 0
+        for tid in tids:
+            try:
+                with open(f"/proc/self/task/{tid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except FileNotFoundError:
+                continue
+            ticks += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
+        return ticks / os.sysconf("SC_CLK_TCK")
+
+    threads_before = set(os.listdir("/proc/self/task"))
     with NixlEngine(threads=3, progress=progress) as engine:
         engine.serve()
-        assert len(os.listdir("/proc/self/task")) > threads_before
-        before = resource.getrusage(resource.RUSAGE_SELF)
+        mine = set(os.listdir("/proc/self/task")) - threads_before
+        assert mine, "the engine started no thread"
+        before = cpu_seconds(mine)
         time.sleep(1.0)
-        after = resource.getrusage(resource.RUSAGE_SELF)
-    used = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    assert used < 0.25, f"an idle engine used {used:.2f} s of CPU in 1 s"
+        used = cpu_seconds(mine) - before
+    assert used < 0.25, f"an idle engine's threads used {used:.2f} s of CPU in 1 s"
     deadline = time.monotonic() + 5
-    while len(os.listdir("/proc/self/task")) > threads_before and time.monotonic() < deadline:
+    while set(os.listdir("/proc/self/task")) & mine and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert len(os.listdir("/proc/self/task")) <= threads_before
+    assert not set(os.listdir("/proc/self/task")) & mine, "the engine's threads outlived close()"
 
 
 @needs_nixl
