@@ -124,15 +124,21 @@ def test_ranges_are_maximal_no_two_consecutive_ranges_touch(data, spec, num_bloc
     assert not np.any(got.addr[1:] == got.addr[:-1] + got.length[:-1])
 
 
+def _copy_case(data: st.DataObject, spec: CacheSpec, num_blocks: int, layouts: tuple[str, str]) -> tuple:
+    """Two caches and a copy between them: distinct destinations (or -1), any sources (or -1), maybe per head."""
+    src, dst = Cache(spec, num_blocks, layouts[0], seed=1), Cache(spec, num_blocks, layouts[1], seed=2)
+    dst_blocks, rows = data.draw(selections(num_blocks, src.region.heads, unique=True))
+    src_blocks = np.array(data.draw(st.lists(st.integers(-1, num_blocks - 1), min_size=dst_blocks.size,
+                                             max_size=dst_blocks.size)), dtype=np.int64).reshape(dst_blocks.shape)
+    return src, dst, src_blocks, dst_blocks, rows
+
+
 @settings(max_examples=100, deadline=None)
 @given(data=st.data(), spec=specs(), num_blocks=st.integers(1, 12),
        layouts=st.tuples(st.sampled_from(LAYOUTS), st.sampled_from(LAYOUTS)))
 def test_copy_ranges_move_each_listed_unit_onto_its_partner_and_nothing_else(data, spec, num_blocks, layouts):
     """A memmove over copy_ranges equals numpy's per-unit copy; destinations never overlap."""
-    src, dst = Cache(spec, num_blocks, layouts[0], seed=1), Cache(spec, num_blocks, layouts[1], seed=2)
-    dst_blocks, rows = data.draw(selections(num_blocks, src.region.heads, unique=True))
-    src_blocks = np.array(data.draw(st.lists(st.integers(-1, num_blocks - 1), min_size=dst_blocks.size,
-                                             max_size=dst_blocks.size)), dtype=np.int64).reshape(dst_blocks.shape)
+    src, dst, src_blocks, dst_blocks, rows = _copy_case(data, spec, num_blocks, layouts)
     want = dst.buffer.copy()
     expected = [[np.ndarray(v.shape, v.dtype, buffer=want, offset=v.__array_interface__["data"][0] - dst.base,
                             strides=v.strides) for v in row] for row in dst.views]
@@ -157,10 +163,7 @@ def test_copy_ranges_move_each_listed_unit_onto_its_partner_and_nothing_else(dat
        layouts=st.tuples(st.sampled_from(LAYOUTS), st.sampled_from(LAYOUTS)))
 def test_copy_ranges_by_layers_gives_each_groups_copy_ranges(data, spec, num_blocks, layouts):
     """Checked and sorted once, the pairs give every layer group exactly its own copy_ranges."""
-    src, dst = Cache(spec, num_blocks, layouts[0], seed=1), Cache(spec, num_blocks, layouts[1], seed=2)
-    dst_blocks, rows = data.draw(selections(num_blocks, src.region.heads, unique=True))
-    src_blocks = np.array(data.draw(st.lists(st.integers(-1, num_blocks - 1), min_size=dst_blocks.size,
-                                             max_size=dst_blocks.size)), dtype=np.int64).reshape(dst_blocks.shape)
+    src, dst, src_blocks, dst_blocks, rows = _copy_case(data, spec, num_blocks, layouts)
     groups = data.draw(st.lists(st.lists(st.integers(0, spec.num_layers - 1), min_size=1, max_size=3,
                                          unique=True), min_size=1, max_size=4))
     got = list(copy_ranges_by_layers(src.region, src_blocks, dst.region, dst_blocks, groups, rows=rows))
