@@ -148,6 +148,29 @@ def test_parts_of_one_copy_finish_in_order_each_with_its_own_handle(method):
     assert same_bytes(dst, want)
 
 
+@pytest.mark.parametrize("method", ("kernel", "kernel_unrolled"))
+def test_range_tables_staged_in_a_few_recycled_pinned_buffers_copy_every_write_exactly(method, monkeypatch):
+    """Many writes in a row, each with its own range table, through a ring held to 2 pinned buffers."""
+    from kvcache.transfer import engines
+
+    monkeypatch.setattr(engines._Staging, "MAX_BUFFERS", 2)
+    spec = make_spec()
+    src = random_caches(spec, "cuda", 31, pinned=True)
+    dst = random_caches(spec, "cuda", 32)
+    src_region, dst_region = KVRegion.from_tensors(spec, src), KVRegion.from_tensors(spec, dst)
+    want = dst
+    with engine_for(method) as engine:
+        handles = []
+        for i in range(24):  # tables of growing size: buffers are outgrown and replaced while others are busy
+            n = 1 + (i * 7) % (BLOCKS // 2)
+            src_ids, dst_ids = scattered(100 + i, n), scattered(200 + i, n)
+            want = expected(want, src, src_ids, dst_ids)
+            handles.append(engine.write(src_region, src_ids, dst_region, dst_ids))
+        assert [h.wait() for h in handles] == [TransferStatus.DONE] * 24
+        assert len(engine._staging[0]._buffers) <= 2
+    assert same_bytes(dst, want)
+
+
 @pytest.mark.parametrize("method", ("batch", "kernel", "kernel_unrolled"))
 def test_head_wise_swap_out_of_some_heads_in_some_layers(method):
     spec = make_spec()

@@ -78,6 +78,8 @@ class TransferHandle(ABC):
     is TIMEOUT; a FAILED or TIMEOUT transfer may have written part of its destination blocks.
     """
 
+    max_poll_interval = 1e-3  # seconds between looks while waiting, reached by doubling from 20 µs
+
     def __init__(self, nbytes: int, num_ranges: int, deadline: float) -> None:
         self.nbytes = nbytes
         self.num_ranges = num_ranges
@@ -128,7 +130,7 @@ class TransferHandle(ABC):
             if status.finished or now >= end:
                 return status
             self._sleep(min(delay, end - now))
-            delay = min(delay * 2, 1e-3)
+            delay = min(delay * 2, self.max_poll_interval)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self._status.value}, {self.nbytes:,} bytes, {self.num_ranges:,} ranges)"
@@ -267,6 +269,8 @@ class _PointerAttributes(ctypes.Structure):
 
 _SUCCESS, _NOT_READY, _ALREADY_REGISTERED = 0, 600, 712
 _MEMCPY_DEFAULT = 4
+_MEMCPY_HOST_TO_DEVICE = 1
+_HOST_ALLOC_PORTABLE = 1
 _ACCESS_ORDER_STREAM = 1
 _HOST_REGISTER_PORTABLE_MAPPED = 0x01 | 0x02
 _STREAM_NON_BLOCKING = 0x01
@@ -350,9 +354,12 @@ class CudaRuntime:
         self._fn("cudaEventCreateWithFlags", [ctypes.POINTER(vp), ctypes.c_uint])
         self._fn("cudaEventRecord", [vp, vp])
         self._fn("cudaEventQuery", [vp])
+        self._fn("cudaEventSynchronize", [vp])
         self._fn("cudaEventDestroy", [vp])
         self._fn("cudaMemcpyAsync", [vp, vp, sz, i, vp])
         self._fn("cudaHostRegister", [vp, sz, ctypes.c_uint])
+        self._fn("cudaHostAlloc", [ctypes.POINTER(vp), sz, ctypes.c_uint])
+        self._fn("cudaFreeHost", [vp])
         self._fn("cudaHostUnregister", [vp])
         self._fn("cudaPointerGetAttributes", [ctypes.POINTER(_PointerAttributes), vp])
         self._fn("cudaGetLastError", [])
@@ -411,7 +418,13 @@ class CudaRuntime:
 
 
 class _CudaHandle(TransferHandle):
-    """Copies enqueued on an engine stream, finished when the event recorded behind them completes."""
+    """Copies enqueued on an engine stream, finished when the event recorded behind them completes.
+
+    A look is one ``cudaEventQuery`` (about a µs), so waiting looks every 100 µs at most: a worker
+    waiting on a layer-by-layer load learns of each layer within that, not within a millisecond.
+    """
+
+    max_poll_interval = 1e-4
 
     def __init__(self, cuda: CudaRuntime, ranges: CopyRanges, event: int, deadline: float, keep: tuple) -> None:
         super().__init__(ranges.nbytes, ranges.num_ranges, deadline)
@@ -471,6 +484,7 @@ class LocalEngine(TransferEngine):
         self._cuda: CudaRuntime | None = None
         self._streams: dict[int, int] = {}
         self._kernels: dict[str, Any] = {}
+        self._staging: dict[int, _Staging] = {}  # per device: pinned buffers for range tables on their way
         self._pinned: dict[int, list[int]] = {}  # id(region) -> addresses this engine registered
         self._lock = threading.Lock()
         self._closed = False
@@ -587,6 +601,9 @@ class LocalEngine(TransferEngine):
                 for addr in addrs:
                     self._cuda.lib.cudaHostUnregister(ctypes.c_void_p(addr))
             self._pinned.clear()
+            for staging in self._staging.values():
+                staging.close()  # after the streams drained: no copy still reads a buffer
+            self._staging.clear()
             for stream in self._streams.values():
                 self._cuda.lib.cudaStreamDestroy(ctypes.c_void_p(stream))
             self._streams.clear()
@@ -689,8 +706,11 @@ class LocalEngine(TransferEngine):
         scope.enter_context(cp.cuda.Device(device))
         scope.enter_context(cp.cuda.ExternalStream(stream))
         n = ranges.num_ranges
-        # CuPy stages a host array in its pinned pool and keeps that buffer until the copy has read it.
-        table = cp.asarray(np.stack([ranges.src, ranges.dst, ranges.length]))
+        table = cp.empty((3, n), dtype=np.int64)
+        staging = self._staging.get(device)
+        if staging is None:
+            staging = self._staging[device] = _Staging(self.cuda)
+        staging.upload(table.data.ptr, (ranges.src, ranges.dst, ranges.length), stream)
         base = table.data.ptr
 
         def launch(a: int, b: int) -> None:
@@ -724,3 +744,68 @@ def _part(ranges: CopyRanges, a: int, b: int) -> CopyRanges:
         return ranges
     return CopyRanges(ranges.src[a:b], ranges.dst[a:b], ranges.length[a:b])
 
+
+class _Staging:
+    """Pinned host buffers that carry range tables to one GPU, each reused only once the copy reading it has ended.
+
+    ``cupy.asarray`` of a host array took 0.1-0.3 ms a call on the H100 host, before the first copy
+    of a host-tier transfer could start; a recycled buffer and one ``cudaMemcpyAsync`` take a few
+    µs. A buffer's reuse waits on its own event, recorded right behind its upload, never on the
+    transfer it serves, so a transfer that times out cannot hand back a buffer still being read.
+    """
+
+    MAX_BUFFERS = 16  # beyond this, a busy ring allocates nothing more: the caller waits on the oldest
+
+    def __init__(self, cuda: CudaRuntime) -> None:
+        self.cuda = cuda
+        self._buffers: list[list[int]] = []  # [address, bytes, event of its last upload or 0]
+
+    def upload(self, device_ptr: int, rows: tuple[np.ndarray, ...], stream: int) -> None:
+        """Copy ``rows`` (int64 arrays of one length) one after another to ``device_ptr``, stream-ordered."""
+        n = rows[0].size
+        nbytes = len(rows) * n * 8
+        buf = self._take(nbytes)
+        host = np.frombuffer((ctypes.c_byte * nbytes).from_address(buf[0]), dtype=np.int64).reshape(len(rows), n)
+        for i, row in enumerate(rows):
+            host[i] = row
+        cuda, s = self.cuda, ctypes.c_void_p(stream)
+        cuda.check(cuda.lib.cudaMemcpyAsync(ctypes.c_void_p(device_ptr), ctypes.c_void_p(buf[0]), nbytes,
+                                            _MEMCPY_HOST_TO_DEVICE, s), "cudaMemcpyAsync of a range table")
+        if not buf[2]:
+            event = ctypes.c_void_p()
+            cuda.check(cuda.lib.cudaEventCreateWithFlags(ctypes.byref(event), _EVENT_DISABLE_TIMING),
+                       "cudaEventCreateWithFlags")
+            buf[2] = event.value or 0
+        cuda.check(cuda.lib.cudaEventRecord(ctypes.c_void_p(buf[2]), s), "cudaEventRecord")
+
+    def _take(self, nbytes: int) -> list[int]:
+        """An idle buffer of at least ``nbytes`` (its last upload done), or a new one."""
+        lib = self.cuda.lib
+        for buf in self._buffers:
+            if buf[1] >= nbytes and (not buf[2] or lib.cudaEventQuery(ctypes.c_void_p(buf[2])) == _SUCCESS):
+                return buf
+        if len(self._buffers) >= self.MAX_BUFFERS:  # all busy: wait for the oldest, then grow it if small
+            buf = self._buffers.pop(0)
+            if buf[2]:
+                self.cuda.check(lib.cudaEventSynchronize(ctypes.c_void_p(buf[2])), "cudaEventSynchronize")
+            if buf[1] >= nbytes:
+                self._buffers.append(buf)
+                return buf
+            lib.cudaFreeHost(ctypes.c_void_p(buf[0]))
+            if buf[2]:
+                lib.cudaEventDestroy(ctypes.c_void_p(buf[2]))
+        size = max(1 << 16, 1 << (nbytes - 1).bit_length())
+        addr = ctypes.c_void_p()
+        self.cuda.check(lib.cudaHostAlloc(ctypes.byref(addr), size, _HOST_ALLOC_PORTABLE),
+                        f"cudaHostAlloc of {size} bytes")
+        buf = [addr.value or 0, size, 0]
+        self._buffers.append(buf)
+        return buf
+
+    def close(self) -> None:
+        """Free every buffer (call once no copy can still read one: the streams have drained)."""
+        for addr, _, event in self._buffers:
+            if event:
+                self.cuda.lib.cudaEventDestroy(ctypes.c_void_p(event))
+            self.cuda.lib.cudaFreeHost(ctypes.c_void_p(addr))
+        self._buffers.clear()
