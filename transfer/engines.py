@@ -384,6 +384,13 @@ class CudaRuntime:
             message = self.lib.cudaGetErrorString(code)
             raise RuntimeError(f"{what} failed: CUDA error {code} ({message.decode() if message else '?'})")
 
+    def new_event(self) -> int:
+        """A fresh event without timing (the cheapest kind to record and query)."""
+        event = ctypes.c_void_p()
+        self.check(self.lib.cudaEventCreateWithFlags(ctypes.byref(event), _EVENT_DISABLE_TIMING),
+                   "cudaEventCreateWithFlags")
+        return event.value or 0
+
     def device(self) -> int:
         d = ctypes.c_int()
         self.check(self.lib.cudaGetDevice(ctypes.byref(d)), "cudaGetDevice")
@@ -550,7 +557,7 @@ class LocalEngine(TransferEngine):
                     self.register(region)
         except RuntimeError as exc:
             return _Finished(ranges, deadline, TransferStatus.FAILED, str(exc))
-        return self._submit_cuda(ranges, gpu.device_index, deadline)
+        return self._submit_cuda(ranges, [(0, ranges.num_ranges)], gpu.device_index, deadline)[0]
 
     def submit(self, ranges: CopyRanges, *, device: str = "cpu", timeout: float | None = None) -> TransferHandle:
         """Copy ranges computed elsewhere: ``device`` ``cpu`` for host memory, ``cuda:N`` to use that GPU's stream.
@@ -562,7 +569,7 @@ class LocalEngine(TransferEngine):
         deadline = self._deadline(timeout)
         if device == "cpu":
             return self._submit_host(ranges, deadline)
-        return self._submit_cuda(ranges, int(device.split(":")[1]), deadline)
+        return self._submit_cuda(ranges, [(0, ranges.num_ranges)], int(device.split(":")[1]), deadline)[0]
 
     def submit_parts(self, ranges: CopyRanges, cuts: Sequence[int] | np.ndarray, *, device: str = "cpu",
                      timeout: float | None = None) -> list[TransferHandle]:
@@ -583,10 +590,7 @@ class LocalEngine(TransferEngine):
         deadline = self._deadline(timeout)
         if device == "cpu":
             return [self._submit_host(_part(ranges, a, b), deadline) for a, b in bounds]
-        try:
-            return self._enqueue_cuda(ranges, bounds, int(device.split(":")[1]), deadline)
-        except RuntimeError as exc:  # a CUDA error: the transfer failed, the arguments were fine
-            return [_Finished(_part(ranges, a, b), deadline, TransferStatus.FAILED, str(exc)) for a, b in bounds]
+        return self._submit_cuda(ranges, bounds, int(device.split(":")[1]), deadline)
 
     def close(self) -> None:
         """Stop the worker, drain and destroy the streams, unpin what this engine pinned. Idempotent."""
@@ -633,11 +637,13 @@ class LocalEngine(TransferEngine):
             stream = self._streams[device] = s.value or 0
         return stream
 
-    def _submit_cuda(self, ranges: CopyRanges, device: int, deadline: float) -> TransferHandle:
+    def _submit_cuda(self, ranges: CopyRanges, bounds: list[tuple[int, int]], device: int,
+                     deadline: float) -> list[TransferHandle]:
+        """``_enqueue_cuda``, a CUDA error making every part a FAILED handle (the arguments were fine)."""
         try:
-            return self._enqueue_cuda(ranges, [(0, ranges.num_ranges)], device, deadline)[0]
-        except RuntimeError as exc:  # a CUDA error: the transfer failed, the arguments were fine
-            return _Finished(ranges, deadline, TransferStatus.FAILED, str(exc))
+            return self._enqueue_cuda(ranges, bounds, device, deadline)
+        except RuntimeError as exc:
+            return [_Finished(_part(ranges, a, b), deadline, TransferStatus.FAILED, str(exc)) for a, b in bounds]
 
     def _enqueue_cuda(self, ranges: CopyRanges, bounds: list[tuple[int, int]], device: int,
                       deadline: float) -> list[TransferHandle]:
@@ -651,12 +657,15 @@ class LocalEngine(TransferEngine):
                 if previous != device:
                     cuda.check(cuda.lib.cudaSetDevice(device), f"cudaSetDevice({device})")
                 stream = self._stream(device)
+                if method == "batch" and cuda.batch is None and ranges.num_ranges:
+                    raise KVCacheError(f"cuda_method batch: the CUDA runtime ({cuda.version}) has no "
+                                       "cudaMemcpyBatchAsync (needs 12.8 or later)")
                 with contextlib.ExitStack() as scope:  # closed before the device is set back
                     launch = None
                     keep: tuple = ()
                     if method in _KERNELS and ranges.num_ranges:
                         launch, keep = self._kernel_launcher(_KERNELS[method], ranges, device, stream, scope)
-                    self._enqueue_parts(ranges, bounds, stream, launch, keep, deadline, handles)
+                    self._enqueue_parts(ranges, bounds, stream, method, launch, keep, deadline, handles)
             except BaseException:
                 for handle in handles:  # parts already enqueued still run; their events go with them
                     handle._release()
@@ -666,28 +675,22 @@ class LocalEngine(TransferEngine):
                     cuda.lib.cudaSetDevice(previous)
         return handles
 
-    def _enqueue_parts(self, ranges: CopyRanges, bounds: list[tuple[int, int]], stream: int, launch: Any,
-                       keep: tuple, deadline: float, handles: list[TransferHandle]) -> None:
+    def _enqueue_parts(self, ranges: CopyRanges, bounds: list[tuple[int, int]], stream: int, method: str,
+                       launch: Any, keep: tuple, deadline: float, handles: list[TransferHandle]) -> None:
         """Each part's copies (the kernel ``launch``, else the method's runtime calls), then its event."""
         cuda = self.cuda
-        method = self.resolved_cuda_method()
         for a, b in bounds:
             part = _part(ranges, a, b)
             if b > a:
                 if launch is not None:
                     launch(a, b)
                 elif method == "batch":
-                    if cuda.batch is None:
-                        raise KVCacheError(f"cuda_method batch: the CUDA runtime ({cuda.version}) has no "
-                                           "cudaMemcpyBatchAsync (needs 12.8 or later)")
                     cuda.memcpy_batch(part, stream)
                 else:
                     cuda.memcpy_loop(part, stream)
-            event = ctypes.c_void_p()
-            cuda.check(cuda.lib.cudaEventCreateWithFlags(ctypes.byref(event), _EVENT_DISABLE_TIMING),
-                       "cudaEventCreateWithFlags")
-            handles.append(_CudaHandle(cuda, part, event.value or 0, deadline, keep))
-            cuda.check(cuda.lib.cudaEventRecord(event, ctypes.c_void_p(stream)), "cudaEventRecord")
+            event = cuda.new_event()
+            handles.append(_CudaHandle(cuda, part, event, deadline, keep))
+            cuda.check(cuda.lib.cudaEventRecord(ctypes.c_void_p(event), ctypes.c_void_p(stream)), "cudaEventRecord")
 
     def _kernel_launcher(self, name: str, ranges: CopyRanges, device: int, stream: int,
                          scope: contextlib.ExitStack) -> tuple[Any, tuple]:
@@ -772,10 +775,7 @@ class _Staging:
         cuda.check(cuda.lib.cudaMemcpyAsync(ctypes.c_void_p(device_ptr), ctypes.c_void_p(buf[0]), nbytes,
                                             _MEMCPY_HOST_TO_DEVICE, s), "cudaMemcpyAsync of a range table")
         if not buf[2]:
-            event = ctypes.c_void_p()
-            cuda.check(cuda.lib.cudaEventCreateWithFlags(ctypes.byref(event), _EVENT_DISABLE_TIMING),
-                       "cudaEventCreateWithFlags")
-            buf[2] = event.value or 0
+            buf[2] = cuda.new_event()
         cuda.check(cuda.lib.cudaEventRecord(ctypes.c_void_p(buf[2]), s), "cudaEventRecord")
 
     def _take(self, nbytes: int) -> list[int]:
