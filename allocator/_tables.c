@@ -210,7 +210,7 @@ static Py_ssize_t columns_of(PyObject *obj, Py_ssize_t rows, int32_t **data, int
     }
     Py_ssize_t cols = -1;
     if (b.ndim == 2 && b.itemsize == 4 && b.format && (b.format[0] == 'i' || b.format[0] == 'l')
-        && b.format[1] == '\0' && (rows < 0 || b.shape[0] == rows)) {
+        && b.format[1] == '\0' && b.shape[0] == rows) {
         cols = b.shape[1];
         if (data)
             *data = b.buf;
