@@ -213,6 +213,45 @@ def test_evicted_blocks_come_back_from_host_byte_for_byte(tiers, name: str, mode
     assert tier.tm.stats().loaded_blocks == 6 and tier.tm.stats().hit_tokens == 24
 
 
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_stored_events_are_the_maximal_runs_of_kept_columns(tiers, data) -> None:
+    """Offload events: kept columns in order, each event consecutive columns of one row set, no two neighbours mergeable."""
+    from kvcache.transfer.manager import _Offload
+
+    spec = make_spec("bf16", num_kv_heads=3)
+    tier = tiers(spec, num_blocks=8, host_blocks=8, rows=[Full(), Full(), Full()])
+    bs, chain_len = spec.block_size, 24
+    cols = np.array(sorted(data.draw(st.sets(st.integers(0, chain_len - 1), min_size=1, max_size=chain_len))),
+                    dtype=np.intp)
+    present = np.array(data.draw(st.lists(st.sampled_from([(1, 1, 1), (1, 0, 0), (1, 1, 0), (0, 1, 1)]),
+                                          min_size=cols.size, max_size=cols.size)), dtype=bool).T
+    keep = np.array(data.draw(st.lists(st.booleans(), min_size=cols.size, max_size=cols.size)), dtype=bool)
+    keep[data.draw(st.integers(0, cols.size - 1))] = True
+    chain = bytes(range(256)) * (chain_len * 32 // 256 + 1)
+    chain = chain[: chain_len * 32]
+    tokens = np.arange(chain_len * bs, dtype=np.uint32)
+    src = np.where(present, 1, -1).astype(np.int32)
+    off = _Offload([], np.arange(cols.size, dtype=np.int32), src, cols, chain, tokens, None,
+                   np.zeros(cols.size, dtype=bool))
+    events = tier.tm._stored_events(off, keep)
+    kept = cols[keep]
+    assert b"".join(h for e in events for h in e.block_hashes) == b"".join(chain[c * 32:(c + 1) * 32] for c in kept)
+    spans, at = [], 0
+    for e in events:
+        first = kept[at]
+        n = len(e.block_hashes)
+        assert (kept[at:at + n] == np.arange(first, first + n)).all(), "an event spans a gap in the columns"
+        rows = {tuple(np.flatnonzero(present[:, np.flatnonzero(cols == c)[0]]).tolist()) for c in kept[at:at + n]}
+        assert rows == {e.rows}, "an event mixes row sets"
+        assert e.parent_block_hash == (chain[(first - 1) * 32:first * 32] if first else None)
+        assert list(e.token_ids) == list(range(first * bs, (first + n) * bs))
+        spans.append((int(first), int(first) + n, e.rows))
+        at += n
+    for (_, end, rows), (start, _, next_rows) in zip(spans, spans[1:]):
+        assert end != start or rows != next_rows, "two neighbouring events could be one"
+
+
 def test_window_rows_load_only_blocks_the_host_holds(tiers) -> None:
     """Head-wise with SWA rows: a decoded request's recycled window blocks never reach host, yet its prompt hits in full."""
     spec = make_spec("bf16", num_kv_heads=2)

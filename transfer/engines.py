@@ -761,14 +761,14 @@ class _Staging:
 
     def __init__(self, cuda: CudaRuntime) -> None:
         self.cuda = cuda
-        self._buffers: list[list[int]] = []  # [address, bytes, event of its last upload or 0]
+        self._buffers: list[list[Any]] = []  # [address, bytes, event of its last upload or 0, int64 view]
 
     def upload(self, device_ptr: int, rows: tuple[np.ndarray, ...], stream: int) -> None:
         """Copy ``rows`` (int64 arrays of one length) one after another to ``device_ptr``, stream-ordered."""
         n = rows[0].size
         nbytes = len(rows) * n * 8
         buf = self._take(nbytes)
-        host = np.frombuffer((ctypes.c_byte * nbytes).from_address(buf[0]), dtype=np.int64).reshape(len(rows), n)
+        host = buf[3][: len(rows) * n].reshape(len(rows), n)
         for i, row in enumerate(rows):
             host[i] = row
         cuda, s = self.cuda, ctypes.c_void_p(stream)
@@ -778,7 +778,7 @@ class _Staging:
             buf[2] = cuda.new_event()
         cuda.check(cuda.lib.cudaEventRecord(ctypes.c_void_p(buf[2]), s), "cudaEventRecord")
 
-    def _take(self, nbytes: int) -> list[int]:
+    def _take(self, nbytes: int) -> list[Any]:
         """An idle buffer of at least ``nbytes`` (its last upload done), or a new one."""
         lib = self.cuda.lib
         for buf in self._buffers:
@@ -798,13 +798,14 @@ class _Staging:
         addr = ctypes.c_void_p()
         self.cuda.check(lib.cudaHostAlloc(ctypes.byref(addr), size, _HOST_ALLOC_PORTABLE),
                         f"cudaHostAlloc of {size} bytes")
-        buf = [addr.value or 0, size, 0]
+        view = np.frombuffer((ctypes.c_byte * size).from_address(addr.value or 0), dtype=np.int64)  # made once
+        buf = [addr.value or 0, size, 0, view]
         self._buffers.append(buf)
         return buf
 
     def close(self) -> None:
         """Free every buffer (call once no copy can still read one: the streams have drained)."""
-        for addr, _, event in self._buffers:
+        for addr, _, event, _ in self._buffers:
             if event:
                 self.cuda.lib.cudaEventDestroy(ctypes.c_void_p(event))
             self.cuda.lib.cudaFreeHost(ctypes.c_void_p(addr))

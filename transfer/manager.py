@@ -569,12 +569,12 @@ class TransferManager:
         bs = self.manager.block_size
         cols = off.cols[keep]
         present = (off.src[:, keep] >= 0).T  # [m, rows]
+        if cols.size == 0:
+            return []
+        breaks = (np.flatnonzero((np.diff(cols) != 1) | (present[1:] != present[:-1]).any(axis=1)) + 1).tolist()
         events = []
-        start = 0
-        for i in range(1, cols.size + 1):
-            if i < cols.size and cols[i] == cols[i - 1] + 1 and (present[i] == present[start]).all():
-                continue
-            first, last = int(cols[start]), int(cols[i - 1]) + 1
+        for start, end in zip([0, *breaks], [*breaks, cols.size]):
+            first, last = int(cols[start]), int(cols[end - 1]) + 1
             events.append(BlockStored(
                 block_hashes=tuple(off.chain[j * _H:(j + 1) * _H] for j in range(first, last)),
                 parent_block_hash=off.chain[(first - 1) * _H: first * _H] if first else None,
@@ -584,7 +584,6 @@ class TransferManager:
                 lora=off.lora,
                 medium="CPU",
             ))
-            start = i
         return events
 
 
