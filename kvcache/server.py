@@ -228,6 +228,7 @@ class CacheServer:
         self._expired = 0
         self._history: collections.deque[tuple[int, bytearray]] = collections.deque(maxlen=self.config.replay_buffer)
         self._metrics: Any = None
+        self._observed: list[tuple[list[_Op], float]] = []  # answered messages whose metrics are not yet counted
         self._events: Any = None
         self._subscribers: Any = None
         self._curve: CurveConfig | None = None
@@ -396,6 +397,7 @@ class CacheServer:
                         "ops": ops})
         reply = unpack(self._process(payload), 1 << 30)
         self._release_staged()
+        self._observe()
         if not reply.get("ok"):
             log.error("transfer expiry failed: %s", reply.get("error"))
             return 0
@@ -418,6 +420,7 @@ class CacheServer:
                             "ops": ops})
             reply = unpack(self._process(payload), 1 << 30)
             self._release_staged()
+            self._observe()
             self._leases.forget(client)
             self._pd.forget_owner(client)
             if reply.get("ok"):
@@ -443,7 +446,8 @@ class CacheServer:
         """Answer the scheduler messages waiting on the ROUTER (at most 256, so replay is not starved).
 
         Group commit: every message is applied and journaled, then one fdatasync
-        makes them all durable, and only then go their deltas and replies out.
+        makes them all durable, and only then go their deltas and replies out;
+        the metrics count them last.
         """
         outbox: list[tuple[list[bytes], bytes]] = []
         for _ in range(256):
@@ -457,11 +461,13 @@ class CacheServer:
         self._release_staged()
         for envelope, reply in outbox:
             self.router.send_multipart([*envelope, reply])
+        self._observe()
 
     def handle(self, payload: bytes) -> bytes:
         """Apply one scheduler message, make it durable, publish its deltas; returns the reply. Never raises."""
         reply = self._process(payload)
         self._release_staged()
+        self._observe()
         return reply
 
     def _release_staged(self) -> None:
@@ -524,11 +530,19 @@ class CacheServer:
         if self._events is not None:
             self._staged_events.extend(self.manager.take_events())
         if self._metrics is not None and not replaying:  # a replayed message's counts reach them by difference
-            self._metrics.observe_step(collections.Counter(op.kind for op in ops), time.perf_counter() - start)
-            self._metrics.update(self.manager, now=time.monotonic())
-            if self._pd.role != "both":
-                self._metrics.update_pd(self._pd)
+            self._observed.append((ops, time.perf_counter() - start))
         return reply
+
+    def _observe(self) -> None:
+        """Count the answered messages in the metrics: after their replies went out, as metrics only observe."""
+        if not self._observed:
+            return
+        for ops, seconds in self._observed:
+            self._metrics.observe_step(collections.Counter(op.kind for op in ops), seconds)
+        self._observed.clear()
+        self._metrics.update(self.manager, now=time.monotonic())
+        if self._pd.role != "both":
+            self._metrics.update_pd(self._pd)
 
     def _validate(self, raw_ops: list) -> list[_Op]:
         """Check every op before any is applied: fields, and request liveness in op order."""
