@@ -395,9 +395,7 @@ class CacheServer:
                 "error": f"transfer timed out after {self._pd.transfers[r].timeout:g} s"} for r in late]
         payload = pack({"v": PROTOCOL_VERSION, "client": _PD_CLIENT, "id": int.from_bytes(os.urandom(7), "big"),
                         "ops": ops})
-        reply = unpack(self._process(payload), 1 << 30)
-        self._release_staged()
-        self._observe()
+        reply = unpack(self.handle(payload), 1 << 30)
         if not reply.get("ok"):
             log.error("transfer expiry failed: %s", reply.get("error"))
             return 0
@@ -418,9 +416,7 @@ class CacheServer:
             ops = [{"op": "cancel" if r in self._pd.transfers else "free", "req": r} for r in reqs]
             payload = pack({"v": PROTOCOL_VERSION, "client": _LEASE_CLIENT, "id": int.from_bytes(os.urandom(7), "big"),
                             "ops": ops})
-            reply = unpack(self._process(payload), 1 << 30)
-            self._release_staged()
-            self._observe()
+            reply = unpack(self.handle(payload), 1 << 30)
             self._leases.forget(client)
             self._pd.forget_owner(client)
             if reply.get("ok"):
