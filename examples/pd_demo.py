@@ -37,17 +37,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rows", default="full", help="both daemons' --rows: full (uniform tables), or one policy "
                         "per kv head, e.g. window:64:16*2,full*2 (head-wise; window heads keep sink and window)")
+    parser.add_argument("--link", choices=("thread", "process"), default="thread",
+                        help="run each messager and receiver in its worker's process (default) or in a process of "
+                        "its own (MessagerProcess; ReceiverProcess with CPU caches only)")
     args = parser.parse_args(argv)
     device = "cuda:0" if args.device == "cuda" else args.device
     from kvcache.client import CacheClient
     from kvcache.pd_worker import PDProxy
 
     with Cluster(layers=args.layers, kv_heads=args.kv_heads, head_dim=args.head_dim, block_size=args.block_size,
-                 prefill_tp=args.prefill_tp, decode_tp=args.decode_tp, device=device, rows=args.rows) as cluster, \
+                 prefill_tp=args.prefill_tp, decode_tp=args.decode_tp, device=device, rows=args.rows,
+                 link=args.link) as cluster, \
             CacheClient(cluster.cfg["prefill"]) as prefill, CacheClient(cluster.cfg["decode"]) as decode:
         proxy = PDProxy(prefill, decode)
         print(f"prefill tp {args.prefill_tp} -> decode tp {args.decode_tp}, {args.layers} layers, {args.kv_heads} kv "
-              f"heads x {args.head_dim}, block {args.block_size}, rows {args.rows}, {device}")
+              f"heads x {args.head_dim}, block {args.block_size}, rows {args.rows}, {device}, "
+              f"{'messagers in processes of their own' if args.link == 'process' else 'links in the workers'}")
         failures = 0
         for name, prompts, clear in scenario(np.random.default_rng(args.seed), args.block_size):
             if clear:

@@ -12,6 +12,7 @@ CPU, PyTorch on ``cuda:N``; each rank's cache is one buffer, so one NIXL descrip
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import multiprocessing as mp
 import os
@@ -75,12 +76,20 @@ def kv_values(tokens: np.ndarray, blocks: range, layer: int, heads: range, tenso
 class Cache:
     """One rank's paged cache: per layer, per tensor, a view ``[num_blocks, heads, block_size, dim]`` of one buffer."""
 
-    def __init__(self, spec: CacheSpec, num_blocks: int, device: str) -> None:
+    def __init__(self, spec: CacheSpec, num_blocks: int, device: str, shared: bool = False) -> None:
+        """``shared``: a CPU cache in a SharedHostBuffer, which a link in its own process can map."""
         self.spec, self.device = spec, device
         self.torch: Any = None
         self._stream: Any = None
+        self.host: Any = None
+        if device == "cpu" and shared:
+            from kvcache.transfer.sharing import SharedHostBuffer
+
+            self.host = SharedHostBuffer(spec.cache_bytes(num_blocks))
+            self.buffer = self.host.array
         if device == "cpu":
-            self.buffer = np.zeros(spec.cache_bytes(num_blocks), np.uint8)
+            if self.host is None:
+                self.buffer = np.zeros(spec.cache_bytes(num_blocks), np.uint8)
             view = lambda lo, hi, dtype, shape: self.buffer[lo:hi].view(dtype).reshape(shape)  # noqa: E731
         else:
             import torch
@@ -97,6 +106,11 @@ class Cache:
                 row.append(view(offset, offset + n, RAW[DTYPE_BYTES[t.dtype]], t.shape(num_blocks)))
                 offset += n
             self.layers.append(row)
+
+    def unshare(self) -> None:
+        """Remove a shared cache's file once the link process mapped it: nothing is left behind if the worker dies."""
+        if self.host is not None:
+            self.host.close()
 
     @contextlib.contextmanager
     def computing(self) -> Iterator[Any]:
@@ -157,16 +171,27 @@ def gather(parts: list[list[list[np.ndarray]]], num_kv_heads: int) -> list[np.nd
 
 def prefill_worker(conn: Any, cfg: dict[str, Any], rank: int) -> None:
     """A prefill rank: cache, layer signal, messager; runs steps of the fake model on command."""
+    from kvcache.pd_process import MessagerProcess
     from kvcache.pd_worker import PrefillLink
     from kvcache.transfer import KVRegion, LayerSignal
     from kvcache.transfer.messager import Chunk
 
     spec = spec_of(cfg, cfg["prefill_tp"])
-    cache = Cache(spec, cfg["num_blocks"], cfg["device"])
+    process = cfg["link"] == "process"
+    cache = Cache(spec, cfg["num_blocks"], cfg["device"], shared=process)
     region = KVRegion.from_tensors(spec, cache.layers)
     sig = LayerSignal.create(signal_of(cfg, rank), spec.num_layers, replace=True)
     heads = rank_heads(spec.num_kv_heads, spec.tp_size, rank)
-    with sig, PrefillLink(cfg["prefill"], region, sig, rank, timeout=cfg["timeout"], progress=cfg["progress"]) as link:
+    make_link = MessagerProcess if process else PrefillLink
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(sig)
+        try:
+            link = stack.enter_context(make_link(cfg["prefill"], region, sig, rank, timeout=cfg["timeout"],
+                                                 progress=cfg["progress"]))
+        finally:
+            cache.unshare()
+        run = link.call if process else functools.partial(in_link, link, region)
+
         def steps(payload: Any) -> list[StepTimes]:
             # per step: items, plans. items: (req, tokens, table, first token to compute[, stop token, last
             # chunk]); the table is a uniform one's row, or a head-wise table [kv heads, blocks]; without a stop,
@@ -195,11 +220,29 @@ def prefill_worker(conn: Any, cfg: dict[str, Any], rank: int) -> None:
         conn.send(("ready", None))
         answer_commands(conn, {
             "read": lambda ids: cache.read(np.asarray(ids, dtype=np.int64)),
-            "posted": lambda req: link.messager.posted_bytes.get(req, 0),
-            "sent_ns": lambda req: link.messager.sent_ns.get(req, {}),
-            "probe": lambda args: probe(link, region, *args),
+            "posted": lambda req: run(posted_bytes, req),
+            "sent_ns": lambda req: run(sent_times, req),
+            "probe": lambda args: run(probe, *args),
+            "link_pid": lambda _: link.process.pid if process else os.getpid(),
             "steps": steps,
         })
+
+
+def in_link(link: Any, region: Any, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(link, region, *args)`` where the link runs in the worker's own process (``link.call`` does it in a link process)."""
+    return fn(link, region, *args)
+
+
+def posted_bytes(link: Any, region: Any, req: Any) -> int:
+    return link.messager.posted_bytes.get(req, 0)
+
+
+def sent_times(link: Any, region: Any, req: Any) -> dict[str, int]:
+    return link.messager.sent_ns.get(req, {})
+
+
+def received_times(link: Any, region: Any) -> dict[Any, int]:
+    return dict(link.receiver.received_ns)
 
 
 def answer_commands(conn: Any, answers: dict[str, Callable[[Any], Any]]) -> None:
@@ -294,17 +337,26 @@ def probe(link: Any, region: Any, src: np.ndarray, dst: np.ndarray, receivers: t
 
 def decode_worker(conn: Any, cfg: dict[str, Any], rank: int) -> None:
     """A decode rank: cache and receiver; reads blocks back on command."""
+    from kvcache.pd_process import ReceiverProcess
     from kvcache.pd_worker import DecodeLink
     from kvcache.transfer import KVRegion
 
     spec = spec_of(cfg, cfg["decode_tp"])
-    cache = Cache(spec, cfg["num_blocks"], cfg["device"])
+    process = cfg["link"] == "process" and cfg["device"] == "cpu"  # a GPU cache's receiver stays: see ReceiverProcess
+    cache = Cache(spec, cfg["num_blocks"], cfg["device"], shared=process)
     region = KVRegion.from_tensors(spec, cache.layers)
-    with DecodeLink(cfg["decode"], region, rank, timeout=cfg["timeout"], progress=cfg["progress"]) as link:
-        conn.send(("ready", link.receiver.endpoint))
+    make_link = ReceiverProcess if process else DecodeLink
+    try:
+        link = make_link(cfg["decode"], region, rank, timeout=cfg["timeout"], progress=cfg["progress"])
+    finally:
+        cache.unshare()
+    run = link.call if process else functools.partial(in_link, link, region)
+    with link:
+        conn.send(("ready", link.listen_endpoint if process else link.receiver.endpoint))
         answer_commands(conn, {
             "read": lambda ids: cache.read(np.asarray(ids, dtype=np.int64)),
-            "received_ns": lambda _: dict(link.receiver.received_ns),
+            "received_ns": lambda _: run(received_times),
+            "link_pid": lambda _: link.process.pid if process else os.getpid(),
         })
 
 
@@ -314,7 +366,8 @@ class Worker:
     def __init__(self, target: Any, cfg: dict[str, Any], rank: int, start_timeout: float = 120.0) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=target, args=(child, cfg, rank), daemon=True)
+        # A link in its own process is this worker's child, and a daemonic process may have none.
+        self.process = ctx.Process(target=target, args=(child, cfg, rank), daemon=cfg["link"] != "process")
         self.process.start()
         self.info = self._reply("ready", start_timeout)
 
@@ -356,16 +409,20 @@ class Cluster:
 
     def __init__(self, *, layers: int = 4, kv_heads: int = 4, head_dim: int = 32, block_size: int = 16,
                  num_blocks: int = 512, prefill_tp: int = 1, decode_tp: int = 1, device: str = "cpu",
-                 timeout: float = 20.0, rows: str = "full", progress: str = "thread") -> None:
+                 timeout: float = 20.0, rows: str = "full", progress: str = "thread", link: str = "thread") -> None:
         """``rows``: both daemons' ``--rows`` (``full``: uniform tables; one policy per kv head: head-wise);
-        ``progress``: the NIXL engines' progress mode (``thread`` or ``poll``, see NixlEngine)."""
+        ``progress``: the NIXL engines' progress mode (``thread`` or ``poll``, see NixlEngine); ``link``:
+        ``thread`` runs each rank's messager or receiver in the worker's process, ``process`` in a process of
+        its own (``MessagerProcess``, and ``ReceiverProcess`` for CPU caches; those then live in shared memory)."""
+        if link not in ("thread", "process"):
+            raise ValueError(f"link: must be 'thread' or 'process', got {link!r}")
         self.folder = Path(tempfile.mkdtemp(prefix="kv-pd-", dir="/tmp"))
         self.daemons: dict[str, subprocess.Popen] = {}
         self.prefill_workers: list[Worker] = []
         self.decode_workers: list[Worker] = []
         self.cfg = dict(layers=layers, kv_heads=kv_heads, head_dim=head_dim, block_size=block_size,
                         num_blocks=num_blocks, prefill_tp=prefill_tp, decode_tp=decode_tp, device=device,
-                        timeout=5.0, rows=rows, progress=progress, prefill=f"ipc://{self.folder}/prefill.sock",
+                        timeout=5.0, rows=rows, progress=progress, link=link, prefill=f"ipc://{self.folder}/prefill.sock",
                         signal_prefix=f"kvcache-pd-{uuid.uuid4().hex[:12]}",
                         decode=f"ipc://{self.folder}/decode.sock")
         try:

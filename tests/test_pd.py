@@ -310,13 +310,15 @@ def test_a_reservation_survives_a_daemon_restart_from_its_journal(daemon, tmp_pa
 
 
 @needs_nixl
-def test_bench_pd_quick_reports_the_tail_and_throughput_against_limits_from_the_same_run(capsys):
+@pytest.mark.parametrize("link", ["thread", "process"])
+def test_bench_pd_quick_reports_the_tail_and_throughput_against_limits_from_the_same_run(capsys, link):
     import json
 
     from kvcache.bench import pd as bench
 
-    assert bench.main(["--quick", "--json"]) == 0
+    assert bench.main(["--quick", "--json", "--link", link]) == 0
     r = json.loads(capsys.readouterr().out)
+    assert r["workload"]["link"] == link
     assert r["workload"]["layers"] == 4 and r["workload"]["bytes"] == 4096 * 8 * 128 * 2 * 2 * 4
     assert 0 < r["one_layer_best_s"] <= r["one_layer_s"] and r["raw_s"] > 0
     assert r["tail_limit_s"] == pytest.approx(r["one_layer_s"] + 1e-3)

@@ -1,6 +1,7 @@
 """PD disaggregation with PyTorch caches on a GPU: the demo's checks, and the benchmark's smoke run (VRAM over NIXL)."""
 from __future__ import annotations
 
+import ctypes
 import json
 import subprocess
 import sys
@@ -17,10 +18,11 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 DEMO = Path(__file__).resolve().parent.parent / "examples" / "pd_demo.py"
 
 
-@pytest.mark.parametrize("tp", [("1", "1"), ("2", "1")])
-def test_the_demo_moves_gpu_caches_byte_for_byte(tp):
+@pytest.mark.parametrize("tp, link", [(("1", "1"), "thread"), (("2", "1"), "thread"), (("2", "1"), "process")])
+def test_the_demo_moves_gpu_caches_byte_for_byte(tp, link):
+    """With ``process``, every messager and receiver maps its worker's GPU cache through CUDA IPC."""
     run = subprocess.run([sys.executable, str(DEMO), "--device", "cuda", "--prefill-tp", tp[0], "--decode-tp", tp[1],
-                          "--layers", "4"], capture_output=True, text=True, timeout=600)
+                          "--layers", "4", "--link", link], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "OK: decode KV equals prefill KV byte for byte" in run.stdout
 
@@ -38,3 +40,40 @@ def test_the_demo_moves_head_wise_gpu_caches_byte_for_byte():
                           "--rows", "window:64:16*2,full*2"], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "OK: decode KV equals prefill KV byte for byte" in run.stdout
+
+
+def _child_fills(shared, value: int) -> None:
+    """In a process without PyTorch (as a link process): fill each tensor's first block through the opened mapping."""
+    from kvcache.transfer.engines import CudaRuntime
+    from kvcache.transfer.sharing import SharedRegion
+
+    with SharedRegion.open(shared) as opened:
+        r = opened.region
+        rt = CudaRuntime()  # the sharer's libcudart, which SharedRegion.open chose
+        block = int(r.block_bytes[0])
+        host = (ctypes.c_uint8 * block)(*([value] * block))
+        for addr in r.addrs.ravel().tolist():
+            rt.check(rt.lib.cudaMemcpyAsync(ctypes.c_void_p(addr), host, block, 1, None), "copy")
+        rt.check(rt.lib.cudaStreamSynchronize(None), "sync")
+
+
+def test_a_gpu_region_opened_in_another_process_writes_the_same_memory():
+    """CUDA IPC: the child writes each tensor's first block through its own mapping; the owner sees it."""
+    import multiprocessing as mp
+
+    from kvcache.allocator import CacheSpec
+    from kvcache.transfer import KVRegion
+    from kvcache.transfer.sharing import share_region
+
+    spec = CacheSpec(num_layers=3, num_kv_heads=2, head_dim=64, block_size=16, dtype="bfloat16")
+    layers = [[torch.zeros(t.shape(8), dtype=torch.bfloat16, device="cuda:0") for t in spec.tensors()]
+              for _ in range(spec.num_layers)]
+    region = KVRegion.from_tensors(spec, layers)
+    p = mp.get_context("spawn").Process(target=_child_fills, args=(share_region(region), 0x3F))
+    p.start()
+    p.join(120)
+    assert p.exitcode == 0
+    for row in layers:
+        for t in row:
+            raw = t.view(torch.uint8).reshape(8, -1)
+            assert bool((raw[0] == 0x3F).all()) and bool((raw[1:] == 0).all())

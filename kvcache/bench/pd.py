@@ -25,7 +25,7 @@ saw it done, the receiver had every notice, the decode daemon marked it ready), 
 the time went. ``--tokens`` shrinks the layers to their fixed costs (a CPU stand-in for GPU caches,
 whose layers move in microseconds); ``--progress`` picks who drives UCX (NixlEngine's ``progress``);
 ``--compute spin`` makes the fake model hold the GIL through each paced layer, as a runner launching
-kernels does.
+kernels does; ``--link process`` runs the messager and the receiver in processes of their own.
 Exits 0 whatever the numbers.
 """
 from __future__ import annotations
@@ -63,7 +63,7 @@ OUTCOME_POLL_S = 0.02  # the daemons stamp outcomes themselves; polling slowly k
 
 def run_benchmark(*, layers: int, block_size: int, repeat: int, pace: float, device: str, tokens: int = TOKENS,
                   progress: str = "thread", inflight: int = INFLIGHT, steps: int | None = None,
-                  compute: str = "sleep") -> dict[str, Any]:
+                  compute: str = "sleep", link: str = "thread") -> dict[str, Any]:
     from kvcache.client import CacheClient
     from kvcache.pd_cluster import Cluster, wait_outcomes
     from kvcache.pd_worker import PDProxy
@@ -74,7 +74,7 @@ def run_benchmark(*, layers: int, block_size: int, repeat: int, pace: float, dev
     rng = np.random.default_rng(0)
     with Cluster(layers=layers, kv_heads=KV_HEADS, head_dim=HEAD_DIM, block_size=block_size,
                  num_blocks=(steps * inflight + 1) * blocks,
-                 device=device, timeout=120.0, progress=progress) as cluster, \
+                 device=device, timeout=120.0, progress=progress, link=link) as cluster, \
             CacheClient(cluster.cfg["prefill"], timeout=30) as prefill, \
             CacheClient(cluster.cfg["decode"], timeout=30) as decode:
         proxy = PDProxy(prefill, decode)
@@ -156,7 +156,7 @@ def run_benchmark(*, layers: int, block_size: int, repeat: int, pace: float, dev
     return {
         "workload": {"tokens": tokens, "layers": layers, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "dtype": "bfloat16",
                      "block_size": block_size, "device": device, "bytes": nbytes, "repeat": repeat, "pace": pace,
-                     "progress": progress, "inflight": inflight, "steps": steps, "compute": compute},
+                     "progress": progress, "inflight": inflight, "steps": steps, "compute": compute, "link": link},
         "host": platform.node(),
         "one_layer_s": layer_s,
         "one_layer_best_s": limits["layer_best_s"],
@@ -251,11 +251,20 @@ def render(r: dict[str, Any]) -> str:
     ]
     head = (f"kvcache bench pd: {w['tokens']:,} tokens, {w['layers']} layers, {w['kv_heads']} kv heads x "
             f"{w['head_dim']}, {w['dtype']}, block {w['block_size']}, {w['bytes'] / 2**20:.0f} MiB, {w['device']}, "
-            f"NIXL progress by {w['progress']}; throughput: steps of {w['inflight']} requests; "
+            f"NIXL progress by {w['progress']}; {_links(w)}; throughput: steps of {w['inflight']} requests; "
             f"paced at {ms(r['paced_layer_delay_s'])} per layer ({w['pace']}x one layer, the model "
             f"{'spinning in Python' if w['compute'] == 'spin' else 'asleep'}); "
             f"best/median of {w['repeat']}")
     return head + "\n" + table(["measure", "ours", "limit", "ratio", ""], rows, align_left=1)
+
+
+def _links(w: dict[str, Any]) -> str:
+    """Where the messager and the receiver ran (a GPU cache's receiver stays in its worker: see ReceiverProcess)."""
+    if w.get("link") != "process":
+        return "messager and receiver in the workers"
+    if w["device"] == "cpu":
+        return "messager and receiver in processes of their own"
+    return "messager in a process of its own, receiver in its worker"
 
 
 def add_parser(targets: argparse._SubParsersAction) -> None:
@@ -293,6 +302,10 @@ def add_parser(targets: argparse._SubParsersAction) -> None:
                    "on its GPU; default) or running Python (the GIL held, as a runner launching kernels, which the "
                    "messager's threads then wait for)")
     p.add_argument("--device", default="cpu", help="cpu (numpy caches) or cuda[:N] (PyTorch caches)")
+    p.add_argument("--link", choices=("thread", "process"), default="thread",
+                   help="where the messager and the receiver run: threads in the workers' processes (PrefillLink, "
+                   "DecodeLink; default) or processes of their own (MessagerProcess, out of reach of a runner that "
+                   "holds the GIL, and with CPU caches ReceiverProcess; those caches then live in shared memory)")
     p.add_argument("--progress", choices=PROGRESS_MODES, default="thread",
                    help="who drives UCX in both workers' NIXL engines: NIXL's progress thread (wakes on events or "
                    "every 1 ms) or the engine's worker (polls every 50 us while a write is in flight)")
@@ -314,7 +327,7 @@ def _run(args: argparse.Namespace) -> int:
                            tokens=args.tokens, progress=args.progress,
                            inflight=QUICK_INFLIGHT if args.quick else args.inflight,
                            steps=QUICK_STEPS if args.quick and args.steps is None else args.steps,
-                           compute=args.compute)
+                           compute=args.compute, link=args.link)
     print(json.dumps(result, indent=2) if args.json else render(result))
     return 0
 
