@@ -52,6 +52,11 @@ def signal_of(cfg: dict[str, Any], rank: int) -> str:
     return f"{cfg['signal_prefix']}-r{rank}"
 
 
+def shared_cache_of(cfg: dict[str, Any], role: str, rank: int) -> str:
+    """The /dev/shm name of a rank's shared CPU cache (removed once its link process mapped it, or by the cluster)."""
+    return f"{cfg['signal_prefix']}-cache-{role}-r{rank}"
+
+
 def spec_of(cfg: dict[str, Any], tp: int) -> CacheSpec:
     return CacheSpec(num_layers=cfg["layers"], num_kv_heads=cfg["kv_heads"], head_dim=cfg["head_dim"],
                      block_size=cfg["block_size"], dtype="bfloat16", tp_size=tp)
@@ -76,8 +81,8 @@ def kv_values(tokens: np.ndarray, blocks: range, layer: int, heads: range, tenso
 class Cache:
     """One rank's paged cache: per layer, per tensor, a view ``[num_blocks, heads, block_size, dim]`` of one buffer."""
 
-    def __init__(self, spec: CacheSpec, num_blocks: int, device: str, shared: bool = False) -> None:
-        """``shared``: a CPU cache in a SharedHostBuffer, which a link in its own process can map."""
+    def __init__(self, spec: CacheSpec, num_blocks: int, device: str, shared: str = "") -> None:
+        """``shared``: a CPU cache in a SharedHostBuffer of that name, which a link in its own process can map."""
         self.spec, self.device = spec, device
         self.torch: Any = None
         self._stream: Any = None
@@ -85,7 +90,7 @@ class Cache:
         if device == "cpu" and shared:
             from kvcache.transfer.sharing import SharedHostBuffer
 
-            self.host = SharedHostBuffer(spec.cache_bytes(num_blocks))
+            self.host = SharedHostBuffer(spec.cache_bytes(num_blocks), name=shared)
             self.buffer = self.host.array
         if device == "cpu":
             if self.host is None:
@@ -178,7 +183,8 @@ def prefill_worker(conn: Any, cfg: dict[str, Any], rank: int) -> None:
 
     spec = spec_of(cfg, cfg["prefill_tp"])
     process = cfg["link"] == "process"
-    cache = Cache(spec, cfg["num_blocks"], cfg["device"], shared=process)
+    shared = shared_cache_of(cfg, "prefill", rank) if process else ""
+    cache = Cache(spec, cfg["num_blocks"], cfg["device"], shared=shared)
     region = KVRegion.from_tensors(spec, cache.layers)
     sig = LayerSignal.create(signal_of(cfg, rank), spec.num_layers, replace=True)
     heads = rank_heads(spec.num_kv_heads, spec.tp_size, rank)
@@ -343,7 +349,8 @@ def decode_worker(conn: Any, cfg: dict[str, Any], rank: int) -> None:
 
     spec = spec_of(cfg, cfg["decode_tp"])
     process = cfg["link"] == "process" and cfg["device"] == "cpu"  # a GPU cache's receiver stays: see ReceiverProcess
-    cache = Cache(spec, cfg["num_blocks"], cfg["device"], shared=process)
+    shared = shared_cache_of(cfg, "decode", rank) if process else ""
+    cache = Cache(spec, cfg["num_blocks"], cfg["device"], shared=shared)
     region = KVRegion.from_tensors(spec, cache.layers)
     make_link = ReceiverProcess if process else DecodeLink
     try:
@@ -470,6 +477,10 @@ class Cluster:
 
         for rank in range(self.cfg["prefill_tp"]):
             LayerSignal.remove(signal_of(self.cfg, rank))  # a worker killed with SIGKILL leaves its record
+        for role in ("prefill", "decode"):
+            for rank in range(self.cfg[f"{role}_tp"]):
+                with contextlib.suppress(FileNotFoundError):  # likewise a shared cache killed before its link mapped it
+                    os.unlink(f"/dev/shm/{shared_cache_of(self.cfg, role, rank)}")
         for p in self.daemons.values():
             if p.poll() is None:
                 p.terminate()

@@ -180,3 +180,26 @@ def test_a_receiver_process_refuses_a_gpu_cache_before_starting_anything():
     with pytest.raises(KVCacheError, match="cannot take a GPU cache.*DecodeLink"):
         ReceiverProcess("ipc:///nonexistent/daemon.sock", region, 0)
     assert set(mp.active_children()) == before
+
+
+def _exited(pid: int) -> bool:
+    """Gone, or a zombie nobody reaped yet (its worker, the parent, is dead)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+@needs_nixl
+def test_a_link_process_exits_when_its_worker_dies_and_the_cluster_leaves_no_shared_cache_behind():
+    with Cluster(layers=2, kv_heads=2, head_dim=32, link="process") as cluster:
+        worker = cluster.prefill_workers[0]
+        link_pid = worker.call("link_pid")
+        prefix = cluster.cfg["signal_prefix"]
+        assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"{prefix}-cache-")]  # removed once mapped
+        os.kill(worker.process.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 15
+        while not _exited(link_pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _exited(link_pid)

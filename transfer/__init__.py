@@ -12,6 +12,7 @@ from kvcache.transfer.engines import (
 )
 from kvcache.transfer.manager import HostTierConfig, Load, TierStats, TransferManager
 from kvcache.transfer.regions import ByteRanges, CopyRanges, KVRegion, copy_ranges, describe_tensor
+from kvcache.transfer.sharing import SharedHostBuffer, SharedRegion, share_region
 from kvcache.transfer.signal import LayerSignal, LayerTimes, Progress, WaitStatus, signal_name
 
 __all__ = [
@@ -25,6 +26,8 @@ __all__ = [
     "Load",
     "LocalEngine",
     "Progress",
+    "SharedHostBuffer",
+    "SharedRegion",
     "TierStats",
     "TransferEngine",
     "TransferHandle",
@@ -36,5 +39,6 @@ __all__ = [
     "create_engine",
     "describe_tensor",
     "send_cache",
+    "share_region",
     "signal_name",
 ]
