@@ -24,6 +24,19 @@ def clients(cluster: Cluster) -> tuple[CacheClient, CacheClient]:
     return CacheClient(cluster.cfg["prefill"]), CacheClient(cluster.cfg["decode"])
 
 
+def submit_prompts(prefill: CacheClient, decode: CacheClient, seed: int, lengths: tuple[int, ...], prefix: str
+                   ) -> tuple[dict, list]:
+    """Submit fresh prompts through a PDProxy of these clients (whose pd_poll then sees them); returns the prompts
+    and their prefill step's items (whole prompts)."""
+    from kvcache.pd_worker import PDProxy
+
+    proxy = PDProxy(prefill, decode)
+    rng = np.random.default_rng(seed)
+    prompts = {f"{prefix}{i}": rng.integers(0, 50_000, n) for i, n in enumerate(lengths)}
+    placed = {r: proxy.submit(r, t) for r, t in prompts.items()}
+    return prompts, [(r, t, np.asarray(placed[r][1].table)[0].copy(), 0) for r, t in prompts.items()]
+
+
 def assert_nothing_held(prefill: CacheClient, decode: CacheClient, within: float = 0.0) -> None:
     """Both nodes back to zero blocks in use (waiting up to ``within`` seconds), and consistent."""
     deadline = time.monotonic() + within
@@ -86,16 +99,10 @@ def test_heads_are_resliced_between_different_tp_sizes(prefill_tp, decode_tp, kv
 @needs_nixl
 def test_a_killed_decode_node_fails_the_transfer_on_the_prefill_side_within_its_deadline():
     """SIGKILL the decode daemon and workers mid-prefill: the prefill scheduler hears of it; prefill holds nothing."""
-    from kvcache.pd_worker import PDProxy
-
     timeout = 6.0
     with Cluster(layers=6, kv_heads=4, head_dim=64, timeout=timeout) as cluster:
         prefill, decode = clients(cluster)
-        proxy = PDProxy(prefill, decode)
-        rng = np.random.default_rng(3)
-        prompts = {f"k{i}": rng.integers(0, 50_000, n) for i, n in enumerate((500, 900))}
-        placed = {r: proxy.submit(r, t) for r, t in prompts.items()}
-        items = [(r, t, np.asarray(placed[r][1].table)[0].copy(), 0) for r, t in prompts.items()]
+        prompts, items = submit_prompts(prefill, decode, 3, (500, 900), "k")
         for w in cluster.prefill_workers:
             w.send("steps", ([(items, None)], 0.2, True, False, False))  # 1.2 s of "compute"
         time.sleep(0.5)

@@ -21,7 +21,7 @@ from kvcache.transfer import KVRegion, LayerSignal
 from kvcache.transfer.nixl import nixl_available
 from kvcache.transfer.sharing import SharedHostBuffer, SharedRegion, share_region
 
-from test_pd import assert_nothing_held, clients
+from test_pd import assert_nothing_held, clients, submit_prompts
 
 needs_nixl = pytest.mark.skipif(not nixl_available(), reason="NIXL is not installed (pip install nixl-cu12 --no-deps)")
 
@@ -148,16 +148,10 @@ def test_links_in_their_own_processes_move_concurrent_requests_byte_for_byte():
 @needs_nixl
 def test_a_killed_messager_process_fails_its_requests_on_both_sides_and_nothing_stays_held():
     """SIGKILL a prefill rank's messager process mid-step: both schedulers hear the requests failed; both nodes drain."""
-    from kvcache.pd_worker import PDProxy
-
     timeout = 6.0
     with Cluster(layers=6, kv_heads=4, head_dim=64, timeout=timeout, link="process") as cluster:
         prefill, decode = clients(cluster)
-        proxy = PDProxy(prefill, decode)
-        rng = np.random.default_rng(5)
-        prompts = {f"m{i}": rng.integers(0, 50_000, n) for i, n in enumerate((400, 700))}
-        placed = {r: proxy.submit(r, t) for r, t in prompts.items()}
-        items = [(r, t, np.asarray(placed[r][1].table)[0].copy(), 0) for r, t in prompts.items()]
+        prompts, items = submit_prompts(prefill, decode, 5, (400, 700), "m")
         worker = cluster.prefill_workers[0]
         link_pid = worker.call("link_pid")
         worker.send("steps", ([(items, None)], 0.2, True, False, False))  # 1.2 s of "compute"
