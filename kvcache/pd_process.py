@@ -20,8 +20,10 @@ raises KVCacheError saying so, and its transfers fail on both daemons at their d
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import multiprocessing as mp
+import queue
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -50,15 +52,19 @@ class _LinkProcess:
         shared = share_region(region)  # refuses memory another process cannot map, before any process starts
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self._send_lock = threading.Lock()
+        # Messages leave through a sender thread: a child that stopped reading can never stall the worker's step.
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._sender = threading.Thread(target=self._send_loop, name=f"kvcache-{self.kind}-link-send", daemon=True)
+        self._sender.start()
         self._call_lock = threading.Lock()
+        self._calls = itertools.count(1)  # each call's answer carries its number (0: the start)
         self._closed = False
         self.process = ctx.Process(target=_child_main, args=(child, self.kind, shared, options),
                                    name=f"kvcache-{self.kind}-link", daemon=True)
-        self.process.start()
-        child.close()
         try:
-            self.info: dict[str, Any] = self._reply(start_timeout, "start")
+            self.process.start()
+            child.close()
+            self.info: dict[str, Any] = self._reply(0, start_timeout, "start")
         except BaseException:
             self._stop(0.0)
             raise
@@ -66,8 +72,9 @@ class _LinkProcess:
     def call(self, fn: Callable[..., Any], *args: Any, timeout: float = 60.0) -> Any:
         """``fn(link, region, *args)`` in the child; its result (picklable), or KVCacheError with the child's error."""
         with self._call_lock:
-            self._send(("call", fn, args))
-            return self._reply(timeout, getattr(fn, "__name__", "call"))
+            number = next(self._calls)
+            self._send(("call", number, fn, args))
+            return self._reply(number, timeout, getattr(fn, "__name__", "call"))
 
     @property
     def failures(self) -> list[tuple[Any, str]]:
@@ -88,19 +95,18 @@ class _LinkProcess:
 
     def _stop(self, timeout: float) -> None:
         self._closed = True
-        if self.process.is_alive() and timeout > 0:
-            try:
-                with self._send_lock:
-                    self._conn.send(("stop",))
-            except (BrokenPipeError, OSError):
-                pass
+        started = self.process.pid is not None
+        if started and self.process.is_alive() and timeout > 0:
+            self._outbox.put(("stop",))
             self.process.join(timeout)
-        if self.process.is_alive():
+        if started and self.process.is_alive():
             self.process.terminate()
             self.process.join(2.0)
-        if self.process.is_alive():
+        if started and self.process.is_alive():
             self.process.kill()
             self.process.join(2.0)
+        self._outbox.put(None)
+        self._sender.join(2.0)  # a send to a dead child fails at once
         self._conn.close()
 
     def _send(self, message: tuple) -> None:
@@ -108,20 +114,28 @@ class _LinkProcess:
             raise KVCacheError(f"the {self.kind} link process is closed")
         if not self.process.is_alive():  # a pipe would take a message or two before it noticed
             raise KVCacheError(self._dead())
-        try:
-            with self._send_lock:
-                self._conn.send(message)
-        except (BrokenPipeError, ConnectionResetError, OSError):
-            raise KVCacheError(self._dead()) from None
+        self._outbox.put(message)
 
-    def _reply(self, timeout: float, what: str) -> Any:
+    def _send_loop(self) -> None:
+        while True:
+            message = self._outbox.get()
+            if message is None:
+                return
+            try:
+                self._conn.send(message)
+            except (BrokenPipeError, ConnectionResetError, OSError):  # the child is gone: calls see it, steps fail
+                return  # on both daemons at their deadline
+
+    def _reply(self, number: int, timeout: float, what: str) -> Any:
         deadline = time.monotonic() + timeout
         while True:
             if self._conn.poll(max(0.0, min(0.05, deadline - time.monotonic()))):
                 try:
-                    status, value = self._conn.recv()
+                    tag, status, value = self._conn.recv()
                 except (EOFError, OSError):
                     raise KVCacheError(self._dead()) from None
+                if tag != number:  # the late answer to a call that gave up at its deadline
+                    continue
                 if status == "ok":
                     return value
                 raise KVCacheError(f"{self.kind} link process: {what} failed: {value}")
@@ -200,9 +214,9 @@ def _child_main(conn: Any, kind: str, shared: Any, options: dict[str, Any]) -> N
             info = {"endpoint": link.receiver.endpoint}
     except BaseException as exc:
         _close_child(link, signal, mapped)
-        _answer(conn, "error", f"{type(exc).__name__}: {exc}")
+        _answer(conn, 0, "error", f"{type(exc).__name__}: {exc}")
         return
-    _answer(conn, "ok", info)
+    _answer(conn, 0, "ok", info)
     stopping = False
     try:
         while not stopping:
@@ -217,22 +231,22 @@ def _child_main(conn: Any, kind: str, shared: Any, options: dict[str, Any]) -> N
                 except Exception:
                     log.exception("run_step failed")
             elif message[0] == "call":
-                _, fn, args = message
+                _, number, fn, args = message
                 try:
                     result = fn(link, mapped.region, *args)
                 except Exception as exc:
-                    _answer(conn, "error", f"{type(exc).__name__}: {exc}")
+                    _answer(conn, number, "error", f"{type(exc).__name__}: {exc}")
                 else:
-                    _answer(conn, "ok", result)
+                    _answer(conn, number, "ok", result)
             elif message[0] == "stop":
                 stopping = True
     finally:
         _close_child(link, signal, mapped)
 
 
-def _answer(conn: Any, status: str, value: Any) -> None:
+def _answer(conn: Any, number: int, status: str, value: Any) -> None:
     try:
-        conn.send((status, value))
+        conn.send((number, status, value))
     except (BrokenPipeError, OSError):
         pass
 

@@ -127,6 +127,27 @@ def test_a_dead_messager_process_is_reported_by_the_next_call():
         assert not link.process.is_alive()
 
 
+def _slow(link, region, seconds: float, value: str) -> str:
+    time.sleep(seconds)
+    return value
+
+
+@needs_nixl
+def test_a_call_that_gave_up_at_its_deadline_does_not_answer_the_next_one():
+    from kvcache.pd_process import MessagerProcess
+
+    with SharedHostBuffer(SPEC.cache_bytes(5)) as buf, \
+            LayerSignal.create(f"kvcache-test-late-{os.getpid()}", SPEC.num_layers, replace=True) as sig:
+        region = KVRegion.from_buffer(SPEC, 5, buf.array.ctypes.data, keep=(buf,))
+        with MessagerProcess("ipc:///nonexistent/daemon.sock", region, sig, 0, start_timeout=60) as link:
+            with pytest.raises(KVCacheError, match="did not answer _slow within 0.2 s"):
+                link.call(_slow, 1.0, "late", timeout=0.2)
+            assert link.call(_slow, 0.0, "fresh", timeout=30) == "fresh"
+            with pytest.raises(KVCacheError, match="_slow failed: TypeError"):
+                link.call(_slow, "not seconds", "x")
+        assert not link.process.is_alive()
+
+
 @needs_nixl
 def test_links_in_their_own_processes_move_concurrent_requests_byte_for_byte():
     """The PD scenario (fresh prompts, prefix hits on either side) with every messager and receiver in its own process."""
