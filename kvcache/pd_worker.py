@@ -7,6 +7,9 @@
     link.run_step(step, reqs)
     ... write each layer, send_cache(stream, signal, layer)
 
+A model runner whose Python holds the GIL while it launches kernels delays the link's threads: run the
+messager in a process of its own with ``kvcache.pd_process.MessagerProcess`` (same arguments).
+
 The prefill link fetches plans from its daemon (``plans``), reports ``sent`` there, and on failure
 reports ``transfer_failed`` to both daemons (the decode one named in the plan). The decode link
 reports ``received``. Each thread that talks to a daemon has its own CacheClient (they are not
