@@ -52,6 +52,8 @@ def test_quick_json_run_reports_every_section(capsys: pytest.CaptureFixture[str]
     step = result["step"]
     assert step["steps"] > 0 and step["p99_us"] >= step["p50_us"] > 0
     assert step["echo_p50_us"] == echo["p50_us"] and step["p50_over_echo_p50"] > 0
+    assert step["codec_p99_us"] >= step["codec_p50_us"] > 0
+    assert step["codec_over_echo_p50"] == pytest.approx(step["codec_p50_us"] / echo["p50_us"])
     assert step["handle_p50_us"] > 0 and isinstance(step["ok"], bool)
 
     rows = result["throughput"]

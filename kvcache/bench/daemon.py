@@ -53,8 +53,9 @@ import zmq
 from kvcache.allocator.errors import KVCacheError
 from kvcache.bench.common import Fleet, expect, mark, positive_int, ratio, table
 from kvcache.client import CacheClient, DaemonError
+from kvcache.config import ServeConfig
 from kvcache.journal import records_end
-from kvcache.protocol import DELTA_T_OFFSET, PROTOCOL_VERSION, pack, unpack
+from kvcache.protocol import DELTA_T_OFFSET, MAX_OPS, PROTOCOL_VERSION, pack, unpack
 
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection
@@ -141,14 +142,23 @@ def _endpoints(transport: str, folder: Path) -> _Endpoints:
 # --------------------------------------------------------------------------- 1. raw zmq echo
 
 
+_SERVER_MAX_ITEMS = max(MAX_OPS, ServeConfig().max_tokens)  # what the daemon's protocol.unpack allows
+
+
 def _echo_server(conn: Connection, endpoint: str) -> None:
-    """ROUTER echo: a request whose first 4 bytes (LE) say N gets N zero bytes back; N = 0 echoes it."""
+    """ROUTER echo: a request whose first 4 bytes (LE) say N gets N zero bytes back; N = 0 echoes it.
+
+    The codec floor, in two frames: ``[b"R", reply]`` keeps a step's reply (decoded once); ``[b"C",
+    request]`` is answered with that reply after the request is decoded and the reply encoded, as the
+    daemon's protocol does both (``protocol.unpack`` / ``pack``), and nothing else.
+    """
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.bind(endpoint)
     conn.send(("ready",))
     replies: dict[int, bytes] = {}
+    decoded_reply: Any = None
     try:
         while True:
             if not sock.poll(100):
@@ -157,9 +167,19 @@ def _echo_server(conn: Connection, endpoint: str) -> None:
                 continue
             for _ in range(1024):
                 try:
-                    ident, payload = sock.recv_multipart(zmq.NOBLOCK)
+                    ident, *frames = sock.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
                     break
+                if len(frames) == 2:  # the codec floor
+                    kind, payload = frames
+                    if kind == b"R":
+                        decoded_reply = unpack(payload, 1 << 31)
+                        sock.send_multipart([ident, b"ok"])
+                    else:
+                        unpack(payload, 1 << 31, _SERVER_MAX_ITEMS)
+                        sock.send_multipart([ident, pack(decoded_reply)])
+                    continue
+                payload = frames[0]
                 size = int.from_bytes(payload[:4], "little")
                 reply = payload if size == 0 else replies.get(size) or replies.setdefault(size, bytes(size))
                 sock.send_multipart([ident, reply])
@@ -193,6 +213,22 @@ class _EchoClient:
             t0 = time.perf_counter_ns()
             self.sock.send(payload)
             self._recv()
+            out[i] = time.perf_counter_ns() - t0
+        return out
+
+    def keep_reply(self, reply: bytes) -> None:
+        """Give the server the step reply that codec round trips get back."""
+        self.sock.send_multipart([b"R", reply])
+        self._recv()
+
+    def codec_round_trips(self, request: bytes, count: int) -> np.ndarray:
+        """ns of each of ``count`` codec round trips: the step encoded here, decoded there, its reply likewise."""
+        message = unpack(request, 1 << 31, _SERVER_MAX_ITEMS)
+        out = np.empty(count, dtype=np.int64)
+        for i in range(count):
+            t0 = time.perf_counter_ns()
+            self.sock.send_multipart([b"C", pack(message)])
+            unpack(self._recv(), 1 << 31)
             out[i] = time.perf_counter_ns() - t0
         return out
 
@@ -300,27 +336,27 @@ def _check(results: list[Any], what: str) -> None:
 
 
 class _SizeProbe:
-    """Stands in for a client's socket for one step, remembering the bytes of the request and reply."""
+    """Stands in for a client's socket for one step, remembering the request and the reply."""
 
     def __init__(self, sock: zmq.Socket) -> None:
         self.sock = sock
-        self.sent = self.received = 0
+        self.sent = self.received = b""
 
     def send(self, data: bytes, *args: Any, **kwargs: Any) -> Any:
-        self.sent = len(data)
+        self.sent = bytes(data)
         return self.sock.send(data, *args, **kwargs)
 
     def recv(self, *args: Any, **kwargs: Any) -> bytes:
         data = self.sock.recv(*args, **kwargs)
-        self.received = len(data)
+        self.received = bytes(data)
         return data
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.sock, name)
 
 
-def _measure_step_sizes(sched: _Scheduler) -> tuple[int, int]:
-    """Bytes of a real step's request and reply, read off the client's socket."""
+def _capture_step(sched: _Scheduler) -> tuple[bytes, bytes]:
+    """A real step's request and reply, read off the client's socket."""
     client = sched.client
     probe = _SizeProbe(client._sock)
     client._sock = probe  # type: ignore[assignment]
@@ -351,14 +387,19 @@ def bench_echo_and_steps(cfg: BenchConfig, echo: _EchoClient, sched: _Scheduler)
     """Sections 1 and 2: echo at a real step's sizes and the steps themselves, taking turns."""
     sched.setup()
     sched.run(_warmup_steps(cfg))
-    request_bytes, reply_bytes = _measure_step_sizes(sched)
+    request, reply = _capture_step(sched)
+    request_bytes, reply_bytes = len(request), len(reply)
     echo.round_trips(request_bytes, reply_bytes, WARMUP_STEPS)
+    echo.keep_reply(reply)
+    echo.codec_round_trips(request, WARMUP_STEPS)
     per_round = max(1, cfg.steps // cfg.rounds)
-    echo_ns, step_ns = [], []
+    echo_ns, codec_ns, step_ns = [], [], []
     for _ in range(cfg.rounds):
         echo_ns.append(echo.round_trips(request_bytes, reply_bytes, per_round))
+        codec_ns.append(echo.codec_round_trips(request, per_round))
         step_ns.append(sched.run(per_round))
-    echo_all, steps_all = np.concatenate(echo_ns), np.concatenate(step_ns)
+    echo_all, codec_all, steps_all = np.concatenate(echo_ns), np.concatenate(codec_ns), np.concatenate(step_ns)
+    c50, c99 = _percentiles_us(codec_all)
     answered, seconds = echo.pipelined(cfg.window, SMALL_MESSAGE_BYTES, cfg.seconds)
     e50, e99 = _percentiles_us(echo_all)
     s50, s99 = _percentiles_us(steps_all)
@@ -382,6 +423,9 @@ def bench_echo_and_steps(cfg: BenchConfig, echo: _EchoClient, sched: _Scheduler)
         "p99_us": s99,
         "mean_us": float(steps_all.mean()) / 1e3,
         "echo_p50_us": e50,
+        "codec_p50_us": c50,
+        "codec_p99_us": c99,
+        "codec_over_echo_p50": c50 / e50,
         "p50_over_echo_p50": s50 / e50,
         "p99_over_echo_p99": s99 / e99,
         "extends_per_s": cfg.requests / (float(steps_all.mean()) / 1e9),
@@ -727,7 +771,6 @@ def bench_journal(cfg: BenchConfig, fleet: Fleet, ctx: zmq.Context) -> dict[str,
     run's /tmp folder and is removed afterwards; a 4 KiB write + fdatasync loop (as the journal writes)
     there gives the disk's floor.
     """
-    from kvcache.config import ServeConfig
 
     folder = fleet.folder / "journal"
     daemons: dict[str, subprocess.Popen] = {}
@@ -1030,7 +1073,6 @@ def _split(stats: dict, root: tuple[str, int, str], steps: int) -> list[dict[str
 
 def bench_profile(cfg: BenchConfig, folder: Path) -> dict[str, Any]:
     """Section 5: CacheServer.handle on pre-packed step messages, timed plain, then under cProfile."""
-    from kvcache.config import ServeConfig
     from kvcache.serve import build_manager
     from kvcache.server import CacheServer
 
@@ -1222,6 +1264,9 @@ def render(result: dict[str, Any]) -> str:
               step["target"], mark(step["ok"])]],
         ),
         "  daemon handle = CacheServer.handle in-process on the same messages (section 5): the daemon's share",
+        f"  codec floor: the echo server decoding this step and encoding its reply (protocol.unpack/pack, no other "
+        f"work), the client encoding the step and decoding the reply: p50 {_us(step['codec_p50_us'])} us = "
+        f"{ratio(step['codec_over_echo_p50'])} echo, taking turns with the echo and the steps",
         "",
         f"3. throughput: extends per second through one daemon ({cfg['seconds']:g} s per row; pre-packed = the "
         "client only splices an id into a packed extend_many and checks 'ok')",
