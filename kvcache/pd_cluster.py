@@ -87,13 +87,13 @@ class Cache:
         self.torch: Any = None
         self._stream: Any = None
         self.host: Any = None
-        if device == "cpu" and shared:
-            from kvcache.transfer.sharing import SharedHostBuffer
-
-            self.host = SharedHostBuffer(spec.cache_bytes(num_blocks), name=shared)
-            self.buffer = self.host.array
         if device == "cpu":
-            if self.host is None:
+            if shared:
+                from kvcache.transfer.sharing import SharedHostBuffer
+
+                self.host = SharedHostBuffer(spec.cache_bytes(num_blocks), name=shared)
+                self.buffer = self.host.array
+            else:
                 self.buffer = np.zeros(spec.cache_bytes(num_blocks), np.uint8)
             view = lambda lo, hi, dtype, shape: self.buffer[lo:hi].view(dtype).reshape(shape)  # noqa: E731
         else:

@@ -4,9 +4,10 @@ In the worker's process the messager's threads share the GIL with the model runn
 holds it while it launches a step's kernels, so the messager wakes on a layer's signal only when
 the runner lets go (README, "A model runner that holds the GIL"). ``MessagerProcess`` and
 ``ReceiverProcess`` (host caches only: see its docstring) take ``PrefillLink``'s and
-``DecodeLink``'s arguments and run that link in a spawned child: it maps the worker's cache (``kvcache.transfer.sharing``: CUDA IPC, or a shared
-host file such as ``SharedHostBuffer``), opens the layer signal by name, and makes its own NIXL
-engine. The worker hands it each step over a pipe::
+``DecodeLink``'s arguments and run that link in a spawned child. The child maps the worker's
+cache (``kvcache.transfer.sharing``: CUDA IPC, or a shared host file such as
+``SharedHostBuffer``), opens the layer signal by name, and makes its own NIXL engine. The worker
+hands it each step over a pipe::
 
     link = MessagerProcess(prefill_endpoint, region, signal, rank)   # as PrefillLink
     link.run_step(signal.begin_step(), reqs, plans)
@@ -151,7 +152,7 @@ class _LinkProcess:
 
 
 class MessagerProcess(_LinkProcess):
-    """``PrefillLink`` in its own process: the same arguments (no ``engine``: the child makes its own) and ``run_step``."""
+    """``PrefillLink`` in its own process: its arguments (no ``engine``: the child makes its own) and ``run_step``."""
 
     kind = "prefill"
 

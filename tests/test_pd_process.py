@@ -90,6 +90,9 @@ def test_private_host_memory_is_refused_with_the_reason():
         share_region(region)
     with pytest.raises(KVCacheError, match="nbytes"):
         SharedHostBuffer(0)
+    for bad in ("../etc/x", "..", ""):
+        with pytest.raises(KVCacheError, match="name: .* must be"):
+            SharedHostBuffer(64, name=bad)
 
 
 @needs_nixl

@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,9 +26,10 @@ import numpy as np
 from kvcache.allocator.errors import KVCacheError
 from kvcache.transfer.regions import KVRegion
 
-__all__ = ["SharedHostBuffer", "SharedRegion", "share_region"]
+__all__ = ["RegionShare", "SharedHostBuffer", "SharedRegion", "share_region"]
 
 _SHM_DIR = "/dev/shm"
+_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,199}")
 # Page tables filled at map time: else every first touch of a 4 KiB page in this process faults, and the
 # first transfer through a fresh mapping pays for it (VM: one 16 MiB layer alone took 3.0 ms against 1.5).
 _MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
@@ -43,6 +45,9 @@ class SharedHostBuffer:
     def __init__(self, nbytes: int, name: str | None = None) -> None:
         if not isinstance(nbytes, int) or nbytes < 1:
             raise KVCacheError(f"nbytes: must be a positive int, got {nbytes!r}")
+        if name is not None and not _NAME.fullmatch(name):
+            raise KVCacheError(f"name: {name!r} must be 1-200 letters, digits, '.', '_' or '-', not starting "
+                               f"with '.' (a file in {_SHM_DIR})")
         self.path = os.path.join(_SHM_DIR, name or f"kvcache-host-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
@@ -81,8 +86,8 @@ class _Segment:
 
 
 @dataclass(frozen=True)
-class _Shared:
-    """What ``share_region`` returns: the region's description and its segments (picklable)."""
+class RegionShare:
+    """What ``share_region`` returns, for ``SharedRegion.open`` elsewhere: the region and its segments (picklable)."""
 
     description: dict[str, Any]
     segments: tuple[_Segment, ...]
@@ -90,7 +95,7 @@ class _Shared:
     pid: int = field(default_factory=os.getpid)
 
 
-def share_region(region: KVRegion) -> _Shared:
+def share_region(region: KVRegion) -> RegionShare:
     """Describe where ``region``'s memory lives so another process can open it (``SharedRegion.open``).
 
     Raises KVCacheError naming the problem when it cannot be shared (host memory that is not a
@@ -111,7 +116,7 @@ def share_region(region: KVRegion) -> _Shared:
         layer, t = (int(i) for i in np.argwhere(region.addrs + span > ends[index])[0])
         raise KVCacheError(f"region: layer {layer} tensor {region.tensors[t].name!r} spans two allocations; "
                            "each cache tensor must lie in one")
-    return _Shared(region.describe(), tuple(segments), cudart)
+    return RegionShare(region.describe(), tuple(segments), cudart)
 
 
 class SharedRegion:
@@ -122,7 +127,7 @@ class SharedRegion:
         self._closers = closers
 
     @classmethod
-    def open(cls, shared: _Shared) -> SharedRegion:
+    def open(cls, shared: RegionShare) -> SharedRegion:
         """Map every segment of ``shared`` (from ``share_region`` in another process) and rebase the region."""
         description = shared.description
         closers: list[Any] = []
