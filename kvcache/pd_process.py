@@ -63,8 +63,10 @@ class _LinkProcess:
         self.process = ctx.Process(target=_child_main, args=(child, self.kind, shared, options),
                                    name=f"kvcache-{self.kind}-link", daemon=True)
         try:
-            self.process.start()
-            child.close()
+            try:
+                self.process.start()
+            finally:
+                child.close()  # the child has its own copy now (or never will)
             self.info: dict[str, Any] = self._reply(0, start_timeout, "start")
         except BaseException:
             self._stop(0.0)
