@@ -15,7 +15,6 @@ from kvcache.allocator.errors import KVCacheError
 from kvcache.client import CacheClient, DaemonError
 from kvcache.pd_cluster import Cluster, check_request, run_batch, scenario, signal_of, table_of, wait_outcomes
 from kvcache.transfer.nixl import nixl_available
-from kvcache.transfer.regions import CopyRanges
 
 needs_nixl = pytest.mark.skipif(not nixl_available(), reason="NIXL is not installed (pip install nixl-cu12 --no-deps)")
 
@@ -562,7 +561,7 @@ def test_a_messagers_layer_ranges_give_each_layer_exactly_the_ranges_built_for_i
     assert starts[0] == 0 and starts[-1] == every.num_ranges and np.all(np.diff(starts) > 0)
     routes = [r for r in head_routes(4, prefill_tp, 1) if r.src == 0]
     for layer in range(layers):
-        part = CopyRanges(*(a[starts[layer]:starts[layer + 1]] for a in every))
+        part = every.select(slice(starts[layer], starts[layer + 1]))
         alone = [route_ranges(src, sb, dst, db, r, layers=[layer]) for r in routes]
         assert _triples(part) == sorted(t for r in alone for t in _triples(r)), layer
         if prefill_tp == 1 and layout == "layer-major":  # whole blocks, tensors apart: the run of 6 is one range

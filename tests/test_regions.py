@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcache.allocator import CacheSpec, KVCacheError, QuantType
-from kvcache.transfer.regions import KVRegion, copy_ranges, copy_ranges_by_layers, describe_tensor
+from kvcache.transfer.regions import CopyRanges, KVRegion, copy_ranges, copy_ranges_by_layers, describe_tensor
 
 from caches import random_views
 
@@ -339,6 +339,13 @@ def test_a_region_over_one_buffer_lays_out_layers_then_tensors_then_blocks(quant
     region = KVRegion.from_buffer(spec, 5, buffer.ctypes.data, keep=(buffer,))
     assert np.array_equal(region.addrs, KVRegion.from_tensors(spec, views).addrs)
     assert region.extents().nbytes == buffer.nbytes == spec.cache_bytes(5)
+
+
+def test_select_keeps_each_range_whole_and_in_the_order_asked():
+    r = CopyRanges(np.array([10, 20, 30]), np.array([110, 120, 130]), np.array([1, 2, 3]))
+    for index, want in ((slice(1, 3), [1, 2]), (np.array([2, 0]), [2, 0]), (np.array([True, False, True]), [0, 2])):
+        got = r.select(index)
+        assert [list(f) for f in got] == [list(f[want]) for f in r]
 
 
 @settings(max_examples=200, deadline=None)

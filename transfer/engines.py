@@ -267,6 +267,12 @@ class _PointerAttributes(ctypes.Structure):
                 ("host_pointer", ctypes.c_void_p), ("spare", ctypes.c_byte * 128)]
 
 
+class IpcMemHandle(ctypes.Structure):
+    """cudaIpcMemHandle_t: 64 opaque bytes naming a device allocation to other processes."""
+
+    _fields_ = [("reserved", ctypes.c_char * 64)]
+
+
 _SUCCESS, _NOT_READY, _ALREADY_REGISTERED = 0, 600, 712
 _MEMCPY_DEFAULT = 4
 _MEMCPY_HOST_TO_DEVICE = 1
@@ -362,6 +368,9 @@ class CudaRuntime:
         self._fn("cudaFreeHost", [vp])
         self._fn("cudaHostUnregister", [vp])
         self._fn("cudaPointerGetAttributes", [ctypes.POINTER(_PointerAttributes), vp])
+        self._fn("cudaIpcGetMemHandle", [ctypes.POINTER(IpcMemHandle), vp])
+        self._fn("cudaIpcOpenMemHandle", [ctypes.POINTER(vp), IpcMemHandle, ctypes.c_uint])
+        self._fn("cudaIpcCloseMemHandle", [vp])
         self._fn("cudaGetLastError", [])
         version = ctypes.c_int()
         self.check(lib.cudaRuntimeGetVersion(ctypes.byref(version)), "cudaRuntimeGetVersion")
@@ -750,7 +759,7 @@ def _part(ranges: CopyRanges, a: int, b: int) -> CopyRanges:
     """Ranges ``[a, b)`` of a copy (views, no copy)."""
     if a == 0 and b == ranges.num_ranges:
         return ranges
-    return CopyRanges(ranges.src[a:b], ranges.dst[a:b], ranges.length[a:b])
+    return ranges.select(slice(a, b))
 
 
 class _Staging:

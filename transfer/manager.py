@@ -41,7 +41,7 @@ from kvcache.allocator.events import BlockRemoved, BlockStored
 from kvcache.allocator.pool import BlockPool
 from kvcache.allocator.prefix import HASH_BYTES, PrefixIndex
 from kvcache.transfer.engines import CUDA_METHODS, DEFAULT_TIMEOUT, LocalEngine, TransferHandle, TransferStatus
-from kvcache.transfer.regions import CopyRanges, KVRegion, copy_ranges_by_layers
+from kvcache.transfer.regions import KVRegion, copy_ranges_by_layers
 
 if TYPE_CHECKING:
     from kvcache.allocator.layout import CacheSpec
@@ -483,7 +483,7 @@ class TransferManager:
             layer = owner[np.searchsorted(starts[order], ranges.src, side="right") - 1]
             if (np.diff(layer) < 0).any():  # not in layer order: group each layer's ranges into one part
                 by_layer = np.argsort(layer, kind="stable")
-                ranges, layer = CopyRanges(*(f[by_layer] for f in ranges)), layer[by_layer]
+                ranges, layer = ranges.select(by_layer), layer[by_layer]
             cuts = np.searchsorted(layer, np.arange(first, stop + 1))
             cuts[-1] = ranges.num_ranges
             handles += engine.submit_parts(ranges, cuts, device=device)

@@ -308,7 +308,7 @@ class CacheMessager:
                 for d, remote in remotes.items():
                     every, starts = by_layer[(i, d)]
                     part = slice(starts[layers[0]], starts[upto + 1])
-                    ranges = CopyRanges(every.src[part], every.dst[part], every.length[part])
+                    ranges = every.select(part)
                     self.posted_bytes[plan.req] = self.posted_bytes.get(plan.req, 0) + ranges.nbytes
                     if chunk.last and upto == last:
                         closing.setdefault(progress.agents[d], []).append(_Closing(plan, progress, d, remote, ranges))
@@ -417,7 +417,7 @@ class CacheMessager:
         count = parts[0][1].size - 1
         layer = np.concatenate([np.repeat(np.arange(count), np.diff(starts)) for _, starts in parts])
         order = np.argsort(layer, kind="stable")
-        joined = CopyRanges(*(a[order] for a in CopyRanges.concat([p for p, _ in parts])))
+        joined = CopyRanges.concat([p for p, _ in parts]).select(order)
         return joined, np.searchsorted(layer[order], np.arange(count + 1))
 
     def _fail(self, req: Any, error: str, plan: TransferPlan | None) -> None:

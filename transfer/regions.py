@@ -69,6 +69,10 @@ class CopyRanges(NamedTuple):
     def num_ranges(self) -> int:
         return int(self.length.size)
 
+    def select(self, index: Any) -> CopyRanges:
+        """The ranges at ``index`` (a slice, an index array or a mask), in that order."""
+        return CopyRanges(self.src[index], self.dst[index], self.length[index])
+
     @classmethod
     def concat(cls, parts: Sequence[CopyRanges]) -> CopyRanges:
         """Several copies as one, their ranges in the parts' order."""
