@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from kvcache.allocator.errors import KVCacheError
+from kvcache.transfer.engines import CudaRuntime, IpcMemHandle
 from kvcache.transfer.regions import KVRegion
 
 __all__ = ["RegionShare", "SharedHostBuffer", "SharedRegion", "share_region"]
@@ -232,24 +233,14 @@ def _map_file(seg: _Segment) -> tuple[np.ndarray, list[Any]]:
 # --------------------------------------------------------------------------- device memory
 
 
-class _IpcHandle(ctypes.Structure):
-    _fields_ = [("reserved", ctypes.c_char * 64)]
-
-
 class _IpcRuntime:
     """cudaIpc* through the process's CUDA runtime, and the allocation range through the driver."""
 
     def __init__(self, path: str) -> None:
-        from kvcache.transfer.engines import CudaRuntime
-
         if path and not os.environ.get("KVCACHE_CUDART"):
             os.environ["KVCACHE_CUDART"] = path  # read once, at the runtime's first lookup: use the sharer's
         runtime = CudaRuntime()
         self.lib, self.check = runtime.lib, runtime.check
-        vp = ctypes.c_void_p
-        self.lib.cudaIpcGetMemHandle.argtypes = [ctypes.POINTER(_IpcHandle), vp]
-        self.lib.cudaIpcOpenMemHandle.argtypes = [ctypes.POINTER(vp), _IpcHandle, ctypes.c_uint]
-        self.lib.cudaIpcCloseMemHandle.argtypes = [vp]
         self.driver = ctypes.CDLL("libcuda.so.1")
         self.driver.cuMemGetAddressRange_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64),
                                                          ctypes.POINTER(ctypes.c_size_t), ctypes.c_uint64]
@@ -262,7 +253,7 @@ class _IpcRuntime:
         return base.value, size.value
 
     def ipc_handle(self, base: int) -> bytes:
-        handle = _IpcHandle()
+        handle = IpcMemHandle()
         self.check(self.lib.cudaIpcGetMemHandle(ctypes.byref(handle), ctypes.c_void_p(base)),
                    f"cudaIpcGetMemHandle({base:#x}) (memory from cudaMallocAsync or virtual memory management "
                    "cannot be shared this way)")
@@ -270,7 +261,7 @@ class _IpcRuntime:
 
     def ipc_open(self, handle: bytes) -> int:
         ptr = ctypes.c_void_p()
-        raw = _IpcHandle.from_buffer_copy(handle)
+        raw = IpcMemHandle.from_buffer_copy(handle)
         self.check(self.lib.cudaIpcOpenMemHandle(ctypes.byref(ptr), raw, 1), "cudaIpcOpenMemHandle")
         return int(ptr.value or 0)
 
