@@ -335,7 +335,7 @@ def _check(results: list[Any], what: str) -> None:
             raise KVCacheError(f"{what}: the daemon had no room (raise --num-blocks)")
 
 
-class _SizeProbe:
+class _StepCapture:
     """Stands in for a client's socket for one step, remembering the request and the reply."""
 
     def __init__(self, sock: zmq.Socket) -> None:
@@ -358,7 +358,7 @@ class _SizeProbe:
 def _capture_step(sched: _Scheduler) -> tuple[bytes, bytes]:
     """A real step's request and reply, read off the client's socket."""
     client = sched.client
-    probe = _SizeProbe(client._sock)
+    probe = _StepCapture(client._sock)
     client._sock = probe  # type: ignore[assignment]
     try:
         _check(sched.step(sched.inputs(1)[0]), "step")
