@@ -10,11 +10,17 @@ Every call has a deadline (``timeout`` seconds, default 5, per attempt; with
 twice): a daemon that is down or stuck gives ``DaemonUnavailable`` instead of
 a hang. Not thread-safe:
 give each thread its own client.
+
+With ``local=True`` a client on the daemon's host sends what fits in a datagram
+to the daemon's local endpoint (a Unix datagram socket): a round trip skips
+ZMQ's four I/O-thread hand-offs, about 16 µs instead of 166 on a 2-core VM.
 """
 from __future__ import annotations
 
 import itertools
+import logging
 import os
+import socket
 import time
 import uuid
 from typing import Any, Sequence
@@ -28,9 +34,11 @@ from kvcache.auth import CurveConfig, secure_client_socket
 from kvcache.allocator.manager import Admission
 from kvcache.allocator.pool import Usage
 from kvcache.pd import Outcomes, Reservation, Sending
-from kvcache.protocol import PROTOCOL_VERSION, pack, unpack
+from kvcache.protocol import LOCAL_MAX_BYTES, PROTOCOL_VERSION, pack, unpack
 
+log = logging.getLogger("kvcache.client")
 _MAX_REPLY_BYTES = 1 << 31
+_OVER_ZMQ = object()  # a local attempt's answer: send this request over ZMQ instead
 
 
 class DaemonUnavailable(KVCacheError):
@@ -264,7 +272,7 @@ class CacheClient:
     """
 
     def __init__(self, endpoint: str, *, timeout: float = 5.0, retries: int = 0, name: str | None = None,
-                 context: zmq.Context | None = None, curve: CurveConfig | None = None) -> None:
+                 context: zmq.Context | None = None, curve: CurveConfig | None = None, local: bool = False) -> None:
         if timeout <= 0:
             raise KVCacheError(f"timeout: must be positive, got {timeout}")
         if retries < 0:
@@ -283,6 +291,9 @@ class CacheClient:
         self._slots: dict[Any, int] = {}
         self._info: dict[str, Any] | None = None
         self._sock = self._connect()
+        self._want_local = local  # found on the first call: the daemon names its local endpoint in info
+        self._local: socket.socket | None = None
+        self.local_endpoint: str | None = None
 
     def _connect(self) -> zmq.Socket:
         sock = self._ctx.socket(zmq.DEALER)
@@ -295,6 +306,9 @@ class CacheClient:
 
     def close(self) -> None:
         self._sock.close(0)
+        if self._local is not None:
+            self._local.close()
+            self._local = None
 
     def __enter__(self) -> CacheClient:
         return self
@@ -450,11 +464,18 @@ class CacheClient:
         A retry resends the same request id, which the daemon answers without
         applying it twice (also across a restart from its journal).
         """
+        if self._want_local:
+            self._want_local = False
+            self._open_local()
         request_id = next(self._ids)
         payload = pack({"v": PROTOCOL_VERSION, "client": self.name, "id": request_id, "ops": ops})
         for attempt in range(self.retries + 1):
-            self._sock.send(payload)
-            reply = self._await(request_id)
+            reply = _OVER_ZMQ
+            if self._local is not None and len(payload) <= LOCAL_MAX_BYTES:
+                reply = self._local_attempt(payload, request_id)
+            if reply is _OVER_ZMQ:
+                self._sock.send(payload)
+                reply = self._await(request_id)
             if reply is not None:
                 break
             # A reply may still come later; a fresh socket makes sure it is never taken for another one.
@@ -468,6 +489,58 @@ class CacheClient:
         self.last_seq = reply["seq"]
         self.last_epoch = reply.get("epoch")
         return reply
+
+    def _open_local(self) -> None:
+        """Use the daemon's local endpoint if it has one that this host reaches and that leads to the same daemon."""
+        info = self._single(self.batch().op("info"))
+        path = info.get("local_endpoint")
+        if not path:
+            return
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        try:
+            sock.bind("")  # an abstract address of our own (Linux autobind): where the replies come back
+            sock.connect(path)
+            self._local, self.local_endpoint = sock, path
+            pong = self._local_attempt(pack({"v": PROTOCOL_VERSION, "client": self.name, "id": next(self._ids),
+                                             "ops": [{"op": "info"}]}), None)
+        except OSError as exc:  # another host's path, or a daemon gone since
+            log.debug("local endpoint %s not used: %s", path, exc)
+            pong = None
+        if not isinstance(pong, dict) or not pong.get("ok") or pong["results"][0].get("epoch") != info["epoch"]:
+            self._local = self.local_endpoint = None  # a path reaching another daemon (or none) is not ours to use
+            sock.close()
+
+    def _local_attempt(self, payload: bytes, request_id: int | None) -> Any:
+        """One request over the local endpoint: its reply, None at the deadline, or _OVER_ZMQ to send it there.
+
+        ``request_id`` None takes the first reply (the connection check, before any other request).
+        """
+        sock = self._local
+        assert sock is not None
+        deadline = time.monotonic() + self.timeout
+        try:
+            sock.settimeout(self.timeout)
+            try:
+                sock.send(payload)
+            except ConnectionRefusedError:  # the daemon restarted on the same path: reach the new socket
+                sock.connect(self.local_endpoint)
+                sock.send(payload)
+        except OSError:  # gone, or its queue stayed full past the deadline: ZMQ answers or times out
+            return _OVER_ZMQ
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            sock.settimeout(remaining)
+            try:
+                data = sock.recv(LOCAL_MAX_BYTES + 1)
+            except TimeoutError:
+                return None
+            except OSError:
+                return _OVER_ZMQ
+            reply = unpack(data, _MAX_REPLY_BYTES)
+            if isinstance(reply, dict) and (request_id is None or reply.get("id") == request_id):
+                return _OVER_ZMQ if reply.get("resend") else reply
 
     def _await(self, request_id: int) -> dict[str, Any] | None:
         """The reply to ``request_id``, or None when the deadline passes first."""

@@ -11,6 +11,8 @@ from typing import Any
 from kvcache.allocator.errors import KVCacheError
 from kvcache.allocator.swa import AttentionPolicy, Full, Window
 
+LOCAL_OFF = "off"  # local_endpoint's value for no local endpoint
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - exercised on 3.10 only
@@ -33,6 +35,7 @@ class ServeConfig:
     replay_endpoint: str = ""
     events_endpoint: str = ""
     events_replay_endpoint: str = ""
+    local_endpoint: str = ""
     num_blocks: int = 0
     block_size: int = 64
     rows: str = "full"
@@ -94,17 +97,20 @@ class ServeConfig:
 
 
 def derive_endpoints(endpoint: str) -> dict[str, str]:
-    """Default PUB/replay/event endpoints next to the scheduler endpoint (ipc: sibling files; tcp: next ports)."""
+    """Default PUB/replay/event endpoints next to the scheduler endpoint (ipc: sibling files; tcp: next ports).
+
+    The local endpoint (a Unix datagram socket's path) sits beside an ipc:// endpoint; a tcp:// daemon has none.
+    """
     names = ("pub_endpoint", "replay_endpoint", "events_endpoint", "events_replay_endpoint")
     if endpoint.startswith("ipc://"):
         base = endpoint[len("ipc://"):]
         stem = base[:-5] if base.endswith(".sock") else base
         suffixes = ("-pub.sock", "-replay.sock", "-events.sock", "-events-replay.sock")
-        return {n: f"ipc://{stem}{s}" for n, s in zip(names, suffixes)}
+        return {**{n: f"ipc://{stem}{s}" for n, s in zip(names, suffixes)}, "local_endpoint": f"{stem}-local.sock"}
     match = re.fullmatch(r"tcp://(.+):(\d+)", endpoint)
-    if match:
+    if match:  # a tcp daemon may serve other hosts: no local endpoint unless asked for
         host, port = match.group(1), int(match.group(2))
-        return {n: f"tcp://{host}:{port + i + 1}" for i, n in enumerate(names)}
+        return {**{n: f"tcp://{host}:{port + i + 1}" for i, n in enumerate(names)}, "local_endpoint": LOCAL_OFF}
     raise KVCacheError(f"endpoint: {endpoint!r} is neither ipc://PATH nor tcp://HOST:PORT")
 
 

@@ -46,7 +46,8 @@ class _Clients:
         clients = self._local.__dict__.setdefault("clients", {})
         client = clients.get(endpoint)
         if client is None:
-            client = clients[endpoint] = CacheClient(endpoint, timeout=self.timeout, curve=self.curve)
+            # Local: a report reaches a daemon on this host without ZMQ's I/O threads (the tail's last leg).
+            client = clients[endpoint] = CacheClient(endpoint, timeout=self.timeout, curve=self.curve, local=True)
             with self._lock:
                 self._all.append(client)
         return client

@@ -82,6 +82,12 @@ while recovering from a journal) holds its staging time.
 After ``heartbeat_ms`` without a delta the PUB sends ``[topic+epoch, seq, b""]``: an empty payload
 saying "the latest seq is this" (a worker behind asks for replay).
 
+Same-host clients may send a request as one datagram to the daemon's local endpoint (a Unix datagram
+socket, ``info()["local_endpoint"]``) from a socket bound to an address of its own; the reply comes
+back as one datagram to that address. Either way a datagram stays within ``LOCAL_MAX_BYTES``: a larger
+request goes over ZMQ, and a larger reply is replaced by ``{"v": 2, "id": int, "ok": false, "resend":
+true}`` (the request was applied and its reply kept: the same ``(client, id)`` sent over ZMQ gets it).
+
 Arrays: msgpack ExtType 1 whose data is ``dtype code (u8) | ndim (u8) |
 shape (ndim × u32 LE) | C-order little-endian bytes``.
 
@@ -107,6 +113,7 @@ ARRAY_EXT = 1
 DELTA_TOPIC = b"T"
 MAX_ID_CHARS = 256
 MAX_OPS = 65_536
+LOCAL_MAX_BYTES = 65_536  # a local-endpoint datagram, either way (fits Linux's default socket buffers)
 DELTA_T_OFFSET = 4  # a delta payload's "t" value: after the fixmap byte, the key "t" (2 bytes) and 0xcf
 
 _CODES = {
@@ -296,6 +303,11 @@ def header(msg: Any, max_ops: int = MAX_OPS, versions: tuple[int, ...] = (PROTOC
 def error_reply(request_id: Any, message: str) -> bytes:
     rid = request_id if isinstance(request_id, int) and not isinstance(request_id, bool) else None
     return pack({"v": PROTOCOL_VERSION, "id": rid, "ok": False, "error": message})
+
+
+def resend_reply(request_id: Any) -> bytes:
+    """A local endpoint's answer when the reply outgrew a datagram: get it over ZMQ with the same id."""
+    return pack({"v": PROTOCOL_VERSION, "id": request_id, "ok": False, "resend": True})
 
 
 def pack_delta(body: dict[str, Any], t_ns: int) -> bytearray:

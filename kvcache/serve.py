@@ -21,6 +21,9 @@ HELP = {
     "replay_endpoint": "ROUTER socket for missed deltas and snapshots (default: PATH-replay.sock, or port+2)",
     "events_endpoint": "PUB socket for KV events in vLLM's format (default: PATH-events.sock, or port+3)",
     "events_replay_endpoint": "ROUTER socket replaying KV events (default: PATH-events-replay.sock, or port+4)",
+    "local_endpoint": "Unix datagram socket (a path) for same-host clients: a round trip skips ZMQ's I/O threads, "
+                      "about 10x faster (default: PATH-local.sock next to an ipc:// --endpoint; none for tcp://; "
+                      "'off' disables)",
     "num_blocks": "blocks per row; 0 = size from --model and --gpu-memory",
     "block_size": "tokens per block (default 64)",
     "rows": "row policies: full (uniform), or comma-separated full / window:W[:S] items with *N repeats, "

@@ -6,6 +6,8 @@ Sockets (see protocol.py for the messages):
     pub_endpoint      PUB     sequence-numbered table deltas for workers
     replay_endpoint   ROUTER  missed deltas by sequence number, or a snapshot
     events_endpoint   PUB     KV events in vLLM's format (with --events)
+    local_endpoint    Unix datagram socket: the same messages as endpoint, from same-host clients,
+                      without ZMQ's I/O threads (a round trip of about 16 µs instead of 166 on a VM)
 
 A step's deltas are published before its reply is sent, so a scheduler that
 has the reply (with its ``seq``) knows the deltas are on their way.
@@ -18,6 +20,7 @@ import itertools
 import logging
 import os
 import pickle
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +34,7 @@ from kvcache.allocator.errors import KVCacheError
 from kvcache.allocator.manager import KVCacheManager
 from kvcache.allocator.swa import AttentionPolicy
 from kvcache.auth import CurveConfig, secure_server_socket, start_authenticator
-from kvcache.config import ServeConfig, describe_rows
+from kvcache.config import LOCAL_OFF, ServeConfig, describe_rows
 from kvcache.journal import Journal
 from kvcache.leases import Leases
 from kvcache.pd import MUTATING as _PD_MUTATING
@@ -39,6 +42,7 @@ from kvcache.pd import PD_OPS, PDState, validate_op
 from kvcache.protocol import (
     DELTA_TOPIC,
     JOURNAL_VERSIONS,
+    LOCAL_MAX_BYTES,
     MAX_OPS,
     PROTOCOL_VERSION,
     ProtocolError,
@@ -51,6 +55,7 @@ from kvcache.protocol import (
     header,
     pack,
     pack_delta,
+    resend_reply,
     seq_frame,
     show,
     stamp_delta,
@@ -238,16 +243,19 @@ class CacheServer:
                 raise KVCacheError("curve_clients_dir: needed with curve_server_cert (the allowed clients' keys)")
             self._curve = CurveConfig.for_server(self.config.curve_server_cert, self.config.curve_clients_dir)
             self._auth = start_authenticator(self._ctx, self._curve.clients_dir)
-        self.router = self._bind(zmq.ROUTER, self.config.endpoint)
-        self.pub = self._bind(zmq.PUB, self.config.pub_endpoint, sndhwm=self.config.pub_hwm)
-        self.replay = self._bind(zmq.ROUTER, self.config.replay_endpoint)
-        self._setup_optional()
-        if self.config.journal:
-            try:
+        self.local: socket.socket | None = None
+        try:  # a socket that cannot bind (or a journal that cannot load) leaves nothing open behind
+            self.router = self._bind(zmq.ROUTER, self.config.endpoint)
+            self.pub = self._bind(zmq.PUB, self.config.pub_endpoint, sndhwm=self.config.pub_hwm)
+            self.replay = self._bind(zmq.ROUTER, self.config.replay_endpoint)
+            if self.config.local_endpoint != LOCAL_OFF:
+                self.local = self._bind_local(Path(self.config.local_endpoint))
+            self._setup_optional()
+            if self.config.journal:
                 self._recover()
-            except BaseException:
-                self.close()
-                raise
+        except BaseException:
+            self.close()
+            raise
         self._topic = DELTA_TOPIC + self.epoch.to_bytes(8, "big")
 
     # ------------------------------------------------------------------ lifecycle
@@ -281,6 +289,23 @@ class CacheServer:
         if endpoint.startswith("ipc://"):
             self._ipc_paths.append(Path(endpoint[len("ipc://"):]))
         self._sockets.append(sock)
+        return sock
+
+    def _bind_local(self, path: Path) -> socket.socket:
+        """The local endpoint: a non-blocking Unix datagram socket at ``path``, owner-only like the ipc ones."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        old_umask = os.umask(0o077)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            path.unlink(missing_ok=True)
+            sock.bind(str(path))
+        except OSError as exc:
+            sock.close()
+            raise KVCacheError(f"local_endpoint: cannot bind {path}: {exc}") from None
+        finally:
+            os.umask(old_umask)
+        sock.setblocking(False)
+        self._ipc_paths.append(path)
         return sock
 
     def _setup_optional(self) -> None:
@@ -352,6 +377,8 @@ class CacheServer:
         for sock in self._sockets:
             sock.close(0)
         self._sockets.clear()
+        if self.local is not None:
+            self.local.close()
         if self._auth is not None:
             self._auth.stop()
             self._auth = None
@@ -367,6 +394,9 @@ class CacheServer:
         poller.register(self.router, zmq.POLLIN)
         poller.register(self.replay, zmq.POLLIN)
         handlers: dict[Any, Callable[[], None]] = {self.router: self._handle_step, self.replay: self._handle_replay}
+        if self.local is not None:
+            poller.register(self.local.fileno(), zmq.POLLIN)
+            handlers[self.local.fileno()] = self._handle_local
         if self._events is not None and self._events.replay_socket is not None:
             poller.register(self._events.replay_socket, zmq.POLLIN)
             handlers[self._events.replay_socket] = self._events.handle_replay
@@ -457,6 +487,33 @@ class CacheServer:
         self._release_staged()
         for envelope, reply in outbox:
             self.router.send_multipart([*envelope, reply])
+        self._observe()
+
+    def _handle_local(self) -> None:
+        """Answer the datagrams waiting on the local endpoint, as ``_handle_step`` answers the ROUTER's."""
+        outbox: list[tuple[str | bytes, bytes]] = []
+        for _ in range(256):
+            try:
+                payload, address = self.local.recvfrom(LOCAL_MAX_BYTES + 1)
+            except (BlockingIOError, InterruptedError):
+                break
+            if not address:  # a sender bound to no address could never get its reply: nothing is applied
+                self._count_error("decode")
+                continue
+            if len(payload) > LOCAL_MAX_BYTES:  # cut short by recvfrom: never decoded
+                self._count_error("decode")
+                outbox.append((address, error_reply(None, f"message: more than {LOCAL_MAX_BYTES} bytes, the "
+                                                          "local endpoint's limit; send it over the ZMQ endpoint")))
+                continue
+            outbox.append((address, self._process(payload)))
+        self._release_staged()
+        for address, reply in outbox:
+            if len(reply) > LOCAL_MAX_BYTES:
+                reply = resend_reply(unpack(reply, len(reply)).get("id"))
+            try:
+                self.local.sendto(reply, address)
+            except OSError:  # the client left, or its queue is full: a retry over ZMQ gets the kept reply
+                pass
         self._observe()
 
     def handle(self, payload: bytes) -> bytes:
@@ -887,6 +944,7 @@ class CacheServer:
             "rows": describe_rows(self.rows),
             "pub_endpoint": cfg.pub_endpoint,
             "replay_endpoint": cfg.replay_endpoint,
+            "local_endpoint": cfg.local_endpoint if self.local is not None else None,
             "events_endpoint": cfg.events_endpoint if cfg.events else None,
             "events_replay_endpoint": cfg.events_replay_endpoint if cfg.events else None,
             "prefix_caching": self.manager.enable_prefix_caching,

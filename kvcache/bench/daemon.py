@@ -55,7 +55,7 @@ from kvcache.bench.common import Fleet, expect, mark, positive_int, ratio, table
 from kvcache.client import CacheClient, DaemonError
 from kvcache.config import ServeConfig
 from kvcache.journal import records_end
-from kvcache.protocol import DELTA_T_OFFSET, MAX_OPS, PROTOCOL_VERSION, pack, unpack
+from kvcache.protocol import DELTA_T_OFFSET, LOCAL_MAX_BYTES, MAX_OPS, PROTOCOL_VERSION, pack, unpack
 
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection
@@ -122,6 +122,7 @@ class _Endpoints(NamedTuple):
     daemon: str
     pub: str
     replay: str
+    echo_local: str | None  # the echo's Unix datagram socket, beside the daemon's local endpoint (ipc only)
 
 
 def _free_tcp_ports(count: int) -> list[int]:
@@ -135,8 +136,9 @@ def _free_tcp_ports(count: int) -> list[int]:
 
 def _endpoints(transport: str, folder: Path) -> _Endpoints:
     if transport == "ipc":
-        return _Endpoints(*(f"ipc://{folder}/{name}.sock" for name in ("echo", "d", "d-pub", "d-replay")))
-    return _Endpoints(*(f"tcp://127.0.0.1:{port}" for port in _free_tcp_ports(4)))
+        return _Endpoints(*(f"ipc://{folder}/{name}.sock" for name in ("echo", "d", "d-pub", "d-replay")),
+                          str(folder / "echo-local.sock"))
+    return _Endpoints(*(f"tcp://127.0.0.1:{port}" for port in _free_tcp_ports(4)), None)
 
 
 # --------------------------------------------------------------------------- 1. raw zmq echo
@@ -145,26 +147,43 @@ def _endpoints(transport: str, folder: Path) -> _Endpoints:
 _SERVER_MAX_ITEMS = max(MAX_OPS, ServeConfig().max_tokens)  # what the daemon's protocol.unpack allows
 
 
-def _echo_server(conn: Connection, endpoint: str) -> None:
+def _echo_server(conn: Connection, endpoint: str, local_path: str | None) -> None:
     """ROUTER echo: a request whose first 4 bytes (LE) say N gets N zero bytes back; N = 0 echoes it.
 
     The codec floor, in two frames: ``[b"R", reply]`` keeps a step's reply (decoded once); ``[b"C",
     request]`` is answered with that reply after the request is decoded and the reply encoded, as the
-    daemon's protocol does both (``protocol.unpack`` / ``pack``), and nothing else.
+    daemon's protocol does both (``protocol.unpack`` / ``pack``), and nothing else. With ``local_path``
+    it echoes datagrams there the same way (the limit of steps over the daemon's local endpoint).
     """
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.bind(endpoint)
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    local = None
+    if local_path is not None:
+        local = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        local.bind(local_path)
+        local.setblocking(False)
+        poller.register(local.fileno(), zmq.POLLIN)
     conn.send(("ready",))
     replies: dict[int, bytes] = {}
     decoded_reply: Any = None
     try:
         while True:
-            if not sock.poll(100):
+            if not poller.poll(100):
                 if conn.poll(0):  # checked only when idle, so it adds nothing to a round trip
                     return
                 continue
+            while local is not None:
+                try:
+                    payload, address = local.recvfrom(LOCAL_MAX_BYTES)
+                except BlockingIOError:
+                    break
+                size = int.from_bytes(payload[:4], "little")
+                local.sendto(payload if size == 0 else replies.get(size) or replies.setdefault(size, bytes(size)),
+                             address)
             for _ in range(1024):
                 try:
                     ident, *frames = sock.recv_multipart(zmq.NOBLOCK)
@@ -186,6 +205,31 @@ def _echo_server(conn: Connection, endpoint: str) -> None:
     finally:
         sock.close(0)
         ctx.term()
+        if local is not None:
+            local.close()
+
+
+class _LocalEchoClient:
+    """Round trips to the echo server's datagram socket: the local endpoint's transport, nothing else."""
+
+    def __init__(self, path: str, timeout: float) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind("")
+        self.sock.connect(path)
+        self.sock.settimeout(timeout)
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def round_trips(self, request_bytes: int, reply_bytes: int, count: int) -> np.ndarray:
+        payload = max(reply_bytes, 1).to_bytes(4, "little") + bytes(max(request_bytes - 4, 0))
+        out = np.empty(count, dtype=np.int64)
+        for i in range(count):
+            t0 = time.perf_counter_ns()
+            self.sock.send(payload)
+            self.sock.recv(LOCAL_MAX_BYTES)
+            out[i] = time.perf_counter_ns() - t0
+        return out
 
 
 class _EchoClient:
@@ -273,12 +317,12 @@ class _Scheduler:
         the step's ops       | free, free        | extend × requests | admit, admit
     """
 
-    def __init__(self, client: CacheClient, cfg: BenchConfig, seed: int = 0) -> None:
+    def __init__(self, client: CacheClient, cfg: BenchConfig, seed: int = 0, first_id: int = 0) -> None:
         self.client = client
         self.cfg = cfg
         self.rng = np.random.default_rng(seed)
         self.live: collections.deque[int] = collections.deque()
-        self._next_id = 0
+        self._next_id = first_id
 
     def _prompt(self) -> np.ndarray:
         return self.rng.integers(0, VOCAB, size=self.cfg.prompt_tokens, dtype=np.int32)
@@ -381,6 +425,24 @@ def _warmup_steps(cfg: BenchConfig) -> int:
     requests admitted a step apart are spread evenly, as in a running server.
     """
     return max(WARMUP_STEPS, -(-cfg.requests // cfg.admits) + 1)
+
+
+def bench_local_steps(cfg: BenchConfig, echo: _LocalEchoClient, sched: _Scheduler, zmq_echo_p50_us: float
+                      ) -> dict[str, Any]:
+    """Section 2b: the same steps from a client using the daemon's local endpoint, taking turns with a datagram echo."""
+    sched.setup()
+    sched.run(_warmup_steps(cfg))
+    request, reply = _capture_step(sched)
+    echo.round_trips(len(request), len(reply), WARMUP_STEPS)
+    per_round = max(1, cfg.steps // cfg.rounds)
+    echo_ns, step_ns = [], []
+    for _ in range(cfg.rounds):
+        echo_ns.append(echo.round_trips(len(request), len(reply), per_round))
+        step_ns.append(sched.run(per_round))
+    e50, e99 = _percentiles_us(np.concatenate(echo_ns))
+    s50, s99 = _percentiles_us(np.concatenate(step_ns))
+    return {"steps": int(sum(map(len, step_ns))), "echo_p50_us": e50, "echo_p99_us": e99, "p50_us": s50,
+            "p99_us": s99, "p50_over_local_echo_p50": s50 / e50, "p50_over_zmq_echo_p50": s50 / zmq_echo_p50_us}
 
 
 def bench_echo_and_steps(cfg: BenchConfig, echo: _EchoClient, sched: _Scheduler) -> tuple[dict, dict]:
@@ -1136,7 +1198,7 @@ def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
     ctx = zmq.Context()
     try:
         ends = _endpoints(cfg.transport, fleet.folder)
-        echo_conn = fleet.spawn(_echo_server, ends.echo)
+        echo_conn = fleet.spawn(_echo_server, ends.echo, ends.echo_local)
         daemon = fleet.start(_serve_argv(cfg, ends.daemon, ends.pub, ends.replay), READY, cfg.timeout,
                              "kvcache serve")
         expect(echo_conn, "ready", time.monotonic() + cfg.timeout, "echo server")
@@ -1145,6 +1207,13 @@ def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
         try:
             sched = _Scheduler(client, cfg)
             echo_out, step_out = bench_echo_and_steps(cfg, echo, sched)
+            step_out["local"] = None
+            if ends.echo_local is not None:
+                with contextlib.closing(_LocalEchoClient(ends.echo_local, cfg.timeout)) as local_echo, \
+                        CacheClient(ends.daemon, timeout=cfg.timeout, name="bench-local", context=ctx,
+                                    local=True) as local_client:
+                    step_out["local"] = bench_local_steps(cfg, local_echo, _Scheduler(local_client, cfg, seed=1, first_id=1 << 40),
+                                                          echo_out["p50_us"])
             fleet.stop([echo_conn])
             throughput = bench_throughput(cfg, fleet, ends.daemon, step_out)
             lag = bench_lag(cfg, fleet, client.info()["pub_endpoint"], sched)
@@ -1235,6 +1304,19 @@ def _render_journal(j: dict[str, Any], cfg: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _render_local(step: dict[str, Any]) -> list[str]:
+    local = step["local"]
+    if local is None:
+        return ["  2b. over the local endpoint: not measured (ipc transport only)"]
+    return [
+        "  2b. the same steps from a second client over the daemon's local endpoint (Unix datagrams), taking turns "
+        "with a raw datagram echo of the same sizes:",
+        table(["steps", "p50 us", "p99 us", "datagram echo p50 us", "p50/datagram echo", "p50/ZMQ echo"],
+              [[f"{local['steps']:,}", _us(local["p50_us"]), _us(local["p99_us"]), _us(local["echo_p50_us"]),
+                ratio(local["p50_over_local_echo_p50"]), ratio(local["p50_over_zmq_echo_p50"])]]),
+    ]
+
+
 def render(result: dict[str, Any]) -> str:
     """The human-readable report: one table per section."""
     cfg, echo, step, lag, prof = result["config"], result["echo"], result["step"], result["lag"], result["profile"]
@@ -1264,6 +1346,7 @@ def render(result: dict[str, Any]) -> str:
               step["target"], mark(step["ok"])]],
         ),
         "  daemon handle = CacheServer.handle in-process on the same messages (section 5): the daemon's share",
+        *_render_local(step),
         f"  codec floor: the echo server decoding this step and encoding its reply (protocol.unpack/pack, no other "
         f"work), the client encoding the step and decoding the reply: p50 {_us(step['codec_p50_us'])} us = "
         f"{ratio(step['codec_over_echo_p50'])} echo, taking turns with the echo and the steps",
