@@ -34,7 +34,7 @@ from kvcache.auth import CurveConfig, secure_client_socket
 from kvcache.allocator.manager import Admission
 from kvcache.allocator.pool import Usage
 from kvcache.pd import Outcomes, Reservation, Sending
-from kvcache.protocol import LOCAL_MAX_BYTES, PROTOCOL_VERSION, pack, unpack
+from kvcache.protocol import LOCAL_MAX_BYTES, PROTOCOL_VERSION, ProtocolError, pack, unpack
 
 log = logging.getLogger("kvcache.client")
 _MAX_REPLY_BYTES = 1 << 31
@@ -465,8 +465,12 @@ class CacheClient:
         applying it twice (also across a restart from its journal).
         """
         if self._want_local:
-            self._want_local = False
-            self._open_local()
+            self._want_local = False  # the info call below goes over ZMQ
+            try:
+                self._open_local()
+            except DaemonUnavailable:
+                self._want_local = True  # look again once the daemon answers
+                raise
         request_id = next(self._ids)
         payload = pack({"v": PROTOCOL_VERSION, "client": self.name, "id": request_id, "ops": ops})
         for attempt in range(self.retries + 1):
@@ -538,7 +542,10 @@ class CacheClient:
                 return None
             except OSError:
                 return _OVER_ZMQ
-            reply = unpack(data, _MAX_REPLY_BYTES)
+            try:
+                reply = unpack(data, _MAX_REPLY_BYTES)
+            except ProtocolError:  # not the daemon's: anyone on this host may write to our address
+                continue
             if isinstance(reply, dict) and (request_id is None or reply.get("id") == request_id):
                 return _OVER_ZMQ if reply.get("resend") else reply
 

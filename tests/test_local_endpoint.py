@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import socket
+import tempfile
 import time
 from pathlib import Path
 
@@ -179,3 +180,13 @@ def test_a_datagram_without_a_reply_address_changes_nothing(daemon):
         assert client.ping()  # answered after the unbound datagram, which was read first
         assert client.usage.per_row.tolist() == [0.0]
         assert os.path.exists(path)
+
+
+def test_a_local_client_made_before_its_daemon_starts_uses_the_endpoint_once_it_answers(daemon):
+    folder = Path(tempfile.mkdtemp(prefix="kv-", dir="/tmp"))
+    with CacheClient(f"ipc://{folder}/k.sock", local=True, timeout=0.3) as client:
+        with pytest.raises(DaemonUnavailable):
+            client.ping()
+        daemon("--num-blocks", "40", "--block-size", "4", folder=folder)
+        assert client.ping()
+        assert client.local_endpoint == str(folder / "k-local.sock")
