@@ -209,29 +209,6 @@ def _echo_server(conn: Connection, endpoint: str, local_path: str | None) -> Non
             local.close()
 
 
-class _LocalEchoClient:
-    """Round trips to the echo server's datagram socket: the local endpoint's transport, nothing else."""
-
-    def __init__(self, path: str, timeout: float) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self.sock.bind("")
-        self.sock.connect(path)
-        self.sock.settimeout(timeout)
-
-    def close(self) -> None:
-        self.sock.close()
-
-    def round_trips(self, request_bytes: int, reply_bytes: int, count: int) -> np.ndarray:
-        payload = max(reply_bytes, 1).to_bytes(4, "little") + bytes(max(request_bytes - 4, 0))
-        out = np.empty(count, dtype=np.int64)
-        for i in range(count):
-            t0 = time.perf_counter_ns()
-            self.sock.send(payload)
-            self.sock.recv(LOCAL_MAX_BYTES)
-            out[i] = time.perf_counter_ns() - t0
-        return out
-
-
 class _EchoClient:
     """The scheduler's side of the echo: round trips of given sizes, and a pipelined flood."""
 
@@ -292,6 +269,27 @@ class _EchoClient:
                 self.sock.send(payload)
                 in_flight += 1
         return answered, time.perf_counter() - t0
+
+
+class _LocalEchoClient(_EchoClient):
+    """Round trips to the echo server's datagram socket: the local endpoint's transport, nothing else."""
+
+    def __init__(self, path: str, timeout: float) -> None:
+        # The parent's __init__ would open a ZMQ socket; this client has only its datagram one.
+        self.timeout = timeout
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind("")
+        self.sock.connect(path)
+        self.sock.settimeout(timeout)
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def _recv(self) -> bytes:
+        try:
+            return self.sock.recv(LOCAL_MAX_BYTES)
+        except TimeoutError:
+            raise KVCacheError(f"echo server: no datagram reply within {self.timeout:g} s") from None
 
 
 # --------------------------------------------------------------------------- 2. the step workload
