@@ -471,8 +471,7 @@ class CacheClient:
             except DaemonUnavailable:
                 self._want_local = True  # look again once the daemon answers
                 raise
-        request_id = next(self._ids)
-        payload = pack({"v": PROTOCOL_VERSION, "client": self.name, "id": request_id, "ops": ops})
+        request_id, payload = self._request(ops)
         for attempt in range(self.retries + 1):
             reply = _OVER_ZMQ
             if self._local is not None and len(payload) <= LOCAL_MAX_BYTES:
@@ -494,6 +493,11 @@ class CacheClient:
         self.last_epoch = reply.get("epoch")
         return reply
 
+    def _request(self, ops: list[dict[str, Any]]) -> tuple[int, bytes]:
+        """A fresh request id and the packed request carrying ``ops``."""
+        request_id = next(self._ids)
+        return request_id, pack({"v": PROTOCOL_VERSION, "client": self.name, "id": request_id, "ops": ops})
+
     def _open_local(self) -> None:
         """Use the daemon's local endpoint if it has one that this host reaches and that leads to the same daemon."""
         info = self._single(self.batch().op("info"))
@@ -505,8 +509,7 @@ class CacheClient:
             sock.bind("")  # an abstract address of our own (Linux autobind): where the replies come back
             sock.connect(path)
             self._local, self.local_endpoint = sock, path
-            pong = self._local_attempt(pack({"v": PROTOCOL_VERSION, "client": self.name, "id": next(self._ids),
-                                             "ops": [{"op": "info"}]}), None)
+            pong = self._local_attempt(self._request([{"op": "info"}])[1], None)
         except OSError as exc:  # another host's path, or a daemon gone since
             log.debug("local endpoint %s not used: %s", path, exc)
             pong = None

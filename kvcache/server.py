@@ -484,10 +484,7 @@ class CacheServer:
             if len(frames) < 2:
                 continue
             outbox.append((frames[:-1], self._process(frames[-1])))
-        self._release_staged()
-        for envelope, reply in outbox:
-            self.router.send_multipart([*envelope, reply])
-        self._observe()
+        self._answer(outbox, lambda envelope, reply: self.router.send_multipart([*envelope, reply]))
 
     def _handle_local(self) -> None:
         """Answer the datagrams waiting on the local endpoint, as ``_handle_step`` answers the ROUTER's."""
@@ -506,14 +503,23 @@ class CacheServer:
                                                           "local endpoint's limit; send it over the ZMQ endpoint")))
                 continue
             outbox.append((address, self._process(payload)))
+        self._answer(outbox, self._send_local)
+
+    def _send_local(self, address: str | bytes, reply: bytes) -> None:
+        """One reply datagram; a reply too big for one says "resend" (the same id over ZMQ gets it)."""
+        if len(reply) > LOCAL_MAX_BYTES:
+            reply = resend_reply(unpack(reply, len(reply)).get("id"))
+        try:
+            self.local.sendto(reply, address)
+        except OSError:  # the client left, or its queue is full: a retry over ZMQ gets the kept reply
+            pass
+
+    def _answer(self, outbox: list[tuple[Any, bytes]], send: Callable[[Any, bytes], None]) -> None:
+        """Commit the journal and publish the deltas of the applied messages, then ``send(address, reply)`` each
+        reply, then count them in the metrics: the group commit's order, whichever socket they came in on."""
         self._release_staged()
         for address, reply in outbox:
-            if len(reply) > LOCAL_MAX_BYTES:
-                reply = resend_reply(unpack(reply, len(reply)).get("id"))
-            try:
-                self.local.sendto(reply, address)
-            except OSError:  # the client left, or its queue is full: a retry over ZMQ gets the kept reply
-                pass
+            send(address, reply)
         self._observe()
 
     def handle(self, payload: bytes) -> bytes:
