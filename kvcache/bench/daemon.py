@@ -45,7 +45,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 import numpy as np
 import zmq
@@ -228,14 +228,7 @@ class _EchoClient:
 
     def round_trips(self, request_bytes: int, reply_bytes: int, count: int) -> np.ndarray:
         """ns of each of ``count`` round trips: ``request_bytes`` out, ``reply_bytes`` back."""
-        payload = max(reply_bytes, 1).to_bytes(4, "little") + bytes(max(request_bytes - 4, 0))
-        out = np.empty(count, dtype=np.int64)
-        for i in range(count):
-            t0 = time.perf_counter_ns()
-            self.sock.send(payload)
-            self._recv()
-            out[i] = time.perf_counter_ns() - t0
-        return out
+        return _round_trips(self.sock.send, self._recv, request_bytes, reply_bytes, count)
 
     def keep_reply(self, reply: bytes) -> None:
         """Give the server the step reply that codec round trips get back."""
@@ -271,11 +264,10 @@ class _EchoClient:
         return answered, time.perf_counter() - t0
 
 
-class _LocalEchoClient(_EchoClient):
+class _LocalEchoClient:
     """Round trips to the echo server's datagram socket: the local endpoint's transport, nothing else."""
 
     def __init__(self, path: str, timeout: float) -> None:
-        # The parent's __init__ would open a ZMQ socket; this client has only its datagram one.
         self.timeout = timeout
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.sock.bind("")
@@ -290,6 +282,23 @@ class _LocalEchoClient(_EchoClient):
             return self.sock.recv(LOCAL_MAX_BYTES)
         except TimeoutError:
             raise KVCacheError(f"echo server: no datagram reply within {self.timeout:g} s") from None
+
+    def round_trips(self, request_bytes: int, reply_bytes: int, count: int) -> np.ndarray:
+        """ns of each of ``count`` round trips: ``request_bytes`` out, ``reply_bytes`` back."""
+        return _round_trips(self.sock.send, self._recv, request_bytes, reply_bytes, count)
+
+
+def _round_trips(send: Callable[[bytes], Any], recv: Callable[[], bytes], request_bytes: int, reply_bytes: int,
+                 count: int) -> np.ndarray:
+    """ns of each of ``count`` echo round trips: ``request_bytes`` out, whose header asks ``reply_bytes`` back."""
+    payload = max(reply_bytes, 1).to_bytes(4, "little") + bytes(max(request_bytes - 4, 0))
+    out = np.empty(count, dtype=np.int64)
+    for i in range(count):
+        t0 = time.perf_counter_ns()
+        send(payload)
+        recv()
+        out[i] = time.perf_counter_ns() - t0
+    return out
 
 
 # --------------------------------------------------------------------------- 2. the step workload
@@ -428,37 +437,41 @@ def _warmup_steps(cfg: BenchConfig) -> int:
 def bench_local_steps(cfg: BenchConfig, echo: _LocalEchoClient, sched: _Scheduler, zmq_echo_p50_us: float
                       ) -> dict[str, Any]:
     """Section 2b: the same steps from a client using the daemon's local endpoint, taking turns with a datagram echo."""
+    request, reply = _steady_step(cfg, sched)
+    echo.round_trips(len(request), len(reply), WARMUP_STEPS)
+    echo_all, steps_all = _in_turns(cfg, lambda n: echo.round_trips(len(request), len(reply), n), sched.run)
+    e50, e99 = _percentiles_us(echo_all)
+    s50, s99 = _percentiles_us(steps_all)
+    return {"steps": int(steps_all.size), "echo_p50_us": e50, "echo_p99_us": e99, "p50_us": s50,
+            "p99_us": s99, "p50_over_local_echo_p50": s50 / e50, "p50_over_zmq_echo_p50": s50 / zmq_echo_p50_us}
+
+
+def _steady_step(cfg: BenchConfig, sched: _Scheduler) -> tuple[bytes, bytes]:
+    """Set the scheduler's requests up, step to the steady state, and capture one step's request and reply."""
     sched.setup()
     sched.run(_warmup_steps(cfg))
-    request, reply = _capture_step(sched)
-    echo.round_trips(len(request), len(reply), WARMUP_STEPS)
+    return _capture_step(sched)
+
+
+def _in_turns(cfg: BenchConfig, *measures: Callable[[int], np.ndarray]) -> list[np.ndarray]:
+    """Each measure's ns over ``cfg.steps``, in ``cfg.rounds`` rounds where the measures take turns (noise hits all)."""
     per_round = max(1, cfg.steps // cfg.rounds)
-    echo_ns, step_ns = [], []
+    runs: list[list[np.ndarray]] = [[] for _ in measures]
     for _ in range(cfg.rounds):
-        echo_ns.append(echo.round_trips(len(request), len(reply), per_round))
-        step_ns.append(sched.run(per_round))
-    e50, e99 = _percentiles_us(np.concatenate(echo_ns))
-    s50, s99 = _percentiles_us(np.concatenate(step_ns))
-    return {"steps": int(sum(map(len, step_ns))), "echo_p50_us": e50, "echo_p99_us": e99, "p50_us": s50,
-            "p99_us": s99, "p50_over_local_echo_p50": s50 / e50, "p50_over_zmq_echo_p50": s50 / zmq_echo_p50_us}
+        for out, measure in zip(runs, measures):
+            out.append(measure(per_round))
+    return [np.concatenate(r) for r in runs]
 
 
 def bench_echo_and_steps(cfg: BenchConfig, echo: _EchoClient, sched: _Scheduler) -> tuple[dict, dict]:
     """Sections 1 and 2: echo at a real step's sizes and the steps themselves, taking turns."""
-    sched.setup()
-    sched.run(_warmup_steps(cfg))
-    request, reply = _capture_step(sched)
+    request, reply = _steady_step(cfg, sched)
     request_bytes, reply_bytes = len(request), len(reply)
     echo.round_trips(request_bytes, reply_bytes, WARMUP_STEPS)
     echo.keep_reply(reply)
     echo.codec_round_trips(request, WARMUP_STEPS)
-    per_round = max(1, cfg.steps // cfg.rounds)
-    echo_ns, codec_ns, step_ns = [], [], []
-    for _ in range(cfg.rounds):
-        echo_ns.append(echo.round_trips(request_bytes, reply_bytes, per_round))
-        codec_ns.append(echo.codec_round_trips(request, per_round))
-        step_ns.append(sched.run(per_round))
-    echo_all, codec_all, steps_all = np.concatenate(echo_ns), np.concatenate(codec_ns), np.concatenate(step_ns)
+    echo_all, codec_all, steps_all = _in_turns(cfg, lambda n: echo.round_trips(request_bytes, reply_bytes, n),
+                                               lambda n: echo.codec_round_trips(request, n), sched.run)
     c50, c99 = _percentiles_us(codec_all)
     answered, seconds = echo.pipelined(cfg.window, SMALL_MESSAGE_BYTES, cfg.seconds)
     e50, e99 = _percentiles_us(echo_all)
