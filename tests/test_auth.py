@@ -1,6 +1,7 @@
 """CURVE on tcp://: only clients whose key the daemon allows get answers; refusals are logged; ipc is owner-only."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -75,12 +76,20 @@ def secured(tmp_path: Path) -> Iterator[Secured]:
 
 
 def connect(ctx: zmq.Context, endpoint: str, curve: CurveConfig | None) -> zmq.Socket:
+    """A DEALER whose send gives up after 1 s: once a refused handshake drops its only peer, a send would block."""
     sock = ctx.socket(zmq.DEALER)
     sock.linger = 0
+    sock.sndtimeo = 1000
     if curve is not None:
         secure_client_socket(sock, curve)
     sock.connect(endpoint)
     return sock
+
+
+def send_refused(dealer: zmq.Socket, message: bytes) -> None:
+    """A refused client's send: if the refusal already dropped the connection, the message cannot even leave."""
+    with contextlib.suppress(zmq.Again):
+        dealer.send(message)
 
 
 def serve(s: Secured, timeout: float) -> int:
@@ -140,7 +149,7 @@ def test_a_refused_client_gets_no_answer_changes_nothing_and_is_logged(secured, 
     before = state(secured.server)
     with zmq.Context() as ctx:
         dealer = connect(ctx, secured.endpoint, curve)
-        dealer.send(admit_message("intruder"))
+        send_refused(dealer, admit_message("intruder"))
         assert serve(secured, NO_ANSWER_S) == 0, "a refused client's message reached the daemon"
         assert not dealer.poll(100), "a refused client got an answer"
         dealer.close(0)
@@ -162,7 +171,7 @@ def test_repeated_refusals_of_one_peer_are_counted_not_flooded(secured, caplog):
     wrong = CurveConfig.for_client(secured.allowed.client_secret, secured.intruder.client_secret.parent / "server.key")
     with zmq.Context() as ctx:
         dealer = connect(ctx, secured.endpoint, wrong)
-        dealer.send(admit_message("x"))
+        send_refused(dealer, admit_message("x"))
         deadline = time.monotonic() + 5.0
         while secured.auth.refused < 3 and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -179,7 +188,7 @@ def test_revoking_a_key_refuses_its_client_after_reload(secured, caplog):
     secured.auth.reload()
     with zmq.Context() as ctx:
         dealer = connect(ctx, secured.endpoint, secured.allowed)
-        dealer.send(admit_message("revoked"))
+        send_refused(dealer, admit_message("revoked"))
         assert serve(secured, NO_ANSWER_S) == 0
         dealer.close(0)
     wait_for_log(caplog, public, "not in")
@@ -246,7 +255,7 @@ def test_without_a_running_authenticator_even_allowed_clients_get_nothing(secure
     secured.auth.stop()
     with zmq.Context() as ctx:
         dealer = connect(ctx, secured.endpoint, secured.allowed)
-        dealer.send(admit_message("a"))
+        send_refused(dealer, admit_message("a"))
         assert serve(secured, NO_ANSWER_S) == 0
         dealer.close(0)
     assert len(secured.server.manager) == 0
