@@ -192,7 +192,11 @@ class NixlEngine(TransferEngine):
         self._server: threading.Thread | None = None
         self._stopping = threading.Event()
         self._endpoint: str | None = None
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        # Not a SimpleQueue: its get(timeout) re-arms the wait with the time left, and a thread preempted
+        # past that deadline waits with a negative timeout, i.e. until the next put (CPython 3.11 to 3.13
+        # at least). The worker waits 50 µs at a time, so it happened: a write seen in flight, then not
+        # polled again until its 20 s deadline.
+        self._jobs: queue.Queue = queue.Queue()
         self._held_job: _NixlHandle | _Posted | None = None  # taken from the queue but not mergeable: next to post
         self._post_lock = threading.Lock()  # held while a write is posted (by the worker or an inline caller)
         self._count_lock = threading.Lock()
