@@ -67,7 +67,8 @@ class DaemonMetrics:
         errors = Counter("kvcache_errors", "Messages refused or failed, by kind", ["kind"], registry=reg)
         self._errors_counter = errors
         self._errors = {kind: errors.labels(kind) for kind in ERROR_KINDS}
-        self._subscribers = Gauge("kvcache_subscribers", "Peers connected to the table-delta PUB socket",
+        self._subscribers = Gauge("kvcache_subscribers",
+                                  "Workers taking table deltas: peers of the PUB socket and local-endpoint subscribers",
                                   registry=reg)
         self._deltas = Counter("kvcache_deltas_published", "Table-delta messages published", registry=reg)
         self._delta_changes = Counter("kvcache_delta_changes", "Table changes carried by published deltas",
@@ -140,7 +141,7 @@ class DaemonMetrics:
         in_transfer.set(len(pd.transfers))
 
     def set_subscribers(self, count: int) -> None:
-        """Peers now connected to the table-delta PUB socket (from SubscriberCounter)."""
+        """Workers now taking table deltas: PUB peers (from SubscriberCounter) and local-endpoint subscribers."""
         self._subscribers.set(count)
 
     def observe_delta(self, num_changes: int, payload_bytes: int) -> None:

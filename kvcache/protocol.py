@@ -88,6 +88,15 @@ back as one datagram to that address. Either way a datagram stays within ``LOCAL
 request goes over ZMQ, and a larger reply is replaced by ``{"v": 2, "id": int, "ok": false, "resend":
 true}`` (the request was applied and its reply kept: the same ``(client, id)`` sent over ZMQ gets it).
 
+Workers on the daemon's host may take the table deltas from the local endpoint instead of the PUB: a
+datagram ``LOCAL_SUBSCRIBE`` (bytes that are not a msgpack map) registers the sender's address, and the
+daemon answers it with a heartbeat. From then on every delta and heartbeat comes as one datagram
+``topic+epoch (9 bytes) | seq (8 bytes) | payload``, the PUB's three frames back to back. A delta larger
+than ``LOCAL_MAX_BYTES`` comes as a heartbeat of its seq (fetch it by replay); one that finds the
+worker's queue full is not sent (the worker sees the gap). The daemon forgets an address it can no
+longer reach, and one that sends ``LOCAL_UNSUBSCRIBE``; a worker renews its subscription when deltas
+stop coming. At most ``MAX_LOCAL_SUBSCRIBERS`` addresses are kept.
+
 Arrays: msgpack ExtType 1 whose data is ``dtype code (u8) | ndim (u8) |
 shape (ndim × u32 LE) | C-order little-endian bytes``.
 
@@ -114,6 +123,10 @@ DELTA_TOPIC = b"T"
 MAX_ID_CHARS = 256
 MAX_OPS = 65_536
 LOCAL_MAX_BYTES = 65_536  # a local-endpoint datagram, either way (fits Linux's default socket buffers)
+LOCAL_SUBSCRIBE = b"\x00subscribe"  # a worker's datagram: send me the deltas (never a msgpack request map)
+LOCAL_UNSUBSCRIBE = b"\x00unsubscribe"
+MAX_LOCAL_SUBSCRIBERS = 256
+DELTA_HEAD_BYTES = 17  # a delta datagram's topic+epoch (9 bytes) and seq (8) before the payload
 DELTA_T_OFFSET = 4  # a delta payload's "t" value: after the fixmap byte, the key "t" (2 bytes) and 0xcf
 
 _CODES = {

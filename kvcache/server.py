@@ -42,7 +42,11 @@ from kvcache.pd import PD_OPS, PDState, validate_op
 from kvcache.protocol import (
     DELTA_TOPIC,
     JOURNAL_VERSIONS,
+    DELTA_HEAD_BYTES,
     LOCAL_MAX_BYTES,
+    LOCAL_SUBSCRIBE,
+    LOCAL_UNSUBSCRIBE,
+    MAX_LOCAL_SUBSCRIBERS,
     MAX_OPS,
     PROTOCOL_VERSION,
     ProtocolError,
@@ -236,6 +240,7 @@ class CacheServer:
         self._observed: list[tuple[list[_Op], float]] = []  # answered messages whose metrics are not yet counted
         self._events: Any = None
         self._subscribers: Any = None
+        self._local_subscribers: dict[str | bytes, None] = {}  # workers taking deltas as datagrams, by address
         self._curve: CurveConfig | None = None
         self._auth: Any = None
         if self.config.curve_server_cert:
@@ -305,6 +310,9 @@ class CacheServer:
         finally:
             os.umask(old_umask)
         sock.setblocking(False)
+        # Room for replies and deltas not yet read (a Unix datagram counts against its sender's buffer until
+        # read); the kernel caps it at net.core.wmem_max. A subscriber left behind catches up by replay.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
         self._ipc_paths.append(path)
         return sock
 
@@ -465,6 +473,8 @@ class CacheServer:
             self.pub.send_multipart([self._topic, seq_frame(self._seq), b""], zmq.NOBLOCK)
         except zmq.Again:
             pass
+        if self._local_subscribers:
+            self._fan_out(self._topic + seq_frame(self._seq), b"")
 
     # ------------------------------------------------------------------ scheduler steps
 
@@ -497,6 +507,9 @@ class CacheServer:
             if not address:  # a sender bound to no address could never get its reply: nothing is applied
                 self._count_error("decode")
                 continue
+            if payload[:1] == LOCAL_SUBSCRIBE[:1]:  # not a msgpack map: a worker's (un)subscription
+                self._subscription(payload, address)
+                continue
             if len(payload) > LOCAL_MAX_BYTES:  # cut short by recvfrom: never decoded
                 self._count_error("decode")
                 outbox.append((address, error_reply(None, f"message: more than {LOCAL_MAX_BYTES} bytes, the "
@@ -504,6 +517,42 @@ class CacheServer:
                 continue
             outbox.append((address, self._process(payload)))
         self._answer(outbox, self._send_local)
+
+    def _subscription(self, payload: bytes, address: str | bytes) -> None:
+        """Add or drop a worker that takes the deltas as datagrams; a new one is answered with a heartbeat."""
+        if payload == LOCAL_UNSUBSCRIBE:
+            self._local_subscribers.pop(address, None)
+        elif payload != LOCAL_SUBSCRIBE:
+            self._count_error("decode")
+            return
+        elif address in self._local_subscribers or len(self._local_subscribers) < MAX_LOCAL_SUBSCRIBERS:
+            self._local_subscribers[address] = None
+            self._fan_out(self._topic + seq_frame(self._seq), b"", [address])
+        else:
+            log.warning("local endpoint: %d workers already take deltas; refused one more", MAX_LOCAL_SUBSCRIBERS)
+        self._set_subscriber_gauge()
+
+    def _fan_out(self, head: bytes, payload: bytes | bytearray, addresses: Any = None) -> None:
+        """One datagram of ``head`` and ``payload`` to every local subscriber (or to ``addresses``).
+
+        A payload too big for a datagram goes as a heartbeat of its seq, which sends the worker to the
+        replay socket; a worker whose queue is full misses this one (it sees the gap); one that is gone
+        is forgotten.
+        """
+        if DELTA_HEAD_BYTES + len(payload) > LOCAL_MAX_BYTES:
+            payload = b""
+        gone = []
+        for address in list(self._local_subscribers) if addresses is None else addresses:
+            try:
+                self.local.sendmsg([head, payload], (), 0, address)
+            except BlockingIOError:
+                pass
+            except OSError:  # no such socket any more, or one no longer connected to this daemon's
+                gone.append(address)
+        for address in gone:
+            self._local_subscribers.pop(address, None)
+        if gone:
+            self._set_subscriber_gauge()
 
     def _send_local(self, address: str | bytes, reply: bytes) -> None:
         """One reply datagram; a reply too big for one says "resend" (the same id over ZMQ gets it)."""
@@ -899,10 +948,13 @@ class CacheServer:
         """Publish a staged delta, stamping its "t" now: the lag workers measure starts at the send."""
         self._last_publish = time.monotonic()
         stamp_delta(payload, time.monotonic_ns())
+        head = seq_frame(seq)
         try:
-            self.pub.send_multipart([self._topic, seq_frame(seq), payload], zmq.NOBLOCK)
+            self.pub.send_multipart([self._topic, head, payload], zmq.NOBLOCK)
         except zmq.Again:  # PUB drops for slow subscribers rather than block; they resync by seq
             pass
+        if self._local_subscribers:
+            self._fan_out(self._topic + head, payload)
 
     # ------------------------------------------------------------------ replay
 
@@ -967,6 +1019,7 @@ class CacheServer:
         out["seq"] = self._seq
         out["free_blocks"] = self.manager.num_free_blocks
         out["subscribers"] = self._subscribers.count if self._subscribers is not None else None
+        out["local_subscribers"] = len(self._local_subscribers)
         out["expired_requests"] = self._expired
         out["in_transfer"] = len(self._pd.transfers)
         out["transfers"] = dict(self._pd.totals)
@@ -974,8 +1027,13 @@ class CacheServer:
 
     def _count_subscribers(self) -> None:
         self._subscribers.handle()
+        self._set_subscriber_gauge()
+
+    def _set_subscriber_gauge(self) -> None:
+        """Workers taking deltas: connected to the PUB, or subscribed on the local endpoint."""
         if self._metrics is not None:
-            self._metrics.set_subscribers(self._subscribers.count)
+            pub = self._subscribers.count if self._subscribers is not None else 0
+            self._metrics.set_subscribers(pub + len(self._local_subscribers))
 
     def _count_error(self, kind: str) -> None:
         if self._metrics is not None:

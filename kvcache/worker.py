@@ -35,11 +35,21 @@ a short silence; ``poll`` only sees gaps that a later delta reveals. Each
 daemon incarnation has its own epoch (in every delta's topic frame): a
 subscriber that sees a new one drops every table and loads the new daemon's
 state, so a restarted daemon never leaves a worker with stale tables.
+
+With ``local=True`` a worker on the daemon's host takes the deltas from the
+daemon's local endpoint (a Unix datagram socket, see ``kvcache.protocol``)
+instead of the PUB: each delta is one datagram sent straight to this worker's
+socket, with no ZMQ I/O thread on either side. The same seq checks, replay and
+epochs apply. Where the daemon has no local endpoint, or this host cannot reach
+it, the worker takes the PUB as before (``local`` says which it uses).
 """
 from __future__ import annotations
 
 import collections
+import logging
 import re
+import select
+import socket
 import time
 import types
 from typing import Any, Callable, Mapping, NamedTuple
@@ -51,10 +61,24 @@ from kvcache.allocator.errors import KVCacheError
 from kvcache.auth import CurveConfig, secure_client_socket
 from kvcache.allocator.table import EMPTY, rank_rows
 from kvcache.client import CacheClient, DaemonUnavailable
-from kvcache.protocol import DELTA_TOPIC, PROTOCOL_VERSION, ProtocolError, check_request_id, pack, unpack
+from kvcache.protocol import (
+    DELTA_HEAD_BYTES,
+    DELTA_TOPIC,
+    LOCAL_MAX_BYTES,
+    LOCAL_SUBSCRIBE,
+    LOCAL_UNSUBSCRIBE,
+    PROTOCOL_VERSION,
+    ProtocolError,
+    check_request_id,
+    pack,
+    unpack,
+)
+
+log = logging.getLogger("kvcache.worker")
 
 _MAX_MESSAGE_BYTES = 1 << 31
 _DRAIN_LIMIT = 4096  # messages applied per drain, so a flood cannot hold poll() forever
+_RENEW_AFTER_S = 0.5  # a local subscriber that heard nothing this long (5 idle heartbeats) subscribes again
 _FIRST_NUDGE_S = 0.02  # silence after which wait_for asks the replay socket instead of waiting on
 _DLPACK_CPU = 1
 
@@ -205,7 +229,7 @@ class TableSubscriber:
 
     def __init__(self, endpoint: str, *, rank: int = 0, tp_size: int | None = None, max_slots: int | None = None,
                  max_blocks: int | None = None, out: Any = "numpy", context: zmq.Context | None = None,
-                 timeout: float = 5.0, curve: CurveConfig | None = None) -> None:
+                 timeout: float = 5.0, curve: CurveConfig | None = None, local: bool = False) -> None:
         if timeout <= 0:
             raise KVCacheError(f"timeout: must be positive, got {timeout}")
         self.endpoint = endpoint
@@ -245,11 +269,21 @@ class TableSubscriber:
         self.snapshots = 0  # snapshots loaded
         self._pub_endpoint = _reachable(info["pub_endpoint"], endpoint)
         self._replay_endpoint = _reachable(info["replay_endpoint"], endpoint)
-        self._sub = self._ctx.socket(zmq.SUB)
-        self._sub.setsockopt(zmq.LINGER, 0)
-        self._sub.setsockopt(zmq.SUBSCRIBE, DELTA_TOPIC)
-        self._secure(self._sub, self._pub_endpoint)
-        self._sub.connect(self._pub_endpoint)
+        self._sub: zmq.Socket | None = None
+        self._local: socket.socket | None = None
+        self._local_path: str | None = info.get("local_endpoint") if local else None
+        self._heard = time.monotonic()  # when the local endpoint last sent us something
+        if self._local_path:
+            self._local = self._subscribe_local(time.monotonic() + timeout)
+        if self._local is None:
+            self._sub = self._ctx.socket(zmq.SUB)
+            self._sub.setsockopt(zmq.LINGER, 0)
+            self._sub.setsockopt(zmq.SUBSCRIBE, DELTA_TOPIC)
+            self._secure(self._sub, self._pub_endpoint)
+            self._sub.connect(self._pub_endpoint)
+        else:
+            self._readable = select.poll()
+            self._readable.register(self._local.fileno(), select.POLLIN)
         self._replay = self._connect_replay()
         try:
             # Subscribed first, so every delta after the start-up state arrives or shows up as a gap.
@@ -292,9 +326,86 @@ class TableSubscriber:
         return sock
 
     def close(self) -> None:
-        """Close both sockets (linger 0); the tables stay readable."""
-        self._sub.close(0)
+        """Close the sockets (linger 0), leaving the local endpoint's subscription; the tables stay readable."""
+        if self._sub is not None:
+            self._sub.close(0)
+        if self._local is not None:
+            try:
+                self._local.send(LOCAL_UNSUBSCRIBE)
+            except OSError:
+                pass  # the daemon forgets an address it cannot reach anyway
+            self._local.close()
         self._replay.close(0)
+
+    @property
+    def local(self) -> bool:
+        """True when the deltas come as datagrams from the daemon's local endpoint, False when from its PUB."""
+        return self._local is not None
+
+    def _subscribe_local(self, deadline: float) -> socket.socket | None:
+        """A datagram socket subscribed at the daemon's local endpoint, or None where that fails (use the PUB).
+
+        The socket is connected to the endpoint, so the kernel delivers it nothing from anyone else; the
+        daemon's answer must carry the epoch ``info`` gave, or the path leads to another daemon.
+        """
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        try:
+            sock.bind("")  # an abstract address of our own (Linux autobind)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+            sock.connect(self._local_path)
+            sock.send(LOCAL_SUBSCRIBE)
+            while True:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError("no answer")
+                sock.settimeout(remaining)
+                first = sock.recv(LOCAL_MAX_BYTES + 1)
+                if first[:1] == DELTA_TOPIC and len(first) >= DELTA_HEAD_BYTES:
+                    break
+            if int.from_bytes(first[1:9], "big") != self._epoch:
+                raise OSError("another daemon answers there")
+        except OSError as exc:  # another host's path, a daemon gone or another one: the PUB serves
+            log.info("local endpoint %s not used for deltas (%s); taking the PUB", self._local_path, exc)
+            sock.close()
+            return None
+        sock.setblocking(False)
+        return sock
+
+    def _renew(self) -> None:
+        """Subscribe again at the local endpoint (deltas stopped: the daemon may have restarted or dropped us)."""
+        if self._local is None:
+            return
+        try:
+            try:
+                self._local.send(LOCAL_SUBSCRIBE)
+            except OSError:  # the daemon we were connected to is gone: reach a new one on the same path
+                self._local.connect(self._local_path)
+                self._local.send(LOCAL_SUBSCRIBE)
+        except OSError:
+            pass  # the replay socket's deadline reports a daemon that is gone
+
+    def _wait_readable(self, timeout: float) -> bool:
+        """Whether a delta is waiting, after waiting up to ``timeout`` seconds for one."""
+        if self._local is None:
+            return bool(self._sub.poll(_ms(timeout), zmq.POLLIN))
+        return bool(self._readable.poll(_ms(timeout)))
+
+    def _next_frames(self) -> list[bytes] | None:
+        """The next delta's frames (topic+epoch, seq, payload) without waiting, or None."""
+        if self._local is None:
+            try:
+                return self._sub.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return None
+        try:
+            data = self._local.recv(LOCAL_MAX_BYTES + 1)
+        except OSError:  # nothing waiting, or the daemon went away: silence, which the renewals answer
+            if time.monotonic() - self._heard > _RENEW_AFTER_S:  # a daemon restarted on the path knows us not
+                self._renew()
+                self._heard = time.monotonic()
+            return None
+        self._heard = time.monotonic()
+        return [data[:DELTA_HEAD_BYTES - 8], data[DELTA_HEAD_BYTES - 8:DELTA_HEAD_BYTES], data[DELTA_HEAD_BYTES:]]
 
     def __enter__(self) -> TableSubscriber:
         return self
@@ -353,7 +464,7 @@ class TableSubscriber:
         applied = 0
         try:
             applied = self._drain(None)
-            if not applied and timeout > 0 and self._sub.poll(_ms(timeout), zmq.POLLIN):
+            if not applied and timeout > 0 and self._wait_readable(timeout):
                 applied = self._drain(None)
         finally:
             self._flush()
@@ -379,9 +490,10 @@ class TableSubscriber:
                 if remaining <= 0:
                     raise SyncTimeout(f"tables at seq {self._seq}, step needs {seq}: no delta from "
                                       f"{self._pub_endpoint} within {timeout:g} s")
-                if self._sub.poll(_ms(min(remaining, quiet)), zmq.POLLIN):
+                if self._wait_readable(min(remaining, quiet)):
                     self._drain(seq, deadline)
                 else:
+                    self._renew()
                     self._resync(deadline)
                     quiet = min(2 * quiet, 1.0)
         finally:
@@ -393,9 +505,8 @@ class TableSubscriber:
         for _ in range(_DRAIN_LIMIT):
             if until is not None and self._seq >= until:
                 break
-            try:
-                frames = self._sub.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
+            frames = self._next_frames()
+            if frames is None:
                 break
             if len(frames) != 3 or len(frames[0]) != 9 or not frames[0].startswith(DELTA_TOPIC) or len(frames[1]) != 8:
                 raise ProtocolError(f"delta: expected [topic+epoch, 8-byte seq, payload], got {len(frames)} frames")
@@ -430,6 +541,7 @@ class TableSubscriber:
         self._dirty.update(range(self.max_slots))
         self._seq = -1
         self._epoch = epoch
+        self._renew()
         self._resync(deadline, start=0)
 
     def _resync(self, deadline: float, start: int | None = None) -> int:

@@ -307,6 +307,75 @@ def test_poll_applies_what_is_waiting_and_counts_it(daemon):
         assert (sub.tables[1:] == -1).all()
 
 
+# -- deltas as datagrams from the local endpoint ------------------------------------------------------------
+
+def _local_worker(endpoint: str, ready: Any) -> None:
+    """A worker process taking deltas from the local endpoint until it is killed."""
+    sub = TableSubscriber(endpoint, max_slots=48, max_blocks=64, local=True)
+    ready.put(sub.local)
+    while True:
+        sub.poll(0.1)
+
+
+def test_local_subscribers_follow_scheduler_processes_beside_pub_ones_and_gone_ones_are_forgotten(daemon):
+    """Ranks taking datagrams hold what PUB ranks hold after every step; the daemon drops workers that left."""
+    d = daemon(*HEADWISE, "--replay-buffer", "32")
+    subs = [TableSubscriber(d.endpoint, rank=0, max_slots=48, max_blocks=64, local=True),
+            TableSubscriber(d.endpoint, rank=3, max_slots=48, max_blocks=64, local=True),
+            TableSubscriber(d.endpoint, rank=3, max_slots=48, max_blocks=64)]
+    assert [s.local for s in subs] == [True, True, False]
+    ctx = multiprocessing.get_context("spawn")
+    ready = ctx.Queue()
+    worker = ctx.Process(target=_local_worker, args=(d.endpoint, ready), daemon=True)
+    worker.start()
+    try:
+        assert ready.get(timeout=60) is True
+        with CacheClient(d.endpoint) as c:
+            assert c.stats()["local_subscribers"] == 3
+
+            def churn(rnd: int, subs: list[TableSubscriber]) -> None:
+                if rnd == 10:
+                    worker.kill()  # no goodbye: the next delta finds its address gone
+                    worker.join(10)
+                if rnd == 20:
+                    assert c.stats()["local_subscribers"] == 2
+                    subs[1].close()  # says goodbye
+                    subs[1] = TableSubscriber(d.endpoint, rank=3, max_slots=48, max_blocks=64, local=True)
+                    assert subs[1].local and subs[1].snapshots == 1  # the buffer of 32 no longer reaches seq 0
+
+            follow(d.endpoint, subs, rounds=40, clients=3, on_round=churn)
+            assert c.stats()["local_subscribers"] == 2
+            np.testing.assert_array_equal(subs[1].tables, subs[2].tables)
+    finally:
+        worker.kill()
+        for s in subs:
+            s.close()
+
+
+def test_a_delta_too_big_for_a_datagram_reaches_a_local_subscriber_by_replay(daemon):
+    """A 68 KB delta comes as a heartbeat of its seq; the worker fetches it from the replay socket."""
+    d = daemon("--rows", "full", "--block-size", "1", "--num-blocks", "20000", "--max-slots", "4")
+    with CacheClient(d.endpoint) as c, TableSubscriber(d.endpoint, max_slots=4, max_blocks=20000, local=True) as sub:
+        assert sub.local
+        c.admit("small", [1, 2, 3])
+        sub.wait_for(c.last_seq)
+        assert sub.replays == 0
+        c.admit("big", np.arange(17_000, dtype=np.uint32))  # 17,000 columns of 4 bytes
+        sub.wait_for(c.last_seq, timeout=5)
+        assert sub.replays == 1
+        assert_follows(sub, c, {"small": 0, "big": 1})
+
+
+def test_local_false_or_a_daemon_without_the_endpoint_takes_the_pub(daemon):
+    """local=True where the daemon has no local endpoint is the PUB, as is the default."""
+    d = daemon("--rows", "full", "--block-size", "16", "--num-blocks", "100", "--local-endpoint", "off")
+    with CacheClient(d.endpoint) as c, TableSubscriber(d.endpoint, max_slots=4, max_blocks=8, local=True) as sub:
+        assert not sub.local
+        c.admit("a", [1] * 20)
+        sub.wait_for(c.last_seq)
+        assert_follows(sub, c, {"a": 0})
+
+
 # -- framework tensors ---------------------------------------------------------------------------------
 
 def _drive(endpoint: str, subs: list[TableSubscriber], steps: int,
@@ -408,10 +477,12 @@ def test_tables_too_small_are_a_clear_error_naming_the_numbers(daemon):
             TableSubscriber(d.endpoint, max_slots=2, max_blocks=8)
 
 
-def test_wait_for_on_a_dead_daemon_fails_within_its_timeout(daemon):
+@pytest.mark.parametrize("local", [False, True])
+def test_wait_for_on_a_dead_daemon_fails_within_its_timeout(daemon, local):
     """A killed daemon gives SyncTimeout (a DaemonUnavailable) within the wait's timeout, never a hang."""
     d = daemon("--rows", "full", "--block-size", "16", "--num-blocks", "100")
-    sub = TableSubscriber(d.endpoint, max_slots=4, max_blocks=4)
+    sub = TableSubscriber(d.endpoint, max_slots=4, max_blocks=4, local=local)
+    assert sub.local == local
     d.kill()
     start = time.monotonic()
     with pytest.raises(SyncTimeout, match="seq"):
@@ -424,11 +495,16 @@ def test_wait_for_on_a_dead_daemon_fails_within_its_timeout(daemon):
     assert time.monotonic() - start < 1.3
 
 
-def test_a_restarted_daemon_is_noticed_and_its_tables_replace_the_old_ones(daemon):
-    """A new daemon on the same endpoint has a new epoch: the worker drops the old tables, loads the new."""
+@pytest.mark.parametrize("local", [False, True])
+def test_a_restarted_daemon_is_noticed_and_its_tables_replace_the_old_ones(daemon, local):
+    """A new daemon on the same endpoint has a new epoch: the worker drops the old tables, loads the new.
+
+    A local subscriber is unknown to the new daemon: polling into silence, it subscribes again.
+    """
     flags = ("--rows", "full", "--block-size", "4", "--num-blocks", "100")
     d = daemon(*flags)
-    sub = TableSubscriber(d.endpoint, max_slots=8, max_blocks=16)
+    sub = TableSubscriber(d.endpoint, max_slots=8, max_blocks=16, local=local)
+    assert sub.local == local
     with CacheClient(d.endpoint, timeout=5) as client:
         for i in range(5):
             client.admit(f"old{i}", list(range(10)))

@@ -39,6 +39,7 @@ import json
 import os
 import platform
 import pstats
+import select
 import shutil
 import socket
 import subprocess
@@ -55,7 +56,17 @@ from kvcache.bench.common import Fleet, expect, mark, positive_int, ratio, table
 from kvcache.client import CacheClient, DaemonError
 from kvcache.config import ServeConfig
 from kvcache.journal import records_end
-from kvcache.protocol import DELTA_T_OFFSET, LOCAL_MAX_BYTES, MAX_OPS, PROTOCOL_VERSION, pack, unpack
+from kvcache.protocol import (
+    DELTA_HEAD_BYTES,
+    DELTA_T_OFFSET,
+    LOCAL_MAX_BYTES,
+    LOCAL_SUBSCRIBE,
+    LOCAL_UNSUBSCRIBE,
+    MAX_OPS,
+    PROTOCOL_VERSION,
+    pack,
+    unpack,
+)
 
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection
@@ -939,13 +950,56 @@ def bench_journal(cfg: BenchConfig, fleet: Fleet, ctx: zmq.Context) -> dict[str,
 # --------------------------------------------------------------------------- 4. delta lag
 
 
-def _subscriber(conn: Connection, pub_endpoint: str) -> None:
-    """A raw SUB socket: per delta, seq, receive time minus the delta's publish time, and its bytes."""
-    ctx = zmq.Context()
-    sub = ctx.socket(zmq.SUB)
-    sub.setsockopt(zmq.LINGER, 0)
-    sub.setsockopt(zmq.SUBSCRIBE, b"T")
-    sub.connect(pub_endpoint)
+class _RawDeltas:
+    """Deltas as the protocol text describes them, from a SUB socket or as datagrams from the local endpoint."""
+
+    def __init__(self, endpoint: str, local: bool) -> None:
+        self.ctx: zmq.Context | None = None
+        self.dgram: socket.socket | None = None
+        if local:
+            self.dgram = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            self.dgram.bind("")
+            self.dgram.connect(endpoint)
+            self.dgram.setblocking(False)
+            self.dgram.send(LOCAL_SUBSCRIBE)
+            self.poller = select.poll()
+            self.poller.register(self.dgram.fileno(), select.POLLIN)
+        else:
+            self.ctx = zmq.Context()
+            self.sub = self.ctx.socket(zmq.SUB)
+            self.sub.setsockopt(zmq.LINGER, 0)
+            self.sub.setsockopt(zmq.SUBSCRIBE, b"T")
+            self.sub.connect(endpoint)
+
+    def wait(self, ms: int) -> bool:
+        return bool(self.poller.poll(ms)) if self.dgram is not None else bool(self.sub.poll(ms))
+
+    def next(self) -> tuple[bytes, bytes] | None:
+        """The next waiting delta's seq frame and payload (empty for a heartbeat), or None."""
+        if self.dgram is not None:
+            try:
+                data = self.dgram.recv(LOCAL_MAX_BYTES + 1)
+            except BlockingIOError:
+                return None
+            return data[DELTA_HEAD_BYTES - 8:DELTA_HEAD_BYTES], data[DELTA_HEAD_BYTES:]
+        try:
+            frames = self.sub.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            return None
+        return frames[1], frames[2]
+
+    def close(self) -> None:
+        if self.dgram is not None:
+            self.dgram.send(LOCAL_UNSUBSCRIBE)
+            self.dgram.close()
+        else:
+            self.sub.close(0)
+            self.ctx.term()
+
+
+def _subscriber(conn: Connection, endpoint: str, local: bool) -> None:
+    """A raw subscriber: per delta, seq, receive time minus the delta's publish time, and its bytes."""
+    deltas = _RawDeltas(endpoint, local)
     seqs: list[int] = []
     lags: list[int] = []
     sizes: list[int] = []
@@ -955,22 +1009,18 @@ def _subscriber(conn: Connection, pub_endpoint: str) -> None:
     try:
         conn.send(("connected",))
         while True:
-            if sub.poll(20):
-                while True:
-                    try:
-                        frames = sub.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
+            if deltas.wait(20):
+                while (got := deltas.next()) is not None:
                     now = time.monotonic_ns()  # before decoding: the lag is the transport's, not ours
-                    seq = int.from_bytes(frames[1], "big", signed=True)
+                    seq, payload = int.from_bytes(got[0], "big", signed=True), got[1]
                     if not announced:  # a heartbeat does as well: the subscription is live
                         conn.send(("first", seq))
                         announced = True
-                    if not frames[2]:  # a heartbeat (the latest seq, no delta) after the daemon's idle spells
+                    if not payload:  # a heartbeat (the latest seq, no delta) after the daemon's idle spells
                         continue
                     seqs.append(seq)  # only "t" is read, at its fixed offset: no decoding on 2 shared cores
-                    lags.append(now - int.from_bytes(frames[2][DELTA_T_OFFSET:DELTA_T_OFFSET + 8], "big"))
-                    sizes.append(len(frames[2]))
+                    lags.append(now - int.from_bytes(payload[DELTA_T_OFFSET:DELTA_T_OFFSET + 8], "big"))
+                    sizes.append(len(payload))
             if conn.poll(0):
                 cmd = conn.recv()
                 if cmd[0] == "stop":
@@ -980,13 +1030,23 @@ def _subscriber(conn: Connection, pub_endpoint: str) -> None:
                 conn.send(("report", seqs, lags, sizes))
                 report_at = None
     finally:
-        sub.close(0)
-        ctx.term()
+        deltas.close()
 
 
-def bench_lag(cfg: BenchConfig, fleet: Fleet, pub_endpoint: str, sched: _Scheduler) -> dict[str, Any]:
-    """Section 4: subscribers in their own processes time every delta while steps run back to back."""
-    conns = [fleet.spawn(_subscriber, pub_endpoint) for _ in range(cfg.subscribers)]
+class _LagRound(NamedTuple):
+    """What one round of subscribers saw: per subscriber, the lags (ns) and sizes of the round's deltas."""
+
+    lags: list[np.ndarray]
+    sizes: list[np.ndarray]
+    deltas: int  # published in the round: every subscriber should have seen each once
+    gaps: int
+    step_ns: np.ndarray
+
+
+def _lag_round(cfg: BenchConfig, fleet: Fleet, endpoint: str, local: bool, sched: _Scheduler, steps: int
+               ) -> _LagRound:
+    """Fresh subscriber processes on one transport time every delta of ``steps`` steps run back to back."""
+    conns = [fleet.spawn(_subscriber, endpoint, local) for _ in range(cfg.subscribers)]
     try:
         deadline = time.monotonic() + cfg.timeout
         for i, c in enumerate(conns):
@@ -1002,7 +1062,7 @@ def bench_lag(cfg: BenchConfig, fleet: Fleet, pub_endpoint: str, sched: _Schedul
                 expect(conns[i], "first", deadline, f"subscriber {i}")
                 waiting.discard(i)
         first = sched.client.last_seq
-        step_ns = sched.run(cfg.lag_steps)
+        step_ns = sched.run(steps)
         last = sched.client.last_seq
         for c in conns:
             c.send(("report", last, cfg.timeout))
@@ -1010,39 +1070,55 @@ def bench_lag(cfg: BenchConfig, fleet: Fleet, pub_endpoint: str, sched: _Schedul
         reports = [expect(c, "report", deadline, f"subscriber {i}")[1:] for i, c in enumerate(conns)]
     finally:
         fleet.stop(conns)
-    expected = last - first
-    all_lags, per_sub_p99, gaps, received, sizes = [], [], 0, 0, []
+    out = _LagRound([], [], last - first, 0, step_ns)
     for seqs, lags, size in reports:
-        s, lag = np.asarray(seqs), np.asarray(lags, dtype=np.int64)
+        s = np.asarray(seqs)
         window = (s > first) & (s <= last)
-        got = np.unique(s[window])
-        gaps += expected - got.size
-        received += int(window.sum())
-        all_lags.append(lag[window])
-        sizes.append(np.asarray(size)[window])
-        per_sub_p99.append(float(np.percentile(lag[window], 99)) / 1e3 if window.any() else 0.0)
-    lags_all = np.concatenate(all_lags)
-    if lags_all.size == 0:
-        raise KVCacheError(f"subscribers: none of the {expected} deltas of seq {first + 1}..{last} arrived")
-    p50, p99 = _percentiles_us(lags_all)
-    s50, s99 = _percentiles_us(step_ns)
-    return {
-        "subscribers": cfg.subscribers,
-        "cpus": os.cpu_count(),
-        "steps": int(step_ns.size),
-        "step_p50_us": s50,
-        "step_p99_us": s99,
-        "deltas": expected,
-        "received": received,
-        "delta_bytes_mean": float(np.concatenate(sizes).mean()),
-        "p50_us": p50,
-        "p99_us": p99,
-        "max_us": float(lags_all.max()) / 1e3,
-        "worst_subscriber_p99_us": max(per_sub_p99),
-        "gaps": int(gaps),
-        "target": f"p99 <= {LAG_P99_TARGET_US / 1e3:g} ms, no seq gaps",
-        "ok": p99 <= LAG_P99_TARGET_US and gaps == 0,
-    }
+        out.lags.append(np.asarray(lags, dtype=np.int64)[window])
+        out.sizes.append(np.asarray(size)[window])
+        out = out._replace(gaps=out.gaps + (last - first) - np.unique(s[window]).size)
+    return out
+
+
+def bench_lag(cfg: BenchConfig, fleet: Fleet, transports: list[tuple[str, str, bool]], sched: _Scheduler
+              ) -> list[dict[str, Any]]:
+    """Section 4: subscribers in their own processes time every delta while steps run back to back.
+
+    ``transports`` are (name, endpoint, local): the daemon's PUB, or with ``local`` its local
+    endpoint (deltas as datagrams). They take turns, half of ``lag_steps`` each per turn, twice.
+    """
+    rounds: dict[str, list[_LagRound]] = {name: [] for name, _, _ in transports}
+    for _ in range(2):
+        for name, endpoint, local in transports:
+            rounds[name].append(_lag_round(cfg, fleet, endpoint, local, sched, max(1, cfg.lag_steps // 2)))
+    out = []
+    for name, got in rounds.items():
+        per_sub = [np.concatenate([r.lags[i] for r in got]) for i in range(cfg.subscribers)]
+        lags_all = np.concatenate(per_sub)
+        if lags_all.size == 0:
+            raise KVCacheError(f"subscribers ({name}): none of the deltas arrived")
+        p50, p99 = _percentiles_us(lags_all)
+        s50, s99 = _percentiles_us(np.concatenate([r.step_ns for r in got]))
+        gaps = sum(r.gaps for r in got)
+        out.append({
+            "transport": name,
+            "subscribers": cfg.subscribers,
+            "cpus": os.cpu_count(),
+            "steps": int(sum(r.step_ns.size for r in got)),
+            "step_p50_us": s50,
+            "step_p99_us": s99,
+            "deltas": sum(r.deltas for r in got),
+            "received": int(lags_all.size),
+            "delta_bytes_mean": float(np.concatenate([s for r in got for s in r.sizes]).mean()),
+            "p50_us": p50,
+            "p99_us": p99,
+            "max_us": float(lags_all.max()) / 1e3,
+            "worst_subscriber_p99_us": max(float(np.percentile(a, 99)) / 1e3 if a.size else 0.0 for a in per_sub),
+            "gaps": int(gaps),
+            "target": f"p99 <= {LAG_P99_TARGET_US / 1e3:g} ms, no seq gaps",
+            "ok": p99 <= LAG_P99_TARGET_US and gaps == 0,
+        })
+    return out
 
 
 # --------------------------------------------------------------------------- 5. profile
@@ -1227,7 +1303,11 @@ def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
                                                           echo_out["p50_us"])
             fleet.stop([echo_conn])
             throughput = bench_throughput(cfg, fleet, ends.daemon, step_out)
-            lag = bench_lag(cfg, fleet, client.info()["pub_endpoint"], sched)
+            info = client.info()
+            transports = [("PUB", info["pub_endpoint"], False)]
+            if info.get("local_endpoint"):
+                transports.append(("local endpoint", info["local_endpoint"], True))
+            lags = bench_lag(cfg, fleet, transports, sched)
         finally:
             echo.close()
             client.close()
@@ -1255,7 +1335,7 @@ def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
         "step": step_out,
         "throughput": throughput,
         "journal": journal,
-        "lag": lag,
+        "lag": lags,
         "profile": profile,
         "processes": fleet.pids,
         "targets": [
@@ -1268,8 +1348,9 @@ def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
             {"name": "extends per second, journal on / off (worst row)",
              "value": f"{journal['worst_ratio']:.2f} ({journal['worst_row']})", "target": journal["target"],
              "ok": journal["ok"]},
-            {"name": f"delta lag p99, {lag['subscribers']} subscribers",
-             "value": f"{lag['p99_us'] / 1e3:.2f} ms, {lag['gaps']} gaps", "target": lag["target"], "ok": lag["ok"]},
+            *({"name": f"delta lag p99, {lag['subscribers']} subscribers, {lag['transport']}",
+               "value": f"{lag['p99_us'] / 1e3:.2f} ms, {lag['gaps']} gaps", "target": lag["target"], "ok": lag["ok"]}
+              for lag in lags),
         ],
     }
 
@@ -1330,7 +1411,8 @@ def _render_local(step: dict[str, Any]) -> list[str]:
 
 def render(result: dict[str, Any]) -> str:
     """The human-readable report: one table per section."""
-    cfg, echo, step, lag, prof = result["config"], result["echo"], result["step"], result["lag"], result["profile"]
+    cfg, echo, step, lags, prof = result["config"], result["echo"], result["step"], result["lag"], result["profile"]
+    lag = lags[0]
     pipe = echo["pipelined"]
     out = [
         f"kvcache bench daemon: transport {cfg['transport']}, python {cfg['python']}, pyzmq {cfg['pyzmq']} "
@@ -1373,14 +1455,15 @@ def render(result: dict[str, Any]) -> str:
         "",
         *_render_journal(result["journal"], cfg),
         "",
-        f"4. delta lag: {lag['subscribers']} SUB processes, receive - publish time (CLOCK_MONOTONIC), steps back "
-        f"to back; {lag['cpus']} cpu(s) for {lag['subscribers']} subscribers + daemon + client (oversubscribed)",
+        f"4. delta lag: {lag['subscribers']} subscriber processes, receive - publish time (CLOCK_MONOTONIC), steps "
+        f"back to back; {lag['cpus']} cpu(s) for {lag['subscribers']} subscribers + daemon + client (oversubscribed); "
+        "SUB sockets on the PUB, then datagrams from the local endpoint",
         table(
-            ["deltas", "received", "bytes/delta", "p50 us", "p99 us", "max us", "worst sub p99", "gaps",
+            ["transport", "deltas", "received", "bytes/delta", "p50 us", "p99 us", "max us", "worst sub p99", "gaps",
              "step p50 us", "target", ""],
-            [[f"{lag['deltas']:,}", f"{lag['received']:,}", f"{lag['delta_bytes_mean']:,.0f}", _us(lag["p50_us"]),
-              _us(lag["p99_us"]), _us(lag["max_us"]), _us(lag["worst_subscriber_p99_us"]), str(lag["gaps"]),
-              _us(lag["step_p50_us"]), lag["target"], mark(lag["ok"])]],
+            [[r["transport"], f"{r['deltas']:,}", f"{r['received']:,}", f"{r['delta_bytes_mean']:,.0f}",
+              _us(r["p50_us"]), _us(r["p99_us"]), _us(r["max_us"]), _us(r["worst_subscriber_p99_us"]), str(r["gaps"]),
+              _us(r["step_p50_us"]), r["target"], mark(r["ok"])] for r in lags],
         ),
         "",
         f"5. profile: CacheServer.handle in-process, {prof['steps']} steps of {prof['message_bytes']:,} B; plain "
