@@ -39,7 +39,8 @@ def render(snapshot: dict[str, Any], previous: dict[str, Any] | None = None, int
         f"{info['num_rows']} row(s), block_size {info['block_size']}, prefix caching "
         f"{'on (' + info['hash_algorithm'] + ')' if info['prefix_caching'] else 'off'}",
         f"requests {stats['num_requests']:,}   cached hashes {stats['num_cached_hashes']:,}   "
-        f"min free blocks {stats['min_free_blocks']:,}   subscribers {stats.get('subscribers')}",
+        f"min free blocks {stats['min_free_blocks']:,}   subscribers {stats.get('subscribers')} on the PUB, "
+        f"{stats.get('local_subscribers', 0)} on the local endpoint",
         f"usage max {usage['max']:.4%}   per row " + " ".join(f"{u:.2%}" for u in per_row[:16])
         + (" ..." if per_row.size > 16 else ""),
         f"prefix hits {stats['prefix_hit_tokens']:,} of {queried:,} tokens "

@@ -298,3 +298,4 @@ def test_a_decode_daemon_serves_its_transfers_on_metrics_and_in_stats(daemon):
                          timeout=60, check=True).stdout
     assert "PD decode: in transfer 0   started 3   done 1   failed 1   cancelled 1" in out
     assert "32 blocks x 1 row(s), block_size 16" in out
+    assert "on the PUB, 0 on the local endpoint" in out

@@ -192,11 +192,14 @@ class NixlEngine(TransferEngine):
         self._server: threading.Thread | None = None
         self._stopping = threading.Event()
         self._endpoint: str | None = None
-        # Not a SimpleQueue: its get(timeout) re-arms the wait with the time left, and a thread preempted
-        # past that deadline waits with a negative timeout, i.e. until the next put (CPython 3.11 to 3.13
-        # at least). The worker waits 50 µs at a time, so it happened: a write seen in flight, then not
-        # polled again until its 20 s deadline.
-        self._jobs: queue.Queue = queue.Queue()
+        # The worker never calls SimpleQueue.get(timeout): CPython re-arms that wait with the time left, and a
+        # thread preempted past its deadline then waits with a negative timeout, i.e. until the next put (3.11
+        # to 3.13 at least). Waiting 50 µs at a time, the worker hit it: a write in flight went unpolled until
+        # its 20 s deadline. It waits on ``_wake`` instead, a lock each put releases (a lock's timed acquire
+        # handles that case); a queue.Queue would too, at twice an idle engine's CPU.
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Lock()
+        self._wake.acquire()  # held: nothing put since the worker last woke
         self._held_job: _NixlHandle | _Posted | None = None  # taken from the queue but not mergeable: next to post
         self._post_lock = threading.Lock()  # held while a write is posted (by the worker or an inline caller)
         self._count_lock = threading.Lock()
@@ -376,13 +379,13 @@ class NixlEngine(TransferEngine):
                 if idle:
                     self._post(handle)
                     if not handle.event.is_set():
-                        self._jobs.put(_Posted(handle))  # the worker polls it from here on
+                        self._put(_Posted(handle))  # the worker polls it from here on
                     return handle
             finally:
                 self._post_lock.release()
         with self._count_lock:
             self._unposted += 1
-        self._jobs.put(handle)
+        self._put(handle)
         return handle
 
     def notify(self, agent: str, message: bytes) -> None:
@@ -423,7 +426,7 @@ class NixlEngine(TransferEngine):
             job, self._held_job = self._held_job, None
             if job is None:
                 try:
-                    job = self._jobs.get(timeout=delay if inflight else idle_wait)
+                    job = self._next_job(delay if inflight else idle_wait)
                 except queue.Empty:
                     job = None
                     if not inflight and self.progress == "poll":
@@ -447,12 +450,28 @@ class NixlEngine(TransferEngine):
                 if not job.event.is_set():
                     inflight.append(job)
                 if stop:
-                    self._jobs.put(_STOP)
+                    self._put(_STOP)
             else:
                 delay = min(delay * 2, _POLL_MAX)
             for handle in list(inflight):
                 if self._settle(handle):
                     inflight.remove(handle)
+
+    def _put(self, job: Any) -> None:
+        """Queue a job for the worker and wake it."""
+        self._jobs.put(job)
+        try:
+            self._wake.release()
+        except RuntimeError:
+            pass  # already released by another put the worker has not woken for yet
+
+    def _next_job(self, timeout: float) -> Any:
+        """The next queued job, waiting up to ``timeout`` seconds for one; queue.Empty if none came."""
+        try:
+            return self._jobs.get_nowait()
+        except queue.Empty:
+            self._wake.acquire(timeout=timeout)
+        return self._jobs.get_nowait()
 
     def _merge_queued(self, first: _NixlHandle) -> tuple[_NixlHandle, bool]:
         """``first`` with the writes queued right behind it that can share its transfer; and whether a stop came.
@@ -599,7 +618,7 @@ class NixlEngine(TransferEngine):
         self._stopping.set()
         if self._server is not None:
             self._server.join(timeout=2.0)
-        self._jobs.put(_STOP)
+        self._put(_STOP)
         self._worker.join(timeout=5.0)
         for xfer in self._leaked:
             try:
