@@ -326,7 +326,7 @@ class TableSubscriber:
         return sock
 
     def close(self) -> None:
-        """Close the sockets (linger 0), leaving the local endpoint's subscription; the tables stay readable."""
+        """Close the sockets (linger 0; a local subscription is cancelled first); the tables stay readable."""
         if self._sub is not None:
             self._sub.close(0)
         if self._local is not None:
@@ -489,7 +489,7 @@ class TableSubscriber:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise SyncTimeout(f"tables at seq {self._seq}, step needs {seq}: no delta from "
-                                      f"{self._pub_endpoint} within {timeout:g} s")
+                                      f"{self._local_path if self.local else self._pub_endpoint} within {timeout:g} s")
                 if self._wait_readable(min(remaining, quiet)):
                     self._drain(seq, deadline)
                 else:

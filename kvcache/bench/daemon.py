@@ -18,10 +18,11 @@ One transport per run (ipc:// by default, ``--transport tcp`` for 127.0.0.1 on f
      alternate which goes first, each row runs in halves A B B A; a row's clients hold only the requests
      they extend): extends/s and p50 of each, on/off (target >= 0.75 in every row: the journal costs at
      most 25% of throughput), and the disk's floor, a 4 KiB write + fdatasync into a preallocated file there;
-  4. delta lag: raw SUB sockets in separate processes record, per delta, receive time minus the
+  4. delta lag: raw subscribers in separate processes record, per delta, receive time minus the
      delta's publish time ``t`` (both CLOCK_MONOTONIC, system-wide on Linux; ``t`` is written as
      the delta is sent and read at its fixed offset, undecoded) while steps run, and check that
-     every seq arrived;
+     every seq arrived: SUB sockets on the PUB, then datagram sockets subscribed at the local
+     endpoint, taking turns twice;
   5. profile: the step workload through ``CacheServer.handle`` in this process on pre-packed
      messages, timed plain and then under cProfile, its time split along the call tree (decode,
      validate, apply, pack, publish, bookkeeping).
