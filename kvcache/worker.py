@@ -4,7 +4,7 @@ A worker process builds one subscriber and, before running each step the
 scheduler planned, calls ``wait_for(seq)`` with the ``seq`` of the
 scheduler's reply; the tables then hold every change of that step::
 
-    sub = TableSubscriber("ipc:///run/kvcache.sock", rank=r, tp_size=tp, out="paddle")
+    sub = TableSubscriber("ipc:///run/kvcache.sock", rank=r, tp_size=tp, out="paddle", local=True)
     sub.wait_for(step.seq)                 # the step's deltas are applied
     block_tables = sub.tensor[slots]       # [batch, rows of this rank, max_blocks], -1 = empty
 
