@@ -299,6 +299,8 @@ class CacheClient:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
+        # A DEALER with no peer blocks in send; a daemon that refused our CURVE handshake dropped it for good.
+        sock.setsockopt(zmq.SNDTIMEO, max(1, int(self.timeout * 1000)))
         if self.curve is not None and self.endpoint.startswith("tcp://"):
             secure_client_socket(sock, self.curve)
         sock.connect(self.endpoint)
@@ -477,8 +479,13 @@ class CacheClient:
             if self._local is not None and len(payload) <= LOCAL_MAX_BYTES:
                 reply = self._local_attempt(payload, request_id)
             if reply is _OVER_ZMQ:
-                self._sock.send(payload)
-                reply = self._await(request_id)
+                deadline = time.monotonic() + self.timeout
+                try:
+                    self._sock.send(payload)
+                except zmq.Again:  # no daemon took it within the timeout (SNDTIMEO)
+                    reply = None
+                else:
+                    reply = self._await(request_id, deadline)
             if reply is not None:
                 break
             # A reply may still come later; a fresh socket makes sure it is never taken for another one.
@@ -552,9 +559,8 @@ class CacheClient:
             if isinstance(reply, dict) and (request_id is None or reply.get("id") == request_id):
                 return _OVER_ZMQ if reply.get("resend") else reply
 
-    def _await(self, request_id: int) -> dict[str, Any] | None:
-        """The reply to ``request_id``, or None when the deadline passes first."""
-        deadline = time.monotonic() + self.timeout
+    def _await(self, request_id: int, deadline: float) -> dict[str, Any] | None:
+        """The reply to ``request_id``, or None when the ``deadline`` (time.monotonic()) passes first."""
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0 or not self._sock.poll(int(remaining * 1000) + 1, zmq.POLLIN):

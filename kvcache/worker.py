@@ -547,8 +547,13 @@ class TableSubscriber:
     def _resync(self, deadline: float, start: int | None = None) -> int:
         """Ask the replay socket for every delta from ``start`` (default seq + 1); apply the deltas or snapshot."""
         start = self._seq + 1 if start is None else start
-        self._replay.send(pack({"v": PROTOCOL_VERSION, "from": start}))
-        if not self._replay.poll(_ms(deadline - time.monotonic()), zmq.POLLIN):
+        try:  # a DEALER with no peer (a CURVE daemon refused us) would block in send: give it the deadline too
+            self._replay.setsockopt(zmq.SNDTIMEO, max(1, _ms(deadline - time.monotonic())))
+            self._replay.send(pack({"v": PROTOCOL_VERSION, "from": start}))
+            answered = bool(self._replay.poll(_ms(deadline - time.monotonic()), zmq.POLLIN))
+        except zmq.Again:
+            answered = False
+        if not answered:
             # A late reply must never be read as the answer to a later request: start a fresh socket.
             self._replay.close(0)
             self._replay = self._connect_replay()

@@ -261,6 +261,33 @@ def test_without_a_running_authenticator_even_allowed_clients_get_nothing(secure
     assert len(secured.server.manager) == 0
 
 
+def test_a_refused_client_and_worker_get_errors_within_their_timeouts_not_hangs(daemon, tmp_path):
+    """Keyless sockets to a CURVE daemon: once the failed handshake dropped their only peer, a send has nowhere to
+    queue. Each call (and the worker's replay request) still ends within its timeout."""
+    import numpy as np
+
+    from kvcache.cli import main
+    from kvcache.client import CacheClient, DaemonUnavailable
+    from kvcache.worker import SyncTimeout, TableSubscriber
+
+    keys = tmp_path / "keys"
+    assert main(["keys", str(keys), "--name", "sched"]) == 0
+    endpoint = f"tcp://127.0.0.1:{_free_base_port()}"
+    daemon("--endpoint", endpoint, "--num-blocks", "64", "--block-size", "4",
+           "--curve-server-cert", str(keys / "server.key_secret"), "--curve-clients-dir", str(keys / "clients"))
+    with CacheClient(endpoint, timeout=0.5, retries=1) as stranger:
+        time.sleep(0.5)  # the handshake has failed by now: no peer left to queue the first request for
+        for _ in range(2):
+            start = time.monotonic()
+            with pytest.raises(DaemonUnavailable):
+                stranger.admit("b", np.arange(9))
+            assert time.monotonic() - start < 2 * 0.5 + 1.0  # two attempts of 0.5 s, and slack
+    start = time.monotonic()
+    with pytest.raises(DaemonUnavailable):  # its info request (a CacheClient's) gets no answer either
+        TableSubscriber(endpoint, timeout=0.5)
+    assert time.monotonic() - start < 1.5
+
+
 def _free_base_port() -> int:
     """A port whose next four are free too (the daemon's PUB, replay and event sockets)."""
     import socket

@@ -299,9 +299,13 @@ class NixlEngine(TransferEngine):
         seconds = self.connect_timeout if timeout is None else timeout
         sock = self._ctx.socket(zmq.REQ)
         sock.linger = 0
+        sock.sndtimeo = max(1, int(seconds * 1000))  # a REQ with no peer blocks in send
         try:
             sock.connect(endpoint)
-            sock.send(msgpack.packb({"v": PROTOCOL, "op": "hello", "agent": self.name}, use_bin_type=True))
+            try:
+                sock.send(msgpack.packb({"v": PROTOCOL, "op": "hello", "agent": self.name}, use_bin_type=True))
+            except zmq.Again:
+                raise KVCacheError(f"no peer at {endpoint} took the hello within {seconds:g} s") from None
             if not sock.poll(int(seconds * 1000)):
                 raise KVCacheError(f"no answer from {endpoint} within {seconds:g} s")
             reply = msgpack.unpackb(sock.recv(), raw=False)
