@@ -40,9 +40,9 @@ from kvcache.leases import Leases
 from kvcache.pd import MUTATING as _PD_MUTATING
 from kvcache.pd import PD_OPS, PDState, validate_op
 from kvcache.protocol import (
+    DELTA_HEAD_BYTES,
     DELTA_TOPIC,
     JOURNAL_VERSIONS,
-    DELTA_HEAD_BYTES,
     LOCAL_MAX_BYTES,
     LOCAL_SUBSCRIBE,
     LOCAL_UNSUBSCRIBE,

@@ -1071,14 +1071,14 @@ def _lag_round(cfg: BenchConfig, fleet: Fleet, endpoint: str, local: bool, sched
         reports = [expect(c, "report", deadline, f"subscriber {i}")[1:] for i, c in enumerate(conns)]
     finally:
         fleet.stop(conns)
-    out = _LagRound([], [], last - first, 0, step_ns)
+    lag_ns, sizes, gaps = [], [], 0
     for seqs, lags, size in reports:
         s = np.asarray(seqs)
         window = (s > first) & (s <= last)
-        out.lags.append(np.asarray(lags, dtype=np.int64)[window])
-        out.sizes.append(np.asarray(size)[window])
-        out = out._replace(gaps=out.gaps + (last - first) - np.unique(s[window]).size)
-    return out
+        lag_ns.append(np.asarray(lags, dtype=np.int64)[window])
+        sizes.append(np.asarray(size)[window])
+        gaps += (last - first) - np.unique(s[window]).size
+    return _LagRound(lag_ns, sizes, last - first, int(gaps), step_ns)
 
 
 def bench_lag(cfg: BenchConfig, fleet: Fleet, transports: list[tuple[str, str, bool]], sched: _Scheduler
