@@ -329,8 +329,164 @@ done:
     return out;
 }
 
+PyDoc_STRVAR(lookup_ids_doc,
+"lookup_ids(mapping, ids, out, exclude) -> int\n\n"
+"Checks, in one pass, that every id of the list ``ids`` is an exact int or str (no bool, no float that\n"
+"would compare equal), a key of the dict ``mapping`` and, unless ``exclude`` is None, not a key of that\n"
+"dict. Unless ``out`` is None (else a writable intp buffer of len(ids) items), writes mapping[id], an\n"
+"int, there. Returns -1 when every id passes, else the position of the first that does not (``out`` is\n"
+"then partly written): the caller names that id's problem.");
+
+static PyObject *lookup_ids(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *mapping, *ids, *out_obj, *exclude;
+    if (!PyArg_ParseTuple(args, "O!O!OO", &PyDict_Type, &mapping, &PyList_Type, &ids, &out_obj, &exclude))
+        return NULL;
+    if (exclude != Py_None && !PyDict_Check(exclude)) {
+        PyErr_SetString(PyExc_TypeError, "lookup_ids: exclude must be a dict or None");
+        return NULL;
+    }
+    const Py_ssize_t n = PyList_GET_SIZE(ids);
+    Py_buffer out = {0};
+    Py_ssize_t *slot = NULL;
+    if (out_obj != Py_None) {
+        if (PyObject_GetBuffer(out_obj, &out, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0)
+            return NULL;
+        if (out.len != n * (Py_ssize_t)sizeof(Py_ssize_t)) {
+            PyErr_Format(PyExc_ValueError, "lookup_ids: out needs %zd bytes (intp per id), got %zd",
+                         n * (Py_ssize_t)sizeof(Py_ssize_t), out.len);
+            PyBuffer_Release(&out);
+            return NULL;
+        }
+        slot = out.buf;
+    }
+    Py_ssize_t bad = -1;
+    for (Py_ssize_t j = 0; j < n && bad < 0; j++) {
+        PyObject *id = PyList_GET_ITEM(ids, j);
+        if (!PyLong_CheckExact(id) && !PyUnicode_CheckExact(id)) {
+            bad = j;
+            break;
+        }
+        PyObject *value = PyDict_GetItemWithError(mapping, id);
+        if (!value) {
+            if (PyErr_Occurred())
+                goto fail;
+            bad = j;
+            break;
+        }
+        if (exclude != Py_None) {
+            const int excluded = PyDict_Contains(exclude, id);
+            if (excluded < 0)
+                goto fail;
+            if (excluded) {
+                bad = j;
+                break;
+            }
+        }
+        if (slot) {
+            const Py_ssize_t v = PyLong_AsSsize_t(value);
+            if (v == -1 && PyErr_Occurred())
+                goto fail;
+            slot[j] = v;
+        }
+    }
+    if (slot)
+        PyBuffer_Release(&out);
+    return PyLong_FromSsize_t(bad);
+fail:
+    if (slot)
+        PyBuffer_Release(&out);
+    return NULL;
+}
+
+PyDoc_STRVAR(join_runs_doc,
+"join_runs(parts) -> (bytes, bytes) | None\n\n"
+"The token arrays of a run of extends back to back, and each one's length as int32 (native order):\n"
+"what np.concatenate and a length per part give, in one pass over the list without numpy's per-array\n"
+"cost. None, unless every part is a 1-D C-contiguous array of the first one's dtype.");
+
+static PyObject *dtype_name;
+
+static PyObject *join_runs(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *parts;
+    if (!PyArg_ParseTuple(args, "O!", &PyList_Type, &parts))
+        return NULL;
+    const Py_ssize_t n = PyList_GET_SIZE(parts);
+    Py_buffer *views = PyMem_Calloc(n ? n : 1, sizeof *views);
+    if (!views)
+        return PyErr_NoMemory();
+    PyObject *result = NULL, *joined = NULL, *lengths = NULL, *first_dtype = NULL;
+    Py_ssize_t got = 0, total = 0;
+    if (!dtype_name && !(dtype_name = PyUnicode_InternFromString("dtype"))) {
+        PyMem_Free(views);
+        return NULL;
+    }
+    for (; got < n; got++) {
+        if (PyObject_GetBuffer(PyList_GET_ITEM(parts, got), &views[got], PyBUF_ND) < 0) {
+            PyErr_Clear();
+            goto unusual;
+        }
+        const Py_buffer *v = &views[got], *first = &views[0];
+        if (v->ndim != 1 || v->itemsize != first->itemsize) {
+            got++;
+            goto unusual;
+        }
+        /* The same dtype as the first part (a buffer's format is costly to ask numpy for). */
+        PyObject *dtype = PyObject_GetAttr(PyList_GET_ITEM(parts, got), dtype_name);
+        if (!dtype) {
+            PyErr_Clear();
+            got++;
+            goto unusual;
+        }
+        const int same = got == 0 ? 1 : dtype == first_dtype ? 1 : PyObject_RichCompareBool(dtype, first_dtype, Py_EQ);
+        if (got == 0)
+            first_dtype = dtype;
+        else
+            Py_DECREF(dtype);
+        if (same != 1) {
+            PyErr_Clear();
+            got++;
+            goto unusual;
+        }
+        if (v->shape[0] > INT32_MAX) {
+            got++;
+            goto unusual;
+        }
+        total += v->len;
+    }
+    joined = PyBytes_FromStringAndSize(NULL, total);
+    lengths = PyBytes_FromStringAndSize(NULL, n * (Py_ssize_t)sizeof(int32_t));
+    if (!joined || !lengths)
+        goto done;
+    char *at = PyBytes_AS_STRING(joined);
+    int32_t *length = (int32_t *)PyBytes_AS_STRING(lengths);
+    for (Py_ssize_t j = 0; j < n; j++) {
+        memcpy(at, views[j].buf, views[j].len);
+        at += views[j].len;
+        length[j] = (int32_t)views[j].shape[0];
+    }
+    result = PyTuple_Pack(2, joined, lengths);
+    goto done;
+unusual:
+    Py_INCREF(Py_None);
+    result = Py_None;
+done:
+    for (Py_ssize_t j = 0; j < got; j++)
+        PyBuffer_Release(&views[j]);
+    PyMem_Free(views);
+    Py_XDECREF(first_dtype);
+    Py_XDECREF(joined);
+    Py_XDECREF(lengths);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"extend_fast", extend_fast, METH_VARARGS, extend_fast_doc},
+    {"join_runs", join_runs, METH_VARARGS, join_runs_doc},
+    {"lookup_ids", lookup_ids, METH_VARARGS, lookup_ids_doc},
     {"mirror_step", mirror_step, METH_VARARGS, mirror_step_doc},
     {"set_columns", set_columns, METH_VARARGS, set_columns_doc},
     {NULL, NULL, 0, NULL},

@@ -604,12 +604,15 @@ class KVCacheManager:
         counts = np.ascontiguousarray(counts, dtype=np.int64)
         if int(counts.sum()) != flat.size:
             raise KVCacheError(f"counts: sum to {int(counts.sum())} but {flat.size} tokens were given")
-        try:
-            slots = np.fromiter(map(self._slot_of.__getitem__, request_ids), dtype=np.intp, count=len(request_ids))
-        except (KeyError, TypeError):
-            for rid in request_ids:
-                self._get(rid)
-            raise
+        ids = request_ids if type(request_ids) is list else list(request_ids)
+        slots = np.empty(len(ids), dtype=np.intp)
+        if _tables.lookup_ids(self._slot_of, ids, slots, None) >= 0:  # an unknown id (or one of another type)
+            try:
+                slots = np.fromiter(map(self._slot_of.__getitem__, ids), dtype=np.intp, count=len(ids))
+            except (KeyError, TypeError):
+                for rid in ids:
+                    self._get(rid)
+                raise
         return slots, flat, counts
 
     def _extend_slots(self, slots: np.ndarray, flat: np.ndarray, counts: np.ndarray,

@@ -255,11 +255,15 @@ class Batch:
         if len(reqs) == 1:
             self._wire.append({"op": "extend", "req": reqs[0], "tokens": parts[0]})
         else:
-            tokens = np.concatenate(parts)
-            if tokens.dtype.kind == "f" and all(part.dtype.kind in "iu" for part in parts):  # uint64 with int64
-                tokens = np.concatenate(parts, dtype=np.int64, casting="unsafe")
-            self._wire.append({"op": "extend_many", "reqs": reqs, "tokens": tokens,
-                               "counts": np.fromiter(map(len, parts), dtype=np.int32, count=len(parts))})
+            joined = _tables.join_runs(parts)  # one C pass when the parts share a dtype (a decode step's do)
+            if joined is not None:
+                tokens, counts = np.frombuffer(joined[0], dtype=parts[0].dtype), np.frombuffer(joined[1], np.int32)
+            else:
+                tokens = np.concatenate(parts)
+                if tokens.dtype.kind == "f" and all(part.dtype.kind in "iu" for part in parts):  # uint64 with int64
+                    tokens = np.concatenate(parts, dtype=np.int64, casting="unsafe")
+                counts = np.fromiter(map(len, parts), dtype=np.int32, count=len(parts))
+            self._wire.append({"op": "extend_many", "reqs": reqs, "tokens": tokens, "counts": counts})
         self._expands.append(len(reqs) > 1)
         self._count += len(reqs)
 

@@ -30,6 +30,7 @@ import numpy as np
 import zmq
 
 from kvcache import __version__
+from kvcache.allocator import _tables
 from kvcache.allocator.errors import KVCacheError
 from kvcache.allocator.manager import KVCacheManager
 from kvcache.allocator.swa import AttentionPolicy
@@ -70,7 +71,6 @@ log = logging.getLogger("kvcache.server")
 _MUTATING = frozenset({"admit", "extend", "extend_many", "free", "reset_prefix_cache", "reclaim"}) | _PD_MUTATING
 _LEASE_CLIENT = "kvcache-lease-expiry"
 _PD_CLIENT = "kvcache-transfer-expiry"
-_ID_TYPES = frozenset({int, str})  # a request id's types as msgpack decodes them (bool is not int here)
 
 
 def _check_compatible(journaled: KVCacheManager, configured: KVCacheManager) -> None:
@@ -727,8 +727,7 @@ class CacheServer:
                     raise ProtocolError(f"{field}.reqs: must be a list of at most {MAX_OPS} request ids")
                 # One pass in C: ids of the right types, all admitted before this message, none it freed (an
                 # id of the live set passed check_request_id at its admit). Else check one by one, naming the first.
-                if not (set(map(type, reqs)) <= _ID_TYPES and all(map(admitted.__contains__, reqs))
-                        and (not live or live.keys().isdisjoint(reqs))):
+                if _tables.lookup_ids(admitted, reqs, None, live or None) >= 0:
                     for j, req in enumerate(reqs):
                         check_request_id(req, f"{field}.reqs[{j}]")
                         if not is_live(req):

@@ -268,7 +268,7 @@ def test_a_refused_client_and_worker_get_errors_within_their_timeouts_not_hangs(
 
     from kvcache.cli import main
     from kvcache.client import CacheClient, DaemonUnavailable
-    from kvcache.worker import SyncTimeout, TableSubscriber
+    from kvcache.worker import TableSubscriber
 
     keys = tmp_path / "keys"
     assert main(["keys", str(keys), "--name", "sched"]) == 0

@@ -1,0 +1,105 @@
+"""The step's one-pass C helpers (``_tables.join_runs``, ``_tables.lookup_ids``) against plain Python models."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvcache.allocator import _tables
+from kvcache.allocator.errors import KVCacheError
+from kvcache.allocator.manager import KVCacheManager
+from kvcache.client import Batch
+
+DTYPES = [np.int32, np.uint32, np.int64, np.uint64, np.int16, np.float32]
+
+
+def _part(data: st.DataObject, dtype: type) -> np.ndarray:
+    values = data.draw(st.lists(st.integers(0, 30_000), max_size=5))
+    return np.array(values, dtype=dtype)
+
+
+@settings(max_examples=200)
+@given(st.data())
+def test_join_runs_equals_concatenate_and_lengths_or_declines(data: st.DataObject) -> None:
+    dtypes = data.draw(st.lists(st.sampled_from(DTYPES), min_size=1, max_size=6))
+    parts = [_part(data, dt) for dt in dtypes]
+    if data.draw(st.booleans()):  # sometimes a part that is not 1-D C-contiguous
+        k = data.draw(st.integers(0, len(parts) - 1))
+        parts[k] = np.zeros(6, dtype=dtypes[k])[::2] if data.draw(st.booleans()) else np.zeros((2, 2), dtype=dtypes[k])
+    joined = _tables.join_runs(parts)
+    usual = all(p.ndim == 1 and p.flags.c_contiguous and p.dtype == parts[0].dtype for p in parts)
+    if not usual:
+        assert joined is None
+        return
+    assert joined is not None
+    tokens = np.frombuffer(joined[0], dtype=parts[0].dtype)
+    assert tokens.tolist() == np.concatenate(parts).tolist()
+    assert np.frombuffer(joined[1], dtype=np.int32).tolist() == [len(p) for p in parts]
+
+
+def test_join_runs_declines_what_is_not_an_array() -> None:
+    assert _tables.join_runs([b"abcd", b"efgh"]) is None
+    assert _tables.join_runs([np.zeros(2, np.int32), [1, 2]]) is None
+    assert _tables.join_runs([]) == (b"", b"")
+
+
+ids = st.one_of(st.integers(-5, 40), st.sampled_from(["a", "b", "zz"]), st.just(True), st.just(2.0), st.just(b"a"))
+
+
+def _first_bad(mapping: dict, keys: list, exclude: dict | None) -> int:
+    for j, key in enumerate(keys):
+        if type(key) not in (int, str) or key not in mapping or (exclude is not None and key in exclude):
+            return j
+    return -1
+
+
+@settings(max_examples=300)
+@given(st.dictionaries(st.one_of(st.integers(-5, 40), st.sampled_from(["a", "b"])), st.integers(0, 10**6), max_size=30),
+       st.lists(ids, max_size=30), st.one_of(st.none(), st.dictionaries(ids, st.booleans(), max_size=5)),
+       st.booleans())
+def test_lookup_ids_names_the_first_id_that_fails_and_writes_the_values(
+        mapping: dict, keys: list, exclude: dict | None, with_out: bool) -> None:
+    out = np.full(len(keys), -7, dtype=np.intp) if with_out else None
+    bad = _tables.lookup_ids(mapping, keys, out, exclude)
+    assert bad == _first_bad(mapping, keys, exclude)
+    if out is not None:
+        done = len(keys) if bad < 0 else bad
+        assert out[:done].tolist() == [mapping[k] for k in keys[:done]]
+
+
+def test_lookup_ids_rejects_an_out_buffer_of_the_wrong_size() -> None:
+    with pytest.raises(ValueError, match="out needs"):
+        _tables.lookup_ids({1: 2}, [1, 1], np.empty(1, dtype=np.intp), None)
+
+
+def test_extend_many_with_ids_of_any_hashable_type_still_works_and_names_an_unknown_one() -> None:
+    """The manager's C lookup takes int and str ids; any other hashable id goes the Python way."""
+    m = KVCacheManager(num_blocks=64, block_size=4)
+    for rid in (("t", 1), "s", 7):
+        assert m.admit(rid, [1, 2, 3]) is not None
+    tables = m.extend_many([("t", 1), "s", 7], [4, 5, 6], [1, 1, 1])
+    assert all(t is not None and t.shape[1] == 1 for t in tables)
+    with pytest.raises(KVCacheError, match="'nope' is not admitted"):
+        m.extend_many(["s", "nope"], [1, 2], [1, 1])
+    assert m.num_tokens("s") == 4  # the failed call changed nothing
+
+
+class _NoClient:
+    pass
+
+
+def test_a_batch_run_of_mixed_token_dtypes_travels_as_numpy_would_concatenate_it() -> None:
+    batch = Batch(_NoClient())  # type: ignore[arg-type]
+    batch.extend("a", np.array([1, 2], dtype=np.int32))
+    batch.extend("b", np.array([3_000_000_000], dtype=np.uint32))  # would read negative as int32
+    batch._end_run()
+    op = batch._wire[0]
+    assert op["tokens"].tolist() == [1, 2, 3_000_000_000]
+    assert op["counts"].tolist() == [2, 1]
+    same = Batch(_NoClient())  # type: ignore[arg-type]
+    same.extend("a", np.array([5], dtype=np.int32))
+    same.extend("b", np.array([6, 7], dtype=np.int32))
+    same._end_run()
+    assert same._wire[0]["tokens"].dtype == np.int32
+    assert same._wire[0]["tokens"].tolist() == [5, 6, 7] and same._wire[0]["counts"].tolist() == [1, 2]
