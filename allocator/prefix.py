@@ -436,6 +436,7 @@ def _vllm_extra_keys(lora: str | None, mm_keys: list[tuple[str, int]], salt: str
 
 
 _PACKED = np.dtype(f"V{HASH_BYTES}")  # one packed hash as a numpy item
+PRESIZED_ENTRIES = 1 << 20  # PrefixIndex sizes its table for this many hashes at most before it grows
 
 
 class Inserted(NamedTuple):
@@ -472,11 +473,15 @@ class PrefixIndex:
     def __init__(self, num_rows: int, num_blocks: int) -> None:
         self._rows = num_rows
         self._seed = int.from_bytes(os.urandom(8), "little")
-        self._slot_keys = np.zeros((64, HASH_BYTES), dtype=np.uint8)
-        self._slot_vals = np.full(64, -1, dtype=np.int32)
-        self._hash_of = np.zeros(64, dtype=_PACKED)  # entry -> hash
-        self._blocks = np.full((64, num_rows), -1, dtype=np.int32)  # entry -> block per row
-        self._holders = np.zeros(64, dtype=np.int32)  # entry -> rows holding a block
+        # Sized up front for a hash per block (what a uniform pool holds when full, up to PRESIZED_ENTRIES),
+        # so filling the cache never stops a step to rebuild the table or grow the entry arrays.
+        entries = max(64, min(num_blocks, PRESIZED_ENTRIES))
+        capacity = 1 << (2 * entries - 1).bit_length()
+        self._slot_keys = np.zeros((capacity, HASH_BYTES), dtype=np.uint8)
+        self._slot_vals = np.full(capacity, -1, dtype=np.int32)
+        self._hash_of = np.zeros(entries, dtype=_PACKED)  # entry -> hash
+        self._blocks = np.full((entries, num_rows), -1, dtype=np.int32)  # entry -> block per row
+        self._holders = np.zeros(entries, dtype=np.int32)  # entry -> rows holding a block
         self._entry_at = np.full((num_rows, num_blocks), -1, dtype=np.int32)  # (row, block) -> entry
         self._num_entries = 0  # entry ids ever handed out: [0, _num_entries)
         self._spare = np.empty(64, dtype=np.intp)  # stack of unused entry ids below _num_entries

@@ -183,3 +183,19 @@ def test_prefix_index_matches_a_dict_model(ops):
             got = index.match(key)
             assert got.shape == (1, rows)
             assert {r: int(b) for r, b in enumerate(got[0]) if b >= 0} == held
+
+
+def test_filling_every_block_with_a_hash_never_rebuilds_the_table() -> None:
+    """The table and entry arrays are sized for a hash per block up front: filling the cache never stops a
+    step to rehash (a rebuild at 131,072 hashes took milliseconds)."""
+    num_blocks = 4096
+    index = PrefixIndex(1, num_blocks)
+    keys, entries = index._slot_keys, index._hash_of
+    hashes = b"".join(hashlib.sha256(i.to_bytes(4, "little")).digest() for i in range(num_blocks))
+    for start in range(0, num_blocks, 128):  # as admits of 128 blocks do
+        chunk = hashes[start * 32:(start + 128) * 32]
+        index.insert_new(chunk, np.arange(start, start + 128, dtype=np.int32)[:, None])
+    assert len(index) == num_blocks
+    assert index._slot_keys is keys and index._hash_of is entries
+    assert index.match(hashes[:64]).ravel().tolist() == [0, 1]
+    index.check_integrity()
