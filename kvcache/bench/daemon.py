@@ -726,6 +726,7 @@ def bench_throughput(cfg: BenchConfig, fleet: Fleet, endpoint: str, step: dict[s
             expect(c, "ready", deadline, f"extend client {i}")
         for path, n, size in _throughput_plan(cfg):
             _renew(cfg, conns[:n], max(cfg.batches))  # fresh requests each row: grown tables go back to the pool
+            _renew(cfg, conns[n:], 0)  # and clients sitting this row out hold none
             rows.append(_row(path, n, size, [_timed_run(cfg, conns[:n], path, size, cfg.seconds)]))
     finally:
         fleet.stop(conns)
