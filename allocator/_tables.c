@@ -385,7 +385,7 @@ static PyObject *lookup_ids(PyObject *self, PyObject *args)
             }
         }
         if (slot) {
-            const Py_ssize_t v = PyLong_AsSsize_t(value);
+            const Py_ssize_t v = PyNumber_AsSsize_t(value, PyExc_OverflowError); /* an int, or any integer (__index__) */
             if (v == -1 && PyErr_Occurred())
                 goto fail;
             slot[j] = v;

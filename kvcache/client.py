@@ -255,7 +255,7 @@ class Batch:
         if len(reqs) == 1:
             self._wire.append({"op": "extend", "req": reqs[0], "tokens": parts[0]})
         else:
-            joined = _tables.join_runs(parts)  # one C pass when the parts share a dtype (a decode step's do)
+            joined = _tables.join_runs(parts)  # one C pass when the parts share a dtype, as a decode step's do
             if joined is not None:
                 tokens, counts = np.frombuffer(joined[0], dtype=parts[0].dtype), np.frombuffer(joined[1], np.int32)
             else:
