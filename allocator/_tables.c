@@ -361,8 +361,9 @@ static PyObject *lookup_ids(PyObject *self, PyObject *args)
         }
         slot = out.buf;
     }
+    PyObject *result = NULL;
     Py_ssize_t bad = -1;
-    for (Py_ssize_t j = 0; j < n && bad < 0; j++) {
+    for (Py_ssize_t j = 0; j < n; j++) {
         PyObject *id = PyList_GET_ITEM(ids, j);
         if (!PyLong_CheckExact(id) && !PyUnicode_CheckExact(id)) {
             bad = j;
@@ -391,13 +392,11 @@ static PyObject *lookup_ids(PyObject *self, PyObject *args)
             slot[j] = v;
         }
     }
-    if (slot)
-        PyBuffer_Release(&out);
-    return PyLong_FromSsize_t(bad);
+    result = PyLong_FromSsize_t(bad);
 fail:
     if (slot)
         PyBuffer_Release(&out);
-    return NULL;
+    return result;
 }
 
 PyDoc_STRVAR(join_runs_doc,
@@ -424,36 +423,30 @@ static PyObject *join_runs(PyObject *self, PyObject *args)
         PyMem_Free(views);
         return NULL;
     }
-    for (; got < n; got++) {
-        if (PyObject_GetBuffer(PyList_GET_ITEM(parts, got), &views[got], PyBUF_ND) < 0) {
+    while (got < n) {
+        PyObject *part = PyList_GET_ITEM(parts, got);
+        if (PyObject_GetBuffer(part, &views[got], PyBUF_ND) < 0) {
             PyErr_Clear();
             goto unusual;
         }
-        const Py_buffer *v = &views[got], *first = &views[0];
-        if (v->ndim != 1 || v->itemsize != first->itemsize) {
-            got++;
+        const Py_buffer *v = &views[got++], *first = &views[0]; /* held from here on: released at done */
+        if (v->ndim != 1 || v->itemsize != first->itemsize || v->shape[0] > INT32_MAX)
             goto unusual;
-        }
         /* The same dtype as the first part (a buffer's format is costly to ask numpy for). */
-        PyObject *dtype = PyObject_GetAttr(PyList_GET_ITEM(parts, got), dtype_name);
+        PyObject *dtype = PyObject_GetAttr(part, dtype_name);
         if (!dtype) {
             PyErr_Clear();
-            got++;
             goto unusual;
         }
-        const int same = got == 0 ? 1 : dtype == first_dtype ? 1 : PyObject_RichCompareBool(dtype, first_dtype, Py_EQ);
-        if (got == 0)
+        if (!first_dtype) {
             first_dtype = dtype;
-        else
+        } else {
+            const int same = dtype == first_dtype ? 1 : PyObject_RichCompareBool(dtype, first_dtype, Py_EQ);
             Py_DECREF(dtype);
-        if (same != 1) {
-            PyErr_Clear();
-            got++;
-            goto unusual;
-        }
-        if (v->shape[0] > INT32_MAX) {
-            got++;
-            goto unusual;
+            if (same != 1) {
+                PyErr_Clear();
+                goto unusual;
+            }
         }
         total += v->len;
     }
