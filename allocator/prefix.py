@@ -437,6 +437,9 @@ def _vllm_extra_keys(lora: str | None, mm_keys: list[tuple[str, int]], salt: str
 
 _PACKED = np.dtype(f"V{HASH_BYTES}")  # one packed hash as a numpy item
 PRESIZED_ENTRIES = 1 << 20  # PrefixIndex sizes its table for this many hashes at most before it grows
+# A hash-table slot (allocator/_hashtable.c): 32 bits of the key's mixed hash and the entry holding the key
+# (-1 = empty); the key itself is the entry's hash_of.
+SLOT_DTYPE = np.dtype([("tag", "<u4"), ("entry", "<i4")])
 
 
 class Inserted(NamedTuple):
@@ -477,8 +480,7 @@ class PrefixIndex:
         # so filling the cache never stops a step to rebuild the table or grow the entry arrays.
         entries = max(64, min(num_blocks, PRESIZED_ENTRIES))
         capacity = 1 << (2 * entries - 1).bit_length()
-        self._slot_keys = np.zeros((capacity, HASH_BYTES), dtype=np.uint8)
-        self._slot_vals = np.full(capacity, -1, dtype=np.int32)
+        self._slots = _empty_slots(capacity)
         self._hash_of = np.zeros(entries, dtype=_PACKED)  # entry -> hash
         self._blocks = np.full((entries, num_rows), -1, dtype=np.int32)  # entry -> block per row
         self._holders = np.zeros(entries, dtype=np.int32)  # entry -> rows holding a block
@@ -487,6 +489,18 @@ class PrefixIndex:
         self._spare = np.empty(64, dtype=np.intp)  # stack of unused entry ids below _num_entries
         self._num_spare = 0
         self._count = 0
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        """Unpickling (a journal snapshot); one written before the table kept entry ids only (its keys in
+        ``_slot_keys``, entries in ``_slot_vals``) gets its table rebuilt, so an upgraded daemon recovers it."""
+        old_entries = state.pop("_slot_vals", None)
+        state.pop("_slot_keys", None)
+        self.__dict__.update(state)
+        if old_entries is not None:
+            live = old_entries[old_entries >= 0].astype(np.intp)
+            self._slots = _empty_slots(old_entries.size)
+            _hashtable.insert(self._slots, self._hash_of, self._seed, self._hash_of[live].tobytes(),
+                              live.astype(np.int32).tobytes())
 
     def __len__(self) -> int:
         """Number of hashes with at least one row's block."""
@@ -569,7 +583,7 @@ class PrefixIndex:
         self._reserve_keys(count)
         try:  # one C pass: checks every pair is free (AssertionError, nothing written), then writes and keys
             self._count += _hashtable.insert_new(
-                self._slot_keys, self._slot_vals, self._seed, hashes, entries.astype(np.int64, copy=False),
+                self._slots, self._seed, hashes, entries.astype(np.int64, copy=False),
                 np.ascontiguousarray(blocks, dtype=np.int32), self._hash_of, self._blocks, self._entry_at,
                 self._holders)
         except AssertionError:
@@ -637,7 +651,7 @@ class PrefixIndex:
                 parts.append(mine[self._holders[mine] == 0])
             gone = parts[0] if len(parts) == 1 else np.concatenate(parts)
             if gone.size:
-                _hashtable.remove(self._slot_keys, self._slot_vals, self._seed, self._hash_of[gone].tobytes())
+                _hashtable.remove(self._slots, self._hash_of, self._seed, self._hash_of[gone].tobytes())
                 self._count -= gone.size
                 self._push_spare(gone)
         return rows, blocks, entries, gone
@@ -645,7 +659,7 @@ class PrefixIndex:
     def clear(self) -> int:
         """Forget everything; returns how many hashes there were."""
         count = self._count
-        self._slot_vals[:] = -1
+        self._slots["entry"] = -1
         self._blocks[:] = -1
         self._holders[:] = 0
         self._entry_at[:] = -1
@@ -662,7 +676,7 @@ class PrefixIndex:
     def check_integrity(self) -> None:
         """Raise AssertionError with the numbers if the hash table and block maps disagree."""
         n = self._num_entries
-        live = np.sort(self._slot_vals[self._slot_vals >= 0])
+        live = np.sort(self._live_entries())
         spare = np.sort(self._spare[: self._num_spare])
         assert live.size == self._count, f"table holds {live.size} hashes, count says {self._count}"
         assert np.unique(spare).size == spare.size, "spare entry listed twice"
@@ -683,26 +697,29 @@ class PrefixIndex:
     def _find(self, hashes: bytes, *, stop_at_miss: bool) -> np.ndarray:
         """Entry id (int32) of each packed hash, -1 if absent; with stop_at_miss only the leading hits."""
         return np.frombuffer(
-            _hashtable.find(self._slot_keys, self._slot_vals, self._seed, hashes, stop_at_miss), dtype=np.int32
+            _hashtable.find(self._slots, self._hash_of, self._seed, hashes, stop_at_miss), dtype=np.int32
         )
 
     def _add_keys(self, entries: np.ndarray, packed: np.ndarray) -> None:
         """Put ``entries`` under their hashes (``V32`` array), growing the table to keep its load <= 1/2."""
         self._reserve_keys(entries.size)
-        self._count += _hashtable.insert(self._slot_keys, self._slot_vals, self._seed,
-                                         packed.tobytes(), entries.astype(np.int32).tobytes())
+        self._count += _hashtable.insert(self._slots, self._hash_of, self._seed, packed.tobytes(),
+                                         entries.astype(np.int32).tobytes())
 
     def _reserve_keys(self, extra: int) -> None:
         """Grow (and rebuild) the table if ``extra`` more keys would push its load past 1/2."""
         needed = 2 * (self._count + extra)
-        if needed <= self._slot_vals.size:
+        if needed <= self._slots.size:
             return
-        live = self._slot_vals[self._slot_vals >= 0].astype(np.intp)
-        capacity = 1 << (needed - 1).bit_length()
-        self._slot_keys = np.zeros((capacity, HASH_BYTES), dtype=np.uint8)
-        self._slot_vals = np.full(capacity, -1, dtype=np.int32)
-        self._count = _hashtable.insert(self._slot_keys, self._slot_vals, self._seed, self._hash_of[live].tobytes(),
+        live = self._live_entries()
+        self._slots = _empty_slots(1 << (needed - 1).bit_length())
+        self._count = _hashtable.insert(self._slots, self._hash_of, self._seed, self._hash_of[live].tobytes(),
                                         live.astype(np.int32).tobytes())
+
+    def _live_entries(self) -> np.ndarray:
+        """Entry ids (intp) the hash table holds, in slot order."""
+        entries = self._slots["entry"]
+        return entries[entries >= 0].astype(np.intp)
 
     def _push_spare(self, entries: np.ndarray) -> None:
         """Return entry ids to the spare stack (the last pushed is reused first)."""
@@ -728,3 +745,10 @@ class PrefixIndex:
                 self._holders = np.concatenate([self._holders, np.zeros(extra, dtype=np.int32)])
                 self._hash_of = np.concatenate([self._hash_of, np.zeros(extra, dtype=_PACKED)])
         return ids.copy()
+
+
+def _empty_slots(capacity: int) -> np.ndarray:
+    """A hash table of ``capacity`` (a power of two) empty slots."""
+    slots = np.zeros(capacity, dtype=SLOT_DTYPE)
+    slots["entry"] = -1
+    return slots

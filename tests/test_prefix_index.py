@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from kvcache.allocator import _hashtable
-from kvcache.allocator.prefix import PrefixIndex
+from kvcache.allocator.prefix import PrefixIndex, _empty_slots
 
 
 def h(i: int) -> bytes:
@@ -59,61 +59,74 @@ def test_clear_forgets_everything():
     index.check_integrity()
 
 
+def twin(i: int) -> bytes:
+    """A key whose first 8 bytes (all the table's tag and home slot are made of) only 7 keys share: every probe
+    run holds keys with equal tags, which only the full key tells apart."""
+    return (i % 7).to_bytes(8, "little") + h(i)[8:]
+
+
 class HashTableMachine(RuleBasedStateMachine):
-    """The C table (find/insert/remove on packed keys) behaves as a dict, across growth and deletions."""
+    """The C table (find/insert/remove on packed keys) behaves as a dict, across growth and deletions.
+
+    Entry i holds key ``twin(i)`` (the table keeps entry ids; the keys live in ``hash_of``).
+    """
 
     def __init__(self) -> None:
         super().__init__()
         self.cap = 8
-        self.keys = np.zeros((self.cap, 32), dtype=np.uint8)
-        self.vals = np.full(self.cap, -1, dtype=np.int32)
+        self.hash_of = np.frombuffer(b"".join(twin(i) for i in range(61)), dtype=np.uint8).reshape(61, 32).copy()
+        self.slots = _empty_slots(self.cap)
         self.model: dict[bytes, int] = {}
         # Small tables at load up to 1/2: probe runs collide and wrap around the end.
         self.seed = 12345
+
+    def _keys(self, ids) -> bytes:
+        return b"".join(twin(i) for i in ids)
 
     def _grow(self, extra: int) -> None:
         if 2 * (len(self.model) + extra) <= self.cap:
             return
         while 2 * (len(self.model) + extra) > self.cap:
             self.cap *= 2
-        self.keys = np.zeros((self.cap, 32), dtype=np.uint8)
-        self.vals = np.full(self.cap, -1, dtype=np.int32)
+        self.slots = _empty_slots(self.cap)
         if self.model:
-            _hashtable.insert(self.keys, self.vals, self.seed, b"".join(self.model),
+            _hashtable.insert(self.slots, self.hash_of, self.seed, b"".join(self.model),
                               np.array(list(self.model.values()), dtype=np.int32).tobytes())
 
-    @rule(ids=st.lists(st.integers(0, 60), max_size=12, unique=True), val=st.integers(0, 1000))
-    def insert(self, ids, val):
+    @rule(ids=st.lists(st.integers(0, 60), max_size=12, unique=True))
+    def insert(self, ids):
         self._grow(len(ids))
-        vals = np.arange(val, val + len(ids), dtype=np.int32)
-        inserted = _hashtable.insert(self.keys, self.vals, self.seed, packed(ids), vals.tobytes())
+        inserted = _hashtable.insert(self.slots, self.hash_of, self.seed, self._keys(ids),
+                                     np.array(ids, dtype=np.int32).tobytes())
         expected = 0
-        for i, v in zip(ids, vals.tolist()):
-            if h(i) not in self.model:
-                self.model[h(i)] = v
+        for i in ids:
+            if twin(i) not in self.model:
+                self.model[twin(i)] = i
                 expected += 1
         assert inserted == expected
 
     @rule(ids=st.lists(st.integers(0, 60), max_size=12, unique=True))
     def remove(self, ids):
-        removed = _hashtable.remove(self.keys, self.vals, self.seed, packed(ids))
-        assert removed == sum(self.model.pop(h(i), None) is not None for i in ids)
+        removed = _hashtable.remove(self.slots, self.hash_of, self.seed, self._keys(ids))
+        assert removed == sum(self.model.pop(twin(i), None) is not None for i in ids)
 
     @rule(ids=st.lists(st.integers(0, 60), max_size=12))
     def find(self, ids):
-        got = np.frombuffer(_hashtable.find(self.keys, self.vals, self.seed, packed(ids), False), dtype=np.int32)
-        assert got.tolist() == [self.model.get(h(i), -1) for i in ids]
-        prefix = np.frombuffer(_hashtable.find(self.keys, self.vals, self.seed, packed(ids), True), dtype=np.int32)
+        got = np.frombuffer(_hashtable.find(self.slots, self.hash_of, self.seed, self._keys(ids), False),
+                            dtype=np.int32)
+        assert got.tolist() == [self.model.get(twin(i), -1) for i in ids]
+        prefix = np.frombuffer(_hashtable.find(self.slots, self.hash_of, self.seed, self._keys(ids), True),
+                               dtype=np.int32)
         expected = []
         for i in ids:
-            if h(i) not in self.model:
+            if twin(i) not in self.model:
                 break
-            expected.append(self.model[h(i)])
+            expected.append(self.model[twin(i)])
         assert prefix.tolist() == expected
 
     @invariant()
     def size_matches(self):
-        assert int((self.vals >= 0).sum()) == len(self.model)
+        assert int((self.slots["entry"] >= 0).sum()) == len(self.model)
 
 
 TestHashTable = HashTableMachine.TestCase
@@ -136,16 +149,26 @@ def test_insert_new_refuses_a_pair_that_already_holds_a_hash_and_changes_nothing
     index.check_integrity()
 
 
-def test_hash_table_rejects_malformed_buffers():
+def test_hash_table_rejects_malformed_buffers_and_changes_nothing():
     import pytest
 
-    keys = np.zeros((8, 32), dtype=np.uint8)
-    with pytest.raises(ValueError, match="power-of-two"):
-        _hashtable.find(keys, np.full(6, -1, dtype=np.int32), 0, b"", False)
+    hash_of = np.frombuffer(packed([0, 1]), dtype=np.uint8).reshape(2, 32).copy()
+    slots = _empty_slots(8)
+    with pytest.raises(ValueError, match="power of two"):
+        _hashtable.find(_empty_slots(6), hash_of, 0, b"", False)
     with pytest.raises(ValueError, match="multiple of 32"):
-        _hashtable.find(keys, np.full(8, -1, dtype=np.int32), 0, b"abc", False)
-    with pytest.raises(ValueError, match="negative"):
-        _hashtable.insert(keys, np.full(8, -1, dtype=np.int32), 0, h(1), np.array([-1], dtype=np.int32).tobytes())
+        _hashtable.find(slots, hash_of, 0, b"abc", False)
+    with pytest.raises(ValueError, match="32 bytes per entry"):
+        _hashtable.find(slots, hash_of.ravel()[:40], 0, b"", False)
+    with pytest.raises(ValueError, match="outside hash_of"):
+        _hashtable.insert(slots, hash_of, 0, packed([0, 1]), np.array([0, -1], dtype=np.int32).tobytes())
+    with pytest.raises(ValueError, match="outside hash_of"):
+        _hashtable.insert(slots, hash_of, 0, packed([0, 1]), np.array([0, 2], dtype=np.int32).tobytes())
+    with pytest.raises(ValueError, match=r"hash_of\[0\] does not hold new_keys\[1\]"):
+        _hashtable.insert(slots, hash_of, 0, packed([0, 1]), np.array([0, 0], dtype=np.int32).tobytes())
+    assert (slots["entry"] == -1).all()  # the first (good) pair was not inserted either
+    assert _hashtable.insert(slots, hash_of, 0, packed([1, 0]), np.array([1, 0], dtype=np.int32).tobytes()) == 2
+    assert np.frombuffer(_hashtable.find(slots, hash_of, 0, packed([0, 1, 2]), False), np.int32).tolist() == [0, 1, -1]
 
 
 @settings(max_examples=100, deadline=None)
@@ -185,17 +208,38 @@ def test_prefix_index_matches_a_dict_model(ops):
             assert {r: int(b) for r, b in enumerate(got[0]) if b >= 0} == held
 
 
+def test_a_snapshot_of_the_older_table_layout_is_rebuilt_on_unpickling() -> None:
+    """A journal snapshot from before the table kept entry ids only (keys in _slot_keys, entries in _slot_vals)
+    still recovers: its table is rebuilt from the entries' hashes."""
+    import pickle
+
+    index = PrefixIndex(2, 64)
+    index.insert(packed([1, 2, 3]), np.array([[5, 6], [7, -1], [8, 9]], dtype=np.int32))
+    index.remove(np.array([1]), np.array([6]))
+    state = dict(index.__dict__)
+    live = state.pop("_slots")["entry"]
+    state["_slot_vals"] = np.roll(live, 3)  # the old table's own slot order
+    state["_slot_keys"] = np.zeros((live.size, 32), dtype=np.uint8)
+    old = PrefixIndex.__new__(PrefixIndex)
+    old.__setstate__(state)
+    restored = pickle.loads(pickle.dumps(old))
+    for got in (old, restored):
+        got.check_integrity()
+        assert got.match(packed([1, 2, 3])).tolist() == [[5, -1], [7, -1], [8, 9]]
+        assert "_slot_vals" not in got.__dict__ and "_slot_keys" not in got.__dict__
+
+
 def test_filling_every_block_with_a_hash_never_rebuilds_the_table() -> None:
     """The table and entry arrays are sized for a hash per block up front: filling the cache never stops a
     step to rehash (a rebuild at 131,072 hashes took milliseconds)."""
     num_blocks = 4096
     index = PrefixIndex(1, num_blocks)
-    keys, entries = index._slot_keys, index._hash_of
+    slots, entries = index._slots, index._hash_of
     hashes = b"".join(hashlib.sha256(i.to_bytes(4, "little")).digest() for i in range(num_blocks))
     for start in range(0, num_blocks, 128):  # as admits of 128 blocks do
         chunk = hashes[start * 32:(start + 128) * 32]
         index.insert_new(chunk, np.arange(start, start + 128, dtype=np.int32)[:, None])
     assert len(index) == num_blocks
-    assert index._slot_keys is keys and index._hash_of is entries
+    assert index._slots is slots and index._hash_of is entries
     assert index.match(hashes[:64]).ravel().tolist() == [0, 1]
     index.check_integrity()
