@@ -147,7 +147,7 @@ class _Mirror:
         return view
 
 
-class Batch:
+class Batch(_tables.RunCollector):
     """Operations collected for one round trip: ``client.batch()``, add ops, ``send()`` → results.
 
     Results come in op order with the library's types (Admission or None,
@@ -157,12 +157,13 @@ class Batch:
     applies in a single pass; each extend still gets its own result.
     """
 
+    _as_tokens = staticmethod(_as_token_array)  # RunCollector.extend's conversion of tokens that are no ndarray
+
     def __init__(self, client: CacheClient) -> None:
         self._client = client
         self._wire: list[dict[str, Any]] = []  # ops as they go on the wire
         self._expands: list[bool] = []  # per wire op: a run of plain extends, one result per extend
-        self._run_reqs: list[Any] = []  # the plain extends since the last other op
-        self._run_tokens: list[np.ndarray] = []
+        # RunCollector's _run_reqs and _run_tokens: the plain extends since the last other op
         self._count = 0  # results of the ops on the wire
 
     def __len__(self) -> int:
@@ -189,12 +190,16 @@ class Batch:
                 op[key] = value
         return self._add(op)
 
-    def extend(self, request_id: Any, tokens: Sequence[int] | np.ndarray, *,
-               num_computed_tokens: int | None = None) -> Batch:
+    # extend(request_id, tokens, *, num_computed_tokens=None) is RunCollector's (C): a plain extend, called
+    # once per running request each step, is two list appends there; any other call comes here.
+
+    def _extend_slow(self, request_id: Any, tokens: Sequence[int] | np.ndarray, *,
+                     num_computed_tokens: int | None = None) -> Batch:
+        """``extend`` called with keywords: an extend with ``num_computed_tokens`` goes alone; others join the run."""
         if num_computed_tokens is not None:
             return self._add({"op": "extend", "req": request_id, "tokens": _as_token_array(tokens),
                               "num_computed": num_computed_tokens})
-        self._run_reqs.append(request_id)  # called once per request in a step: kept to two appends
+        self._run_reqs.append(request_id)
         self._run_tokens.append(tokens if type(tokens) is np.ndarray else _as_token_array(tokens))
         return self
 

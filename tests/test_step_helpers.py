@@ -103,3 +103,50 @@ def test_a_batch_run_of_mixed_token_dtypes_travels_as_numpy_would_concatenate_it
     same._end_run()
     assert same._wire[0]["tokens"].dtype == np.int32
     assert same._wire[0]["tokens"].tolist() == [5, 6, 7] and same._wire[0]["counts"].tolist() == [1, 2]
+
+
+def test_batch_extend_takes_every_call_form_and_keeps_op_order() -> None:
+    """Batch.extend is RunCollector's (C) for plain calls; keywords, num_computed_tokens and token lists take
+    the Python path; each returns the batch, and the ops keep their order."""
+    batch = Batch(_NoClient())  # type: ignore[arg-type]
+    tokens = np.array([1], dtype=np.int64)
+    assert batch.extend("a", tokens) is batch
+    assert batch.extend("b", [2, 3]).extend(request_id="c", tokens=np.array([4], dtype=np.int64)) is batch
+    assert batch.extend("d", [5], num_computed_tokens=1) is batch
+    batch.extend("e", np.array([6], dtype=np.int64))
+    batch._end_run()
+    assert len(batch) == 5
+    first, alone, last = batch._wire
+    assert first["op"] == "extend_many" and first["reqs"] == ["a", "b", "c"]
+    assert first["tokens"].tolist() == [1, 2, 3, 4] and first["counts"].tolist() == [1, 2, 1]
+    assert alone == {"op": "extend", "req": "d", "tokens": alone["tokens"], "num_computed": 1}
+    assert alone["tokens"].tolist() == [5]
+    assert last["op"] == "extend" and last["req"] == "e"  # a run of one goes as a plain extend
+
+
+def test_batch_extend_refuses_bad_tokens_and_leaves_the_run_as_it_was() -> None:
+    batch = Batch(_NoClient())  # type: ignore[arg-type]
+    batch.extend("a", np.array([1], dtype=np.int32))
+    with pytest.raises(KVCacheError, match="tokens"):
+        batch.extend("b", "not tokens")
+    with pytest.raises(TypeError, match="tokens"):
+        batch.extend("b")
+    assert batch._run_reqs == ["a"] and len(batch._run_tokens) == 1
+    batch._run_reqs = None  # type: ignore[assignment]
+    with pytest.raises(TypeError, match="must be lists"):
+        batch.extend("c", np.array([1], dtype=np.int32))
+
+
+def test_batch_extend_holds_no_reference_after_the_batch_is_gone() -> None:
+    import gc
+    import sys
+
+    tokens, rid = np.array([1], dtype=np.int32), object()
+    before = sys.getrefcount(tokens), sys.getrefcount(rid)
+    batch = Batch(_NoClient())  # type: ignore[arg-type]
+    batch.extend(rid, tokens)
+    assert (sys.getrefcount(tokens), sys.getrefcount(rid)) == (before[0] + 1, before[1] + 1)
+    batch.cycle = batch  # a cycle through the instance: freed by the collector, and the run with it
+    del batch
+    gc.collect()
+    assert (sys.getrefcount(tokens), sys.getrefcount(rid)) == before
