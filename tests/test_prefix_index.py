@@ -243,3 +243,28 @@ def test_filling_every_block_with_a_hash_never_rebuilds_the_table() -> None:
     assert index._slots is slots and index._hash_of is entries
     assert index.match(hashes[:64]).ravel().tolist() == [0, 1]
     index.check_integrity()
+
+
+def test_more_hashes_than_blocks_grow_the_table_and_every_one_stays_findable() -> None:
+    """Rows holding different hashes can hold more hashes than there are blocks (up to rows x blocks): past its
+    presized half load the table is rebuilt from the entries' hashes, and lookups and removals still agree."""
+    rows, num_blocks = 2, 64
+    index = PrefixIndex(rows, num_blocks)
+    before = index._slots.size
+    ids = list(range(rows * num_blocks))
+    for start in range(0, len(ids), 16):
+        chunk = ids[start:start + 16]
+        blocks = np.full((len(chunk), rows), -1, dtype=np.int32)
+        for j, i in enumerate(chunk):
+            blocks[j, i % rows] = i // rows  # hash i on row i % rows only
+        index.insert(packed(chunk), blocks)
+    index.check_integrity()
+    assert index._slots.size > before and len(index) == len(ids)
+    for i in ids:
+        expected = [-1] * rows
+        expected[i % rows] = i // rows
+        assert index.match(h(i)).tolist() == [expected]
+    gone = index.remove(np.array([i % rows for i in ids[::2]]), np.array([i // rows for i in ids[::2]])).gone
+    assert sorted(bytes(g) for g in gone) == sorted(h(i) for i in ids[::2])
+    index.check_integrity()
+    assert [h(i) in index for i in ids[:4]] == [False, True, False, True]
