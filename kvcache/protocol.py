@@ -76,8 +76,8 @@ the daemon starts a new delta rather than free a request changed earlier in the 
 
 ``t`` is the daemon's CLOCK_MONOTONIC ns when it sent the delta. The payload is a fixmap whose first
 entry is ``"t"`` packed as uint64 (``0xcf`` then 8 big-endian bytes at ``DELTA_T_OFFSET``), rewritten in
-place just before sending. A replayed delta keeps the time of its first send; one never sent live (staged
-while recovering from a journal) holds its staging time.
+place just before sending. A replayed delta keeps the time of its first send; one never sent live (replayed
+from a journal while recovering) holds the time it was encoded, as recovery ended.
 
 After ``heartbeat_ms`` without a delta the PUB sends ``[topic+epoch, seq, b""]``: an empty payload
 saying "the latest seq is this" (a worker behind asks for replay).

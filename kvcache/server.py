@@ -9,8 +9,9 @@ Sockets (see protocol.py for the messages):
     local_endpoint    Unix datagram socket: the same messages as endpoint, from same-host clients,
                       without ZMQ's I/O threads (a round trip of about 16 µs instead of 166 on a VM)
 
-A step's deltas are published before its reply is sent, so a scheduler that
-has the reply (with its ``seq``) knows the deltas are on their way.
+A step's reply goes out first, then its deltas, in the same turn of the loop (both only once the
+journal made them durable): a scheduler that has the reply (with its ``seq``) knows the deltas follow
+at once, and its round trip does not wait for their encoding. Workers wait for that ``seq``.
 """
 from __future__ import annotations
 
@@ -226,7 +227,8 @@ class CacheServer:
         # A new epoch per daemon incarnation: workers that see it change drop their tables and resync.
         self.epoch = int.from_bytes(os.urandom(8), "big") >> 1
         self._last_publish = 0.0
-        self._staged: list[tuple[int, bytearray]] = []  # deltas numbered but not yet sent (not yet durable)
+        # Deltas numbered but not yet encoded or sent (not yet durable, or not yet answered): seq, changes, freed, reset
+        self._staged: list[tuple[int, _Changes, list[Any], bool]] = []
         self._staged_events: list[Any] = []
         self._journal: Journal | None = None
         self._leases = Leases(self.config.lease_timeout)
@@ -357,7 +359,7 @@ class CacheServer:
         self._leases.timeout = self.config.lease_timeout
         for payload in recovered.records:
             self._process(payload, replaying=True)
-        self._staged.clear()
+        self._encode_staged()  # kept for replay (workers may still ask for them), never sent live
         self._staged_events.clear()
         self.manager.take_events()
         self._pd.forget_timing()
@@ -482,7 +484,7 @@ class CacheServer:
         """Answer the scheduler messages waiting on the ROUTER (at most 256, so replay is not starved).
 
         Group commit: every message is applied and journaled, then one fdatasync
-        makes them all durable, and only then go their deltas and replies out;
+        makes them all durable, and only then go their replies and deltas out;
         the metrics count them last.
         """
         outbox: list[tuple[list[bytes], bytes]] = []
@@ -564,27 +566,35 @@ class CacheServer:
             pass
 
     def _answer(self, outbox: list[tuple[Any, bytes]], send: Callable[[Any, bytes], None]) -> None:
-        """Commit the journal and publish the deltas of the applied messages, then ``send(address, reply)`` each
-        reply, then count them in the metrics: the group commit's order, whichever socket they came in on."""
-        self._release_staged()
+        """Commit the journal, then ``send(address, reply)`` each reply, then encode and publish the messages'
+        deltas and events, then count them in the metrics, whichever socket they came in on.
+
+        The group commit's order: nothing leaves before it is durable. Replies go first, so a scheduler's
+        round trip does not wait for the deltas' encoding; its workers wait for the reply's ``seq`` anyway.
+        """
+        self._commit()
         for address, reply in outbox:
             send(address, reply)
+        self._publish_staged()
         self._observe()
 
     def handle(self, payload: bytes) -> bytes:
         """Apply one scheduler message, make it durable, publish its deltas; returns the reply. Never raises."""
         reply = self._process(payload)
-        self._release_staged()
+        self._commit()
+        self._publish_staged()
         self._observe()
         return reply
 
-    def _release_staged(self) -> None:
-        """Commit the journal, then publish the staged deltas and events; then maybe compact the journal."""
+    def _commit(self) -> None:
+        """Make the messages applied since the last commit durable (one fdatasync; nothing without a journal)."""
         if self._journal is not None:
             self._journal.commit()
-        for seq, payload in self._staged:
+
+    def _publish_staged(self) -> None:
+        """Publish the staged deltas (durable by now) and events; then maybe compact the journal."""
+        for seq, payload in self._encode_staged():
             self._send_delta(seq, payload)
-        self._staged.clear()
         if self._events is not None and self._staged_events:
             self._events.publish(self._staged_events)
             self._staged_events = []
@@ -933,15 +943,27 @@ class CacheServer:
         return {"lens": d.lens, "changed": {"index": d.index, "offsets": d.offsets, "cols": d.cols, "vals": d.vals}}
 
     def _stage(self, changes: _Changes, freed: list[Any], reset: bool) -> None:
-        """Number a delta and keep it for replay; it is sent (and its "t" written) once its message is durable."""
+        """Number a delta; it is encoded, kept for replay and sent once its message is durable and answered.
+
+        Its arrays are copies that nothing changes later (the reply shares them), so encoding it after
+        the turn's other messages were applied gives the same bytes.
+        """
         self._seq += 1
-        payload = pack_delta({"v": PROTOCOL_VERSION, "epoch": self.epoch, "seq": self._seq,
-                              "changes": changes.wire(self.manager.num_rows), "freed": freed, "reset": reset},
-                             time.monotonic_ns())
-        self._history.append((self._seq, payload))
-        self._staged.append((self._seq, payload))
-        if self._metrics is not None:
-            self._metrics.observe_delta(len(changes), len(payload))
+        self._staged.append((self._seq, changes, freed, reset))
+
+    def _encode_staged(self) -> list[tuple[int, bytearray]]:
+        """The staged deltas encoded (with ``"t"`` now) and kept for replay, in seq order; empties the stage."""
+        encoded = []
+        for seq, changes, freed, reset in self._staged:
+            payload = pack_delta({"v": PROTOCOL_VERSION, "epoch": self.epoch, "seq": seq,
+                                  "changes": changes.wire(self.manager.num_rows), "freed": freed, "reset": reset},
+                                 time.monotonic_ns())
+            self._history.append((seq, payload))
+            encoded.append((seq, payload))
+            if self._metrics is not None:
+                self._metrics.observe_delta(len(changes), len(payload))
+        self._staged.clear()
+        return encoded
 
     def _send_delta(self, seq: int, payload: bytearray) -> None:
         """Publish a staged delta, stamping its "t" now: the lag workers measure starts at the send."""

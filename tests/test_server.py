@@ -211,9 +211,36 @@ def test_a_delta_is_stamped_when_sent_not_when_staged(server):
         server._process(pack({"v": PROTOCOL_VERSION, "client": "c", "id": 1, "ops": [admit("a")]}))
         time.sleep(0.05)
         before_send = time.monotonic_ns()
-        server._release_staged()
+        server._commit()
+        server._publish_staged()
         (message,) = _drain(sub)
         assert before_send <= unpack(message[2], 1 << 20)["t"] <= time.monotonic_ns()
+
+
+def test_deltas_encoded_after_the_turn_carry_each_message_s_own_tables(server):
+    """A turn's deltas are encoded once its messages are applied and answered: each still holds its own
+    message's tables, not what a later message of the turn made of them (a wider table, a window's -1)."""
+    with _joined_subscriber(server) as sub:
+        first = unpack(server._process(pack({"v": PROTOCOL_VERSION, "client": "c", "id": 1, "ops": [admit("a")]})),
+                       1 << 20)
+        admitted = first["results"][0]["table"].copy()
+        grow = [{"op": "extend", "req": "a", "tokens": np.arange(30, dtype=np.uint32)},
+                {"op": "extend", "req": "a", "tokens": [7]}]  # the window row now gives its first blocks back
+        second = unpack(server._process(pack({"v": PROTOCOL_VERSION, "client": "c", "id": 2, "ops": grow})),
+                        1 << 20)
+        assert not server._history or server._history[-1][0] < first["seq"]  # staged, not yet encoded
+        server._commit()
+        server._publish_staged()
+        deltas = [unpack(m[2], 1 << 20) for m in _drain(sub)]
+    assert [d["seq"] for d in deltas] == [first["seq"], second["seq"]]
+    assert deltas[0]["changes"]["vals"].tolist() == admitted.tolist()
+    changes = deltas[1]["changes"]
+    assert changes["reqs"] == ["a", "a"]
+    for k, result in enumerate(second["results"]):
+        a, b = changes["offsets"][k], changes["offsets"][k + 1]
+        assert changes["cols"][a:b].tolist() == result["cols"].tolist()
+        assert changes["vals"][:, a:b].tolist() == result["vals"].tolist()
+    assert (server.manager.table("a")[0] == -1).any() and (admitted >= 0).all()  # the window did give back
 
 
 def _replay(server: CacheServer, start: int) -> list[bytes]:
