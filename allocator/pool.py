@@ -316,10 +316,15 @@ class BlockPool:
             self._decref_one(*self._one_pair(r, b))
             return
         if unique and b.ndim == 2 and r.shape == (b.shape[0], 1):  # a whole table, row by row: one C pass
-            self._check_pairs(r, b)
-            _pool.release(self._ref, self._cached, self._stack, self._top, self._ring, self._lru_pos, self._head,
-                          self._tail, self._lru_count, r.astype(np.int64).reshape(-1),
-                          np.ascontiguousarray(b, dtype=np.int32))
+            if b.dtype != np.int32 or r.dtype.kind not in "iu":  # the C pass range-checks int32 ids exactly
+                self._check_pairs(r, b)
+            try:
+                _pool.release(self._ref, self._cached, self._stack, self._top, self._ring, self._lru_pos, self._head,
+                              self._tail, self._lru_count, r.astype(np.int64).reshape(-1),
+                              np.ascontiguousarray(b, dtype=np.int32))
+            except AssertionError:  # nothing changed: an id out of range is the caller's error, named as such
+                self._check_pairs(r, b)
+                raise
             return
         r, b, flat = self._pairs(r, b)
         if flat.size == 0:

@@ -352,6 +352,31 @@ def test_decref_of_free_block_raises_and_changes_nothing():
     pool.check_integrity()
 
 
+def test_a_whole_table_decref_names_an_id_out_of_range_and_changes_nothing():
+    """The one-C-pass table path (unique, rows as a column) refuses bad ids as KVCacheError, whatever their dtype:
+    an int64 id that an int32 cast would wrap into range included."""
+    pool = make_pool(2, 4)
+    table = pool.allocate(2).blocks  # int32 [2, 2]
+    before = snapshot(pool)
+    rows = np.array([[0], [1]])
+    bad = table.copy()
+    bad[1, 0] = 4
+    with pytest.raises(KVCacheError, match=r"blocks: ids must lie in \[0, 4\)"):
+        pool.decref(rows, bad, unique=True)
+    wrapped = table.astype(np.int64)
+    wrapped[0, 1] += 2**32  # as int32 this would read as a live block
+    with pytest.raises(KVCacheError, match=r"blocks: ids must lie in \[0, 4\)"):
+        pool.decref(rows, wrapped, unique=True)
+    with pytest.raises(KVCacheError, match=r"rows: ids must lie in \[0, 2\)"):
+        pool.decref(np.array([[0], [2]]), table, unique=True)
+    with pytest.raises(AssertionError, match="has 0 references"):
+        pool.decref(rows, np.array([[table[0, 0], 3], [table[1, 0], -1]], dtype=np.int32), unique=True)
+    assert snapshot(pool) == before
+    pool.decref(rows, table, unique=True)
+    assert pool.num_free().tolist() == [4, 4]
+    pool.check_integrity()
+
+
 def test_incref_of_uncached_free_block_is_a_bug():
     """Only a cached free block can be revived; anything else raises with no change."""
     pool = make_pool(1, 4)
