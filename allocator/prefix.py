@@ -497,10 +497,7 @@ class PrefixIndex:
         state.pop("_slot_keys", None)
         self.__dict__.update(state)
         if old_entries is not None:
-            live = old_entries[old_entries >= 0].astype(np.intp)
-            self._slots = _empty_slots(old_entries.size)
-            _hashtable.insert(self._slots, self._hash_of, self._seed, self._hash_of[live].tobytes(),
-                              live.astype(np.int32).tobytes())
+            self._rebuild_table(old_entries.size, old_entries[old_entries >= 0])
 
     def __len__(self) -> int:
         """Number of hashes with at least one row's block."""
@@ -711,10 +708,13 @@ class PrefixIndex:
         needed = 2 * (self._count + extra)
         if needed <= self._slots.size:
             return
-        live = self._live_entries()
-        self._slots = _empty_slots(1 << (needed - 1).bit_length())
-        self._count = _hashtable.insert(self._slots, self._hash_of, self._seed, self._hash_of[live].tobytes(),
-                                        live.astype(np.int32).tobytes())
+        self._count = self._rebuild_table(1 << (needed - 1).bit_length(), self._live_entries())
+
+    def _rebuild_table(self, capacity: int, live: np.ndarray) -> int:
+        """A fresh table of ``capacity`` slots holding entries ``live`` (their keys from hash_of); returns their count."""
+        self._slots = _empty_slots(capacity)
+        return _hashtable.insert(self._slots, self._hash_of, self._seed, self._hash_of[live].tobytes(),
+                                 live.astype(np.int32).tobytes())
 
     def _live_entries(self) -> np.ndarray:
         """Entry ids (intp) the hash table holds, in slot order."""

@@ -199,9 +199,7 @@ class Batch(_tables.RunCollector):
         if num_computed_tokens is not None:
             return self._add({"op": "extend", "req": request_id, "tokens": _as_token_array(tokens),
                               "num_computed": num_computed_tokens})
-        self._run_reqs.append(request_id)
-        self._run_tokens.append(tokens if type(tokens) is np.ndarray else _as_token_array(tokens))
-        return self
+        return self.extend(request_id, tokens)  # the plain extend's one path (RunCollector's)
 
     def extend_many(self, request_ids: Sequence[Any] | np.ndarray, tokens: Sequence[int] | np.ndarray,
                     counts: Sequence[int] | np.ndarray) -> Batch:
