@@ -34,7 +34,7 @@ from kvcache.auth import CurveConfig, secure_client_socket
 from kvcache.allocator.manager import Admission
 from kvcache.allocator.pool import Usage
 from kvcache.pd import Outcomes, Reservation, Sending
-from kvcache.protocol import LOCAL_MAX_BYTES, PROTOCOL_VERSION, ProtocolError, pack, unpack
+from kvcache.protocol import LOCAL_MAX_BYTES, PROTOCOL_VERSION, ProtocolError, bind_private, pack, unpack
 
 log = logging.getLogger("kvcache.client")
 _MAX_REPLY_BYTES = 1 << 31
@@ -520,7 +520,7 @@ class CacheClient:
             return
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         try:
-            sock.bind("")  # an abstract address of our own (Linux autobind): where the replies come back
+            bind_private(sock, "client")  # where the replies come back
             sock.connect(path)
             self._local, self.local_endpoint = sock, path
             pong = self._local_attempt(self._request([{"op": "info"}])[1], None)

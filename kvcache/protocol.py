@@ -107,6 +107,8 @@ its journal.
 from __future__ import annotations
 
 import reprlib
+import secrets
+import socket
 import struct
 from typing import Any
 
@@ -341,6 +343,18 @@ def pack_delta(body: dict[str, Any], t_ns: int) -> bytearray:
 def stamp_delta(payload: bytearray, t_ns: int) -> None:
     """Write the publish time (CLOCK_MONOTONIC ns) into a payload made by ``pack_delta``."""
     payload[DELTA_T_OFFSET:DELTA_T_OFFSET + 8] = t_ns.to_bytes(8, "big")
+
+
+def bind_private(sock: socket.socket, kind: str) -> bytes:
+    """Bind a datagram socket to a fresh abstract address of 128 random bits; returns it.
+
+    Not Linux's autobind: its names are 20-bit and handed out in turn, so a
+    process could inherit a dead client's or worker's address and get a reply
+    or delta the daemon still meant for it.
+    """
+    address = b"\0kvcache-" + kind.encode() + b"-" + secrets.token_hex(16).encode()
+    sock.bind(address)
+    return address
 
 
 def seq_frame(seq: int) -> bytes:

@@ -69,6 +69,7 @@ from kvcache.protocol import (
     LOCAL_UNSUBSCRIBE,
     PROTOCOL_VERSION,
     ProtocolError,
+    bind_private,
     check_request_id,
     pack,
     unpack,
@@ -350,7 +351,7 @@ class TableSubscriber:
         """
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         try:
-            sock.bind("")  # an abstract address of our own (Linux autobind)
+            bind_private(sock, "worker")
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
             sock.connect(self._local_path)
             sock.send(LOCAL_SUBSCRIBE)

@@ -190,3 +190,23 @@ def test_a_local_client_made_before_its_daemon_starts_uses_the_endpoint_once_it_
         daemon("--num-blocks", "40", "--block-size", "4", folder=folder)
         assert client.ping()
         assert client.local_endpoint == str(folder / "k-local.sock")
+
+
+def test_local_sockets_bind_random_abstract_addresses_never_autobind_ones(daemon):
+    """Autobind's 20-bit names come round again; a client's or worker's own address is 128 random bits."""
+    from kvcache.worker import TableSubscriber
+
+    d = daemon("--rows", "full", "--block-size", "16", "--num-blocks", "100")
+    with CacheClient(d.endpoint, local=True) as a, CacheClient(d.endpoint, local=True) as b, \
+            TableSubscriber(d.endpoint, max_slots=4, max_blocks=8, local=True) as sub:
+        assert a.ping() and b.ping()  # a client opens the local endpoint with its first request
+        assert sub.local and a.local_endpoint and b.local_endpoint
+        names = [a._local.getsockname(), b._local.getsockname(), sub._local.getsockname()]
+        for name, kind in zip(names, (b"client", b"client", b"worker")):
+            prefix = b"\0kvcache-" + kind + b"-"
+            assert name.startswith(prefix), name
+            assert len(name) == len(prefix) + 32 and int(name[len(prefix):], 16) >= 0
+        assert len(set(names)) == 3
+        assert a.admit(1, np.arange(20)) is not None
+        sub.wait_for(a.last_seq, timeout=5, epoch=a.last_epoch)
+        assert sub.table(1).tolist() == a.table(1).tolist()
