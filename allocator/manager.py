@@ -409,7 +409,7 @@ class KVCacheManager:
         allocation = self._pool.allocate(num_new, ascending=True)  # a prompt's blocks side by side: longer copies
         assert allocation is not None, "allocation failed after the free-block check"
         self._forget(allocation.evicted_rows, allocation.evicted_blocks)
-        capacity = _grow(num_blocks, 4)
+        capacity = _grow(num_blocks + 1, 4)  # room for the block its first extend opens (a power-of-two prompt's)
         table = np.full((len(self._group_col), capacity), -1, dtype=np.int32)
         if hit is not None:
             table[:, :num_hit] = hit
@@ -685,6 +685,9 @@ class KVCacheManager:
         allocation. Otherwise the run goes one by one. Events keep the
         one-by-one order: each open's evictions, then each fill's store.
         """
+        if not (self._window_groups or self._expand or self.enable_events):
+            self._extend_plain_run(index, slots, flat, offsets, t, ok, changed, counts)
+            return
         bs = self.block_size
         s = slots[index]
         tt = t[index]
@@ -793,6 +796,58 @@ class KVCacheManager:
             self._fast_limit[s] = np.where(fills, tt + 1, tt + bs - 1)
         for j in recycled:
             self._refresh(by_slot[s[j]])  # the next recycling point moved on
+
+    def _extend_plain_run(self, index: np.ndarray, slots: np.ndarray, flat: np.ndarray, offsets: np.ndarray,
+                          t: np.ndarray, ok: np.ndarray, changed: list[_Chunk], counts: np.ndarray) -> None:
+        """``_extend_run`` where no row has a window, rows are groups and events are off: two C passes.
+
+        ``_tables.run_prepare`` gathers the run (who opens a block, who fills
+        one, and the filled blocks' tokens); the pool, hasher and index checks
+        and calls stay here; ``_tables.run_commit`` writes every slot array,
+        table column and request record, as the general path does.
+        """
+        bs, m, groups = self.block_size, index.size, len(self._group_col)
+        hashing = self._hasher is not None
+        s, tt, tok = np.empty(m, dtype=np.intp), np.empty(m, dtype=np.int64), np.empty(m, dtype=np.uint32)
+        need, fill = np.empty(m, dtype=np.intp), np.empty(m, dtype=np.intp)
+        blocks_tok = np.empty((m if hashing else 0, bs), dtype=np.uint32)
+        parents = np.empty((m if hashing else 0, _H), dtype=np.uint8)
+        num_need, num_fill = _tables.run_prepare(index, slots, flat, offsets, t, self._tail, self._last_hash, s, tt,
+                                                 tok, need, fill, blocks_tok, parents, hashing)
+        pool = self._pool
+        if num_need and (pool.num_free() < num_need).any():
+            self._extend_each(index, slots, flat, counts, offsets, t, ok, changed)
+            return
+        hashes = b""
+        if num_fill:
+            hashes = self._hasher.hash_each(blocks_tok[:num_fill], parents[:num_fill].tobytes())
+            if (num_fill > 1 and len(set(np.frombuffer(hashes, dtype=_PACKED).tolist())) < num_fill) or \
+                    self._index.any_known(hashes):
+                self._extend_each(index, slots, flat, counts, offsets, t, ok, changed)
+                return
+        # Commit: nothing below can fail.
+        if num_need:
+            allocation = pool.allocate(num_need)
+            assert allocation is not None, "allocation failed after the free-block check"
+            self._forget(allocation.evicted_rows, allocation.evicted_blocks)
+            new_blocks = np.ascontiguousarray(allocation.blocks, dtype=np.int32)  # [groups, num_need], in order
+        else:
+            new_blocks = np.empty((groups, 0), dtype=np.int32)
+        need = need[:num_need]
+        cols = np.empty(num_need, dtype=np.int32)
+        filled = np.empty((num_fill, groups), dtype=np.int32)
+        by_slot = self._by_slot
+        for q in _tables.run_commit(s, tt, tok, need, fill[:num_fill], new_blocks, by_slot, self._tail, self._ntok,
+                                    self._changed_ok, self._last_block, self._width, self._fast_limit,
+                                    self._last_hash, hashes, cols, filled, hashing):
+            req, col = by_slot[s[need[q]]], int(cols[q])  # a full table: twice the columns
+            req.table = _widen(req.table, col, _grow(col + 1, 4))
+            req.table[:, col] = new_blocks[:, q]
+        if num_need:
+            changed.append(_Chunk(index[need], np.ones(num_need, dtype=np.int32), cols, new_blocks))
+        if num_fill:
+            self._index.insert_new(hashes, filled)
+            pool.mark_cached_columns(filled)
 
     def _forget_each(self, allocation: Allocation, opens: np.ndarray) -> list[tuple[int, int, CacheEvent]]:
         """``_forget`` of a run's evictions one open at a time, in order; their events, tagged with the open's position.

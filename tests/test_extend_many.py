@@ -28,11 +28,14 @@ SHAPES = {
 PREFIXES = [list(range(40)), list(range(1000, 1040)), list(range(12)) + list(range(5000, 5028))]
 
 
-def twins(shape: str, num_blocks: int, caching: bool, algorithm: str, block_size: int = BS
+def twins(shape: str, num_blocks: int, caching: bool, algorithm: str, block_size: int = BS, events: bool = True
           ) -> tuple[KVCacheManager, KVCacheManager]:
-    """Two identical managers: one is driven by batches, the other one request at a time."""
+    """Two identical managers: one is driven by batches, the other one request at a time.
+
+    Without events, uniform rows take the C run of a decode step (``_extend_plain_run``).
+    """
     make = lambda: KVCacheManager(num_blocks, block_size, SHAPES[shape], enable_prefix_caching=caching,
-                                  hash_algorithm=algorithm, hash_seed=b"twins", enable_events=True)
+                                  hash_algorithm=algorithm, hash_seed=b"twins", enable_events=events)
     return make(), make()
 
 
@@ -68,10 +71,10 @@ step = st.one_of(
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(shape=st.sampled_from(sorted(SHAPES)), num_blocks=st.integers(4, 48), caching=st.booleans(),
        algorithm=st.sampled_from(["sha256", "sha256_cbor"]), block_size=st.sampled_from([1, BS]),
-       steps=st.lists(step, max_size=60))
-def test_extend_many_equals_extends_one_at_a_time(shape, num_blocks, caching, algorithm, block_size, steps):
+       steps=st.lists(step, max_size=60), events=st.booleans())
+def test_extend_many_equals_extends_one_at_a_time(shape, num_blocks, caching, algorithm, block_size, steps, events):
     """Random admits, frees and decode batches (evictions, no room, shared prefixes): the twins never differ."""
-    batched, single = twins(shape, num_blocks, caching, algorithm, block_size)
+    batched, single = twins(shape, num_blocks, caching, algorithm, block_size, events)
     live: list[int] = []
     next_id = 0
     for op in steps:
@@ -137,10 +140,12 @@ def test_extend_many_equals_extends_one_at_a_time(shape, num_blocks, caching, al
        prompts=st.lists(st.tuples(st.integers(0, 2), st.integers(1, 24), st.sampled_from([None, None, "salt"])),
                         min_size=1, max_size=10),
        steps=st.lists(st.tuples(st.lists(st.sampled_from([1] * 8 + [0, 2]), min_size=10, max_size=10),
-                                st.integers(0, 9), st.integers(0, 3)), min_size=1, max_size=30))
-def test_decode_steps_equal_extends_one_at_a_time(shape, num_blocks, caching, algorithm, block_size, prompts, steps):
+                                st.integers(0, 9), st.integers(0, 3)), min_size=1, max_size=30),
+       events=st.booleans())
+def test_decode_steps_equal_extends_one_at_a_time(shape, num_blocks, caching, algorithm, block_size, prompts, steps,
+                                                  events):
     """Steps of a running server: every live request decodes (mostly one token), one finishes, one arrives."""
-    batched, single = twins(shape, num_blocks, caching, algorithm, block_size)
+    batched, single = twins(shape, num_blocks, caching, algorithm, block_size, events)
     live: list[int] = []
 
     def admit(rid: int, base: int, keep: int, salt: str | None) -> None:
@@ -211,3 +216,61 @@ def test_extend_many_takes_strided_counts_and_any_integer_tokens():
     assert [t.tolist() for t in got] == [t.tolist() for t in want]
     assert [a.num_tokens(r) for r in range(3)] == [b.num_tokens(r) for r in range(3)] == [4, 5, 4]
     assert a.lookup([0, 1, 2, 5, 0]) == b.lookup([0, 1, 2, 5, 0]) == 4
+
+
+def test_uniform_decode_steps_take_the_c_run_and_match_the_general_path(monkeypatch):
+    """Without events a uniform manager's block-crossing extends go through _tables.run_commit; with events
+    (the general numpy path) the same steps give the same tables, free counts and prefix hits."""
+    from kvcache.allocator import _tables
+
+    calls = []
+    real = _tables.run_commit
+    monkeypatch.setattr(_tables, "run_commit", lambda *a: calls.append(len(a[3])) or real(*a))
+    c_run, general = (KVCacheManager(64, 4, enable_prefix_caching=True, hash_seed=b"x", enable_events=e)
+                      for e in (False, True))
+    rng = np.random.default_rng(3)
+    for m in (c_run, general):
+        for rid in range(6):
+            assert m.admit(rid, np.arange(rid * 100, rid * 100 + 3 + rid)) is not None
+    rids = list(range(6))
+    for step in range(12):
+        tokens = rng.integers(0, 50, 6)
+        a, b = c_run.extend_many_deltas(rids, tokens, [1] * 6), general.extend_many_deltas(rids, tokens, [1] * 6)
+        for field in ("lens", "index", "offsets", "cols", "vals"):
+            assert getattr(a, field).tolist() == getattr(b, field).tolist(), (step, field)
+        c_run.check_integrity()
+    assert sum(calls) >= 6 and c_run.num_free_blocks.tolist() == general.num_free_blocks.tolist()
+    for rid in rids:
+        assert c_run.table(rid).tolist() == general.table(rid).tolist()
+        prompt = np.arange(rid * 100, rid * 100 + 3 + rid)
+        assert c_run.lookup(prompt) == general.lookup(prompt)
+
+
+def test_run_commit_checks_everything_before_it_writes():
+    """A run whose need index, slot or sizes are wrong raises ValueError and leaves every array as it was."""
+    from kvcache.allocator import _tables
+
+    m = KVCacheManager(64, 4, enable_prefix_caching=True, hash_seed=b"x", enable_events=False)
+    for rid in range(3):
+        m.admit(rid, np.arange(4 * rid, 4 * rid + 4))  # full blocks: the next extend opens one
+    state = lambda: [a.copy() for a in (m._tail, m._ntok, m._changed_ok, m._last_block, m._width, m._fast_limit,
+                                        m._last_hash)] + [m.table(r).tolist() for r in range(3)]
+    before = state()
+    s = np.array([m._slot_of[r] for r in range(3)], dtype=np.intp)
+    tt = m._ntok[s].copy()
+    tok = np.array([7, 8, 9], dtype=np.uint32)
+    blocks = np.array([[60, 61, 62]], dtype=np.int32)
+    arrays = (m._tail, m._ntok, m._changed_ok, m._last_block, m._width, m._fast_limit, m._last_hash)
+    empty = np.empty((0, 1), dtype=np.int32)
+    for need, slots, new in [(np.array([0, 1, 3], dtype=np.intp), s, blocks),  # need past the run
+                             (np.array([0, 1, 2], dtype=np.intp), np.array([*s[:2], 10**6], dtype=np.intp), blocks),
+                             (np.array([0, 1, 2], dtype=np.intp), s, blocks[:, :2].copy())]:  # a block short
+        with pytest.raises(ValueError):
+            _tables.run_commit(slots, tt, tok, need, np.empty(0, dtype=np.intp), new, m._by_slot, *arrays, b"",
+                               np.empty(3, dtype=np.int32), empty, True)
+        assert all(np.array_equal(x, y) for x, y in zip(state()[:7], before[:7])) and state()[7:] == before[7:]
+    with pytest.raises(ValueError):
+        _tables.run_prepare(np.array([5], dtype=np.intp), s, tok, np.zeros(3, dtype=np.int64), tt, m._tail,
+                            m._last_hash, *(np.empty(1, dtype=d) for d in (np.intp, np.int64, np.uint32, np.intp,
+                                                                          np.intp)),
+                            np.empty((1, 4), dtype=np.uint32), np.empty((1, 32), dtype=np.uint8), True)
