@@ -738,12 +738,15 @@ class PrefixIndex:
         if grow:
             start = self._num_entries
             self._num_entries += grow
-            ids = np.concatenate([ids, np.arange(start, self._num_entries, dtype=np.intp)])
+            fresh = np.arange(start, self._num_entries, dtype=np.intp)
+            ids = np.concatenate([ids, fresh]) if reuse else fresh  # a filling cache has no spares
             if self._num_entries > len(self._holders):
                 extra = max(self._num_entries, 2 * len(self._holders)) - len(self._holders)
                 self._blocks = np.concatenate([self._blocks, np.full((extra, self._rows), -1, dtype=np.int32)])
                 self._holders = np.concatenate([self._holders, np.zeros(extra, dtype=np.int32)])
                 self._hash_of = np.concatenate([self._hash_of, np.zeros(extra, dtype=_PACKED)])
+            if not reuse:
+                return ids
         return ids.copy()
 
 
