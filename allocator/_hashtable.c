@@ -260,15 +260,18 @@ PyDoc_STRVAR(insert_new_doc,
              "blocks[i, :] (int32 [n, rows]) in entry_blocks (int32 [entries, rows]), the reverse map\n"
              "entry_at[r, b] = entry (int32 [rows, num_blocks]) and holders[entry] = rows; then the entry goes\n"
              "in the table. Raises AssertionError, changing nothing, if a block is out of range or a pair\n"
-             "already holds a hash. Returns the keys inserted. The caller guarantees table room.");
+             "already holds a hash. Returns the keys inserted. The caller guarantees table room. With\n"
+             "fresh_only, returns -1 and changes nothing where a hash is already in the table or a block is -1\n"
+             "(the caller takes the general path): the check and the insert in one call.");
 
 static PyObject *insert_new(PyObject *self, PyObject *args)
 {
     Py_buffer slots, hashes, entries, blocks, hash_of, entry_blocks, entry_at, holders;
     unsigned long long seed;
+    int fresh_only = 0;
     (void)self;
-    if (!PyArg_ParseTuple(args, "w*Ky*y*y*w*w*w*w*", &slots, &seed, &hashes, &entries, &blocks, &hash_of,
-                          &entry_blocks, &entry_at, &holders)) {
+    if (!PyArg_ParseTuple(args, "w*Ky*y*y*w*w*w*w*|p", &slots, &seed, &hashes, &entries, &blocks, &hash_of,
+                          &entry_blocks, &entry_at, &holders, &fresh_only)) {
         return NULL;
     }
     PyObject *result = NULL;
@@ -297,8 +300,16 @@ static PyObject *insert_new(PyObject *self, PyObject *args)
                              cap);
                 goto done;
             }
+            if (fresh_only && t.slots[probe(&t, k + i * KEY_BYTES, tag_of(&t, k + i * KEY_BYTES))].entry >= 0) {
+                result = PyLong_FromLong(-1); /* known already: nothing written */
+                goto done;
+            }
             for (Py_ssize_t r = 0; r < rows; r++) {
                 const int32_t blk = b[i * rows + r];
+                if (fresh_only && blk == -1) {
+                    result = PyLong_FromLong(-1); /* a row without a block: nothing written */
+                    goto done;
+                }
                 if (blk < 0 || blk >= num_blocks || at[r * num_blocks + blk] >= 0) {
                     PyErr_Format(PyExc_AssertionError, "a pair already holds a hash (or is out of range): row %zd, "
                                  "block %d", r, (int)blk);

@@ -537,11 +537,11 @@ class PrefixIndex:
         """
         if len(hashes) == HASH_BYTES:
             return self._insert_one(hashes, blocks[0])
+        if self._put_new(hashes, blocks, fresh_only=True):
+            # Every hash new and every row holding a block (an admit's blocks past its hit): no merging.
+            n = len(hashes) // HASH_BYTES
+            return Inserted(np.ones((n, self._rows), dtype=bool), np.ones(n, dtype=bool), True)
         found = self._find(hashes, stop_at_miss=False)
-        if int(found.max(initial=-1)) < 0 and int(blocks.min(initial=0)) >= 0:
-            # Every hash new and every row holding a block (an admit without a prefix hit): no merging.
-            self.insert_new(hashes, blocks)
-            return Inserted(np.ones(blocks.shape, dtype=bool), np.ones(len(found), dtype=bool), True)
         entries = found.astype(np.intp)
         fresh = np.flatnonzero(entries < 0)
         packed = np.frombuffer(hashes, dtype=_PACKED)
@@ -573,19 +573,29 @@ class PrefixIndex:
         A decode step's newly full blocks once ``any_known`` said none is known:
         no lookup and no duplicate handling; every pair is newly registered.
         """
+        self._put_new(hashes, blocks, fresh_only=False)
+
+    def _put_new(self, hashes: bytes, blocks: np.ndarray, *, fresh_only: bool) -> bool:
+        """``insert_new``'s one C pass; with ``fresh_only`` it first checks that no hash is known and no block
+        is -1, and returns False, changing nothing, where one is (the caller takes the general path)."""
         count = len(hashes) // HASH_BYTES
         if count == 0:
-            return
+            return True
         entries = self._take_entries(count)
         self._reserve_keys(count)
-        try:  # one C pass: checks every pair is free (AssertionError, nothing written), then writes and keys
-            self._count += _hashtable.insert_new(
+        try:  # checks every pair is free (AssertionError, nothing written), then writes and keys
+            added = _hashtable.insert_new(
                 self._slots, self._seed, hashes, entries.astype(np.int64, copy=False),
                 np.ascontiguousarray(blocks, dtype=np.int32), self._hash_of, self._blocks, self._entry_at,
-                self._holders)
+                self._holders, fresh_only)
         except AssertionError:
             self._push_spare(entries[::-1])
             raise
+        if added < 0:
+            self._push_spare(entries[::-1])
+            return False
+        self._count += added
+        return True
 
     def _insert_one(self, block_hash: bytes, blocks: np.ndarray) -> Inserted:
         """``insert`` of a single hash (a decode step filling one block) with scalar steps, not array passes."""

@@ -149,6 +149,27 @@ def test_insert_new_refuses_a_pair_that_already_holds_a_hash_and_changes_nothing
     index.check_integrity()
 
 
+def test_insert_of_a_chain_with_a_known_hash_or_a_hole_takes_the_general_path():
+    """insert tries the one-pass insert of new hashes first; a known hash (in any position) or a row without a
+    block makes it change nothing and fall back, which keeps the row that already holds a hash."""
+    index = PrefixIndex(2, 32)
+    index.insert(packed([1, 2]), np.array([[5, 6], [7, 8]], dtype=np.int32))
+    before = (index._blocks.copy(), index._entry_at.copy(), index._holders.copy(), index._slots.copy())
+    fresh = index._put_new(packed([3, 2]), np.array([[9, 10], [11, 12]], dtype=np.int32), fresh_only=True)
+    assert not fresh and h(3) not in index  # hash 2 is known: nothing written
+    hole = index._put_new(packed([3, 4]), np.array([[9, 10], [11, -1]], dtype=np.int32), fresh_only=True)
+    assert not hole and h(3) not in index and h(4) not in index
+    assert all(np.array_equal(a, b) for a, b in zip(before, (index._blocks, index._entry_at, index._holders,
+                                                             index._slots)))
+    got = index.insert(packed([3, 2, 4]), np.array([[9, 10], [11, 12], [13, -1]], dtype=np.int32))
+    assert got.new.tolist() == [True, False, True] and not got.everything
+    assert got.added.tolist() == [[True, True], [False, False], [True, False]]
+    assert index.match(packed([1, 2, 3, 4])).tolist() == [[5, 6], [7, 8], [9, 10], [13, -1]]
+    every = index.insert(packed([20, 21]), np.array([[14, 15], [16, 17]], dtype=np.int32))
+    assert every.everything and every.added.all() and every.new.all()
+    index.check_integrity()
+
+
 def test_hash_table_rejects_malformed_buffers_and_changes_nothing():
     import pytest
 
