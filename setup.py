@@ -45,6 +45,12 @@ EXTENSIONS: list[Extension] = [
         ["transfer/_copy.c"],
         extra_compile_args=["-O3", "-std=gnu11", "-Wall", "-Wextra"],
     ),
+    # The daemon protocol's msgpack codec, arrays included, without a Python call per array.
+    Extension(
+        "kvcache._wire",
+        ["kvcache/_wire.c"],
+        extra_compile_args=["-O3", "-std=gnu11", "-Wall", "-Wextra"],
+    ),
 ]
 
 setup(ext_modules=EXTENSIONS)

@@ -115,6 +115,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from kvcache import _wire
 from kvcache.allocator.errors import KVCacheError
 from kvcache.allocator.prefix import as_token_array
 
@@ -211,9 +212,16 @@ def _default(obj: Any) -> Any:
     raise TypeError(f"cannot encode {type(obj).__name__}")
 
 
+_wire.configure(ProtocolError, np.frombuffer, np.ndarray, np.integer, np.floating, msgpack.ExtType, _CODES,
+                _NATIVE_CODE if _LITTLE_HOST else None, _default)
+
+
 def pack(obj: Any) -> bytes:
-    """Encode a protocol message (numpy arrays become array exts)."""
-    return msgpack.packb(obj, default=_default, use_bin_type=True)
+    """Encode a protocol message (numpy arrays become array exts), in C (``kvcache._wire``).
+
+    The bytes are msgpack-python's ``packb(obj, use_bin_type=True, default=...)`` (``pack_reference``).
+    """
+    return _wire.packb(obj)
 
 
 def unpack(data: bytes, max_bytes: int, max_items: int | None = None) -> Any:
@@ -221,17 +229,27 @@ def unpack(data: bytes, max_bytes: int, max_items: int | None = None) -> Any:
 
     ``max_items`` caps every list and map, so a message of millions of tiny
     items (a token list instead of an array) is refused before it is built.
+    Decoded in C (``kvcache._wire``) as ``unpack_reference`` decodes it.
     """
     if len(data) > max_bytes:
         raise ProtocolError(f"message: {len(data)} bytes exceeds the limit of {max_bytes}")
-    limits = {} if max_items is None else {"max_array_len": max_items, "max_map_len": max_items}
     try:
-        return msgpack.unpackb(data, ext_hook=_decode_ext, raw=False, strict_map_key=False, use_list=True,
-                               **limits)
+        return _wire.unpackb(data, -1 if max_items is None else max_items)
     except ProtocolError:
         raise
-    except Exception as exc:  # msgpack raises several types for malformed input
+    except Exception as exc:  # malformed msgpack raises several types
         raise ProtocolError(f"message: not valid msgpack ({type(exc).__name__}: {exc})") from None
+
+
+def pack_reference(obj: Any) -> bytes:
+    """``pack`` through msgpack-python and Python hooks: the reference the C codec is tested against."""
+    return msgpack.packb(obj, default=_default, use_bin_type=True)
+
+
+def unpack_reference(data: bytes, max_items: int | None = None) -> Any:
+    """``unpack`` (without its size check or error wrapping) through msgpack-python and Python hooks."""
+    limits = {} if max_items is None else {"max_array_len": max_items, "max_map_len": max_items}
+    return msgpack.unpackb(data, ext_hook=_decode_ext, raw=False, strict_map_key=False, use_list=True, **limits)
 
 
 # ----------------------------------------------------------------------------- validation
