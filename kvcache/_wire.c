@@ -276,7 +276,12 @@ static int pack_obj(out_t *o, PyObject *obj, int depth, int fallback_allowed)
         Py_ssize_t pos = 0;
         PyObject *key, *value;
         while (PyDict_Next(obj, &pos, &key, &value)) {
-            if (pack_obj(o, key, depth + 1, 1) < 0 || pack_obj(o, value, depth + 1, 1) < 0)
+            Py_INCREF(key); /* a fallback call could change the dict: hold what is being packed */
+            Py_INCREF(value);
+            const int rc = pack_obj(o, key, depth + 1, 1) < 0 || pack_obj(o, value, depth + 1, 1) < 0 ? -1 : 0;
+            Py_DECREF(key);
+            Py_DECREF(value);
+            if (rc < 0)
                 return -1;
         }
         return 0;
