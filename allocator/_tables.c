@@ -183,260 +183,6 @@ done:
     return result;
 }
 
-/* ------------------------------------------------------------------ a decode step's block-crossing run */
-
-#define RUN_HASH_BYTES 32
-
-PyDoc_STRVAR(run_prepare_doc,
-"run_prepare(index, slots, flat, offsets, t, tail, last_hash, s, tt, tok, need, fill, blocks_tok, parents,\n"
-"            hashing) -> (opens, fills)\n\n"
-"Gathers a run of one-token extends for KVCacheManager._extend_run, writing only its outputs (each with room\n"
-"for m = len(index) items): for batch positions index[j] (intp), s[j] = slots[index[j]] (intp), tt[j] =\n"
-"t[index[j]] (int64: tokens before), tok[j] = flat[offsets[index[j]]] (uint32; offsets int64). need[:opens]\n"
-"(intp) lists the j at a block boundary (they open a block); with hashing, fill[:fills] the j whose token\n"
-"fills its block, blocks_tok[q] (uint32 [m, block_size]) that block's tokens (tail, then the token) and\n"
-"parents[q] (uint8 [m, 32]) the hash before it (last_hash). ValueError on sizes or indices out of range.");
-
-static PyObject *run_prepare(PyObject *self, PyObject *args)
-{
-    (void)self;
-    Py_buffer index, slots, flat, offsets, t, tail, last_hash, s, tt, tok, need, fill, btok, parents;
-    int hashing;
-    if (!PyArg_ParseTuple(args, "y*y*y*y*y*y*y*w*w*w*w*w*w*w*p", &index, &slots, &flat, &offsets, &t, &tail,
-                          &last_hash, &s, &tt, &tok, &need, &fill, &btok, &parents, &hashing))
-        return NULL;
-    PyObject *result = NULL;
-    const Py_ssize_t m = index.len / (Py_ssize_t)sizeof(Py_ssize_t);
-    const Py_ssize_t n = slots.len / (Py_ssize_t)sizeof(Py_ssize_t);
-    const Py_ssize_t num_flat = flat.len / (Py_ssize_t)sizeof(uint32_t);
-    const Py_ssize_t cap = last_hash.len / RUN_HASH_BYTES;
-    const Py_ssize_t bs = cap ? tail.len / (Py_ssize_t)sizeof(uint32_t) / cap : 0;
-    const Py_ssize_t room = hashing ? m : 0;
-    if (index.len % (Py_ssize_t)sizeof(Py_ssize_t) || offsets.len != n * (Py_ssize_t)sizeof(int64_t)
-        || t.len != n * (Py_ssize_t)sizeof(int64_t) || (m && bs < 1) || last_hash.len != cap * RUN_HASH_BYTES
-        || tail.len != cap * bs * (Py_ssize_t)sizeof(uint32_t) || s.len < m * (Py_ssize_t)sizeof(Py_ssize_t)
-        || tt.len < m * (Py_ssize_t)sizeof(int64_t) || tok.len < m * (Py_ssize_t)sizeof(uint32_t)
-        || need.len < m * (Py_ssize_t)sizeof(Py_ssize_t) || fill.len < m * (Py_ssize_t)sizeof(Py_ssize_t)
-        || btok.len < room * bs * (Py_ssize_t)sizeof(uint32_t) || parents.len < room * RUN_HASH_BYTES) {
-        PyErr_SetString(PyExc_ValueError, "run_prepare: array sizes disagree");
-        goto done;
-    }
-    const Py_ssize_t *idx = index.buf, *slot = slots.buf;
-    const int64_t *off = offsets.buf, *before = t.buf;
-    const uint32_t *tokens = flat.buf, *tl = tail.buf;
-    const uint8_t *lh = last_hash.buf;
-    Py_ssize_t *s_out = s.buf, *need_out = need.buf, *fill_out = fill.buf;
-    int64_t *tt_out = tt.buf;
-    uint32_t *tok_out = tok.buf, *blocks = btok.buf;
-    uint8_t *par = parents.buf;
-    Py_ssize_t opens = 0, fills = 0;
-    for (Py_ssize_t j = 0; j < m; j++) {
-        const Py_ssize_t i = idx[j];
-        if (i < 0 || i >= n || slot[i] < 0 || slot[i] >= cap || off[i] < 0 || off[i] >= num_flat || before[i] < 0) {
-            PyErr_Format(PyExc_ValueError, "run_prepare: index[%zd] = %zd, its slot, offset or count is out of range",
-                         j, i);
-            goto done;
-        }
-        const Py_ssize_t sl = slot[i];
-        const int64_t pos = before[i] % bs;
-        s_out[j] = sl;
-        tt_out[j] = before[i];
-        tok_out[j] = tokens[off[i]];
-        if (pos == 0)
-            need_out[opens++] = j;
-        if (hashing && pos == bs - 1) {
-            memcpy(blocks + fills * bs, tl + sl * bs, (size_t)bs * sizeof(uint32_t));
-            blocks[fills * bs + bs - 1] = tok_out[j];
-            memcpy(par + fills * RUN_HASH_BYTES, lh + sl * RUN_HASH_BYTES, RUN_HASH_BYTES);
-            fill_out[fills++] = j;
-        }
-    }
-    result = Py_BuildValue("nn", opens, fills);
-done:
-    PyBuffer_Release(&index);
-    PyBuffer_Release(&slots);
-    PyBuffer_Release(&flat);
-    PyBuffer_Release(&offsets);
-    PyBuffer_Release(&t);
-    PyBuffer_Release(&tail);
-    PyBuffer_Release(&last_hash);
-    PyBuffer_Release(&s);
-    PyBuffer_Release(&tt);
-    PyBuffer_Release(&tok);
-    PyBuffer_Release(&need);
-    PyBuffer_Release(&fill);
-    PyBuffer_Release(&btok);
-    PyBuffer_Release(&parents);
-    return result;
-}
-
-static PyObject *num_blocks_name, *changed_name, *view_name, *table_name;
-
-/* Request req's table as a writable int32 [rows, capacity] buffer; -1 (ValueError set) otherwise. */
-static int request_table(PyObject *req, Py_ssize_t rows, Py_buffer *b)
-{
-    PyObject *table = PyObject_GetAttr(req, table_name);
-    if (!table)
-        return -1;
-    const int got = PyObject_GetBuffer(table, b, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE | PyBUF_FORMAT);
-    Py_DECREF(table); /* the request keeps it alive */
-    if (got < 0)
-        return -1;
-    if (b->ndim != 2 || b->itemsize != 4 || !b->format || (b->format[0] != 'i' && b->format[0] != 'l')
-        || b->format[1] != '\0' || b->shape[0] != rows) {
-        PyBuffer_Release(b);
-        PyErr_Format(PyExc_ValueError, "run_commit: a request's table is not an int32 [%zd, capacity] array", rows);
-        return -1;
-    }
-    return 0;
-}
-
-PyDoc_STRVAR(run_commit_doc,
-"run_commit(s, tt, tok, need, fill, new_blocks, by_slot, tail, ntok, changed_ok, last_block, width, fast_limit,\n"
-"           last_hash, hashes, cols, filled, hashing) -> list[int]\n\n"
-"Commits a run gathered by run_prepare once its blocks are allocated (uniform rows, no window, no events):\n"
-"each request s[j] takes token tok[j] at tt[j]; request s[need[q]] gets new_blocks[:, q] (int32 C-contiguous\n"
-"[rows, len(need)]) as its next column (its old width goes to cols[q], int32), num_blocks + 1, changed and\n"
-"view None; fill[q]'s last_hash becomes hashes[q] (32 bytes each) and filled[q] (int32 [len(fill), rows])\n"
-"its last column's blocks; fast_limit as KVCacheManager._refresh leaves it. Returns, ascending, the q whose\n"
-"table had no room for the column (the caller widens and writes those). Checks everything first: an error\n"
-"(ValueError) changes nothing.");
-
-static PyObject *run_commit(PyObject *self, PyObject *args)
-{
-    (void)self;
-    Py_buffer s, tt, tok, need, fill, nb, tail, ntok, changed_ok, last_block, width, limit, last_hash, hashes, cols,
-        filled;
-    PyObject *by_slot;
-    int hashing;
-    if (!PyArg_ParseTuple(args, "y*y*y*y*y*y*O!w*w*w*w*w*w*w*y*w*w*p", &s, &tt, &tok, &need, &fill, &nb,
-                          &PyList_Type, &by_slot, &tail, &ntok, &changed_ok, &last_block, &width, &limit, &last_hash,
-                          &hashes, &cols, &filled, &hashing))
-        return NULL;
-    PyObject *result = NULL;
-    const Py_ssize_t m = s.len / (Py_ssize_t)sizeof(Py_ssize_t);
-    const Py_ssize_t k = need.len / (Py_ssize_t)sizeof(Py_ssize_t);
-    const Py_ssize_t f = fill.len / (Py_ssize_t)sizeof(Py_ssize_t);
-    const Py_ssize_t cap = ntok.len / (Py_ssize_t)sizeof(int64_t);
-    const Py_ssize_t rows = cap ? last_block.len / (Py_ssize_t)sizeof(int32_t) / cap : 0;
-    const Py_ssize_t bs = cap ? tail.len / (Py_ssize_t)sizeof(uint32_t) / cap : 0;
-    if (tt.len != m * (Py_ssize_t)sizeof(int64_t) || tok.len != m * (Py_ssize_t)sizeof(uint32_t)
-        || need.len % (Py_ssize_t)sizeof(Py_ssize_t) || fill.len % (Py_ssize_t)sizeof(Py_ssize_t)
-        || (m && (rows < 1 || bs < 1)) || nb.len != rows * k * (Py_ssize_t)sizeof(int32_t)
-        || tail.len != cap * bs * (Py_ssize_t)sizeof(uint32_t) || changed_ok.len != cap
-        || last_block.len != cap * rows * (Py_ssize_t)sizeof(int32_t) || width.len != cap * (Py_ssize_t)sizeof(int32_t)
-        || limit.len != ntok.len || last_hash.len != cap * RUN_HASH_BYTES || hashes.len != f * RUN_HASH_BYTES
-        || cols.len != k * (Py_ssize_t)sizeof(int32_t) || filled.len != f * rows * (Py_ssize_t)sizeof(int32_t)) {
-        PyErr_SetString(PyExc_ValueError, "run_commit: array sizes disagree");
-        goto done;
-    }
-    const Py_ssize_t *sl = s.buf, *nd = need.buf, *fl = fill.buf;
-    const int64_t *before = tt.buf;
-    const uint32_t *tk = tok.buf;
-    const int32_t *blocks = nb.buf;
-    uint32_t *tl = tail.buf;
-    int64_t *nt = ntok.buf, *lim = limit.buf;
-    uint8_t *ok = changed_ok.buf, *lh = last_hash.buf;
-    int32_t *lb = last_block.buf, *wd = width.buf, *col_out = cols.buf, *filled_out = filled.buf;
-    for (Py_ssize_t j = 0; j < m; j++) {
-        if (sl[j] < 0 || sl[j] >= cap || before[j] < 0) {
-            PyErr_Format(PyExc_ValueError, "run_commit: s[%zd] = %zd or tt[%zd] is out of range", j, sl[j], j);
-            goto done;
-        }
-    }
-    for (Py_ssize_t q = 0; q < k + f; q++) {
-        const Py_ssize_t j = q < k ? nd[q] : fl[q - k];
-        if (j < 0 || j >= m) {
-            PyErr_Format(PyExc_ValueError, "run_commit: %s[%zd] = %zd is outside [0, %zd)", q < k ? "need" : "fill",
-                         q < k ? q : q - k, j, m);
-            goto done;
-        }
-        if (q < k) {
-            PyObject *req = sl[j] < PyList_GET_SIZE(by_slot) ? PyList_GET_ITEM(by_slot, sl[j]) : Py_None;
-            Py_buffer b;
-            if (req == Py_None) {
-                PyErr_Format(PyExc_ValueError, "run_commit: slot %zd holds no request", sl[j]);
-                goto done;
-            }
-            if (request_table(req, rows, &b) < 0)
-                goto done;
-            PyBuffer_Release(&b);
-        }
-    }
-    result = PyList_New(0);
-    if (!result)
-        goto done;
-    for (Py_ssize_t j = 0; j < m; j++) { /* the token, as extend_fast writes it */
-        const int64_t pos = before[j] % bs;
-        tl[sl[j] * bs + pos] = tk[j];
-        nt[sl[j]] = before[j] + 1;
-        ok[sl[j]] = pos == 0;
-        lim[sl[j]] = !hashing ? before[j] + bs : pos == bs - 1 ? before[j] + 1 : before[j] + bs - 1;
-    }
-    for (Py_ssize_t q = 0; q < k; q++) { /* the opened blocks: the table's next column */
-        const Py_ssize_t slot = sl[nd[q]];
-        PyObject *req = PyList_GET_ITEM(by_slot, slot);
-        const int32_t col = wd[slot];
-        Py_buffer b;
-        if (request_table(req, rows, &b) < 0)
-            goto fail;
-        if (col < b.shape[1]) {
-            int32_t *table = b.buf;
-            for (Py_ssize_t r = 0; r < rows; r++)
-                table[r * b.shape[1] + col] = blocks[r * k + q];
-        } else {
-            PyObject *skipped = PyLong_FromSsize_t(q);
-            const int failed = !skipped || PyList_Append(result, skipped) < 0;
-            Py_XDECREF(skipped);
-            if (failed) {
-                PyBuffer_Release(&b);
-                goto fail;
-            }
-        }
-        PyBuffer_Release(&b);
-        PyObject *count = PyObject_GetAttr(req, num_blocks_name);
-        const Py_ssize_t now = count ? PyLong_AsSsize_t(count) : -1;
-        Py_XDECREF(count);
-        PyObject *more = now >= 0 ? PyLong_FromSsize_t(now + 1) : NULL;
-        const int failed = !more || PyObject_SetAttr(req, num_blocks_name, more) < 0
-                           || PyObject_SetAttr(req, changed_name, Py_None) < 0
-                           || PyObject_SetAttr(req, view_name, Py_None) < 0;
-        Py_XDECREF(more);
-        if (failed)
-            goto fail;
-        for (Py_ssize_t r = 0; r < rows; r++)
-            lb[slot * rows + r] = blocks[r * k + q];
-        col_out[q] = col;
-        wd[slot] = col + 1;
-    }
-    for (Py_ssize_t q = 0; q < f; q++) { /* the filled blocks: their hash, and the blocks that hold it */
-        const Py_ssize_t slot = sl[fl[q]];
-        memcpy(filled_out + q * rows, lb + slot * rows, (size_t)rows * sizeof(int32_t));
-        memcpy(lh + slot * RUN_HASH_BYTES, (const uint8_t *)hashes.buf + q * RUN_HASH_BYTES, RUN_HASH_BYTES);
-    }
-    goto done;
-fail: /* only a failed allocation or attribute write gets here, after the checks */
-    Py_CLEAR(result);
-done:
-    PyBuffer_Release(&s);
-    PyBuffer_Release(&tt);
-    PyBuffer_Release(&tok);
-    PyBuffer_Release(&need);
-    PyBuffer_Release(&fill);
-    PyBuffer_Release(&nb);
-    PyBuffer_Release(&tail);
-    PyBuffer_Release(&ntok);
-    PyBuffer_Release(&changed_ok);
-    PyBuffer_Release(&last_block);
-    PyBuffer_Release(&width);
-    PyBuffer_Release(&limit);
-    PyBuffer_Release(&last_hash);
-    PyBuffer_Release(&hashes);
-    PyBuffer_Release(&cols);
-    PyBuffer_Release(&filled);
-    return result;
-}
-
 PyDoc_STRVAR(mirror_step_doc,
 "mirror_step(reqs, lens, index, offsets, cols, vals, views, buffers) -> list | None\n\n"
 "A client's mirror update for a decode step's reply, in one pass: request reqs[j] is lens[j] columns wide\n"
@@ -582,6 +328,251 @@ done:
     PyBuffer_Release(&cols);
     PyBuffer_Release(&vals);
     return out;
+}
+
+/* ------------------------------------------------------------------ a decode step's block-crossing run */
+
+#define RUN_HASH_BYTES 32
+
+PyDoc_STRVAR(run_prepare_doc,
+"run_prepare(index, slots, flat, offsets, t, tail, last_hash, s, tt, tok, need, fill, blocks_tok, parents,\n"
+"            hashing) -> (opens, fills)\n\n"
+"Gathers a run of one-token extends for KVCacheManager._extend_run, writing only its outputs (each with room\n"
+"for m = len(index) items): for batch positions index[j] (intp), s[j] = slots[index[j]] (intp), tt[j] =\n"
+"t[index[j]] (int64: tokens before), tok[j] = flat[offsets[index[j]]] (uint32; offsets int64). need[:opens]\n"
+"(intp) lists the j at a block boundary (they open a block); with hashing, fill[:fills] the j whose token\n"
+"fills its block, blocks_tok[q] (uint32 [m, block_size]) that block's tokens (tail, then the token) and\n"
+"parents[q] (uint8 [m, 32]) the hash before it (last_hash). ValueError on sizes or indices out of range.");
+
+static PyObject *run_prepare(PyObject *self, PyObject *args)
+{
+    (void)self;
+    Py_buffer index, slots, flat, offsets, t, tail, last_hash, s, tt, tok, need, fill, btok, parents;
+    int hashing;
+    if (!PyArg_ParseTuple(args, "y*y*y*y*y*y*y*w*w*w*w*w*w*w*p", &index, &slots, &flat, &offsets, &t, &tail,
+                          &last_hash, &s, &tt, &tok, &need, &fill, &btok, &parents, &hashing))
+        return NULL;
+    PyObject *result = NULL;
+    const Py_ssize_t m = index.len / (Py_ssize_t)sizeof(Py_ssize_t);
+    const Py_ssize_t n = slots.len / (Py_ssize_t)sizeof(Py_ssize_t);
+    const Py_ssize_t num_flat = flat.len / (Py_ssize_t)sizeof(uint32_t);
+    const Py_ssize_t cap = last_hash.len / RUN_HASH_BYTES;
+    const Py_ssize_t bs = cap ? tail.len / (Py_ssize_t)sizeof(uint32_t) / cap : 0;
+    const Py_ssize_t room = hashing ? m : 0;
+    if (index.len % (Py_ssize_t)sizeof(Py_ssize_t) || offsets.len != n * (Py_ssize_t)sizeof(int64_t)
+        || t.len != n * (Py_ssize_t)sizeof(int64_t) || (m && bs < 1) || last_hash.len != cap * RUN_HASH_BYTES
+        || tail.len != cap * bs * (Py_ssize_t)sizeof(uint32_t) || s.len < m * (Py_ssize_t)sizeof(Py_ssize_t)
+        || tt.len < m * (Py_ssize_t)sizeof(int64_t) || tok.len < m * (Py_ssize_t)sizeof(uint32_t)
+        || need.len < m * (Py_ssize_t)sizeof(Py_ssize_t) || fill.len < m * (Py_ssize_t)sizeof(Py_ssize_t)
+        || btok.len < room * bs * (Py_ssize_t)sizeof(uint32_t) || parents.len < room * RUN_HASH_BYTES) {
+        PyErr_SetString(PyExc_ValueError, "run_prepare: array sizes disagree");
+        goto done;
+    }
+    const Py_ssize_t *idx = index.buf, *slot = slots.buf;
+    const int64_t *off = offsets.buf, *before = t.buf;
+    const uint32_t *tokens = flat.buf, *tl = tail.buf;
+    const uint8_t *lh = last_hash.buf;
+    Py_ssize_t *s_out = s.buf, *need_out = need.buf, *fill_out = fill.buf;
+    int64_t *tt_out = tt.buf;
+    uint32_t *tok_out = tok.buf, *blocks = btok.buf;
+    uint8_t *par = parents.buf;
+    Py_ssize_t opens = 0, fills = 0;
+    for (Py_ssize_t j = 0; j < m; j++) {
+        const Py_ssize_t i = idx[j];
+        if (i < 0 || i >= n || slot[i] < 0 || slot[i] >= cap || off[i] < 0 || off[i] >= num_flat || before[i] < 0) {
+            PyErr_Format(PyExc_ValueError, "run_prepare: index[%zd] = %zd, its slot, offset or count is out of range",
+                         j, i);
+            goto done;
+        }
+        const Py_ssize_t sl = slot[i];
+        const int64_t pos = before[i] % bs;
+        s_out[j] = sl;
+        tt_out[j] = before[i];
+        tok_out[j] = tokens[off[i]];
+        if (pos == 0)
+            need_out[opens++] = j;
+        if (hashing && pos == bs - 1) {
+            memcpy(blocks + fills * bs, tl + sl * bs, (size_t)bs * sizeof(uint32_t));
+            blocks[fills * bs + bs - 1] = tok_out[j];
+            memcpy(par + fills * RUN_HASH_BYTES, lh + sl * RUN_HASH_BYTES, RUN_HASH_BYTES);
+            fill_out[fills++] = j;
+        }
+    }
+    result = Py_BuildValue("nn", opens, fills);
+done:
+    PyBuffer_Release(&index);
+    PyBuffer_Release(&slots);
+    PyBuffer_Release(&flat);
+    PyBuffer_Release(&offsets);
+    PyBuffer_Release(&t);
+    PyBuffer_Release(&tail);
+    PyBuffer_Release(&last_hash);
+    PyBuffer_Release(&s);
+    PyBuffer_Release(&tt);
+    PyBuffer_Release(&tok);
+    PyBuffer_Release(&need);
+    PyBuffer_Release(&fill);
+    PyBuffer_Release(&btok);
+    PyBuffer_Release(&parents);
+    return result;
+}
+
+static PyObject *num_blocks_name, *changed_name, *view_name, *table_name;
+
+/* Request req's table: its capacity in columns (data in *data; a writable int32 [rows, capacity] array, which
+ * the request keeps alive), or -1 with ValueError set. */
+static Py_ssize_t request_table(PyObject *req, Py_ssize_t rows, int32_t **data)
+{
+    PyObject *table = PyObject_GetAttr(req, table_name);
+    if (!table)
+        return -1;
+    const Py_ssize_t capacity = columns_of(table, rows, data, 1);
+    Py_DECREF(table);
+    if (capacity < 0)
+        PyErr_Format(PyExc_ValueError, "run_commit: a request's table is not an int32 [%zd, capacity] array", rows);
+    return capacity;
+}
+
+PyDoc_STRVAR(run_commit_doc,
+"run_commit(s, tt, tok, need, fill, new_blocks, by_slot, tail, ntok, changed_ok, last_block, width, fast_limit,\n"
+"           last_hash, hashes, cols, filled, hashing) -> list[int]\n\n"
+"Commits a run gathered by run_prepare once its blocks are allocated (uniform rows, no window, no events):\n"
+"each request s[j] takes token tok[j] at tt[j]; request s[need[q]] gets new_blocks[:, q] (int32 C-contiguous\n"
+"[rows, len(need)]) as its next column (its old width goes to cols[q], int32), num_blocks + 1, changed and\n"
+"view None; fill[q]'s last_hash becomes hashes[q] (32 bytes each) and filled[q] (int32 [len(fill), rows])\n"
+"its last column's blocks; fast_limit as KVCacheManager._refresh leaves it. Returns, ascending, the q whose\n"
+"table had no room for the column (the caller widens and writes those). Checks everything first: an error\n"
+"(ValueError) changes nothing.");
+
+static PyObject *run_commit(PyObject *self, PyObject *args)
+{
+    (void)self;
+    Py_buffer s, tt, tok, need, fill, nb, tail, ntok, changed_ok, last_block, width, limit, last_hash, hashes, cols,
+        filled;
+    PyObject *by_slot;
+    int hashing;
+    if (!PyArg_ParseTuple(args, "y*y*y*y*y*y*O!w*w*w*w*w*w*w*y*w*w*p", &s, &tt, &tok, &need, &fill, &nb,
+                          &PyList_Type, &by_slot, &tail, &ntok, &changed_ok, &last_block, &width, &limit, &last_hash,
+                          &hashes, &cols, &filled, &hashing))
+        return NULL;
+    PyObject *result = NULL;
+    const Py_ssize_t m = s.len / (Py_ssize_t)sizeof(Py_ssize_t);
+    const Py_ssize_t k = need.len / (Py_ssize_t)sizeof(Py_ssize_t);
+    const Py_ssize_t f = fill.len / (Py_ssize_t)sizeof(Py_ssize_t);
+    const Py_ssize_t cap = ntok.len / (Py_ssize_t)sizeof(int64_t);
+    const Py_ssize_t rows = cap ? last_block.len / (Py_ssize_t)sizeof(int32_t) / cap : 0;
+    const Py_ssize_t bs = cap ? tail.len / (Py_ssize_t)sizeof(uint32_t) / cap : 0;
+    if (tt.len != m * (Py_ssize_t)sizeof(int64_t) || tok.len != m * (Py_ssize_t)sizeof(uint32_t)
+        || need.len % (Py_ssize_t)sizeof(Py_ssize_t) || fill.len % (Py_ssize_t)sizeof(Py_ssize_t)
+        || (m && (rows < 1 || bs < 1)) || nb.len != rows * k * (Py_ssize_t)sizeof(int32_t)
+        || tail.len != cap * bs * (Py_ssize_t)sizeof(uint32_t) || changed_ok.len != cap
+        || last_block.len != cap * rows * (Py_ssize_t)sizeof(int32_t) || width.len != cap * (Py_ssize_t)sizeof(int32_t)
+        || limit.len != ntok.len || last_hash.len != cap * RUN_HASH_BYTES || hashes.len != f * RUN_HASH_BYTES
+        || cols.len != k * (Py_ssize_t)sizeof(int32_t) || filled.len != f * rows * (Py_ssize_t)sizeof(int32_t)) {
+        PyErr_SetString(PyExc_ValueError, "run_commit: array sizes disagree");
+        goto done;
+    }
+    const Py_ssize_t *sl = s.buf, *nd = need.buf, *fl = fill.buf;
+    const int64_t *before = tt.buf;
+    const uint32_t *tk = tok.buf;
+    const int32_t *blocks = nb.buf;
+    uint32_t *tl = tail.buf;
+    int64_t *nt = ntok.buf, *lim = limit.buf;
+    uint8_t *ok = changed_ok.buf, *lh = last_hash.buf;
+    int32_t *lb = last_block.buf, *wd = width.buf, *col_out = cols.buf, *filled_out = filled.buf;
+    for (Py_ssize_t j = 0; j < m; j++) {
+        if (sl[j] < 0 || sl[j] >= cap || before[j] < 0) {
+            PyErr_Format(PyExc_ValueError, "run_commit: s[%zd] = %zd or tt[%zd] is out of range", j, sl[j], j);
+            goto done;
+        }
+    }
+    for (Py_ssize_t q = 0; q < k + f; q++) {
+        const Py_ssize_t j = q < k ? nd[q] : fl[q - k];
+        if (j < 0 || j >= m) {
+            PyErr_Format(PyExc_ValueError, "run_commit: %s[%zd] = %zd is outside [0, %zd)", q < k ? "need" : "fill",
+                         q < k ? q : q - k, j, m);
+            goto done;
+        }
+        if (q < k) {
+            PyObject *req = sl[j] < PyList_GET_SIZE(by_slot) ? PyList_GET_ITEM(by_slot, sl[j]) : Py_None;
+            int32_t *table;
+            if (req == Py_None) {
+                PyErr_Format(PyExc_ValueError, "run_commit: slot %zd holds no request", sl[j]);
+                goto done;
+            }
+            if (request_table(req, rows, &table) < 0)
+                goto done;
+        }
+    }
+    result = PyList_New(0);
+    if (!result)
+        goto done;
+    for (Py_ssize_t j = 0; j < m; j++) { /* the token, as extend_fast writes it */
+        const int64_t pos = before[j] % bs;
+        tl[sl[j] * bs + pos] = tk[j];
+        nt[sl[j]] = before[j] + 1;
+        ok[sl[j]] = pos == 0;
+        lim[sl[j]] = !hashing ? before[j] + bs : pos == bs - 1 ? before[j] + 1 : before[j] + bs - 1;
+    }
+    for (Py_ssize_t q = 0; q < k; q++) { /* the opened blocks: the table's next column */
+        const Py_ssize_t slot = sl[nd[q]];
+        PyObject *req = PyList_GET_ITEM(by_slot, slot);
+        const int32_t col = wd[slot];
+        int32_t *table;
+        const Py_ssize_t capacity = request_table(req, rows, &table);
+        if (capacity < 0)
+            goto fail;
+        if (col < capacity) {
+            for (Py_ssize_t r = 0; r < rows; r++)
+                table[r * capacity + col] = blocks[r * k + q];
+        } else {
+            PyObject *skipped = PyLong_FromSsize_t(q);
+            const int failed = !skipped || PyList_Append(result, skipped) < 0;
+            Py_XDECREF(skipped);
+            if (failed)
+                goto fail;
+        }
+        PyObject *count = PyObject_GetAttr(req, num_blocks_name);
+        const Py_ssize_t now = count ? PyLong_AsSsize_t(count) : -1;
+        Py_XDECREF(count);
+        PyObject *more = now >= 0 ? PyLong_FromSsize_t(now + 1) : NULL;
+        const int failed = !more || PyObject_SetAttr(req, num_blocks_name, more) < 0
+                           || PyObject_SetAttr(req, changed_name, Py_None) < 0
+                           || PyObject_SetAttr(req, view_name, Py_None) < 0;
+        Py_XDECREF(more);
+        if (failed)
+            goto fail;
+        for (Py_ssize_t r = 0; r < rows; r++)
+            lb[slot * rows + r] = blocks[r * k + q];
+        col_out[q] = col;
+        wd[slot] = col + 1;
+    }
+    for (Py_ssize_t q = 0; q < f; q++) { /* the filled blocks: their hash, and the blocks that hold it */
+        const Py_ssize_t slot = sl[fl[q]];
+        memcpy(filled_out + q * rows, lb + slot * rows, (size_t)rows * sizeof(int32_t));
+        memcpy(lh + slot * RUN_HASH_BYTES, (const uint8_t *)hashes.buf + q * RUN_HASH_BYTES, RUN_HASH_BYTES);
+    }
+    goto done;
+fail: /* only a failed allocation or attribute write gets here, after the checks */
+    Py_CLEAR(result);
+done:
+    PyBuffer_Release(&s);
+    PyBuffer_Release(&tt);
+    PyBuffer_Release(&tok);
+    PyBuffer_Release(&need);
+    PyBuffer_Release(&fill);
+    PyBuffer_Release(&nb);
+    PyBuffer_Release(&tail);
+    PyBuffer_Release(&ntok);
+    PyBuffer_Release(&changed_ok);
+    PyBuffer_Release(&last_block);
+    PyBuffer_Release(&width);
+    PyBuffer_Release(&limit);
+    PyBuffer_Release(&last_hash);
+    PyBuffer_Release(&hashes);
+    PyBuffer_Release(&cols);
+    PyBuffer_Release(&filled);
+    return result;
 }
 
 PyDoc_STRVAR(lookup_ids_doc,

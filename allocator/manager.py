@@ -686,7 +686,7 @@ class KVCacheManager:
         one-by-one order: each open's evictions, then each fill's store.
         """
         if not (self._window_groups or self._expand or self.enable_events):
-            self._extend_plain_run(index, slots, flat, offsets, t, ok, changed, counts)
+            self._extend_plain_run(index, slots, flat, counts, offsets, t, ok, changed)
             return
         bs = self.block_size
         s = slots[index]
@@ -718,8 +718,7 @@ class KVCacheManager:
                 blocks_tok = self._tail[s[fill]]
                 blocks_tok[:, bs - 1] = tok[fill]
                 hashes = self._hasher.hash_each(blocks_tok, self._last_hash[s[fill]].tobytes())
-                if (fill.size > 1 and len(set(np.frombuffer(hashes, dtype=_PACKED).tolist())) < fill.size) or \
-                        self._index.any_known(hashes):
+                if not self._fills_new(hashes, fill.size):
                     self._extend_each(index, slots, flat, counts, offsets, t, ok, changed)
                     return
         # Commit: nothing below can fail.
@@ -797,8 +796,8 @@ class KVCacheManager:
         for j in recycled:
             self._refresh(by_slot[s[j]])  # the next recycling point moved on
 
-    def _extend_plain_run(self, index: np.ndarray, slots: np.ndarray, flat: np.ndarray, offsets: np.ndarray,
-                          t: np.ndarray, ok: np.ndarray, changed: list[_Chunk], counts: np.ndarray) -> None:
+    def _extend_plain_run(self, index: np.ndarray, slots: np.ndarray, flat: np.ndarray, counts: np.ndarray,
+                          offsets: np.ndarray, t: np.ndarray, ok: np.ndarray, changed: list[_Chunk]) -> None:
         """``_extend_run`` where no row has a window, rows are groups and events are off: two C passes.
 
         ``_tables.run_prepare`` gathers the run (who opens a block, who fills
@@ -821,8 +820,7 @@ class KVCacheManager:
         hashes = b""
         if num_fill:
             hashes = self._hasher.hash_each(blocks_tok[:num_fill], parents[:num_fill].tobytes())
-            if (num_fill > 1 and len(set(np.frombuffer(hashes, dtype=_PACKED).tolist())) < num_fill) or \
-                    self._index.any_known(hashes):
+            if not self._fills_new(hashes, num_fill):
                 self._extend_each(index, slots, flat, counts, offsets, t, ok, changed)
                 return
         # Commit: nothing below can fail.
@@ -848,6 +846,13 @@ class KVCacheManager:
         if num_fill:
             self._index.insert_new(hashes, filled)
             pool.mark_cached_columns(filled)
+
+    def _fills_new(self, hashes: bytes, count: int) -> bool:
+        """Whether ``count`` packed hashes a run's blocks filled are distinct and none is in the index: what
+        makes one insert of them all the one-by-one result."""
+        if count > 1 and len(set(np.frombuffer(hashes, dtype=_PACKED).tolist())) < count:
+            return False
+        return not self._index.any_known(hashes)
 
     def _forget_each(self, allocation: Allocation, opens: np.ndarray) -> list[tuple[int, int, CacheEvent]]:
         """``_forget`` of a run's evictions one open at a time, in order; their events, tagged with the open's position.

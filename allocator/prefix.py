@@ -745,19 +745,17 @@ class PrefixIndex:
         self._num_spare -= reuse
         ids = self._spare[self._num_spare:self._num_spare + reuse][::-1]
         grow = count - reuse
-        if grow:
-            start = self._num_entries
-            self._num_entries += grow
-            fresh = np.arange(start, self._num_entries, dtype=np.intp)
-            ids = np.concatenate([ids, fresh]) if reuse else fresh  # a filling cache has no spares
-            if self._num_entries > len(self._holders):
-                extra = max(self._num_entries, 2 * len(self._holders)) - len(self._holders)
-                self._blocks = np.concatenate([self._blocks, np.full((extra, self._rows), -1, dtype=np.int32)])
-                self._holders = np.concatenate([self._holders, np.zeros(extra, dtype=np.int32)])
-                self._hash_of = np.concatenate([self._hash_of, np.zeros(extra, dtype=_PACKED)])
-            if not reuse:
-                return ids
-        return ids.copy()
+        if not grow:
+            return ids.copy()  # a view of the spare stack, which later pushes overwrite
+        start = self._num_entries
+        self._num_entries += grow
+        if self._num_entries > len(self._holders):
+            extra = max(self._num_entries, 2 * len(self._holders)) - len(self._holders)
+            self._blocks = np.concatenate([self._blocks, np.full((extra, self._rows), -1, dtype=np.int32)])
+            self._holders = np.concatenate([self._holders, np.zeros(extra, dtype=np.int32)])
+            self._hash_of = np.concatenate([self._hash_of, np.zeros(extra, dtype=_PACKED)])
+        fresh = np.arange(start, self._num_entries, dtype=np.intp)
+        return np.concatenate([ids, fresh]) if reuse else fresh  # a filling cache has no spares
 
 
 def _empty_slots(capacity: int) -> np.ndarray:
