@@ -6,11 +6,15 @@
  * cached, slot arithmetic) where one loop here does it. Same arrays, same order, same results as
  * BlockPool.decref's vectorised path: releases in pair order, stack pushes and ring appends each
  * in that order; a row whose ring would overflow drops its stale entries first.
+ *
+ * take() is the other way: one row's allocation (a request's new blocks), popping the free stack
+ * and then evicting the LRU ring's oldest live entries, as BlockPool._allocate_row does.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 typedef struct {
@@ -143,13 +147,118 @@ done:
     return result;
 }
 
+static int cmp_int32(const void *a, const void *b)
+{
+    const int32_t x = *(const int32_t *)a, y = *(const int32_t *)b;
+    return (x > y) - (x < y);
+}
+
+PyDoc_STRVAR(take_doc,
+"take(ref, cached, stack, top, ring, lru_pos, head, tail, lru_count, row, out, evicted, ascending) -> int\n\n"
+"BlockPool.allocate(len(out), [row]) in one pass: pop row's free stack (LIFO), then evict its oldest\n"
+"live LRU entries; each block gets refcount 1 and an evicted one loses its cached flag. ``out`` (int32,\n"
+"C-contiguous) receives the blocks in pop order, or sorted with ``ascending``; ``evicted`` (int32, at\n"
+"least as long) the evicted ids, oldest first. Returns how many were evicted, or -1, changing nothing,\n"
+"when the row has fewer than len(out) allocatable blocks.");
+
+static PyObject *take(PyObject *self, PyObject *args)
+{
+    (void)self;
+    Py_buffer b_ref, b_cached, b_stack, b_top, b_ring, b_lru_pos, b_head, b_tail, b_count, b_out, b_evicted;
+    Py_ssize_t r;
+    int ascending;
+    if (!PyArg_ParseTuple(args, "w*w*w*w*w*w*w*w*w*nw*w*p", &b_ref, &b_cached, &b_stack, &b_top, &b_ring, &b_lru_pos,
+                          &b_head, &b_tail, &b_count, &r, &b_out, &b_evicted, &ascending))
+        return NULL;
+    PyObject *result = NULL;
+    pool_t p;
+    p.rows = b_top.len / (Py_ssize_t)sizeof(Py_ssize_t);
+    p.n = p.rows ? b_ref.len / (Py_ssize_t)sizeof(int32_t) / p.rows : 0;
+    p.cap = p.rows ? b_ring.len / (Py_ssize_t)sizeof(int32_t) / p.rows : 0;
+    const Py_ssize_t want = b_out.len / (Py_ssize_t)sizeof(int32_t);
+    if (p.rows < 1 || p.n < 1 || p.cap < 1 || (p.cap & (p.cap - 1)) || b_cached.len != p.rows * p.n
+        || b_stack.len != b_ref.len || b_lru_pos.len != p.rows * p.n * (Py_ssize_t)sizeof(Py_ssize_t)
+        || b_head.len != b_top.len || b_tail.len != b_top.len || b_count.len != b_top.len
+        || b_out.len % (Py_ssize_t)sizeof(int32_t) || b_evicted.len < b_out.len) {
+        PyErr_SetString(PyExc_ValueError, "take: the pool's arrays or the output have inconsistent sizes");
+        goto done;
+    }
+    if (r < 0 || r >= p.rows) {
+        PyErr_Format(PyExc_ValueError, "take: row %zd is not in [0, %zd)", r, p.rows);
+        goto done;
+    }
+    p.ref = b_ref.buf;
+    p.cached = b_cached.buf;
+    p.stack = b_stack.buf;
+    p.ring = b_ring.buf;
+    p.lru_pos = b_lru_pos.buf;
+    p.top = b_top.buf;
+    p.head = b_head.buf;
+    p.tail = b_tail.buf;
+    p.lru_count = b_count.buf;
+    int32_t *out = b_out.buf, *evicted = b_evicted.buf;
+    const Py_ssize_t top = p.top[r];
+    if (want > top + p.lru_count[r]) {
+        result = PyLong_FromLong(-1);
+        goto done;
+    }
+    const Py_ssize_t from_stack = want < top ? want : top, from_ring = want - from_stack;
+    /* Oldest live entries first (an entry is live when its block still points back at it): found before
+     * anything changes, so a ring that disagrees with lru_count (an owner bug) changes nothing. */
+    const Py_ssize_t mask = p.cap - 1, base = r * p.cap;
+    Py_ssize_t pos = p.head[r], got = 0;
+    while (got < from_ring && pos < p.tail[r]) {
+        const Py_ssize_t g = base + (pos++ & mask);
+        const int32_t blk = p.ring[g];
+        if (blk >= 0 && blk < p.n && p.lru_pos[r * p.n + blk] == g)
+            evicted[got++] = blk;
+    }
+    if (got < from_ring) {
+        PyErr_Format(PyExc_AssertionError, "LRU ring of row %zd holds fewer than %zd live entries", r, from_ring);
+        goto done;
+    }
+    const int32_t *stack = p.stack + r * p.n;
+    for (Py_ssize_t i = 0; i < from_stack; i++)
+        out[i] = stack[top - 1 - i];
+    p.top[r] = top - from_stack;
+    for (Py_ssize_t i = 0; i < from_ring; i++) {
+        const Py_ssize_t flat = r * p.n + evicted[i];
+        p.lru_pos[flat] = -1;
+        p.cached[flat] = 0;
+        out[from_stack + i] = evicted[i];
+    }
+    if (from_ring) {
+        p.head[r] = pos;
+        p.lru_count[r] -= from_ring;
+    }
+    for (Py_ssize_t i = 0; i < want; i++)
+        p.ref[r * p.n + out[i]] = 1;
+    if (ascending && want > 1)
+        qsort(out, (size_t)want, sizeof(int32_t), cmp_int32);
+    result = PyLong_FromSsize_t(from_ring);
+done:
+    PyBuffer_Release(&b_ref);
+    PyBuffer_Release(&b_cached);
+    PyBuffer_Release(&b_stack);
+    PyBuffer_Release(&b_top);
+    PyBuffer_Release(&b_ring);
+    PyBuffer_Release(&b_lru_pos);
+    PyBuffer_Release(&b_head);
+    PyBuffer_Release(&b_tail);
+    PyBuffer_Release(&b_count);
+    PyBuffer_Release(&b_out);
+    PyBuffer_Release(&b_evicted);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"release", release, METH_VARARGS, release_doc},
+    {"take", take, METH_VARARGS, take_doc},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_pool", "Reference drops of whole table rows in one pass.", -1,
+    PyModuleDef_HEAD_INIT, "_pool", "Reference drops of whole table rows, and one row's allocations, in one pass.", -1,
     methods, NULL, NULL, NULL, NULL,
 };
 

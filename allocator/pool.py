@@ -183,6 +183,9 @@ class BlockPool:
         into fewer, longer ranges (without it, blocks freed together come back
         in reverse).
         """
+        if rows is None and self._rows == 1:
+            self._check_n(n)
+            return self._allocate_row(0, n, ascending)
         allocation = self._take(n, rows)
         if ascending and allocation is not None and n > 1:
             # A copy: on some paths the blocks and the evicted ids (oldest first) share memory.
@@ -239,28 +242,17 @@ class BlockPool:
         self._ref[(r * self._n)[:, None] + blocks] = 1
         return Allocation(blocks, evicted_rows, evicted_blocks)
 
-    def _allocate_row(self, row: int, n: int) -> Allocation | None:
-        """``allocate`` in one row, in scalars and slices (a decode step's call)."""
-        top = int(self._top[row])
-        if n <= top:
-            popped = self._stack2d[row, top - n:top]
-            self._top[row] = top - n
-            blocks = popped[::-1].reshape(1, n).copy()
-            evicted = _EMPTY_I32
-        else:
-            if n > top + int(self._lru_count[row]):
-                return None
-            blocks = np.empty((1, n), dtype=np.int32)
-            blocks[0, :top] = self._stack2d[row, top - 1::-1] if top else _EMPTY_I32
-            self._top[row] = 0
-            evicted = self._pop_row(row, n - top)
-            blocks[0, top:] = evicted
-        flat = blocks[0].astype(np.intp)  # intp: numpy's fast index type
-        if row:
-            flat += row * self._n
-        self._ref[flat] = 1
-        evicted_rows = np.full(evicted.size, row, dtype=np.int32) if evicted.size else _EMPTY_I32
-        return Allocation(blocks, evicted_rows, evicted)
+    def _allocate_row(self, row: int, n: int, ascending: bool = False) -> Allocation | None:
+        """``allocate`` in one row, in one C pass (a request's admit, a decode step's new blocks)."""
+        blocks = np.empty((1, n), dtype=np.int32)
+        evicted = np.empty(n, dtype=np.int32)
+        count = _pool.take(self._ref, self._cached, self._stack, self._top, self._ring, self._lru_pos, self._head,
+                           self._tail, self._lru_count, row, blocks, evicted, ascending)
+        if count < 0:
+            return None
+        if not count:
+            return Allocation(blocks, _EMPTY_I32, _EMPTY_I32)
+        return Allocation(blocks, np.full(count, row, dtype=np.int32), evicted[:count])
 
     def incref(self, rows: np.ndarray, blocks: np.ndarray, *, unique: bool = False) -> None:
         """Add one reference per pair (duplicates count); a cached free block is revived.
@@ -794,34 +786,6 @@ class BlockPool:
         self._head[r] = np.where(need > 0, head + last + 1, head)
         self._lru_count[r] -= need
         return ev_mat, ev_rows.astype(np.int32), ev_blocks.astype(np.int32)
-
-    def _pop_row(self, row: int, k: int) -> np.ndarray:
-        """``_pop_lru`` of one row, with slices where it can: the ``k`` evicted ids (int32), oldest first."""
-        head, tail = int(self._head[row]), int(self._tail[row])
-        stale = tail - head - int(self._lru_count[row])
-        start = head & self._mask
-        if stale == 0 and start + k <= self._cap:
-            evicted = self._ring2d[row, start:start + k].copy()
-            last = k - 1
-        else:
-            enough = min(tail - head, k + stale)
-            m = min(enough, 2 * k)
-            while True:
-                g = row * self._cap + ((head + np.arange(m)) & self._mask)
-                seg = self._ring[g]
-                live = np.flatnonzero(self._lru_pos[row * self._n + seg.astype(np.intp)] == g)
-                if live.size >= k:
-                    break
-                assert m < enough, f"LRU ring of row {row} holds fewer than {k} live entries"
-                m = min(2 * m, enough)
-            evicted = seg[live[:k]]
-            last = int(live[k - 1])
-        flat = evicted.astype(np.intp) + row * self._n
-        self._lru_pos[flat] = -1
-        self._cached[flat] = False
-        self._head[row] = head + last + 1
-        self._lru_count[row] -= k
-        return evicted
 
 
 def _max_unsigned(a: np.ndarray) -> int | float:

@@ -855,3 +855,19 @@ def test_can_allocate_agrees_with_allocate(num_rows: int, num_blocks: int, data:
         expect = pool.can_allocate(n)
         assert (pool.allocate(n) is not None) == expect
     pool.check_integrity()
+
+
+def test_a_single_row_allocation_from_a_ring_short_of_live_entries_raises_and_changes_nothing():
+    """An LRU count above the ring's live entries is an owner bug: AssertionError, no array changed."""
+    pool = BlockPool(1, 4)
+    got = pool.allocate(4)
+    pool.mark_cached(np.zeros((1, 1), dtype=np.intp), got.blocks)
+    pool.decref(np.zeros((1, 1), dtype=np.intp), got.blocks, unique=True)  # all four cached free, in the ring
+    pool._lru_count[0] += 1  # claims a fifth live entry
+    pool._top[0] = 0
+    before = {name: getattr(pool, name).copy() for name in ("_ref", "_cached", "_stack", "_top", "_ring", "_lru_pos",
+                                                             "_head", "_tail", "_lru_count")}
+    with pytest.raises(AssertionError, match="holds fewer than 5 live entries"):
+        pool.allocate(5)
+    for name, value in before.items():
+        assert np.array_equal(getattr(pool, name), value), name
