@@ -380,7 +380,8 @@ class KVCacheManager:
             raise KVCacheError("prompt_tokens: must hold at least one token")
         if num_tokens is None:
             num_tokens = int(tokens.size)
-        _check_count(num_tokens, "num_tokens", least=1)
+        else:
+            _check_count(num_tokens, "num_tokens", least=1)
         if num_tokens > tokens.size:
             raise KVCacheError(f"num_tokens: {num_tokens} exceeds the prompt's {tokens.size} tokens")
         bs = self.block_size
@@ -398,12 +399,13 @@ class KVCacheManager:
         covered = min(int(tokens.size), max(num_tokens, num_cached * bs + 1))
         num_blocks = -(-covered // bs)
         num_new = num_blocks - num_hit
-        free = self._pool.num_free()
-        if hit is not None:
+        if hit is None:
+            if self._pool.min_free() < num_new:
+                return None
+        else:
             revived = (self._pool.refcount(self._group_col, hit) == 0) & (hit >= 0)
-            free = free - revived.sum(axis=1)
-        if (free < num_new).any():
-            return None
+            if (self._pool.num_free() - revived.sum(axis=1) < num_new).any():
+                return None
         if hit is not None:
             self._pool.incref(self._group_col, hit, unique=True)
         allocation = self._pool.allocate(num_new, ascending=True)  # a prompt's blocks side by side: longer copies
@@ -1286,7 +1288,7 @@ class KVCacheManager:
             ((req.recycled[g] + 1) * bs + policy.window_tokens - 1 for g, (policy, _) in
              enumerate(self._window_groups)),
             default=_NEVER,
-        )
+        ) if self._window_groups else _NEVER
         self._width[slot] = req.num_blocks
 
     def _rows_of(self, groups: np.ndarray) -> tuple[int, ...]:

@@ -148,6 +148,12 @@ class BlockPool:
         r = self._row_ids(rows)
         return self._top[r] + self._lru_count[r]
 
+    def min_free(self) -> int:
+        """The fewest allocatable blocks of any row: ``allocate(n)`` of every row succeeds iff n <= this."""
+        if self._rows == 1:
+            return int(self._top[0]) + int(self._lru_count[0])
+        return int((self._top + self._lru_count).min())
+
     def num_cached_free(self, rows: np.ndarray | None = None) -> np.ndarray:
         """Cached blocks with no references per row (intp): free, but evicted if reused."""
         return self._lru_count[self._row_ids(rows)].copy()
@@ -381,8 +387,8 @@ class BlockPool:
         A decode step's newly full blocks, one row of ``blocks`` per request: no
         holes, no pair checks beyond the reference counts.
         """
-        flat = blocks.astype(np.intp) if self._rows == 1 else blocks + self._row_base.T
-        assert np.count_nonzero(self._ref[flat]) == flat.size, "mark_cached_columns of a free block"
+        flat = blocks.reshape(-1) if self._rows == 1 else blocks + self._row_base.T
+        assert self._ref[flat].all(), "mark_cached_columns of a free block"
         self._cached[flat] = True
 
     def uncache(self, rows: np.ndarray, blocks: np.ndarray) -> None:

@@ -314,7 +314,8 @@ def as_token_array(tokens: Sequence[int] | np.ndarray, field: str = "tokens") ->
     """Tokens as a C-contiguous uint32 array, or KVCacheError naming ``field`` and the first bad value.
 
     The one token check of the package (hasher, manager, wire protocol). uint32
-    arrays pass without a scan; lists convert and range-check in C (array('I')).
+    arrays pass without a scan, int32 ones as a view after one; lists convert and
+    range-check in C (array('I')).
     """
     if isinstance(tokens, np.ndarray):
         if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
@@ -327,6 +328,8 @@ def as_token_array(tokens: Sequence[int] | np.ndarray, field: str = "tokens") ->
                 int(tokens.min()) < 0 or (not narrow and int(tokens.max()) >= _UINT32_LIMIT)):
             bad = int(tokens[(tokens < 0) | (tokens > _UINT32_LIMIT - 1)][0])
             raise KVCacheError(f"{field}: token id {bad} is outside [0, 2**32)")
+        if tokens.dtype == np.int32 and tokens.flags.c_contiguous:  # ids checked >= 0: the same bits, no copy
+            return tokens.view(np.uint32)
         return tokens.astype(np.uint32)
     if isinstance(tokens, (str, bytes, bytearray)) or not isinstance(tokens, Sequence):
         raise KVCacheError(f"{field}: expected an integer array or a list of integers, got {type(tokens).__name__}")

@@ -22,6 +22,7 @@ from kvcache.allocator.prefix import (
     _pick_chain,
     _reference_chain_cbor,
     _reference_chain_raw,
+    as_token_array,
     cbor_encode,
 )
 
@@ -669,3 +670,14 @@ def test_hash_each_is_each_requests_next_block_hash(algorithm, block_size, count
     assert hasher.hash_each(blocks, b"".join(parents)) == want
     with pytest.raises(ValueError, match="parent"):
         native.each_raw(blocks.reshape(-1), block_size, b"\0" * (32 * count + 1))
+
+
+def test_int32_tokens_read_as_the_same_uint32_ids_contiguous_or_strided():
+    """int32 ids >= 0 convert without changing a value (a view when contiguous); a negative one is named."""
+    ids = np.random.default_rng(5).integers(0, 2**31, size=64, dtype=np.int32)
+    for tokens in (ids, ids[::2]):
+        got = as_token_array(tokens)
+        assert got.dtype == np.uint32 and got.flags.c_contiguous
+        assert got.tolist() == tokens.tolist()
+    with pytest.raises(KVCacheError, match=r"prompt: token id -3 is outside \[0, 2\*\*32\)"):
+        as_token_array(np.array([1, -3], dtype=np.int32), "prompt")
