@@ -1458,7 +1458,8 @@ def render(result: dict[str, Any]) -> str:
         *_render_journal(result["journal"], cfg),
         "",
         f"4. delta lag: {lag['subscribers']} subscriber processes, receive - publish time (CLOCK_MONOTONIC), steps "
-        f"back to back; {lag['cpus']} cpu(s) for {lag['subscribers']} subscribers + daemon + client (oversubscribed); "
+        f"back to back; {lag['cpus']} cpu(s) for {lag['subscribers']} subscribers + daemon + client"
+        f"{' (oversubscribed)' if lag['subscribers'] + 2 > lag['cpus'] else ''}; "
         "SUB sockets on the PUB, then datagrams from the local endpoint",
         table(
             ["transport", "deltas", "received", "bytes/delta", "p50 us", "p99 us", "max us", "worst sub p99", "gaps",
