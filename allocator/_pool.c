@@ -44,6 +44,38 @@ static void compact(pool_t *p, Py_ssize_t r)
     p->tail[r] = head + k;
 }
 
+enum { POOL_ARRAYS = 9 }; /* ref, cached, stack, top, ring, lru_pos, head, tail, lru_count: BlockPool's arrays */
+
+/* Point ``p`` at the pool's arrays (in that order), checking that their sizes agree; ValueError naming ``who``. */
+static int open_pool(pool_t *p, Py_buffer *b, const char *who)
+{
+    p->rows = b[3].len / (Py_ssize_t)sizeof(Py_ssize_t);
+    p->n = p->rows ? b[0].len / (Py_ssize_t)sizeof(int32_t) / p->rows : 0;
+    p->cap = p->rows ? b[4].len / (Py_ssize_t)sizeof(int32_t) / p->rows : 0;
+    if (p->rows < 1 || p->n < 1 || p->cap < 1 || (p->cap & (p->cap - 1)) || b[1].len != p->rows * p->n
+        || b[2].len != b[0].len || b[5].len != p->rows * p->n * (Py_ssize_t)sizeof(Py_ssize_t)
+        || b[6].len != b[3].len || b[7].len != b[3].len || b[8].len != b[3].len) {
+        PyErr_Format(PyExc_ValueError, "%s: the pool's arrays have inconsistent sizes", who);
+        return -1;
+    }
+    p->ref = b[0].buf;
+    p->cached = b[1].buf;
+    p->stack = b[2].buf;
+    p->top = b[3].buf;
+    p->ring = b[4].buf;
+    p->lru_pos = b[5].buf;
+    p->head = b[6].buf;
+    p->tail = b[7].buf;
+    p->lru_count = b[8].buf;
+    return 0;
+}
+
+static void release_buffers(Py_buffer *b, int count)
+{
+    for (int i = 0; i < count; i++)
+        PyBuffer_Release(&b[i]);
+}
+
 PyDoc_STRVAR(release_doc,
 "release(ref, cached, stack, top, ring, lru_pos, head, tail, lru_count, rows, blocks) -> int\n\n"
 "BlockPool.decref(rows[:, None], blocks, unique=True) in one pass: rows int64 [k], blocks int32 [k, L]\n"
@@ -54,35 +86,22 @@ PyDoc_STRVAR(release_doc,
 static PyObject *release(PyObject *self, PyObject *args)
 {
     (void)self;
-    Py_buffer b_ref, b_cached, b_stack, b_top, b_ring, b_lru_pos, b_head, b_tail, b_count, b_rows, b_blocks;
-    if (!PyArg_ParseTuple(args, "w*w*w*w*w*w*w*w*w*y*y*", &b_ref, &b_cached, &b_stack, &b_top, &b_ring, &b_lru_pos,
-                          &b_head, &b_tail, &b_count, &b_rows, &b_blocks))
+    Py_buffer b[POOL_ARRAYS + 2]; /* the pool's arrays, then rows and blocks */
+    if (!PyArg_ParseTuple(args, "w*w*w*w*w*w*w*w*w*y*y*", &b[0], &b[1], &b[2], &b[3], &b[4], &b[5], &b[6], &b[7],
+                          &b[8], &b[9], &b[10]))
         return NULL;
     PyObject *result = NULL;
     pool_t p;
-    p.rows = b_top.len / (Py_ssize_t)sizeof(Py_ssize_t);
-    p.n = p.rows ? b_ref.len / (Py_ssize_t)sizeof(int32_t) / p.rows : 0;
-    p.cap = p.rows ? b_ring.len / (Py_ssize_t)sizeof(int32_t) / p.rows : 0;
-    const Py_ssize_t k = b_rows.len / (Py_ssize_t)sizeof(int64_t);
-    const Py_ssize_t width = k ? b_blocks.len / (Py_ssize_t)sizeof(int32_t) / k : 0;
-    if (p.rows < 1 || p.n < 1 || p.cap < 1 || (p.cap & (p.cap - 1)) || b_cached.len != p.rows * p.n
-        || b_stack.len != b_ref.len || b_lru_pos.len != p.rows * p.n * (Py_ssize_t)sizeof(Py_ssize_t)
-        || b_head.len != b_top.len || b_tail.len != b_top.len || b_count.len != b_top.len
-        || b_blocks.len != k * width * (Py_ssize_t)sizeof(int32_t)) {
-        PyErr_SetString(PyExc_ValueError, "release: the pool's arrays or the pairs have inconsistent sizes");
+    if (open_pool(&p, b, "release") < 0)
+        goto done;
+    const Py_ssize_t k = b[9].len / (Py_ssize_t)sizeof(int64_t);
+    const Py_ssize_t width = k ? b[10].len / (Py_ssize_t)sizeof(int32_t) / k : 0;
+    if (b[10].len != k * width * (Py_ssize_t)sizeof(int32_t)) {
+        PyErr_SetString(PyExc_ValueError, "release: the pairs have inconsistent sizes");
         goto done;
     }
-    p.ref = b_ref.buf;
-    p.cached = b_cached.buf;
-    p.stack = b_stack.buf;
-    p.ring = b_ring.buf;
-    p.lru_pos = b_lru_pos.buf;
-    p.top = b_top.buf;
-    p.head = b_head.buf;
-    p.tail = b_tail.buf;
-    p.lru_count = b_count.buf;
-    const int64_t *rows = b_rows.buf;
-    const int32_t *blocks = b_blocks.buf;
+    const int64_t *rows = b[9].buf;
+    const int32_t *blocks = b[10].buf;
     for (Py_ssize_t i = 0; i < k; i++) {
         if (rows[i] < 0 || rows[i] >= p.rows) {
             PyErr_Format(PyExc_AssertionError, "decref: row %lld is not in [0, %zd)", (long long)rows[i], p.rows);
@@ -133,17 +152,7 @@ static PyObject *release(PyObject *self, PyObject *args)
     }
     result = PyLong_FromSsize_t(released);
 done:
-    PyBuffer_Release(&b_ref);
-    PyBuffer_Release(&b_cached);
-    PyBuffer_Release(&b_stack);
-    PyBuffer_Release(&b_top);
-    PyBuffer_Release(&b_ring);
-    PyBuffer_Release(&b_lru_pos);
-    PyBuffer_Release(&b_head);
-    PyBuffer_Release(&b_tail);
-    PyBuffer_Release(&b_count);
-    PyBuffer_Release(&b_rows);
-    PyBuffer_Release(&b_blocks);
+    release_buffers(b, POOL_ARRAYS + 2);
     return result;
 }
 
@@ -164,39 +173,26 @@ PyDoc_STRVAR(take_doc,
 static PyObject *take(PyObject *self, PyObject *args)
 {
     (void)self;
-    Py_buffer b_ref, b_cached, b_stack, b_top, b_ring, b_lru_pos, b_head, b_tail, b_count, b_out, b_evicted;
+    Py_buffer b[POOL_ARRAYS + 2]; /* the pool's arrays, then out and evicted */
     Py_ssize_t r;
     int ascending;
-    if (!PyArg_ParseTuple(args, "w*w*w*w*w*w*w*w*w*nw*w*p", &b_ref, &b_cached, &b_stack, &b_top, &b_ring, &b_lru_pos,
-                          &b_head, &b_tail, &b_count, &r, &b_out, &b_evicted, &ascending))
+    if (!PyArg_ParseTuple(args, "w*w*w*w*w*w*w*w*w*nw*w*p", &b[0], &b[1], &b[2], &b[3], &b[4], &b[5], &b[6], &b[7],
+                          &b[8], &r, &b[9], &b[10], &ascending))
         return NULL;
     PyObject *result = NULL;
     pool_t p;
-    p.rows = b_top.len / (Py_ssize_t)sizeof(Py_ssize_t);
-    p.n = p.rows ? b_ref.len / (Py_ssize_t)sizeof(int32_t) / p.rows : 0;
-    p.cap = p.rows ? b_ring.len / (Py_ssize_t)sizeof(int32_t) / p.rows : 0;
-    const Py_ssize_t want = b_out.len / (Py_ssize_t)sizeof(int32_t);
-    if (p.rows < 1 || p.n < 1 || p.cap < 1 || (p.cap & (p.cap - 1)) || b_cached.len != p.rows * p.n
-        || b_stack.len != b_ref.len || b_lru_pos.len != p.rows * p.n * (Py_ssize_t)sizeof(Py_ssize_t)
-        || b_head.len != b_top.len || b_tail.len != b_top.len || b_count.len != b_top.len
-        || b_out.len % (Py_ssize_t)sizeof(int32_t) || b_evicted.len < b_out.len) {
-        PyErr_SetString(PyExc_ValueError, "take: the pool's arrays or the output have inconsistent sizes");
+    if (open_pool(&p, b, "take") < 0)
+        goto done;
+    const Py_ssize_t want = b[9].len / (Py_ssize_t)sizeof(int32_t);
+    if (b[9].len % (Py_ssize_t)sizeof(int32_t) || b[10].len < b[9].len) {
+        PyErr_SetString(PyExc_ValueError, "take: out must be int32 and evicted at least as long");
         goto done;
     }
     if (r < 0 || r >= p.rows) {
         PyErr_Format(PyExc_ValueError, "take: row %zd is not in [0, %zd)", r, p.rows);
         goto done;
     }
-    p.ref = b_ref.buf;
-    p.cached = b_cached.buf;
-    p.stack = b_stack.buf;
-    p.ring = b_ring.buf;
-    p.lru_pos = b_lru_pos.buf;
-    p.top = b_top.buf;
-    p.head = b_head.buf;
-    p.tail = b_tail.buf;
-    p.lru_count = b_count.buf;
-    int32_t *out = b_out.buf, *evicted = b_evicted.buf;
+    int32_t *out = b[9].buf, *evicted = b[10].buf;
     const Py_ssize_t top = p.top[r];
     if (want > top + p.lru_count[r]) {
         result = PyLong_FromLong(-1);
@@ -237,17 +233,7 @@ static PyObject *take(PyObject *self, PyObject *args)
         qsort(out, (size_t)want, sizeof(int32_t), cmp_int32);
     result = PyLong_FromSsize_t(from_ring);
 done:
-    PyBuffer_Release(&b_ref);
-    PyBuffer_Release(&b_cached);
-    PyBuffer_Release(&b_stack);
-    PyBuffer_Release(&b_top);
-    PyBuffer_Release(&b_ring);
-    PyBuffer_Release(&b_lru_pos);
-    PyBuffer_Release(&b_head);
-    PyBuffer_Release(&b_tail);
-    PyBuffer_Release(&b_count);
-    PyBuffer_Release(&b_out);
-    PyBuffer_Release(&b_evicted);
+    release_buffers(b, POOL_ARRAYS + 2);
     return result;
 }
 

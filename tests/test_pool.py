@@ -871,3 +871,24 @@ def test_a_single_row_allocation_from_a_ring_short_of_live_entries_raises_and_ch
         pool.allocate(5)
     for name, value in before.items():
         assert np.array_equal(getattr(pool, name), value), name
+
+
+def test_the_c_passes_reject_arrays_of_disagreeing_sizes_and_change_nothing():
+    """``_pool.take`` and ``_pool.release`` check the pool's arrays and their outputs before touching any."""
+    from kvcache.allocator import _pool
+
+    pool = BlockPool(1, 8)
+    arrays = [pool._ref, pool._cached, pool._stack, pool._top, pool._ring, pool._lru_pos, pool._head, pool._tail,
+              pool._lru_count]
+    before = [a.copy() for a in arrays]
+    short_stack = arrays[:2] + [pool._stack[:4].copy()] + arrays[3:]
+    out, evicted = np.empty(2, dtype=np.int32), np.empty(2, dtype=np.int32)
+    with pytest.raises(ValueError, match="take: the pool's arrays have inconsistent sizes"):
+        _pool.take(*short_stack, 0, out, evicted, False)
+    with pytest.raises(ValueError, match="take: out must be int32 and evicted at least as long"):
+        _pool.take(*arrays, 0, out, evicted[:1], False)
+    with pytest.raises(ValueError, match=r"take: row 1 is not in \[0, 1\)"):
+        _pool.take(*arrays, 1, out, evicted, False)
+    with pytest.raises(ValueError, match="release: the pool's arrays have inconsistent sizes"):
+        _pool.release(*short_stack, np.zeros(1, dtype=np.int64), np.zeros((1, 1), dtype=np.int32))
+    assert all(np.array_equal(a, b) for a, b in zip(arrays, before))
