@@ -15,83 +15,7 @@
  * The caller keeps the load at most one half and never calls two functions on the same arrays at
  * once.
  */
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
-
-#include <stdint.h>
-#include <string.h>
-
-#define KEY_BYTES 32
-
-typedef struct {
-    uint32_t tag;  /* low 32 bits of mix(key): the home slot is tag & mask */
-    int32_t entry; /* -1: empty */
-} slot_t;
-
-typedef struct {
-    slot_t *slots;
-    const uint8_t *keys; /* hash_of: KEY_BYTES per entry */
-    int64_t num_keys;    /* entries in hash_of */
-    uint64_t mask;
-    uint64_t seed;
-} table_t;
-
-static inline uint32_t tag_of(const table_t *t, const uint8_t *key)
-{
-    uint64_t h;
-    memcpy(&h, key, sizeof h);
-    h ^= t->seed;
-    h *= 0x9E3779B97F4A7C15ULL;
-    h ^= h >> 29;
-    h *= 0xBF58476D1CE4E5B9ULL;
-    h ^= h >> 32;
-    return (uint32_t)h;
-}
-
-/* Slot holding key (tagged ``tag``), or the empty slot where it would go (entry == -1). */
-static inline uint64_t probe(const table_t *t, const uint8_t *key, uint32_t tag)
-{
-    uint64_t slot = tag & t->mask;
-    for (;;) {
-        const slot_t s = t->slots[slot];
-        if (s.entry < 0 || (s.tag == tag && memcmp(t->keys + (int64_t)s.entry * KEY_BYTES, key, KEY_BYTES) == 0)) {
-            return slot;
-        }
-        slot = (slot + 1) & t->mask;
-    }
-}
-
-/* Fill a table_t from (slots, hash_of) buffers, checking their sizes and that the slot count is a power of two
- * below 2**32 (the tag holds the home). */
-static int open_table(table_t *t, Py_buffer *slots, Py_buffer *hash_of, unsigned long long seed)
-{
-    Py_ssize_t cap = slots->len / (Py_ssize_t)sizeof(slot_t);
-    if (cap < 1 || (cap & (cap - 1)) != 0 || slots->len % (Py_ssize_t)sizeof(slot_t) != 0
-        || (unsigned long long)cap > (1ULL << 32)) {
-        PyErr_Format(PyExc_ValueError, "slots must be 8-byte (tag, entry) pairs, a power of two of them, got %zd bytes",
-                     slots->len);
-        return -1;
-    }
-    if (hash_of->len % KEY_BYTES != 0) {
-        PyErr_Format(PyExc_ValueError, "hash_of must hold 32 bytes per entry, got %zd bytes", hash_of->len);
-        return -1;
-    }
-    t->slots = (slot_t *)slots->buf;
-    t->keys = (const uint8_t *)hash_of->buf;
-    t->num_keys = hash_of->len / KEY_BYTES;
-    t->mask = (uint64_t)cap - 1;
-    t->seed = (uint64_t)seed;
-    return 0;
-}
-
-static int check_packed(Py_buffer *b, const char *name)
-{
-    if (b->len % KEY_BYTES != 0) {
-        PyErr_Format(PyExc_ValueError, "%s must be a multiple of 32 bytes, got %zd", name, b->len);
-        return -1;
-    }
-    return 0;
-}
+#include "_hashtable.h"
 
 PyDoc_STRVAR(find_doc,
              "find(slots, hash_of, seed, queries, stop_at_miss) -> bytes\n\n"
@@ -134,20 +58,6 @@ static PyObject *find(PyObject *self, PyObject *args)
     PyBuffer_Release(&hash_of);
     PyBuffer_Release(&queries);
     return result;
-}
-
-/* Put entry ``entry`` (whose key hash_of already holds) at its key's empty slot, or leave the table alone if the
- * key is in it; returns 1 if inserted. */
-static inline int put(table_t *t, const uint8_t *key, int32_t entry)
-{
-    const uint32_t tag = tag_of(t, key);
-    const uint64_t slot = probe(t, key, tag);
-    if (t->slots[slot].entry >= 0) {
-        return 0;
-    }
-    t->slots[slot].tag = tag;
-    t->slots[slot].entry = entry;
-    return 1;
 }
 
 PyDoc_STRVAR(insert_doc,
@@ -222,27 +132,7 @@ static PyObject *remove_keys(PyObject *self, PyObject *args)
         const uint8_t *k = (const uint8_t *)old_keys.buf;
         Py_BEGIN_ALLOW_THREADS
         for (Py_ssize_t i = 0; i < n; i++) {
-            const uint8_t *key = k + i * KEY_BYTES;
-            uint64_t hole = probe(&t, key, tag_of(&t, key));
-            if (t.slots[hole].entry < 0) {
-                continue;
-            }
-            removed++;
-            /* Backward-shift: pull later slots of the run into the hole when their home slot does not lie
-             * cyclically in (hole, j]. */
-            uint64_t j = hole;
-            for (;;) {
-                j = (j + 1) & t.mask;
-                if (t.slots[j].entry < 0) {
-                    break;
-                }
-                const uint64_t home = t.slots[j].tag & t.mask;
-                if (((j - home) & t.mask) >= ((j - hole) & t.mask)) {
-                    t.slots[hole] = t.slots[j];
-                    hole = j;
-                }
-            }
-            t.slots[hole].entry = -1;
+            removed += table_remove(&t, k + i * KEY_BYTES);
         }
         Py_END_ALLOW_THREADS
         result = PyLong_FromSsize_t(removed);
@@ -275,61 +165,18 @@ static PyObject *insert_new(PyObject *self, PyObject *args)
         return NULL;
     }
     PyObject *result = NULL;
-    table_t t;
-    if (open_table(&t, &slots, &hash_of, seed) == 0 && check_packed(&hashes, "hashes") == 0) {
+    index_t x;
+    if (open_index(&x, &slots, seed, &hash_of, &entry_blocks, &entry_at, &holders, "insert_new") == 0
+        && check_packed(&hashes, "hashes") == 0) {
         const Py_ssize_t n = hashes.len / KEY_BYTES;
-        const Py_ssize_t cap = holders.len / (Py_ssize_t)sizeof(int32_t);
-        const Py_ssize_t rows = cap ? entry_blocks.len / (Py_ssize_t)sizeof(int32_t) / cap : 0;
-        const Py_ssize_t num_blocks = rows ? entry_at.len / (Py_ssize_t)sizeof(int32_t) / rows : 0;
-        const int64_t *e = (const int64_t *)entries.buf;
-        const int32_t *b = (const int32_t *)blocks.buf;
-        int32_t *eb = (int32_t *)entry_blocks.buf, *at = (int32_t *)entry_at.buf, *held = (int32_t *)holders.buf;
-        uint8_t *ho = (uint8_t *)hash_of.buf;
-        const uint8_t *k = (const uint8_t *)hashes.buf;
-        if (rows < 1 || entries.len != n * (Py_ssize_t)sizeof(int64_t)
-            || blocks.len != n * rows * (Py_ssize_t)sizeof(int32_t) || hash_of.len != cap * KEY_BYTES
-            || entry_blocks.len != cap * rows * (Py_ssize_t)sizeof(int32_t)
-            || entry_at.len != rows * num_blocks * (Py_ssize_t)sizeof(int32_t) || cap > INT32_MAX) {
+        if (entries.len != n * (Py_ssize_t)sizeof(int64_t) || blocks.len != n * x.rows * (Py_ssize_t)sizeof(int32_t)) {
             PyErr_Format(PyExc_ValueError, "insert_new: buffers disagree (n %zd, rows %zd, entries %zd, blocks %zd)",
-                         n, rows, cap, num_blocks);
+                         n, x.rows, x.entries, x.num_blocks);
             goto done;
         }
-        for (Py_ssize_t i = 0; i < n; i++) {
-            if (e[i] < 0 || e[i] >= cap) {
-                PyErr_Format(PyExc_AssertionError, "entry %lld of hash %zd is outside [0, %zd)", (long long)e[i], i,
-                             cap);
-                goto done;
-            }
-            if (fresh_only && t.slots[probe(&t, k + i * KEY_BYTES, tag_of(&t, k + i * KEY_BYTES))].entry >= 0) {
-                result = PyLong_FromLong(-1); /* known already: nothing written */
-                goto done;
-            }
-            for (Py_ssize_t r = 0; r < rows; r++) {
-                const int32_t blk = b[i * rows + r];
-                if (fresh_only && blk == -1) {
-                    result = PyLong_FromLong(-1); /* a row without a block: nothing written */
-                    goto done;
-                }
-                if (blk < 0 || blk >= num_blocks || at[r * num_blocks + blk] >= 0) {
-                    PyErr_Format(PyExc_AssertionError, "a pair already holds a hash (or is out of range): row %zd, "
-                                 "block %d", r, (int)blk);
-                    goto done;
-                }
-            }
-        }
-        Py_ssize_t inserted = 0;
-        for (Py_ssize_t i = 0; i < n; i++) {
-            const int64_t entry = e[i];
-            memcpy(ho + entry * KEY_BYTES, k + i * KEY_BYTES, KEY_BYTES);
-            for (Py_ssize_t r = 0; r < rows; r++) {
-                const int32_t blk = b[i * rows + r];
-                eb[entry * rows + r] = blk;
-                at[r * num_blocks + blk] = (int32_t)entry;
-            }
-            held[entry] = (int32_t)rows;
-            inserted += put(&t, k + i * KEY_BYTES, (int32_t)entry);
-        }
-        result = PyLong_FromSsize_t(inserted);
+        const Py_ssize_t inserted = index_insert_new(&x, hashes.buf, n, entries.buf, blocks.buf, fresh_only);
+        if (inserted != -2)
+            result = PyLong_FromSsize_t(inserted);
     }
 done:
     PyBuffer_Release(&slots);

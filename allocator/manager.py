@@ -402,6 +402,10 @@ class KVCacheManager:
         if hit is None:
             if self._pool.min_free() < num_new:
                 return None
+            if self._admits_in_one_pass():
+                admission = self._admit_fresh(request_id, tokens, hashes, covered, num_blocks, cache_salt, lora, mm)
+                if admission is not None:
+                    return admission
         else:
             revived = (self._pool.refcount(self._group_col, hit) == 0) & (hit >= 0)
             if (self._pool.num_free() - revived.sum(axis=1) < num_new).any():
@@ -453,6 +457,46 @@ class KVCacheManager:
             self._tier_tokens[slot] = [tokens[:covered].copy()]
             self.tier.admitted(request_id, view, num_hit, hashes[num_hit * _H: num_cached * _H])
         return Admission(num_cached * bs, view, covered)
+
+    def _admits_in_one_pass(self) -> bool:
+        """Whether an admit without a hit is ``_tables.admit_fresh``'s: one pool row, prefix caching, and no window
+        rows, events or tier to serve."""
+        return (self._hasher is not None and not self._expand and len(self._group_col) == 1
+                and not self._window_groups and not self.enable_events and self.tier is None)
+
+    def _admit_fresh(self, request_id: object, tokens: np.ndarray, hashes: bytes, covered: int, num_blocks: int,
+                     cache_salt: str | None, lora: str | None, mm: Sequence[MMPlaceholder | tuple[str, int, int]] | None
+                     ) -> Admission | None:
+        """``admit``'s commit for a request with no cached prefix (blocks checked), in one C pass; None, changing
+        nothing, where one of its hashes is indexed already (the general path merges it)."""
+        full = covered // self.block_size
+        pool, index = self._pool, self._index
+        index.reserve(full, num_blocks)
+        slot = self._next_slot()
+        table = np.empty((1, _grow(num_blocks + 1, 4)), dtype=np.int32)  # room for the block its first extend opens
+        done = _tables.admit_fresh(
+            pool._ref, pool._cached, pool._stack, pool._top, pool._ring, pool._lru_pos, pool._head, pool._tail,
+            pool._lru_count, index._slots, index._seed, index._hash_of, index._blocks, index._entry_at, index._holders,
+            index._spare, index._num_spare, index._num_entries, hashes[: full * _H], tokens, covered, table, slot,
+            self._ntok, self._changed_ok, self._last_block, self._tail, self._last_hash, self._fast_limit,
+            self._next_recycle, self._width, self._hasher.root, _NEVER)
+        if not done:
+            assert done is False, "admit_fresh found no room after the free-block check"
+            return None
+        evicted, index._num_spare, index._num_entries, added = done
+        index._count += added
+        self._evicted += evicted
+        self._take_slot()
+        req = _Request(slot=slot, table=table, heads=None, num_blocks=num_blocks, recycled=[], cache_salt=cache_salt,
+                       lora=lora, mm=list(mm) if mm else None, changed=range(0, num_blocks))
+        self._requests[request_id] = req
+        self._slot_of[request_id] = slot
+        self._by_slot[slot] = req
+        self._keyed[slot] = lora is not None or bool(mm)
+        self._salted[slot] = bool(cache_salt)
+        self._queries += 1
+        self._queried_tokens += int(tokens.size)
+        return Admission(0, _view(req), covered)
 
     def extend(self, request_id: object, tokens: Tokens, *, num_computed_tokens: int | None = None) -> np.ndarray | None:
         """Append ``tokens`` (a prefill chunk or decoded tokens) and allocate the blocks they need.
@@ -928,8 +972,17 @@ class KVCacheManager:
 
     def _take_slot(self) -> int:
         """A free row of the per-request arrays, growing them by doubling."""
+        slot = self._next_slot()
         if self._free_slots:
-            return self._free_slots.pop()
+            self._free_slots.pop()
+        else:
+            self._by_slot.append(None)
+        return slot
+
+    def _next_slot(self) -> int:
+        """The row ``_take_slot`` gives next, the arrays grown to hold it; nothing taken."""
+        if self._free_slots:
+            return self._free_slots[-1]
         slot = len(self._by_slot)
         if slot == self._ntok.size:
             size = max(64, 2 * slot)
@@ -944,7 +997,6 @@ class KVCacheManager:
             self._last_hash = _resized(self._last_hash, size)
             self._salted = _resized(self._salted, size)
             self._stamp = np.zeros(size, dtype=np.intp)
-        self._by_slot.append(None)
         return slot
 
     def free(self, request_id: object) -> None:

@@ -734,13 +734,31 @@ class PrefixIndex:
         entries = self._slots["entry"]
         return entries[entries >= 0].astype(np.intp)
 
+    def reserve(self, keys: int, spare: int) -> None:
+        """Room for ``keys`` more hashes (table and entry arrays) and ``spare`` more spare ids, without changing
+        what the index holds: what a C pass that inserts and drops hashes itself needs beforehand."""
+        self._reserve_keys(keys)
+        self._grow_entries(self._num_entries + keys)
+        self._grow_spare(self._num_spare + spare)
+
     def _push_spare(self, entries: np.ndarray) -> None:
         """Return entry ids to the spare stack (the last pushed is reused first)."""
         end = self._num_spare + entries.size
-        if end > self._spare.size:
-            self._spare = np.concatenate([self._spare, np.empty(max(end, self._spare.size), dtype=np.intp)])
+        self._grow_spare(end)
         self._spare[self._num_spare:end] = entries
         self._num_spare = end
+
+    def _grow_spare(self, size: int) -> None:
+        if size > self._spare.size:
+            self._spare = np.concatenate([self._spare, np.empty(max(size, self._spare.size), dtype=np.intp)])
+
+    def _grow_entries(self, size: int) -> None:
+        """Entry arrays (blocks, holders, hash_of) of at least ``size`` entries, doubling."""
+        if size > len(self._holders):
+            extra = max(size, 2 * len(self._holders)) - len(self._holders)
+            self._blocks = np.concatenate([self._blocks, np.full((extra, self._rows), -1, dtype=np.int32)])
+            self._holders = np.concatenate([self._holders, np.zeros(extra, dtype=np.int32)])
+            self._hash_of = np.concatenate([self._hash_of, np.zeros(extra, dtype=_PACKED)])
 
     def _take_entries(self, count: int) -> np.ndarray:
         """``count`` unused entry ids: spare ones first (most recently freed first), then new ones."""
@@ -752,11 +770,7 @@ class PrefixIndex:
             return ids.copy()  # a view of the spare stack, which later pushes overwrite
         start = self._num_entries
         self._num_entries += grow
-        if self._num_entries > len(self._holders):
-            extra = max(self._num_entries, 2 * len(self._holders)) - len(self._holders)
-            self._blocks = np.concatenate([self._blocks, np.full((extra, self._rows), -1, dtype=np.int32)])
-            self._holders = np.concatenate([self._holders, np.zeros(extra, dtype=np.int32)])
-            self._hash_of = np.concatenate([self._hash_of, np.zeros(extra, dtype=_PACKED)])
+        self._grow_entries(self._num_entries)
         fresh = np.arange(start, self._num_entries, dtype=np.intp)
         return np.concatenate([ids, fresh]) if reuse else fresh  # a filling cache has no spares
 

@@ -441,12 +441,13 @@ class ManagerMachine(RuleBasedStateMachine):
     """Random admit/extend/free/reset sequences; after every step tables and free counts match."""
 
     rows: list = [Full()]
+    events = True
 
     @initialize(num_blocks=st.integers(6, 40), caching=st.booleans())
     def setup(self, num_blocks, caching):
         hasher = BlockHasher(BS, seed=b"machine") if caching else None
         self.fast = KVCacheManager(num_blocks, BS, self.rows, enable_prefix_caching=caching,
-                                   hash_seed=b"machine", enable_events=True)
+                                   hash_seed=b"machine", enable_events=self.events)
         self.ref = ReferenceManager(num_blocks, BS, self.rows, hasher)
         self.num_blocks = num_blocks
         self.next_id = 0
@@ -682,3 +683,81 @@ def test_a_snapshot_from_before_slot_arrays_is_adopted(rows):
         adopted.check_integrity()
     assert adopted.lookup(prompts[2][:20]) == twin.lookup(prompts[2][:20]) > 0
     assert adopted.num_free_blocks.tolist() == twin.num_free_blocks.tolist()
+
+
+class UniformNoEventsMachine(ManagerMachine):
+    """The uniform machine without KV events: admits without a hit take the one-pass C commit (admit_fresh)."""
+
+    rows = [Full()]
+    events = False
+
+
+TestUniformManagerNoEvents = UniformNoEventsMachine.TestCase
+TestUniformManagerNoEvents.settings = MACHINE_SETTINGS
+
+
+def test_admits_without_a_hit_take_the_one_pass_commit_and_match_the_general_path(monkeypatch):
+    """Without events a uniform manager commits an admit without a hit in one C pass (_tables.admit_fresh); with
+    events (the general path) the same calls give the same tables, evictions, free counts, hits and stats. A prompt
+    whose first block is gone but a later one still indexed is left to the general path, which merges it."""
+    from kvcache.allocator import _tables
+
+    calls = []
+    real = _tables.admit_fresh
+    monkeypatch.setattr(_tables, "admit_fresh", lambda *a: calls.append(real(*a)) or calls[-1])
+    one_pass, general = (KVCacheManager(24, BS, enable_prefix_caching=True, hash_seed=b"x", enable_events=e)
+                         for e in (False, True))
+    rng = np.random.default_rng(7)
+    prompts: dict[int, np.ndarray] = {}
+    live: list[int] = []
+    for rid in range(60):
+        if len(live) > 3 or (live and rng.random() < 0.3):
+            gone = live.pop(int(rng.integers(len(live))))
+            one_pass.free(gone)
+            general.free(gone)
+        reuse = prompts and rng.random() < 0.3  # a hit (the general path on both) or a refused one-pass admit
+        prompt = (prompts[int(rng.integers(len(prompts)))] if reuse
+                  else rng.integers(0, 1000, int(rng.integers(1, 4 * BS + 3))).astype(np.uint32))
+        chunk = None if rng.random() < 0.7 else int(rng.integers(1, prompt.size + 1))
+        a, b = one_pass.admit(rid, prompt, num_tokens=chunk), general.admit(rid, prompt, num_tokens=chunk)
+        assert (a is None) == (b is None), rid
+        if a is not None:
+            assert (a.num_cached_tokens, a.table.tolist(), a.num_tokens) == (b.num_cached_tokens, b.table.tolist(),
+                                                                           b.num_tokens), rid
+            prompts[rid] = prompt
+            live.append(rid)
+        if rid % 7 == 3 and live:  # drop a live request's first block from the index: its prompt now misses
+            first = one_pass.table(live[0])[:, :1]
+            for m in (one_pass, general):
+                m.drop_cached(np.zeros(1, dtype=np.intp), first.reshape(-1))
+        one_pass.check_integrity()
+        assert one_pass.num_free_blocks.tolist() == general.num_free_blocks.tolist()
+        assert one_pass.stats() == general.stats()
+    assert any(isinstance(c, tuple) for c in calls), "no admit took the one-pass commit"
+    assert any(c is False for c in calls), "no one-pass admit was refused for an indexed hash"
+    assert one_pass.stats().evicted_blocks > 0
+    for rid, prompt in prompts.items():
+        assert one_pass.lookup(prompt) == general.lookup(prompt)
+
+
+def test_admit_fresh_checks_sizes_first_and_changes_nothing():
+    """A slot past the slot arrays or a table too narrow is a ValueError, and no pool, index or slot array changes."""
+    from kvcache.allocator import _tables
+
+    m = KVCacheManager(16, BS, enable_prefix_caching=True, hash_seed=b"x", enable_events=False)
+    m.admit(0, np.arange(9, dtype=np.uint32))
+    pool, index = m._pool, m._index
+    arrays = [pool._ref, pool._cached, pool._stack, pool._top, pool._ring, pool._lru_pos, pool._head, pool._tail,
+              pool._lru_count, index._slots, index._hash_of, index._blocks, index._entry_at, index._holders,
+              m._ntok, m._last_block, m._tail, m._last_hash, m._width]
+    before = [a.copy() for a in arrays]
+    tokens = np.arange(100, 109, dtype=np.uint32)
+    hashes = m._hasher.hash_blocks_packed(tokens)[: 2 * 32]
+    index.reserve(2, 3)
+    for slot, width in ((10**6, 4), (1, 2)):  # no such slot; a table narrower than 3 blocks
+        with pytest.raises(ValueError, match="admit_fresh: the pool, index, table or slot arrays"):
+            _tables.admit_fresh(*arrays[:9], index._slots, index._seed, index._hash_of, index._blocks, index._entry_at,
+                                index._holders, index._spare, index._num_spare, index._num_entries, hashes, tokens, 9,
+                                np.empty((1, width), dtype=np.int32), slot, m._ntok, m._changed_ok, m._last_block,
+                                m._tail, m._last_hash, m._fast_limit, m._next_recycle, m._width, m._hasher.root, 0)
+    assert all(np.array_equal(a, b) for a, b in zip(arrays, before))
