@@ -832,6 +832,98 @@ static PyObject *run_extend(RunCollector *self, PyObject *const *args, Py_ssize_
     return (PyObject *)self;
 }
 
+/* PrefixIndex.remove_gone of evicted blocks of a one-row index: each holding a hash loses it, and a hash no block
+ * holds any more leaves the table, its entry going on the spare stack (in order; the caller made room). Returns the
+ * hashes that left. */
+static Py_ssize_t drop_evicted(index_t *x, const int32_t *evicted, Py_ssize_t count, Py_ssize_t *spare,
+                               Py_ssize_t *num_spare)
+{
+    Py_ssize_t gone = 0;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        const int32_t entry = x->entry_at[evicted[i]];
+        if (entry < 0)
+            continue;
+        x->entry_blocks[entry] = -1;
+        x->entry_at[evicted[i]] = -1;
+        if (--x->holders[entry] == 0) {
+            gone += table_remove(&x->t, x->hash_of + (Py_ssize_t)entry * KEY_BYTES);
+            spare[(*num_spare)++] = entry;
+        }
+    }
+    return gone;
+}
+
+PyDoc_STRVAR(run_take_doc,
+"run_take(ref, cached, stack, top, ring, lru_pos, head, tail_pos, lru_count,\n"
+"         slots, seed, hash_of, entry_blocks, entry_at, holders, spare, num_spare, hashes, out)\n"
+"    -> (evicted, num_spare, keys_removed) | None | False\n\n"
+"A decode run's pool and index work before run_commit, on a one-row manager without a tier: when the packed\n"
+"``hashes`` of the blocks it fills (32 bytes each) are distinct and none is in the index, takes len(out) blocks\n"
+"of pool row 0 into ``out`` (int32, in pop order: BlockPool.allocate) and drops the evicted ones from the\n"
+"index (PrefixIndex.remove_gone; the caller made room on ``spare``). Returns None, changing nothing, when the\n"
+"row has too few allocatable blocks; False, changing nothing, when a hash repeats or is indexed already (the\n"
+"one-by-one path follows). ValueError (nothing changed) on inconsistent sizes.");
+
+static PyObject *run_take(PyObject *self, PyObject *args)
+{
+    (void)self;
+    enum { NB = POOL_ARRAYS + 8 };
+    Py_buffer b[NB];
+    memset(b, 0, sizeof b);
+    unsigned long long seed;
+    Py_ssize_t num_spare;
+    /* b[0..8] the pool; b[9] slots, b[10] hash_of, b[11] entry_blocks, b[12] entry_at, b[13] holders, b[14] spare;
+     * b[15] hashes, b[16] out. */
+    if (!PyArg_ParseTuple(args, "w*w*w*w*w*w*w*w*w*w*Kw*w*w*w*w*ny*w*", &b[0], &b[1], &b[2], &b[3], &b[4], &b[5],
+                          &b[6], &b[7], &b[8], &b[9], &seed, &b[10], &b[11], &b[12], &b[13], &b[14], &num_spare,
+                          &b[15], &b[16]))
+        return NULL;
+    PyObject *result = NULL;
+    int32_t *evicted = NULL;
+    pool_t p;
+    index_t x;
+    if (open_pool(&p, b, "run_take") < 0
+        || open_index(&x, &b[9], seed, &b[10], &b[11], &b[12], &b[13], "run_take") < 0)
+        goto done;
+    const Py_ssize_t n = b[16].len / (Py_ssize_t)sizeof(int32_t), k = b[15].len / KEY_BYTES;
+    if (p.rows != 1 || x.rows != 1 || p.n != x.num_blocks || b[16].len % (Py_ssize_t)sizeof(int32_t)
+        || b[15].len % KEY_BYTES || num_spare < 0 || num_spare + n > b[14].len / (Py_ssize_t)sizeof(Py_ssize_t)) {
+        PyErr_SetString(PyExc_ValueError, "run_take: the pool, index or output have inconsistent sizes");
+        goto done;
+    }
+    if (n > p.top[0] + p.lru_count[0]) {
+        result = Py_NewRef(Py_None);
+        goto done;
+    }
+    const uint8_t *keys = b[15].buf;
+    for (Py_ssize_t i = 0; i < k; i++) {
+        const uint8_t *key = keys + i * KEY_BYTES;
+        int clash = x.t.slots[probe(&x.t, key, tag_of(&x.t, key))].entry >= 0;
+        for (Py_ssize_t j = 0; j < i && !clash; j++)
+            clash = memcmp(keys + j * KEY_BYTES, key, KEY_BYTES) == 0;
+        if (clash) {
+            result = Py_NewRef(Py_False);
+            goto done;
+        }
+    }
+    evicted = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(int32_t));
+    if (!evicted) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    const Py_ssize_t num_evicted = pool_take(&p, 0, n, b[16].buf, evicted, 0);
+    if (num_evicted < 0) /* -1 cannot happen after the room check; -2: AssertionError set */
+        goto done;
+    const Py_ssize_t gone = drop_evicted(&x, evicted, num_evicted, b[14].buf, &num_spare);
+    result = Py_BuildValue("nnn", num_evicted, num_spare, gone);
+done:
+    PyMem_Free(evicted);
+    for (int i = 0; i < NB; i++)
+        if (b[i].obj)
+            PyBuffer_Release(&b[i]);
+    return result;
+}
+
 PyDoc_STRVAR(admit_fresh_doc,
 "admit_fresh(ref, cached, stack, top, ring, lru_pos, head, tail_pos, lru_count,\n"
 "            slots, seed, hash_of, entry_blocks, entry_at, holders, spare, num_spare, num_entries,\n"
@@ -909,19 +1001,9 @@ static PyObject *admit_fresh(PyObject *self, PyObject *args)
         result = Py_NewRef(Py_None);
         goto done;
     }
-    /* Nothing below fails. Evicted blocks leave the index, their entries going on the spare stack in order. */
-    Py_ssize_t *spare = b[14].buf, keys_added = 0;
-    for (Py_ssize_t i = 0; i < num_evicted; i++) {
-        const int32_t entry = x.entry_at[evicted[i]];
-        if (entry < 0)
-            continue;
-        x.entry_blocks[entry] = -1;
-        x.entry_at[evicted[i]] = -1;
-        if (--x.holders[entry] == 0) {
-            keys_added -= table_remove(&x.t, x.hash_of + (Py_ssize_t)entry * KEY_BYTES);
-            spare[num_spare++] = entry;
-        }
-    }
+    /* Nothing below fails. */
+    Py_ssize_t *spare = b[14].buf;
+    Py_ssize_t keys_added = -drop_evicted(&x, evicted, num_evicted, spare, &num_spare);
     for (Py_ssize_t i = n; i < capacity; i++)
         row[i] = -1;
     /* Entry ids as PrefixIndex._take_entries hands them out: the last spare first, then fresh ones. */
@@ -991,6 +1073,7 @@ static PyMethodDef methods[] = {
     {"mirror_step", mirror_step, METH_VARARGS, mirror_step_doc},
     {"run_commit", run_commit, METH_VARARGS, run_commit_doc},
     {"run_prepare", run_prepare, METH_VARARGS, run_prepare_doc},
+    {"run_take", run_take, METH_VARARGS, run_take_doc},
     {"set_columns", set_columns, METH_VARARGS, set_columns_doc},
     {NULL, NULL, 0, NULL},
 };

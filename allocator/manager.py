@@ -844,12 +844,14 @@ class KVCacheManager:
 
     def _extend_plain_run(self, index: np.ndarray, slots: np.ndarray, flat: np.ndarray, counts: np.ndarray,
                           offsets: np.ndarray, t: np.ndarray, ok: np.ndarray, changed: list[_Chunk]) -> None:
-        """``_extend_run`` where no row has a window, rows are groups and events are off: two C passes.
+        """``_extend_run`` where no row has a window, rows are groups and events are off: three C passes.
 
         ``_tables.run_prepare`` gathers the run (who opens a block, who fills
-        one, and the filled blocks' tokens); the pool, hasher and index checks
-        and calls stay here; ``_tables.run_commit`` writes every slot array,
-        table column and request record, as the general path does.
+        one, and the filled blocks' tokens); the hasher runs here; then
+        ``_tables.run_take`` checks the filled blocks' hashes, allocates and
+        drops the evicted blocks from the index (with a tier, which hears of
+        evictions, these stay in Python); ``_tables.run_commit`` writes every
+        slot array, table column and request record, as the general path does.
         """
         bs, m, groups = self.block_size, index.size, len(self._group_col)
         hashing = self._hasher is not None
@@ -860,23 +862,38 @@ class KVCacheManager:
         num_need, num_fill = _tables.run_prepare(index, slots, flat, offsets, t, self._tail, self._last_hash, s, tt,
                                                  tok, need, fill, blocks_tok, parents, hashing)
         pool = self._pool
-        if num_need and (pool.num_free() < num_need).any():
+        if num_need and pool.min_free() < num_need:
             self._extend_each(index, slots, flat, counts, offsets, t, ok, changed)
             return
         hashes = b""
         if num_fill:
             hashes = self._hasher.hash_each(blocks_tok[:num_fill], parents[:num_fill].tobytes())
-            if not self._fills_new(hashes, num_fill):
+        if self.tier is None:  # the fill check, allocation and its evictions' index drops in one C pass
+            new_blocks = np.empty((groups, num_need), dtype=np.int32)
+            prefix = self._index
+            prefix.reserve(0, num_need)
+            done = _tables.run_take(pool._ref, pool._cached, pool._stack, pool._top, pool._ring, pool._lru_pos,
+                                    pool._head, pool._tail, pool._lru_count, prefix._slots, prefix._seed,
+                                    prefix._hash_of, prefix._blocks, prefix._entry_at, prefix._holders,
+                                    prefix._spare, prefix._num_spare, hashes, new_blocks)
+            if not done:  # a fill's hash repeats or is indexed (None, no room, is ruled out above)
                 self._extend_each(index, slots, flat, counts, offsets, t, ok, changed)
                 return
-        # Commit: nothing below can fail.
-        if num_need:
-            allocation = pool.allocate(num_need)
-            assert allocation is not None, "allocation failed after the free-block check"
-            self._forget(allocation.evicted_rows, allocation.evicted_blocks)
-            new_blocks = np.ascontiguousarray(allocation.blocks, dtype=np.int32)  # [groups, num_need], in order
+            evicted, prefix._num_spare, gone = done
+            prefix._count -= gone
+            self._evicted += evicted
         else:
-            new_blocks = np.empty((groups, 0), dtype=np.int32)
+            if num_fill and not self._fills_new(hashes, num_fill):
+                self._extend_each(index, slots, flat, counts, offsets, t, ok, changed)
+                return
+            # Commit: nothing below can fail.
+            if num_need:
+                allocation = pool.allocate(num_need)
+                assert allocation is not None, "allocation failed after the free-block check"
+                self._forget(allocation.evicted_rows, allocation.evicted_blocks)
+                new_blocks = np.ascontiguousarray(allocation.blocks, dtype=np.int32)  # [groups, num_need], in order
+            else:
+                new_blocks = np.empty((groups, 0), dtype=np.int32)
         need = need[:num_need]
         cols = np.empty(num_need, dtype=np.int32)
         filled = np.empty((num_fill, groups), dtype=np.int32)

@@ -387,8 +387,8 @@ class BlockPool:
         A decode step's newly full blocks, one row of ``blocks`` per request: no
         holes, no pair checks beyond the reference counts.
         """
-        flat = blocks.reshape(-1) if self._rows == 1 else blocks + self._row_base.T
-        assert self._ref[flat].all(), "mark_cached_columns of a free block"
+        flat = blocks.reshape(-1).astype(np.intp) if self._rows == 1 else blocks + self._row_base.T
+        assert np.count_nonzero(self._ref[flat]) == flat.size, "mark_cached_columns of a free block"
         self._cached[flat] = True
 
     def uncache(self, rows: np.ndarray, blocks: np.ndarray) -> None:
