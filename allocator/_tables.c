@@ -4,8 +4,8 @@
  * block in one request of every block_size: one column to write per such request, in a different
  * array each time, which numpy cannot do in one operation and a Python loop does at ~1 us a
  * request. Here one call writes them all; another runs a decode step's fast path (extends that stay
- * inside their partial last block) over the manager's slot arrays in one pass. admit_fresh is an
- * admit's whole commit (pool, prefix index, table, slot arrays) for a request without a cached prefix.
+ * inside their partial last block) over the manager's slot arrays in one pass. admit_commit is an
+ * admit's whole commit (pool, prefix index, table, slot arrays) once its prefix hit is known.
  */
 #include "_hashtable.h"
 #include "_pool.h"
@@ -924,23 +924,27 @@ done:
     return result;
 }
 
-PyDoc_STRVAR(admit_fresh_doc,
-"admit_fresh(ref, cached, stack, top, ring, lru_pos, head, tail_pos, lru_count,\n"
-"            slots, seed, hash_of, entry_blocks, entry_at, holders, spare, num_spare, num_entries,\n"
-"            hashes, tokens, covered, table, slot, ntok, changed_ok, last_block, tail, last_hash, fast_limit,\n"
-"            next_recycle, width, root, never) -> (evicted, num_spare, num_entries, keys_added) | None | False\n\n"
-"KVCacheManager.admit's commit, in one pass, for a request with no cached prefix on a one-row manager with\n"
-"prefix caching and without window rows, events or a tier: its covered tokens take n = ceil(covered /\n"
-"block_size) blocks of pool row 0 (BlockPool.allocate(n, ascending=True): table[0, :n], the rest of the row\n"
-"-1), evicted blocks leave the index (PrefixIndex.remove_gone), the k = covered // block_size full blocks'\n"
-"packed ``hashes`` (32 bytes each) enter it under entry ids from the spare stack, then new ones\n"
-"(PrefixIndex.insert_new) and are marked cached, and the slot arrays of ``slot`` are set as admit leaves\n"
-"them. The caller made room: ``spare`` for num_spare + n ids, the entry arrays for num_entries + k, the\n"
-"table for k more keys. Returns None, changing nothing, when the row has fewer than n allocatable blocks;\n"
-"False, changing nothing, when one of the hashes is in the index already (the general path follows).\n"
-"ValueError (nothing changed) on inconsistent sizes.");
+PyDoc_STRVAR(admit_commit_doc,
+"admit_commit(ref, cached, stack, top, ring, lru_pos, head, tail_pos, lru_count,\n"
+"             slots, seed, hash_of, entry_blocks, entry_at, holders, spare, num_spare, num_entries,\n"
+"             hashes, hit, tokens, covered, table, slot, ntok, changed_ok, last_block, tail, last_hash,\n"
+"             fast_limit, next_recycle, width, root, never) -> (evicted, num_spare, num_entries, keys_added)\n"
+"             | None | False\n\n"
+"KVCacheManager.admit's commit in one pass on a one-row manager with prefix caching and without window rows,\n"
+"events or a tier. The request covers ``covered`` tokens in n = ceil(covered / block_size) blocks: the h\n"
+"blocks of its cached prefix (``hit``, int32 [h]; each gains a reference, a cached free one leaving the LRU\n"
+"ring as BlockPool.incref revives it), then n - h new ones of pool row 0 (BlockPool.allocate(n - h,\n"
+"ascending=True)); they fill table[0, :n] and -1 the rest of the row. Evicted blocks leave the index\n"
+"(PrefixIndex.remove_gone); the hashes of full blocks h .. k - 1 (k = covered // block_size; ``hashes``\n"
+"packs blocks 0 .. k - 1, 32 bytes each) enter it under entry ids from the spare stack, then new ones\n"
+"(PrefixIndex.insert_new) and are marked cached; the slot arrays of ``slot`` are set as admit leaves them.\n"
+"The caller made room: ``spare`` for num_spare + n ids, the entry arrays for num_entries + k, the table\n"
+"for k more keys. Returns None, changing nothing, when the row has too few allocatable blocks; False,\n"
+"changing nothing, when a new block's hash is in the index already (the general path merges it).\n"
+"ValueError on inconsistent sizes and AssertionError on a hit block with no reference that is not cached,\n"
+"both changing nothing.");
 
-static PyObject *admit_fresh(PyObject *self, PyObject *args)
+static PyObject *admit_commit(PyObject *self, PyObject *args)
 {
     (void)self;
     enum { NB = POOL_ARRAYS + 20 };
@@ -950,87 +954,122 @@ static PyObject *admit_fresh(PyObject *self, PyObject *args)
     Py_ssize_t num_spare, num_entries, covered, slot;
     long long never;
     /* b[0..8] the pool; b[9] slots, b[10] hash_of, b[11] entry_blocks, b[12] entry_at, b[13] holders, b[14] spare;
-     * b[15] hashes, b[16] tokens, b[17] table; b[18..25] ntok, changed_ok, last_block, tail, last_hash, fast_limit,
-     * next_recycle, width; b[26] root. */
-    if (!PyArg_ParseTuple(args, "w*w*w*w*w*w*w*w*w*w*Kw*w*w*w*w*nny*y*nw*nw*w*w*w*w*w*w*w*y*L", &b[0], &b[1], &b[2],
+     * b[15] hashes, b[16] hit, b[17] tokens, b[18] table; b[19..26] ntok, changed_ok, last_block, tail, last_hash,
+     * fast_limit, next_recycle, width; b[27] root. */
+    if (!PyArg_ParseTuple(args, "w*w*w*w*w*w*w*w*w*w*Kw*w*w*w*w*nny*y*y*nw*nw*w*w*w*w*w*w*w*y*L", &b[0], &b[1], &b[2],
                           &b[3], &b[4], &b[5], &b[6], &b[7], &b[8], &b[9], &seed, &b[10], &b[11], &b[12], &b[13],
-                          &b[14], &num_spare, &num_entries, &b[15], &b[16], &covered, &b[17], &slot, &b[18], &b[19],
-                          &b[20], &b[21], &b[22], &b[23], &b[24], &b[25], &b[26], &never))
+                          &b[14], &num_spare, &num_entries, &b[15], &b[16], &b[17], &covered, &b[18], &slot, &b[19],
+                          &b[20], &b[21], &b[22], &b[23], &b[24], &b[25], &b[26], &b[27], &never))
         return NULL;
     PyObject *result = NULL;
     int64_t *entries = NULL;
     int32_t *evicted = NULL;
     pool_t p;
     index_t x;
-    if (open_pool(&p, b, "admit_fresh") < 0
-        || open_index(&x, &b[9], seed, &b[10], &b[11], &b[12], &b[13], "admit_fresh") < 0)
+    if (open_pool(&p, b, "admit_commit") < 0
+        || open_index(&x, &b[9], seed, &b[10], &b[11], &b[12], &b[13], "admit_commit") < 0)
         goto done;
-    const Py_ssize_t bs = b[18].len ? b[21].len / (Py_ssize_t)sizeof(uint32_t) / (b[18].len / (Py_ssize_t)sizeof(int64_t)) : 0;
-    const Py_ssize_t slots_len = b[18].len / (Py_ssize_t)sizeof(int64_t);
-    const Py_ssize_t capacity = b[17].len / (Py_ssize_t)sizeof(int32_t);
+    const Py_ssize_t slots_len = b[19].len / (Py_ssize_t)sizeof(int64_t);
+    const Py_ssize_t bs = slots_len ? b[22].len / (Py_ssize_t)sizeof(uint32_t) / slots_len : 0;
+    const Py_ssize_t capacity = b[18].len / (Py_ssize_t)sizeof(int32_t);
     const Py_ssize_t n = bs ? (covered + bs - 1) / bs : 0, k = bs ? covered / bs : 0;
+    const Py_ssize_t h = b[16].len / (Py_ssize_t)sizeof(int32_t);
     const Py_ssize_t spare_cap = b[14].len / (Py_ssize_t)sizeof(Py_ssize_t);
-    if (p.rows != 1 || x.rows != 1 || p.n != x.num_blocks || bs < 1 || covered < 1
-        || covered > b[16].len / (Py_ssize_t)sizeof(uint32_t) || b[15].len != k * KEY_BYTES || n > capacity
-        || slot < 0 || slot >= slots_len || b[19].len != slots_len || b[20].len != slots_len * (Py_ssize_t)sizeof(int32_t)
-        || b[21].len != slots_len * bs * (Py_ssize_t)sizeof(uint32_t) || b[22].len != slots_len * KEY_BYTES
-        || b[23].len != b[18].len || b[24].len != b[18].len || b[25].len != slots_len * (Py_ssize_t)sizeof(int32_t)
-        || b[26].len != KEY_BYTES || num_spare < 0 || num_spare + n > spare_cap || num_entries < 0
-        || num_entries + k > x.entries) {
-        PyErr_SetString(PyExc_ValueError, "admit_fresh: the pool, index, table or slot arrays have inconsistent sizes");
+    if (p.rows != 1 || x.rows != 1 || p.n != x.num_blocks || bs < 1 || covered < 1 || b[16].len % 4 || h >= n
+        || h > k || covered > b[17].len / (Py_ssize_t)sizeof(uint32_t) || b[15].len != k * KEY_BYTES || n > capacity
+        || slot < 0 || slot >= slots_len || b[20].len != slots_len
+        || b[21].len != slots_len * (Py_ssize_t)sizeof(int32_t) || b[22].len != slots_len * bs * (Py_ssize_t)sizeof(uint32_t)
+        || b[23].len != slots_len * KEY_BYTES || b[24].len != b[19].len || b[25].len != b[19].len
+        || b[26].len != slots_len * (Py_ssize_t)sizeof(int32_t) || b[27].len != KEY_BYTES || num_spare < 0
+        || num_spare + n > spare_cap || num_entries < 0 || num_entries + k > x.entries) {
+        PyErr_SetString(PyExc_ValueError, "admit_commit: the pool, index, table or slot arrays have inconsistent sizes");
+        goto done;
+    }
+    /* The hit's blocks: each referenced, or cached free (live in the LRU ring) and revived. */
+    const int32_t *hit = b[16].buf;
+    Py_ssize_t revived = 0, lowest = PY_SSIZE_T_MAX, highest = -1;
+    for (Py_ssize_t i = 0; i < h; i++) {
+        if (hit[i] < 0 || hit[i] >= p.n) {
+            PyErr_Format(PyExc_AssertionError, "admit_commit: hit block %d is not in [0, %zd)", (int)hit[i], p.n);
+            goto done;
+        }
+        if (p.ref[hit[i]] > 0)
+            continue;
+        const Py_ssize_t g = p.lru_pos[hit[i]];
+        if (g < 0) {
+            PyErr_Format(PyExc_AssertionError, "incref of a free uncached block: (row 0, block %d)", (int)hit[i]);
+            goto done;
+        }
+        revived++;
+        lowest = g < lowest ? g : lowest;
+        highest = g > highest ? g : highest;
+    }
+    if (n - h > p.top[0] + p.lru_count[0] - revived) {
+        result = Py_NewRef(Py_None);
         goto done;
     }
     const uint8_t *keys = b[15].buf;
-    for (Py_ssize_t i = 0; i < k; i++) { /* a known hash: the general path merges it */
+    for (Py_ssize_t i = h; i < k; i++) { /* a known hash: the general path merges it */
         if (x.t.slots[probe(&x.t, keys + i * KEY_BYTES, tag_of(&x.t, keys + i * KEY_BYTES))].entry >= 0) {
             result = Py_NewRef(Py_False);
             goto done;
         }
     }
     entries = PyMem_Malloc((size_t)(k ? k : 1) * sizeof(int64_t));
-    evicted = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(int32_t));
+    evicted = PyMem_Malloc((size_t)n * sizeof(int32_t));
     if (!entries || !evicted) {
         PyErr_NoMemory();
         goto done;
     }
-    int32_t *row = b[17].buf;
-    const Py_ssize_t num_evicted = pool_take(&p, 0, n, row, evicted, 1);
-    if (num_evicted == -2)
-        goto done;
-    if (num_evicted == -1) {
-        result = Py_NewRef(Py_None);
-        goto done;
+    /* Nothing below fails (but an owner bug's AssertionError from pool_take, before it changes anything). The
+     * hit first (BlockPool.incref): revived entries leave the ring, which gives back its newest slots when
+     * they are exactly those, so that later evictions do not scan them. */
+    int32_t *row = b[18].buf;
+    if (revived) {
+        const Py_ssize_t newest = (p.tail[0] - 1) & (p.cap - 1);
+        for (Py_ssize_t i = 0; i < h; i++)
+            if (p.ref[hit[i]] == 0)
+                p.lru_pos[hit[i]] = -1;
+        p.lru_count[0] -= revived;
+        if (highest == newest && newest == lowest + revived - 1)
+            p.tail[0] -= revived;
     }
-    /* Nothing below fails. */
+    for (Py_ssize_t i = 0; i < h; i++) {
+        p.ref[hit[i]]++;
+        row[i] = hit[i];
+    }
+    const Py_ssize_t num_evicted = pool_take(&p, 0, n - h, row + h, evicted, 1);
+    if (num_evicted < 0) /* -1 cannot happen after the room check; -2: AssertionError set */
+        goto done;
     Py_ssize_t *spare = b[14].buf;
     Py_ssize_t keys_added = -drop_evicted(&x, evicted, num_evicted, spare, &num_spare);
     for (Py_ssize_t i = n; i < capacity; i++)
         row[i] = -1;
     /* Entry ids as PrefixIndex._take_entries hands them out: the last spare first, then fresh ones. */
-    const Py_ssize_t reuse = k < num_spare ? k : num_spare;
+    const Py_ssize_t fresh = k - h, reuse = fresh < num_spare ? fresh : num_spare;
     for (Py_ssize_t i = 0; i < reuse; i++)
         entries[i] = spare[num_spare - 1 - i];
     num_spare -= reuse;
-    for (Py_ssize_t i = reuse; i < k; i++)
+    for (Py_ssize_t i = reuse; i < fresh; i++)
         entries[i] = num_entries++;
-    const Py_ssize_t inserted = index_insert_new(&x, keys, k, entries, row, 0);
+    const Py_ssize_t inserted = index_insert_new(&x, keys + h * KEY_BYTES, fresh, entries, row + h, 0);
     if (inserted < 0) /* a pool and index that disagree (an owner bug): AssertionError set */
         goto done;
     keys_added += inserted;
-    for (Py_ssize_t i = 0; i < k; i++)
+    for (Py_ssize_t i = h; i < k; i++)
         p.cached[row[i]] = 1;
-    ((int64_t *)b[18].buf)[slot] = covered;
-    ((uint8_t *)b[19].buf)[slot] = 1;
-    ((int32_t *)b[20].buf)[slot] = row[n - 1];
+    ((int64_t *)b[19].buf)[slot] = covered;
+    ((uint8_t *)b[20].buf)[slot] = 1;
+    ((int32_t *)b[21].buf)[slot] = row[n - 1];
     const Py_ssize_t partial = covered % bs;
-    memcpy((uint32_t *)b[21].buf + slot * bs, (const uint32_t *)b[16].buf + covered - partial,
+    memcpy((uint32_t *)b[22].buf + slot * bs, (const uint32_t *)b[17].buf + covered - partial,
            (size_t)partial * sizeof(uint32_t));
-    memcpy((uint8_t *)b[22].buf + slot * KEY_BYTES, k ? keys + (k - 1) * KEY_BYTES : (const uint8_t *)b[26].buf,
+    memcpy((uint8_t *)b[23].buf + slot * KEY_BYTES, k ? keys + (k - 1) * KEY_BYTES : (const uint8_t *)b[27].buf,
            KEY_BYTES);
     const int64_t limit = (int64_t)(covered / bs + 1) * bs - 1;
-    ((int64_t *)b[23].buf)[slot] = n * bs < limit ? n * bs : limit;
-    ((int64_t *)b[24].buf)[slot] = never;
-    ((int32_t *)b[25].buf)[slot] = (int32_t)n;
+    ((int64_t *)b[24].buf)[slot] = n * bs < limit ? n * bs : limit;
+    ((int64_t *)b[25].buf)[slot] = never;
+    ((int32_t *)b[26].buf)[slot] = (int32_t)n;
     result = Py_BuildValue("nnnn", num_evicted, num_spare, num_entries, keys_added);
 done:
     PyMem_Free(entries);
@@ -1066,7 +1105,7 @@ static PyTypeObject RunCollectorType = {
 };
 
 static PyMethodDef methods[] = {
-    {"admit_fresh", admit_fresh, METH_VARARGS, admit_fresh_doc},
+    {"admit_commit", admit_commit, METH_VARARGS, admit_commit_doc},
     {"extend_fast", extend_fast, METH_VARARGS, extend_fast_doc},
     {"join_runs", join_runs, METH_VARARGS, join_runs_doc},
     {"lookup_ids", lookup_ids, METH_VARARGS, lookup_ids_doc},

@@ -399,13 +399,14 @@ class KVCacheManager:
         covered = min(int(tokens.size), max(num_tokens, num_cached * bs + 1))
         num_blocks = -(-covered // bs)
         num_new = num_blocks - num_hit
+        if self._admits_in_one_pass():
+            admission = self._admit_commit(request_id, tokens, hashes, num_hit, hit, covered, num_blocks, cache_salt,
+                                           lora, mm)
+            if admission is not False:
+                return admission
         if hit is None:
             if self._pool.min_free() < num_new:
                 return None
-            if self._admits_in_one_pass():
-                admission = self._admit_fresh(request_id, tokens, hashes, covered, num_blocks, cache_salt, lora, mm)
-                if admission is not None:
-                    return admission
         else:
             revived = (self._pool.refcount(self._group_col, hit) == 0) & (hit >= 0)
             if (self._pool.num_free() - revived.sum(axis=1) < num_new).any():
@@ -459,30 +460,30 @@ class KVCacheManager:
         return Admission(num_cached * bs, view, covered)
 
     def _admits_in_one_pass(self) -> bool:
-        """Whether an admit without a hit is ``_tables.admit_fresh``'s: one pool row, prefix caching, and no window
+        """Whether an admit's commit is ``_tables.admit_commit``'s: one pool row, prefix caching, and no window
         rows, events or tier to serve."""
         return (self._hasher is not None and not self._expand and len(self._group_col) == 1
                 and not self._window_groups and not self.enable_events and self.tier is None)
 
-    def _admit_fresh(self, request_id: object, tokens: np.ndarray, hashes: bytes, covered: int, num_blocks: int,
-                     cache_salt: str | None, lora: str | None, mm: Sequence[MMPlaceholder | tuple[str, int, int]] | None
-                     ) -> Admission | None:
-        """``admit``'s commit for a request with no cached prefix (blocks checked), in one C pass; None, changing
-        nothing, where one of its hashes is indexed already (the general path merges it)."""
+    def _admit_commit(self, request_id: object, tokens: np.ndarray, hashes: bytes, num_hit: int,
+                      hit: np.ndarray | None, covered: int, num_blocks: int, cache_salt: str | None, lora: str | None,
+                      mm: Sequence[MMPlaceholder | tuple[str, int, int]] | None) -> Admission | None | bool:
+        """``admit``'s commit once its hit is known, in one C pass: the Admission, None (no room), or False where
+        a new block's hash is indexed already (the general path merges it); None and False change nothing."""
         full = covered // self.block_size
         pool, index = self._pool, self._index
         index.reserve(full, num_blocks)
         slot = self._next_slot()
         table = np.empty((1, _grow(num_blocks + 1, 4)), dtype=np.int32)  # room for the block its first extend opens
-        done = _tables.admit_fresh(
+        done = _tables.admit_commit(
             pool._ref, pool._cached, pool._stack, pool._top, pool._ring, pool._lru_pos, pool._head, pool._tail,
             pool._lru_count, index._slots, index._seed, index._hash_of, index._blocks, index._entry_at, index._holders,
-            index._spare, index._num_spare, index._num_entries, hashes[: full * _H], tokens, covered, table, slot,
-            self._ntok, self._changed_ok, self._last_block, self._tail, self._last_hash, self._fast_limit,
-            self._next_recycle, self._width, self._hasher.root, _NEVER)
+            index._spare, index._num_spare, index._num_entries, hashes[: full * _H],
+            _NO_HIT if hit is None else hit.reshape(-1), tokens, covered, table, slot, self._ntok, self._changed_ok,
+            self._last_block, self._tail, self._last_hash, self._fast_limit, self._next_recycle, self._width,
+            self._hasher.root, _NEVER)
         if not done:
-            assert done is False, "admit_fresh found no room after the free-block check"
-            return None
+            return done
         evicted, index._num_spare, index._num_entries, added = done
         index._count += added
         self._evicted += evicted
@@ -495,8 +496,10 @@ class KVCacheManager:
         self._keyed[slot] = lora is not None or bool(mm)
         self._salted[slot] = bool(cache_salt)
         self._queries += 1
+        self._hit_requests += num_hit > 0
         self._queried_tokens += int(tokens.size)
-        return Admission(0, _view(req), covered)
+        self._hit_tokens += num_hit * self.block_size
+        return Admission(num_hit * self.block_size, _view(req), covered)
 
     def extend(self, request_id: object, tokens: Tokens, *, num_computed_tokens: int | None = None) -> np.ndarray | None:
         """Append ``tokens`` (a prefill chunk or decoded tokens) and allocate the blocks they need.
@@ -1368,6 +1371,7 @@ class KVCacheManager:
 _EMPTY = np.empty(0, dtype=np.intp)
 _NEVER = 2**62  # a _next_recycle no request reaches
 _NO_COLUMNS = np.empty(0, dtype=np.int32)
+_NO_HIT = np.empty(0, dtype=np.int32)  # admit_commit's hit of a request with no cached prefix
 _H = HASH_BYTES
 
 

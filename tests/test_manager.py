@@ -686,7 +686,7 @@ def test_a_snapshot_from_before_slot_arrays_is_adopted(rows):
 
 
 class UniformNoEventsMachine(ManagerMachine):
-    """The uniform machine without KV events: admits without a hit take the one-pass C commit (admit_fresh)."""
+    """The uniform machine without KV events: admits commit in one C pass (_tables.admit_commit)."""
 
     rows = [Full()]
     events = False
@@ -696,15 +696,21 @@ TestUniformManagerNoEvents = UniformNoEventsMachine.TestCase
 TestUniformManagerNoEvents.settings = MACHINE_SETTINGS
 
 
-def test_admits_without_a_hit_take_the_one_pass_commit_and_match_the_general_path(monkeypatch):
-    """Without events a uniform manager commits an admit without a hit in one C pass (_tables.admit_fresh); with
-    events (the general path) the same calls give the same tables, evictions, free counts, hits and stats. A prompt
-    whose first block is gone but a later one still indexed is left to the general path, which merges it."""
+def test_admits_take_the_one_pass_commit_and_match_the_general_path(monkeypatch):
+    """Without events a uniform manager commits an admit in one C pass (_tables.admit_commit), cached prefix and
+    revived blocks included; with events (the general path) the same calls give the same tables, evictions, free
+    counts, hits and stats. A prompt whose first block is gone but a later one still indexed is left to the
+    general path, which merges it."""
     from kvcache.allocator import _tables
 
     calls = []
-    real = _tables.admit_fresh
-    monkeypatch.setattr(_tables, "admit_fresh", lambda *a: calls.append(real(*a)) or calls[-1])
+    real = _tables.admit_commit
+
+    def spy(*args):
+        calls.append((args[19].size, real(*args)))  # (blocks hit, result)
+        return calls[-1][1]
+
+    monkeypatch.setattr(_tables, "admit_commit", spy)
     one_pass, general = (KVCacheManager(24, BS, enable_prefix_caching=True, hash_seed=b"x", enable_events=e)
                          for e in (False, True))
     rng = np.random.default_rng(7)
@@ -733,15 +739,17 @@ def test_admits_without_a_hit_take_the_one_pass_commit_and_match_the_general_pat
         one_pass.check_integrity()
         assert one_pass.num_free_blocks.tolist() == general.num_free_blocks.tolist()
         assert one_pass.stats() == general.stats()
-    assert any(isinstance(c, tuple) for c in calls), "no admit took the one-pass commit"
-    assert any(c is False for c in calls), "no one-pass admit was refused for an indexed hash"
+    assert any(isinstance(c, tuple) and not h for h, c in calls), "no admit without a hit took the one-pass commit"
+    assert any(isinstance(c, tuple) and h for h, c in calls), "no admit with a hit took the one-pass commit"
+    assert any(c is False for _, c in calls), "no one-pass admit was refused for an indexed hash"
     assert one_pass.stats().evicted_blocks > 0
     for rid, prompt in prompts.items():
         assert one_pass.lookup(prompt) == general.lookup(prompt)
 
 
-def test_admit_fresh_checks_sizes_first_and_changes_nothing():
-    """A slot past the slot arrays or a table too narrow is a ValueError, and no pool, index or slot array changes."""
+def test_admit_commit_checks_sizes_and_hit_first_and_changes_nothing():
+    """A slot past the slot arrays, a table too narrow or a hit block that is free and uncached is an error, and no
+    pool, index or slot array changes."""
     from kvcache.allocator import _tables
 
     m = KVCacheManager(16, BS, enable_prefix_caching=True, hash_seed=b"x", enable_events=False)
@@ -754,10 +762,13 @@ def test_admit_fresh_checks_sizes_first_and_changes_nothing():
     tokens = np.arange(100, 109, dtype=np.uint32)
     hashes = m._hasher.hash_blocks_packed(tokens)[: 2 * 32]
     index.reserve(2, 3)
-    for slot, width in ((10**6, 4), (1, 2)):  # no such slot; a table narrower than 3 blocks
-        with pytest.raises(ValueError, match="admit_fresh: the pool, index, table or slot arrays"):
-            _tables.admit_fresh(*arrays[:9], index._slots, index._seed, index._hash_of, index._blocks, index._entry_at,
-                                index._holders, index._spare, index._num_spare, index._num_entries, hashes, tokens, 9,
-                                np.empty((1, width), dtype=np.int32), slot, m._ntok, m._changed_ok, m._last_block,
-                                m._tail, m._last_hash, m._fast_limit, m._next_recycle, m._width, m._hasher.root, 0)
+    free_block = int(pool._stack[pool._top[0] - 1])  # on the free stack: no reference, not cached
+    for slot, width, hit, error in ((10**6, 4, [], ValueError), (1, 2, [], ValueError),  # no such slot; too narrow
+                                    (1, 4, [free_block], AssertionError)):
+        with pytest.raises(error, match="admit_commit|incref of a free uncached block"):
+            _tables.admit_commit(*arrays[:9], index._slots, index._seed, index._hash_of, index._blocks,
+                                 index._entry_at, index._holders, index._spare, index._num_spare, index._num_entries,
+                                 hashes, np.array(hit, dtype=np.int32), tokens, 9, np.empty((1, width), dtype=np.int32),
+                                 slot, m._ntok, m._changed_ok, m._last_block, m._tail, m._last_hash, m._fast_limit,
+                                 m._next_recycle, m._width, m._hasher.root, 0)
     assert all(np.array_equal(a, b) for a, b in zip(arrays, before))
