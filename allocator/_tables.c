@@ -924,6 +924,73 @@ done:
     return result;
 }
 
+PyDoc_STRVAR(insert_cached_doc,
+"insert_cached(ref, cached, slots, seed, hash_of, entry_blocks, entry_at, holders, spare, num_spare, num_entries,\n"
+"              hashes, blocks) -> (num_spare, num_entries, inserted)\n\n"
+"PrefixIndex.insert_new of a one-row index and BlockPool.mark_cached_columns in one pass: the k packed\n"
+"``hashes`` (distinct, none indexed: what run_take checked) enter the index held by ``blocks`` (int32 [k]),\n"
+"under entry ids from the spare stack, then new ones (the caller made room for k more), and the blocks are\n"
+"flagged cached. AssertionError, changing nothing, if a block has no reference or already holds a hash;\n"
+"ValueError, changing nothing, on inconsistent sizes.");
+
+static PyObject *insert_cached(PyObject *self, PyObject *args)
+{
+    (void)self;
+    enum { NB = 10 };
+    Py_buffer b[NB];
+    memset(b, 0, sizeof b);
+    unsigned long long seed;
+    Py_ssize_t num_spare, num_entries;
+    /* b[0] ref, b[1] cached, b[2] slots, b[3] hash_of, b[4] entry_blocks, b[5] entry_at, b[6] holders, b[7] spare,
+     * b[8] hashes, b[9] blocks. */
+    if (!PyArg_ParseTuple(args, "y*w*w*Kw*w*w*w*y*nny*y*", &b[0], &b[1], &b[2], &seed, &b[3], &b[4], &b[5], &b[6],
+                          &b[7], &num_spare, &num_entries, &b[8], &b[9]))
+        return NULL;
+    PyObject *result = NULL;
+    int64_t *entries = NULL;
+    index_t x;
+    if (open_index(&x, &b[2], seed, &b[3], &b[4], &b[5], &b[6], "insert_cached") < 0)
+        goto done;
+    const Py_ssize_t k = b[8].len / KEY_BYTES;
+    const int32_t *ref = b[0].buf, *blocks = b[9].buf;
+    uint8_t *cached = b[1].buf;
+    if (x.rows != 1 || b[8].len % KEY_BYTES || b[9].len != k * (Py_ssize_t)sizeof(int32_t)
+        || b[0].len != x.num_blocks * (Py_ssize_t)sizeof(int32_t) || b[1].len != x.num_blocks || num_spare < 0
+        || num_spare > b[7].len / (Py_ssize_t)sizeof(Py_ssize_t) || num_entries < 0
+        || num_entries + k - (k < num_spare ? k : num_spare) > x.entries) {
+        PyErr_SetString(PyExc_ValueError, "insert_cached: the pool, index or blocks have inconsistent sizes");
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < k; i++) {
+        if (blocks[i] < 0 || blocks[i] >= x.num_blocks || ref[blocks[i]] < 1) {
+            PyErr_Format(PyExc_AssertionError, "insert_cached: block %d is free or out of range", (int)blocks[i]);
+            goto done;
+        }
+    }
+    entries = PyMem_Malloc((size_t)(k ? k : 1) * sizeof(int64_t));
+    if (!entries) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    const Py_ssize_t *spare = b[7].buf, reuse = k < num_spare ? k : num_spare;
+    for (Py_ssize_t i = 0; i < reuse; i++)
+        entries[i] = spare[num_spare - 1 - i];
+    for (Py_ssize_t i = reuse; i < k; i++)
+        entries[i] = num_entries + i - reuse;
+    const Py_ssize_t inserted = index_insert_new(&x, b[8].buf, k, entries, blocks, 0);
+    if (inserted < 0) /* -2: AssertionError set, nothing written */
+        goto done;
+    for (Py_ssize_t i = 0; i < k; i++)
+        cached[blocks[i]] = 1;
+    result = Py_BuildValue("nnn", num_spare - reuse, num_entries + k - reuse, inserted);
+done:
+    PyMem_Free(entries);
+    for (int i = 0; i < NB; i++)
+        if (b[i].obj)
+            PyBuffer_Release(&b[i]);
+    return result;
+}
+
 PyDoc_STRVAR(admit_commit_doc,
 "admit_commit(ref, cached, stack, top, ring, lru_pos, head, tail_pos, lru_count,\n"
 "             slots, seed, hash_of, entry_blocks, entry_at, holders, spare, num_spare, num_entries,\n"
@@ -1107,6 +1174,7 @@ static PyTypeObject RunCollectorType = {
 static PyMethodDef methods[] = {
     {"admit_commit", admit_commit, METH_VARARGS, admit_commit_doc},
     {"extend_fast", extend_fast, METH_VARARGS, extend_fast_doc},
+    {"insert_cached", insert_cached, METH_VARARGS, insert_cached_doc},
     {"join_runs", join_runs, METH_VARARGS, join_runs_doc},
     {"lookup_ids", lookup_ids, METH_VARARGS, lookup_ids_doc},
     {"mirror_step", mirror_step, METH_VARARGS, mirror_step_doc},

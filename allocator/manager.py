@@ -847,14 +847,15 @@ class KVCacheManager:
 
     def _extend_plain_run(self, index: np.ndarray, slots: np.ndarray, flat: np.ndarray, counts: np.ndarray,
                           offsets: np.ndarray, t: np.ndarray, ok: np.ndarray, changed: list[_Chunk]) -> None:
-        """``_extend_run`` where no row has a window, rows are groups and events are off: three C passes.
+        """``_extend_run`` where no row has a window, rows are groups and events are off: C passes.
 
         ``_tables.run_prepare`` gathers the run (who opens a block, who fills
         one, and the filled blocks' tokens); the hasher runs here; then
         ``_tables.run_take`` checks the filled blocks' hashes, allocates and
-        drops the evicted blocks from the index (with a tier, which hears of
-        evictions, these stay in Python); ``_tables.run_commit`` writes every
-        slot array, table column and request record, as the general path does.
+        drops the evicted blocks from the index; ``_tables.run_commit`` writes
+        every slot array, table column and request record, as the general path
+        does; ``_tables.insert_cached`` indexes the filled blocks. With a tier
+        (it hears of evictions) the pool and index calls stay in Python.
         """
         bs, m, groups = self.block_size, index.size, len(self._group_col)
         hashing = self._hasher is not None
@@ -909,7 +910,14 @@ class KVCacheManager:
             req.table[:, col] = new_blocks[:, q]
         if num_need:
             changed.append(_Chunk(index[need], np.ones(num_need, dtype=np.int32), cols, new_blocks))
-        if num_fill:
+        if num_fill and self.tier is None:  # the new hashes' insert and cached flags in one C pass
+            prefix.reserve(num_fill, 0)
+            prefix._num_spare, prefix._num_entries, added = _tables.insert_cached(
+                pool._ref, pool._cached, prefix._slots, prefix._seed, prefix._hash_of, prefix._blocks,
+                prefix._entry_at, prefix._holders, prefix._spare, prefix._num_spare, prefix._num_entries, hashes,
+                filled)
+            prefix._count += added
+        elif num_fill:
             self._index.insert_new(hashes, filled)
             pool.mark_cached_columns(filled)
 

@@ -274,3 +274,26 @@ def test_run_commit_checks_everything_before_it_writes():
                             m._last_hash, *(np.empty(1, dtype=d) for d in (np.intp, np.int64, np.uint32, np.intp,
                                                                           np.intp)),
                             np.empty((1, 4), dtype=np.uint32), np.empty((1, 32), dtype=np.uint8), True)
+
+
+def test_insert_cached_refuses_a_free_block_or_a_held_pair_and_changes_nothing():
+    """The decode run's index pass checks every block before it writes: a free block, or one already holding a
+    hash, is an AssertionError and leaves the pool's flags and the index as they were."""
+    from kvcache.allocator import _tables
+
+    m = KVCacheManager(32, 4, enable_prefix_caching=True, hash_seed=b"x", enable_events=False)
+    m.admit(0, np.arange(9, dtype=np.uint32))  # blocks 0, 1 full (indexed), block 2 partial
+    pool, index = m._pool, m._index
+    index.reserve(2, 0)
+    state = lambda: [a.copy() for a in (pool._cached, index._slots, index._hash_of, index._blocks, index._entry_at,
+                                        index._holders)] + [index._num_spare, index._num_entries]
+    before = state()
+    hashes = bytes(range(32)) + bytes(range(1, 33))
+    free_block = int(pool._stack[pool._top[0] - 1])
+    for blocks, match in (([2, free_block], "free or out of range"), ([2, 0], "already holds a hash")):
+        with pytest.raises(AssertionError, match=match):
+            _tables.insert_cached(pool._ref, pool._cached, index._slots, index._seed, index._hash_of, index._blocks,
+                                  index._entry_at, index._holders, index._spare, index._num_spare,
+                                  index._num_entries, hashes, np.array(blocks, dtype=np.int32))
+        after = state()
+        assert all(np.array_equal(a, b) for a, b in zip(after[:6], before[:6])) and after[6:] == before[6:]
