@@ -853,6 +853,18 @@ static Py_ssize_t drop_evicted(index_t *x, const int32_t *evicted, Py_ssize_t co
     return gone;
 }
 
+/* Entry ids for k new hashes as PrefixIndex._take_entries hands them out: the last spare first, then fresh ones. */
+static void take_entries(const Py_ssize_t *spare, Py_ssize_t *num_spare, Py_ssize_t *num_entries, Py_ssize_t k,
+                         int64_t *entries)
+{
+    const Py_ssize_t reuse = k < *num_spare ? k : *num_spare;
+    for (Py_ssize_t i = 0; i < reuse; i++)
+        entries[i] = spare[*num_spare - 1 - i];
+    *num_spare -= reuse;
+    for (Py_ssize_t i = reuse; i < k; i++)
+        entries[i] = (*num_entries)++;
+}
+
 PyDoc_STRVAR(run_take_doc,
 "run_take(ref, cached, stack, top, ring, lru_pos, head, tail_pos, lru_count,\n"
 "         slots, seed, hash_of, entry_blocks, entry_at, holders, spare, num_spare, hashes, out)\n"
@@ -918,9 +930,7 @@ static PyObject *run_take(PyObject *self, PyObject *args)
     result = Py_BuildValue("nnn", num_evicted, num_spare, gone);
 done:
     PyMem_Free(evicted);
-    for (int i = 0; i < NB; i++)
-        if (b[i].obj)
-            PyBuffer_Release(&b[i]);
+    release_buffers(b, NB); /* zeroed ones (not parsed) have no object: skipped */
     return result;
 }
 
@@ -972,22 +982,16 @@ static PyObject *insert_cached(PyObject *self, PyObject *args)
         PyErr_NoMemory();
         goto done;
     }
-    const Py_ssize_t *spare = b[7].buf, reuse = k < num_spare ? k : num_spare;
-    for (Py_ssize_t i = 0; i < reuse; i++)
-        entries[i] = spare[num_spare - 1 - i];
-    for (Py_ssize_t i = reuse; i < k; i++)
-        entries[i] = num_entries + i - reuse;
+    take_entries(b[7].buf, &num_spare, &num_entries, k, entries); /* committed only by the result below */
     const Py_ssize_t inserted = index_insert_new(&x, b[8].buf, k, entries, blocks, 0);
     if (inserted < 0) /* -2: AssertionError set, nothing written */
         goto done;
     for (Py_ssize_t i = 0; i < k; i++)
         cached[blocks[i]] = 1;
-    result = Py_BuildValue("nnn", num_spare - reuse, num_entries + k - reuse, inserted);
+    result = Py_BuildValue("nnn", num_spare, num_entries, inserted);
 done:
     PyMem_Free(entries);
-    for (int i = 0; i < NB; i++)
-        if (b[i].obj)
-            PyBuffer_Release(&b[i]);
+    release_buffers(b, NB); /* zeroed ones (not parsed) have no object: skipped */
     return result;
 }
 
@@ -1112,13 +1116,8 @@ static PyObject *admit_commit(PyObject *self, PyObject *args)
     Py_ssize_t keys_added = -drop_evicted(&x, evicted, num_evicted, spare, &num_spare);
     for (Py_ssize_t i = n; i < capacity; i++)
         row[i] = -1;
-    /* Entry ids as PrefixIndex._take_entries hands them out: the last spare first, then fresh ones. */
-    const Py_ssize_t fresh = k - h, reuse = fresh < num_spare ? fresh : num_spare;
-    for (Py_ssize_t i = 0; i < reuse; i++)
-        entries[i] = spare[num_spare - 1 - i];
-    num_spare -= reuse;
-    for (Py_ssize_t i = reuse; i < fresh; i++)
-        entries[i] = num_entries++;
+    const Py_ssize_t fresh = k - h;
+    take_entries(spare, &num_spare, &num_entries, fresh, entries);
     const Py_ssize_t inserted = index_insert_new(&x, keys + h * KEY_BYTES, fresh, entries, row + h, 0);
     if (inserted < 0) /* a pool and index that disagree (an owner bug): AssertionError set */
         goto done;
@@ -1141,9 +1140,7 @@ static PyObject *admit_commit(PyObject *self, PyObject *args)
 done:
     PyMem_Free(entries);
     PyMem_Free(evicted);
-    for (int i = 0; i < NB; i++)
-        if (b[i].obj)
-            PyBuffer_Release(&b[i]);
+    release_buffers(b, NB); /* zeroed ones (not parsed) have no object: skipped */
     return result;
 }
 
