@@ -832,19 +832,20 @@ static PyObject *run_extend(RunCollector *self, PyObject *const *args, Py_ssize_
     return (PyObject *)self;
 }
 
-/* PrefixIndex.remove_gone of evicted blocks of a one-row index: each holding a hash loses it, and a hash no block
- * holds any more leaves the table, its entry going on the spare stack (in order; the caller made room). Returns the
- * hashes that left. */
-static Py_ssize_t drop_evicted(index_t *x, const int32_t *evicted, Py_ssize_t count, Py_ssize_t *spare,
+/* PrefixIndex.remove_gone of row r's evicted blocks: each holding a hash loses it, and a hash no row holds any more
+ * leaves the table, its entry going on the spare stack (in order; the caller made room). Returns the hashes that
+ * left. Called row by row in row order, this drops them in PrefixIndex._drop's order. */
+static Py_ssize_t drop_evicted(index_t *x, Py_ssize_t r, const int32_t *evicted, Py_ssize_t count, Py_ssize_t *spare,
                                Py_ssize_t *num_spare)
 {
     Py_ssize_t gone = 0;
     for (Py_ssize_t i = 0; i < count; i++) {
-        const int32_t entry = x->entry_at[evicted[i]];
+        int32_t *at = &x->entry_at[r * x->num_blocks + evicted[i]];
+        const int32_t entry = *at;
         if (entry < 0)
             continue;
-        x->entry_blocks[entry] = -1;
-        x->entry_at[evicted[i]] = -1;
+        x->entry_blocks[(Py_ssize_t)entry * x->rows + r] = -1;
+        *at = -1;
         if (--x->holders[entry] == 0) {
             gone += table_remove(&x->t, x->hash_of + (Py_ssize_t)entry * KEY_BYTES);
             spare[(*num_spare)++] = entry;
@@ -926,7 +927,7 @@ static PyObject *run_take(PyObject *self, PyObject *args)
     const Py_ssize_t num_evicted = pool_take(&p, 0, n, b[16].buf, evicted, 0);
     if (num_evicted < 0) /* -1 cannot happen after the room check; -2: AssertionError set */
         goto done;
-    const Py_ssize_t gone = drop_evicted(&x, evicted, num_evicted, b[14].buf, &num_spare);
+    const Py_ssize_t gone = drop_evicted(&x, 0, evicted, num_evicted, b[14].buf, &num_spare);
     result = Py_BuildValue("nnn", num_evicted, num_spare, gone);
 done:
     PyMem_Free(evicted);
@@ -999,85 +1000,105 @@ PyDoc_STRVAR(admit_commit_doc,
 "admit_commit(ref, cached, stack, top, ring, lru_pos, head, tail_pos, lru_count,\n"
 "             slots, seed, hash_of, entry_blocks, entry_at, holders, spare, num_spare, num_entries,\n"
 "             hashes, hit, tokens, covered, table, slot, ntok, changed_ok, last_block, tail, last_hash,\n"
-"             fast_limit, next_recycle, width, root, never) -> (evicted, num_spare, num_entries, keys_added)\n"
+"             fast_limit, next_recycle, width, root, recycle_at, evicted) -> (num_spare, num_entries, keys_added)\n"
 "             | None | False\n\n"
-"KVCacheManager.admit's commit in one pass on a one-row manager with prefix caching and without window rows,\n"
-"events or a tier. The request covers ``covered`` tokens in n = ceil(covered / block_size) blocks: the h\n"
-"blocks of its cached prefix (``hit``, int32 [h]; each gains a reference, a cached free one leaving the LRU\n"
-"ring as BlockPool.incref revives it), then n - h new ones of pool row 0 (BlockPool.allocate(n - h,\n"
-"ascending=True)); they fill table[0, :n] and -1 the rest of the row. Evicted blocks leave the index\n"
-"(PrefixIndex.remove_gone); the hashes of full blocks h .. k - 1 (k = covered // block_size; ``hashes``\n"
-"packs blocks 0 .. k - 1, 32 bytes each) enter it under entry ids from the spare stack, then new ones\n"
-"(PrefixIndex.insert_new) and are marked cached; the slot arrays of ``slot`` are set as admit leaves them.\n"
-"The caller made room: ``spare`` for num_spare + n ids, the entry arrays for num_entries + k, the table\n"
-"for k more keys. Returns None, changing nothing, when the row has too few allocatable blocks; False,\n"
-"changing nothing, when a new block's hash is in the index already (the general path merges it).\n"
-"ValueError on inconsistent sizes and AssertionError on a hit block with no reference that is not cached,\n"
-"both changing nothing.");
+"KVCacheManager.admit's commit in one pass, for a manager with prefix caching and without events or a tier;\n"
+"pool and index rows are its groups (G). The request covers ``covered`` tokens in n = ceil(covered /\n"
+"block_size) blocks per group: the h blocks of its cached prefix (``hit``, int32 [G, h], -1 where a window\n"
+"group does not need one; each other gains a reference, a cached free one leaving the LRU ring as\n"
+"BlockPool.incref revives it), then n - h new ones per group (BlockPool.allocate(n - h, ascending=True));\n"
+"they fill table[:, :n] (int32 [G, capacity]) and -1 the rest. Evicted blocks leave the index\n"
+"(PrefixIndex.remove_gone) and are counted per group in ``evicted`` (intp [G]); the hashes of full blocks\n"
+"h .. k - 1 (k = covered // block_size; ``hashes`` packs blocks 0 .. k - 1, 32 bytes each) enter it under\n"
+"entry ids from the spare stack, then new ones (PrefixIndex.insert_new) and are marked cached; the slot\n"
+"arrays of ``slot`` are set as admit leaves them (next_recycle = ``recycle_at``). The caller made room:\n"
+"``spare`` for num_spare + G n ids, the entry arrays for num_entries + k, the table for k more keys.\n"
+"Returns None, changing nothing, when a group has too few allocatable blocks; False, changing nothing, when\n"
+"a new block's hash is in the index already (the general path merges it). ValueError on inconsistent sizes\n"
+"and AssertionError on a hit block with no reference that is not cached, both changing nothing.");
 
 static PyObject *admit_commit(PyObject *self, PyObject *args)
 {
     (void)self;
-    enum { NB = POOL_ARRAYS + 20 };
+    enum { NB = POOL_ARRAYS + 21 };
     Py_buffer b[NB];
     memset(b, 0, sizeof b);
     unsigned long long seed;
     Py_ssize_t num_spare, num_entries, covered, slot;
-    long long never;
+    long long recycle_at;
     /* b[0..8] the pool; b[9] slots, b[10] hash_of, b[11] entry_blocks, b[12] entry_at, b[13] holders, b[14] spare;
      * b[15] hashes, b[16] hit, b[17] tokens, b[18] table; b[19..26] ntok, changed_ok, last_block, tail, last_hash,
-     * fast_limit, next_recycle, width; b[27] root. */
-    if (!PyArg_ParseTuple(args, "w*w*w*w*w*w*w*w*w*w*Kw*w*w*w*w*nny*y*y*nw*nw*w*w*w*w*w*w*w*y*L", &b[0], &b[1], &b[2],
-                          &b[3], &b[4], &b[5], &b[6], &b[7], &b[8], &b[9], &seed, &b[10], &b[11], &b[12], &b[13],
+     * fast_limit, next_recycle, width; b[27] root; b[28] evicted. */
+    if (!PyArg_ParseTuple(args, "w*w*w*w*w*w*w*w*w*w*Kw*w*w*w*w*nny*y*y*nw*nw*w*w*w*w*w*w*w*y*Lw*", &b[0], &b[1],
+                          &b[2], &b[3], &b[4], &b[5], &b[6], &b[7], &b[8], &b[9], &seed, &b[10], &b[11], &b[12], &b[13],
                           &b[14], &num_spare, &num_entries, &b[15], &b[16], &b[17], &covered, &b[18], &slot, &b[19],
-                          &b[20], &b[21], &b[22], &b[23], &b[24], &b[25], &b[26], &b[27], &never))
+                          &b[20], &b[21], &b[22], &b[23], &b[24], &b[25], &b[26], &b[27], &recycle_at, &b[28]))
         return NULL;
     PyObject *result = NULL;
     int64_t *entries = NULL;
-    int32_t *evicted = NULL;
+    int32_t *evicted = NULL, *fresh_blocks = NULL;
+    Py_ssize_t *revived = NULL, *lowest = NULL, *highest = NULL;
     pool_t p;
     index_t x;
     if (open_pool(&p, b, "admit_commit") < 0
         || open_index(&x, &b[9], seed, &b[10], &b[11], &b[12], &b[13], "admit_commit") < 0)
         goto done;
-    const Py_ssize_t slots_len = b[19].len / (Py_ssize_t)sizeof(int64_t);
+    const Py_ssize_t G = p.rows, slots_len = b[19].len / (Py_ssize_t)sizeof(int64_t);
     const Py_ssize_t bs = slots_len ? b[22].len / (Py_ssize_t)sizeof(uint32_t) / slots_len : 0;
-    const Py_ssize_t capacity = b[18].len / (Py_ssize_t)sizeof(int32_t);
+    const Py_ssize_t capacity = b[18].len / (Py_ssize_t)sizeof(int32_t) / G;
     const Py_ssize_t n = bs ? (covered + bs - 1) / bs : 0, k = bs ? covered / bs : 0;
-    const Py_ssize_t h = b[16].len / (Py_ssize_t)sizeof(int32_t);
+    const Py_ssize_t h = b[16].len / (Py_ssize_t)sizeof(int32_t) / G;
     const Py_ssize_t spare_cap = b[14].len / (Py_ssize_t)sizeof(Py_ssize_t);
-    if (p.rows != 1 || x.rows != 1 || p.n != x.num_blocks || bs < 1 || covered < 1 || b[16].len % 4 || h >= n
-        || h > k || covered > b[17].len / (Py_ssize_t)sizeof(uint32_t) || b[15].len != k * KEY_BYTES || n > capacity
-        || slot < 0 || slot >= slots_len || b[20].len != slots_len
-        || b[21].len != slots_len * (Py_ssize_t)sizeof(int32_t) || b[22].len != slots_len * bs * (Py_ssize_t)sizeof(uint32_t)
-        || b[23].len != slots_len * KEY_BYTES || b[24].len != b[19].len || b[25].len != b[19].len
-        || b[26].len != slots_len * (Py_ssize_t)sizeof(int32_t) || b[27].len != KEY_BYTES || num_spare < 0
-        || num_spare + n > spare_cap || num_entries < 0 || num_entries + k > x.entries) {
+    if (x.rows != G || p.n != x.num_blocks || bs < 1 || covered < 1 || b[16].len != G * h * 4 || h >= n || h > k
+        || covered > b[17].len / (Py_ssize_t)sizeof(uint32_t) || b[15].len != k * KEY_BYTES
+        || b[18].len != G * capacity * 4 || n > capacity || slot < 0 || slot >= slots_len || b[20].len != slots_len
+        || b[21].len != slots_len * G * (Py_ssize_t)sizeof(int32_t)
+        || b[22].len != slots_len * bs * (Py_ssize_t)sizeof(uint32_t) || b[23].len != slots_len * KEY_BYTES
+        || b[24].len != b[19].len || b[25].len != b[19].len || b[26].len != slots_len * (Py_ssize_t)sizeof(int32_t)
+        || b[27].len != KEY_BYTES || b[28].len != G * (Py_ssize_t)sizeof(Py_ssize_t) || num_spare < 0
+        || num_spare + G * n > spare_cap || num_entries < 0 || num_entries + k > x.entries) {
         PyErr_SetString(PyExc_ValueError, "admit_commit: the pool, index, table or slot arrays have inconsistent sizes");
+        goto done;
+    }
+    revived = PyMem_Calloc((size_t)G, sizeof *revived);
+    lowest = PyMem_Calloc((size_t)G, sizeof *lowest);
+    highest = PyMem_Calloc((size_t)G, sizeof *highest);
+    entries = PyMem_Malloc((size_t)(k ? k : 1) * sizeof(int64_t));
+    evicted = PyMem_Malloc((size_t)n * sizeof(int32_t));
+    const Py_ssize_t fresh_count = (k - h) * G;
+    fresh_blocks = PyMem_Malloc((size_t)(fresh_count > 0 ? fresh_count : 1) * sizeof(int32_t));
+    if (!revived || !lowest || !highest || !entries || !evicted || !fresh_blocks) {
+        PyErr_NoMemory();
         goto done;
     }
     /* The hit's blocks: each referenced, or cached free (live in the LRU ring) and revived. */
     const int32_t *hit = b[16].buf;
-    Py_ssize_t revived = 0, lowest = PY_SSIZE_T_MAX, highest = -1;
-    for (Py_ssize_t i = 0; i < h; i++) {
-        if (hit[i] < 0 || hit[i] >= p.n) {
-            PyErr_Format(PyExc_AssertionError, "admit_commit: hit block %d is not in [0, %zd)", (int)hit[i], p.n);
+    for (Py_ssize_t r = 0; r < G; r++) {
+        lowest[r] = PY_SSIZE_T_MAX;
+        highest[r] = -1;
+        for (Py_ssize_t i = 0; i < h; i++) {
+            const int32_t blk = hit[r * h + i];
+            if (blk == -1)
+                continue;
+            if (blk < 0 || blk >= p.n) {
+                PyErr_Format(PyExc_AssertionError, "admit_commit: hit block %d is not in [0, %zd)", (int)blk, p.n);
+                goto done;
+            }
+            if (p.ref[r * p.n + blk] > 0)
+                continue;
+            const Py_ssize_t g = p.lru_pos[r * p.n + blk];
+            if (g < 0) {
+                PyErr_Format(PyExc_AssertionError, "incref of a free uncached block: (row %zd, block %d)", r, (int)blk);
+                goto done;
+            }
+            revived[r]++;
+            lowest[r] = g < lowest[r] ? g : lowest[r];
+            highest[r] = g > highest[r] ? g : highest[r];
+        }
+        if (n - h > p.top[r] + p.lru_count[r] - revived[r]) {
+            result = Py_NewRef(Py_None);
             goto done;
         }
-        if (p.ref[hit[i]] > 0)
-            continue;
-        const Py_ssize_t g = p.lru_pos[hit[i]];
-        if (g < 0) {
-            PyErr_Format(PyExc_AssertionError, "incref of a free uncached block: (row 0, block %d)", (int)hit[i]);
-            goto done;
-        }
-        revived++;
-        lowest = g < lowest ? g : lowest;
-        highest = g > highest ? g : highest;
-    }
-    if (n - h > p.top[0] + p.lru_count[0] - revived) {
-        result = Py_NewRef(Py_None);
-        goto done;
     }
     const uint8_t *keys = b[15].buf;
     for (Py_ssize_t i = h; i < k; i++) { /* a known hash: the general path merges it */
@@ -1086,47 +1107,48 @@ static PyObject *admit_commit(PyObject *self, PyObject *args)
             goto done;
         }
     }
-    entries = PyMem_Malloc((size_t)(k ? k : 1) * sizeof(int64_t));
-    evicted = PyMem_Malloc((size_t)n * sizeof(int32_t));
-    if (!entries || !evicted) {
-        PyErr_NoMemory();
-        goto done;
+    /* Nothing below fails (but an owner bug's AssertionError from pool_take, before it changes its row). The
+     * hit first (BlockPool.incref): a row's revived entries leave its ring, which gives back its newest slots
+     * when they are exactly those, so that later evictions do not scan them. */
+    int32_t *table = b[18].buf;
+    Py_ssize_t *spare = b[14].buf, *evicted_of = b[28].buf, keys_added = 0;
+    for (Py_ssize_t r = 0; r < G; r++) {
+        int32_t *row = table + r * capacity;
+        const int32_t *mine = hit + r * h;
+        if (revived[r]) {
+            for (Py_ssize_t i = 0; i < h; i++)
+                if (mine[i] >= 0 && p.ref[r * p.n + mine[i]] == 0)
+                    p.lru_pos[r * p.n + mine[i]] = -1;
+            p.lru_count[r] -= revived[r];
+            if (highest[r] == r * p.cap + ((p.tail[r] - 1) & (p.cap - 1)) && highest[r] - lowest[r] == revived[r] - 1)
+                p.tail[r] -= revived[r];
+        }
+        for (Py_ssize_t i = 0; i < h; i++) {
+            if (mine[i] >= 0)
+                p.ref[r * p.n + mine[i]]++;
+            row[i] = mine[i];
+        }
+        const Py_ssize_t num_evicted = pool_take(&p, r, n - h, row + h, evicted, 1);
+        if (num_evicted < 0) /* -1 cannot happen after the room check; -2: AssertionError set */
+            goto done;
+        evicted_of[r] = num_evicted;
+        keys_added -= drop_evicted(&x, r, evicted, num_evicted, spare, &num_spare);
+        for (Py_ssize_t i = n; i < capacity; i++)
+            row[i] = -1;
+        for (Py_ssize_t i = h; i < k; i++) {
+            fresh_blocks[(i - h) * G + r] = row[i];
+            p.cached[r * p.n + row[i]] = 1;
+        }
     }
-    /* Nothing below fails (but an owner bug's AssertionError from pool_take, before it changes anything). The
-     * hit first (BlockPool.incref): revived entries leave the ring, which gives back its newest slots when
-     * they are exactly those, so that later evictions do not scan them. */
-    int32_t *row = b[18].buf;
-    if (revived) {
-        const Py_ssize_t newest = (p.tail[0] - 1) & (p.cap - 1);
-        for (Py_ssize_t i = 0; i < h; i++)
-            if (p.ref[hit[i]] == 0)
-                p.lru_pos[hit[i]] = -1;
-        p.lru_count[0] -= revived;
-        if (highest == newest && newest == lowest + revived - 1)
-            p.tail[0] -= revived;
-    }
-    for (Py_ssize_t i = 0; i < h; i++) {
-        p.ref[hit[i]]++;
-        row[i] = hit[i];
-    }
-    const Py_ssize_t num_evicted = pool_take(&p, 0, n - h, row + h, evicted, 1);
-    if (num_evicted < 0) /* -1 cannot happen after the room check; -2: AssertionError set */
-        goto done;
-    Py_ssize_t *spare = b[14].buf;
-    Py_ssize_t keys_added = -drop_evicted(&x, evicted, num_evicted, spare, &num_spare);
-    for (Py_ssize_t i = n; i < capacity; i++)
-        row[i] = -1;
-    const Py_ssize_t fresh = k - h;
-    take_entries(spare, &num_spare, &num_entries, fresh, entries);
-    const Py_ssize_t inserted = index_insert_new(&x, keys + h * KEY_BYTES, fresh, entries, row + h, 0);
+    take_entries(spare, &num_spare, &num_entries, k - h, entries);
+    const Py_ssize_t inserted = index_insert_new(&x, keys + h * KEY_BYTES, k - h, entries, fresh_blocks, 0);
     if (inserted < 0) /* a pool and index that disagree (an owner bug): AssertionError set */
         goto done;
     keys_added += inserted;
-    for (Py_ssize_t i = h; i < k; i++)
-        p.cached[row[i]] = 1;
     ((int64_t *)b[19].buf)[slot] = covered;
     ((uint8_t *)b[20].buf)[slot] = 1;
-    ((int32_t *)b[21].buf)[slot] = row[n - 1];
+    for (Py_ssize_t r = 0; r < G; r++)
+        ((int32_t *)b[21].buf)[slot * G + r] = table[r * capacity + n - 1];
     const Py_ssize_t partial = covered % bs;
     memcpy((uint32_t *)b[22].buf + slot * bs, (const uint32_t *)b[17].buf + covered - partial,
            (size_t)partial * sizeof(uint32_t));
@@ -1134,12 +1156,16 @@ static PyObject *admit_commit(PyObject *self, PyObject *args)
            KEY_BYTES);
     const int64_t limit = (int64_t)(covered / bs + 1) * bs - 1;
     ((int64_t *)b[24].buf)[slot] = n * bs < limit ? n * bs : limit;
-    ((int64_t *)b[25].buf)[slot] = never;
+    ((int64_t *)b[25].buf)[slot] = recycle_at;
     ((int32_t *)b[26].buf)[slot] = (int32_t)n;
-    result = Py_BuildValue("nnnn", num_evicted, num_spare, num_entries, keys_added);
+    result = Py_BuildValue("nnn", num_spare, num_entries, keys_added);
 done:
     PyMem_Free(entries);
     PyMem_Free(evicted);
+    PyMem_Free(fresh_blocks);
+    PyMem_Free(revived);
+    PyMem_Free(lowest);
+    PyMem_Free(highest);
     release_buffers(b, NB); /* zeroed ones (not parsed) have no object: skipped */
     return result;
 }

@@ -460,36 +460,39 @@ class KVCacheManager:
         return Admission(num_cached * bs, view, covered)
 
     def _admits_in_one_pass(self) -> bool:
-        """Whether an admit's commit is ``_tables.admit_commit``'s: one pool row, prefix caching, and no window
-        rows, events or tier to serve."""
-        return (self._hasher is not None and not self._expand and len(self._group_col) == 1
-                and not self._window_groups and not self.enable_events and self.tier is None)
+        """Whether an admit's commit is ``_tables.admit_commit``'s: prefix caching, and no events or tier to serve."""
+        return self._hasher is not None and not self.enable_events and self.tier is None
 
     def _admit_commit(self, request_id: object, tokens: np.ndarray, hashes: bytes, num_hit: int,
                       hit: np.ndarray | None, covered: int, num_blocks: int, cache_salt: str | None, lora: str | None,
                       mm: Sequence[MMPlaceholder | tuple[str, int, int]] | None) -> Admission | None | bool:
         """``admit``'s commit once its hit is known, in one C pass: the Admission, None (no room), or False where
         a new block's hash is indexed already (the general path merges it); None and False change nothing."""
-        full = covered // self.block_size
+        bs = self.block_size
+        full = covered // bs
+        groups = len(self._group_col)
         pool, index = self._pool, self._index
-        index.reserve(full, num_blocks)
+        index.reserve(full, groups * num_blocks)
         slot = self._next_slot()
-        table = np.empty((1, _grow(num_blocks + 1, 4)), dtype=np.int32)  # room for the block its first extend opens
+        table = np.empty((groups, _grow(num_blocks + 1, 4)), dtype=np.int32)  # room for the block its first extend opens
+        recycled = [recyclable_blocks(w, num_hit * bs, bs).stop for w, _ in self._window_groups]
+        evicted = np.zeros(groups, dtype=np.intp)
         done = _tables.admit_commit(
             pool._ref, pool._cached, pool._stack, pool._top, pool._ring, pool._lru_pos, pool._head, pool._tail,
             pool._lru_count, index._slots, index._seed, index._hash_of, index._blocks, index._entry_at, index._holders,
             index._spare, index._num_spare, index._num_entries, hashes[: full * _H],
-            _NO_HIT if hit is None else hit.reshape(-1), tokens, covered, table, slot, self._ntok, self._changed_ok,
+            _NO_HIT if hit is None else hit, tokens, covered, table, slot, self._ntok, self._changed_ok,
             self._last_block, self._tail, self._last_hash, self._fast_limit, self._next_recycle, self._width,
-            self._hasher.root, _NEVER)
+            self._hasher.root, self._recycle_at(recycled), evicted)
         if not done:
             return done
-        evicted, index._num_spare, index._num_entries, added = done
+        index._num_spare, index._num_entries, added = done
         index._count += added
-        self._evicted += evicted
+        self._evicted += int(self._group_sizes @ evicted)
         self._take_slot()
-        req = _Request(slot=slot, table=table, heads=None, num_blocks=num_blocks, recycled=[], cache_salt=cache_salt,
-                       lora=lora, mm=list(mm) if mm else None, changed=range(0, num_blocks))
+        req = _Request(slot=slot, table=table, heads=table[self._row_group] if self._expand else None,
+                       num_blocks=num_blocks, recycled=recycled, cache_salt=cache_salt, lora=lora,
+                       mm=list(mm) if mm else None, changed=range(0, num_blocks))
         self._requests[request_id] = req
         self._slot_of[request_id] = slot
         self._by_slot[slot] = req
@@ -498,8 +501,8 @@ class KVCacheManager:
         self._queries += 1
         self._hit_requests += num_hit > 0
         self._queried_tokens += int(tokens.size)
-        self._hit_tokens += num_hit * self.block_size
-        return Admission(num_hit * self.block_size, _view(req), covered)
+        self._hit_tokens += num_hit * bs
+        return Admission(num_hit * bs, _view(req), covered)
 
     def extend(self, request_id: object, tokens: Tokens, *, num_computed_tokens: int | None = None) -> np.ndarray | None:
         """Append ``tokens`` (a prefill chunk or decoded tokens) and allocate the blocks they need.
@@ -1363,13 +1366,17 @@ class KVCacheManager:
         if self._hasher is not None:
             limit = min(limit, (int(self._ntok[slot]) // bs + 1) * bs - 1)
         self._fast_limit[slot] = limit
-        # The first num_computed_tokens at which a window row would give a block back.
-        self._next_recycle[slot] = min(
-            ((req.recycled[g] + 1) * bs + policy.window_tokens - 1 for g, (policy, _) in
-             enumerate(self._window_groups)),
-            default=_NEVER,
-        ) if self._window_groups else _NEVER
+        self._next_recycle[slot] = self._recycle_at(req.recycled)
         self._width[slot] = req.num_blocks
+
+    def _recycle_at(self, recycled: list[int]) -> int:
+        """The first num_computed_tokens at which a window row would give a block back (per window group,
+        ``recycled`` blocks are given back already)."""
+        if not self._window_groups:
+            return _NEVER
+        bs = self.block_size
+        return min((recycled[g] + 1) * bs + policy.window_tokens - 1 for g, (policy, _) in
+                   enumerate(self._window_groups))
 
     def _rows_of(self, groups: np.ndarray) -> tuple[int, ...]:
         """The rows (heads) that the given groups stand for, ascending."""
@@ -1379,7 +1386,7 @@ class KVCacheManager:
 _EMPTY = np.empty(0, dtype=np.intp)
 _NEVER = 2**62  # a _next_recycle no request reaches
 _NO_COLUMNS = np.empty(0, dtype=np.int32)
-_NO_HIT = np.empty(0, dtype=np.int32)  # admit_commit's hit of a request with no cached prefix
+_NO_HIT = np.empty((0, 0), dtype=np.int32)  # admit_commit's hit of a request with no cached prefix
 _H = HASH_BYTES
 
 

@@ -692,11 +692,20 @@ class UniformNoEventsMachine(ManagerMachine):
     events = False
 
 
+class HeadWiseNoEventsMachine(HeadWiseMachine):
+    """The head-wise machine (window groups, rows expanded from groups) without KV events: the same C commit."""
+
+    events = False
+
+
 TestUniformManagerNoEvents = UniformNoEventsMachine.TestCase
 TestUniformManagerNoEvents.settings = MACHINE_SETTINGS
+TestHeadWiseManagerNoEvents = HeadWiseNoEventsMachine.TestCase
+TestHeadWiseManagerNoEvents.settings = MACHINE_SETTINGS
 
 
-def test_admits_take_the_one_pass_commit_and_match_the_general_path(monkeypatch):
+@pytest.mark.parametrize("rows", [[Full()], [Window(8, 4), Full(), Window(8, 4)]], ids=["uniform", "head-wise"])
+def test_admits_take_the_one_pass_commit_and_match_the_general_path(monkeypatch, rows):
     """Without events a uniform manager commits an admit in one C pass (_tables.admit_commit), cached prefix and
     revived blocks included; with events (the general path) the same calls give the same tables, evictions, free
     counts, hits and stats. A prompt whose first block is gone but a later one still indexed is left to the
@@ -707,11 +716,11 @@ def test_admits_take_the_one_pass_commit_and_match_the_general_path(monkeypatch)
     real = _tables.admit_commit
 
     def spy(*args):
-        calls.append((args[19].size, real(*args)))  # (blocks hit, result)
+        calls.append((args[19].shape[-1] if args[19].size else 0, real(*args)))  # (blocks hit, result)
         return calls[-1][1]
 
     monkeypatch.setattr(_tables, "admit_commit", spy)
-    one_pass, general = (KVCacheManager(24, BS, enable_prefix_caching=True, hash_seed=b"x", enable_events=e)
+    one_pass, general = (KVCacheManager(24, BS, rows, enable_prefix_caching=True, hash_seed=b"x", enable_events=e)
                          for e in (False, True))
     rng = np.random.default_rng(7)
     prompts: dict[int, np.ndarray] = {}
@@ -733,12 +742,13 @@ def test_admits_take_the_one_pass_commit_and_match_the_general_path(monkeypatch)
             prompts[rid] = prompt
             live.append(rid)
         if rid % 7 == 3 and live:  # drop a live request's first block from the index: its prompt now misses
-            first = one_pass.table(live[0])[:, :1]
+            first = one_pass.table(live[0])[:, 0]
             for m in (one_pass, general):
-                m.drop_cached(np.zeros(1, dtype=np.intp), first.reshape(-1))
+                m.drop_cached(np.arange(first.size), first)
         one_pass.check_integrity()
         assert one_pass.num_free_blocks.tolist() == general.num_free_blocks.tolist()
         assert one_pass.stats() == general.stats()
+    assert one_pass.num_free_blocks.tolist() == general.num_free_blocks.tolist()
     assert any(isinstance(c, tuple) and not h for h, c in calls), "no admit without a hit took the one-pass commit"
     assert any(isinstance(c, tuple) and h for h, c in calls), "no admit with a hit took the one-pass commit"
     assert any(c is False for _, c in calls), "no one-pass admit was refused for an indexed hash"
@@ -768,7 +778,7 @@ def test_admit_commit_checks_sizes_and_hit_first_and_changes_nothing():
         with pytest.raises(error, match="admit_commit|incref of a free uncached block"):
             _tables.admit_commit(*arrays[:9], index._slots, index._seed, index._hash_of, index._blocks,
                                  index._entry_at, index._holders, index._spare, index._num_spare, index._num_entries,
-                                 hashes, np.array(hit, dtype=np.int32), tokens, 9, np.empty((1, width), dtype=np.int32),
+                                 hashes, np.array([hit], dtype=np.int32), tokens, 9, np.empty((1, width), dtype=np.int32),
                                  slot, m._ntok, m._changed_ok, m._last_block, m._tail, m._last_hash, m._fast_limit,
-                                 m._next_recycle, m._width, m._hasher.root, 0)
+                                 m._next_recycle, m._width, m._hasher.root, 0, np.zeros(1, dtype=np.intp))
     assert all(np.array_equal(a, b) for a, b in zip(arrays, before))
