@@ -866,6 +866,27 @@ static void take_entries(const Py_ssize_t *spare, Py_ssize_t *num_spare, Py_ssiz
         entries[i] = (*num_entries)++;
 }
 
+/* PrefixIndex.insert_new of k new hashes held by ``blocks`` (int32 [k, rows]; pool rows = index rows) under entry
+ * ids from take_entries, then BlockPool.mark_cached of those blocks. The spare and entry counters move only on
+ * success. Returns the keys inserted, or -2 with AssertionError set and nothing written (a pair already holding a
+ * hash, an id out of range: an owner bug). */
+static Py_ssize_t insert_and_cache(index_t *x, pool_t *p, const uint8_t *keys, Py_ssize_t k, const int32_t *blocks,
+                                   int64_t *entries, const Py_ssize_t *spare, Py_ssize_t *num_spare,
+                                   Py_ssize_t *num_entries)
+{
+    Py_ssize_t left = *num_spare, used = *num_entries;
+    take_entries(spare, &left, &used, k, entries);
+    const Py_ssize_t inserted = index_insert_new(x, keys, k, entries, blocks, 0);
+    if (inserted < 0)
+        return inserted;
+    for (Py_ssize_t i = 0; i < k; i++)
+        for (Py_ssize_t r = 0; r < x->rows; r++)
+            p->cached[r * p->n + blocks[i * x->rows + r]] = 1;
+    *num_spare = left;
+    *num_entries = used;
+    return inserted;
+}
+
 PyDoc_STRVAR(run_take_doc,
 "run_take(ref, cached, stack, top, ring, lru_pos, head, tail_pos, lru_count,\n"
 "         slots, seed, hash_of, entry_blocks, entry_at, holders, spare, num_spare, hashes, out)\n"
@@ -936,8 +957,9 @@ done:
 }
 
 PyDoc_STRVAR(insert_cached_doc,
-"insert_cached(ref, cached, slots, seed, hash_of, entry_blocks, entry_at, holders, spare, num_spare, num_entries,\n"
-"              hashes, blocks) -> (num_spare, num_entries, inserted)\n\n"
+"insert_cached(ref, cached, stack, top, ring, lru_pos, head, tail_pos, lru_count,\n"
+"              slots, seed, hash_of, entry_blocks, entry_at, holders, spare, num_spare, num_entries, hashes, blocks)\n"
+"    -> (num_spare, num_entries, inserted)\n\n"
 "PrefixIndex.insert_new of a one-row index and BlockPool.mark_cached_columns in one pass: the k packed\n"
 "``hashes`` (distinct, none indexed: what run_take checked) enter the index held by ``blocks`` (int32 [k]),\n"
 "under entry ids from the spare stack, then new ones (the caller made room for k more), and the blocks are\n"
@@ -947,33 +969,35 @@ PyDoc_STRVAR(insert_cached_doc,
 static PyObject *insert_cached(PyObject *self, PyObject *args)
 {
     (void)self;
-    enum { NB = 10 };
+    enum { NB = POOL_ARRAYS + 8 };
     Py_buffer b[NB];
     memset(b, 0, sizeof b);
     unsigned long long seed;
     Py_ssize_t num_spare, num_entries;
-    /* b[0] ref, b[1] cached, b[2] slots, b[3] hash_of, b[4] entry_blocks, b[5] entry_at, b[6] holders, b[7] spare,
-     * b[8] hashes, b[9] blocks. */
-    if (!PyArg_ParseTuple(args, "y*w*w*Kw*w*w*w*y*nny*y*", &b[0], &b[1], &b[2], &seed, &b[3], &b[4], &b[5], &b[6],
-                          &b[7], &num_spare, &num_entries, &b[8], &b[9]))
+    /* b[0..8] the pool; b[9] slots, b[10] hash_of, b[11] entry_blocks, b[12] entry_at, b[13] holders, b[14] spare;
+     * b[15] hashes, b[16] blocks. */
+    if (!PyArg_ParseTuple(args, "w*w*w*w*w*w*w*w*w*w*Kw*w*w*w*w*nny*y*", &b[0], &b[1], &b[2], &b[3], &b[4], &b[5],
+                          &b[6], &b[7], &b[8], &b[9], &seed, &b[10], &b[11], &b[12], &b[13], &b[14], &num_spare,
+                          &num_entries, &b[15], &b[16]))
         return NULL;
     PyObject *result = NULL;
     int64_t *entries = NULL;
+    pool_t p;
     index_t x;
-    if (open_index(&x, &b[2], seed, &b[3], &b[4], &b[5], &b[6], "insert_cached") < 0)
+    if (open_pool(&p, b, "insert_cached") < 0
+        || open_index(&x, &b[9], seed, &b[10], &b[11], &b[12], &b[13], "insert_cached") < 0)
         goto done;
-    const Py_ssize_t k = b[8].len / KEY_BYTES;
-    const int32_t *ref = b[0].buf, *blocks = b[9].buf;
-    uint8_t *cached = b[1].buf;
-    if (x.rows != 1 || b[8].len % KEY_BYTES || b[9].len != k * (Py_ssize_t)sizeof(int32_t)
-        || b[0].len != x.num_blocks * (Py_ssize_t)sizeof(int32_t) || b[1].len != x.num_blocks || num_spare < 0
-        || num_spare > b[7].len / (Py_ssize_t)sizeof(Py_ssize_t) || num_entries < 0
+    const Py_ssize_t k = b[15].len / KEY_BYTES;
+    const int32_t *blocks = b[16].buf;
+    if (p.rows != 1 || x.rows != 1 || p.n != x.num_blocks || b[15].len % KEY_BYTES
+        || b[16].len != k * (Py_ssize_t)sizeof(int32_t) || num_spare < 0
+        || num_spare > b[14].len / (Py_ssize_t)sizeof(Py_ssize_t) || num_entries < 0
         || num_entries + k - (k < num_spare ? k : num_spare) > x.entries) {
         PyErr_SetString(PyExc_ValueError, "insert_cached: the pool, index or blocks have inconsistent sizes");
         goto done;
     }
     for (Py_ssize_t i = 0; i < k; i++) {
-        if (blocks[i] < 0 || blocks[i] >= x.num_blocks || ref[blocks[i]] < 1) {
+        if (blocks[i] < 0 || blocks[i] >= p.n || p.ref[blocks[i]] < 1) {
             PyErr_Format(PyExc_AssertionError, "insert_cached: block %d is free or out of range", (int)blocks[i]);
             goto done;
         }
@@ -983,13 +1007,10 @@ static PyObject *insert_cached(PyObject *self, PyObject *args)
         PyErr_NoMemory();
         goto done;
     }
-    take_entries(b[7].buf, &num_spare, &num_entries, k, entries); /* committed only by the result below */
-    const Py_ssize_t inserted = index_insert_new(&x, b[8].buf, k, entries, blocks, 0);
-    if (inserted < 0) /* -2: AssertionError set, nothing written */
-        goto done;
-    for (Py_ssize_t i = 0; i < k; i++)
-        cached[blocks[i]] = 1;
-    result = Py_BuildValue("nnn", num_spare, num_entries, inserted);
+    const Py_ssize_t inserted = insert_and_cache(&x, &p, b[15].buf, k, blocks, entries, b[14].buf, &num_spare,
+                                                 &num_entries);
+    if (inserted >= 0)
+        result = Py_BuildValue("nnn", num_spare, num_entries, inserted);
 done:
     PyMem_Free(entries);
     release_buffers(b, NB); /* zeroed ones (not parsed) have no object: skipped */
@@ -1135,13 +1156,11 @@ static PyObject *admit_commit(PyObject *self, PyObject *args)
         keys_added -= drop_evicted(&x, r, evicted, num_evicted, spare, &num_spare);
         for (Py_ssize_t i = n; i < capacity; i++)
             row[i] = -1;
-        for (Py_ssize_t i = h; i < k; i++) {
+        for (Py_ssize_t i = h; i < k; i++)
             fresh_blocks[(i - h) * G + r] = row[i];
-            p.cached[r * p.n + row[i]] = 1;
-        }
     }
-    take_entries(spare, &num_spare, &num_entries, k - h, entries);
-    const Py_ssize_t inserted = index_insert_new(&x, keys + h * KEY_BYTES, k - h, entries, fresh_blocks, 0);
+    const Py_ssize_t inserted = insert_and_cache(&x, &p, keys + h * KEY_BYTES, k - h, fresh_blocks, entries, spare,
+                                                 &num_spare, &num_entries);
     if (inserted < 0) /* a pool and index that disagree (an owner bug): AssertionError set */
         goto done;
     keys_added += inserted;

@@ -427,31 +427,17 @@ class KVCacheManager:
             self._pool.decref(g, table[g, num_hit + j], unique=True)
             table[g, num_hit + j] = -1
         slot = self._take_slot()
-        req = _Request(
-            slot=slot, table=table, heads=table[self._row_group] if self._expand else None,
-            num_blocks=num_blocks,
-            recycled=[recyclable_blocks(w, num_hit * bs, bs).stop for w, _ in self._window_groups],
-            cache_salt=cache_salt, lora=lora, mm=list(mm) if mm else None,
-            changed=range(0, num_blocks),
-        )
-        self._requests[request_id] = req
-        self._slot_of[request_id] = slot
-        self._by_slot[slot] = req
+        req = self._record(request_id, slot, table, num_blocks, self._recycled_after(num_hit), cache_salt, lora, mm)
         self._ntok[slot] = covered
         self._changed_ok[slot] = True
-        self._keyed[slot] = lora is not None or bool(mm)
         self._last_block[slot] = table[:, num_blocks - 1]
-        self._salted[slot] = bool(cache_salt)
         partial = covered % bs
         self._tail[slot, :partial] = tokens[covered - partial:covered]
         if self._hasher is not None:
             self._last_hash[slot] = np.frombuffer(hashes[(num_hit - 1) * _H: num_hit * _H] if num_hit
                                                   else self._hasher.root, dtype=np.uint8)
             self._register(req, num_hit, hashes[num_hit * _H: covered // bs * _H], tokens[num_hit * bs:])
-            self._queries += 1
-            self._hit_requests += num_cached > 0
-            self._queried_tokens += int(tokens.size)
-            self._hit_tokens += num_cached * bs
+            self._count_query(int(tokens.size), num_cached)
         self._refresh(req)
         view = _view(req)
         if self.tier is not None:
@@ -475,12 +461,10 @@ class KVCacheManager:
         index.reserve(full, groups * num_blocks)
         slot = self._next_slot()
         table = np.empty((groups, _grow(num_blocks + 1, 4)), dtype=np.int32)  # room for the block its first extend opens
-        recycled = [recyclable_blocks(w, num_hit * bs, bs).stop for w, _ in self._window_groups]
+        recycled = self._recycled_after(num_hit)
         evicted = np.zeros(groups, dtype=np.intp)
         done = _tables.admit_commit(
-            pool._ref, pool._cached, pool._stack, pool._top, pool._ring, pool._lru_pos, pool._head, pool._tail,
-            pool._lru_count, index._slots, index._seed, index._hash_of, index._blocks, index._entry_at, index._holders,
-            index._spare, index._num_spare, index._num_entries, hashes[: full * _H],
+            *pool._c_arrays(), *index._c_arrays(), index._num_entries, hashes[: full * _H],
             _NO_HIT if hit is None else hit, tokens, covered, table, slot, self._ntok, self._changed_ok,
             self._last_block, self._tail, self._last_hash, self._fast_limit, self._next_recycle, self._width,
             self._hasher.root, self._recycle_at(recycled), evicted)
@@ -489,7 +473,14 @@ class KVCacheManager:
         index._num_spare, index._num_entries, added = done
         index._count += added
         self._evicted += int(self._group_sizes @ evicted)
-        self._take_slot()
+        req = self._record(request_id, self._take_slot(), table, num_blocks, recycled, cache_salt, lora, mm)
+        self._count_query(int(tokens.size), num_hit)
+        return Admission(num_hit * bs, _view(req), covered)
+
+    def _record(self, request_id: object, slot: int, table: np.ndarray, num_blocks: int, recycled: list[int],
+                cache_salt: str | None, lora: str | None, mm: Sequence[MMPlaceholder | tuple[str, int, int]] | None
+                ) -> _Request:
+        """An admitted request's record, filed under its id and ``slot``, with the slot's hashing flags."""
         req = _Request(slot=slot, table=table, heads=table[self._row_group] if self._expand else None,
                        num_blocks=num_blocks, recycled=recycled, cache_salt=cache_salt, lora=lora,
                        mm=list(mm) if mm else None, changed=range(0, num_blocks))
@@ -498,11 +489,19 @@ class KVCacheManager:
         self._by_slot[slot] = req
         self._keyed[slot] = lora is not None or bool(mm)
         self._salted[slot] = bool(cache_salt)
+        return req
+
+    def _recycled_after(self, num_hit: int) -> list[int]:
+        """Per window group, the blocks a request admitted with a hit of ``num_hit`` blocks has given back."""
+        bs = self.block_size
+        return [recyclable_blocks(w, num_hit * bs, bs).stop for w, _ in self._window_groups]
+
+    def _count_query(self, num_tokens: int, num_cached: int) -> None:
+        """The prefix-hit statistics of one admitted prompt of ``num_tokens`` with ``num_cached`` blocks cached."""
         self._queries += 1
-        self._hit_requests += num_hit > 0
-        self._queried_tokens += int(tokens.size)
-        self._hit_tokens += num_hit * bs
-        return Admission(num_hit * bs, _view(req), covered)
+        self._hit_requests += num_cached > 0
+        self._queried_tokens += num_tokens
+        self._hit_tokens += num_cached * self.block_size
 
     def extend(self, request_id: object, tokens: Tokens, *, num_computed_tokens: int | None = None) -> np.ndarray | None:
         """Append ``tokens`` (a prefill chunk or decoded tokens) and allocate the blocks they need.
@@ -879,10 +878,7 @@ class KVCacheManager:
             new_blocks = np.empty((groups, num_need), dtype=np.int32)
             prefix = self._index
             prefix.reserve(0, num_need)
-            done = _tables.run_take(pool._ref, pool._cached, pool._stack, pool._top, pool._ring, pool._lru_pos,
-                                    pool._head, pool._tail, pool._lru_count, prefix._slots, prefix._seed,
-                                    prefix._hash_of, prefix._blocks, prefix._entry_at, prefix._holders,
-                                    prefix._spare, prefix._num_spare, hashes, new_blocks)
+            done = _tables.run_take(*pool._c_arrays(), *prefix._c_arrays(), hashes, new_blocks)
             if not done:  # a fill's hash repeats or is indexed (None, no room, is ruled out above)
                 self._extend_each(index, slots, flat, counts, offsets, t, ok, changed)
                 return
@@ -916,9 +912,7 @@ class KVCacheManager:
         if num_fill and self.tier is None:  # the new hashes' insert and cached flags in one C pass
             prefix.reserve(num_fill, 0)
             prefix._num_spare, prefix._num_entries, added = _tables.insert_cached(
-                pool._ref, pool._cached, prefix._slots, prefix._seed, prefix._hash_of, prefix._blocks,
-                prefix._entry_at, prefix._holders, prefix._spare, prefix._num_spare, prefix._num_entries, hashes,
-                filled)
+                *pool._c_arrays(), *prefix._c_arrays(), prefix._num_entries, hashes, filled)
             prefix._count += added
         elif num_fill:
             self._index.insert_new(hashes, filled)

@@ -139,6 +139,11 @@ class BlockPool:
         """Block ids per row: ``[0, num_blocks)``."""
         return self._n
 
+    def _c_arrays(self) -> tuple[np.ndarray, ...]:
+        """The arrays the C passes over the pool take first, in their order (``_pool.h``'s ``open_pool``)."""
+        return (self._ref, self._cached, self._stack, self._top, self._ring, self._lru_pos, self._head, self._tail,
+                self._lru_count)
+
     # ----------------------------------------------------------------- queries
 
     def num_free(self, rows: np.ndarray | None = None) -> np.ndarray:
@@ -252,8 +257,7 @@ class BlockPool:
         """``allocate`` in one row, in one C pass (a request's admit, a decode step's new blocks)."""
         blocks = np.empty((1, n), dtype=np.int32)
         evicted = np.empty(n, dtype=np.int32)
-        count = _pool.take(self._ref, self._cached, self._stack, self._top, self._ring, self._lru_pos, self._head,
-                           self._tail, self._lru_count, row, blocks, evicted, ascending)
+        count = _pool.take(*self._c_arrays(), row, blocks, evicted, ascending)
         if count < 0:
             return None
         if not count:
@@ -317,9 +321,7 @@ class BlockPool:
             if b.dtype != np.int32 or r.dtype.kind not in "iu":  # the C pass range-checks int32 ids exactly
                 self._check_pairs(r, b)
             try:
-                _pool.release(self._ref, self._cached, self._stack, self._top, self._ring, self._lru_pos, self._head,
-                              self._tail, self._lru_count, r.astype(np.int64).reshape(-1),
-                              np.ascontiguousarray(b, dtype=np.int32))
+                _pool.release(*self._c_arrays(), r.astype(np.int64).reshape(-1), np.ascontiguousarray(b, dtype=np.int32))
             except AssertionError:  # nothing changed: an id out of range is the caller's error, named as such
                 self._check_pairs(r, b)
                 raise

@@ -734,6 +734,13 @@ class PrefixIndex:
         entries = self._slots["entry"]
         return entries[entries >= 0].astype(np.intp)
 
+    def _c_arrays(self) -> tuple:
+        """What the C passes over the index take after the pool's arrays, in their order: the table, its seed, the
+        entry arrays (``_hashtable.h``'s ``open_index``), the spare stack and its count. Read per call: the arrays
+        grow."""
+        return (self._slots, self._seed, self._hash_of, self._blocks, self._entry_at, self._holders, self._spare,
+                self._num_spare)
+
     def reserve(self, keys: int, spare: int) -> None:
         """Room for ``keys`` more hashes (table and entry arrays) and ``spare`` more spare ids, without changing
         what the index holds: what a C pass that inserts and drops hashes itself needs beforehand."""

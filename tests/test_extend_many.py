@@ -292,8 +292,7 @@ def test_insert_cached_refuses_a_free_block_or_a_held_pair_and_changes_nothing()
     free_block = int(pool._stack[pool._top[0] - 1])
     for blocks, match in (([2, free_block], "free or out of range"), ([2, 0], "already holds a hash")):
         with pytest.raises(AssertionError, match=match):
-            _tables.insert_cached(pool._ref, pool._cached, index._slots, index._seed, index._hash_of, index._blocks,
-                                  index._entry_at, index._holders, index._spare, index._num_spare,
-                                  index._num_entries, hashes, np.array(blocks, dtype=np.int32))
+            _tables.insert_cached(*pool._c_arrays(), *index._c_arrays(), index._num_entries, hashes,
+                                  np.array(blocks, dtype=np.int32))
         after = state()
         assert all(np.array_equal(a, b) for a, b in zip(after[:6], before[:6])) and after[6:] == before[6:]
