@@ -947,13 +947,57 @@ static PyObject *chain_cbor(PyObject *self, PyObject *args, PyObject *kwargs)
 
 /* One block per parent: block i (tokens [i*bs, (i+1)*bs)) hashed after parents[32*i, 32*i+32), no extra
  * keys; packed digests. A decode step's newly full blocks, one per request, in one call. */
+/* Block i of ``t`` (n blocks of bs tokens) hashed after parents[32 i], no extras, into out[32 i]: each_common's
+ * loop, also _tables' (through the capsule below). Releases the GIL while it hashes when ``nogil``. 0, or -1 with
+ * MemoryError set. */
+static int each_blocks(int cbor, const token_buf *t, Py_ssize_t n, Py_ssize_t bs, const uint8_t *parent, uint8_t *out,
+                       int nogil)
+{
+    extras_buf e;
+    if (get_extras(Py_None, 1, &e) < 0)
+        return -1;
+    const size_t longest = cbor ? cbor_longest(bs, &e) : 32 + 4 * (size_t)bs;
+    const size_t half = padded_len(longest) + 64;
+    uint8_t *scratch = PyMem_Malloc(2 * half);
+    if (!scratch) {
+        release_extras(&e);
+        PyErr_NoMemory();
+        return -1;
+    }
+    const int backend = g_backend_id;
+    PyThreadState *saved = nogil ? PyEval_SaveThread() : NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        token_buf block = *t;
+        block.data = t->data + (size_t)i * (size_t)bs * 4;
+        block.count = bs;
+        sink sk = {NULL, out + 32 * i, 1, 0};
+        run_chain(backend, cbor, &block, bs, 1, &e, parent + 32 * i, scratch, half, &sk);
+    }
+    if (saved)
+        PyEval_RestoreThread(saved);
+    PyMem_Free(scratch);
+    release_extras(&e);
+    return 0;
+}
+
+/* The capsule's entry: n blocks of bs native-order uint32 tokens (with the GIL held: a decode step's few blocks). */
+static int each_native(int cbor, const uint32_t *tokens, Py_ssize_t n, Py_ssize_t bs, const uint8_t *parents,
+                       uint8_t *out)
+{
+    token_buf t;
+    memset(&t, 0, sizeof t);
+    t.data = (const uint8_t *)tokens;
+    t.count = n * bs;
+    t.little_endian = host_is_le();
+    return each_blocks(cbor, &t, n, bs, parents, out, 0);
+}
+
 static PyObject *each_common(PyObject *args, int cbor)
 {
     PyObject *tokens_obj;
     Py_ssize_t bs;
     Py_buffer parents;
     token_buf t;
-    extras_buf e;
     if (!PyArg_ParseTuple(args, "Ony*", &tokens_obj, &bs, &parents))
         return NULL;
     if (bs < 1 || bs > (PY_SSIZE_T_MAX / 8)) {
@@ -973,35 +1017,9 @@ static PyObject *each_common(PyObject *args, int cbor)
         PyBuffer_Release(&parents);
         return NULL;
     }
-    if (get_extras(Py_None, 1, &e) < 0) {
-        PyBuffer_Release(&t.view);
-        PyBuffer_Release(&parents);
-        return NULL;
-    }
     PyObject *result = PyBytes_FromStringAndSize(NULL, n * 32);
-    const size_t longest = cbor ? cbor_longest(bs, &e) : 32 + 4 * (size_t)bs;
-    const size_t half = padded_len(longest) + 64;
-    uint8_t *scratch = result ? PyMem_Malloc(2 * half) : NULL;
-    if (result && !scratch) {
-        PyErr_NoMemory();
+    if (result && each_blocks(cbor, &t, n, bs, parents.buf, (uint8_t *)PyBytes_AS_STRING(result), 1) < 0)
         Py_CLEAR(result);
-    }
-    if (result) {
-        const int backend = g_backend_id;
-        uint8_t *out = (uint8_t *)PyBytes_AS_STRING(result);
-        const uint8_t *parent = parents.buf;
-        Py_BEGIN_ALLOW_THREADS
-        for (Py_ssize_t i = 0; i < n; i++) {
-            token_buf block = t;
-            block.data = t.data + (size_t)i * (size_t)bs * 4;
-            block.count = bs;
-            sink sk = {NULL, out + 32 * i, 1, 0};
-            run_chain(backend, cbor, &block, bs, 1, &e, parent + 32 * i, scratch, half, &sk);
-        }
-        Py_END_ALLOW_THREADS
-    }
-    PyMem_Free(scratch);
-    release_extras(&e);
     PyBuffer_Release(&t.view);
     PyBuffer_Release(&parents);
     return result;
@@ -1098,5 +1116,16 @@ PyMODINIT_FUNC PyInit__chainhash(void)
 {
     g_has_shani = cpu_has_shani();
     select_backend("auto");
-    return PyModule_Create(&module);
+    PyObject *m = PyModule_Create(&module);
+    if (!m)
+        return NULL;
+    /* C callers' each_raw/each_cbor (kvcache.allocator._tables): int (*)(int cbor, const uint32_t *tokens,
+     * Py_ssize_t n, Py_ssize_t block_size, const uint8_t *parents, uint8_t *out); 0, or -1 with an error set. */
+    PyObject *api = PyCapsule_New((void *)each_native, "kvcache.allocator._chainhash._each_api", NULL);
+    if (!api || PyModule_AddObject(m, "_each_api", api) < 0) {
+        Py_XDECREF(api);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
 }

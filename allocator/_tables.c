@@ -585,6 +585,23 @@ PyDoc_STRVAR(lookup_ids_doc,
 "int, there. Returns -1 when every id passes, else the position of the first that does not (``out`` is\n"
 "then partly written): the caller names that id's problem.");
 
+/* mapping[id] (an int) into *value (unless NULL) for an id that is an exact int or str: 1; 0 for an id of another
+ * type or no key of mapping; -1 with an error set. */
+static int lookup_id(PyObject *mapping, PyObject *id, Py_ssize_t *value)
+{
+    if (!PyLong_CheckExact(id) && !PyUnicode_CheckExact(id))
+        return 0;
+    PyObject *found = PyDict_GetItemWithError(mapping, id);
+    if (!found)
+        return PyErr_Occurred() ? -1 : 0;
+    if (value) {
+        *value = PyNumber_AsSsize_t(found, PyExc_OverflowError); /* an int, or any integer (__index__) */
+        if (*value == -1 && PyErr_Occurred())
+            return -1;
+    }
+    return 1;
+}
+
 static PyObject *lookup_ids(PyObject *self, PyObject *args)
 {
     (void)self;
@@ -613,14 +630,10 @@ static PyObject *lookup_ids(PyObject *self, PyObject *args)
     Py_ssize_t bad = -1;
     for (Py_ssize_t j = 0; j < n; j++) {
         PyObject *id = PyList_GET_ITEM(ids, j);
-        if (!PyLong_CheckExact(id) && !PyUnicode_CheckExact(id)) {
-            bad = j;
-            break;
-        }
-        PyObject *value = PyDict_GetItemWithError(mapping, id);
-        if (!value) {
-            if (PyErr_Occurred())
-                goto fail;
+        const int found = lookup_id(mapping, id, slot ? &slot[j] : NULL);
+        if (found < 0)
+            goto fail;
+        if (!found) {
             bad = j;
             break;
         }
@@ -632,12 +645,6 @@ static PyObject *lookup_ids(PyObject *self, PyObject *args)
                 bad = j;
                 break;
             }
-        }
-        if (slot) {
-            const Py_ssize_t v = PyNumber_AsSsize_t(value, PyExc_OverflowError); /* an int, or any integer (__index__) */
-            if (v == -1 && PyErr_Occurred())
-                goto fail;
-            slot[j] = v;
         }
     }
     result = PyLong_FromSsize_t(bad);
@@ -1017,6 +1024,296 @@ done:
     return result;
 }
 
+PyDoc_STRVAR(extend_decode_doc,
+"extend_decode(slot_of, ids, tokens, counts, by_slot, hashing, ntok, fast_limit, next_recycle, tail, changed_ok,\n"
+"              stamp, keyed, salted, last_hash, last_block, width, lens,\n"
+"              ref, cached, stack, top, ring, lru_pos, head, tail_pos, lru_count,\n"
+"              slots, seed, hash_of, entry_blocks, entry_at, holders, spare, num_spare, num_entries)\n"
+"    -> (index, cols, vals, widen, evicted, num_spare, num_entries, keys_removed, keys_added) | None\n\n"
+"KVCacheManager.extend_many_deltas in one pass, for a one-row manager (one group, no window, no events, no tier):\n"
+"request ids[i] (its slot slot_of[id]) gets the next counts[i] (int64) of tokens (uint32). Extends inside the\n"
+"last block are extend_fast's; every other one must be a plain decode extend (run_prepare's), and those go as\n"
+"one run: blocks for the ones at a block boundary (BlockPool.allocate, in request order, evictions dropped\n"
+"from the index), the filled blocks hashed (hashing: -1 none, 0 sha256, 1 sha256_cbor) and indexed, every\n"
+"slot array, table column and request record as run_commit writes them. lens (int32 [n]) gets each table's\n"
+"width; index/cols/vals (bytes of int32) list the opened requests' positions, old widths and new blocks;\n"
+"widen the positions in index whose table had no room (the caller widens and writes them). Returns None,\n"
+"changing nothing, for anything else (an id not admitted or of another type, a slot listed twice, a negative\n"
+"count, counts not summing to the tokens, a request that is not plain, too few blocks, a filled block's hash\n"
+"repeated or indexed): the general path takes the batch. The caller made room: spare for n more ids, the\n"
+"entry arrays and table for n more keys. ValueError, changing nothing, on inconsistent sizes.");
+
+typedef int (*each_fn)(int cbor, const uint32_t *tokens, Py_ssize_t n, Py_ssize_t bs, const uint8_t *parents,
+                       uint8_t *out);
+static each_fn each_blocks; /* _chainhash's, from its capsule on first use */
+
+static PyObject *extend_decode(PyObject *self, PyObject *args)
+{
+    (void)self;
+    enum { NB = 14 + POOL_ARRAYS + 6 };
+    Py_buffer b[NB];
+    memset(b, 0, sizeof b);
+    PyObject *slot_of, *ids, *by_slot;
+    int hashing;
+    unsigned long long seed;
+    Py_ssize_t num_spare, num_entries;
+    /* b[0] tokens, b[1] counts, b[2] ntok, b[3] fast_limit, b[4] next_recycle, b[5] tail, b[6] changed_ok,
+     * b[7] stamp, b[8] keyed, b[9] salted, b[10] last_hash, b[11] last_block, b[12] width, b[13] lens;
+     * b[14..22] the pool; b[23] slots, b[24] hash_of, b[25] entry_blocks, b[26] entry_at, b[27] holders,
+     * b[28] spare. */
+    if (!PyArg_ParseTuple(args, "O!O!y*y*O!iw*w*y*w*w*w*y*y*w*w*w*w*w*w*w*w*w*w*w*w*w*w*Kw*w*w*w*w*nn",
+                          &PyDict_Type, &slot_of, &PyList_Type, &ids, &b[0], &b[1], &PyList_Type, &by_slot, &hashing,
+                          &b[2], &b[3], &b[4], &b[5], &b[6], &b[7], &b[8], &b[9], &b[10], &b[11], &b[12], &b[13],
+                          &b[14], &b[15], &b[16], &b[17], &b[18], &b[19], &b[20], &b[21], &b[22], &b[23], &seed,
+                          &b[24], &b[25], &b[26], &b[27], &b[28], &num_spare, &num_entries))
+        return NULL;
+    PyObject *result = NULL, *index_obj = NULL, *cols_obj = NULL, *vals_obj = NULL, *widen = NULL;
+    Py_ssize_t *slot = NULL, *slow = NULL, *need = NULL, *fill = NULL;
+    int32_t *evicted = NULL, *filled = NULL;
+    uint32_t *blocks_tok = NULL;
+    uint8_t *parents = NULL, *hashes = NULL, *is_slow = NULL;
+    int64_t *entries = NULL;
+    int32_t **tables = NULL;
+    Py_ssize_t *capacity = NULL;
+    pool_t p;
+    index_t x;
+    if (hashing >= 0 && !each_blocks) {
+        each_blocks = (each_fn)PyCapsule_Import("kvcache.allocator._chainhash._each_api", 0);
+        if (!each_blocks)
+            goto done;
+    }
+    if (open_pool(&p, &b[14], "extend_decode") < 0
+        || open_index(&x, &b[23], seed, &b[24], &b[25], &b[26], &b[27], "extend_decode") < 0)
+        goto done;
+    const Py_ssize_t n = PyList_GET_SIZE(ids);
+    const Py_ssize_t cap = b[2].len / (Py_ssize_t)sizeof(int64_t);
+    const Py_ssize_t bs = cap ? b[5].len / (Py_ssize_t)sizeof(uint32_t) / cap : 0;
+    const Py_ssize_t num_tok = b[0].len / (Py_ssize_t)sizeof(uint32_t);
+    if (b[0].len % (Py_ssize_t)sizeof(uint32_t) || b[1].len != n * (Py_ssize_t)sizeof(int64_t) || cap < 1 || bs < 1
+        || b[3].len != b[2].len || b[4].len != b[2].len || b[5].len != cap * bs * (Py_ssize_t)sizeof(uint32_t)
+        || b[6].len != cap || b[7].len != cap * (Py_ssize_t)sizeof(Py_ssize_t) || b[8].len != cap || b[9].len != cap
+        || b[10].len != cap * RUN_HASH_BYTES || b[11].len != cap * (Py_ssize_t)sizeof(int32_t)
+        || b[12].len != cap * (Py_ssize_t)sizeof(int32_t) || b[13].len != n * (Py_ssize_t)sizeof(int32_t)
+        || p.rows != 1 || x.rows != 1 || p.n != x.num_blocks || num_spare < 0 || num_entries < 0
+        || num_spare + n > b[28].len / (Py_ssize_t)sizeof(Py_ssize_t) || num_entries + n > x.entries) {
+        PyErr_SetString(PyExc_ValueError, "extend_decode: the slot arrays, pool, index or outputs have inconsistent "
+                        "sizes (or the index has no room for n more keys)");
+        goto done;
+    }
+    const size_t m_bytes = (size_t)(n ? n : 1);
+    slot = PyMem_Malloc(m_bytes * sizeof(Py_ssize_t));
+    slow = PyMem_Malloc(m_bytes * sizeof(Py_ssize_t));
+    need = PyMem_Malloc(m_bytes * sizeof(Py_ssize_t));
+    fill = PyMem_Malloc(m_bytes * sizeof(Py_ssize_t));
+    evicted = PyMem_Malloc(m_bytes * sizeof(int32_t));
+    filled = PyMem_Malloc(m_bytes * sizeof(int32_t));
+    entries = PyMem_Malloc(m_bytes * sizeof(int64_t));
+    is_slow = PyMem_Calloc(m_bytes, 1);
+    if (!slot || !slow || !need || !fill || !evicted || !filled || !entries || !is_slow) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    const int64_t *count = b[1].buf, *rec = b[4].buf;
+    const uint32_t *tok = b[0].buf;
+    int64_t *nt = b[2].buf, *lim = b[3].buf;
+    uint32_t *tl = b[5].buf;
+    uint8_t *ch = b[6].buf, *lh = b[10].buf;
+    Py_ssize_t *st = b[7].buf;
+    const uint8_t *key = b[8].buf, *salt = b[9].buf;
+    int32_t *lb = b[11].buf, *wd = b[12].buf, *lens = b[13].buf;
+
+    /* Everything is checked before the first write: a None leaves the general path an untouched manager. */
+    Py_ssize_t total = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const int found = lookup_id(slot_of, PyList_GET_ITEM(ids, i), &slot[i]);
+        if (found < 0)
+            goto done;
+        if (!found || count[i] < 0 || count[i] > num_tok)
+            goto fallback;
+        if (slot[i] < 0 || slot[i] >= cap) {
+            PyErr_Format(PyExc_ValueError, "extend_decode: slot %zd is outside the slot arrays", slot[i]);
+            goto done;
+        }
+        st[slot[i]] = i;
+        total += count[i];
+    }
+    if (total != num_tok)
+        goto fallback;
+    Py_ssize_t m = 0, num_need = 0, num_fill = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (st[slot[i]] != i) /* listed twice */
+            goto fallback;
+        const Py_ssize_t s = slot[i];
+        const int64_t t = nt[s];
+        if (t < rec[s] && t + count[i] <= lim[s])
+            continue;
+        if (count[i] != 1 || t >= rec[s] || (hashing >= 0 && (key[s] || (t < bs && salt[s]))))
+            goto fallback; /* not a plain decode extend: the one-by-one order matters */
+        is_slow[i] = 1;
+        if (t % bs == 0)
+            need[num_need++] = m;
+        if (hashing >= 0 && t % bs == bs - 1)
+            fill[num_fill++] = m;
+        slow[m++] = i;
+    }
+    if (num_need > p.top[0] + p.lru_count[0])
+        goto fallback; /* some would get no block: the general path refuses exactly those */
+    tables = PyMem_Malloc(m_bytes * sizeof(int32_t *));
+    capacity = PyMem_Malloc(m_bytes * sizeof(Py_ssize_t));
+    if (!tables || !capacity) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t q = 0; q < num_need; q++) { /* the tables stay put: their requests hold them, nothing runs */
+        const Py_ssize_t s = slot[slow[need[q]]];
+        PyObject *req = s < PyList_GET_SIZE(by_slot) ? PyList_GET_ITEM(by_slot, s) : Py_None;
+        if (req == Py_None) {
+            PyErr_Format(PyExc_ValueError, "extend_decode: slot %zd holds no request", s);
+            goto done;
+        }
+        if ((capacity[q] = request_table(req, 1, &tables[q])) < 0)
+            goto done;
+    }
+    if (num_fill) {
+        blocks_tok = PyMem_Malloc((size_t)num_fill * (size_t)bs * sizeof(uint32_t));
+        parents = PyMem_Malloc((size_t)num_fill * RUN_HASH_BYTES);
+        hashes = PyMem_Malloc((size_t)num_fill * RUN_HASH_BYTES);
+        if (!blocks_tok || !parents || !hashes) {
+            PyErr_NoMemory();
+            goto done;
+        }
+    }
+    /* The filled blocks' tokens: the tail with its last token, which sits at the request's offset in tokens. */
+    {
+        Py_ssize_t offset = 0, j = 0, f = 0;
+        for (Py_ssize_t i = 0; i < n && f < num_fill; i++) {
+            if (is_slow[i]) {
+                if (fill[f] == j) {
+                    const Py_ssize_t s = slot[i];
+                    memcpy(blocks_tok + f * bs, tl + s * bs, (size_t)bs * sizeof(uint32_t));
+                    blocks_tok[f * bs + bs - 1] = tok[offset];
+                    memcpy(parents + f * RUN_HASH_BYTES, lh + s * RUN_HASH_BYTES, RUN_HASH_BYTES);
+                    f++;
+                }
+                j++;
+            }
+            offset += count[i];
+        }
+    }
+    if (num_fill && each_blocks(hashing, blocks_tok, num_fill, bs, parents, hashes) < 0)
+        goto done;
+    for (Py_ssize_t f = 0; f < num_fill; f++) { /* new and distinct, or the one-by-one path merges them */
+        const uint8_t *k = hashes + f * RUN_HASH_BYTES;
+        if (x.t.slots[probe(&x.t, k, tag_of(&x.t, k))].entry >= 0)
+            goto fallback;
+        for (Py_ssize_t g = 0; g < f; g++)
+            if (memcmp(hashes + g * RUN_HASH_BYTES, k, RUN_HASH_BYTES) == 0)
+                goto fallback;
+    }
+    index_obj = PyBytes_FromStringAndSize(NULL, num_need * (Py_ssize_t)sizeof(int32_t));
+    cols_obj = PyBytes_FromStringAndSize(NULL, num_need * (Py_ssize_t)sizeof(int32_t));
+    vals_obj = PyBytes_FromStringAndSize(NULL, num_need * (Py_ssize_t)sizeof(int32_t));
+    widen = PyList_New(0);
+    if (!index_obj || !cols_obj || !vals_obj || !widen)
+        goto done;
+    int32_t *index_out = (int32_t *)PyBytes_AS_STRING(index_obj), *cols_out = (int32_t *)PyBytes_AS_STRING(cols_obj);
+    int32_t *blocks = (int32_t *)PyBytes_AS_STRING(vals_obj);
+
+    /* Commit. The pool first: -2 (a ring that disagrees with lru_count, an owner bug) changes nothing. */
+    const Py_ssize_t num_evicted = pool_take(&p, 0, num_need, blocks, evicted, 0);
+    if (num_evicted < 0)
+        goto done;
+    const Py_ssize_t gone = drop_evicted(&x, 0, evicted, num_evicted, b[28].buf, &num_spare);
+    {
+        Py_ssize_t offset = 0;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            const Py_ssize_t s = slot[i];
+            const int64_t t = nt[s], k = count[i];
+            uint32_t *row = tl + s * bs;
+            if (!is_slow[i]) { /* extend_fast's */
+                for (int64_t j = 0; j < k; j++)
+                    row[t % bs + j] = tok[offset + j];
+                nt[s] = t + k;
+                ch[s] = 0;
+            } else { /* run_commit's */
+                const int64_t pos = t % bs;
+                row[pos] = tok[offset];
+                nt[s] = t + 1;
+                ch[s] = pos == 0;
+                lim[s] = hashing < 0 ? t + bs : pos == bs - 1 ? t + 1 : t + bs - 1;
+            }
+            offset += k;
+        }
+    }
+    for (Py_ssize_t q = 0; q < num_need; q++) { /* the opened blocks: the table's next column */
+        const Py_ssize_t i = slow[need[q]], s = slot[i];
+        PyObject *req = PyList_GET_ITEM(by_slot, s);
+        const int32_t col = wd[s];
+        if (col < capacity[q]) {
+            tables[q][col] = blocks[q];
+        } else {
+            PyObject *skipped = PyLong_FromSsize_t(q);
+            const int failed = !skipped || PyList_Append(widen, skipped) < 0;
+            Py_XDECREF(skipped);
+            if (failed)
+                goto fail;
+        }
+        PyObject *number = PyObject_GetAttr(req, num_blocks_name);
+        const Py_ssize_t now = number ? PyLong_AsSsize_t(number) : -1;
+        Py_XDECREF(number);
+        PyObject *more = now >= 0 ? PyLong_FromSsize_t(now + 1) : NULL;
+        const int failed = !more || PyObject_SetAttr(req, num_blocks_name, more) < 0
+                           || PyObject_SetAttr(req, changed_name, Py_None) < 0
+                           || PyObject_SetAttr(req, view_name, Py_None) < 0;
+        Py_XDECREF(more);
+        if (failed)
+            goto fail;
+        lb[s] = blocks[q];
+        index_out[q] = (int32_t)i;
+        cols_out[q] = col;
+        wd[s] = col + 1;
+    }
+    for (Py_ssize_t f = 0; f < num_fill; f++) { /* the filled blocks: their hash, and the block that holds it */
+        const Py_ssize_t s = slot[slow[fill[f]]];
+        filled[f] = lb[s];
+        memcpy(lh + s * RUN_HASH_BYTES, hashes + f * RUN_HASH_BYTES, RUN_HASH_BYTES);
+    }
+    const Py_ssize_t added = insert_and_cache(&x, &p, hashes, num_fill, filled, entries, b[28].buf, &num_spare,
+                                              &num_entries);
+    if (added < 0)
+        goto fail;
+    for (Py_ssize_t i = 0; i < n; i++)
+        lens[i] = wd[slot[i]];
+    result = Py_BuildValue("OOOOnnnnn", index_obj, cols_obj, vals_obj, widen, num_evicted, num_spare, num_entries,
+                           gone, added);
+    goto done;
+fallback:
+    result = Py_NewRef(Py_None);
+    goto done;
+fail: /* only a failed allocation, attribute write or an owner bug gets here, after the checks */
+    Py_CLEAR(result);
+done:
+    Py_XDECREF(index_obj);
+    Py_XDECREF(cols_obj);
+    Py_XDECREF(vals_obj);
+    Py_XDECREF(widen);
+    PyMem_Free(slot);
+    PyMem_Free(slow);
+    PyMem_Free(need);
+    PyMem_Free(fill);
+    PyMem_Free(evicted);
+    PyMem_Free(filled);
+    PyMem_Free(entries);
+    PyMem_Free(is_slow);
+    PyMem_Free(tables);
+    PyMem_Free(capacity);
+    PyMem_Free(blocks_tok);
+    PyMem_Free(parents);
+    PyMem_Free(hashes);
+    release_buffers(b, NB); /* zeroed ones (not parsed) have no object: skipped */
+    return result;
+}
+
 PyDoc_STRVAR(admit_commit_doc,
 "admit_commit(ref, cached, stack, top, ring, lru_pos, head, tail_pos, lru_count,\n"
 "             slots, seed, hash_of, entry_blocks, entry_at, holders, spare, num_spare, num_entries,\n"
@@ -1215,6 +1512,7 @@ static PyTypeObject RunCollectorType = {
 
 static PyMethodDef methods[] = {
     {"admit_commit", admit_commit, METH_VARARGS, admit_commit_doc},
+    {"extend_decode", extend_decode, METH_VARARGS, extend_decode_doc},
     {"extend_fast", extend_fast, METH_VARARGS, extend_fast_doc},
     {"insert_cached", insert_cached, METH_VARARGS, insert_cached_doc},
     {"join_runs", join_runs, METH_VARARGS, join_runs_doc},

@@ -621,6 +621,9 @@ class KVCacheManager:
         No Python object per request on the way out: a decode step changes
         one table in ``block_size``, and only those are listed.
         """
+        deltas = self._extend_decode(request_ids, tokens, counts)
+        if deltas is not None:
+            return deltas
         slots, flat, counts = self._check_many(request_ids, tokens, counts)
         ok, changed, widths = self._extend_slots(slots, flat, counts, None)
         if self.tier is not None:
@@ -642,6 +645,55 @@ class KVCacheManager:
         np.cumsum(sizes, out=offsets[1:])
         return TableDeltas(lens, index.astype(np.int32, copy=False), offsets, cols.astype(np.int32, copy=False),
                            vals[0] if len(vals) == 1 else np.concatenate(vals, axis=1))
+
+    def _decodes_in_one_pass(self) -> int | None:
+        """``_tables.extend_decode``'s hashing argument (-1 none, 0 sha256, 1 sha256_cbor) where it can take a batch
+        of extends: one group, no window or expanded rows, no events or tier, a native hasher; else None."""
+        if (len(self._group_col) != 1 or self._window_groups or self._expand or self.enable_events
+                or self.tier is not None):
+            return None
+        if self._hasher is None:
+            return -1
+        return (self._hasher.algorithm != "sha256") if self._hasher.native else None
+
+    def _extend_decode(self, request_ids: Sequence[object], tokens: Tokens, counts: Sequence[int] | np.ndarray
+                       ) -> TableDeltas | None:
+        """``extend_many_deltas`` in one C pass (a decode step on a one-row manager), or None, changing nothing,
+        where ``_tables.extend_decode`` leaves the batch to the general path (which also names any bad input)."""
+        hashing = self._decodes_in_one_pass()
+        if hashing is None or type(request_ids) is not list:
+            return None
+        counts = np.asarray(counts)
+        if counts.ndim != 1:
+            return None
+        if counts.dtype != np.int64:
+            if counts.dtype.kind not in "iu" or counts.dtype.itemsize == 8:  # uint64 might not fit
+                return None
+            counts = counts.astype(np.int64)
+        if counts.size != len(request_ids):
+            return None
+        flat = as_token_array(tokens)
+        n = counts.size
+        pool, prefix = self._pool, self._index
+        prefix.reserve(n, n)
+        lens = np.empty(n, dtype=np.int32)
+        done = _tables.extend_decode(self._slot_of, request_ids, flat, counts, self._by_slot, hashing, self._ntok,
+                                     self._fast_limit, self._next_recycle, self._tail, self._changed_ok, self._stamp,
+                                     self._keyed, self._salted, self._last_hash, self._last_block, self._width, lens,
+                                     *pool._c_arrays(), *prefix._c_arrays(), prefix._num_entries)
+        if done is None:
+            return None
+        index, cols, vals, widen, evicted, prefix._num_spare, prefix._num_entries, gone, added = done
+        prefix._count += added - gone
+        self._evicted += evicted
+        index = np.frombuffer(index, dtype=np.int32)
+        cols = np.frombuffer(cols, dtype=np.int32)
+        vals = np.frombuffer(vals, dtype=np.int32).reshape(1, -1)
+        for q in widen:  # a full table: twice the columns
+            req, col = self._by_slot[self._slot_of[request_ids[index[q]]]], int(cols[q])
+            req.table = _widen(req.table, col, _grow(col + 1, 4))
+            req.table[:, col] = vals[:, q]
+        return TableDeltas(lens, index, np.arange(index.size + 1, dtype=np.int32), cols, vals)
 
     def _check_many(self, request_ids: Sequence[object], tokens: Tokens, counts: Sequence[int] | np.ndarray
                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -218,14 +218,20 @@ def test_extend_many_takes_strided_counts_and_any_integer_tokens():
     assert a.lookup([0, 1, 2, 5, 0]) == b.lookup([0, 1, 2, 5, 0]) == 4
 
 
-def test_uniform_decode_steps_take_the_c_run_and_match_the_general_path(monkeypatch):
-    """Without events a uniform manager's block-crossing extends go through _tables.run_commit; with events
-    (the general numpy path) the same steps give the same tables, free counts and prefix hits."""
+@pytest.mark.parametrize("deltas", [True, False])
+def test_uniform_decode_steps_take_the_c_run_and_match_the_general_path(monkeypatch, deltas):
+    """Without events a uniform manager's decode steps go through one C pass (_tables.extend_decode for
+    extend_many_deltas, run_commit's run for extend_many); with events (the general numpy path) the same steps
+    give the same tables, free counts and prefix hits."""
     from kvcache.allocator import _tables
 
     calls = []
-    real = _tables.run_commit
-    monkeypatch.setattr(_tables, "run_commit", lambda *a: calls.append(len(a[3])) or real(*a))
+    if deltas:  # the blocks each pass opened
+        real = _tables.extend_decode
+        monkeypatch.setattr(_tables, "extend_decode", lambda *a: (r := real(*a)) and calls.append(len(r[0]) // 4) or r)
+    else:
+        real = _tables.run_commit
+        monkeypatch.setattr(_tables, "run_commit", lambda *a: calls.append(len(a[3])) or real(*a))
     c_run, general = (KVCacheManager(64, 4, enable_prefix_caching=True, hash_seed=b"x", enable_events=e)
                       for e in (False, True))
     rng = np.random.default_rng(3)
@@ -235,9 +241,13 @@ def test_uniform_decode_steps_take_the_c_run_and_match_the_general_path(monkeypa
     rids = list(range(6))
     for step in range(12):
         tokens = rng.integers(0, 50, 6)
-        a, b = c_run.extend_many_deltas(rids, tokens, [1] * 6), general.extend_many_deltas(rids, tokens, [1] * 6)
-        for field in ("lens", "index", "offsets", "cols", "vals"):
-            assert getattr(a, field).tolist() == getattr(b, field).tolist(), (step, field)
+        if deltas:
+            a, b = c_run.extend_many_deltas(rids, tokens, [1] * 6), general.extend_many_deltas(rids, tokens, [1] * 6)
+            for field in ("lens", "index", "offsets", "cols", "vals"):
+                assert getattr(a, field).tolist() == getattr(b, field).tolist(), (step, field)
+        else:
+            a, b = c_run.extend_many(rids, tokens, [1] * 6), general.extend_many(rids, tokens, [1] * 6)
+            assert [t.tolist() for t in a] == [t.tolist() for t in b], step
         c_run.check_integrity()
     assert sum(calls) >= 6 and c_run.num_free_blocks.tolist() == general.num_free_blocks.tolist()
     for rid in rids:
@@ -296,3 +306,97 @@ def test_insert_cached_refuses_a_free_block_or_a_held_pair_and_changes_nothing()
                                   np.array(blocks, dtype=np.int32))
         after = state()
         assert all(np.array_equal(a, b) for a, b in zip(after[:6], before[:6])) and after[6:] == before[6:]
+
+
+@pytest.mark.parametrize("caching,algorithm", [(True, "sha256"), (True, "sha256_cbor"), (False, "sha256")])
+def test_extend_decode_matches_the_general_path_through_evictions_widening_and_refusals(monkeypatch, caching,
+                                                                                         algorithm):
+    """extend_many_deltas' one C pass (``_tables.extend_decode``) against a twin held to the general path, on a
+    pool small enough that decode steps evict cached blocks, tables outgrow their buffers, a step runs out of
+    blocks (the pass declines and the general path refuses exactly the requests without one), and shared
+    content makes a filled block's hash one the index holds (declined too)."""
+    from kvcache.allocator import _tables
+
+    outcomes: list[str] = []
+    real = _tables.extend_decode
+
+    def spy(*args):
+        got = real(*args)
+        if got is None:
+            outcomes.append("declined")
+        else:
+            outcomes.extend(["ok"] + ["evicted"] * (got[4] > 0) + ["widened"] * bool(got[3]) + ["filled"] * (got[8] > 0))
+        return got
+
+    monkeypatch.setattr(_tables, "extend_decode", spy)
+    make = lambda: KVCacheManager(40, 4, enable_prefix_caching=caching, hash_algorithm=algorithm, hash_seed=b"d",
+                                  enable_events=False)
+    one_pass, general = make(), make()
+    monkeypatch.setattr(general, "_decodes_in_one_pass", lambda: None)
+    rng = np.random.default_rng(5)
+    live: list[int] = []
+    for step in range(160):
+        if step % 12 == 0 and step < 120:  # admit three, free two: freed blocks stay cached until evicted; then
+            # the live requests only decode, until a step runs out of blocks
+            for rid in range(step, step + 3):
+                prompt = np.arange(rid % 5, rid % 5 + 5 + rid % 4, dtype=np.int32)
+                a, b = one_pass.admit(rid, prompt), general.admit(rid, prompt)
+                assert (a is None) == (b is None)
+                if a is not None:
+                    live.append(rid)
+            for _ in range(min(2, len(live) - 1)):
+                rid = live.pop(0)
+                one_pass.free(rid)
+                general.free(rid)
+        if not live:
+            continue
+        same = step % 7 == 0  # every request decodes token 3: equal chains meet hashes already indexed
+        tokens = np.full(len(live), 3, dtype=np.int32) if same else rng.integers(0, 9, len(live)).astype(np.int32)
+        counts = np.ones(len(live), dtype=np.int32)
+        a, b = one_pass.extend_many_deltas(list(live), tokens, counts), general.extend_many_deltas(list(live), tokens,
+                                                                                                   counts)
+        for field in ("lens", "index", "offsets", "cols", "vals"):
+            assert getattr(a, field).tolist() == getattr(b, field).tolist(), (step, field)
+        refused = [rid for rid, width in zip(list(live), a.lens.tolist()) if width < 0]
+        for rid in refused:  # as a scheduler would: preempt what got no block
+            live.remove(rid)
+            one_pass.free(rid)
+            general.free(rid)
+        one_pass.check_integrity()
+        assert one_pass.num_free_blocks.tolist() == general.num_free_blocks.tolist()
+        assert one_pass.stats() == general.stats()
+        for rid in live:
+            assert one_pass.table(rid).tolist() == general.table(rid).tolist()
+            assert one_pass.num_tokens(rid) == general.num_tokens(rid)
+    for probe in ([0, 1, 2, 3, 4, 5, 6, 7], [3, 4, 5, 6, 7, 3, 3, 3, 3]):
+        assert one_pass.lookup(probe) == general.lookup(probe)
+    want = {"ok", "declined", "widened"} | ({"evicted", "filled"} if caching else set())
+    assert want <= set(outcomes), outcomes
+
+
+def test_extend_decode_refuses_inconsistent_arrays_and_changes_nothing():
+    """The pass checks its arrays' sizes before it writes: a wrong-sized output, or an index without room for the
+    keys, is a ValueError and leaves the manager as it was."""
+    from kvcache.allocator import _tables
+
+    m = KVCacheManager(32, 4, enable_prefix_caching=True, hash_seed=b"x", enable_events=False)
+    for rid in range(3):
+        m.admit(rid, np.arange(4 * rid, 4 * rid + 3, dtype=np.uint32))  # the next token fills block 0
+    pool, index = m._pool, m._index
+    state = lambda: [a.copy() for a in (m._tail, m._ntok, m._width, m._last_hash, pool._ref, pool._cached,
+                                        index._slots)] + [index._num_spare, index._num_entries]
+    before = state()
+    ids, tokens, counts = [0, 1, 2], np.array([7, 8, 9], dtype=np.uint32), np.ones(3, dtype=np.int64)
+    index.reserve(3, 3)
+    arrays = lambda lens, entries: (m._slot_of, ids, tokens, counts, m._by_slot, 0, m._ntok, m._fast_limit,
+                                    m._next_recycle, m._tail, m._changed_ok, m._stamp, m._keyed, m._salted,
+                                    m._last_hash, m._last_block, m._width, lens, *pool._c_arrays(),
+                                    *index._c_arrays(), entries)
+    for lens, entries in ((np.empty(2, dtype=np.int32), index._num_entries),  # one width short
+                          (np.empty(3, dtype=np.int32), len(index._holders) - 1)):  # no room for 3 more keys
+        with pytest.raises(ValueError, match="extend_decode"):
+            _tables.extend_decode(*arrays(lens, entries))
+        after = state()
+        assert all(np.array_equal(x, y) for x, y in zip(after[:7], before[:7])) and after[7:] == before[7:]
+    assert _tables.extend_decode(*arrays(np.empty(3, dtype=np.int32), index._num_entries)) is not None
+    assert [m.num_tokens(r) for r in range(3)] == [4, 4, 4]
