@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, NamedTuple, NewType
 
 import numpy as np
 
-from kvcache.allocator import _hashtable
+from kvcache.allocator import _hashtable, _tables
 from kvcache.allocator.errors import KVCacheError
 
 if TYPE_CHECKING:
@@ -324,10 +324,12 @@ def as_token_array(tokens: Sequence[int] | np.ndarray, field: str = "tokens") ->
             return np.ascontiguousarray(tokens)
         # Narrow unsigned ids cannot leave the range; narrow signed ones can only be negative.
         narrow = tokens.dtype.itemsize <= 4
-        if tokens.size and not (narrow and tokens.dtype.kind == "u") and (
-                int(tokens.min()) < 0 or (not narrow and int(tokens.max()) >= _UINT32_LIMIT)):
-            bad = int(tokens[(tokens < 0) | (tokens > _UINT32_LIMIT - 1)][0])
-            raise KVCacheError(f"{field}: token id {bad} is outside [0, 2**32)")
+        if tokens.size and not (narrow and tokens.dtype.kind == "u"):
+            bounds = _tables.bounds(tokens)  # one C pass; None for a strided array or a sum past int64
+            low, high = bounds[:2] if bounds is not None else (int(tokens.min()), int(tokens.max()))
+            if low < 0 or high >= _UINT32_LIMIT:
+                bad = int(tokens[(tokens < 0) | (tokens > _UINT32_LIMIT - 1)][0])
+                raise KVCacheError(f"{field}: token id {bad} is outside [0, 2**32)")
         if tokens.dtype == np.int32 and tokens.flags.c_contiguous:  # ids checked >= 0: the same bits, no copy
             return tokens.view(np.uint32)
         return tokens.astype(np.uint32)

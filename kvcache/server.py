@@ -746,9 +746,15 @@ class CacheServer:
                 counts = op.get("counts")
                 if not isinstance(counts, np.ndarray) or counts.dtype.kind not in "iu" or counts.shape != (len(reqs),):
                     raise ProtocolError(f"{field}.counts: must be an integer array with one count per request")
-                # Each count at most the token total first, so the sum cannot wrap around in 64 bits.
-                if counts.size and ((counts.dtype.kind == "i" and int(counts.min()) < 0)
-                                    or int(counts.max()) > tokens.size or int(counts.sum()) != tokens.size):
+                # One C pass; else numpy's, each count at most the token total first, so the sum cannot wrap.
+                bounds = _tables.bounds(counts)
+                if bounds is not None:
+                    low, high, total = bounds
+                    bad = low < 0 or high > tokens.size or total != tokens.size
+                else:
+                    bad = counts.size > 0 and ((counts.dtype.kind == "i" and int(counts.min()) < 0)
+                                               or int(counts.max()) > tokens.size or int(counts.sum()) != tokens.size)
+                if bad:
                     raise ProtocolError(f"{field}.counts: must be non-negative and sum to the {tokens.size} tokens")
                 ops.append(_Op(kind, tokens=tokens, reqs=reqs, counts=counts))
             elif kind == "lookup":

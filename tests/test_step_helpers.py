@@ -1,4 +1,5 @@
-"""The step's one-pass C helpers (``_tables.join_runs``, ``_tables.lookup_ids``) against plain Python models."""
+"""The step's one-pass C helpers (``_tables.join_runs``, ``_tables.lookup_ids``, ``_tables.bounds``) against plain
+Python models."""
 from __future__ import annotations
 
 import numpy as np
@@ -150,3 +151,32 @@ def test_batch_extend_holds_no_reference_after_the_batch_is_gone() -> None:
     del batch
     gc.collect()
     assert (sys.getrefcount(tokens), sys.getrefcount(rid)) == before
+
+
+INT_DTYPES = [np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32, np.int64, np.uint64]
+
+
+@settings(max_examples=300)
+@given(st.data())
+def test_bounds_equals_min_max_sum_or_declines(data: st.DataObject) -> None:
+    """One pass gives what min(), max() and sum() give as Python ints; it declines (None) a float, bool, strided or
+    2-D array and a sum past int64, which the callers' numpy path answers."""
+    dtype = np.dtype(data.draw(st.sampled_from(INT_DTYPES)))
+    info = np.iinfo(dtype)
+    values = data.draw(st.lists(st.integers(int(info.min), int(info.max)), max_size=40))
+    array = np.array(values, dtype=dtype)
+    got = _tables.bounds(array)
+    exact = sum(values)
+    if not values:
+        assert got == (0, 0, 0)
+    elif exact > 2**63 - 1 or exact < -2**63 or max(values) > 2**63 - 1:
+        assert got is None
+    else:
+        assert got == (min(values), max(values), exact)
+    assert _tables.bounds(np.zeros(6, dtype=dtype)[::2]) is None
+    assert _tables.bounds(np.zeros((2, 2), dtype=dtype)) is None
+
+
+def test_bounds_declines_what_is_not_an_integer_array() -> None:
+    for value in (np.ones(3), np.ones(3, dtype=bool), [1, 2], 5):
+        assert _tables.bounds(value) is None
