@@ -7,7 +7,7 @@ each value), so the one-owner rule for daemon state still holds.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING, Iterable, Mapping
 
 import zmq
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
@@ -93,13 +93,18 @@ class DaemonMetrics:
         Op names should come from a fixed set (the protocol's validated op
         names): each new name is a new time series.
         """
+        self.observe_steps(ops, (seconds,))
+
+    def observe_steps(self, ops: Mapping[str, int], seconds: Iterable[float]) -> None:
+        """``observe_step`` of several messages at once: their operations by type, and each one's latency."""
         for op, n in ops.items():
             if n:
                 child = self._ops.get(op)
                 if child is None:
                     child = self._ops[op] = self._ops_counter.labels(op)
                 child.inc(n)
-        self._step_seconds.observe(seconds)
+        for value in seconds:
+            self._step_seconds.observe(value)
 
     def observe_error(self, kind: str) -> None:
         """Count a refused or failed message by kind (decode, validate, internal)."""
@@ -146,7 +151,11 @@ class DaemonMetrics:
 
     def observe_delta(self, num_changes: int, payload_bytes: int) -> None:
         """Count one published table delta, its changes and its payload size."""
-        self._deltas.inc()
+        self.observe_deltas(1, num_changes, payload_bytes)
+
+    def observe_deltas(self, deltas: int, num_changes: int, payload_bytes: int) -> None:
+        """Count ``deltas`` published table deltas, their changes and payload bytes in all."""
+        self._deltas.inc(deltas)
         self._delta_changes.inc(num_changes)
         self._delta_bytes.inc(payload_bytes)
 

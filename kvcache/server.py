@@ -71,6 +71,7 @@ from kvcache.protocol import (
 log = logging.getLogger("kvcache.server")
 _MUTATING = frozenset({"admit", "extend", "extend_many", "free", "reset_prefix_cache", "reclaim"}) | _PD_MUTATING
 _LEASE_CLIENT = "kvcache-lease-expiry"
+METRICS_INTERVAL_S = 0.05  # a busy daemon counts its messages in the metrics at most this often
 _PD_CLIENT = "kvcache-transfer-expiry"
 
 
@@ -240,6 +241,8 @@ class CacheServer:
         self._history: collections.deque[tuple[int, bytearray]] = collections.deque(maxlen=self.config.replay_buffer)
         self._metrics: Any = None
         self._observed: list[tuple[list[_Op], float]] = []  # answered messages whose metrics are not yet counted
+        self._delta_totals = [0, 0, 0]  # deltas, changes and payload bytes published since then
+        self._next_observe = 0.0
         self._events: Any = None
         self._subscribers: Any = None
         self._local_subscribers: dict[str | bytes, None] = {}  # workers taking deltas as datagrams, by address
@@ -381,6 +384,7 @@ class CacheServer:
         if self._events is not None:
             self._events.close()
         if self._metrics is not None:
+            self._observe(force=True)
             self._metrics.close()
         if self._subscribers is not None:
             self._subscribers.close()
@@ -423,6 +427,7 @@ class CacheServer:
                 self.expire_leases()
             if self._pd.transfers and time.monotonic() >= self._next_pd_check:
                 self.expire_transfers()
+            self._observe()  # what the last interval's messages left uncounted
 
     def expire_transfers(self, now: float | None = None) -> int:
         """Fail every PD transfer past its deadline (journaled like any message); returns how many."""
@@ -651,14 +656,25 @@ class CacheServer:
             self._observed.append((ops, time.perf_counter() - start))
         return reply
 
-    def _observe(self) -> None:
-        """Count the answered messages in the metrics: after their replies went out, as metrics only observe."""
-        if not self._observed:
+    def _observe(self, force: bool = False) -> None:
+        """Count the answered messages and published deltas in the metrics, at most every ``METRICS_INTERVAL_S``
+        (or now, with ``force``): after the replies went out, as metrics only observe, and in one go, so a
+        busy daemon pays once per interval for the manager's totals and the Prometheus calls, not per message.
+        The serve loop calls it at least every ``poll_ms``, so an idle daemon's metrics catch up."""
+        if self._metrics is None or not (self._observed or self._delta_totals[0]):
             return
-        for ops, seconds in self._observed:
-            self._metrics.observe_step(collections.Counter(op.kind for op in ops), seconds)
+        now = time.monotonic()
+        if not force and now < self._next_observe:
+            return
+        self._next_observe = now + METRICS_INTERVAL_S
+        kinds = collections.Counter(op.kind for ops, _ in self._observed for op in ops)
+        self._metrics.observe_steps(kinds, [seconds for _, seconds in self._observed])
         self._observed.clear()
-        self._metrics.update(self.manager, now=time.monotonic())
+        deltas, changes, payload_bytes = self._delta_totals
+        if deltas:
+            self._metrics.observe_deltas(deltas, changes, payload_bytes)
+            self._delta_totals = [0, 0, 0]
+        self._metrics.update(self.manager)  # gauges too: this runs at most once an interval already
         if self._pd.role != "both":
             self._metrics.update_pd(self._pd)
 
@@ -866,6 +882,7 @@ class CacheServer:
                     usage = m.usage
                     results.append({"per_row": usage.per_row, "max": usage.max})
                 elif op.kind == "stats":
+                    self._observe(force=True)  # the metrics endpoint then shows what stats says, no interval behind
                     results.append(self.stats())
                 elif op.kind == "info":
                     results.append(self.info())
@@ -966,8 +983,10 @@ class CacheServer:
                                  time.monotonic_ns())
             self._history.append((seq, payload))
             encoded.append((seq, payload))
-            if self._metrics is not None:
-                self._metrics.observe_delta(len(changes), len(payload))
+            totals = self._delta_totals  # counted in the metrics by _observe
+            totals[0] += 1
+            totals[1] += len(changes)
+            totals[2] += len(payload)
         self._staged.clear()
         return encoded
 

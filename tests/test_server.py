@@ -395,3 +395,36 @@ def test_malformed_extend_many_changes_nothing(server, op, message):
     reply = call(server, [op], request_id=2)
     assert not reply["ok"] and message in reply["error"]
     assert server.manager.num_tokens("a") == 3
+
+
+def test_metrics_count_a_busy_daemons_messages_once_per_interval_and_catch_up(server):
+    """Answered messages and published deltas reach the metrics at most every METRICS_INTERVAL_S, in one go;
+    a stats op and the serve loop's idle turns flush what is pending, so nothing is lost or counted twice."""
+    from test_metrics import scrape, value
+
+    metrics = server._metrics
+    assert metrics is not None
+    ops = lambda s: value(s, "kvcache_operations_total", op="admit") if ("kvcache_operations_total",
+                                                                         (("op", "admit"),)) in s else 0
+    call(server, [admit("a")], request_id=1)  # the first message: counted at once
+    s = scrape(metrics.render())
+    assert ops(s) == 1 and value(s, "kvcache_deltas_published_total") == 1
+    server._next_observe = float("inf")  # inside the interval from here on
+    call(server, [admit("b")], request_id=2)
+    call(server, [admit("c"), {"op": "free", "req": "a"}], request_id=3)
+    s = scrape(metrics.render())
+    assert ops(s) == 1 and value(s, "kvcache_step_seconds_count") == 1
+    assert value(s, "kvcache_live_requests") == 1  # gauges wait too
+    call(server, [{"op": "stats"}], request_id=4)  # stats flushes before it answers
+    s = scrape(metrics.render())
+    assert ops(s) == 3 and value(s, "kvcache_step_seconds_count") == 3
+    assert value(s, "kvcache_deltas_published_total") == 3  # a, b, then c with the free of a
+    assert value(s, "kvcache_operations_total", op="free") == 1
+    assert value(s, "kvcache_prefix_queries_total") == 3
+    call(server, [admit("d")], request_id=5)
+    assert ops(scrape(metrics.render())) == 3
+    server._next_observe = 0.0  # the interval is over: the serve loop's next turn counts it
+    server.serve(should_stop=iter([False, True]).__next__, poll_ms=1)
+    s = scrape(metrics.render())
+    assert ops(s) == 4 and value(s, "kvcache_step_seconds_count") == 5
+    assert value(s, "kvcache_live_requests") == 3
