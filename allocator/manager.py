@@ -472,7 +472,9 @@ class KVCacheManager:
             return done
         index._num_spare, index._num_entries, added = done
         index._count += added
-        self._evicted += int(self._group_sizes @ evicted)
+        per_group = evicted.tolist()
+        if any(per_group):  # (row, block) pairs: a group's eviction counts once per row it stands for
+            self._evicted += sum(e * size for e, size in zip(per_group, self._group_sizes.tolist()))
         req = self._record(request_id, self._take_slot(), table, num_blocks, recycled, cache_salt, lora, mm)
         self._count_query(int(tokens.size), num_hit)
         return Admission(num_hit * bs, _view(req), covered)

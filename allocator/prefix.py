@@ -519,7 +519,8 @@ class PrefixIndex:
 
     def match(self, hashes: bytes) -> np.ndarray:
         """Blocks (int32 ``[k, num_rows]``, -1 = row lacks it) of the longest run of known leading hashes."""
-        return self._blocks[self._find(hashes, stop_at_miss=True)]
+        entries = self._find(hashes, stop_at_miss=True)
+        return self._blocks[entries] if entries.size else self._blocks[:0]  # a miss: no gather
 
     def blocks_of(self, hashes: bytes) -> np.ndarray:
         """Blocks (int32 ``[n, num_rows]``, -1 = row lacks it) of every packed hash, found or not (no run cut)."""

@@ -841,7 +841,8 @@ class CacheServer:
                     self._leases.own(client, op.req)
                     if op.kind == "reserve":  # window rows keep only what decoding reads; the rest never arrives
                         m.shed_window(op.req, adm.num_cached_tokens // m.block_size)
-                    table = m.table(op.req).copy()  # read-only from here on: the delta and the reply share it
+                    # A copy, read-only from here on: the delta and the reply share it (a reserve's table as shed).
+                    table = (m.table(op.req) if op.kind == "reserve" else adm.table).copy()
                     changes.add(op.req, slot, table.shape[1], np.arange(table.shape[1], dtype=np.int32), table)
                     result = {"cached": adm.num_cached_tokens, "num_tokens": adm.num_tokens, "table": table,
                               "slot": slot}
