@@ -660,15 +660,22 @@ PyDoc_STRVAR(bounds_doc,
 "pass, as ints; (0, 0, 0) when it is empty. None when it is no such array, or the sum leaves int64: the\n"
 "caller's numpy path answers then. What min(), max() and sum() give, without numpy's per-call cost.");
 
-#define BOUNDS_LOOP(type)                                                                                   \
+/* Least and greatest in the element type (vectorises), the total in ``acc``: int64 for types of at most 32 bits
+ * (no buffer that fits in memory can overflow it), __int128 for 64-bit ones. */
+#define BOUNDS_LOOP(type, acc)                                                                              \
     do {                                                                                                    \
         const type *v = (const type *)b.buf;                                                                \
+        type l = v[0], h = v[0];                                                                            \
+        acc t = 0;                                                                                          \
         for (Py_ssize_t i = 0; i < n; i++) {                                                                \
-            const __int128 x = (__int128)v[i];                                                              \
-            lo = x < lo ? x : lo;                                                                           \
-            hi = x > hi ? x : hi;                                                                           \
-            total += x;                                                                                     \
+            l = v[i] < l ? v[i] : l;                                                                        \
+            h = v[i] > h ? v[i] : h;                                                                        \
         }                                                                                                   \
+        for (Py_ssize_t i = 0; i < n; i++)                                                                  \
+            t += (acc)v[i];                                                                                 \
+        lo = l;                                                                                             \
+        hi = h;                                                                                             \
+        total = t;                                                                                          \
     } while (0)
 
 static PyObject *bounds(PyObject *self, PyObject *arg)
@@ -685,29 +692,28 @@ static PyObject *bounds(PyObject *self, PyObject *arg)
         f++;
     const Py_ssize_t n = b.itemsize ? b.len / b.itemsize : 0;
     __int128 lo = 0, hi = 0, total = 0;
-    if (n) {
-        lo = ((__int128)1) << 100;
-        hi = -lo;
-    }
     if (b.ndim != 1 || f[0] == '\0' || f[1] != '\0') {
         result = Py_NewRef(Py_None);
         goto done;
     }
-    switch (f[0]) {
-    case 'b': BOUNDS_LOOP(int8_t); break;
-    case 'B': BOUNDS_LOOP(uint8_t); break;
-    case 'h': BOUNDS_LOOP(int16_t); break;
-    case 'H': BOUNDS_LOOP(uint16_t); break;
-    case 'i': BOUNDS_LOOP(int32_t); break;
-    case 'I': BOUNDS_LOOP(uint32_t); break;
-    case 'l':
-        if (b.itemsize == 8) BOUNDS_LOOP(int64_t); else BOUNDS_LOOP(int32_t);
-        break;
-    case 'L':
-        if (b.itemsize == 8) BOUNDS_LOOP(uint64_t); else BOUNDS_LOOP(uint32_t);
-        break;
-    case 'q': BOUNDS_LOOP(int64_t); break;
-    case 'Q': BOUNDS_LOOP(uint64_t); break;
+    char kind = f[0]; /* C long: 'q'/'Q' or 'i'/'I' by its size */
+    if (kind == 'l')
+        kind = b.itemsize == 8 ? 'q' : 'i';
+    else if (kind == 'L')
+        kind = b.itemsize == 8 ? 'Q' : 'I';
+    if (n == 0 && strchr("bBhHiIqQ", kind)) {
+        result = Py_BuildValue("iii", 0, 0, 0);
+        goto done;
+    }
+    switch (kind) {
+    case 'b': BOUNDS_LOOP(int8_t, int64_t); break;
+    case 'B': BOUNDS_LOOP(uint8_t, int64_t); break;
+    case 'h': BOUNDS_LOOP(int16_t, int64_t); break;
+    case 'H': BOUNDS_LOOP(uint16_t, int64_t); break;
+    case 'i': BOUNDS_LOOP(int32_t, int64_t); break;
+    case 'I': BOUNDS_LOOP(uint32_t, int64_t); break;
+    case 'q': BOUNDS_LOOP(int64_t, __int128); break;
+    case 'Q': BOUNDS_LOOP(uint64_t, __int128); break;
     default:
         result = Py_NewRef(Py_None);
         goto done;
