@@ -1385,6 +1385,12 @@ class KVCacheManager:
         ``packed`` hashes blocks ``start`` on, whose tokens ``tokens`` start with.
         """
         bs = self.block_size
+        if inserted is self._all_new:  # a decode step's filled block: one new hash on every row, one event
+            self._events.append(BlockStored(
+                block_hashes=(packed,), parent_block_hash=self._last_hash[req.slot].tobytes() if start else None,
+                token_ids=tokens[:bs].copy(), block_size=bs, rows=tuple(range(self._row_group.size)),
+                lora=req.lora))
+            return
         hashes = [packed[i: i + _H] for i in range(0, len(packed), _H)]
         keys = [bytes(p) if new else None for p, new in
                 zip(np.packbits(inserted.added, axis=1, bitorder="little"), inserted.new.tolist())]
@@ -1428,6 +1434,8 @@ class KVCacheManager:
 
     def _rows_of(self, groups: np.ndarray) -> tuple[int, ...]:
         """The rows (heads) that the given groups stand for, ascending."""
+        if groups.size == len(self._group_col):  # every group (they are distinct): every row, without np.isin
+            return tuple(range(self._row_group.size))
         return tuple(np.flatnonzero(np.isin(self._row_group, groups)).tolist())
 
 

@@ -35,6 +35,7 @@ static PyObject *reshape_name, *dtype_name;
 typedef struct {
     char *buf;
     Py_ssize_t len, cap;
+    int int_lists; /* packb_lists: integer arrays as msgpack arrays of ints, not the array ext */
 } out_t;
 
 static int reserve(out_t *o, Py_ssize_t extra)
@@ -206,6 +207,50 @@ static int put_array(out_t *o, PyObject *arr)
 
 static int pack_obj(out_t *o, PyObject *obj, int depth, int fallback_allowed);
 
+#define INT_LIST_LOOP(type, writer)                                                                         \
+    do {                                                                                                    \
+        const type *v = (const type *)view.buf;                                                             \
+        for (Py_ssize_t i = 0; i < n && rc == 0; i++)                                                       \
+            rc = writer(o, v[i]);                                                                           \
+    } while (0)
+
+/* A 1-D integer array as the msgpack array of ints msgpack-python writes for ``arr.tolist()``; 0 (nothing
+ * written) for any other array. */
+static int put_int_list(out_t *o, PyObject *arr)
+{
+    Py_buffer view;
+    if (PyObject_GetBuffer(arr, &view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        PyErr_Clear();
+        return 0;
+    }
+    const char *f = view.format ? view.format : "B";
+    if (*f == '@' || *f == '=' || *f == '<')
+        f++;
+    char kind = f[1] == '\0' ? f[0] : '\0';
+    if (kind == 'l')
+        kind = view.itemsize == 8 ? 'q' : 'i';
+    else if (kind == 'L')
+        kind = view.itemsize == 8 ? 'Q' : 'I';
+    const Py_ssize_t n = view.itemsize ? view.len / view.itemsize : 0;
+    if (view.ndim != 1 || kind == '\0' || !strchr("bBhHiIqQ", kind)) {
+        PyBuffer_Release(&view);
+        return 0;
+    }
+    int rc = put_len(o, n, 0x90, 16, 0, 0xdc, 0xdd);
+    switch (kind) {
+    case 'b': INT_LIST_LOOP(int8_t, put_int); break;
+    case 'B': INT_LIST_LOOP(uint8_t, put_uint); break;
+    case 'h': INT_LIST_LOOP(int16_t, put_int); break;
+    case 'H': INT_LIST_LOOP(uint16_t, put_uint); break;
+    case 'i': INT_LIST_LOOP(int32_t, put_int); break;
+    case 'I': INT_LIST_LOOP(uint32_t, put_uint); break;
+    case 'q': INT_LIST_LOOP(int64_t, put_int); break;
+    default: INT_LIST_LOOP(uint64_t, put_uint); break;
+    }
+    PyBuffer_Release(&view);
+    return rc < 0 ? -1 : 1;
+}
+
 static int pack_fallback(out_t *o, PyObject *obj, int depth, int fallback_allowed)
 {
     if (!fallback_allowed || !encode_fallback) {
@@ -321,6 +366,12 @@ static int pack_obj(out_t *o, PyObject *obj, int depth, int fallback_allowed)
         return 0;
     }
     if (ndarray_type && PyObject_TypeCheck(obj, (PyTypeObject *)ndarray_type)) {
+        if (o->int_lists) {
+            const int rc = put_int_list(o, obj);
+            if (rc == 0)
+                PyErr_SetString(PyExc_TypeError, "packb_lists: an array that is not a 1-D C-contiguous integer array");
+            return rc > 0 ? 0 : -1;
+        }
         const int rc = put_array(o, obj);
         if (rc != 0)
             return rc < 0 ? -1 : 0;
@@ -359,7 +410,24 @@ PyDoc_STRVAR(packb_doc,
 static PyObject *packb(PyObject *self, PyObject *obj)
 {
     (void)self;
-    out_t o = {NULL, 0, 0};
+    out_t o = {NULL, 0, 0, 0};
+    PyObject *result = NULL;
+    if (pack_obj(&o, obj, 0, 1) == 0)
+        result = PyBytes_FromStringAndSize(o.buf ? o.buf : "", o.len);
+    PyMem_Free(o.buf);
+    return result;
+}
+
+PyDoc_STRVAR(packb_lists_doc,
+"packb_lists(obj) -> bytes\n\n"
+"packb, except that a 1-D integer numpy array is written as the msgpack array of ints that\n"
+"msgpack.packb(arr.tolist()) writes (no Python int per element): KV event batches' token ids, in vLLM's\n"
+"encoding. Any other array is a TypeError.");
+
+static PyObject *packb_lists(PyObject *self, PyObject *obj)
+{
+    (void)self;
+    out_t o = {NULL, 0, 0, 1};
     PyObject *result = NULL;
     if (pack_obj(&o, obj, 0, 1) == 0)
         result = PyBytes_FromStringAndSize(o.buf ? o.buf : "", o.len);
@@ -705,6 +773,7 @@ fail:
 static PyMethodDef methods[] = {
     {"configure", configure, METH_VARARGS, configure_doc},
     {"packb", packb, METH_O, packb_doc},
+    {"packb_lists", packb_lists, METH_O, packb_lists_doc},
     {"unpackb", unpackb, METH_VARARGS, unpackb_doc},
     {NULL, NULL, 0, NULL},
 };

@@ -10,7 +10,7 @@ structs ``array_like``) and at the later version whose ``KVCacheEvent`` dropped
 ``examples/features/kv_events/kv_events_subscriber.py`` at
 1bd773f6a52899e189c8237e55473cda0074f2fb as the consumers. The structs are
 msgspec ``omit_defaults=True, tag=True`` structs encoded with msgpack; we write
-the same bytes with msgpack directly::
+the same bytes with our msgpack codec (``kvcache._wire``, token ids straight from their array)::
 
     live (PUB)       [topic, seq (8 bytes, big-endian), payload]
     payload          [ts (float64), [event, ...], data_parallel_rank]
@@ -39,11 +39,12 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
-import msgpack
+import numpy as np
 import zmq
 
 from kvcache.allocator.errors import KVCacheError
 from kvcache.allocator.events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvcache.protocol import pack_lists
 
 if TYPE_CHECKING:
     from kvcache.allocator.events import CacheEvent
@@ -78,32 +79,45 @@ class EventWire:
 
 def encode_batch(events: Sequence[CacheEvent], *, ts: float, dp_rank: int, wire: EventWire = EventWire()) -> bytes:
     """One ``KVEventBatch`` payload: ``[ts, [event, ...], data_parallel_rank]`` as msgpack."""
-    return msgpack.packb([float(ts), [_encode_event(e, wire) for e in events], dp_rank], use_bin_type=True)
+    return pack_lists([float(ts), [_encode_event(e, wire) for e in events], dp_rank])
+
+
+# vLLM's field names in declaration order, tag first (the map layout's keys; the array layout is the values).
+_FIELDS = {
+    BlockStored: ("type", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
+                  "lora_name"),
+    BlockRemoved: ("type", "block_hashes", "medium"),
+    AllBlocksCleared: ("type",),
+}
 
 
 def _encode_event(event: CacheEvent, wire: EventWire) -> list[Any] | dict[str, Any]:
     """One event as vLLM's tagged struct: fields in declaration order, tag first."""
-    if isinstance(event, BlockStored):
+    kind = type(event)
+    if kind is BlockStored:
         parent = event.parent_block_hash
-        fields: tuple[tuple[str, Any], ...] = (
-            ("block_hashes", [_hash(h, wire) for h in event.block_hashes]),
-            ("parent_block_hash", None if parent is None else _hash(parent, wire)),
-            ("token_ids", event.token_ids.tolist()),
-            ("block_size", event.block_size),
-            ("lora_id", None),
-            ("medium", event.medium),
-            ("lora_name", event.lora),
-        )
-    elif isinstance(event, BlockRemoved):
-        fields = (("block_hashes", [_hash(h, wire) for h in event.block_hashes]), ("medium", event.medium))
-    elif isinstance(event, AllBlocksCleared):
-        fields = ()
+        # token_ids stays an integer array: pack_lists writes it as msgpack ints
+        values: list[Any] = ["BlockStored", _hashes(event.block_hashes, wire),
+                             None if parent is None else _hash(parent, wire), event.token_ids, event.block_size,
+                             None, event.medium, event.lora]
+    elif kind is BlockRemoved:
+        values = ["BlockRemoved", _hashes(event.block_hashes, wire), event.medium]
+    elif kind is AllBlocksCleared:
+        values = ["AllBlocksCleared"]
     else:
         raise TypeError(f"not a cache event: {type(event).__name__}")
-    tag = type(event).__name__
-    if wire.layout == "array":
-        return [tag, *(value for _, value in fields)]
-    return {"type": tag, **dict(fields)}
+    return values if wire.layout == "array" else dict(zip(_FIELDS[kind], values))
+
+
+def _hashes(block_hashes: tuple[bytes, ...], wire: EventWire) -> tuple[bytes, ...] | list[int] | np.ndarray:
+    """An event's hashes as ``_hash`` publishes each: the digests as they are (bin), or their low 64 bits, taken
+    in one numpy pass for a long run of 32-byte digests (a prompt's) and packed as msgpack ints."""
+    if not wire.int_hashes:
+        return block_hashes
+    joined = b"".join(block_hashes)
+    if len(block_hashes) > 8 and len(joined) == 32 * len(block_hashes):
+        return np.frombuffer(joined, dtype=">u8")[3::4].astype(np.uint64)
+    return [_hash(h, wire) for h in block_hashes]
 
 
 def _hash(block_hash: bytes, wire: EventWire) -> bytes | int:

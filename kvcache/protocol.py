@@ -224,6 +224,12 @@ def pack(obj: Any) -> bytes:
     return _wire.packb(obj)
 
 
+def pack_lists(obj: Any) -> bytes:
+    """``pack``, with 1-D integer arrays written as msgpack arrays of ints (``arr.tolist()``'s bytes, no Python int
+    per element): vLLM's KV events carry token ids that way."""
+    return _wire.packb_lists(obj)
+
+
 def unpack(data: bytes, max_bytes: int, max_items: int | None = None) -> Any:
     """Decode a protocol message, refusing it by size first; errors are ProtocolError.
 

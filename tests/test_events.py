@@ -14,6 +14,8 @@ from typing import Callable
 import msgpack
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import zmq
 
 from kvcache.allocator import Full, KVCacheManager, Window
@@ -430,6 +432,46 @@ def test_map_layout_with_int_hashes_matches_current_vllm():
         {"type": "AllBlocksCleared"},
     ]
     assert list(events[0])[0] == "type", "the tag comes first, as msgspec writes it"
+
+
+def _reference_payload(events, ts, dp_rank, wire):
+    """The batch as msgpack-python writes the plain structure (token ids as a list of Python ints)."""
+    def hash_of(h):
+        return int.from_bytes(h, "big") & (2**64 - 1) if wire.int_hashes else bytes(h)
+
+    out = []
+    for e in events:
+        if isinstance(e, BlockStored):
+            fields = [("block_hashes", [hash_of(h) for h in e.block_hashes]),
+                      ("parent_block_hash", None if e.parent_block_hash is None else hash_of(e.parent_block_hash)),
+                      ("token_ids", e.token_ids.tolist()), ("block_size", e.block_size), ("lora_id", None),
+                      ("medium", e.medium), ("lora_name", e.lora)]
+        elif isinstance(e, BlockRemoved):
+            fields = [("block_hashes", [hash_of(h) for h in e.block_hashes]), ("medium", e.medium)]
+        else:
+            fields = []
+        tag = type(e).__name__
+        out.append([tag, *(v for _, v in fields)] if wire.layout == "array" else {"type": tag, **dict(fields)})
+    return msgpack.packb([float(ts), out, dp_rank], use_bin_type=True)
+
+
+_digests = st.binary(min_size=32, max_size=32)
+_events = st.lists(st.one_of(
+    st.builds(lambda hashes, parent, tokens, lora: BlockStored(tuple(hashes), parent, np.array(tokens, np.uint32),
+                                                               4, (0,), lora=lora),
+              st.lists(_digests, min_size=1, max_size=20), st.none() | _digests,
+              st.lists(st.integers(0, 2**32 - 1), max_size=80), st.none() | st.text(max_size=8)),
+    st.builds(lambda hashes: BlockRemoved(tuple(hashes)), st.lists(_digests, min_size=1, max_size=20)),
+    st.just(AllBlocksCleared())), max_size=8)
+
+
+@settings(max_examples=200, deadline=None)
+@given(events=_events, ts=st.floats(allow_nan=False), dp_rank=st.integers(0, 2**31),
+       wire=st.sampled_from([EventWire(), EventWire(layout="map", int_hashes=True)]))
+def test_encoding_is_msgpack_pythons_bytes_for_the_plain_structure(events, ts, dp_rank, wire):
+    """The C codec writes token ids straight from their array: byte for byte what msgpack-python writes for the
+    same batch with the ids as a list of Python ints (so msgspec decodes it as vLLM's structs)."""
+    assert encode_batch(events, ts=ts, dp_rank=dp_rank, wire=wire) == _reference_payload(events, ts, dp_rank, wire)
 
 
 def test_publish_without_events_sends_nothing(ctx, tmp_path):
