@@ -914,9 +914,10 @@ static PyObject *run_extend(RunCollector *self, PyObject *const *args, Py_ssize_
 
 /* PrefixIndex.remove_gone of row r's evicted blocks: each holding a hash loses it, and a hash no row holds any more
  * leaves the table, its entry going on the spare stack (in order; the caller made room). Returns the hashes that
- * left. Called row by row in row order, this drops them in PrefixIndex._drop's order. */
+ * left, and unless ``gone_out`` is NULL writes them there, 32 bytes each. Called row by row in row order, this
+ * drops them in PrefixIndex._drop's order (which is remove_gone's order of the hashes it answers). */
 static Py_ssize_t drop_evicted(index_t *x, Py_ssize_t r, const int32_t *evicted, Py_ssize_t count, Py_ssize_t *spare,
-                               Py_ssize_t *num_spare)
+                               Py_ssize_t *num_spare, uint8_t *gone_out)
 {
     Py_ssize_t gone = 0;
     for (Py_ssize_t i = 0; i < count; i++) {
@@ -927,7 +928,10 @@ static Py_ssize_t drop_evicted(index_t *x, Py_ssize_t r, const int32_t *evicted,
         x->entry_blocks[(Py_ssize_t)entry * x->rows + r] = -1;
         *at = -1;
         if (--x->holders[entry] == 0) {
-            gone += table_remove(&x->t, x->hash_of + (Py_ssize_t)entry * KEY_BYTES);
+            const uint8_t *key = x->hash_of + (Py_ssize_t)entry * KEY_BYTES;
+            if (gone_out)
+                memcpy(gone_out + gone * KEY_BYTES, key, KEY_BYTES); /* kept only if the table held it */
+            gone += table_remove(&x->t, key);
             spare[(*num_spare)++] = entry;
         }
     }
@@ -1028,7 +1032,7 @@ static PyObject *run_take(PyObject *self, PyObject *args)
     const Py_ssize_t num_evicted = pool_take(&p, 0, n, b[16].buf, evicted, 0);
     if (num_evicted < 0) /* -1 cannot happen after the room check; -2: AssertionError set */
         goto done;
-    const Py_ssize_t gone = drop_evicted(&x, 0, evicted, num_evicted, b[14].buf, &num_spare);
+    const Py_ssize_t gone = drop_evicted(&x, 0, evicted, num_evicted, b[14].buf, &num_spare, NULL);
     result = Py_BuildValue("nnn", num_evicted, num_spare, gone);
 done:
     PyMem_Free(evicted);
@@ -1101,8 +1105,9 @@ PyDoc_STRVAR(extend_decode_doc,
 "extend_decode(slot_of, ids, tokens, counts, by_slot, hashing, ntok, fast_limit, next_recycle, tail, changed_ok,\n"
 "              stamp, keyed, salted, last_hash, last_block, width, lens,\n"
 "              ref, cached, stack, top, ring, lru_pos, head, tail_pos, lru_count,\n"
-"              slots, seed, hash_of, entry_blocks, entry_at, holders, spare, num_spare, num_entries)\n"
-"    -> (index, cols, vals, widen, evicted, num_spare, num_entries, keys_removed, keys_added) | None\n\n"
+"              slots, seed, hash_of, entry_blocks, entry_at, holders, spare, num_spare, num_entries, events=False)\n"
+"    -> (index, cols, vals, widen, evicted, num_spare, num_entries, keys_removed, keys_added[, removed, stored])\n"
+"       | None\n\n"
 "KVCacheManager.extend_many_deltas in one pass, for a one-row manager (one group, no window, no events, no tier):\n"
 "request ids[i] (its slot slot_of[id]) gets the next counts[i] (int64) of tokens (uint32). Extends inside the\n"
 "last block are extend_fast's; every other one must be a plain decode extend (run_prepare's), and those go as\n"
@@ -1114,7 +1119,10 @@ PyDoc_STRVAR(extend_decode_doc,
 "changing nothing, for anything else (an id not admitted or of another type, a slot listed twice, a negative\n"
 "count, counts not summing to the tokens, a request that is not plain, too few blocks, a filled block's hash\n"
 "repeated or indexed): the general path takes the batch. The caller made room: spare for n more ids, the\n"
-"entry arrays and table for n more keys. ValueError, changing nothing, on inconsistent sizes.");
+"entry arrays and table for n more keys. ValueError, changing nothing, on inconsistent sizes. With events,\n"
+"also what KV events need: ``removed`` packs, per eviction in order, the hash it dropped from the index (32\n"
+"zero bytes: none), and ``stored`` lists each filled block as (request position, block index, hash, parent\n"
+"hash, tokens as uint32 bytes), in request order.");
 
 typedef int (*each_fn)(int cbor, const uint32_t *tokens, Py_ssize_t n, Py_ssize_t bs, const uint8_t *parents,
                        uint8_t *out);
@@ -1134,13 +1142,15 @@ static PyObject *extend_decode(PyObject *self, PyObject *args)
      * b[7] stamp, b[8] keyed, b[9] salted, b[10] last_hash, b[11] last_block, b[12] width, b[13] lens;
      * b[14..22] the pool; b[23] slots, b[24] hash_of, b[25] entry_blocks, b[26] entry_at, b[27] holders,
      * b[28] spare. */
-    if (!PyArg_ParseTuple(args, "O!O!y*y*O!iw*w*y*w*w*w*y*y*w*w*w*w*w*w*w*w*w*w*w*w*w*w*Kw*w*w*w*w*nn",
+    int events = 0;
+    if (!PyArg_ParseTuple(args, "O!O!y*y*O!iw*w*y*w*w*w*y*y*w*w*w*w*w*w*w*w*w*w*w*w*w*w*Kw*w*w*w*w*nn|p",
                           &PyDict_Type, &slot_of, &PyList_Type, &ids, &b[0], &b[1], &PyList_Type, &by_slot, &hashing,
                           &b[2], &b[3], &b[4], &b[5], &b[6], &b[7], &b[8], &b[9], &b[10], &b[11], &b[12], &b[13],
                           &b[14], &b[15], &b[16], &b[17], &b[18], &b[19], &b[20], &b[21], &b[22], &b[23], &seed,
-                          &b[24], &b[25], &b[26], &b[27], &b[28], &num_spare, &num_entries))
+                          &b[24], &b[25], &b[26], &b[27], &b[28], &num_spare, &num_entries, &events))
         return NULL;
-    PyObject *result = NULL, *index_obj = NULL, *cols_obj = NULL, *vals_obj = NULL, *widen = NULL;
+    PyObject *result = NULL, *index_obj = NULL, *cols_obj = NULL, *vals_obj = NULL, *widen = NULL, *removed = NULL,
+             *stored = NULL;
     Py_ssize_t *slot = NULL, *slow = NULL, *need = NULL, *fill = NULL;
     int32_t *evicted = NULL, *filled = NULL;
     uint32_t *blocks_tok = NULL;
@@ -1296,7 +1306,20 @@ static PyObject *extend_decode(PyObject *self, PyObject *args)
     const Py_ssize_t num_evicted = pool_take(&p, 0, num_need, blocks, evicted, 0);
     if (num_evicted < 0)
         goto done;
-    const Py_ssize_t gone = drop_evicted(&x, 0, evicted, num_evicted, b[28].buf, &num_spare);
+    if (events) { /* the hash each eviction drops from the index (one row: every cached block's leaves), in order */
+        removed = PyBytes_FromStringAndSize(NULL, num_evicted * KEY_BYTES);
+        if (!removed)
+            goto fail;
+        uint8_t *out = (uint8_t *)PyBytes_AS_STRING(removed);
+        for (Py_ssize_t i = 0; i < num_evicted; i++) {
+            const int32_t entry = x.entry_at[evicted[i]];
+            if (entry >= 0 && x.holders[entry] == 1)
+                memcpy(out + i * KEY_BYTES, x.hash_of + (Py_ssize_t)entry * KEY_BYTES, KEY_BYTES);
+            else
+                memset(out + i * KEY_BYTES, 0, KEY_BYTES); /* left nothing: no event (caller skips zeros) */
+        }
+    }
+    const Py_ssize_t gone = drop_evicted(&x, 0, evicted, num_evicted, b[28].buf, &num_spare, NULL);
     {
         Py_ssize_t offset = 0;
         for (Py_ssize_t i = 0; i < n; i++) {
@@ -1357,8 +1380,26 @@ static PyObject *extend_decode(PyObject *self, PyObject *args)
         goto fail;
     for (Py_ssize_t i = 0; i < n; i++)
         lens[i] = wd[slot[i]];
-    result = Py_BuildValue("OOOOnnnnn", index_obj, cols_obj, vals_obj, widen, num_evicted, num_spare, num_entries,
-                           gone, added);
+    if (events) { /* each fill's request position, block index, hash, parent and tokens: its BlockStored */
+        stored = PyList_New(num_fill);
+        if (!stored)
+            goto fail;
+        for (Py_ssize_t f = 0; f < num_fill; f++) {
+            const Py_ssize_t i = slow[fill[f]];
+            PyObject *item = Py_BuildValue("nLy#y#y#", i, (long long)((nt[slot[i]] - 1) / bs),
+                                           (const char *)(hashes + f * RUN_HASH_BYTES), (Py_ssize_t)RUN_HASH_BYTES,
+                                           (const char *)(parents + f * RUN_HASH_BYTES), (Py_ssize_t)RUN_HASH_BYTES,
+                                           (const char *)(blocks_tok + f * bs), bs * (Py_ssize_t)sizeof(uint32_t));
+            if (!item)
+                goto fail;
+            PyList_SET_ITEM(stored, f, item);
+        }
+        result = Py_BuildValue("OOOOnnnnnOO", index_obj, cols_obj, vals_obj, widen, num_evicted, num_spare,
+                               num_entries, gone, added, removed, stored);
+    } else {
+        result = Py_BuildValue("OOOOnnnnn", index_obj, cols_obj, vals_obj, widen, num_evicted, num_spare,
+                               num_entries, gone, added);
+    }
     goto done;
 fallback:
     result = Py_NewRef(Py_None);
@@ -1370,6 +1411,8 @@ done:
     Py_XDECREF(cols_obj);
     Py_XDECREF(vals_obj);
     Py_XDECREF(widen);
+    Py_XDECREF(removed);
+    Py_XDECREF(stored);
     PyMem_Free(slot);
     PyMem_Free(slow);
     PyMem_Free(need);
@@ -1391,7 +1434,8 @@ PyDoc_STRVAR(admit_commit_doc,
 "admit_commit(ref, cached, stack, top, ring, lru_pos, head, tail_pos, lru_count,\n"
 "             slots, seed, hash_of, entry_blocks, entry_at, holders, spare, num_spare, num_entries,\n"
 "             hashes, hit, tokens, covered, table, slot, ntok, changed_ok, last_block, tail, last_hash,\n"
-"             fast_limit, next_recycle, width, root, recycle_at, evicted) -> (num_spare, num_entries, keys_added)\n"
+"             fast_limit, next_recycle, width, root, recycle_at, evicted, removed=None)\n"
+"    -> (num_spare, num_entries, keys_added, keys_removed)\n"
 "             | None | False\n\n"
 "KVCacheManager.admit's commit in one pass, for a manager with prefix caching and without events or a tier;\n"
 "pool and index rows are its groups (G). The request covers ``covered`` tokens in n = ceil(covered /\n"
@@ -1406,12 +1450,14 @@ PyDoc_STRVAR(admit_commit_doc,
 "``spare`` for num_spare + G n ids, the entry arrays for num_entries + k, the table for k more keys.\n"
 "Returns None, changing nothing, when a group has too few allocatable blocks; False, changing nothing, when\n"
 "a new block's hash is in the index already (the general path merges it). ValueError on inconsistent sizes\n"
-"and AssertionError on a hit block with no reference that is not cached, both changing nothing.");
+"and AssertionError on a hit block with no reference that is not cached, both changing nothing. ``removed``\n"
+"(a writable buffer of G n * 32 bytes, for KV events) receives the keys_removed hashes the evictions dropped\n"
+"from the index, in PrefixIndex.remove_gone's order.");
 
 static PyObject *admit_commit(PyObject *self, PyObject *args)
 {
     (void)self;
-    enum { NB = POOL_ARRAYS + 21 };
+    enum { NB = POOL_ARRAYS + 22 };
     Py_buffer b[NB];
     memset(b, 0, sizeof b);
     unsigned long long seed;
@@ -1419,12 +1465,20 @@ static PyObject *admit_commit(PyObject *self, PyObject *args)
     long long recycle_at;
     /* b[0..8] the pool; b[9] slots, b[10] hash_of, b[11] entry_blocks, b[12] entry_at, b[13] holders, b[14] spare;
      * b[15] hashes, b[16] hit, b[17] tokens, b[18] table; b[19..26] ntok, changed_ok, last_block, tail, last_hash,
-     * fast_limit, next_recycle, width; b[27] root; b[28] evicted. */
-    if (!PyArg_ParseTuple(args, "w*w*w*w*w*w*w*w*w*w*Kw*w*w*w*w*nny*y*y*nw*nw*w*w*w*w*w*w*w*y*Lw*", &b[0], &b[1],
+     * fast_limit, next_recycle, width; b[27] root; b[28] evicted; b[29] removed (optional). */
+    PyObject *removed_obj = Py_None;
+    if (!PyArg_ParseTuple(args, "w*w*w*w*w*w*w*w*w*w*Kw*w*w*w*w*nny*y*y*nw*nw*w*w*w*w*w*w*w*y*Lw*|O", &b[0], &b[1],
                           &b[2], &b[3], &b[4], &b[5], &b[6], &b[7], &b[8], &b[9], &seed, &b[10], &b[11], &b[12], &b[13],
                           &b[14], &num_spare, &num_entries, &b[15], &b[16], &b[17], &covered, &b[18], &slot, &b[19],
-                          &b[20], &b[21], &b[22], &b[23], &b[24], &b[25], &b[26], &b[27], &recycle_at, &b[28]))
+                          &b[20], &b[21], &b[22], &b[23], &b[24], &b[25], &b[26], &b[27], &recycle_at, &b[28],
+                          &removed_obj))
         return NULL;
+    if (removed_obj != Py_None && PyObject_GetBuffer(removed_obj, &b[29], PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) {
+        release_buffers(b, NB);
+        return NULL;
+    }
+    uint8_t *removed_at = removed_obj != Py_None ? b[29].buf : NULL;
+    Py_ssize_t num_removed = 0;
     PyObject *result = NULL;
     int64_t *entries = NULL;
     int32_t *evicted = NULL, *fresh_blocks = NULL;
@@ -1447,7 +1501,8 @@ static PyObject *admit_commit(PyObject *self, PyObject *args)
         || b[22].len != slots_len * bs * (Py_ssize_t)sizeof(uint32_t) || b[23].len != slots_len * KEY_BYTES
         || b[24].len != b[19].len || b[25].len != b[19].len || b[26].len != slots_len * (Py_ssize_t)sizeof(int32_t)
         || b[27].len != KEY_BYTES || b[28].len != G * (Py_ssize_t)sizeof(Py_ssize_t) || num_spare < 0
-        || num_spare + G * n > spare_cap || num_entries < 0 || num_entries + k > x.entries) {
+        || num_spare + G * n > spare_cap || num_entries < 0 || num_entries + k > x.entries
+        || (removed_at && b[29].len < G * n * KEY_BYTES)) {
         PyErr_SetString(PyExc_ValueError, "admit_commit: the pool, index, table or slot arrays have inconsistent sizes");
         goto done;
     }
@@ -1523,7 +1578,10 @@ static PyObject *admit_commit(PyObject *self, PyObject *args)
         if (num_evicted < 0) /* -1 cannot happen after the room check; -2: AssertionError set */
             goto done;
         evicted_of[r] = num_evicted;
-        keys_added -= drop_evicted(&x, r, evicted, num_evicted, spare, &num_spare);
+        const Py_ssize_t dropped = drop_evicted(&x, r, evicted, num_evicted, spare, &num_spare,
+                                                removed_at ? removed_at + num_removed * KEY_BYTES : NULL);
+        keys_added -= dropped;
+        num_removed += dropped;
         for (Py_ssize_t i = n; i < capacity; i++)
             row[i] = -1;
         for (Py_ssize_t i = h; i < k; i++)
@@ -1547,7 +1605,7 @@ static PyObject *admit_commit(PyObject *self, PyObject *args)
     ((int64_t *)b[24].buf)[slot] = n * bs < limit ? n * bs : limit;
     ((int64_t *)b[25].buf)[slot] = recycle_at;
     ((int32_t *)b[26].buf)[slot] = (int32_t)n;
-    result = Py_BuildValue("nnn", num_spare, num_entries, keys_added);
+    result = Py_BuildValue("nnnn", num_spare, num_entries, keys_added, num_removed);
 done:
     PyMem_Free(entries);
     PyMem_Free(evicted);

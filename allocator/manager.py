@@ -446,8 +446,10 @@ class KVCacheManager:
         return Admission(num_cached * bs, view, covered)
 
     def _admits_in_one_pass(self) -> bool:
-        """Whether an admit's commit is ``_tables.admit_commit``'s: prefix caching, and no events or tier to serve."""
-        return self._hasher is not None and not self.enable_events and self.tier is None
+        """Whether an admit's commit is ``_tables.admit_commit``'s: prefix caching, no tier to serve, and with KV
+        events one group without window rows (whose stores are one event per admit)."""
+        return self._hasher is not None and self.tier is None and (
+            not self.enable_events or (len(self._group_col) == 1 and not self._window_groups))
 
     def _admit_commit(self, request_id: object, tokens: np.ndarray, hashes: bytes, num_hit: int,
                       hit: np.ndarray | None, covered: int, num_blocks: int, cache_salt: str | None, lora: str | None,
@@ -463,15 +465,25 @@ class KVCacheManager:
         table = np.empty((groups, _grow(num_blocks + 1, 4)), dtype=np.int32)  # room for the block its first extend opens
         recycled = self._recycled_after(num_hit)
         evicted = np.zeros(groups, dtype=np.intp)
+        removed = bytearray(groups * num_blocks * _H) if self.enable_events else None  # the hashes evictions drop
         done = _tables.admit_commit(
             *pool._c_arrays(), *index._c_arrays(), index._num_entries, hashes[: full * _H],
             _NO_HIT if hit is None else hit, tokens, covered, table, slot, self._ntok, self._changed_ok,
             self._last_block, self._tail, self._last_hash, self._fast_limit, self._next_recycle, self._width,
-            self._hasher.root, self._recycle_at(recycled), evicted)
+            self._hasher.root, self._recycle_at(recycled), evicted, removed)
         if not done:
             return done
-        index._num_spare, index._num_entries, added = done
+        index._num_spare, index._num_entries, added, dropped = done
         index._count += added
+        if removed is not None:  # as the general path reports them: its evictions' drops, then one store
+            if dropped:
+                self._events.append(BlockRemoved(tuple(bytes(removed[i * _H:(i + 1) * _H]) for i in range(dropped))))
+            if full > num_hit:
+                self._events.append(BlockStored(
+                    block_hashes=tuple(hashes[i * _H:(i + 1) * _H] for i in range(num_hit, full)),
+                    parent_block_hash=hashes[(num_hit - 1) * _H:num_hit * _H] if num_hit else None,
+                    token_ids=tokens[num_hit * bs:full * bs].copy(), block_size=bs,
+                    rows=tuple(range(self._row_group.size)), lora=lora))
         per_group = evicted.tolist()
         if any(per_group):  # (row, block) pairs: a group's eviction counts once per row it stands for
             self._evicted += sum(e * size for e, size in zip(per_group, self._group_sizes.tolist()))
@@ -650,9 +662,8 @@ class KVCacheManager:
 
     def _decodes_in_one_pass(self) -> int | None:
         """``_tables.extend_decode``'s hashing argument (-1 none, 0 sha256, 1 sha256_cbor) where it can take a batch
-        of extends: one group, no window or expanded rows, no events or tier, a native hasher; else None."""
-        if (len(self._group_col) != 1 or self._window_groups or self._expand or self.enable_events
-                or self.tier is not None):
+        of extends: one group, no window or expanded rows, no tier, a native hasher; else None."""
+        if len(self._group_col) != 1 or self._window_groups or self._expand or self.tier is not None:
             return None
         if self._hasher is None:
             return -1
@@ -682,13 +693,15 @@ class KVCacheManager:
         done = _tables.extend_decode(self._slot_of, request_ids, flat, counts, self._by_slot, hashing, self._ntok,
                                      self._fast_limit, self._next_recycle, self._tail, self._changed_ok, self._stamp,
                                      self._keyed, self._salted, self._last_hash, self._last_block, self._width, lens,
-                                     *pool._c_arrays(), *prefix._c_arrays(), prefix._num_entries)
+                                     *pool._c_arrays(), *prefix._c_arrays(), prefix._num_entries, self.enable_events)
         if done is None:
             return None
-        index, cols, vals, widen, evicted, prefix._num_spare, prefix._num_entries, gone, added = done
+        index, cols, vals, widen, evicted, prefix._num_spare, prefix._num_entries, gone, added = done[:9]
         prefix._count += added - gone
         self._evicted += evicted
         index = np.frombuffer(index, dtype=np.int32)
+        if self.enable_events:
+            self._decode_events(index, evicted, *done[9:])
         cols = np.frombuffer(cols, dtype=np.int32)
         vals = np.frombuffer(vals, dtype=np.int32).reshape(1, -1)
         for q in widen:  # a full table: twice the columns
@@ -696,6 +709,24 @@ class KVCacheManager:
             req.table = _widen(req.table, col, _grow(col + 1, 4))
             req.table[:, col] = vals[:, q]
         return TableDeltas(lens, index, np.arange(index.size + 1, dtype=np.int32), cols, vals)
+
+    def _decode_events(self, opened: np.ndarray, evicted: int, removed: bytes,
+                       stored: list[tuple[int, int, bytes, bytes, bytes]]) -> None:
+        """``_tables.extend_decode``'s KV events in the one-by-one order: request by request, an open's eviction
+        (the last ``evicted`` opens evicted, in order) before a fill's store."""
+        tagged: list[tuple[int, int, CacheEvent]] = []
+        first = opened.size - evicted
+        for q in range(evicted):
+            dropped = removed[q * _H:(q + 1) * _H]
+            if dropped != _NO_HASH:
+                tagged.append((int(opened[first + q]), 0, BlockRemoved((dropped,))))
+        bs, rows = self.block_size, tuple(range(self._row_group.size))
+        for position, block, digest, parent, tokens in stored:  # no LoRA here: keyed requests are declined
+            tagged.append((position, 1, BlockStored(block_hashes=(digest,), parent_block_hash=parent if block else None,
+                                                    token_ids=np.frombuffer(tokens, dtype=np.uint32), block_size=bs,
+                                                    rows=rows)))
+        tagged.sort(key=lambda item: item[:2])
+        self._events += [event for _, _, event in tagged]
 
     def _check_many(self, request_ids: Sequence[object], tokens: Tokens, counts: Sequence[int] | np.ndarray
                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -1442,6 +1473,7 @@ class KVCacheManager:
 _EMPTY = np.empty(0, dtype=np.intp)
 _NEVER = 2**62  # a _next_recycle no request reaches
 _NO_COLUMNS = np.empty(0, dtype=np.int32)
+_NO_HASH = bytes(HASH_BYTES)  # extend_decode's mark of an eviction that dropped no hash
 _NO_HIT = np.empty((0, 0), dtype=np.int32)  # admit_commit's hit of a request with no cached prefix
 _H = HASH_BYTES
 

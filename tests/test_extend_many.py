@@ -308,13 +308,16 @@ def test_insert_cached_refuses_a_free_block_or_a_held_pair_and_changes_nothing()
         assert all(np.array_equal(a, b) for a, b in zip(after[:6], before[:6])) and after[6:] == before[6:]
 
 
-@pytest.mark.parametrize("caching,algorithm", [(True, "sha256"), (True, "sha256_cbor"), (False, "sha256")])
+@pytest.mark.parametrize("caching,algorithm,events", [(True, "sha256", False), (True, "sha256_cbor", False),
+                                                      (False, "sha256", False), (True, "sha256", True),
+                                                      (True, "sha256_cbor", True)])
 def test_extend_decode_matches_the_general_path_through_evictions_widening_and_refusals(monkeypatch, caching,
-                                                                                         algorithm):
+                                                                                         algorithm, events):
     """extend_many_deltas' one C pass (``_tables.extend_decode``) against a twin held to the general path, on a
     pool small enough that decode steps evict cached blocks, tables outgrow their buffers, a step runs out of
     blocks (the pass declines and the general path refuses exactly the requests without one), and shared
-    content makes a filled block's hash one the index holds (declined too)."""
+    content makes a filled block's hash one the index holds (declined too). With events, both managers report the
+    same KV events in the same order (evictions before stores, request by request)."""
     from kvcache.allocator import _tables
 
     outcomes: list[str] = []
@@ -330,11 +333,12 @@ def test_extend_decode_matches_the_general_path_through_evictions_widening_and_r
 
     monkeypatch.setattr(_tables, "extend_decode", spy)
     make = lambda: KVCacheManager(40, 4, enable_prefix_caching=caching, hash_algorithm=algorithm, hash_seed=b"d",
-                                  enable_events=False)
+                                  enable_events=events)
     one_pass, general = make(), make()
     monkeypatch.setattr(general, "_decodes_in_one_pass", lambda: None)
     rng = np.random.default_rng(5)
     live: list[int] = []
+    seen_events: set[str] = set()
     for step in range(160):
         if step % 12 == 0 and step < 120:  # admit three, free two: freed blocks stay cached until evicted; then
             # the live requests only decode, until a step runs out of blocks
@@ -365,6 +369,9 @@ def test_extend_decode_matches_the_general_path_through_evictions_widening_and_r
         one_pass.check_integrity()
         assert one_pass.num_free_blocks.tolist() == general.num_free_blocks.tolist()
         assert one_pass.stats() == general.stats()
+        got = plain(one_pass.take_events())
+        assert got == plain(general.take_events()), step
+        seen_events.update(event[0] for event in got)
         for rid in live:
             assert one_pass.table(rid).tolist() == general.table(rid).tolist()
             assert one_pass.num_tokens(rid) == general.num_tokens(rid)
@@ -372,6 +379,8 @@ def test_extend_decode_matches_the_general_path_through_evictions_widening_and_r
         assert one_pass.lookup(probe) == general.lookup(probe)
     want = {"ok", "declined", "widened"} | ({"evicted", "filled"} if caching else set())
     assert want <= set(outcomes), outcomes
+    if events:
+        assert {"BlockStored", "BlockRemoved"} <= seen_events, seen_events
 
 
 def test_extend_decode_refuses_inconsistent_arrays_and_changes_nothing():

@@ -1,6 +1,7 @@
 """KVCacheManager: admit/extend/free, prefix hits, sliding-window recycling, and a model-based test."""
 from __future__ import annotations
 
+import dataclasses
 import io
 import pickle
 
@@ -704,12 +705,14 @@ TestHeadWiseManagerNoEvents = HeadWiseNoEventsMachine.TestCase
 TestHeadWiseManagerNoEvents.settings = MACHINE_SETTINGS
 
 
+@pytest.mark.parametrize("events", [False, True], ids=["no-events", "events"])
 @pytest.mark.parametrize("rows", [[Full()], [Window(8, 4), Full(), Window(8, 4)]], ids=["uniform", "head-wise"])
-def test_admits_take_the_one_pass_commit_and_match_the_general_path(monkeypatch, rows):
-    """Without events a uniform manager commits an admit in one C pass (_tables.admit_commit), cached prefix and
-    revived blocks included; with events (the general path) the same calls give the same tables, evictions, free
-    counts, hits and stats. A prompt whose first block is gone but a later one still indexed is left to the
-    general path, which merges it."""
+def test_admits_take_the_one_pass_commit_and_match_the_general_path(monkeypatch, rows, events):
+    """A manager commits an admit in one C pass (_tables.admit_commit), cached prefix and revived blocks included;
+    a twin held to the general path gives the same tables, evictions, free counts, hits and stats, and with KV
+    events the same events in the same order (the pass takes uniform managers then; head-wise ones keep the
+    general path). A prompt whose first block is gone but a later one still indexed is left to the general path,
+    which merges it."""
     from kvcache.allocator import _tables
 
     calls = []
@@ -720,8 +723,10 @@ def test_admits_take_the_one_pass_commit_and_match_the_general_path(monkeypatch,
         return calls[-1][1]
 
     monkeypatch.setattr(_tables, "admit_commit", spy)
-    one_pass, general = (KVCacheManager(24, BS, rows, enable_prefix_caching=True, hash_seed=b"x", enable_events=e)
-                         for e in (False, True))
+    one_pass, general = (KVCacheManager(24, BS, rows, enable_prefix_caching=True, hash_seed=b"x",
+                                        enable_events=events) for _ in range(2))
+    monkeypatch.setattr(general, "_admits_in_one_pass", lambda: False)
+    seen: set[str] = set()
     rng = np.random.default_rng(7)
     prompts: dict[int, np.ndarray] = {}
     live: list[int] = []
@@ -748,7 +753,17 @@ def test_admits_take_the_one_pass_commit_and_match_the_general_path(monkeypatch,
         one_pass.check_integrity()
         assert one_pass.num_free_blocks.tolist() == general.num_free_blocks.tolist()
         assert one_pass.stats() == general.stats()
+        got = [(type(e).__name__, *(v.tolist() if isinstance(v, np.ndarray) else v for v in dataclasses.astuple(e)))
+               for e in one_pass.take_events()]
+        assert got == [(type(e).__name__, *(v.tolist() if isinstance(v, np.ndarray) else v
+                                            for v in dataclasses.astuple(e))) for e in general.take_events()], rid
+        seen.update(e[0] for e in got)
     assert one_pass.num_free_blocks.tolist() == general.num_free_blocks.tolist()
+    if events:
+        assert {"BlockStored", "BlockRemoved"} <= seen, seen
+        if len(rows) > 1:  # head-wise with events: the general path only
+            assert not calls
+            return
     assert any(isinstance(c, tuple) and not h for h, c in calls), "no admit without a hit took the one-pass commit"
     assert any(isinstance(c, tuple) and h for h, c in calls), "no admit with a hit took the one-pass commit"
     assert any(c is False for _, c in calls), "no one-pass admit was refused for an indexed hash"
