@@ -99,6 +99,7 @@ def test_quick_json_run_reports_every_section(capsys: pytest.CaptureFixture[str]
 
     profile = result["profile"]
     assert profile["steps"] > 0 and profile["handle_p50_us"] > 0 and profile["profiled_us_per_step"] > 0
+    assert profile["handle_events_p50_us"] > 0
     phases = profile["phases"]
     assert any("extend_many" in p["phase"] for p in phases) and any("admit" in p["phase"] for p in phases)
     assert sum(p["us"] for p in phases) == pytest.approx(profile["profiled_us_per_step"])

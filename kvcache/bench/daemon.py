@@ -24,8 +24,9 @@ One transport per run (ipc:// by default, ``--transport tcp`` for 127.0.0.1 on f
      every seq arrived: SUB sockets on the PUB, then datagram sockets subscribed at the local
      endpoint, taking turns twice;
   5. profile: the step workload through ``CacheServer.handle`` in this process on pre-packed
-     messages, timed plain and then under cProfile, its time split along the call tree (decode,
-     validate, apply, pack, publish, bookkeeping).
+     messages, timed plain (also on a daemon publishing KV events, ``--events``) and then under
+     cProfile, its time split along the call tree (decode, validate, apply, pack, publish,
+     bookkeeping).
 Every process started is stopped on the way out (errors and Ctrl-C included) and every wait has a
 deadline. The exit code is 0 whatever the numbers: a benchmark reports, it does not fail.
 """
@@ -1222,8 +1223,34 @@ def _split(stats: dict, root: tuple[str, int, str], steps: int) -> list[dict[str
             for p, (path, what, s) in zip([*paths, []], kept)]
 
 
+def _handle_with_events(cfg: BenchConfig, folder: Path, messages: list[bytes], warm: int) -> np.ndarray:
+    """ns of CacheServer.handle on the timed steps of a daemon that also publishes KV events (``--events``)."""
+    from kvcache.serve import build_manager
+    from kvcache.server import CacheServer
+
+    serve_cfg = ServeConfig(endpoint=f"ipc://{folder}/events-profile.sock", num_blocks=cfg.num_blocks,
+                            block_size=cfg.block_size, rows="full", enable_prefix_caching=True, events=True)
+    manager, rows, extra = build_manager(serve_cfg.resolved())
+    ctx = zmq.Context()
+    server = CacheServer(serve_cfg, manager, rows, context=ctx, extra_info=extra)
+    try:
+        for m in messages[:warm]:
+            _check_reply(server.handle(m))
+        out = np.empty(cfg.profile_steps, dtype=np.int64)
+        for i, m in enumerate(messages[warm:warm + cfg.profile_steps]):
+            t0 = time.perf_counter_ns()
+            reply = server.handle(m)
+            out[i] = time.perf_counter_ns() - t0
+            _check_reply(reply)
+        return out
+    finally:
+        server.close()
+        ctx.destroy(0)
+
+
 def bench_profile(cfg: BenchConfig, folder: Path) -> dict[str, Any]:
-    """Section 5: CacheServer.handle on pre-packed step messages, timed plain, then under cProfile."""
+    """Section 5: CacheServer.handle on pre-packed step messages, timed plain (also with KV events published),
+    then under cProfile."""
     from kvcache.serve import build_manager
     from kvcache.server import CacheServer
 
@@ -1235,6 +1262,7 @@ def bench_profile(cfg: BenchConfig, folder: Path) -> dict[str, Any]:
     try:
         warm = _warmup_steps(cfg)
         setup, messages = _step_messages(cfg, warm + 2 * cfg.profile_steps)
+        with_events = _handle_with_events(cfg, folder, setup + messages, len(setup) + warm)
         for m in setup + messages[:warm]:
             _check_reply(server.handle(m))
         plain = np.empty(cfg.profile_steps, dtype=np.int64)
@@ -1266,6 +1294,7 @@ def bench_profile(cfg: BenchConfig, folder: Path) -> dict[str, Any]:
         "message_bytes": len(profiled[0]),
         "handle_p50_us": p50,
         "handle_p99_us": p99,
+        "handle_events_p50_us": _percentiles_us(with_events)[0],
         "profiled_us_per_step": stats[root][3] * 1e6 / n,
         "phases": _split(stats, root, n),
         "top": [{"function": f"{Path(f).name}:{line}({name})", "own_us": v[2] * 1e6 / n, "cum_us": v[3] * 1e6 / n,
@@ -1470,7 +1499,8 @@ def render(result: dict[str, Any]) -> str:
         ),
         "",
         f"5. profile: CacheServer.handle in-process, {prof['steps']} steps of {prof['message_bytes']:,} B; plain "
-        f"p50 {_us(prof['handle_p50_us'])} us, p99 {_us(prof['handle_p99_us'])} us; under cProfile "
+        f"p50 {_us(prof['handle_p50_us'])} us, p99 {_us(prof['handle_p99_us'])} us (with --events p50 "
+        f"{_us(prof['handle_events_p50_us'])} us); under cProfile "
         f"{_us(prof['profiled_us_per_step'])} us/step",
         f"  call paths below start at {prof['phases'][0]['path']}",
         table(
