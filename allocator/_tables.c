@@ -435,6 +435,30 @@ static Py_ssize_t request_table(PyObject *req, Py_ssize_t rows, int32_t **data)
     return capacity;
 }
 
+/* Append position q to ``list`` (what a pass leaves to Python). 0, or -1 with an error set. */
+static int append_position(PyObject *list, Py_ssize_t q)
+{
+    PyObject *item = PyLong_FromSsize_t(q);
+    const int failed = !item || PyList_Append(list, item) < 0;
+    Py_XDECREF(item);
+    return failed ? -1 : 0;
+}
+
+/* The record of a request whose table gained a column: num_blocks + 1, its changed columns and cached view
+ * dropped (as KVCacheManager._extend leaves them). 0, or -1 with an error set. */
+static int record_opened(PyObject *req)
+{
+    PyObject *count = PyObject_GetAttr(req, num_blocks_name);
+    const Py_ssize_t now = count ? PyLong_AsSsize_t(count) : -1;
+    Py_XDECREF(count);
+    PyObject *more = now >= 0 ? PyLong_FromSsize_t(now + 1) : NULL;
+    const int failed = !more || PyObject_SetAttr(req, num_blocks_name, more) < 0
+                       || PyObject_SetAttr(req, changed_name, Py_None) < 0
+                       || PyObject_SetAttr(req, view_name, Py_None) < 0;
+    Py_XDECREF(more);
+    return failed ? -1 : 0;
+}
+
 PyDoc_STRVAR(run_commit_doc,
 "run_commit(s, tt, tok, need, fill, new_blocks, by_slot, tail, ntok, changed_ok, last_block, width, fast_limit,\n"
 "           last_hash, hashes, cols, filled, hashing) -> list[int]\n\n"
@@ -527,22 +551,10 @@ static PyObject *run_commit(PyObject *self, PyObject *args)
         if (col < capacity) {
             for (Py_ssize_t r = 0; r < rows; r++)
                 table[r * capacity + col] = blocks[r * k + q];
-        } else {
-            PyObject *skipped = PyLong_FromSsize_t(q);
-            const int failed = !skipped || PyList_Append(result, skipped) < 0;
-            Py_XDECREF(skipped);
-            if (failed)
-                goto fail;
+        } else if (append_position(result, q) < 0) {
+            goto fail;
         }
-        PyObject *count = PyObject_GetAttr(req, num_blocks_name);
-        const Py_ssize_t now = count ? PyLong_AsSsize_t(count) : -1;
-        Py_XDECREF(count);
-        PyObject *more = now >= 0 ? PyLong_FromSsize_t(now + 1) : NULL;
-        const int failed = !more || PyObject_SetAttr(req, num_blocks_name, more) < 0
-                           || PyObject_SetAttr(req, changed_name, Py_None) < 0
-                           || PyObject_SetAttr(req, view_name, Py_None) < 0;
-        Py_XDECREF(more);
-        if (failed)
+        if (record_opened(req) < 0)
             goto fail;
         for (Py_ssize_t r = 0; r < rows; r++)
             lb[slot * rows + r] = blocks[r * k + q];
@@ -1345,24 +1357,11 @@ static PyObject *extend_decode(PyObject *self, PyObject *args)
         const Py_ssize_t i = slow[need[q]], s = slot[i];
         PyObject *req = PyList_GET_ITEM(by_slot, s);
         const int32_t col = wd[s];
-        if (col < capacity[q]) {
+        if (col < capacity[q])
             tables[q][col] = blocks[q];
-        } else {
-            PyObject *skipped = PyLong_FromSsize_t(q);
-            const int failed = !skipped || PyList_Append(widen, skipped) < 0;
-            Py_XDECREF(skipped);
-            if (failed)
-                goto fail;
-        }
-        PyObject *number = PyObject_GetAttr(req, num_blocks_name);
-        const Py_ssize_t now = number ? PyLong_AsSsize_t(number) : -1;
-        Py_XDECREF(number);
-        PyObject *more = now >= 0 ? PyLong_FromSsize_t(now + 1) : NULL;
-        const int failed = !more || PyObject_SetAttr(req, num_blocks_name, more) < 0
-                           || PyObject_SetAttr(req, changed_name, Py_None) < 0
-                           || PyObject_SetAttr(req, view_name, Py_None) < 0;
-        Py_XDECREF(more);
-        if (failed)
+        else if (append_position(widen, q) < 0)
+            goto fail;
+        if (record_opened(req) < 0)
             goto fail;
         lb[s] = blocks[q];
         index_out[q] = (int32_t)i;

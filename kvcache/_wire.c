@@ -407,15 +407,21 @@ PyDoc_STRVAR(packb_doc,
 "and tuple, msgpack.ExtType, and numpy arrays of a wire dtype (the array ext, C order); anything else goes\n"
 "through the fallback once (numpy scalars, other arrays), else TypeError.");
 
-static PyObject *packb(PyObject *self, PyObject *obj)
+/* packb's and packb_lists' bytes: obj packed, integer arrays as the ext or (``int_lists``) as msgpack ints. */
+static PyObject *pack_to_bytes(PyObject *obj, int int_lists)
 {
-    (void)self;
-    out_t o = {NULL, 0, 0, 0};
+    out_t o = {NULL, 0, 0, int_lists};
     PyObject *result = NULL;
     if (pack_obj(&o, obj, 0, 1) == 0)
         result = PyBytes_FromStringAndSize(o.buf ? o.buf : "", o.len);
     PyMem_Free(o.buf);
     return result;
+}
+
+static PyObject *packb(PyObject *self, PyObject *obj)
+{
+    (void)self;
+    return pack_to_bytes(obj, 0);
 }
 
 PyDoc_STRVAR(packb_lists_doc,
@@ -427,12 +433,7 @@ PyDoc_STRVAR(packb_lists_doc,
 static PyObject *packb_lists(PyObject *self, PyObject *obj)
 {
     (void)self;
-    out_t o = {NULL, 0, 0, 1};
-    PyObject *result = NULL;
-    if (pack_obj(&o, obj, 0, 1) == 0)
-        result = PyBytes_FromStringAndSize(o.buf ? o.buf : "", o.len);
-    PyMem_Free(o.buf);
-    return result;
+    return pack_to_bytes(obj, 1);
 }
 
 /* ------------------------------------------------------------------ unpacking */

@@ -1223,26 +1223,35 @@ def _split(stats: dict, root: tuple[str, int, str], steps: int) -> list[dict[str
             for p, (path, what, s) in zip([*paths, []], kept)]
 
 
-def _handle_with_events(cfg: BenchConfig, folder: Path, messages: list[bytes], warm: int) -> np.ndarray:
-    """ns of CacheServer.handle on the timed steps of a daemon that also publishes KV events (``--events``)."""
+def _profile_server(cfg: BenchConfig, folder: Path, name: str, **settings: Any) -> tuple[Any, zmq.Context]:
+    """A CacheServer in this process as the benchmark's daemon is configured (plus ``settings``), and its context."""
     from kvcache.serve import build_manager
     from kvcache.server import CacheServer
 
-    serve_cfg = ServeConfig(endpoint=f"ipc://{folder}/events-profile.sock", num_blocks=cfg.num_blocks,
-                            block_size=cfg.block_size, rows="full", enable_prefix_caching=True, events=True)
+    serve_cfg = ServeConfig(endpoint=f"ipc://{folder}/{name}.sock", num_blocks=cfg.num_blocks,
+                            block_size=cfg.block_size, rows="full", enable_prefix_caching=True, **settings)
     manager, rows, extra = build_manager(serve_cfg.resolved())
     ctx = zmq.Context()
-    server = CacheServer(serve_cfg, manager, rows, context=ctx, extra_info=extra)
+    return CacheServer(serve_cfg, manager, rows, context=ctx, extra_info=extra), ctx
+
+
+def _timed_handles(server: Any, messages: list[bytes]) -> np.ndarray:
+    """ns of ``server.handle`` on each message, every reply checked."""
+    out = np.empty(len(messages), dtype=np.int64)
+    for i, m in enumerate(messages):
+        t0 = time.perf_counter_ns()
+        reply = server.handle(m)
+        out[i] = time.perf_counter_ns() - t0
+        _check_reply(reply)
+    return out
+
+
+def _handle_with_events(cfg: BenchConfig, folder: Path, messages: list[bytes], warm: int) -> np.ndarray:
+    """ns of CacheServer.handle on the timed steps of a daemon that also publishes KV events (``--events``)."""
+    server, ctx = _profile_server(cfg, folder, "events-profile", events=True)
     try:
-        for m in messages[:warm]:
-            _check_reply(server.handle(m))
-        out = np.empty(cfg.profile_steps, dtype=np.int64)
-        for i, m in enumerate(messages[warm:warm + cfg.profile_steps]):
-            t0 = time.perf_counter_ns()
-            reply = server.handle(m)
-            out[i] = time.perf_counter_ns() - t0
-            _check_reply(reply)
-        return out
+        _timed_handles(server, messages[:warm])
+        return _timed_handles(server, messages[warm:warm + cfg.profile_steps])
     finally:
         server.close()
         ctx.destroy(0)
@@ -1251,26 +1260,15 @@ def _handle_with_events(cfg: BenchConfig, folder: Path, messages: list[bytes], w
 def bench_profile(cfg: BenchConfig, folder: Path) -> dict[str, Any]:
     """Section 5: CacheServer.handle on pre-packed step messages, timed plain (also with KV events published),
     then under cProfile."""
-    from kvcache.serve import build_manager
     from kvcache.server import CacheServer
 
-    serve_cfg = ServeConfig(endpoint=f"ipc://{folder}/p.sock", num_blocks=cfg.num_blocks,
-                            block_size=cfg.block_size, rows="full", enable_prefix_caching=True)
-    manager, rows, extra = build_manager(serve_cfg.resolved())
-    ctx = zmq.Context()
-    server = CacheServer(serve_cfg, manager, rows, context=ctx, extra_info=extra)
+    server, ctx = _profile_server(cfg, folder, "p")
     try:
         warm = _warmup_steps(cfg)
         setup, messages = _step_messages(cfg, warm + 2 * cfg.profile_steps)
         with_events = _handle_with_events(cfg, folder, setup + messages, len(setup) + warm)
-        for m in setup + messages[:warm]:
-            _check_reply(server.handle(m))
-        plain = np.empty(cfg.profile_steps, dtype=np.int64)
-        for i, m in enumerate(messages[warm:warm + cfg.profile_steps]):
-            t0 = time.perf_counter_ns()
-            reply = server.handle(m)
-            plain[i] = time.perf_counter_ns() - t0
-            _check_reply(reply)
+        _timed_handles(server, setup + messages[:warm])
+        plain = _timed_handles(server, messages[warm:warm + cfg.profile_steps])
         profiled = messages[warm + cfg.profile_steps:]
         profiler = cProfile.Profile()
         replies = []
