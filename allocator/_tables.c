@@ -79,6 +79,45 @@ done:
     return skipped;
 }
 
+/* The decode step's per-request rules, shared by extend_fast, run_commit and extend_decode. Slot s's arrays:
+ * num_tokens, fast_limit, next_recycle (int64), tail (uint32 [slots, block_size]), changed (bool). */
+
+/* An extend of k tokens at t stays inside its last block and gives no block back: extend_fast's fast path. */
+static inline int in_last_block(int64_t t, int64_t k, int64_t recycle, int64_t limit)
+{
+    return t < recycle && t + k <= limit;
+}
+
+/* The fast path's write: the k tokens into the tail at t % bs, num_tokens t + k, changed columns stale. */
+static inline void write_in_block(uint32_t *tail_row, int64_t *ntok, uint8_t *changed, int64_t t, int64_t k,
+                                  const uint32_t *tokens, Py_ssize_t bs)
+{
+    for (int64_t j = 0; j < k; j++)
+        tail_row[t % bs + j] = tokens[j];
+    *ntok = t + k;
+    *changed = 0;
+}
+
+/* A slow extend that a decode run takes: one token, and with hashing no extra keys (LoRA or multimodal, or the
+ * cache salt of block 0). */
+static inline int plain_decode(int64_t k, int64_t t, Py_ssize_t bs, uint8_t keyed, uint8_t salted, int hashing)
+{
+    return k == 1 && (!hashing || (!keyed && (t >= bs || !salted)));
+}
+
+/* A decode run's write of its one token at t: num_tokens t + 1, changed (the one column it opens) exactly when
+ * it opens a block, and fast_limit as KVCacheManager._refresh leaves it (with hashing a block's last token
+ * fills it, so the fast path stops one short). */
+static inline void write_run_token(uint32_t *tail_row, int64_t *ntok, uint8_t *changed, int64_t *limit, int64_t t,
+                                   uint32_t token, Py_ssize_t bs, int hashing)
+{
+    const int64_t pos = t % bs;
+    tail_row[pos] = token;
+    *ntok = t + 1;
+    *changed = pos == 0;
+    *limit = !hashing ? t + bs : pos == bs - 1 ? t + 1 : t + bs - 1;
+}
+
 PyDoc_STRVAR(extend_fast_doc,
 "extend_fast(slots, counts, tokens, num_tokens, fast_limit, next_recycle, tail, changed, stamp, keyed, salted,\n"
 "            hashing) -> (bytes, bytes) | None\n\n"
@@ -151,15 +190,11 @@ static PyObject *extend_fast(PyObject *self, PyObject *args)
     for (Py_ssize_t i = 0; i < n; i++) {
         const Py_ssize_t s = slot[i];
         const int64_t t = nt[s], k = count[i];
-        if (t < rec[s] && t + k <= lim[s]) {
-            uint32_t *row = tl + s * bs + t % bs;
-            for (int64_t j = 0; j < k; j++)
-                row[j] = tok[offset + j];
-            nt[s] = t + k;
-            ch[s] = 0;
+        if (in_last_block(t, k, rec[s], lim[s])) {
+            write_in_block(tl + s * bs, &nt[s], &ch[s], t, k, tok + offset, bs);
         } else {
             /* With hashing, released window blocks are cached (they go to the LRU ring) and may join a run. */
-            plain[num_slow] = k == 1 && (hashing ? !key[s] && (t >= bs || !salt[s]) : t < rec[s]);
+            plain[num_slow] = plain_decode(k, t, bs, key[s], salt[s], hashing) && (hashing || t < rec[s]);
             slow[num_slow++] = i;
         }
         offset += k;
@@ -334,8 +369,6 @@ done:
 
 /* ------------------------------------------------------------------ a decode step's block-crossing run */
 
-#define RUN_HASH_BYTES 32
-
 PyDoc_STRVAR(run_prepare_doc,
 "run_prepare(index, slots, flat, offsets, t, tail, last_hash, s, tt, tok, need, fill, blocks_tok, parents,\n"
 "            hashing) -> (opens, fills)\n\n"
@@ -358,15 +391,15 @@ static PyObject *run_prepare(PyObject *self, PyObject *args)
     const Py_ssize_t m = index.len / (Py_ssize_t)sizeof(Py_ssize_t);
     const Py_ssize_t n = slots.len / (Py_ssize_t)sizeof(Py_ssize_t);
     const Py_ssize_t num_flat = flat.len / (Py_ssize_t)sizeof(uint32_t);
-    const Py_ssize_t cap = last_hash.len / RUN_HASH_BYTES;
+    const Py_ssize_t cap = last_hash.len / KEY_BYTES;
     const Py_ssize_t bs = cap ? tail.len / (Py_ssize_t)sizeof(uint32_t) / cap : 0;
     const Py_ssize_t room = hashing ? m : 0;
     if (index.len % (Py_ssize_t)sizeof(Py_ssize_t) || offsets.len != n * (Py_ssize_t)sizeof(int64_t)
-        || t.len != n * (Py_ssize_t)sizeof(int64_t) || (m && bs < 1) || last_hash.len != cap * RUN_HASH_BYTES
+        || t.len != n * (Py_ssize_t)sizeof(int64_t) || (m && bs < 1) || last_hash.len != cap * KEY_BYTES
         || tail.len != cap * bs * (Py_ssize_t)sizeof(uint32_t) || s.len < m * (Py_ssize_t)sizeof(Py_ssize_t)
         || tt.len < m * (Py_ssize_t)sizeof(int64_t) || tok.len < m * (Py_ssize_t)sizeof(uint32_t)
         || need.len < m * (Py_ssize_t)sizeof(Py_ssize_t) || fill.len < m * (Py_ssize_t)sizeof(Py_ssize_t)
-        || btok.len < room * bs * (Py_ssize_t)sizeof(uint32_t) || parents.len < room * RUN_HASH_BYTES) {
+        || btok.len < room * bs * (Py_ssize_t)sizeof(uint32_t) || parents.len < room * KEY_BYTES) {
         PyErr_SetString(PyExc_ValueError, "run_prepare: array sizes disagree");
         goto done;
     }
@@ -396,7 +429,7 @@ static PyObject *run_prepare(PyObject *self, PyObject *args)
         if (hashing && pos == bs - 1) {
             memcpy(blocks + fills * bs, tl + sl * bs, (size_t)bs * sizeof(uint32_t));
             blocks[fills * bs + bs - 1] = tok_out[j];
-            memcpy(par + fills * RUN_HASH_BYTES, lh + sl * RUN_HASH_BYTES, RUN_HASH_BYTES);
+            memcpy(par + fills * KEY_BYTES, lh + sl * KEY_BYTES, KEY_BYTES);
             fill_out[fills++] = j;
         }
     }
@@ -493,7 +526,7 @@ static PyObject *run_commit(PyObject *self, PyObject *args)
         || (m && (rows < 1 || bs < 1)) || nb.len != rows * k * (Py_ssize_t)sizeof(int32_t)
         || tail.len != cap * bs * (Py_ssize_t)sizeof(uint32_t) || changed_ok.len != cap
         || last_block.len != cap * rows * (Py_ssize_t)sizeof(int32_t) || width.len != cap * (Py_ssize_t)sizeof(int32_t)
-        || limit.len != ntok.len || last_hash.len != cap * RUN_HASH_BYTES || hashes.len != f * RUN_HASH_BYTES
+        || limit.len != ntok.len || last_hash.len != cap * KEY_BYTES || hashes.len != f * KEY_BYTES
         || cols.len != k * (Py_ssize_t)sizeof(int32_t) || filled.len != f * rows * (Py_ssize_t)sizeof(int32_t)) {
         PyErr_SetString(PyExc_ValueError, "run_commit: array sizes disagree");
         goto done;
@@ -533,13 +566,8 @@ static PyObject *run_commit(PyObject *self, PyObject *args)
     result = PyList_New(0);
     if (!result)
         goto done;
-    for (Py_ssize_t j = 0; j < m; j++) { /* the token, as extend_fast writes it */
-        const int64_t pos = before[j] % bs;
-        tl[sl[j] * bs + pos] = tk[j];
-        nt[sl[j]] = before[j] + 1;
-        ok[sl[j]] = pos == 0;
-        lim[sl[j]] = !hashing ? before[j] + bs : pos == bs - 1 ? before[j] + 1 : before[j] + bs - 1;
-    }
+    for (Py_ssize_t j = 0; j < m; j++) /* the token */
+        write_run_token(tl + sl[j] * bs, &nt[sl[j]], &ok[sl[j]], &lim[sl[j]], before[j], tk[j], bs, hashing);
     for (Py_ssize_t q = 0; q < k; q++) { /* the opened blocks: the table's next column */
         const Py_ssize_t slot = sl[nd[q]];
         PyObject *req = PyList_GET_ITEM(by_slot, slot);
@@ -564,7 +592,7 @@ static PyObject *run_commit(PyObject *self, PyObject *args)
     for (Py_ssize_t q = 0; q < f; q++) { /* the filled blocks: their hash, and the blocks that hold it */
         const Py_ssize_t slot = sl[fl[q]];
         memcpy(filled_out + q * rows, lb + slot * rows, (size_t)rows * sizeof(int32_t));
-        memcpy(lh + slot * RUN_HASH_BYTES, (const uint8_t *)hashes.buf + q * RUN_HASH_BYTES, RUN_HASH_BYTES);
+        memcpy(lh + slot * KEY_BYTES, (const uint8_t *)hashes.buf + q * KEY_BYTES, KEY_BYTES);
     }
     goto done;
 fail: /* only a failed allocation or attribute write gets here, after the checks */
@@ -983,6 +1011,21 @@ static Py_ssize_t insert_and_cache(index_t *x, pool_t *p, const uint8_t *keys, P
     return inserted;
 }
 
+/* Whether k packed keys are distinct and none is in the table: what makes one insert of them all the one-by-one
+ * result (a decode run's filled blocks). */
+static int keys_new_and_distinct(const table_t *t, const uint8_t *keys, Py_ssize_t k)
+{
+    for (Py_ssize_t i = 0; i < k; i++) {
+        const uint8_t *key = keys + i * KEY_BYTES;
+        if (t->slots[probe(t, key, tag_of(t, key))].entry >= 0)
+            return 0;
+        for (Py_ssize_t j = 0; j < i; j++)
+            if (memcmp(keys + j * KEY_BYTES, key, KEY_BYTES) == 0)
+                return 0;
+    }
+    return 1;
+}
+
 PyDoc_STRVAR(run_take_doc,
 "run_take(ref, cached, stack, top, ring, lru_pos, head, tail_pos, lru_count,\n"
 "         slots, seed, hash_of, entry_blocks, entry_at, holders, spare, num_spare, hashes, out)\n"
@@ -1025,16 +1068,9 @@ static PyObject *run_take(PyObject *self, PyObject *args)
         result = Py_NewRef(Py_None);
         goto done;
     }
-    const uint8_t *keys = b[15].buf;
-    for (Py_ssize_t i = 0; i < k; i++) {
-        const uint8_t *key = keys + i * KEY_BYTES;
-        int clash = x.t.slots[probe(&x.t, key, tag_of(&x.t, key))].entry >= 0;
-        for (Py_ssize_t j = 0; j < i && !clash; j++)
-            clash = memcmp(keys + j * KEY_BYTES, key, KEY_BYTES) == 0;
-        if (clash) {
-            result = Py_NewRef(Py_False);
-            goto done;
-        }
+    if (!keys_new_and_distinct(&x.t, b[15].buf, k)) {
+        result = Py_NewRef(Py_False);
+        goto done;
     }
     evicted = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(int32_t));
     if (!evicted) {
@@ -1187,7 +1223,7 @@ static PyObject *extend_decode(PyObject *self, PyObject *args)
     if (b[0].len % (Py_ssize_t)sizeof(uint32_t) || b[1].len != n * (Py_ssize_t)sizeof(int64_t) || cap < 1 || bs < 1
         || b[3].len != b[2].len || b[4].len != b[2].len || b[5].len != cap * bs * (Py_ssize_t)sizeof(uint32_t)
         || b[6].len != cap || b[7].len != cap * (Py_ssize_t)sizeof(Py_ssize_t) || b[8].len != cap || b[9].len != cap
-        || b[10].len != cap * RUN_HASH_BYTES || b[11].len != cap * (Py_ssize_t)sizeof(int32_t)
+        || b[10].len != cap * KEY_BYTES || b[11].len != cap * (Py_ssize_t)sizeof(int32_t)
         || b[12].len != cap * (Py_ssize_t)sizeof(int32_t) || b[13].len != n * (Py_ssize_t)sizeof(int32_t)
         || p.rows != 1 || x.rows != 1 || p.n != x.num_blocks || num_spare < 0 || num_entries < 0
         || num_spare + n > b[28].len / (Py_ssize_t)sizeof(Py_ssize_t) || num_entries + n > x.entries) {
@@ -1240,9 +1276,9 @@ static PyObject *extend_decode(PyObject *self, PyObject *args)
             goto fallback;
         const Py_ssize_t s = slot[i];
         const int64_t t = nt[s];
-        if (t < rec[s] && t + count[i] <= lim[s])
+        if (in_last_block(t, count[i], rec[s], lim[s]))
             continue;
-        if (count[i] != 1 || t >= rec[s] || (hashing >= 0 && (key[s] || (t < bs && salt[s]))))
+        if (!plain_decode(count[i], t, bs, key[s], salt[s], hashing >= 0) || t >= rec[s])
             goto fallback; /* not a plain decode extend: the one-by-one order matters */
         is_slow[i] = 1;
         if (t % bs == 0)
@@ -1271,8 +1307,8 @@ static PyObject *extend_decode(PyObject *self, PyObject *args)
     }
     if (num_fill) {
         blocks_tok = PyMem_Malloc((size_t)num_fill * (size_t)bs * sizeof(uint32_t));
-        parents = PyMem_Malloc((size_t)num_fill * RUN_HASH_BYTES);
-        hashes = PyMem_Malloc((size_t)num_fill * RUN_HASH_BYTES);
+        parents = PyMem_Malloc((size_t)num_fill * KEY_BYTES);
+        hashes = PyMem_Malloc((size_t)num_fill * KEY_BYTES);
         if (!blocks_tok || !parents || !hashes) {
             PyErr_NoMemory();
             goto done;
@@ -1287,7 +1323,7 @@ static PyObject *extend_decode(PyObject *self, PyObject *args)
                     const Py_ssize_t s = slot[i];
                     memcpy(blocks_tok + f * bs, tl + s * bs, (size_t)bs * sizeof(uint32_t));
                     blocks_tok[f * bs + bs - 1] = tok[offset];
-                    memcpy(parents + f * RUN_HASH_BYTES, lh + s * RUN_HASH_BYTES, RUN_HASH_BYTES);
+                    memcpy(parents + f * KEY_BYTES, lh + s * KEY_BYTES, KEY_BYTES);
                     f++;
                 }
                 j++;
@@ -1297,14 +1333,8 @@ static PyObject *extend_decode(PyObject *self, PyObject *args)
     }
     if (num_fill && each_blocks(hashing, blocks_tok, num_fill, bs, parents, hashes) < 0)
         goto done;
-    for (Py_ssize_t f = 0; f < num_fill; f++) { /* new and distinct, or the one-by-one path merges them */
-        const uint8_t *k = hashes + f * RUN_HASH_BYTES;
-        if (x.t.slots[probe(&x.t, k, tag_of(&x.t, k))].entry >= 0)
-            goto fallback;
-        for (Py_ssize_t g = 0; g < f; g++)
-            if (memcmp(hashes + g * RUN_HASH_BYTES, k, RUN_HASH_BYTES) == 0)
-                goto fallback;
-    }
+    if (!keys_new_and_distinct(&x.t, hashes, num_fill))
+        goto fallback; /* a repeated or indexed hash: the one-by-one path merges it */
     index_obj = PyBytes_FromStringAndSize(NULL, num_need * (Py_ssize_t)sizeof(int32_t));
     cols_obj = PyBytes_FromStringAndSize(NULL, num_need * (Py_ssize_t)sizeof(int32_t));
     vals_obj = PyBytes_FromStringAndSize(NULL, num_need * (Py_ssize_t)sizeof(int32_t));
@@ -1337,19 +1367,10 @@ static PyObject *extend_decode(PyObject *self, PyObject *args)
         for (Py_ssize_t i = 0; i < n; i++) {
             const Py_ssize_t s = slot[i];
             const int64_t t = nt[s], k = count[i];
-            uint32_t *row = tl + s * bs;
-            if (!is_slow[i]) { /* extend_fast's */
-                for (int64_t j = 0; j < k; j++)
-                    row[t % bs + j] = tok[offset + j];
-                nt[s] = t + k;
-                ch[s] = 0;
-            } else { /* run_commit's */
-                const int64_t pos = t % bs;
-                row[pos] = tok[offset];
-                nt[s] = t + 1;
-                ch[s] = pos == 0;
-                lim[s] = hashing < 0 ? t + bs : pos == bs - 1 ? t + 1 : t + bs - 1;
-            }
+            if (!is_slow[i])
+                write_in_block(tl + s * bs, &nt[s], &ch[s], t, k, tok + offset, bs);
+            else
+                write_run_token(tl + s * bs, &nt[s], &ch[s], &lim[s], t, tok[offset], bs, hashing >= 0);
             offset += k;
         }
     }
@@ -1371,7 +1392,7 @@ static PyObject *extend_decode(PyObject *self, PyObject *args)
     for (Py_ssize_t f = 0; f < num_fill; f++) { /* the filled blocks: their hash, and the block that holds it */
         const Py_ssize_t s = slot[slow[fill[f]]];
         filled[f] = lb[s];
-        memcpy(lh + s * RUN_HASH_BYTES, hashes + f * RUN_HASH_BYTES, RUN_HASH_BYTES);
+        memcpy(lh + s * KEY_BYTES, hashes + f * KEY_BYTES, KEY_BYTES);
     }
     const Py_ssize_t added = insert_and_cache(&x, &p, hashes, num_fill, filled, entries, b[28].buf, &num_spare,
                                               &num_entries);
@@ -1386,8 +1407,8 @@ static PyObject *extend_decode(PyObject *self, PyObject *args)
         for (Py_ssize_t f = 0; f < num_fill; f++) {
             const Py_ssize_t i = slow[fill[f]];
             PyObject *item = Py_BuildValue("nLy#y#y#", i, (long long)((nt[slot[i]] - 1) / bs),
-                                           (const char *)(hashes + f * RUN_HASH_BYTES), (Py_ssize_t)RUN_HASH_BYTES,
-                                           (const char *)(parents + f * RUN_HASH_BYTES), (Py_ssize_t)RUN_HASH_BYTES,
+                                           (const char *)(hashes + f * KEY_BYTES), (Py_ssize_t)KEY_BYTES,
+                                           (const char *)(parents + f * KEY_BYTES), (Py_ssize_t)KEY_BYTES,
                                            (const char *)(blocks_tok + f * bs), bs * (Py_ssize_t)sizeof(uint32_t));
             if (!item)
                 goto fail;

@@ -338,7 +338,7 @@ class KVCacheManager:
 
     def stats(self) -> ManagerStats:
         return ManagerStats(
-            len(self._requests), len(self._index), int(self._pool.num_free().min()),
+            len(self._requests), len(self._index), self._pool.min_free(),
             self._queries, self._hit_requests, self._queried_tokens, self._hit_tokens,
             self._evicted, self._recycled,
         )
@@ -462,7 +462,8 @@ class KVCacheManager:
         pool, index = self._pool, self._index
         index.reserve(full, groups * num_blocks)
         slot = self._next_slot()
-        table = np.empty((groups, _grow(num_blocks + 1, 4)), dtype=np.int32)  # room for the block its first extend opens
+        # Room for the block its first extend opens.
+        table = np.empty((groups, _grow(num_blocks + 1, 4)), dtype=np.int32)
         recycled = self._recycled_after(num_hit)
         evicted = np.zeros(groups, dtype=np.intp)
         removed = bytearray(groups * num_blocks * _H) if self.enable_events else None  # the hashes evictions drop
@@ -483,7 +484,7 @@ class KVCacheManager:
                     block_hashes=tuple(hashes[i * _H:(i + 1) * _H] for i in range(num_hit, full)),
                     parent_block_hash=hashes[(num_hit - 1) * _H:num_hit * _H] if num_hit else None,
                     token_ids=tokens[num_hit * bs:full * bs].copy(), block_size=bs,
-                    rows=tuple(range(self._row_group.size)), lora=lora))
+                    rows=self._every_row(), lora=lora))
         per_group = evicted.tolist()
         if any(per_group):  # (row, block) pairs: a group's eviction counts once per row it stands for
             self._evicted += sum(e * size for e, size in zip(per_group, self._group_sizes.tolist()))
@@ -704,10 +705,8 @@ class KVCacheManager:
             self._decode_events(index, evicted, *done[9:])
         cols = np.frombuffer(cols, dtype=np.int32)
         vals = np.frombuffer(vals, dtype=np.int32).reshape(1, -1)
-        for q in widen:  # a full table: twice the columns
-            req, col = self._by_slot[self._slot_of[request_ids[index[q]]]], int(cols[q])
-            req.table = _widen(req.table, col, _grow(col + 1, 4))
-            req.table[:, col] = vals[:, q]
+        for q in widen:
+            _put_column(self._by_slot[self._slot_of[request_ids[index[q]]]], int(cols[q]), vals[:, q])
         return TableDeltas(lens, index, np.arange(index.size + 1, dtype=np.int32), cols, vals)
 
     def _decode_events(self, opened: np.ndarray, evicted: int, removed: bytes,
@@ -720,11 +719,9 @@ class KVCacheManager:
             dropped = removed[q * _H:(q + 1) * _H]
             if dropped != _NO_HASH:
                 tagged.append((int(opened[first + q]), 0, BlockRemoved((dropped,))))
-        bs, rows = self.block_size, tuple(range(self._row_group.size))
         for position, block, digest, parent, tokens in stored:  # no LoRA here: keyed requests are declined
-            tagged.append((position, 1, BlockStored(block_hashes=(digest,), parent_block_hash=parent if block else None,
-                                                    token_ids=np.frombuffer(tokens, dtype=np.uint32), block_size=bs,
-                                                    rows=rows)))
+            tagged.append((position, 1, self._filled_event(digest, parent if block else None,
+                                                           np.frombuffer(tokens, dtype=np.uint32), None)))
         tagged.sort(key=lambda item: item[:2])
         self._events += [event for _, _, event in tagged]
 
@@ -833,7 +830,7 @@ class KVCacheManager:
         need = pos == 0  # at a block boundary: opens a block (a request holds >= 1 token)
         num_need = int(np.count_nonzero(need))
         pool = self._pool
-        if num_need and (pool.num_free() < num_need).any():
+        if num_need and pool.min_free() < num_need:
             self._extend_each(index, slots, flat, counts, offsets, t, ok, changed)
             return
         by_slot = self._by_slot
@@ -884,11 +881,7 @@ class KVCacheManager:
             cols = width[need].astype(np.int64)
             new_blocks = np.ascontiguousarray(new_blocks, dtype=np.int32)
             for j in _tables.set_columns([req.table for req in reqs], cols, new_blocks):
-                req, col = reqs[j], int(cols[j])  # a full table: twice the columns
-                req.table = _widen(req.table, col, _grow(col + 1, 4))
-                req.table[:, col] = new_blocks[:, j]
-                if req.heads is not None:
-                    req.heads = _widen(req.heads, col, req.table.shape[1])
+                _put_column(reqs[j], int(cols[j]), new_blocks[:, j])
             if self._expand:
                 assert not _tables.set_columns([req.heads for req in reqs], cols, heads), "rows narrower than table"
             for req in reqs:
@@ -989,9 +982,7 @@ class KVCacheManager:
         for q in _tables.run_commit(s, tt, tok, need, fill[:num_fill], new_blocks, by_slot, self._tail, self._ntok,
                                     self._changed_ok, self._last_block, self._width, self._fast_limit,
                                     self._last_hash, hashes, cols, filled, hashing):
-            req, col = by_slot[s[need[q]]], int(cols[q])  # a full table: twice the columns
-            req.table = _widen(req.table, col, _grow(col + 1, 4))
-            req.table[:, col] = new_blocks[:, q]
+            _put_column(by_slot[s[need[q]]], int(cols[q]), new_blocks[:, q])
         if num_need:
             changed.append(_Chunk(index[need], np.ones(num_need, dtype=np.int32), cols, new_blocks))
         if num_fill and self.tier is None:  # the new hashes' insert and cached flags in one C pass
@@ -1416,11 +1407,9 @@ class KVCacheManager:
         ``packed`` hashes blocks ``start`` on, whose tokens ``tokens`` start with.
         """
         bs = self.block_size
-        if inserted is self._all_new:  # a decode step's filled block: one new hash on every row, one event
-            self._events.append(BlockStored(
-                block_hashes=(packed,), parent_block_hash=self._last_hash[req.slot].tobytes() if start else None,
-                token_ids=tokens[:bs].copy(), block_size=bs, rows=tuple(range(self._row_group.size)),
-                lora=req.lora))
+        if inserted is self._all_new:  # a decode step's filled block
+            self._events.append(self._filled_event(packed, self._last_hash[req.slot].tobytes() if start else None,
+                                                   tokens[:bs].copy(), req.lora))
             return
         hashes = [packed[i: i + _H] for i in range(0, len(packed), _H)]
         keys = [bytes(p) if new else None for p, new in
@@ -1440,6 +1429,15 @@ class KVCacheManager:
                     lora=req.lora,
                 ))
             run_start = i
+
+    def _filled_event(self, digest: bytes, parent: bytes | None, tokens: np.ndarray, lora: str | None) -> BlockStored:
+        """The event of a decode step's filled block: one hash new to the index, held on every row."""
+        return BlockStored(block_hashes=(digest,), parent_block_hash=parent, token_ids=tokens,
+                           block_size=self.block_size, rows=self._every_row(), lora=lora)
+
+    def _every_row(self) -> tuple[int, ...]:
+        """All rows (heads), ascending: what an event stored on every group reports."""
+        return tuple(range(self._row_group.size))
 
     def _refresh(self, req: _Request) -> None:
         """After a table change: drop the cached view and recompute the fast-path limits."""
@@ -1466,7 +1464,7 @@ class KVCacheManager:
     def _rows_of(self, groups: np.ndarray) -> tuple[int, ...]:
         """The rows (heads) that the given groups stand for, ascending."""
         if groups.size == len(self._group_col):  # every group (they are distinct): every row, without np.isin
-            return tuple(range(self._row_group.size))
+            return self._every_row()
         return tuple(np.flatnonzero(np.isin(self._row_group, groups)).tolist())
 
 
@@ -1499,6 +1497,14 @@ def _resized(arr: np.ndarray, rows: int) -> np.ndarray:
     out = np.zeros((rows, *arr.shape[1:]), dtype=arr.dtype)
     out[: arr.shape[0]] = arr
     return out
+
+
+def _put_column(req: _Request, col: int, column: np.ndarray) -> None:
+    """Write table column ``col`` of a request whose table is full: it doubles first (its expanded rows too)."""
+    req.table = _widen(req.table, col, _grow(col + 1, 4))
+    req.table[:, col] = column
+    if req.heads is not None:
+        req.heads = _widen(req.heads, col, req.table.shape[1])
 
 
 def _widen(table: np.ndarray, used: int, capacity: int) -> np.ndarray:
