@@ -854,7 +854,63 @@ typedef struct {
     PyObject *run_tokens; /* and their token arrays */
 } RunCollector;
 
-static PyObject *ndarray_type; /* numpy.ndarray, looked up on first use */
+static PyObject *ndarray_type, *uint32_dtype; /* numpy.ndarray and numpy.dtype("uint32"), looked up on first use */
+
+static int load_numpy(void)
+{
+    if (ndarray_type && uint32_dtype)
+        return 0;
+    PyObject *numpy = PyImport_ImportModule("numpy");
+    if (!numpy)
+        return -1;
+    if (!ndarray_type)
+        ndarray_type = PyObject_GetAttrString(numpy, "ndarray");
+    if (ndarray_type && !uint32_dtype)
+        uint32_dtype = PyObject_CallMethod(numpy, "dtype", "s", "uint32");
+    Py_DECREF(numpy);
+    return ndarray_type && uint32_dtype ? 0 : -1;
+}
+
+PyDoc_STRVAR(token_array_doc,
+"token_array(value) -> ndarray | None\n\n"
+"as_token_array's usual cases in one call: a 1-D C-contiguous numpy array of uint32 comes back as it is, one\n"
+"of int32 whose ids are all >= 0 as its uint32 view (the same bits). None for anything else (another type,\n"
+"dtype or layout, or a negative id): the caller's Python path converts it or names the bad value.");
+
+static PyObject *token_array(PyObject *self, PyObject *arg)
+{
+    (void)self;
+    if (load_numpy() < 0)
+        return NULL;
+    if ((PyObject *)Py_TYPE(arg) != ndarray_type)
+        Py_RETURN_NONE;
+    Py_buffer b;
+    if (PyObject_GetBuffer(arg, &b, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    const char *f = b.format ? b.format : "B";
+    if (*f == '@' || *f == '=' || *f == '<')
+        f++;
+    /* numpy names a 4-byte C long 'l' where long is 4 bytes; 'i'/'I' elsewhere. */
+    const char kind = b.ndim != 1 || b.itemsize != 4 || f[0] == '\0' || f[1] != '\0' ? '\0'
+                      : f[0] == 'l' ? 'i' : f[0] == 'L' ? 'I' : f[0];
+    PyObject *result = NULL;
+    if (kind == 'I') {
+        result = Py_NewRef(arg);
+    } else if (kind == 'i') {
+        const int32_t *v = b.buf;
+        int32_t least = 0;
+        for (Py_ssize_t i = 0, n = b.len / 4; i < n; i++)
+            least = v[i] < least ? v[i] : least;
+        result = least < 0 ? Py_NewRef(Py_None) : PyObject_CallMethodOneArg(arg, view_name, uint32_dtype);
+    } else {
+        result = Py_NewRef(Py_None);
+    }
+    PyBuffer_Release(&b);
+    return result;
+}
+
 static PyObject *extend_slow_name, *as_tokens_name;
 
 /* A static type: a Python subclass's own traverse and dealloc visit and release the (heap) subclass. */
@@ -916,15 +972,8 @@ static PyObject *run_extend(RunCollector *self, PyObject *const *args, Py_ssize_
         PyErr_SetString(PyExc_TypeError, "_run_reqs and _run_tokens must be lists");
         return NULL;
     }
-    if (!ndarray_type) {
-        PyObject *numpy = PyImport_ImportModule("numpy");
-        if (!numpy)
-            return NULL;
-        ndarray_type = PyObject_GetAttrString(numpy, "ndarray");
-        Py_DECREF(numpy);
-        if (!ndarray_type)
-            return NULL;
-    }
+    if (load_numpy() < 0)
+        return NULL;
     PyObject *tokens = args[1];
     if ((PyObject *)Py_TYPE(tokens) == ndarray_type) {
         Py_INCREF(tokens);
@@ -1668,6 +1717,7 @@ static PyMethodDef methods[] = {
     {"extend_fast", extend_fast, METH_VARARGS, extend_fast_doc},
     {"insert_cached", insert_cached, METH_VARARGS, insert_cached_doc},
     {"join_runs", join_runs, METH_VARARGS, join_runs_doc},
+    {"token_array", token_array, METH_O, token_array_doc},
     {"lookup_ids", lookup_ids, METH_VARARGS, lookup_ids_doc},
     {"mirror_step", mirror_step, METH_VARARGS, mirror_step_doc},
     {"run_commit", run_commit, METH_VARARGS, run_commit_doc},

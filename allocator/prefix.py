@@ -317,6 +317,10 @@ def as_token_array(tokens: Sequence[int] | np.ndarray, field: str = "tokens") ->
     arrays pass without a scan, int32 ones as a view after one; lists convert and
     range-check in C (array('I')).
     """
+    if type(tokens) is np.ndarray:  # uint32, or int32 ids >= 0, 1-D and contiguous: one C call
+        usual = _tables.token_array(tokens)
+        if usual is not None:
+            return usual
     if isinstance(tokens, np.ndarray):
         if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
             raise KVCacheError(f"{field}: expected a 1-D integer array, got {tokens.dtype} of shape {tokens.shape}")

@@ -148,7 +148,7 @@ _CODE_OF = {dt: code for code, dt in _CODES.items()}
 # Hot-path lookups: the code of a native-order dtype (the dtypes arrays come in), and one struct per ndim.
 _NATIVE_CODE = {dt.newbyteorder("="): code for code, dt in _CODES.items()}
 _HEADERS = [struct.Struct(f"<BB{ndim}I") for ndim in range(5)]
-_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 _LITTLE_HOST = np.dtype("=i4") == np.dtype("<i4")
 
 
@@ -268,13 +268,13 @@ def check_request_id(value: Any, field: str) -> str | int:
             raise ProtocolError(f"{field}: request id longer than {MAX_ID_CHARS} characters")
         return value
     if isinstance(value, int) and not isinstance(value, bool):
-        if not _INT64_MIN <= value <= _INT64_MAX:
+        if not INT64_MIN <= value <= INT64_MAX:
             raise ProtocolError(f"{field}: request id {value} outside int64")
         return value
     raise ProtocolError(f"{field}: request id must be a str or int, got {type(value).__name__}")
 
 
-def check_int(value: Any, field: str, least: int = 0, most: int = _INT64_MAX) -> int:
+def check_int(value: Any, field: str, least: int = 0, most: int = INT64_MAX) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ProtocolError(f"{field}: must be an integer, got {type(value).__name__}")
     if not least <= value <= most:
@@ -330,7 +330,7 @@ def header(msg: Any, max_ops: int = MAX_OPS, versions: tuple[int, ...] = (PROTOC
     client = msg.get("client", "")
     if not isinstance(client, str) or len(client) > MAX_ID_CHARS:
         raise ProtocolError(f"client: must be a str of at most {MAX_ID_CHARS} characters")
-    req_id = check_int(msg.get("id"), "id", least=_INT64_MIN)
+    req_id = check_int(msg.get("id"), "id", least=INT64_MIN)
     ops = msg.get("ops")
     if not isinstance(ops, list):
         raise ProtocolError(f"ops: must be a list, got {type(ops).__name__}")

@@ -44,10 +44,13 @@ from kvcache.pd import PD_OPS, PDState, validate_op
 from kvcache.protocol import (
     DELTA_HEAD_BYTES,
     DELTA_TOPIC,
+    INT64_MAX,
+    INT64_MIN,
     JOURNAL_VERSIONS,
     LOCAL_MAX_BYTES,
     LOCAL_SUBSCRIBE,
     LOCAL_UNSUBSCRIBE,
+    MAX_ID_CHARS,
     MAX_LOCAL_SUBSCRIBERS,
     MAX_OPS,
     PROTOCOL_VERSION,
@@ -69,6 +72,7 @@ from kvcache.protocol import (
 )
 
 log = logging.getLogger("kvcache.server")
+_REQUEST_OPS = frozenset({"admit", "reserve", "extend", "free", "table"})  # ops that name one request (op["req"])
 _MUTATING = frozenset({"admit", "extend", "extend_many", "free", "reset_prefix_cache", "reclaim"}) | _PD_MUTATING
 _LEASE_CLIENT = "kvcache-lease-expiry"
 METRICS_INTERVAL_S = 0.05  # a busy daemon counts its messages in the metrics at most this often
@@ -679,86 +683,85 @@ class CacheServer:
             self._metrics.update_pd(self._pd)
 
     def _validate(self, raw_ops: list) -> list[_Op]:
-        """Check every op before any is applied: fields, and request liveness in op order."""
+        """Check every op before any is applied: fields, and request liveness in op order.
+
+        The usual values (an int or short str id, a token array of uint32 or int32 ids >= 0, an admit with no
+        optional field) pass inline checks; anything else goes to the protocol's checks, which name the field.
+        """
         cfg = self.config
         live: dict[Any, bool] = {}  # this message's admits (True) and frees (False) so far
         admitted = self._slots.of
         slots_taken: dict[int, bool] = {}
         ops: list[_Op] = []
-
-        def is_live(req: Any) -> bool:
-            return live.get(req, req in admitted)
-
+        pd = self._pd
+        token_array = _tables.token_array
         for i, op in enumerate(raw_ops):
-            field = f"ops[{i}]"
-            if not isinstance(op, dict):
-                raise ProtocolError(f"{field}: must be a map, got {type(op).__name__}")
+            if type(op) is not dict:
+                if not isinstance(op, dict):
+                    raise ProtocolError(f"ops[{i}]: must be a map, got {type(op).__name__}")
             kind = op.get("op")
-            if not isinstance(kind, str):
-                raise ProtocolError(f"{field}.op: must be a str, got {type(kind).__name__}")
-            if kind in ("admit", "reserve", "extend", "free", "table"):
-                req = check_request_id(op.get("req"), f"{field}.req")
-                if kind in ("admit", "reserve"):
-                    if is_live(req):
-                        raise ProtocolError(f"{field}.req: request {req!r} is already admitted")
-                    tokens = check_tokens(op.get("tokens"), f"{field}.tokens", cfg.max_tokens)
+            if type(kind) is not str and not isinstance(kind, str):
+                raise ProtocolError(f"ops[{i}].op: must be a str, got {type(kind).__name__}")
+            if kind in _REQUEST_OPS:
+                req = op.get("req")
+                if not ((type(req) is int and INT64_MIN <= req <= INT64_MAX)
+                        or (type(req) is str and len(req) <= MAX_ID_CHARS)):
+                    req = check_request_id(req, f"ops[{i}].req")
+                is_live = live.get(req)
+                if is_live is None:
+                    is_live = req in admitted
+                if kind == "admit" or kind == "reserve":
+                    if is_live:
+                        raise ProtocolError(f"ops[{i}].req: request {req!r} is already admitted")
+                    raw = op.get("tokens")
+                    tokens = token_array(raw)
+                    if tokens is None or tokens.size > cfg.max_tokens:
+                        tokens = check_tokens(raw, f"ops[{i}].tokens", cfg.max_tokens)
                     if tokens.size == 0:
-                        raise ProtocolError(f"{field}.tokens: must hold at least one token")
-                    number = op.get("num_tokens")
-                    if number is not None:
-                        check_int(number, f"{field}.num_tokens", least=1, most=int(tokens.size))
-                    slot = op.get("slot")
-                    if slot is not None:
-                        check_int(slot, f"{field}.slot", least=0, most=cfg.max_slots - 1)
-                        if slots_taken.get(slot, slot in self._slots.owner):
-                            raise ProtocolError(f"{field}.slot: slot {slot} is in use")
-                        slots_taken[slot] = True
-                    pd = None
-                    if kind == "reserve":
-                        self._pd.check_role(kind, field)
-                        if number is not None:
-                            raise ProtocolError(f"{field}.num_tokens: a reservation takes the whole prompt")
-                        pd = {"timeout": self._pd.check_reserve(op, field)}
-                    elif op.get("dest") is not None:
-                        self._pd.check_role("sent", field)  # a destination needs --role prefill
-                        pd = self._pd.check_dest(op, field, int(tokens.size))
-                    ops.append(_Op(kind, req, tokens, check_optional_str(op, "salt", field),
-                                   check_optional_str(op, "lora", field), check_mm(op.get("mm"), f"{field}.mm"),
-                                   number, slot, pd=pd))
+                        raise ProtocolError(f"ops[{i}].tokens: must hold at least one token")
+                    if kind == "admit" and len(op) == 3:  # op, req and tokens: no optional field
+                        ops.append(_Op(kind, req, tokens))
+                    else:
+                        ops.append(self._admit_op(op, i, kind, req, tokens, slots_taken))
                     live[req] = True
                     continue
-                if not is_live(req):
-                    raise ProtocolError(f"{field}.req: request {req!r} is not admitted")
-                if kind in ("extend", "free") and live.get(req) is None:
-                    self._pd.check_not_in_transfer(req, field, kind)
+                if not is_live:
+                    raise ProtocolError(f"ops[{i}].req: request {req!r} is not admitted")
+                if pd.transfers and (kind == "extend" or kind == "free") and live.get(req) is None:
+                    pd.check_not_in_transfer(req, f"ops[{i}]", kind)
                 if kind == "extend":
-                    tokens = check_tokens(op.get("tokens"), f"{field}.tokens", cfg.max_tokens)
+                    tokens = check_tokens(op.get("tokens"), f"ops[{i}].tokens", cfg.max_tokens)
                     number = op.get("num_computed")
                     if number is not None:
-                        check_int(number, f"{field}.num_computed")
+                        check_int(number, f"ops[{i}].num_computed")
                         known = self._tokens_before(req, ops)
                         if known is not None and number > known:
-                            raise ProtocolError(f"{field}.num_computed: {number} exceeds the request's "
+                            raise ProtocolError(f"ops[{i}].num_computed: {number} exceeds the request's "
                                                 f"{known} tokens")
                     ops.append(_Op(kind, req, tokens, number=number))
                 else:
                     ops.append(_Op(kind, req))
                     if kind == "free":
                         live[req] = False
-                        if req in self._slots.of:
-                            slots_taken[self._slots.of[req]] = False
+                        if req in admitted:
+                            slots_taken[admitted[req]] = False
             elif kind == "extend_many":
+                field = f"ops[{i}]"
                 reqs = op.get("reqs")
-                if not isinstance(reqs, list) or len(reqs) > MAX_OPS:
-                    raise ProtocolError(f"{field}.reqs: must be a list of at most {MAX_OPS} request ids")
+                if type(reqs) is not list or len(reqs) > MAX_OPS:
+                    if not isinstance(reqs, list) or len(reqs) > MAX_OPS:
+                        raise ProtocolError(f"{field}.reqs: must be a list of at most {MAX_OPS} request ids")
                 # One pass in C: ids of the right types, all admitted before this message, none it freed (an
                 # id of the live set passed check_request_id at its admit). Else check one by one, naming the first.
                 if _tables.lookup_ids(admitted, reqs, None, live or None) >= 0:
                     for j, req in enumerate(reqs):
                         check_request_id(req, f"{field}.reqs[{j}]")
-                        if not is_live(req):
+                        if not live.get(req, req in admitted):
                             raise ProtocolError(f"{field}.reqs[{j}]: request {req!r} is not admitted")
-                tokens = check_tokens(op.get("tokens"), f"{field}.tokens", cfg.max_tokens)
+                raw = op.get("tokens")
+                tokens = token_array(raw)
+                if tokens is None or tokens.size > cfg.max_tokens:
+                    tokens = check_tokens(raw, f"{field}.tokens", cfg.max_tokens)
                 counts = op.get("counts")
                 if not isinstance(counts, np.ndarray) or counts.dtype.kind not in "iu" or counts.shape != (len(reqs),):
                     raise ProtocolError(f"{field}.counts: must be an integer array with one count per request")
@@ -773,27 +776,57 @@ class CacheServer:
                 if bad:
                     raise ProtocolError(f"{field}.counts: must be non-negative and sum to the {tokens.size} tokens")
                 ops.append(_Op(kind, tokens=tokens, reqs=reqs, counts=counts))
-            elif kind == "lookup":
-                ops.append(_Op(kind, tokens=check_tokens(op.get("tokens"), f"{field}.tokens", cfg.max_tokens),
-                               salt=check_optional_str(op, "salt", field), lora=check_optional_str(op, "lora", field),
-                               mm=check_mm(op.get("mm"), f"{field}.mm")))
-            elif kind == "can_admit":
-                ops.append(_Op(kind, number=check_int(op.get("num_tokens"), f"{field}.num_tokens")))
-            elif kind == "reclaim":
-                reqs = op.get("reqs")
-                if not isinstance(reqs, list) or len(reqs) > MAX_OPS:
-                    raise ProtocolError(f"{field}.reqs: must be a list of at most {MAX_OPS} request ids")
-                ops.append(_Op(kind, reqs=[check_request_id(r, f"{field}.reqs[{j}]") for j, r in enumerate(reqs)]))
-            elif kind in ("usage", "stats", "info", "ping", "reset_prefix_cache", "check_integrity", "owned"):
-                ops.append(_Op(kind))
-            elif kind in PD_OPS:
-                fields = validate_op(self._pd, kind, op, field)
-                if "req" in fields and live.get(fields["req"]) is False:
-                    raise ProtocolError(f"{field}.req: request {fields['req']!r} is not admitted")
-                ops.append(_Op(kind, fields.get("req"), pd=fields))
             else:
-                raise ProtocolError(f"{field}.op: unknown operation {show(kind)}")
+                ops.append(self._other_op(op, i, kind, live))
         return ops
+
+    def _admit_op(self, op: dict, i: int, kind: str, req: Any, tokens: np.ndarray, slots_taken: dict[int, bool]
+                  ) -> _Op:
+        """An admit's or reserve's optional fields checked (num_tokens, slot, PD fields, salt, LoRA, multimodal)."""
+        cfg, field = self.config, f"ops[{i}]"
+        number = op.get("num_tokens")
+        if number is not None:
+            check_int(number, f"{field}.num_tokens", least=1, most=int(tokens.size))
+        slot = op.get("slot")
+        if slot is not None:
+            check_int(slot, f"{field}.slot", least=0, most=cfg.max_slots - 1)
+            if slots_taken.get(slot, slot in self._slots.owner):
+                raise ProtocolError(f"{field}.slot: slot {slot} is in use")
+            slots_taken[slot] = True
+        pd = None
+        if kind == "reserve":
+            self._pd.check_role(kind, field)
+            if number is not None:
+                raise ProtocolError(f"{field}.num_tokens: a reservation takes the whole prompt")
+            pd = {"timeout": self._pd.check_reserve(op, field)}
+        elif op.get("dest") is not None:
+            self._pd.check_role("sent", field)  # a destination needs --role prefill
+            pd = self._pd.check_dest(op, field, int(tokens.size))
+        return _Op(kind, req, tokens, check_optional_str(op, "salt", field), check_optional_str(op, "lora", field),
+                   check_mm(op.get("mm"), f"{field}.mm"), number, slot, pd=pd)
+
+    def _other_op(self, op: dict, i: int, kind: str, live: dict[Any, bool]) -> _Op:
+        """An op that names no single admitted request (lookup, can_admit, reclaim, the admin and PD ops)."""
+        cfg, field = self.config, f"ops[{i}]"
+        if kind == "lookup":
+            return _Op(kind, tokens=check_tokens(op.get("tokens"), f"{field}.tokens", cfg.max_tokens),
+                       salt=check_optional_str(op, "salt", field), lora=check_optional_str(op, "lora", field),
+                       mm=check_mm(op.get("mm"), f"{field}.mm"))
+        if kind == "can_admit":
+            return _Op(kind, number=check_int(op.get("num_tokens"), f"{field}.num_tokens"))
+        if kind == "reclaim":
+            reqs = op.get("reqs")
+            if not isinstance(reqs, list) or len(reqs) > MAX_OPS:
+                raise ProtocolError(f"{field}.reqs: must be a list of at most {MAX_OPS} request ids")
+            return _Op(kind, reqs=[check_request_id(r, f"{field}.reqs[{j}]") for j, r in enumerate(reqs)])
+        if kind in ("usage", "stats", "info", "ping", "reset_prefix_cache", "check_integrity", "owned"):
+            return _Op(kind)
+        if kind in PD_OPS:
+            fields = validate_op(self._pd, kind, op, field)
+            if "req" in fields and live.get(fields["req"]) is False:
+                raise ProtocolError(f"{field}.req: request {fields['req']!r} is not admitted")
+            return _Op(kind, fields.get("req"), pd=fields)
+        raise ProtocolError(f"{field}.op: unknown operation {show(kind)}")
 
     def _tokens_before(self, req: Any, ops: list[_Op]) -> int | None:
         """Tokens ``req`` holds after the ops validated so far in this message (None: admitted in it).

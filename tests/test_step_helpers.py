@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from kvcache.allocator import _tables
 from kvcache.allocator.errors import KVCacheError
 from kvcache.allocator.manager import KVCacheManager
+from kvcache.allocator.prefix import as_token_array
 from kvcache.client import Batch
 
 DTYPES = [np.int32, np.uint32, np.int64, np.uint64, np.int16, np.float32]
@@ -175,6 +176,29 @@ def test_bounds_equals_min_max_sum_or_declines(data: st.DataObject) -> None:
         assert got == (min(values), max(values), exact)
     assert _tables.bounds(np.zeros(6, dtype=dtype)[::2]) is None
     assert _tables.bounds(np.zeros((2, 2), dtype=dtype)) is None
+
+
+@settings(max_examples=300)
+@given(st.data())
+def test_token_array_is_the_python_conversion_or_declines(data: st.DataObject) -> None:
+    """A 1-D contiguous uint32 array comes back as it is, an int32 one of ids >= 0 as its uint32 view (what
+    as_token_array's numpy path gives); anything else, a negative id included, is declined (None) and left to it."""
+    dtype = np.dtype(data.draw(st.sampled_from(INT_DTYPES)))
+    info = np.iinfo(dtype)
+    values = data.draw(st.lists(st.integers(int(info.min), int(info.max)), max_size=40))
+    array = np.array(values, dtype=dtype)
+    got = _tables.token_array(array)
+    if dtype == np.uint32:
+        assert got is array
+    elif dtype == np.int32 and min(values, default=0) >= 0:
+        assert got.dtype == np.uint32 and got.base is array and got.tolist() == values
+        assert got.tolist() == as_token_array(array.copy()).tolist()
+    else:
+        assert got is None
+    for other in (array[::2] if array.size > 1 else None, array.reshape(1, -1), values, array.astype(np.float64)):
+        if other is not None and not (isinstance(other, np.ndarray) and other.ndim == 1 and other.flags.c_contiguous
+                                      and other.dtype == array.dtype):
+            assert _tables.token_array(other) is None
 
 
 def test_bounds_declines_what_is_not_an_integer_array() -> None:
