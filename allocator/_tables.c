@@ -1199,14 +1199,15 @@ done:
 }
 
 PyDoc_STRVAR(extend_decode_doc,
-"extend_decode(slot_of, ids, tokens, counts, by_slot, hashing, ntok, fast_limit, next_recycle, tail, changed_ok,\n"
+"extend_decode(slot_of | slots_given, ids, tokens, counts, by_slot, hashing, ntok, fast_limit, next_recycle, tail, changed_ok,\n"
 "              stamp, keyed, salted, last_hash, last_block, width, lens,\n"
 "              ref, cached, stack, top, ring, lru_pos, head, tail_pos, lru_count,\n"
 "              slots, seed, hash_of, entry_blocks, entry_at, holders, spare, num_spare, num_entries, events=False)\n"
 "    -> (index, cols, vals, widen, evicted, num_spare, num_entries, keys_removed, keys_added[, removed, stored])\n"
 "       | None\n\n"
 "KVCacheManager.extend_many_deltas in one pass, for a one-row manager (one group, no window, no events, no tier):\n"
-"request ids[i] (its slot slot_of[id]) gets the next counts[i] (int64) of tokens (uint32). Extends inside the\n"
+"request ids[i] (its slot slot_of[id], or slots_given[i]: intp slots a lookup_ids of the same ids gave) gets the\n"
+"next counts[i] (int64, or int32) of tokens (uint32). Extends inside the\n"
 "last block are extend_fast's; every other one must be a plain decode extend (run_prepare's), and those go as\n"
 "one run: blocks for the ones at a block boundary (BlockPool.allocate, in request order, evictions dropped\n"
 "from the index), the filled blocks hashed (hashing: -1 none, 0 sha256, 1 sha256_cbor) and indexed, every\n"
@@ -1240,8 +1241,8 @@ static PyObject *extend_decode(PyObject *self, PyObject *args)
      * b[14..22] the pool; b[23] slots, b[24] hash_of, b[25] entry_blocks, b[26] entry_at, b[27] holders,
      * b[28] spare. */
     int events = 0;
-    if (!PyArg_ParseTuple(args, "O!O!y*y*O!iw*w*y*w*w*w*y*y*w*w*w*w*w*w*w*w*w*w*w*w*w*w*Kw*w*w*w*w*nn|p",
-                          &PyDict_Type, &slot_of, &PyList_Type, &ids, &b[0], &b[1], &PyList_Type, &by_slot, &hashing,
+    if (!PyArg_ParseTuple(args, "OO!y*y*O!iw*w*y*w*w*w*y*y*w*w*w*w*w*w*w*w*w*w*w*w*w*w*Kw*w*w*w*w*nn|p",
+                          &slot_of, &PyList_Type, &ids, &b[0], &b[1], &PyList_Type, &by_slot, &hashing,
                           &b[2], &b[3], &b[4], &b[5], &b[6], &b[7], &b[8], &b[9], &b[10], &b[11], &b[12], &b[13],
                           &b[14], &b[15], &b[16], &b[17], &b[18], &b[19], &b[20], &b[21], &b[22], &b[23], &seed,
                           &b[24], &b[25], &b[26], &b[27], &b[28], &num_spare, &num_entries, &events))
@@ -1252,15 +1253,22 @@ static PyObject *extend_decode(PyObject *self, PyObject *args)
     int32_t *evicted = NULL, *filled = NULL;
     uint32_t *blocks_tok = NULL;
     uint8_t *parents = NULL, *hashes = NULL, *is_slow = NULL;
-    int64_t *entries = NULL;
+    int64_t *entries = NULL, *wide = NULL;
     int32_t **tables = NULL;
     Py_ssize_t *capacity = NULL;
     pool_t p;
     index_t x;
+    Py_buffer given = {0}; /* slots resolved beforehand, instead of the slot_of dict */
+    if (!PyDict_Check(slot_of) && PyObject_GetBuffer(slot_of, &given, PyBUF_C_CONTIGUOUS) < 0)
+        goto done;
     if (hashing >= 0 && !each_blocks) {
         each_blocks = (each_fn)PyCapsule_Import("kvcache.allocator._chainhash._each_api", 0);
         if (!each_blocks)
             goto done;
+    }
+    if (given.obj && given.len != PyList_GET_SIZE(ids) * (Py_ssize_t)sizeof(Py_ssize_t)) {
+        PyErr_SetString(PyExc_ValueError, "extend_decode: the given slots must be one intp per id");
+        goto done;
     }
     if (open_pool(&p, &b[14], "extend_decode") < 0
         || open_index(&x, &b[23], seed, &b[24], &b[25], &b[26], &b[27], "extend_decode") < 0)
@@ -1269,7 +1277,8 @@ static PyObject *extend_decode(PyObject *self, PyObject *args)
     const Py_ssize_t cap = b[2].len / (Py_ssize_t)sizeof(int64_t);
     const Py_ssize_t bs = cap ? b[5].len / (Py_ssize_t)sizeof(uint32_t) / cap : 0;
     const Py_ssize_t num_tok = b[0].len / (Py_ssize_t)sizeof(uint32_t);
-    if (b[0].len % (Py_ssize_t)sizeof(uint32_t) || b[1].len != n * (Py_ssize_t)sizeof(int64_t) || cap < 1 || bs < 1
+    const int narrow = n > 0 && b[1].len == n * (Py_ssize_t)sizeof(int32_t); /* int32 counts (as the wire has them) */
+    if (b[0].len % (Py_ssize_t)sizeof(uint32_t) || (!narrow && b[1].len != n * (Py_ssize_t)sizeof(int64_t)) || cap < 1 || bs < 1
         || b[3].len != b[2].len || b[4].len != b[2].len || b[5].len != cap * bs * (Py_ssize_t)sizeof(uint32_t)
         || b[6].len != cap || b[7].len != cap * (Py_ssize_t)sizeof(Py_ssize_t) || b[8].len != cap || b[9].len != cap
         || b[10].len != cap * KEY_BYTES || b[11].len != cap * (Py_ssize_t)sizeof(int32_t)
@@ -1293,7 +1302,16 @@ static PyObject *extend_decode(PyObject *self, PyObject *args)
         PyErr_NoMemory();
         goto done;
     }
-    const int64_t *count = b[1].buf, *rec = b[4].buf;
+    if (narrow) {
+        wide = PyMem_Malloc(m_bytes * sizeof(int64_t));
+        if (!wide) {
+            PyErr_NoMemory();
+            goto done;
+        }
+        for (Py_ssize_t i = 0; i < n; i++)
+            wide[i] = ((const int32_t *)b[1].buf)[i];
+    }
+    const int64_t *count = narrow ? wide : b[1].buf, *rec = b[4].buf;
     const uint32_t *tok = b[0].buf;
     int64_t *nt = b[2].buf, *lim = b[3].buf;
     uint32_t *tl = b[5].buf;
@@ -1305,7 +1323,8 @@ static PyObject *extend_decode(PyObject *self, PyObject *args)
     /* Everything is checked before the first write: a None leaves the general path an untouched manager. */
     Py_ssize_t total = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
-        const int found = lookup_id(slot_of, PyList_GET_ITEM(ids, i), &slot[i]);
+        const int found = given.obj ? (slot[i] = ((const Py_ssize_t *)given.buf)[i], 1)
+                                    : lookup_id(slot_of, PyList_GET_ITEM(ids, i), &slot[i]);
         if (found < 0)
             goto done;
         if (!found || count[i] < 0 || count[i] > num_tok)
@@ -1314,6 +1333,8 @@ static PyObject *extend_decode(PyObject *self, PyObject *args)
             PyErr_Format(PyExc_ValueError, "extend_decode: slot %zd is outside the slot arrays", slot[i]);
             goto done;
         }
+        if (given.obj && (slot[i] >= PyList_GET_SIZE(by_slot) || PyList_GET_ITEM(by_slot, slot[i]) == Py_None))
+            goto fallback; /* a given slot no request holds: the general path looks the ids up */
         st[slot[i]] = i;
         total += count[i];
     }
@@ -1496,6 +1517,8 @@ done:
     PyMem_Free(parents);
     PyMem_Free(hashes);
     release_buffers(b, NB); /* zeroed ones (not parsed) have no object: skipped */
+    PyBuffer_Release(&given);
+    PyMem_Free(wide);
     return result;
 }
 

@@ -630,13 +630,15 @@ class KVCacheManager:
         return out
 
     def extend_many_deltas(self, request_ids: Sequence[object], tokens: Tokens,
-                           counts: Sequence[int] | np.ndarray) -> TableDeltas:
+                           counts: Sequence[int] | np.ndarray, *, slots: np.ndarray | None = None) -> TableDeltas:
         """``extend_many``, answering with array deltas instead of a table per request (what the daemon sends).
 
         No Python object per request on the way out: a decode step changes
-        one table in ``block_size``, and only those are listed.
+        one table in ``block_size``, and only those are listed. ``slots`` is what
+        ``slots_of`` gave for these ids, if nothing was admitted or freed since:
+        the ids are not looked up again.
         """
-        deltas = self._extend_decode(request_ids, tokens, counts)
+        deltas = self._extend_decode(request_ids, tokens, counts, slots)
         if deltas is not None:
             return deltas
         slots, flat, counts = self._check_many(request_ids, tokens, counts)
@@ -670,8 +672,15 @@ class KVCacheManager:
             return -1
         return (self._hasher.algorithm != "sha256") if self._hasher.native else None
 
-    def _extend_decode(self, request_ids: Sequence[object], tokens: Tokens, counts: Sequence[int] | np.ndarray
-                       ) -> TableDeltas | None:
+    def slots_of(self, request_ids: list[object], exclude: dict | None = None) -> np.ndarray | None:
+        """Each id's row in the per-request arrays (intp), in one C pass; None if one is not admitted, not an int
+        or str, or a key of ``exclude``. What ``extend_many_deltas`` takes as ``slots`` (a daemon checks a step's
+        ids with it before applying anything)."""
+        found = np.empty(len(request_ids), dtype=np.intp)
+        return found if _tables.lookup_ids(self._slot_of, request_ids, found, exclude) < 0 else None
+
+    def _extend_decode(self, request_ids: Sequence[object], tokens: Tokens, counts: Sequence[int] | np.ndarray,
+                       slots: np.ndarray | None = None) -> TableDeltas | None:
         """``extend_many_deltas`` in one C pass (a decode step on a one-row manager), or None, changing nothing,
         where ``_tables.extend_decode`` leaves the batch to the general path (which also names any bad input)."""
         hashing = self._decodes_in_one_pass()
@@ -680,7 +689,7 @@ class KVCacheManager:
         counts = np.asarray(counts)
         if counts.ndim != 1:
             return None
-        if counts.dtype != np.int64:
+        if counts.dtype != np.int64 and (counts.dtype != np.int32 or not counts.flags.c_contiguous):  # the pass's two
             if counts.dtype.kind not in "iu" or counts.dtype.itemsize == 8:  # uint64 might not fit
                 return None
             counts = counts.astype(np.int64)
@@ -691,7 +700,7 @@ class KVCacheManager:
         pool, prefix = self._pool, self._index
         prefix.reserve(n, n)
         lens = np.empty(n, dtype=np.int32)
-        done = _tables.extend_decode(self._slot_of, request_ids, flat, counts, self._by_slot, hashing, self._ntok,
+        done = _tables.extend_decode(self._slot_of if slots is None else slots, request_ids, flat, counts, self._by_slot, hashing, self._ntok,
                                      self._fast_limit, self._next_recycle, self._tail, self._changed_ok, self._stamp,
                                      self._keyed, self._salted, self._last_hash, self._last_block, self._width, lens,
                                      *pool._c_arrays(), *prefix._c_arrays(), prefix._num_entries, self.enable_events)

@@ -106,6 +106,7 @@ class _Op:
     reqs: list | None = None  # extend_many: the requests
     counts: np.ndarray | None = None  # extend_many: tokens per request
     pd: dict[str, Any] | None = None  # PD fields: reserve's timeout, a prefill admit's dest, a PD op's own
+    slots: np.ndarray | None = None  # extend_many: the requests' rows in the manager's arrays, when all were found
 
 
 class _Changes:
@@ -695,6 +696,7 @@ class CacheServer:
         ops: list[_Op] = []
         pd = self._pd
         token_array = _tables.token_array
+        rows_stable = True  # no op so far frees a request but by an explicit free (which the ids may not name)
         for i, op in enumerate(raw_ops):
             if type(op) is not dict:
                 if not isinstance(op, dict):
@@ -752,8 +754,10 @@ class CacheServer:
                     if not isinstance(reqs, list) or len(reqs) > MAX_OPS:
                         raise ProtocolError(f"{field}.reqs: must be a list of at most {MAX_OPS} request ids")
                 # One pass in C: ids of the right types, all admitted before this message, none it freed (an
-                # id of the live set passed check_request_id at its admit). Else check one by one, naming the first.
-                if _tables.lookup_ids(admitted, reqs, None, live or None) >= 0:
+                # id of the live set passed check_request_id at its admit), and their rows in the manager's arrays
+                # (stable until applied: the message frees none of them). Else check one by one, naming the first.
+                slots = self.manager.slots_of(reqs, live or None)
+                if slots is None:
                     for j, req in enumerate(reqs):
                         check_request_id(req, f"{field}.reqs[{j}]")
                         if not live.get(req, req in admitted):
@@ -775,9 +779,11 @@ class CacheServer:
                                                or int(counts.max()) > tokens.size or int(counts.sum()) != tokens.size)
                 if bad:
                     raise ProtocolError(f"{field}.counts: must be non-negative and sum to the {tokens.size} tokens")
-                ops.append(_Op(kind, tokens=tokens, reqs=reqs, counts=counts))
+                ops.append(_Op(kind, tokens=tokens, reqs=reqs, counts=counts, slots=slots if rows_stable else None))
             else:
                 ops.append(self._other_op(op, i, kind, live))
+                if kind in PD_OPS or kind == "reclaim":  # may free requests when applied: rows found later may not hold
+                    rows_stable = False
         return ops
 
     def _admit_op(self, op: dict, i: int, kind: str, req: Any, tokens: np.ndarray, slots_taken: dict[int, bool]
@@ -991,12 +997,12 @@ class CacheServer:
         by the reply and the delta.
         """
         assert op.reqs is not None and op.counts is not None
-        d = self.manager.extend_many_deltas(op.reqs, op.tokens, op.counts)
+        d = self.manager.extend_many_deltas(op.reqs, op.tokens, op.counts, slots=op.slots)
         if d.index.size:
             reqs = [op.reqs[i] for i in d.index.tolist()]
             slot_of = self._slots.of
             changes.add_many(reqs, [slot_of[r] for r in reqs], d.lens[d.index].tolist(),
-                             np.diff(d.offsets).tolist(), d.cols, d.vals)
+                             (d.offsets[1:] - d.offsets[:-1]).tolist(), d.cols, d.vals)
         return {"lens": d.lens, "changed": {"index": d.index, "offsets": d.offsets, "cols": d.cols, "vals": d.vals}}
 
     def _stage(self, changes: _Changes, freed: list[Any], reset: bool) -> None:

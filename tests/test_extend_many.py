@@ -308,16 +308,18 @@ def test_insert_cached_refuses_a_free_block_or_a_held_pair_and_changes_nothing()
         assert all(np.array_equal(a, b) for a, b in zip(after[:6], before[:6])) and after[6:] == before[6:]
 
 
-@pytest.mark.parametrize("caching,algorithm,events", [(True, "sha256", False), (True, "sha256_cbor", False),
-                                                      (False, "sha256", False), (True, "sha256", True),
-                                                      (True, "sha256_cbor", True)])
+@pytest.mark.parametrize("caching,algorithm,events,given", [
+    (True, "sha256", False, False), (True, "sha256_cbor", False, False), (False, "sha256", False, False),
+    (True, "sha256", True, False), (True, "sha256_cbor", True, False), (True, "sha256", False, True),
+    (True, "sha256", True, True)])
 def test_extend_decode_matches_the_general_path_through_evictions_widening_and_refusals(monkeypatch, caching,
-                                                                                         algorithm, events):
+                                                                                         algorithm, events, given):
     """extend_many_deltas' one C pass (``_tables.extend_decode``) against a twin held to the general path, on a
     pool small enough that decode steps evict cached blocks, tables outgrow their buffers, a step runs out of
     blocks (the pass declines and the general path refuses exactly the requests without one), and shared
     content makes a filled block's hash one the index holds (declined too). With events, both managers report the
-    same KV events in the same order (evictions before stores, request by request)."""
+    same KV events in the same order (evictions before stores, request by request). With ``given``, the one-pass
+    manager gets the ids' rows from ``slots_of`` instead of looking them up itself."""
     from kvcache.allocator import _tables
 
     outcomes: list[str] = []
@@ -357,8 +359,10 @@ def test_extend_decode_matches_the_general_path_through_evictions_widening_and_r
         same = step % 7 == 0  # every request decodes token 3: equal chains meet hashes already indexed
         tokens = np.full(len(live), 3, dtype=np.int32) if same else rng.integers(0, 9, len(live)).astype(np.int32)
         counts = np.ones(len(live), dtype=np.int32)
-        a, b = one_pass.extend_many_deltas(list(live), tokens, counts), general.extend_many_deltas(list(live), tokens,
-                                                                                                   counts)
+        slots = one_pass.slots_of(list(live)) if given else None
+        assert not given or slots.tolist() == [one_pass._slot_of[rid] for rid in live]
+        a = one_pass.extend_many_deltas(list(live), tokens, counts, slots=slots)
+        b = general.extend_many_deltas(list(live), tokens, counts)
         for field in ("lens", "index", "offsets", "cols", "vals"):
             assert getattr(a, field).tolist() == getattr(b, field).tolist(), (step, field)
         refused = [rid for rid, width in zip(list(live), a.lens.tolist()) if width < 0]
@@ -407,5 +411,15 @@ def test_extend_decode_refuses_inconsistent_arrays_and_changes_nothing():
             _tables.extend_decode(*arrays(lens, entries))
         after = state()
         assert all(np.array_equal(x, y) for x, y in zip(after[:7], before[:7])) and after[7:] == before[7:]
-    assert _tables.extend_decode(*arrays(np.empty(3, dtype=np.int32), index._num_entries)) is not None
+    given = lambda slots: (slots, *arrays(np.empty(3, dtype=np.int32), index._num_entries)[1:])
+    with pytest.raises(ValueError, match="one intp per id"):  # given rows, one short
+        _tables.extend_decode(*given(np.array([0, 1], dtype=np.intp)))
+    free_row = np.array([0, 1, len(m._by_slot)], dtype=np.intp)  # a row no request holds: left to the general path
+    m._free_slots.append(len(m._by_slot))
+    m._by_slot.append(None)
+    assert _tables.extend_decode(*given(free_row)) is None
+    after = state()
+    assert all(np.array_equal(x, y) for x, y in zip(after[:7], before[:7])) and after[7:] == before[7:]
+    assert m.slots_of([0, 1, 5]) is None and m.slots_of([0, 1, 2], {2: True}) is None
+    assert _tables.extend_decode(*given(m.slots_of(ids))) is not None
     assert [m.num_tokens(r) for r in range(3)] == [4, 4, 4]

@@ -367,6 +367,16 @@ def test_extend_many_sees_the_frees_and_admits_earlier_in_its_message(server):
     reply = call(server, [admit("c", 3), {"op": "extend_many", "reqs": ["a", "c"], "tokens": np.array([1, 2]),
                                           "counts": np.array([1, 1])}], request_id=3)
     assert reply["ok"] and reply["results"][1]["lens"].tolist() == [1, 1]
+    # Rows found at validation stay right when applied: "c" is freed and "d" admitted into its manager row before
+    # the extend; "b" is freed and admitted again in between and extended as the new request.
+    m = server.manager
+    row_of_c = m._slot_of["c"]
+    reply = call(server, [{"op": "free", "req": "c"}, admit("d", 2), {"op": "free", "req": "b"}, admit("b", 5),
+                          {"op": "extend_many", "reqs": ["a", "b"], "tokens": np.array([7, 8, 9]),
+                           "counts": np.array([2, 1])}], request_id=4)
+    assert reply["ok"], reply
+    assert m._slot_of["d"] == row_of_c
+    assert [m.num_tokens(r) for r in ("a", "b", "d")] == [6, 6, 2]
 
 
 @pytest.mark.parametrize(
