@@ -183,6 +183,7 @@ class KVCacheManager:
         self._index = PrefixIndex(len(groups), num_blocks)
         self._hasher = BlockHasher(block_size, hash_algorithm, hash_seed) if enable_prefix_caching else None
         self._group_col = np.arange(len(groups), dtype=np.intp)[:, None]
+        self._group_rows = np.arange(len(groups), dtype=np.int64)  # the same, flat: what the pool's C passes take
         self._full_rows = np.array([g for g, p in enumerate(groups) if isinstance(p, Full)], dtype=np.intp)
         self._window_groups: list[tuple[Window, np.ndarray]] = [
             (p, np.array([g], dtype=np.intp)) for g, p in enumerate(groups) if isinstance(p, Window)
@@ -214,6 +215,7 @@ class KVCacheManager:
         """
         self.__dict__.update(state)
         self.__dict__.setdefault("tier", None)
+        self.__dict__.setdefault("_group_rows", np.arange(len(self._group_col), dtype=np.int64))  # older snapshots
         self.__dict__.setdefault("_tier_tokens", {})
         if "_slot_of" not in state:
             self._adopt_legacy()
@@ -1123,7 +1125,7 @@ class KVCacheManager:
         del self._slot_of[request_id]
         self._by_slot[req.slot] = None
         self._free_slots.append(req.slot)
-        self._pool.decref(self._group_col, req.table[:, req.num_blocks - 1::-1], unique=True)
+        self._pool.release_table(self._group_rows, np.ascontiguousarray(req.table[:, req.num_blocks - 1::-1]))
 
     def discard(self, request_id: object, first_block: int = 0) -> None:
         """End a request whose KV from block ``first_block`` on was never written (a failed transfer).

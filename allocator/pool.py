@@ -301,6 +301,15 @@ class BlockPool:
         if num_zero:
             self._revive(rz, fz, g, lowest)
 
+    def release_table(self, rows: np.ndarray, blocks: np.ndarray) -> None:
+        """``decref(rows[:, None], blocks, unique=True)`` for int64 ``rows`` and a C-contiguous int32 ``blocks``
+        (a freed request's table, row by row): the C pass without decref's argument handling."""
+        try:
+            _pool.release(*self._c_arrays(), rows, blocks)
+        except AssertionError:  # nothing changed: an id out of range is the caller's error, named as such
+            self._check_pairs(rows[:, None], blocks)
+            raise
+
     def decref(self, rows: np.ndarray, blocks: np.ndarray, *, unique: bool = False) -> None:
         """Drop one reference per pair (duplicates count); blocks reaching 0 become free.
 

@@ -109,6 +109,20 @@ class _Op:
     slots: np.ndarray | None = None  # extend_many: the requests' rows in the manager's arrays, when all were found
 
 
+_COLUMNS: dict[int, np.ndarray] = {}  # width -> arange(width), read-only: an admit's delta lists every column
+
+
+def _all_columns(width: int) -> np.ndarray:
+    """``np.arange(width)`` as int32, made once per width (tables are a few widths: powers of two and the like)."""
+    cols = _COLUMNS.get(width)
+    if cols is None:
+        if len(_COLUMNS) > 4096:  # unusual widths without end: start over rather than grow
+            _COLUMNS.clear()
+        cols = _COLUMNS[width] = np.arange(width, dtype=np.int32)
+        cols.flags.writeable = False
+    return cols
+
+
 class _Changes:
     """One delta's table changes in op order, gathered in pieces and joined once into the wire's compressed rows."""
 
@@ -126,7 +140,13 @@ class _Changes:
 
     def add(self, req: Any, slot: int, length: int, cols: np.ndarray, vals: np.ndarray) -> None:
         """One request's change: ``cols`` of its table, now ``length`` wide, set to ``vals`` (a copy, not a view)."""
-        self.add_many([req], [slot], [length], [cols.size], cols, vals)
+        self.reqs.append(req)
+        self.slots.append(slot)
+        self.lens.append(length)
+        self.sizes.append(cols.size)
+        self.cols.append(cols)
+        self.vals.append(vals)
+        self.touched.add(req)
 
     def add_many(self, reqs: list[Any], slots: list[int], lens: list[int], sizes: list[int], cols: np.ndarray,
                  vals: np.ndarray) -> None:
@@ -882,7 +902,7 @@ class CacheServer:
                         m.shed_window(op.req, adm.num_cached_tokens // m.block_size)
                     # A copy, read-only from here on: the delta and the reply share it (a reserve's table as shed).
                     table = (m.table(op.req) if op.kind == "reserve" else adm.table).copy()
-                    changes.add(op.req, slot, table.shape[1], np.arange(table.shape[1], dtype=np.int32), table)
+                    changes.add(op.req, slot, table.shape[1], _all_columns(table.shape[1]), table)
                     result = {"cached": adm.num_cached_tokens, "num_tokens": adm.num_tokens, "table": table,
                               "slot": slot}
                     if op.pd is not None:
