@@ -90,9 +90,11 @@ class _Mirror:
 
     def put(self, req: Any, table: np.ndarray) -> np.ndarray:
         """Start mirroring ``req`` at ``table`` (a whole table); returns its view."""
-        buf = np.full((table.shape[0], _capacity(table.shape[1])), -1, dtype=np.int32)
-        buf[:, : table.shape[1]] = table
-        return self._adopt(req, buf, table.shape[1])
+        width = table.shape[1]
+        buf = np.empty((table.shape[0], _capacity(width)), dtype=np.int32)
+        buf[:, :width] = table
+        buf[:, width:] = -1
+        return self._adopt(req, buf, width)
 
     def apply(self, req: Any, length: int, cols: np.ndarray, vals: np.ndarray) -> np.ndarray:
         """``req``'s table after a delta: ``length`` columns wide, ``cols`` set to ``vals``; returns its view."""
@@ -584,7 +586,7 @@ class CacheClient:
         decode step's usual reply (each change one new last column) is applied
         in one C pass; anything else goes request by request.
         """
-        if isinstance(raw, dict) and set(raw) == {"error"}:
+        if type(raw) is dict and len(raw) == 1 and "error" in raw:
             return DaemonError(raw["error"])
         lens, changed = raw["lens"], raw["changed"]
         mirror = self._mirror
@@ -620,7 +622,7 @@ class CacheClient:
 
     def _result(self, op: dict[str, Any], raw: Any) -> Any:
         """A raw result in the library's types, keeping this client's table mirror current."""
-        if isinstance(raw, dict) and set(raw) == {"error"}:
+        if type(raw) is dict and len(raw) == 1 and "error" in raw:
             return DaemonError(raw["error"])
         kind = op["op"]
         if kind in ("admit", "reserve"):
