@@ -72,6 +72,8 @@ from kvcache.protocol import (
 )
 
 log = logging.getLogger("kvcache.server")
+_SNDMORE, _NOBLOCK = int(zmq.SNDMORE), int(zmq.NOBLOCK)  # plain ints: pyzmq's flag enums combine in Python
+_SNDMORE_NOBLOCK = _SNDMORE | _NOBLOCK
 _REQUEST_OPS = frozenset({"admit", "reserve", "extend", "free", "table"})  # ops that name one request (op["req"])
 _MUTATING = frozenset({"admit", "extend", "extend_many", "free", "reset_prefix_cache", "reclaim"}) | _PD_MUTATING
 _LEASE_CLIENT = "kvcache-lease-expiry"
@@ -526,7 +528,15 @@ class CacheServer:
             if len(frames) < 2:
                 continue
             outbox.append((frames[:-1], self._process(frames[-1])))
-        self._answer(outbox, lambda envelope, reply: self.router.send_multipart([*envelope, reply]))
+        self._answer(outbox, self._send_reply)
+
+    def _send_reply(self, envelope: list[bytes], reply: bytes) -> None:
+        """A reply on the ROUTER: its envelope's frames, then the reply (send_multipart's work without its
+        per-frame flag arithmetic on enums, a few us a step)."""
+        send = self.router.send
+        for frame in envelope:
+            send(frame, _SNDMORE)
+        send(reply)
 
     def _handle_local(self) -> None:
         """Answer the datagrams waiting on the local endpoint, as ``_handle_step`` answers the ROUTER's."""
@@ -1056,7 +1066,10 @@ class CacheServer:
         stamp_delta(payload, time.monotonic_ns())
         head = seq_frame(seq)
         try:
-            self.pub.send_multipart([self._topic, head, payload], zmq.NOBLOCK)
+            send = self.pub.send  # a PUB queues a message's frames together or drops them all: no partial one
+            send(self._topic, _SNDMORE_NOBLOCK)
+            send(head, _SNDMORE_NOBLOCK)
+            send(payload, _NOBLOCK)
         except zmq.Again:  # PUB drops for slow subscribers rather than block; they resync by seq
             pass
         if self._local_subscribers:
