@@ -1296,7 +1296,8 @@ done:
 }
 
 PyDoc_STRVAR(extend_decode_doc,
-"extend_decode(slot_of | slots_given, ids, tokens, counts, by_slot, hashing, ntok, fast_limit, next_recycle, tail, changed_ok,\n"
+"extend_decode(slot_of | slots_given, ids, tokens, counts, by_slot, hashing, ntok, fast_limit, next_recycle,\n"
+"              tail, changed_ok,\n"
 "              stamp, keyed, salted, last_hash, last_block, width, lens,\n"
 "              ref, cached, stack, top, ring, lru_pos, head, tail_pos, lru_count,\n"
 "              slots, seed, hash_of, entry_blocks, entry_at, holders, spare, num_spare, num_entries, events=False)\n"
@@ -1375,7 +1376,8 @@ static PyObject *extend_decode(PyObject *self, PyObject *args)
     const Py_ssize_t bs = cap ? b[5].len / (Py_ssize_t)sizeof(uint32_t) / cap : 0;
     const Py_ssize_t num_tok = b[0].len / (Py_ssize_t)sizeof(uint32_t);
     const int narrow = n > 0 && b[1].len == n * (Py_ssize_t)sizeof(int32_t); /* int32 counts (as the wire has them) */
-    if (b[0].len % (Py_ssize_t)sizeof(uint32_t) || (!narrow && b[1].len != n * (Py_ssize_t)sizeof(int64_t)) || cap < 1 || bs < 1
+    if (b[0].len % (Py_ssize_t)sizeof(uint32_t) || (!narrow && b[1].len != n * (Py_ssize_t)sizeof(int64_t)) || cap < 1
+        || bs < 1
         || b[3].len != b[2].len || b[4].len != b[2].len || b[5].len != cap * bs * (Py_ssize_t)sizeof(uint32_t)
         || b[6].len != cap || b[7].len != cap * (Py_ssize_t)sizeof(Py_ssize_t) || b[8].len != cap || b[9].len != cap
         || b[10].len != cap * KEY_BYTES || b[11].len != cap * (Py_ssize_t)sizeof(int32_t)

@@ -691,7 +691,8 @@ class KVCacheManager:
         counts = np.asarray(counts)
         if counts.ndim != 1:
             return None
-        if counts.dtype != np.int64 and (counts.dtype != np.int32 or not counts.flags.c_contiguous):  # the pass's two
+        # The pass reads int64 counts, or contiguous int32 ones (as the wire brings them).
+        if counts.dtype != np.int64 and (counts.dtype != np.int32 or not counts.flags.c_contiguous):
             if counts.dtype.kind not in "iu" or counts.dtype.itemsize == 8:  # uint64 might not fit
                 return None
             counts = counts.astype(np.int64)
@@ -702,9 +703,10 @@ class KVCacheManager:
         pool, prefix = self._pool, self._index
         prefix.reserve(n, n)
         lens = np.empty(n, dtype=np.int32)
-        done = _tables.extend_decode(self._slot_of if slots is None else slots, request_ids, flat, counts, self._by_slot, hashing, self._ntok,
-                                     self._fast_limit, self._next_recycle, self._tail, self._changed_ok, self._stamp,
-                                     self._keyed, self._salted, self._last_hash, self._last_block, self._width, lens,
+        done = _tables.extend_decode(self._slot_of if slots is None else slots, request_ids, flat, counts,
+                                     self._by_slot, hashing, self._ntok, self._fast_limit, self._next_recycle,
+                                     self._tail, self._changed_ok, self._stamp, self._keyed, self._salted,
+                                     self._last_hash, self._last_block, self._width, lens,
                                      *pool._c_arrays(), *prefix._c_arrays(), prefix._num_entries, self.enable_events)
         if done is None:
             return None

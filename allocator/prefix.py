@@ -232,11 +232,12 @@ class BlockHasher:
         start_block: int = 0,
     ) -> bytes:
         """``hash_blocks`` as one ``bytes`` of ``32 * num_full_blocks``: no object per block (what PrefixIndex takes)."""
-        if cache_salt is None and lora is None and not mm and parent is None and type(start_block) is int \
-                and start_block == 0:  # a prompt without extra keys, from the root: the chain call alone
+        if (cache_salt is None and lora is None and not mm and parent is None and type(start_block) is int
+                and start_block == 0):  # a prompt without extra keys, from the root: the chain call alone
             toks = as_token_array(tokens)
-            return self._chain(toks, self.block_size, self.root, None, split=False) if toks.size >= self.block_size \
-                else b""
+            if toks.size < self.block_size:
+                return b""
+            return self._chain(toks, self.block_size, self.root, None, split=False)
         return self._hash(tokens, cache_salt, lora, mm, parent, start_block, split=False)  # type: ignore[return-value]
 
     def hash_each(self, blocks: np.ndarray, parents: bytes) -> bytes:
