@@ -803,23 +803,43 @@ static int array_heads_usable(void)
         return usable;
     if (load_numpy() < 0)
         return -1;
-    PyObject *arr = PyObject_CallFunction(ndarray_type, "(n)O", (Py_ssize_t)3, uint32_dtype); /* ndarray(3, uint32) */
+    PyObject *arr = PyObject_CallFunction(ndarray_type, "(n)O", (Py_ssize_t)4, uint32_dtype); /* ndarray(4, uint32) */
     if (!arr)
         return -1;
+    PyObject *two = PyLong_FromLong(2);
+    PyObject *every_other = two ? PySlice_New(NULL, NULL, two) : NULL;
+    PyObject *strided = every_other ? PyObject_GetItem(arr, every_other) : NULL; /* arr[::2]: 2 items 8 bytes apart */
+    Py_XDECREF(two);
+    Py_XDECREF(every_other);
     PyObject *dtype = PyObject_GetAttrString(arr, "dtype");
     Py_buffer b;
     int ok = 0;
-    if (dtype && PyObject_GetBuffer(arr, &b, PyBUF_STRIDES) == 0) {
-        const array_head *h = (const array_head *)arr;
-        ok = h->data == b.buf && h->nd == 1 && b.ndim == 1 && h->dimensions[0] == 3 && h->strides[0] == b.strides[0]
-             && b.itemsize == 4 && h->descr == dtype && (h->flags & ARRAY_C_CONTIGUOUS);
+    if (dtype && strided && PyObject_GetBuffer(arr, &b, PyBUF_STRIDES) == 0) {
+        const array_head *h = (const array_head *)arr, *s = (const array_head *)strided;
+        ok = h->data == b.buf && h->nd == 1 && b.ndim == 1 && h->dimensions[0] == 4 && h->strides[0] == b.strides[0]
+             && b.itemsize == 4 && h->descr == dtype && (h->flags & ARRAY_C_CONTIGUOUS) && s->data == b.buf
+             && s->nd == 1 && s->dimensions[0] == 2 && s->strides[0] == 8 && !(s->flags & ARRAY_C_CONTIGUOUS);
         PyBuffer_Release(&b);
     }
     PyErr_Clear();
     Py_XDECREF(dtype);
+    Py_XDECREF(strided);
     Py_DECREF(arr);
     usable = ok;
     return usable;
+}
+
+PyDoc_STRVAR(reads_array_heads_doc,
+"reads_array_heads() -> bool\n\n"
+"Whether join_runs reads small arrays through numpy's array head here (the layout check at first use passed);\n"
+"otherwise it exports a buffer per array, the same result more slowly.");
+
+static PyObject *reads_array_heads(PyObject *self, PyObject *unused)
+{
+    (void)self;
+    (void)unused;
+    const int usable = array_heads_usable();
+    return usable < 0 ? NULL : PyBool_FromLong(usable);
 }
 
 /* join_runs over array heads: every part an exact 1-D C-contiguous ndarray of the first's dtype (itemsize known);
@@ -1840,6 +1860,7 @@ static PyMethodDef methods[] = {
     {"insert_cached", insert_cached, METH_VARARGS, insert_cached_doc},
     {"join_runs", join_runs, METH_VARARGS, join_runs_doc},
     {"token_array", token_array, METH_O, token_array_doc},
+    {"reads_array_heads", reads_array_heads, METH_NOARGS, reads_array_heads_doc},
     {"lookup_ids", lookup_ids, METH_VARARGS, lookup_ids_doc},
     {"mirror_step", mirror_step, METH_VARARGS, mirror_step_doc},
     {"run_commit", run_commit, METH_VARARGS, run_commit_doc},

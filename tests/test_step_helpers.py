@@ -40,6 +40,17 @@ def test_join_runs_equals_concatenate_and_lengths_or_declines(data: st.DataObjec
     assert np.frombuffer(joined[1], dtype=np.int32).tolist() == [len(p) for p in parts]
 
 
+def test_join_runs_reads_array_heads_with_this_numpy() -> None:
+    """The fast path's layout check passes with the installed numpy (else every step would export 256 buffers),
+    and it joins a decode step's shape (views of one array) as numpy would."""
+    assert _tables.reads_array_heads()
+    step = np.arange(512, dtype=np.int32).reshape(256, 2)[:, :1]  # 256 one-token views, as a scheduler's loop makes
+    parts = list(step)
+    tokens, lengths = _tables.join_runs(parts)
+    assert np.frombuffer(tokens, dtype=np.int32).tolist() == list(range(0, 512, 2))
+    assert np.frombuffer(lengths, dtype=np.int32).tolist() == [1] * 256
+
+
 def test_join_runs_declines_what_is_not_an_array() -> None:
     assert _tables.join_runs([b"abcd", b"efgh"]) is None
     assert _tables.join_runs([np.zeros(2, np.int32), [1, 2]]) is None
