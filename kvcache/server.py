@@ -812,7 +812,7 @@ class CacheServer:
                 ops.append(_Op(kind, tokens=tokens, reqs=reqs, counts=counts, slots=slots if rows_stable else None))
             else:
                 ops.append(self._other_op(op, i, kind, live))
-                if kind in PD_OPS or kind == "reclaim":  # may free requests when applied: rows found later may not hold
+                if kind in PD_OPS:  # one that ends a transfer frees its request: rows found later may not hold
                     rows_stable = False
         return ops
 

@@ -367,16 +367,65 @@ def test_extend_many_sees_the_frees_and_admits_earlier_in_its_message(server):
     reply = call(server, [admit("c", 3), {"op": "extend_many", "reqs": ["a", "c"], "tokens": np.array([1, 2]),
                                           "counts": np.array([1, 1])}], request_id=3)
     assert reply["ok"] and reply["results"][1]["lens"].tolist() == [1, 1]
-    # Rows found at validation stay right when applied: "c" is freed and "d" admitted into its manager row before
-    # the extend; "b" is freed and admitted again in between and extended as the new request.
+
+
+@pytest.fixture
+def one_row_server(tmp_path, request):
+    """A uniform daemon (one row): its decode steps take the manager's one C pass, with the rows validation found."""
+    rows = [Full()]
+    srv = CacheServer(ServeConfig(endpoint=f"ipc://{tmp_path}/k.sock", role=getattr(request, "param", "both")),
+                      KVCacheManager(64, 4, rows, hash_seed=b"s"), rows)
+    yield srv
+    srv.close()
+
+
+def test_rows_found_at_validation_still_hold_when_the_extend_many_applies(one_row_server, monkeypatch):
+    """"c" is freed and "d" admitted into its manager row before the extend; "b" is freed and admitted again in
+    between and extended as the new request. The decode pass gets the rows validation found for "a" and "x" (not
+    for a message that re-admits an id it names)."""
+    from kvcache.allocator import _tables
+
+    given: list[bool] = []
+    real = _tables.extend_decode
+    monkeypatch.setattr(_tables, "extend_decode", lambda first, *rest: given.append(not isinstance(first, dict))
+                        or real(first, *rest))
+    server = one_row_server
     m = server.manager
+    call(server, [admit("a", 3), admit("b", 3), admit("c", 3), admit("x", 3)], request_id=1)
     row_of_c = m._slot_of["c"]
-    reply = call(server, [{"op": "free", "req": "c"}, admit("d", 2), {"op": "free", "req": "b"}, admit("b", 5),
-                          {"op": "extend_many", "reqs": ["a", "b"], "tokens": np.array([7, 8, 9]),
-                           "counts": np.array([2, 1])}], request_id=4)
+    reply = call(server, [{"op": "free", "req": "c"}, admit("d", 2),
+                          {"op": "extend_many", "reqs": ["a", "x"], "tokens": np.array([7, 8, 9]),
+                           "counts": np.array([2, 1])}], request_id=2)
     assert reply["ok"], reply
-    assert m._slot_of["d"] == row_of_c
-    assert [m.num_tokens(r) for r in ("a", "b", "d")] == [6, 6, 2]
+    assert m._slot_of["d"] == row_of_c and given == [True]
+    reply = call(server, [{"op": "free", "req": "b"}, admit("b", 5),
+                          {"op": "extend_many", "reqs": ["a", "b"], "tokens": np.array([7, 8, 9]),
+                           "counts": np.array([2, 1])}], request_id=3)
+    assert reply["ok"], reply
+    assert given == [True, False]
+    assert [m.num_tokens(r) for r in ("a", "b", "d", "x")] == [7, 6, 2, 4]
+    m.check_integrity()
+
+
+@pytest.mark.parametrize("one_row_server", ["prefill"], indirect=True)
+def test_an_extend_many_after_a_pd_op_that_frees_one_of_its_requests_is_refused_alone(one_row_server):
+    """A PD op that ends a transfer frees its request when applied, so an extend_many after it in the message gets
+    no rows from validation: it finds the request gone, refuses (its own result) and extends nothing, and the admit
+    that took the freed row is left as it was."""
+    server = one_row_server
+    m = server.manager
+    dest = {"receivers": ["tcp://127.0.0.1:1"], "table": np.arange(3, dtype=np.int32)[None, :], "cached": 0,
+            "decode": "ipc:///nowhere"}
+    assert call(server, [admit("a", 9, dest=dest), admit("x", 3)], request_id=1)["ok"]
+    row_of_a = m._slot_of["a"]
+    reply = call(server, [{"op": "sent", "req": "a", "rank": 0}, admit("z", 2),
+                          {"op": "extend_many", "reqs": ["x", "a"], "tokens": np.array([7, 8]),
+                           "counts": np.array([1, 1])}], request_id=2)
+    assert reply["ok"], reply
+    assert "error" in reply["results"][2] and "a" not in m._slot_of
+    assert m._slot_of["z"] == row_of_a
+    assert [m.num_tokens(r) for r in ("x", "z")] == [3, 2]
+    m.check_integrity()
 
 
 @pytest.mark.parametrize(
