@@ -515,9 +515,10 @@ class CacheServer:
     def _handle_step(self) -> None:
         """Answer the scheduler messages waiting on the ROUTER (at most 256, so replay is not starved).
 
-        Group commit: every message is applied and journaled, then one fdatasync
-        makes them all durable, and only then go their replies and deltas out;
-        the metrics count them last.
+        Group commit: with a journal, every message is applied and journaled, then
+        one fdatasync makes them all durable, and only then go their replies out.
+        Without one, a reply goes as soon as its message is applied. The turn's
+        deltas go after its replies; the metrics count them last.
         """
         outbox: list[tuple[list[bytes], bytes]] = []
         for _ in range(256):
@@ -527,7 +528,11 @@ class CacheServer:
                 break
             if len(frames) < 2:
                 continue
-            outbox.append((frames[:-1], self._process(frames[-1])))
+            reply = self._process(frames[-1])
+            if self._journal is None:  # nothing to make durable first: answer before looking for the next one
+                self._send_reply(frames[:-1], reply)
+            else:
+                outbox.append((frames[:-1], reply))
         self._answer(outbox, self._send_reply)
 
     def _send_reply(self, envelope: list[bytes], reply: bytes) -> None:
@@ -557,7 +562,11 @@ class CacheServer:
                 outbox.append((address, error_reply(None, f"message: more than {LOCAL_MAX_BYTES} bytes, the "
                                                           "local endpoint's limit; send it over the ZMQ endpoint")))
                 continue
-            outbox.append((address, self._process(payload)))
+            reply = self._process(payload)
+            if self._journal is None:  # as _handle_step: nothing to make durable first
+                self._send_local(address, reply)
+            else:
+                outbox.append((address, reply))
         self._answer(outbox, self._send_local)
 
     def _subscription(self, payload: bytes, address: str | bytes) -> None:
