@@ -718,6 +718,21 @@ PyDoc_STRVAR(bounds_doc,
         total = t;                                                                                          \
     } while (0)
 
+/* The integer type of a 1-D buffer's items as one of "bBhHiIqQ" (a C long, 'l'/'L', by its size), or '\0' for
+ * anything else (another dimension, a float, a struct). */
+static char int_kind(const Py_buffer *b)
+{
+    const char *f = b->format ? b->format : "B";
+    if (*f == '@' || *f == '=' || *f == '<')
+        f++;
+    if (b->ndim != 1 || f[0] == '\0' || f[1] != '\0')
+        return '\0';
+    const char kind = f[0] == 'l'   ? (b->itemsize == 8 ? 'q' : 'i')
+                      : f[0] == 'L' ? (b->itemsize == 8 ? 'Q' : 'I')
+                                    : f[0];
+    return strchr("bBhHiIqQ", kind) ? kind : '\0';
+}
+
 static PyObject *bounds(PyObject *self, PyObject *arg)
 {
     (void)self;
@@ -727,21 +742,14 @@ static PyObject *bounds(PyObject *self, PyObject *arg)
         Py_RETURN_NONE;
     }
     PyObject *result = NULL;
-    const char *f = b.format ? b.format : "B";
-    if (*f == '@' || *f == '=' || *f == '<')
-        f++;
     const Py_ssize_t n = b.itemsize ? b.len / b.itemsize : 0;
     __int128 lo = 0, hi = 0, total = 0;
-    if (b.ndim != 1 || f[0] == '\0' || f[1] != '\0') {
+    const char kind = int_kind(&b);
+    if (kind == '\0') {
         result = Py_NewRef(Py_None);
         goto done;
     }
-    char kind = f[0]; /* C long: 'q'/'Q' or 'i'/'I' by its size */
-    if (kind == 'l')
-        kind = b.itemsize == 8 ? 'q' : 'i';
-    else if (kind == 'L')
-        kind = b.itemsize == 8 ? 'Q' : 'I';
-    if (n == 0 && strchr("bBhHiIqQ", kind)) {
+    if (n == 0) {
         result = Py_BuildValue("iii", 0, 0, 0);
         goto done;
     }
@@ -753,10 +761,7 @@ static PyObject *bounds(PyObject *self, PyObject *arg)
     case 'i': BOUNDS_LOOP(int32_t, int64_t); break;
     case 'I': BOUNDS_LOOP(uint32_t, int64_t); break;
     case 'q': BOUNDS_LOOP(int64_t, __int128); break;
-    case 'Q': BOUNDS_LOOP(uint64_t, __int128); break;
-    default:
-        result = Py_NewRef(Py_None);
-        goto done;
+    default: BOUNDS_LOOP(uint64_t, __int128); break; /* 'Q' */
     }
     if (total > INT64_MAX || total < INT64_MIN || hi > INT64_MAX) /* a uint64 above int64 too: numpy's path */
         result = Py_NewRef(Py_None);
@@ -1006,12 +1011,7 @@ static PyObject *token_array(PyObject *self, PyObject *arg)
         PyErr_Clear();
         Py_RETURN_NONE;
     }
-    const char *f = b.format ? b.format : "B";
-    if (*f == '@' || *f == '=' || *f == '<')
-        f++;
-    /* numpy names a 4-byte C long 'l' where long is 4 bytes; 'i'/'I' elsewhere. */
-    const char kind = b.ndim != 1 || b.itemsize != 4 || f[0] == '\0' || f[1] != '\0' ? '\0'
-                      : f[0] == 'l' ? 'i' : f[0] == 'L' ? 'I' : f[0];
+    const char kind = int_kind(&b);
     PyObject *result = NULL;
     if (kind == 'I') {
         result = Py_NewRef(arg);

@@ -329,11 +329,7 @@ class BlockPool:
         if unique and b.ndim == 2 and r.shape == (b.shape[0], 1):  # a whole table, row by row: one C pass
             if b.dtype != np.int32 or r.dtype.kind not in "iu":  # the C pass range-checks int32 ids exactly
                 self._check_pairs(r, b)
-            try:
-                _pool.release(*self._c_arrays(), r.astype(np.int64).reshape(-1), np.ascontiguousarray(b, dtype=np.int32))
-            except AssertionError:  # nothing changed: an id out of range is the caller's error, named as such
-                self._check_pairs(r, b)
-                raise
+            self.release_table(r.astype(np.int64).reshape(-1), np.ascontiguousarray(b, dtype=np.int32))
             return
         r, b, flat = self._pairs(r, b)
         if flat.size == 0:

@@ -232,12 +232,6 @@ class BlockHasher:
         start_block: int = 0,
     ) -> bytes:
         """``hash_blocks`` as one ``bytes`` of ``32 * num_full_blocks``: no object per block (what PrefixIndex takes)."""
-        if (cache_salt is None and lora is None and not mm and parent is None and type(start_block) is int
-                and start_block == 0):  # a prompt without extra keys, from the root: the chain call alone
-            toks = as_token_array(tokens)
-            if toks.size < self.block_size:
-                return b""
-            return self._chain(toks, self.block_size, self.root, None, split=False)
         return self._hash(tokens, cache_salt, lora, mm, parent, start_block, split=False)  # type: ignore[return-value]
 
     def hash_each(self, blocks: np.ndarray, parents: bytes) -> bytes:
@@ -266,6 +260,11 @@ class BlockHasher:
         split: bool,
     ) -> list[BlockHash] | bytes:
         toks = as_token_array(tokens)
+        if (cache_salt is None and lora is None and mm is None and parent is None and type(start_block) is int
+                and start_block == 0):  # a prompt without extra keys, from the root: the chain call alone
+            if toks.size < self.block_size:
+                return [] if split else b""
+            return self._chain(toks, self.block_size, self.root, None, split=split)
         if isinstance(start_block, bool) or not isinstance(start_block, (int, np.integer)) or start_block < 0:
             raise KVCacheError(f"start_block must be an int >= 0, got {start_block!r}")
         start_block = int(start_block)
@@ -757,9 +756,6 @@ class PrefixIndex:
     def reserve(self, keys: int, spare: int) -> None:
         """Room for ``keys`` more hashes (table and entry arrays) and ``spare`` more spare ids, without changing
         what the index holds: what a C pass that inserts and drops hashes itself needs beforehand."""
-        if (2 * (self._count + keys) <= self._slots.size and self._num_entries + keys <= len(self._holders)
-                and self._num_spare + spare <= self._spare.size):
-            return  # the usual case: room already
         self._reserve_keys(keys)
         self._grow_entries(self._num_entries + keys)
         self._grow_spare(self._num_spare + spare)

@@ -111,20 +111,6 @@ class _Op:
     slots: np.ndarray | None = None  # extend_many: the requests' rows in the manager's arrays, when all were found
 
 
-_COLUMNS: dict[int, np.ndarray] = {}  # width -> arange(width), read-only: an admit's delta lists every column
-
-
-def _all_columns(width: int) -> np.ndarray:
-    """``np.arange(width)`` as int32, made once per width (tables are a few widths: powers of two and the like)."""
-    cols = _COLUMNS.get(width)
-    if cols is None:
-        if len(_COLUMNS) > 4096:  # unusual widths without end: start over rather than grow
-            _COLUMNS.clear()
-        cols = _COLUMNS[width] = np.arange(width, dtype=np.int32)
-        cols.flags.writeable = False
-    return cols
-
-
 class _Changes:
     """One delta's table changes in op order, gathered in pieces and joined once into the wire's compressed rows."""
 
@@ -142,13 +128,7 @@ class _Changes:
 
     def add(self, req: Any, slot: int, length: int, cols: np.ndarray, vals: np.ndarray) -> None:
         """One request's change: ``cols`` of its table, now ``length`` wide, set to ``vals`` (a copy, not a view)."""
-        self.reqs.append(req)
-        self.slots.append(slot)
-        self.lens.append(length)
-        self.sizes.append(cols.size)
-        self.cols.append(cols)
-        self.vals.append(vals)
-        self.touched.add(req)
+        self.add_many([req], [slot], [length], [cols.size], cols, vals)
 
     def add_many(self, reqs: list[Any], slots: list[int], lens: list[int], sizes: list[int], cols: np.ndarray,
                  vals: np.ndarray) -> None:
@@ -737,11 +717,10 @@ class CacheServer:
         token_array = _tables.token_array
         rows_stable = True  # no op so far frees a request but by an explicit free (which the ids may not name)
         for i, op in enumerate(raw_ops):
-            if type(op) is not dict:
-                if not isinstance(op, dict):
-                    raise ProtocolError(f"ops[{i}]: must be a map, got {type(op).__name__}")
+            if not isinstance(op, dict):
+                raise ProtocolError(f"ops[{i}]: must be a map, got {type(op).__name__}")
             kind = op.get("op")
-            if type(kind) is not str and not isinstance(kind, str):
+            if not isinstance(kind, str):
                 raise ProtocolError(f"ops[{i}].op: must be a str, got {type(kind).__name__}")
             if kind in _REQUEST_OPS:
                 req = op.get("req")
@@ -789,9 +768,8 @@ class CacheServer:
             elif kind == "extend_many":
                 field = f"ops[{i}]"
                 reqs = op.get("reqs")
-                if type(reqs) is not list or len(reqs) > MAX_OPS:
-                    if not isinstance(reqs, list) or len(reqs) > MAX_OPS:
-                        raise ProtocolError(f"{field}.reqs: must be a list of at most {MAX_OPS} request ids")
+                if not isinstance(reqs, list) or len(reqs) > MAX_OPS:
+                    raise ProtocolError(f"{field}.reqs: must be a list of at most {MAX_OPS} request ids")
                 # One pass in C: ids of the right types, all admitted before this message, none it freed (an
                 # id of the live set passed check_request_id at its admit), and their rows in the manager's arrays
                 # (stable until applied: the message frees none of them). Else check one by one, naming the first.
@@ -921,7 +899,7 @@ class CacheServer:
                         m.shed_window(op.req, adm.num_cached_tokens // m.block_size)
                     # A copy, read-only from here on: the delta and the reply share it (a reserve's table as shed).
                     table = (m.table(op.req) if op.kind == "reserve" else adm.table).copy()
-                    changes.add(op.req, slot, table.shape[1], _all_columns(table.shape[1]), table)
+                    changes.add(op.req, slot, table.shape[1], np.arange(table.shape[1], dtype=np.int32), table)
                     result = {"cached": adm.num_cached_tokens, "num_tokens": adm.num_tokens, "table": table,
                               "slot": slot}
                     if op.pd is not None:
