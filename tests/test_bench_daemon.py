@@ -104,6 +104,11 @@ def test_quick_json_run_reports_every_section(capsys: pytest.CaptureFixture[str]
     assert any("extend_many" in p["phase"] for p in phases) and any("admit" in p["phase"] for p in phases)
     assert sum(p["us"] for p in phases) == pytest.approx(profile["profiled_us_per_step"])
     assert profile["top"] and all(t["own_us"] > 0 for t in profile["top"])
+    native = profile["native_us"]
+    assert native["codec"] > 0 and native["allocator"] > 0, "a step decodes, encodes and runs the allocator's C"
+    assert native["codec"] + native["allocator"] < profile["handle_p99_us"], "a part of the step's own time"
+    assert step["native_floor_us"] == pytest.approx(step["codec_p50_us"] + native["allocator"])
+    assert step["native_floor_over_echo_p50"] == pytest.approx(step["native_floor_us"] / echo["p50_us"])
 
     assert [t["ok"] for t in result["targets"]] == [step["ok"], max(r["extends_per_s"] for r in rows)
                                                     >= bench.EXTENDS_PER_S_TARGET, journal["ok"],

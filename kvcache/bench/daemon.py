@@ -72,6 +72,7 @@ from kvcache.protocol import (
 
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection
+    from collections.abc import Iterator
 
 VOCAB = 150_000
 DECODE_TOKENS = 1
@@ -1223,6 +1224,55 @@ def _split(stats: dict, root: tuple[str, int, str], steps: int) -> list[dict[str
             for p, (path, what, s) in zip([*paths, []], kept)]
 
 
+def _timed(func: Callable[..., Any], spent: list[int], part: int) -> Callable[..., Any]:
+    """``func`` adding the ns each call takes to ``spent[part]``."""
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter_ns()
+        try:
+            return func(*args, **kwargs)
+        finally:
+            spent[part] += time.perf_counter_ns() - t0
+    return timed
+
+
+@contextlib.contextmanager
+def _timing_native(spent: list[int]) -> Iterator[None]:
+    """While inside, every function of this package's C extensions adds the ns it takes to ``spent[0]`` (the
+    codec, ``_wire``) or ``spent[1]`` (the allocator's passes). A caller that bound one before is not seen."""
+    from kvcache import _wire
+    from kvcache.allocator import _chainhash, _hashtable, _pool, _tables
+
+    saved = [(module, name, func) for module in (_wire, _tables, _chainhash, _pool, _hashtable)
+             for name, func in vars(module).items() if type(func).__name__ == "builtin_function_or_method"]
+    try:
+        for module, name, func in saved:
+            setattr(module, name, _timed(func, spent, 0 if module is _wire else 1))
+        yield
+    finally:
+        for module, name, func in saved:
+            setattr(module, name, func)
+
+
+def _native_handles(cfg: BenchConfig, folder: Path, messages: list[bytes], warm: int) -> dict[str, float]:
+    """p50 µs per step in this package's C extensions (codec, allocator) over the timed steps, on a server built
+    with them timed: a step with no Python around them costs this."""
+    spent = [0, 0]
+    per_step = np.empty((cfg.profile_steps, 2), dtype=np.int64)
+    with _timing_native(spent):
+        server, ctx = _profile_server(cfg, folder, "native")
+        try:
+            _timed_handles(server, messages[:warm])
+            for i, m in enumerate(messages[warm:warm + cfg.profile_steps]):
+                spent[:] = [0, 0]
+                _check_reply(server.handle(m))
+                per_step[i] = spent
+        finally:
+            server.close()
+            ctx.destroy(0)
+    codec, allocator = np.median(per_step, axis=0) / 1e3
+    return {"codec": float(codec), "allocator": float(allocator)}
+
+
 def _profile_server(cfg: BenchConfig, folder: Path, name: str, **settings: Any) -> tuple[Any, zmq.Context]:
     """A CacheServer in this process as the benchmark's daemon is configured (plus ``settings``), and its context."""
     from kvcache.serve import build_manager
@@ -1267,6 +1317,7 @@ def bench_profile(cfg: BenchConfig, folder: Path) -> dict[str, Any]:
         warm = _warmup_steps(cfg)
         setup, messages = _step_messages(cfg, warm + 2 * cfg.profile_steps)
         with_events = _handle_with_events(cfg, folder, setup + messages, len(setup) + warm)
+        native = _native_handles(cfg, folder, setup + messages, len(setup) + warm)
         _timed_handles(server, setup + messages[:warm])
         plain = _timed_handles(server, messages[warm:warm + cfg.profile_steps])
         profiled = messages[warm + cfg.profile_steps:]
@@ -1294,6 +1345,7 @@ def bench_profile(cfg: BenchConfig, folder: Path) -> dict[str, Any]:
         "handle_p99_us": p99,
         "handle_events_p50_us": _percentiles_us(with_events)[0],
         "profiled_us_per_step": stats[root][3] * 1e6 / n,
+        "native_us": native,
         "phases": _split(stats, root, n),
         "top": [{"function": f"{Path(f).name}:{line}({name})", "own_us": v[2] * 1e6 / n, "cum_us": v[3] * 1e6 / n,
                  "calls_per_step": v[1] / n} for (f, line, name), v in top],
@@ -1344,6 +1396,8 @@ def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
         journal = bench_journal(cfg, fleet, ctx)  # two fresh daemons of their own, after the first one stopped
         profile = bench_profile(cfg, fleet.folder)
         step_out["handle_p50_us"] = profile["handle_p50_us"]
+        step_out["native_floor_us"] = step_out["codec_p50_us"] + profile["native_us"]["allocator"]
+        step_out["native_floor_over_echo_p50"] = step_out["native_floor_us"] / step_out["echo_p50_us"]
     finally:
         try:
             fleet.close()
@@ -1472,6 +1526,9 @@ def render(result: dict[str, Any]) -> str:
         f"  codec floor: the echo server decoding this step and encoding its reply (protocol.unpack/pack, no other "
         f"work), the client encoding the step and decoding the reply: p50 {_us(step['codec_p50_us'])} us = "
         f"{ratio(step['codec_over_echo_p50'])} echo, taking turns with the echo and the steps",
+        f"  native floor: the codec floor + the allocator's C work in a step ({_us(prof['native_us']['allocator'])} "
+        f"us, section 5) = {_us(step['native_floor_us'])} us = {ratio(step['native_floor_over_echo_p50'])} echo: "
+        "the step with no Python in the daemon and none in the client, before the client's own C work",
         "",
         f"3. throughput: extends per second through one daemon ({cfg['seconds']:g} s per row; pre-packed = the "
         "client only splices an id into a packed extend_many and checks 'ok')",
@@ -1499,7 +1556,8 @@ def render(result: dict[str, Any]) -> str:
         f"5. profile: CacheServer.handle in-process, {prof['steps']} steps of {prof['message_bytes']:,} B; plain "
         f"p50 {_us(prof['handle_p50_us'])} us, p99 {_us(prof['handle_p99_us'])} us (with --events p50 "
         f"{_us(prof['handle_events_p50_us'])} us); under cProfile "
-        f"{_us(prof['profiled_us_per_step'])} us/step",
+        f"{_us(prof['profiled_us_per_step'])} us/step; in this package's C extensions (timed without cProfile, "
+        f"p50): codec {_us(prof['native_us']['codec'])} us, allocator {_us(prof['native_us']['allocator'])} us",
         f"  call paths below start at {prof['phases'][0]['path']}",
         table(
             ["where", "what", "us/step (profiled)", "share"],
