@@ -147,7 +147,7 @@ def bench_host(layers: int, repeat: int, threads: int | None = None) -> list[dic
             for label, seconds in (("numpy copyto", plain), (f"engine {engine.host_method}", one_engine),
                                    (f"engine {other.host_method}", one_other)):
                 rows[-3].setdefault("limits_ms", {})[label] = seconds * 1e3
-            del src_buf, dst_buf
+            src_buf = dst_buf = None  # freed before the next size's: rebinding, as the lambdas above hold the cells
     return rows
 
 
@@ -325,7 +325,8 @@ def bench_gpu(layers: int, repeat: int) -> dict[str, Any] | str:
                     rows.append(_row(path, bs, method, first.num_ranges, nbytes, ours, raw,
                                      "one cudaMemcpyAsync", target))
                     rows[-1]["submit_ms"] = submit[0] * 1e3  # CPU time in write(): ranges, upload, launch
-            del gpu_a, gpu_b, host, flat_gpu, flat_gpu2, flat_host, regions
+            del gpu_a, gpu_b, host, flat_gpu, flat_gpu2, flat_host
+            regions = None  # rebound, not deleted: timed_write's closure holds the cell
             torch.cuda.empty_cache()
         cuda = limit_engine.cuda
         info = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "runtime": cuda.version,
