@@ -8,7 +8,10 @@ One transport per run (ipc:// by default, ``--transport tcp`` for 127.0.0.1 on f
      uniform rows, prefix caching on, unique prompts so every admit hashes and, once the pool is
      full, evicts); each step is one ``client.batch()``: 2 frees of the oldest requests, 256
      one-token extends (one extend_many on the wire), 2 admits of fresh prompts. Echo round trips
-     and steps take turns in rounds, so a slow spell of the machine falls on both;
+     and steps take turns in rounds, so a slow spell of the machine falls on both. Two floors go
+     with them: the codec floor (the echo server decoding the step and encoding its reply, the
+     client the reverse) and the native floor (the codec floor plus the daemon's C work in a step,
+     from section 5): a step with no Python on either side would take at least that;
   3. throughput: extends per second through the daemon, from client processes in parallel,
      through ``CacheClient.batch()`` (what a scheduler pays per request), ``CacheClient.extend_many``
      (ids, tokens and counts as arrays) and as pre-packed extend_many messages (the daemon's own
@@ -24,8 +27,9 @@ One transport per run (ipc:// by default, ``--transport tcp`` for 127.0.0.1 on f
      every seq arrived: SUB sockets on the PUB, then datagram sockets subscribed at the local
      endpoint, taking turns twice;
   5. profile: the step workload through ``CacheServer.handle`` in this process on pre-packed
-     messages, timed plain (also on a daemon publishing KV events, ``--events``) and then under
-     cProfile, its time split along the call tree (decode, validate, apply, pack, publish,
+     messages, timed plain (also on a daemon publishing KV events, ``--events``), with the time in
+     this package's C extensions counted per step (timers wrapped around their functions), and then
+     under cProfile, its time split along the call tree (decode, validate, apply, pack, publish,
      bookkeeping).
 Every process started is stopped on the way out (errors and Ctrl-C included) and every wait has a
 deadline. The exit code is 0 whatever the numbers: a benchmark reports, it does not fail.
