@@ -51,6 +51,7 @@ import socket
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
@@ -1247,7 +1248,7 @@ def _timing_native(spent: list[int]) -> Iterator[None]:
     from kvcache.allocator import _chainhash, _hashtable, _pool, _tables
 
     saved = [(module, name, func) for module in (_wire, _tables, _chainhash, _pool, _hashtable)
-             for name, func in vars(module).items() if type(func).__name__ == "builtin_function_or_method"]
+             for name, func in vars(module).items() if isinstance(func, types.BuiltinFunctionType)]
     try:
         for module, name, func in saved:
             setattr(module, name, _timed(func, spent, 0 if module is _wire else 1))
@@ -1262,23 +1263,20 @@ def _native_handles(cfg: BenchConfig, folder: Path, messages: list[bytes], warm:
     with them timed: a step with no Python around them costs this."""
     spent = [0, 0]
     per_step = np.empty((cfg.profile_steps, 2), dtype=np.int64)
-    with _timing_native(spent):
-        server, ctx = _profile_server(cfg, folder, "native")
-        try:
-            _timed_handles(server, messages[:warm])
-            for i, m in enumerate(messages[warm:warm + cfg.profile_steps]):
-                spent[:] = [0, 0]
-                _check_reply(server.handle(m))
-                per_step[i] = spent
-        finally:
-            server.close()
-            ctx.destroy(0)
+    with _timing_native(spent), _profile_server(cfg, folder, "native") as server:
+        _timed_handles(server, messages[:warm])
+        for i, m in enumerate(messages[warm:warm + cfg.profile_steps]):
+            spent[:] = [0, 0]
+            _check_reply(server.handle(m))
+            per_step[i] = spent
     codec, allocator = np.median(per_step, axis=0) / 1e3
     return {"codec": float(codec), "allocator": float(allocator)}
 
 
-def _profile_server(cfg: BenchConfig, folder: Path, name: str, **settings: Any) -> tuple[Any, zmq.Context]:
-    """A CacheServer in this process as the benchmark's daemon is configured (plus ``settings``), and its context."""
+@contextlib.contextmanager
+def _profile_server(cfg: BenchConfig, folder: Path, name: str, **settings: Any) -> Iterator[Any]:
+    """A CacheServer in this process as the benchmark's daemon is configured (plus ``settings``); it and its
+    context are closed on the way out."""
     from kvcache.serve import build_manager
     from kvcache.server import CacheServer
 
@@ -1286,7 +1284,14 @@ def _profile_server(cfg: BenchConfig, folder: Path, name: str, **settings: Any) 
                             block_size=cfg.block_size, rows="full", enable_prefix_caching=True, **settings)
     manager, rows, extra = build_manager(serve_cfg.resolved())
     ctx = zmq.Context()
-    return CacheServer(serve_cfg, manager, rows, context=ctx, extra_info=extra), ctx
+    try:
+        server = CacheServer(serve_cfg, manager, rows, context=ctx, extra_info=extra)
+        try:
+            yield server
+        finally:
+            server.close()
+    finally:
+        ctx.destroy(0)
 
 
 def _timed_handles(server: Any, messages: list[bytes]) -> np.ndarray:
@@ -1302,13 +1307,9 @@ def _timed_handles(server: Any, messages: list[bytes]) -> np.ndarray:
 
 def _handle_with_events(cfg: BenchConfig, folder: Path, messages: list[bytes], warm: int) -> np.ndarray:
     """ns of CacheServer.handle on the timed steps of a daemon that also publishes KV events (``--events``)."""
-    server, ctx = _profile_server(cfg, folder, "events-profile", events=True)
-    try:
+    with _profile_server(cfg, folder, "events-profile", events=True) as server:
         _timed_handles(server, messages[:warm])
         return _timed_handles(server, messages[warm:warm + cfg.profile_steps])
-    finally:
-        server.close()
-        ctx.destroy(0)
 
 
 def bench_profile(cfg: BenchConfig, folder: Path) -> dict[str, Any]:
@@ -1316,8 +1317,7 @@ def bench_profile(cfg: BenchConfig, folder: Path) -> dict[str, Any]:
     then under cProfile."""
     from kvcache.server import CacheServer
 
-    server, ctx = _profile_server(cfg, folder, "p")
-    try:
+    with _profile_server(cfg, folder, "p") as server:
         warm = _warmup_steps(cfg)
         setup, messages = _step_messages(cfg, warm + 2 * cfg.profile_steps)
         with_events = _handle_with_events(cfg, folder, setup + messages, len(setup) + warm)
@@ -1333,9 +1333,6 @@ def bench_profile(cfg: BenchConfig, folder: Path) -> dict[str, Any]:
         profiler.disable()
         for reply in replies:
             _check_reply(reply)
-    finally:
-        server.close()
-        ctx.destroy(0)
     stats = pstats.Stats(profiler).stats  # type: ignore[attr-defined]
     n = len(profiled)
     code = CacheServer.handle.__code__
