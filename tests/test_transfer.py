@@ -631,7 +631,9 @@ def test_an_idle_nixl_engine_leaves_the_cpu_alone_and_close_ends_its_threads(pro
         before = cpu_seconds(mine)
         time.sleep(1.0)
         used = cpu_seconds(mine) - before
-    assert used < 0.25, f"an idle engine's threads used {used:.2f} s of CPU in 1 s"
+    # A spinning thread takes a whole core (NIXL's Python API: 0.8 s per s). Idle, these threads used 0.03-0.06 s
+    # here, also with both cores busy, but 0.28 s once on a fresh 2-core CI machine: the bound is half a core.
+    assert used < 0.5, f"an idle engine's threads used {used:.2f} s of CPU in 1 s"
     deadline = time.monotonic() + 5
     while set(os.listdir("/proc/self/task")) & mine and time.monotonic() < deadline:
         time.sleep(0.01)
