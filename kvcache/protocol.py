@@ -116,6 +116,7 @@ import msgpack
 import numpy as np
 
 from kvcache import _wire
+from kvcache.allocator import _tables
 from kvcache.allocator.errors import KVCacheError
 from kvcache.allocator.prefix import as_token_array
 
@@ -284,6 +285,9 @@ def check_int(value: Any, field: str, least: int = 0, most: int = INT64_MAX) -> 
 
 def check_tokens(value: Any, field: str, max_tokens: int) -> np.ndarray:
     """Tokens as a uint32 array: an integer array ext or a list of ints (no bools), ids in [0, 2**32)."""
+    usual = _tables.token_array(value)  # the usual case in one C call: a uint32 array, or int32 ids >= 0
+    if usual is not None and usual.size <= max_tokens:
+        return usual
     if isinstance(value, list) and not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
         raise ProtocolError(f"{field}: expected integers")
     if not isinstance(value, (np.ndarray, list)):

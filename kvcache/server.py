@@ -705,8 +705,8 @@ class CacheServer:
     def _validate(self, raw_ops: list) -> list[_Op]:
         """Check every op before any is applied: fields, and request liveness in op order.
 
-        The usual values (an int or short str id, a token array of uint32 or int32 ids >= 0, an admit with no
-        optional field) pass inline checks; anything else goes to the protocol's checks, which name the field.
+        The usual values (an int or short str id, an admit with no optional field) pass inline checks; anything
+        else goes to the protocol's checks, which name the field.
         """
         cfg = self.config
         live: dict[Any, bool] = {}  # this message's admits (True) and frees (False) so far
@@ -714,7 +714,6 @@ class CacheServer:
         slots_taken: dict[int, bool] = {}
         ops: list[_Op] = []
         pd = self._pd
-        token_array = _tables.token_array
         rows_stable = True  # no op so far frees a request but by an explicit free (which the ids may not name)
         for i, op in enumerate(raw_ops):
             if not isinstance(op, dict):
@@ -733,10 +732,7 @@ class CacheServer:
                 if kind == "admit" or kind == "reserve":
                     if is_live:
                         raise ProtocolError(f"ops[{i}].req: request {req!r} is already admitted")
-                    raw = op.get("tokens")
-                    tokens = token_array(raw)
-                    if tokens is None or tokens.size > cfg.max_tokens:
-                        tokens = check_tokens(raw, f"ops[{i}].tokens", cfg.max_tokens)
+                    tokens = check_tokens(op.get("tokens"), f"ops[{i}].tokens", cfg.max_tokens)
                     if tokens.size == 0:
                         raise ProtocolError(f"ops[{i}].tokens: must hold at least one token")
                     if kind == "admit" and len(op) == 3:  # op, req and tokens: no optional field
@@ -779,10 +775,7 @@ class CacheServer:
                         check_request_id(req, f"{field}.reqs[{j}]")
                         if not live.get(req, req in admitted):
                             raise ProtocolError(f"{field}.reqs[{j}]: request {req!r} is not admitted")
-                raw = op.get("tokens")
-                tokens = token_array(raw)
-                if tokens is None or tokens.size > cfg.max_tokens:
-                    tokens = check_tokens(raw, f"{field}.tokens", cfg.max_tokens)
+                tokens = check_tokens(op.get("tokens"), f"{field}.tokens", cfg.max_tokens)
                 counts = op.get("counts")
                 if not isinstance(counts, np.ndarray) or counts.dtype.kind not in "iu" or counts.shape != (len(reqs),):
                     raise ProtocolError(f"{field}.counts: must be an integer array with one count per request")

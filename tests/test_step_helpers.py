@@ -12,6 +12,7 @@ from kvcache.allocator.errors import KVCacheError
 from kvcache.allocator.manager import KVCacheManager
 from kvcache.allocator.prefix import as_token_array
 from kvcache.client import Batch
+from kvcache.protocol import ProtocolError, check_tokens
 
 DTYPES = [np.int32, np.uint32, np.int64, np.uint64, np.int16, np.float32]
 
@@ -210,6 +211,25 @@ def test_token_array_is_the_python_conversion_or_declines(data: st.DataObject) -
         if other is not None and not (isinstance(other, np.ndarray) and other.ndim == 1 and other.flags.c_contiguous
                                       and other.dtype == array.dtype):
             assert _tables.token_array(other) is None
+
+
+@settings(max_examples=300)
+@given(st.data())
+def test_check_tokens_holds_the_limit_and_the_range_on_its_one_call_path(data: st.DataObject) -> None:
+    """check_tokens gives token_array's cases in one C call: the daemon's limit and the id range still hold for
+    them, and a refusal names the field; what it accepts is the ids as uint32, lists as arrays."""
+    dtype = np.dtype(data.draw(st.sampled_from([np.uint32, np.int32, np.int64])))
+    low, high = {np.uint32: (0, 2**32 - 1), np.int32: (-(2**31), 2**31 - 1), np.int64: (-3, 2**32 + 3)}[dtype.type]
+    values = data.draw(st.lists(st.integers(low, high), max_size=8))
+    limit = data.draw(st.integers(0, 8))
+    value = data.draw(st.sampled_from([np.array(values, dtype=dtype), values]))
+    fits = len(values) <= limit and all(0 <= v < 2**32 for v in values)
+    try:
+        tokens = check_tokens(value, "ops[3].tokens", limit)
+    except ProtocolError as exc:
+        assert not fits and str(exc).startswith("ops[3].tokens: "), str(exc)
+    else:
+        assert fits and tokens.dtype == np.uint32 and tokens.tolist() == values
 
 
 def test_bounds_declines_what_is_not_an_integer_array() -> None:
