@@ -49,6 +49,11 @@ class DaemonError(KVCacheError):
     """The daemon refused a request (its message names the field and the reason); nothing changed."""
 
 
+def _refusal(raw: Any) -> DaemonError | None:
+    """An op's result as the DaemonError it is when the daemon refused the op (``{"error": reason}``), else None."""
+    return DaemonError(raw["error"]) if type(raw) is dict and len(raw) == 1 and "error" in raw else None
+
+
 def _as_token_array(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
     if isinstance(tokens, np.ndarray):
         return tokens
@@ -592,8 +597,9 @@ class CacheClient:
         decode step's usual reply (each change one new last column) is applied
         in one C pass; anything else goes request by request.
         """
-        if type(raw) is dict and len(raw) == 1 and "error" in raw:
-            return DaemonError(raw["error"])
+        refused = _refusal(raw)
+        if refused is not None:
+            return refused
         lens, changed = raw["lens"], raw["changed"]
         mirror = self._mirror
         views = mirror.views
@@ -628,8 +634,9 @@ class CacheClient:
 
     def _result(self, op: dict[str, Any], raw: Any) -> Any:
         """A raw result in the library's types, keeping this client's table mirror current."""
-        if type(raw) is dict and len(raw) == 1 and "error" in raw:
-            return DaemonError(raw["error"])
+        refused = _refusal(raw)
+        if refused is not None:
+            return refused
         kind = op["op"]
         if kind in ("admit", "reserve"):
             if raw is None:
