@@ -96,18 +96,6 @@ class _Request:
     mm: list[MMPlaceholder] | None
     changed: np.ndarray | range | None  # columns the last admit/extend set (None: the last one; see _changed_ok)
     view: np.ndarray | None = None  # cached read-only view of the table handed to callers
-    legacy: tuple | None = None  # unpickled from an older snapshot: (tokens, num_tokens, last_hash) until adopted
-
-    def __setstate__(self, state: tuple[None, dict[str, object]]) -> None:
-        """Unpickle, keeping an older snapshot's per-request fields (now slot arrays) in ``legacy``."""
-        fields = dict(state[1])
-        if "tokens" in fields:  # written before the slot arrays: see KVCacheManager._adopt_legacy
-            fields["legacy"] = (fields["tokens"], fields["num_tokens"], fields["last_hash"])
-            fields["slot"] = -1
-            for old in ("tokens", "num_tokens", "num_hashed", "last_hash", "fast_limit", "next_recycle"):
-                fields.pop(old, None)
-        for name, value in fields.items():
-            object.__setattr__(self, name, value)
 
 
 class _Chunk(NamedTuple):
@@ -200,27 +188,24 @@ class KVCacheManager:
         self._tier_tokens: dict[int, list[np.ndarray]] = {}
 
     def __getstate__(self) -> dict:
-        """Pickle (a journal snapshot) without the attached tier: it holds memory and threads, not state."""
+        """The state a journal snapshot saves: everything but the attached tier (memory and threads, not state)
+        and the events not yet taken (they were published)."""
         state = self.__dict__.copy()
         state["tier"] = None
         state["_tier_tokens"] = {}
+        state["_events"] = []
         return state
 
     def __setstate__(self, state: dict) -> None:
-        """Unpickling (a journal snapshot): cached table views would be copies now, so drop them.
-
-        A snapshot written before the slot arrays existed (its requests kept
-        their own tokens and counts) is converted, so a daemon upgraded in
-        place recovers its journal.
-        """
+        """Restore a journal snapshot's state; cached table views would be copies now, so drop them."""
         self.__dict__.update(state)
-        self.__dict__.setdefault("tier", None)
-        self.__dict__.setdefault("_group_rows", np.arange(len(self._group_col), dtype=np.int64))  # older snapshots
-        self.__dict__.setdefault("_tier_tokens", {})
-        if "_slot_of" not in state:
-            self._adopt_legacy()
         for req in self._requests.values():
             req.view = None
+
+    @property
+    def hasher(self) -> BlockHasher | None:
+        """The prefix hasher (its algorithm and root), or None with prefix caching off."""
+        return self._hasher
 
     def _init_slots(self) -> None:
         """Empty per-request slot arrays: a decode step updates these hot fields all at once.
@@ -246,28 +231,6 @@ class KVCacheManager:
         self._last_block = np.zeros((0, groups), dtype=np.int32)  # each group's block in the last column
         self._last_hash = np.zeros((0, HASH_BYTES), dtype=np.uint8)  # hash of the last full block (root: none)
         self._all_new = Inserted(np.ones((1, groups), dtype=bool), np.ones(1, dtype=bool))  # one new hash, all rows
-
-    def _adopt_legacy(self) -> None:
-        """Move the hot fields of a pre-slot-array snapshot's requests (``req.legacy``) into slot arrays."""
-        self._init_slots()
-        bs = self.block_size
-        for rid, req in self._requests.items():
-            assert req.legacy is not None, f"request {rid!r} of a legacy snapshot has no legacy fields"
-            tokens, num_tokens, last_hash = req.legacy
-            req.legacy = None
-            slot = req.slot = self._take_slot()
-            self._slot_of[rid] = slot
-            self._by_slot[slot] = req
-            self._ntok[slot] = num_tokens
-            self._changed_ok[slot] = True
-            self._keyed[slot] = req.lora is not None or bool(req.mm)
-            self._salted[slot] = bool(req.cache_salt)
-            self._last_block[slot] = req.table[:, req.num_blocks - 1]
-            if self._hasher is not None:
-                self._last_hash[slot] = np.frombuffer(last_hash or self._hasher.root, dtype=np.uint8)
-            partial = num_tokens % bs
-            self._tail[slot, :partial] = tokens[num_tokens - partial:num_tokens]
-            self._refresh(req)
 
     @classmethod
     def from_spec(

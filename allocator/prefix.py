@@ -194,6 +194,18 @@ class BlockHasher:
         self.native: bool = _chainhash is not None
         self._chain: Callable[..., bytes | list[bytes]] = _pick_chain(algorithm, self.native)
 
+    def __getstate__(self) -> dict[str, object]:
+        """What a journal snapshot saves: the geometry, algorithm and root (the chain function is looked up again)."""
+        return {"block_size": self.block_size, "algorithm": self.algorithm, "root": self.root}
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        for name in ("block_size", "algorithm", "root"):
+            object.__setattr__(self, name, state[name])
+        if self.algorithm not in ALGORITHMS or not isinstance(self.root, bytes) or len(self.root) != HASH_BYTES:
+            raise KVCacheError(f"hasher: a saved state of algorithm {self.algorithm!r} is not valid")
+        self.native = _chainhash is not None
+        self._chain = _pick_chain(self.algorithm, self.native)
+
     def __repr__(self) -> str:
         return (
             f"BlockHasher(block_size={self.block_size}, algorithm={self.algorithm!r}, "
@@ -503,15 +515,6 @@ class PrefixIndex:
         self._spare = np.empty(64, dtype=np.intp)  # stack of unused entry ids below _num_entries
         self._num_spare = 0
         self._count = 0
-
-    def __setstate__(self, state: dict[str, object]) -> None:
-        """Unpickling (a journal snapshot); one written before the table kept entry ids only (its keys in
-        ``_slot_keys``, entries in ``_slot_vals``) gets its table rebuilt, so an upgraded daemon recovers it."""
-        old_entries = state.pop("_slot_vals", None)
-        state.pop("_slot_keys", None)
-        self.__dict__.update(state)
-        if old_entries is not None:
-            self._rebuild_table(old_entries.size, old_entries[old_entries >= 0])
 
     def __len__(self) -> int:
         """Number of hashes with at least one row's block."""

@@ -57,9 +57,12 @@ class ServeConfig:
     max_message_bytes: int = 64 * 2**20
     max_tokens: int = 1 << 22
     max_slots: int = 65_536
+    max_reply_bytes: int = 64 * 2**20
     replay_buffer: int = 4096
+    replay_bytes: int = 256 * 2**20
     dedupe_window: int = 1024
-    pub_hwm: int = 100_000
+    dedupe_bytes: int = 64 * 2**20
+    pub_bytes: int = 64 * 2**20
     io_threads: int = 1
     heartbeat_ms: int = 100
     journal: str = ""
@@ -88,6 +91,13 @@ class ServeConfig:
             raise KVCacheError(f"role: {self.role!r} is not one of both, prefill, decode")
         if isinstance(self.io_threads, bool) or not isinstance(self.io_threads, int) or not 1 <= self.io_threads <= 64:
             raise KVCacheError(f"io_threads: must be an integer in [1, 64], got {self.io_threads!r}")
+        for name in ("max_message_bytes", "max_reply_bytes", "max_tokens", "max_slots", "replay_buffer", "replay_bytes",
+                     "dedupe_bytes", "pub_bytes", "snapshot_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise KVCacheError(f"{name}: must be a positive integer, got {value!r}")
+        if isinstance(self.dedupe_window, bool) or not isinstance(self.dedupe_window, int) or self.dedupe_window < 0:
+            raise KVCacheError(f"dedupe_window: must be a non-negative integer, got {self.dedupe_window!r}")
         if not self.transfer_timeout > 0:
             raise KVCacheError(f"transfer_timeout: must be positive seconds, got {self.transfer_timeout!r}")
 

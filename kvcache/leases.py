@@ -49,6 +49,10 @@ class Leases:
         """The live requests ``client`` owns, in no particular order."""
         return list(self._owned.get(client, ()))
 
+    def count(self, client: str) -> int:
+        """How many live requests ``client`` owns."""
+        return len(self._owned.get(client, ()))
+
     def reclaim(self, client: str, request_ids: Iterable[Any], now: float) -> list[Any]:
         """Make ``client`` the owner of the given live requests; returns those it now owns."""
         taken = []

@@ -144,7 +144,6 @@ class PDState:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """After a restart (journal snapshot) every deadline starts afresh; durations count only what this process saw."""
-        self.totals = dict.fromkeys(OUTCOMES, 0)  # snapshots of earlier versions lack them
         for key, value in state.items():
             setattr(self, key, value)
         self.forget_timing()
@@ -153,6 +152,7 @@ class PDState:
             t.deadline = now + t.timeout
 
     def __getstate__(self) -> dict[str, Any]:
+        """What a journal snapshot saves: no clock readings."""
         return {name: getattr(self, name) for name in ("role", "tp", "block_size", "timeout", "receivers", "transfers",
                                                        "_by_serial", "_serial", "_pending", "_outbox", "totals")}
 
@@ -324,6 +324,10 @@ class PDState:
         events = self._outbox.pop(owner, [])
         return {"done": [[req, x] for kind, req, x in events if kind == "done"],
                 "failed": [[req, x] for kind, req, x in events if kind == "failed"]}
+
+    def unread(self, owner: str) -> int:
+        """How many outcomes ``owner``'s next poll returns."""
+        return len(self._outbox.get(owner, ()))
 
     def forget_owner(self, owner: str) -> None:
         """Drop the unread outcomes of a scheduler that is gone (its lease expired)."""

@@ -48,9 +48,15 @@ HELP = {
     "max_message_bytes": "largest scheduler message accepted, refused by size before decoding (default 64 MiB)",
     "max_tokens": "most tokens in one operation (default 4,194,304)",
     "max_slots": "batch slots handed to requests (default 65,536)",
+    "max_reply_bytes": "largest reply: a message whose reply could be larger is refused before any of it applies "
+                       "(default 64 MiB)",
     "replay_buffer": "deltas kept for replay before workers must resync from a snapshot (default 4096)",
+    "replay_bytes": "bytes of deltas kept for replay, oldest dropped first (default 256 MiB)",
     "dedupe_window": "replies remembered per client for retried requests (default 1024)",
-    "pub_hwm": "messages queued per slow subscriber before it is dropped and must resync (default 100,000)",
+    "dedupe_bytes": "bytes of replies remembered for retried requests in all, oldest dropped first; a retry whose "
+                    "reply was dropped is refused, never applied twice (default 64 MiB)",
+    "pub_bytes": "bytes of deltas the PUB socket may hold for a slow subscriber; past that it drops deltas and the "
+                 "worker catches up by replay (default 64 MiB)",
     "io_threads": "ZMQ I/O threads: more spread the table-delta fan-out to many subscribers over cores (default 1)",
     "heartbeat_ms": "publish the latest seq after this much silence, so workers notice lost deltas and restarts "
                     "(default 100)",

@@ -16,13 +16,14 @@ at once, and its round trip does not wait for their encoding. Workers wait for t
 from __future__ import annotations
 
 import collections
+import dataclasses
 import heapq
 import itertools
 import logging
 import os
-import pickle
 import socket
 import time
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -33,14 +34,17 @@ import zmq
 from kvcache import __version__
 from kvcache.allocator import _tables
 from kvcache.allocator.errors import KVCacheError
-from kvcache.allocator.manager import KVCacheManager
-from kvcache.allocator.swa import AttentionPolicy
+from kvcache.allocator.manager import KVCacheManager, _Request
+from kvcache.allocator.pool import BlockPool
+from kvcache.allocator.prefix import BlockHasher, Inserted, MMPlaceholder, PrefixIndex
+from kvcache.allocator.swa import AttentionPolicy, Full, Window
 from kvcache.auth import CurveConfig, secure_server_socket, start_authenticator
 from kvcache.config import LOCAL_OFF, ServeConfig, describe_rows
-from kvcache.journal import Journal
+from kvcache.journal import Journal, JournalFull
 from kvcache.leases import Leases
+from kvcache.state_codec import StateCodec
 from kvcache.pd import MUTATING as _PD_MUTATING
-from kvcache.pd import PD_OPS, PDState, validate_op
+from kvcache.pd import MAX_ERROR, PD_OPS, PDState, Transfer, validate_op
 from kvcache.protocol import (
     DELTA_HEAD_BYTES,
     DELTA_TOPIC,
@@ -77,20 +81,33 @@ _SNDMORE_NOBLOCK = _SNDMORE | _NOBLOCK
 _REQUEST_OPS = frozenset({"admit", "reserve", "extend", "free", "table"})  # ops that name one request (op["req"])
 _MUTATING = frozenset({"admit", "extend", "extend_many", "free", "reset_prefix_cache", "reclaim"}) | _PD_MUTATING
 _LEASE_CLIENT = "kvcache-lease-expiry"
+# Settings a journal records: its records are replayed under the first three (the limits they were accepted
+# with); the recovered state must fit the rest (_fit_settings).
+_REPLAY_SETTINGS = ("max_tokens", "max_message_bytes", "max_slots")
+_JOURNALED_SETTINGS = (*_REPLAY_SETTINGS, "role", "tp")
+SNAPSHOT_RETRY_S = 10.0
+# The largest delta payload the PUB sends as it is (as a local-endpoint datagram): a larger one goes as a heartbeat
+# of its seq, which sends workers to the replay socket for it.
+PUB_MAX_DELTA_BYTES = LOCAL_MAX_BYTES  # a snapshot that found the disk full is tried again after this long
 METRICS_INTERVAL_S = 0.05  # a busy daemon counts its messages in the metrics at most this often
 _PD_CLIENT = "kvcache-transfer-expiry"
 
 
-def _check_compatible(journaled: KVCacheManager, configured: KVCacheManager) -> None:
-    """Refuse a journal written for another geometry, naming the setting that differs."""
+def _check_compatible(journaled: KVCacheManager, configured: KVCacheManager, cfg: ServeConfig) -> None:
+    """Refuse a journal written for another geometry or prefix hash, naming the setting that differs."""
+    old_hasher, new_hasher = journaled.hasher, configured.hasher
     for name, old, new in (
         ("num_blocks", journaled.num_blocks, configured.num_blocks),
         ("block_size", journaled.block_size, configured.block_size),
         ("rows", journaled.rows, configured.rows),
         ("enable_prefix_caching", journaled.enable_prefix_caching, configured.enable_prefix_caching),
+        ("hash_algorithm", old_hasher and old_hasher.algorithm, new_hasher and new_hasher.algorithm),
     ):
         if old != new:
             raise KVCacheError(f"journal: {name} is {old!r} in the journal but {new!r} in this configuration")
+    if cfg.hash_seed and old_hasher is not None and old_hasher.root != new_hasher.root:
+        raise KVCacheError("journal: hash_seed differs from the one the journal's cached prefixes were hashed with; "
+                           "start with the same --hash-seed, or none to keep the journal's")
 
 
 @dataclass(slots=True)
@@ -155,29 +172,85 @@ class _Changes:
                 "cols": cols.astype(np.int32, copy=False), "vals": vals.astype(np.int32, copy=False)}
 
 
-class _Dedupe:
-    """Replies to the last requests of each client, so a retried request is answered, not re-applied."""
+class _RetryCache:
+    """The replies to clients' recent requests, so a retried request is answered again, never applied twice.
 
-    def __init__(self, per_client: int, clients: int = 4096) -> None:
-        self._per_client = per_client
-        self._clients = clients
-        self._replies: collections.OrderedDict[str, collections.OrderedDict[int, bytes]] = collections.OrderedDict()
+    Bounded per client (``per_client`` replies) and in all (``max_bytes``: each reply's bytes plus
+    ``ENTRY_BYTES``, each client's record ``CLIENT_BYTES``), the oldest dropped first. Each reply keeps a digest
+    of its request, so a different request reusing an id is told from a retry. Beyond the replies, each client's
+    answered ids are remembered as a few ranges (ids count up from a random start per client), so a retry whose
+    reply was dropped is recognised and refused instead of applied again. That takes ids that count up by one per
+    request (as CacheClient's do); other ids are told apart from retries only while their replies are kept.
+    """
 
-    def get(self, client: str, request_id: int) -> bytes | None:
-        replies = self._replies.get(client)
-        return None if replies is None else replies.get(request_id)
+    ENTRY_BYTES = 160  # what a kept reply costs beyond its bytes (keys, tuple, dict slot)
+    CLIENT_BYTES = 512  # what a client's record costs (its name, id ranges and queue)
+    RANGES = 8  # id ranges kept per client, the newest: a lost request or a restarted client starts a new one
 
-    def put(self, client: str, request_id: int, reply: bytes) -> None:
-        replies = self._replies.get(client)
-        if replies is None:
-            replies = self._replies[client] = collections.OrderedDict()
-            if len(self._replies) > self._clients:
-                self._replies.popitem(last=False)
+    def __init__(self, per_client: int, max_bytes: int) -> None:
+        self.per_client = per_client
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._replies: collections.OrderedDict[tuple[str, int], tuple[int, bytes]] = collections.OrderedDict()
+        self._order: dict[str, collections.deque[int]] = {}  # client -> its kept ids, oldest first
+        self._answered: collections.OrderedDict[str, list[list[int]]] = collections.OrderedDict()  # id ranges
+
+    def get(self, client: str, request_id: int) -> tuple[int, bytes] | None:
+        """The kept (digest, reply) of a request, or None."""
+        return self._replies.get((client, request_id))
+
+    def answered(self, client: str, request_id: int) -> bool:
+        """Whether ``request_id`` of ``client`` lies in the ids it has had answered (kept reply or not)."""
+        return any(low <= request_id <= high for low, high in self._answered.get(client, ()))
+
+    def put(self, client: str, request_id: int, digest: int, reply: bytes) -> None:
+        """Remember a request's answer; drops the oldest replies (and client records) past the limits."""
+        ranges = self._answered.get(client)
+        if ranges is None:
+            ranges = self._answered[client] = []
+            self.bytes += self.CLIENT_BYTES
         else:
-            self._replies.move_to_end(client)
-        replies[request_id] = reply
-        if len(replies) > self._per_client:
-            replies.popitem(last=False)
+            self._answered.move_to_end(client)
+        if ranges and ranges[-1][1] + 1 == request_id:
+            ranges[-1][1] = request_id
+        else:
+            ranges.append([request_id, request_id])
+            if len(ranges) > self.RANGES:
+                del ranges[0]
+        cost = len(reply) + self.ENTRY_BYTES
+        if cost <= self.max_bytes and self.per_client > 0:
+            self._replies[(client, request_id)] = (digest, reply)
+            self._order.setdefault(client, collections.deque()).append(request_id)
+            self.bytes += cost
+            if len(self._order[client]) > self.per_client:
+                self._drop(client, self._order[client][0])
+        self._trim()
+
+    def limit(self, per_client: int, max_bytes: int) -> None:
+        """Apply new limits (a restarted daemon's settings), dropping the oldest replies past them."""
+        self.per_client, self.max_bytes = per_client, max_bytes
+        for client, order in list(self._order.items()):
+            while len(order) > per_client:
+                self._drop(client, order[0])
+        self._trim()
+
+    def _trim(self) -> None:
+        while self.bytes > self.max_bytes and self._replies:
+            (client, request_id), _ = next(iter(self._replies.items()))
+            self._drop(client, request_id)
+        while self.bytes > self.max_bytes and self._answered:  # no reply left: the quietest clients' records go
+            client, _ = self._answered.popitem(last=False)
+            self.bytes -= self.CLIENT_BYTES
+
+    def _drop(self, client: str, request_id: int) -> None:
+        """Forget the reply of ``client``'s oldest kept request, ``request_id`` (its id stays answered)."""
+        _, reply = self._replies.pop((client, request_id))
+        self.bytes -= len(reply) + self.ENTRY_BYTES
+        order = self._order[client]
+        assert order[0] == request_id, f"reply {request_id} of {client!r} dropped out of order"
+        order.popleft()
+        if not order:
+            del self._order[client]
 
 
 class _Slots:
@@ -229,7 +302,7 @@ class CacheServer:
         self._ctx = context or zmq.Context.instance()
         self._sockets: list[zmq.Socket] = []
         self._ipc_paths: list[Path] = []
-        self._dedupe = _Dedupe(self.config.dedupe_window)
+        self._retries = _RetryCache(self.config.dedupe_window, self.config.dedupe_bytes)
         self._slots = _Slots(self.config.max_slots)
         self._seq = -1
         # A new epoch per daemon incarnation: workers that see it change drop their tables and resync.
@@ -245,7 +318,9 @@ class CacheServer:
                            self.config.transfer_timeout)
         self._next_pd_check = 0.0
         self._expired = 0
-        self._history: collections.deque[tuple[int, bytearray]] = collections.deque(maxlen=self.config.replay_buffer)
+        self._history: collections.deque[tuple[int, bytearray]] = collections.deque()  # for replay, oldest first
+        self._history_bytes = 0
+        self._next_snapshot = 0.0  # time.monotonic() before which a snapshot that found the disk full is not retried
         self._metrics: Any = None
         self._observed: list[tuple[list[_Op], float]] = []  # answered messages whose metrics are not yet counted
         self._delta_totals = [0, 0, 0]  # deltas, changes and payload bytes published since then
@@ -263,7 +338,9 @@ class CacheServer:
         self.local: socket.socket | None = None
         try:  # a socket that cannot bind (or a journal that cannot load) leaves nothing open behind
             self.router = self._bind(zmq.ROUTER, self.config.endpoint)
-            self.pub = self._bind(zmq.PUB, self.config.pub_endpoint, sndhwm=self.config.pub_hwm)
+            # A slow subscriber's queue holds at most pub_bytes: deltas past PUB_MAX_DELTA_BYTES go as their seq only.
+            self.pub = self._bind(zmq.PUB, self.config.pub_endpoint,
+                                  sndhwm=max(1, self.config.pub_bytes // PUB_MAX_DELTA_BYTES))
             self.replay = self._bind(zmq.ROUTER, self.config.replay_endpoint)
             if self.config.local_endpoint != LOCAL_OFF:
                 self.local = self._bind_local(Path(self.config.local_endpoint))
@@ -351,7 +428,10 @@ class CacheServer:
         """Open the journal: load its snapshot and replay the messages after it, or start a new one.
 
         A journal keeps the daemon's epoch, so workers keep their tables across
-        the restart: every delta they saw was durable before it was sent.
+        the restart: every delta they saw was durable before it was sent. The
+        messages are replayed under the limits they were accepted with; the
+        recovered state must then fit this configuration, or the daemon refuses
+        to start, naming the setting. Nothing acknowledged is ever dropped.
         """
         self._journal = Journal(self.config.journal)
         recovered = self._journal.open()
@@ -359,29 +439,65 @@ class CacheServer:
             self._journal.write_snapshot(self._state())
             log.info("journal %s: new", self.config.journal)
             return
-        state = pickle.loads(recovered.snapshot)
-        _check_compatible(state["manager"], self.manager)
+        state = load_state(recovered.snapshot)
+        journaled = state["settings"]
+        _check_compatible(state["manager"], self.manager, self.config)
         state["manager"].enable_events = self.manager.enable_events
         self.manager = state["manager"]
-        self._slots, self._seq, self.epoch, self._dedupe = state["slots"], state["seq"], state["epoch"], state["dedupe"]
-        self._leases = state.get("leases", self._leases)
-        self._pd = state.get("pd", self._pd)
+        self._slots, self._seq, self.epoch = state["slots"], state["seq"], state["epoch"]
+        self._retries, self._leases, self._pd = state["retries"], state["leases"], state["pd"]
         self._leases.timeout = self.config.lease_timeout
-        for payload in recovered.records:
-            self._process(payload, replaying=True)
+        configured = self.config
+        self.config = dataclasses.replace(configured, **{name: journaled[name] for name in _REPLAY_SETTINGS})
+        try:
+            for lsn, payload in enumerate(recovered.records, recovered.snapshot_lsn + 1):
+                reply = unpack(self._process(payload, replaying=True), 1 << 40)
+                if not reply.get("ok"):
+                    raise KVCacheError(f"journal: record {lsn} was accepted when written but is refused on replay "
+                                       f"({reply.get('error')}); the journal does not fit this version of kvcache")
+        finally:
+            self.config = configured
         self._encode_staged()  # kept for replay (workers may still ask for them), never sent live
         self._staged_events.clear()
         self.manager.take_events()
         self._pd.forget_timing()
-        log.info("journal %s: recovered %d requests at seq %d (%d messages replayed, %d torn bytes dropped)",
-                 self.config.journal, len(self.manager), self._seq, len(recovered.records),
-                 recovered.truncated_bytes)
+        self._fit_settings(journaled)
+        if any(journaled[name] != getattr(self.config, name) for name in _JOURNALED_SETTINGS):
+            self._journal.write_snapshot(self._state())  # later records follow this configuration's limits
+        if recovered.truncated_bytes:
+            log.warning("journal %s: cut a torn tail of %d bytes after offset %d (a commit that was never "
+                        "acknowledged)", self.config.journal, recovered.truncated_bytes, recovered.records_end)
+        log.info("journal %s: recovered %d requests at seq %d (%d messages replayed)", self.config.journal,
+                 len(self.manager), self._seq, len(recovered.records))
+
+    def _fit_settings(self, journaled: dict[str, Any]) -> None:
+        """Check that the recovered state fits this configuration and apply its limits, or refuse to start."""
+        cfg = self.config
+        used = max(self._slots.owner, default=-1)
+        if used >= cfg.max_slots:
+            raise KVCacheError(f"max_slots: the journal's requests hold batch slot {used} (written with max_slots "
+                               f"{journaled['max_slots']}), which {cfg.max_slots} does not reach; start with "
+                               f"--max-slots {journaled['max_slots']}")
+        self._slots.limit = cfg.max_slots
+        if (cfg.role, cfg.tp) != (self._pd.role, self._pd.tp):
+            name, old, new = ("role", self._pd.role, cfg.role) if cfg.role != self._pd.role else ("tp", self._pd.tp,
+                                                                                                   cfg.tp)
+            if self._pd.transfers:
+                raise KVCacheError(f"{name}: the journal was written with {name} {old!r} and holds "
+                                   f"{len(self._pd.transfers)} transfer(s) in flight, which {name} {new!r} cannot "
+                                   f"carry on; start with --{name} {old} until they end")
+            totals = self._pd.totals
+            self._pd = PDState(cfg.role, cfg.tp, self.manager.num_rows, self.manager.num_blocks,
+                               self.manager.block_size, cfg.transfer_timeout)
+            self._pd.totals = totals
+        self._pd.timeout = cfg.transfer_timeout
+        self._retries.limit(cfg.dedupe_window, cfg.dedupe_bytes)
 
     def _state(self) -> bytes:
         """Everything a restart needs, for a journal snapshot."""
-        return pickle.dumps({"manager": self.manager, "slots": self._slots, "seq": self._seq, "epoch": self.epoch,
-                             "dedupe": self._dedupe, "leases": self._leases,
-                             "pd": self._pd}, protocol=pickle.HIGHEST_PROTOCOL)
+        return dump_state({"manager": self.manager, "slots": self._slots, "seq": self._seq, "epoch": self.epoch,
+                           "retries": self._retries, "leases": self._leases, "pd": self._pd,
+                           "settings": {name: getattr(self.config, name) for name in _JOURNALED_SETTINGS}})
 
     def close(self) -> None:
         """Close every socket and remove the ipc files this daemon created."""
@@ -616,9 +732,18 @@ class CacheServer:
         return reply
 
     def _commit(self) -> None:
-        """Make the messages applied since the last commit durable (one fdatasync; nothing without a journal)."""
+        """Make the messages applied since the last commit durable (one fdatasync; nothing without a journal).
+
+        Space was reserved before they were applied, so this fails only on an I/O error; the daemon then stops
+        without answering them, and a restart recovers what was acknowledged.
+        """
         if self._journal is not None:
-            self._journal.commit()
+            try:
+                self._journal.commit()
+            except OSError as exc:
+                log.critical("journal %s: commit failed (%s); stopping without answering the messages it held",
+                             self.config.journal, exc)
+                raise KVCacheError(f"journal: commit failed: {exc}") from None
 
     def _publish_staged(self) -> None:
         """Publish the staged deltas (durable by now) and events; then maybe compact the journal."""
@@ -627,8 +752,13 @@ class CacheServer:
         if self._events is not None and self._staged_events:
             self._events.publish(self._staged_events)
             self._staged_events = []
-        if self._journal is not None and self._journal.wal_bytes > self.config.snapshot_bytes:
-            self._journal.write_snapshot(self._state())
+        if (self._journal is not None and self._journal.wal_bytes > self.config.snapshot_bytes
+                and time.monotonic() >= self._next_snapshot):
+            try:
+                self._journal.write_snapshot(self._state())
+            except JournalFull as exc:
+                self._next_snapshot = time.monotonic() + SNAPSHOT_RETRY_S
+                log.warning("%s; the snapshot is tried again in %g s, the log grows meanwhile", exc, SNAPSHOT_RETRY_S)
 
     def _process(self, payload: bytes, *, replaying: bool = False) -> bytes:
         """Apply one scheduler message, journal it and stage its deltas; returns the reply. Never raises.
@@ -656,29 +786,95 @@ class CacheServer:
             self._count_error("decode")
             return error_reply(request_id, str(exc))
         self._leases.touch(client, time.monotonic())
-        cached = self._dedupe.get(client, request_id)
-        if cached is not None:
-            return cached
+        digest = zlib.crc32(payload) | len(payload) << 32
+        kept = self._retries.get(client, request_id)
+        if kept is not None:
+            if kept[0] != digest:
+                self._count_error("validate")
+                return error_reply(request_id, f"id: request id {request_id} of client {client!r} was answered "
+                                               "before for a different request; a new request needs a new id")
+            return kept[1]
+        if self._retries.answered(client, request_id):
+            self._count_error("validate")
+            return error_reply(request_id, f"id: request id {request_id} of client {client!r} was answered before "
+                                           "and its reply is no longer kept (the retry window passed); it was not "
+                                           "applied again")
         try:
             ops = self._validate(raw_ops)
+            bound = self._reply_bound(ops, client)
+            if bound > self.config.max_reply_bytes:
+                raise ProtocolError(f"reply: could take up to {bound:,} bytes, over the {self.config.max_reply_bytes:,} "
+                                    "of --max-reply-bytes; ask for fewer or smaller tables per message")
         except ProtocolError as exc:
             self._count_error("validate")
             reply = error_reply(request_id, str(exc))
-            self._dedupe.put(client, request_id, reply)
+            self._retries.put(client, request_id, digest, reply)
             return reply
+        journaled = self._journal is not None and not replaying and any(op.kind in _MUTATING for op in ops)
+        if journaled:
+            try:
+                self._journal.reserve(len(payload))
+            except JournalFull as exc:  # nothing applied; a retry once there is room is applied then
+                self._count_error("journal")
+                return error_reply(request_id, str(exc))
         results, deltas = self._apply(ops, client)
         for changes, freed, reset in deltas:
             self._stage(changes, freed, reset)
         reply = pack({"v": PROTOCOL_VERSION, "id": request_id, "ok": True, "epoch": self.epoch, "seq": self._seq,
                       "results": results})
-        self._dedupe.put(client, request_id, reply)
-        if self._journal is not None and not replaying and any(op.kind in _MUTATING for op in ops):
+        if len(reply) > self.config.max_reply_bytes:
+            log.warning("a reply of %d bytes passed --max-reply-bytes (%d), above its bound of %d bytes",
+                        len(reply), self.config.max_reply_bytes, bound)
+        self._retries.put(client, request_id, digest, reply)
+        if journaled:
             self._journal.append(payload)
         if self._events is not None:
             self._staged_events.extend(self.manager.take_events())
         if self._metrics is not None and not replaying:  # a replayed message's counts reach them by difference
             self._observed.append((ops, time.perf_counter() - start))
         return reply
+
+    def _reply_bound(self, ops: list[_Op], client: str) -> int:
+        """Bytes the reply to validated ``ops`` can take at most: what ``--max-reply-bytes`` is checked against.
+
+        A table is 4 bytes per row and block; a request has at most as many blocks
+        as its tokens fill, counting every token sent in this message so far. An
+        extend_many's changed columns are its requests' new blocks and the window
+        blocks they push out, at most twice a request's new blocks plus two.
+        """
+        m = self.manager
+        rows, bs = m.num_rows, m.block_size
+        column = 4 * (rows + 1)  # a changed column: its index and its value in every row
+        total = 256 + 16 * len(ops)
+        sent = 0  # tokens sent by this message's ops so far
+        for op in ops:
+            kind = op.kind
+            if kind == "extend_many":
+                n = len(op.reqs)
+                total += 16 * n + column * 2 * (op.tokens.size // bs + n)
+                sent += op.tokens.size
+            elif kind in ("admit", "reserve"):
+                blocks = -(-op.tokens.size // bs)
+                total += 4 * rows * blocks * (3 if op.pd is not None else 1) + 64 * len(m.rows)
+                sent += op.tokens.size
+            elif kind in ("extend", "table"):
+                held = m.num_tokens(op.req) if op.req in self._slots.of else 0
+                if kind == "extend":
+                    sent += op.tokens.size
+                total += 2 * column * -(-(held + sent) // bs)
+            elif kind == "plans":
+                reqs = (op.pd or {}).get("reqs", ())
+                held = sum(m.num_tokens(r) for r in reqs if r in self._slots.of)
+                total += 2 * 4 * rows * -(-(held + sent) // bs) + 1024 * len(reqs)
+            elif kind == "owned":
+                total += (MAX_ID_CHARS + 16) * self._leases.count(client)
+            elif kind == "reclaim":
+                total += (MAX_ID_CHARS + 16) * len(op.reqs or ())
+            elif kind == "pd_poll":
+                total += (MAX_ID_CHARS + MAX_ERROR + 32) * self._pd.unread(client)
+            elif kind in ("usage", "stats", "info"):
+                total += 4096 + 128 * len(m.rows)
+        return total
 
     def _observe(self, force: bool = False) -> None:
         """Count the answered messages and published deltas in the metrics, at most every ``METRICS_INTERVAL_S``
@@ -1031,7 +1227,7 @@ class CacheServer:
             payload = pack_delta({"v": PROTOCOL_VERSION, "epoch": self.epoch, "seq": seq,
                                   "changes": changes.wire(self.manager.num_rows), "freed": freed, "reset": reset},
                                  time.monotonic_ns())
-            self._history.append((seq, payload))
+            self._remember(seq, payload)
             encoded.append((seq, payload))
             totals = self._delta_totals  # counted in the metrics by _observe
             totals[0] += 1
@@ -1039,6 +1235,16 @@ class CacheServer:
             totals[2] += len(payload)
         self._staged.clear()
         return encoded
+
+    def _remember(self, seq: int, payload: bytearray) -> None:
+        """Keep a delta for replay, dropping the oldest past ``replay_buffer`` deltas or ``replay_bytes`` (the newest
+        always stays)."""
+        history = self._history
+        history.append((seq, payload))
+        self._history_bytes += len(payload)
+        while len(history) > 1 and (len(history) > self.config.replay_buffer
+                                    or self._history_bytes > self.config.replay_bytes):
+            self._history_bytes -= len(history.popleft()[1])
 
     def _send_delta(self, seq: int, payload: bytearray) -> None:
         """Publish a staged delta, stamping its "t" now: the lag workers measure starts at the send."""
@@ -1049,7 +1255,7 @@ class CacheServer:
             send = self.pub.send  # a PUB queues a message's frames together or drops them all: no partial one
             send(self._topic, _SNDMORE_NOBLOCK)
             send(head, _SNDMORE_NOBLOCK)
-            send(payload, _NOBLOCK)
+            send(payload if len(payload) <= PUB_MAX_DELTA_BYTES else b"", _NOBLOCK)
         except zmq.Again:  # PUB drops for slow subscribers rather than block; they resync by seq
             pass
         if self._local_subscribers:
@@ -1137,3 +1343,32 @@ class CacheServer:
     def _count_error(self, kind: str) -> None:
         if self._metrics is not None:
             self._metrics.observe_error(kind)
+
+
+SNAPSHOT_FORMAT = 1
+STATE_CODEC = StateCodec(  # what journal snapshots may hold
+    [KVCacheManager, _Request, BlockPool, PrefixIndex, BlockHasher, Inserted, MMPlaceholder, Full,
+                     Window, _Slots, _RetryCache, Leases, PDState, Transfer])
+_STATE_TYPES = {"manager": KVCacheManager, "slots": _Slots, "retries": _RetryCache, "leases": Leases, "pd": PDState,
+                "seq": int, "epoch": int, "settings": dict}
+
+
+def dump_state(state: dict[str, Any]) -> bytes:
+    """A daemon's state (``CacheServer._state``'s map) as journal snapshot bytes."""
+    return STATE_CODEC.dumps({"format": SNAPSHOT_FORMAT, "kvcache": __version__, **state})
+
+
+def load_state(data: bytes) -> dict[str, Any]:
+    """The map ``dump_state`` saved; anything else raises ``KVCacheError`` without running code from the snapshot."""
+    state = STATE_CODEC.loads(data)
+    if not isinstance(state, dict) or state.get("format") != SNAPSHOT_FORMAT:
+        found = state.get("format") if isinstance(state, dict) else None
+        raise KVCacheError(f"journal: the snapshot's format {found!r} is not {SNAPSHOT_FORMAT}, the one this "
+                           f"version of kvcache reads")
+    for name, kind in _STATE_TYPES.items():
+        if not isinstance(state.get(name), kind):
+            raise KVCacheError(f"journal: the snapshot's {name} is not a {kind.__name__}")
+    missing = [name for name in _JOURNALED_SETTINGS if name not in state["settings"]]
+    if missing:
+        raise KVCacheError(f"journal: the snapshot lacks the settings {', '.join(missing)}")
+    return state

@@ -8,13 +8,13 @@ tables, free counts, eviction order, prefix index, events and statistics.
 from __future__ import annotations
 
 import dataclasses
-import pickle
 
 import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvcache.allocator import Full, KVCacheError, KVCacheManager, Window
+from kvcache.server import STATE_CODEC
 
 import pytest
 
@@ -130,7 +130,7 @@ def test_extend_many_equals_extends_one_at_a_time(shape, num_blocks, caching, al
         elif op[0] == "reset":
             assert batched.reset_prefix_cache() == single.reset_prefix_cache()
         assert_same(batched, single, live)
-    copy = pickle.loads(pickle.dumps(batched))  # a journal snapshot keeps the slot arrays
+    copy = STATE_CODEC.loads(STATE_CODEC.dumps(batched))  # a journal snapshot keeps the slot arrays
     assert_same(copy, single, live)
 
 

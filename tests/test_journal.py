@@ -2,18 +2,30 @@
 from __future__ import annotations
 
 import os
+import subprocess
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcache.allocator.errors import KVCacheError
-from kvcache.journal import PREALLOCATE_BYTES, Journal, records_end
+from kvcache.journal import PREALLOCATE_BYTES, Journal, JournalFull, examine, records_end, repair
 
 
 def reopen(folder):
+    """Open a journal; a new one gets an empty snapshot first, as the daemon gives it."""
     journal = Journal(folder)
-    return journal, journal.open()
+    recovered = journal.open()
+    if recovered.snapshot is None:
+        journal.write_snapshot(b"")
+    return journal, recovered
+
+
+def crash(journal):
+    """What a kill does to an open journal: its files close (and its lock goes) without a commit."""
+    os.close(journal._fd)
+    os.close(journal._lock)
+    journal._fd = journal._lock = None
 
 
 def test_committed_records_come_back_in_order(tmp_path):
@@ -35,7 +47,7 @@ def test_uncommitted_records_are_not_written(tmp_path):
     journal.append(b"kept")
     journal.commit()
     journal.append(b"lost")
-    os.close(journal._fd)  # a crash: no commit, no close
+    crash(journal)  # no commit, no close
     assert reopen(tmp_path)[1].records == [b"kept"]
 
 
@@ -123,7 +135,7 @@ def test_any_crash_point_recovers_a_prefix_holding_every_committed_record(tmp_pa
     journal.commit()
     committed = len(state)
     end = journal.wal_bytes
-    os.close(journal._fd)
+    crash(journal)
     wal = folder / "wal"
     size = wal.stat().st_size
     cut = data.draw(st.integers(0, end) | st.integers(end, size))
@@ -184,3 +196,157 @@ def test_records_end_finds_where_the_records_stop_in_a_preallocated_wal(tmp_path
     assert records_end(tmp_path / "wal") == journal.wal_bytes == 2 * 16 + 12
     journal.close()
     assert records_end(tmp_path / "missing") == 0
+
+
+def commits(journal, *groups):
+    """Append and commit each group of records as one commit."""
+    for group in groups:
+        for payload in group:
+            journal.append(payload)
+        journal.commit()
+
+
+def test_a_flip_in_an_acknowledged_commit_with_later_commits_behind_it_is_refused_and_nothing_changes(tmp_path):
+    """Corruption followed by valid records of later commits is not a torn tail: opening refuses, naming the offset."""
+    journal, _ = reopen(tmp_path)
+    commits(journal, [b"a" * 10], [b"b" * 10, b"c" * 10], [b"d" * 10])
+    journal.close()
+    wal = tmp_path / "wal"
+    data = bytearray(wal.read_bytes())
+    data[26 + 16 + 2] ^= 0x04  # a payload byte of record 2 (the second commit's first)
+    wal.write_bytes(bytes(data))
+    with pytest.raises(KVCacheError, match=r"damaged at offset 26 \(record 2 fails its checksum\) and 2 valid "
+                                           r"record\(s\) of later commits follow from offset 52 \(up to record 4\)"):
+        Journal(tmp_path).open()
+    assert wal.read_bytes() == bytes(data)
+    report = examine(tmp_path)
+    assert report.records == [b"a" * 10] and report.damage.offset == 26 and report.damage.records_after == 2
+
+
+def test_damage_in_the_last_commit_is_a_torn_tail_even_with_its_own_records_behind_it(tmp_path):
+    journal, _ = reopen(tmp_path)
+    commits(journal, [b"a" * 10], [b"b" * 10, b"c" * 10, b"d" * 10])
+    journal.close()
+    data = bytearray((tmp_path / "wal").read_bytes())
+    data[26 + 16 + 2] ^= 0x04
+    (tmp_path / "wal").write_bytes(bytes(data))
+    assert examine(tmp_path).damage is None
+    _, rec = reopen(tmp_path)
+    assert rec.records == [b"a" * 10] and rec.truncated_bytes == 3 * 26
+
+
+def test_a_log_without_its_snapshot_is_refused_and_kept(tmp_path):
+    journal, _ = reopen(tmp_path)
+    commits(journal, [b"a"], [b"b"])
+    journal.close()
+    (tmp_path / "snapshot").unlink()
+    before = (tmp_path / "wal").read_bytes()
+    with pytest.raises(KVCacheError, match="holds records but .*snapshot is missing"):
+        Journal(tmp_path).open()
+    assert (tmp_path / "wal").read_bytes() == before
+
+
+def test_a_snapshot_without_its_log_is_refused(tmp_path):
+    journal, _ = reopen(tmp_path)
+    journal.close()
+    (tmp_path / "wal").unlink()
+    with pytest.raises(KVCacheError, match="has no .*wal beside it"):
+        Journal(tmp_path).open()
+
+
+def test_a_second_journal_on_the_same_folder_is_refused_naming_the_holder(tmp_path):
+    journal, _ = reopen(tmp_path)
+    with pytest.raises(KVCacheError, match=f"in use by process {os.getpid()}"):
+        Journal(tmp_path).open()
+    journal.close()
+    reopen(tmp_path)[0].close()  # free again once closed
+
+
+@pytest.mark.parametrize("target, mode, fix", [("", 0o777, "chmod 700"), ("", 0o720, "chmod 700"),
+                                               ("wal", 0o666, "chmod 600"), ("snapshot", 0o620, "chmod 600")])
+def test_a_journal_others_may_write_is_refused(tmp_path, target, mode, fix):
+    journal, _ = reopen(tmp_path)
+    journal.close()
+    path = tmp_path / target if target else tmp_path
+    os.chmod(path, mode)
+    with pytest.raises(KVCacheError, match=f"{path} is writable by other users .*; {fix} {path}"):
+        Journal(tmp_path).open()
+    with pytest.raises(KVCacheError, match="writable by other users"):
+        examine(tmp_path)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root")
+def test_a_journal_file_of_another_user_is_refused(tmp_path):
+    journal, _ = reopen(tmp_path)
+    journal.close()
+    os.chown(tmp_path / "snapshot", 4321, -1)
+    with pytest.raises(KVCacheError, match="snapshot belongs to uid 4321"):
+        Journal(tmp_path).open()
+
+
+def test_an_old_pickle_snapshot_is_never_loaded(tmp_path):
+    journal, _ = reopen(tmp_path)
+    journal.close()
+    (tmp_path / "snapshot").write_bytes(b"KVCJ1\n" + bytes(12) + b"cos\nsystem\n(S'touch x'\ntR.")
+    with pytest.raises(KVCacheError, match="as a pickle, which could run code"):
+        Journal(tmp_path).open()
+
+
+def test_repair_cuts_at_a_record_boundary_and_keeps_a_backup(tmp_path):
+    journal, _ = reopen(tmp_path)
+    commits(journal, [b"a" * 10], [b"b" * 10], [b"c" * 10])
+    journal.close()
+    wal = tmp_path / "wal"
+    data = bytearray(wal.read_bytes())
+    data[26 + 16] ^= 1
+    wal.write_bytes(bytes(data))
+    with pytest.raises(KVCacheError, match="--truncate-at: 30 is not where a whole record"):
+        repair(tmp_path, 30)
+    backup = repair(tmp_path, examine(tmp_path).damage.offset)
+    assert backup.read_bytes() == bytes(data) and wal.stat().st_size == 26
+    _, rec = reopen(tmp_path)
+    assert rec.records == [b"a" * 10] and rec.truncated_bytes == 0
+
+
+def test_repair_refuses_a_journal_in_use(tmp_path):
+    journal, _ = reopen(tmp_path)
+    with pytest.raises(KVCacheError, match="in use by a running daemon"):
+        repair(tmp_path, 0)
+    journal.close()
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 12 MiB tmpfs (root only): room for the log's preallocated stretches and a small snapshot."""
+    folder = tmp_path / "disk"
+    folder.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=12m", "tmpfs", str(folder)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("mounting a tmpfs needs root (and a kernel that allows it here)")
+    yield folder
+    subprocess.run(["umount", "-l", str(folder)], check=True)
+
+
+def test_a_full_disk_is_found_by_reserve_before_anything_is_written(small_disk):
+    journal, _ = reopen(small_disk / "j")
+    filler = small_disk / "filler"
+    with open(filler, "wb") as f:  # take what the log has not preallocated
+        try:
+            while True:
+                f.write(bytes(1 << 16))
+                f.flush()
+        except OSError:
+            pass
+    journal.reserve(1000)  # within the preallocated stretch: no disk needed
+    with pytest.raises(JournalFull, match="no space left on device"):
+        journal.reserve(PREALLOCATE_BYTES)
+    commits(journal, [b"x" * 1000])  # what was reserved commits
+    with pytest.raises(JournalFull):
+        journal.write_snapshot(b"S" * (2 << 20))
+    assert not (small_disk / "j" / "snapshot.tmp").exists()
+    filler.unlink()
+    journal.reserve(PREALLOCATE_BYTES)
+    journal.write_snapshot(b"S" * (2 << 20))
+    journal.close()
+    _, rec = reopen(small_disk / "j")
+    assert rec.snapshot == b"S" * (2 << 20) and rec.records == []

@@ -1,9 +1,9 @@
 """Leases: owners of requests, silence past the timeout, reclaiming by id."""
 from __future__ import annotations
 
-import pickle
 
 from kvcache.leases import Leases
+from kvcache.server import STATE_CODEC
 
 
 def test_a_silent_owner_expires_with_its_requests_and_a_talking_one_does_not():
@@ -49,7 +49,7 @@ def test_a_snapshot_keeps_owners_but_restarts_every_clock():
     leases = Leases(timeout=1.0)
     leases.touch("a", 0.0)
     leases.own("a", "r")
-    restored = pickle.loads(pickle.dumps(leases))
+    restored = STATE_CODEC.loads(STATE_CODEC.dumps(leases))
     assert restored.owner("r") == "a"
     assert restored.expired(100.0) == []  # first sight after a restart starts its clock
     assert restored.expired(101.5) == [("a", ["r"])]

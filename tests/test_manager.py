@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-import io
-import pickle
 
 import numpy as np
 import pytest
@@ -14,6 +12,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from kvcache.allocator import CacheSpec, Full, KVCacheError, KVCacheManager, Window
 from kvcache.allocator.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvcache.allocator.prefix import BlockHasher
+from kvcache.server import STATE_CODEC
 from reference_manager import ReferenceManager
 
 BS = 4
@@ -398,10 +397,8 @@ def test_from_spec_builds_one_row_per_kv_head_of_the_rank():
         KVCacheManager.from_spec(spec, 64, head_wise=True, policies=[Full()])
 
 
-def test_a_pickled_manager_carries_on_exactly_like_the_original():
-    """Journal snapshots pickle the manager: the copy must behave identically from there on."""
-    import pickle
-
+def test_a_manager_from_a_journal_snapshot_carries_on_exactly_like_the_original():
+    """A journal snapshot holds the manager: the copy must behave identically from there on."""
     rng = np.random.default_rng(3)
     original = make_manager(num_blocks=40, rows=[Window(8, 4), Full(), Window(8, 4)])
     live: list[int] = []
@@ -417,7 +414,7 @@ def test_a_pickled_manager_carries_on_exactly_like_the_original():
     for i in range(60):
         step(original, i, rng)
         live[:] = [rid for rid in range(i + 1) if rid in original]
-    copy = pickle.loads(pickle.dumps(original))
+    copy = STATE_CODEC.loads(STATE_CODEC.dumps(original))
     copy.check_integrity()
     for i in range(60, 160):
         state = rng.bit_generator.state
@@ -630,60 +627,6 @@ def test_shed_window_without_window_rows_changes_nothing():
     assert m.table("a").tolist() == [[0, 1, 2]] and m.num_free_blocks.tolist() == [5]
     with pytest.raises(KVCacheError, match="first_block"):
         m.shed_window("a", first_block=-1)
-
-
-class _LegacyPickler(pickle.Pickler):
-    """Pickles a manager as the layout before slot arrays did: each request held its tokens and counts."""
-
-    def __init__(self, file, prompts: dict) -> None:
-        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
-        self.prompts = prompts
-
-    def reducer_override(self, obj):
-        from kvcache.allocator.manager import _Request
-
-        if type(obj) is _Request:
-            fields = {name: getattr(obj, name) for name in _Request.__slots__ if name not in ("slot", "legacy")}
-            rid = next(r for r, s in self.manager._slot_of.items() if s == obj.slot)
-            n = self.manager.num_tokens(rid)
-            tokens = np.zeros(64, dtype=np.uint32)
-            tokens[:n] = self.prompts[rid][:n]
-            nh = n // BS
-            fields.update(tokens=tokens, num_tokens=n, num_hashed=nh, fast_limit=0, next_recycle=0,
-                          last_hash=self.manager._last_hash[obj.slot].tobytes() if nh else None,
-                          changed=np.arange(obj.num_blocks, dtype=np.int32))
-            return object.__new__, (_Request,), (None, fields)
-        if type(obj) is KVCacheManager:
-            self.manager = obj
-            new = {"_slot_of", "_by_slot", "_free_slots", "_ntok", "_fast_limit", "_next_recycle", "_width",
-                   "_changed_ok", "_tail", "_stamp", "_keyed", "_salted", "_last_block", "_last_hash", "_all_new"}
-            return object.__new__, (KVCacheManager,), {k: v for k, v in vars(obj).items() if k not in new}
-        return NotImplemented
-
-
-@pytest.mark.parametrize("rows", [[Full()], [Full(), Window(6, 2)]])
-def test_a_snapshot_from_before_slot_arrays_is_adopted(rows):
-    """A journal snapshot whose requests kept their own tokens loads and then behaves as the live manager."""
-    live = make_manager(64, rows, enable_events=False)
-    twin = make_manager(64, rows, enable_events=False)
-    prompts = {}
-    for rid, n in enumerate([3, 4, 9, 15]):
-        prompts[rid] = list(range(100 * rid, 100 * rid + n)) + [7] * 40
-        for m in (live, twin):
-            m.admit(rid, prompts[rid][:n])
-    buffer = io.BytesIO()
-    _LegacyPickler(buffer, prompts).dump(live)
-    adopted = pickle.loads(buffer.getvalue())
-    adopted.check_integrity()
-    for step in range(9):
-        counts = [1, 1, 2, 1]
-        flat = np.array([prompts[rid][twin.num_tokens(rid) + j] for rid, k in enumerate(counts) for j in range(k)])
-        got = adopted.extend_many(list(range(4)), flat, counts)
-        want = twin.extend_many(list(range(4)), flat, counts)
-        assert [g.tolist() for g in got] == [w.tolist() for w in want]
-        adopted.check_integrity()
-    assert adopted.lookup(prompts[2][:20]) == twin.lookup(prompts[2][:20]) > 0
-    assert adopted.num_free_blocks.tolist() == twin.num_free_blocks.tolist()
 
 
 class UniformNoEventsMachine(ManagerMachine):
