@@ -144,11 +144,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"kvcache {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_plan(sub)
-    from kvcache import bench, keys, serve, stats
+    from kvcache import bench, journal_cli, keys, serve, stats
 
     serve.add_parser(sub)
     stats.add_parser(sub)
     keys.add_parser(sub)
+    journal_cli.add_parser(sub)
     bench.add_parser(sub)
     return parser
 

@@ -271,7 +271,8 @@ class Journal:
     def _preallocate(self, needed: int) -> None:
         """Zero-fill the WAL so that ``needed`` more bytes fit with ``PREALLOCATE_BYTES`` to spare, then sync it.
 
-        Raises ``JournalFull`` when the disk has no room, giving back what it had begun to take."""
+        Raises ``JournalFull`` when the disk has no room for ``needed`` bytes, giving back what it had begun to take.
+        """
         assert self._fd is not None, "journal is not open"
         if self._wal_bytes + needed + PREALLOCATE_BYTES // 4 <= self._allocated:
             return
@@ -287,6 +288,8 @@ class Journal:
             if exc.errno not in _NO_SPACE:
                 raise
             os.ftruncate(self._fd, self._allocated)  # gives back what this attempt took
+            if self._wal_bytes + needed <= self._allocated:
+                return  # it still fits the stretch zero-filled before; growing is tried again next time
             raise _no_space(self.wal) from None
         self._allocated = end
 

@@ -439,7 +439,19 @@ class CacheServer:
             self._journal.write_snapshot(self._state())
             log.info("journal %s: new", self.config.journal)
             return
-        state = load_state(recovered.snapshot)
+        journaled = self._restore(load_state(recovered.snapshot), recovered.records, recovered.snapshot_lsn)
+        self._fit_settings(journaled)
+        if any(journaled[name] != getattr(self.config, name) for name in _JOURNALED_SETTINGS):
+            self._journal.write_snapshot(self._state())  # later records follow this configuration's limits
+        if recovered.truncated_bytes:
+            log.warning("journal %s: cut a torn tail of %d bytes after offset %d (a commit that was never "
+                        "acknowledged)", self.config.journal, recovered.truncated_bytes, recovered.records_end)
+        log.info("journal %s: recovered %d requests at seq %d (%d messages replayed)", self.config.journal,
+                 len(self.manager), self._seq, len(recovered.records))
+
+    def _restore(self, state: dict[str, Any], records: list[bytes], snapshot_lsn: int) -> dict[str, Any]:
+        """Take a snapshot's state and replay the records after it, under the limits they were accepted with;
+        returns the settings the journal was written with."""
         journaled = state["settings"]
         _check_compatible(state["manager"], self.manager, self.config)
         state["manager"].enable_events = self.manager.enable_events
@@ -450,7 +462,7 @@ class CacheServer:
         configured = self.config
         self.config = dataclasses.replace(configured, **{name: journaled[name] for name in _REPLAY_SETTINGS})
         try:
-            for lsn, payload in enumerate(recovered.records, recovered.snapshot_lsn + 1):
+            for lsn, payload in enumerate(records, snapshot_lsn + 1):
                 reply = unpack(self._process(payload, replaying=True), 1 << 40)
                 if not reply.get("ok"):
                     raise KVCacheError(f"journal: record {lsn} was accepted when written but is refused on replay "
@@ -461,14 +473,7 @@ class CacheServer:
         self._staged_events.clear()
         self.manager.take_events()
         self._pd.forget_timing()
-        self._fit_settings(journaled)
-        if any(journaled[name] != getattr(self.config, name) for name in _JOURNALED_SETTINGS):
-            self._journal.write_snapshot(self._state())  # later records follow this configuration's limits
-        if recovered.truncated_bytes:
-            log.warning("journal %s: cut a torn tail of %d bytes after offset %d (a commit that was never "
-                        "acknowledged)", self.config.journal, recovered.truncated_bytes, recovered.records_end)
-        log.info("journal %s: recovered %d requests at seq %d (%d messages replayed)", self.config.journal,
-                 len(self.manager), self._seq, len(recovered.records))
+        return journaled
 
     def _fit_settings(self, journaled: dict[str, Any]) -> None:
         """Check that the recovered state fits this configuration and apply its limits, or refuse to start."""

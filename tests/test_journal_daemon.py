@@ -1,0 +1,211 @@
+"""A real `kvcache serve` on a journal that was tampered with, damaged, restarted with other limits, or out of disk."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import pytest
+
+from kvcache.client import CacheClient, DaemonError
+
+FLAGS = ("--num-blocks", "4000", "--block-size", "16")
+
+
+def refused(daemon, *flags, folder=None) -> str:
+    """Start a daemon that must refuse to start; returns what it printed."""
+    try:
+        d = daemon(*flags, ready_timeout=20, folder=folder)
+    except RuntimeError as exc:
+        return str(exc)
+    d.stop()
+    raise AssertionError(f"the daemon started with {flags}")
+
+
+def journal_tool(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvcache", "journal", *args], capture_output=True, text=True,
+                          timeout=60)
+
+
+def admit_many(endpoint: str, count: int, tokens: int = 40, start: int = 0) -> dict:
+    """Admit ``count`` requests (one per message); returns their tables."""
+    tables = {}
+    with CacheClient(endpoint) as client:
+        for i in range(start, start + count):
+            tables[i] = client.admit(i, np.arange(i * 100_000, i * 100_000 + tokens)).table.tolist()
+    return tables
+
+
+def test_a_snapshot_that_would_run_code_is_never_loaded(daemon, tmp_path):
+    """A pickle or a snapshot naming a class outside the daemon's state: refused, and the marker never appears."""
+    journal = tmp_path / "j"
+    d = daemon(*FLAGS, "--journal", str(journal))
+    admit_many(d.endpoint, 2)
+    d.stop()
+    marker = tmp_path / "pwned"
+    snapshot = journal / "snapshot"
+    original = snapshot.read_bytes()
+    payload = f"cos\nsystem\n(S'touch {marker}'\ntR.".encode()  # what pickle.loads would run
+    snapshot.write_bytes(b"KVCJ1\n" + bytes(12) + payload)
+    assert "as a pickle, which could run code" in refused(daemon, *FLAGS, "--journal", str(journal))
+    # The current format, naming a class the codec was not given (the object of an os.system call)
+    head = original[:6 + 8]
+    state = msgpack.packb([msgpack.ExtType(3, bytes([8]) + (0).to_bytes(4, "little") + b"posix.system"),
+                           [f"touch {marker}"]])
+    snapshot.write_bytes(head + zlib.crc32(state).to_bytes(4, "little") + state)
+    assert "unknown class 'posix.system'" in refused(daemon, *FLAGS, "--journal", str(journal))
+    assert not marker.exists()
+
+
+def test_a_journal_others_can_write_is_refused_naming_the_path_and_the_fix(daemon, tmp_path):
+    journal = tmp_path / "j"
+    d = daemon(*FLAGS, "--journal", str(journal))
+    d.stop()
+    os.chmod(journal, 0o777)
+    assert f"{journal} is writable by other users (mode 0777); chmod 700 {journal}" in refused(
+        daemon, *FLAGS, "--journal", str(journal))
+    os.chmod(journal, 0o700)
+    os.chmod(journal / "wal", 0o664)
+    assert f"chmod 600 {journal / 'wal'}" in refused(daemon, *FLAGS, "--journal", str(journal))
+
+
+def test_a_second_daemon_on_a_journal_in_use_is_refused_naming_the_first(daemon, tmp_path):
+    journal = tmp_path / "j"
+    first = daemon(*FLAGS, "--journal", str(journal))
+    message = refused(daemon, *FLAGS, "--journal", str(journal))
+    assert f"is in use by process {first.process.pid}" in message
+    assert admit_many(first.endpoint, 1)  # the first still serves
+
+
+def test_a_deleted_snapshot_is_refused_and_the_log_kept(daemon, tmp_path):
+    journal = tmp_path / "j"
+    d = daemon(*FLAGS, "--journal", str(journal))
+    admit_many(d.endpoint, 5)
+    d.kill()
+    (journal / "snapshot").unlink()
+    log = (journal / "wal").read_bytes()
+    assert "holds records but" in refused(daemon, *FLAGS, "--journal", str(journal))
+    assert (journal / "wal").read_bytes() == log
+    result = journal_tool("check", str(journal))
+    assert result.returncode == 1 and "the snapshot is missing" in result.stdout
+
+
+def test_a_flipped_bit_mid_log_is_refused_and_repair_keeps_what_came_before(daemon, tmp_path):
+    """One bit a third into the log: the restart refuses (naming the offset), check says where, repair cuts there."""
+    journal = tmp_path / "j"
+    d = daemon(*FLAGS, "--journal", str(journal))
+    tables = admit_many(d.endpoint, 20)
+    d.kill()
+    wal = journal / "wal"
+    data = bytearray(wal.read_bytes())
+    end = len(data.rstrip(b"\0"))
+    data[end // 3] ^= 0x10
+    wal.write_bytes(bytes(data))
+    message = refused(daemon, *FLAGS, "--journal", str(journal))
+    assert "is damaged at offset" in message and "nothing was changed" in message
+    assert wal.read_bytes() == bytes(data)
+    check = journal_tool("check", str(journal), "--json")
+    assert check.returncode == 1, check.stderr
+    import json
+
+    report = json.loads(check.stdout)
+    offset, kept = report["damage"]["offset"], report["state"]["requests"]
+    assert offset < end // 3 and 0 < kept < 20 and report["damage"]["records_after"] == 20 - kept - 1
+    fixed = journal_tool("repair", str(journal), "--truncate-at", str(offset))
+    assert fixed.returncode == 0, fixed.stderr
+    backups = list(journal.glob("wal.backup-*"))
+    assert len(backups) == 1 and backups[0].read_bytes() == bytes(data)
+    d = daemon(*FLAGS, "--journal", str(journal), folder=d.folder)
+    with CacheClient(d.endpoint) as client:
+        assert client.stats()["num_requests"] == kept
+        for i in range(kept):
+            assert client.table(i).tolist() == tables[i]
+
+
+def test_a_restart_with_smaller_limits_keeps_every_acknowledged_request_or_refuses(daemon, tmp_path):
+    """Records replay under the limits they were accepted with; state the new limits cannot hold refuses start."""
+    journal = tmp_path / "j"
+    d = daemon(*FLAGS, "--journal", str(journal), "--snapshot-bytes", "100000000")
+    tables = admit_many(d.endpoint, 20, tokens=3000)
+    d.kill()
+    d = daemon(*FLAGS, "--journal", str(journal), "--max-tokens", "100", "--max-message-bytes", "2000",
+               folder=d.folder)
+    with CacheClient(d.endpoint) as client:
+        assert client.stats()["num_requests"] == 20
+        assert all(client.table(i).tolist() == tables[i] for i in range(20))
+        with pytest.raises(DaemonError, match="tokens"):  # the new limit holds for new messages
+            client.admit("big", np.arange(200))
+        epoch = client.info()["epoch"]
+    d.kill()
+    message = refused(daemon, *FLAGS, "--journal", str(journal), "--max-slots", "10", folder=d.folder)
+    assert "max_slots: the journal's requests hold batch slot 19" in message and "--max-slots 65536" in message
+    d = daemon(*FLAGS, "--journal", str(journal), "--max-slots", "20", folder=d.folder)
+    with CacheClient(d.endpoint) as client:
+        assert client.stats()["num_requests"] == 20 and client.info()["epoch"] == epoch
+        with pytest.raises(DaemonError, match="slots are in use"):
+            client.admit("one more", np.arange(5))
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 24 MiB tmpfs (root only) for a journal to fill."""
+    folder = tmp_path / "disk"
+    folder.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(folder)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("mounting a tmpfs needs root (and a kernel that allows it here)")
+    yield folder
+    subprocess.run(["umount", "-l", str(folder)], check=True)
+
+
+def fill(path: Path) -> None:
+    with open(path, "wb") as f:
+        try:
+            while True:
+                f.write(bytes(1 << 16))
+                f.flush()
+        except OSError:
+            pass
+
+
+def test_a_full_disk_refuses_changes_answers_reads_and_recovers_everything_acknowledged(daemon, small_disk):
+    journal = small_disk / "j"
+    d = daemon(*FLAGS, "--journal", str(journal), "--snapshot-bytes", "200000")
+    tables = admit_many(d.endpoint, 5, tokens=2000)
+    fill(small_disk / "filler")
+    refusals = 0
+    with CacheClient(d.endpoint) as client:
+        for i in range(5, 400):  # the log's preallocated stretch runs out; snapshots fail meanwhile
+            try:
+                live = i
+                tables[i] = client.admit(i, np.arange(i * 100_000, i * 100_000 + 30_000)).table.tolist()
+                client.free(i)
+                live = None
+                del tables[i]
+            except DaemonError as exc:
+                assert str(exc).startswith("journal: no space left on device")
+                refusals += 1
+                break
+        assert refusals == 1 and i > 10
+        assert sorted(tables) == [*range(5), *([live] if live in tables else [])]  # the refused op changed nothing
+        if live in tables:  # the free was refused: the request is still there
+            assert client.table(live).tolist() == tables[live]
+        assert client.lookup(np.arange(0, 2000)) == 1984 and client.table(0).tolist() == tables[0]  # reads
+        assert client.stats()["num_requests"] == len(tables)
+        with pytest.raises(DaemonError, match="no space left"):
+            client.admit("big", np.arange(30_000))
+        (small_disk / "filler").unlink()
+        tables["after"] = client.admit("after", np.arange(7, 2007)).table.tolist()
+        client.free(1)
+        del tables[1]
+    assert d.process.poll() is None
+    assert "Traceback" not in d.log() and "the snapshot is tried again" in d.log()
+    d.kill()
+    d = daemon(*FLAGS, "--journal", str(journal), folder=d.folder)
+    with CacheClient(d.endpoint) as client:
+        assert client.stats()["num_requests"] == len(tables)
+        assert all(client.table(rid).tolist() == table for rid, table in tables.items())
