@@ -866,7 +866,7 @@ class CacheServer:
                 held = m.num_tokens(op.req) if op.req in self._slots.of else 0
                 if kind == "extend":
                     sent += op.tokens.size
-                total += 2 * column * -(-(held + sent) // bs)
+                total += (column if kind == "extend" else 4 * rows) * -(-(held + sent) // bs)
             elif kind == "plans":
                 reqs = (op.pd or {}).get("reqs", ())
                 held = sum(m.num_tokens(r) for r in reqs if r in self._slots.of)

@@ -352,11 +352,13 @@ def test_local_subscribers_follow_scheduler_processes_beside_pub_ones_and_gone_o
             s.close()
 
 
-def test_a_delta_too_big_for_a_datagram_reaches_a_local_subscriber_by_replay(daemon):
-    """A 68 KB delta comes as a heartbeat of its seq; the worker fetches it from the replay socket."""
+@pytest.mark.parametrize("local", [True, False])
+def test_a_delta_too_big_for_a_datagram_reaches_a_subscriber_by_replay(daemon, local):
+    """A 136 KB delta comes as a heartbeat of its seq, on the local endpoint and on the PUB (whose queue for a slow
+    subscriber is bounded in bytes that way); the worker fetches it from the replay socket."""
     d = daemon("--rows", "full", "--block-size", "1", "--num-blocks", "20000", "--max-slots", "4")
-    with CacheClient(d.endpoint) as c, TableSubscriber(d.endpoint, max_slots=4, max_blocks=20000, local=True) as sub:
-        assert sub.local
+    with CacheClient(d.endpoint) as c, TableSubscriber(d.endpoint, max_slots=4, max_blocks=20000, local=local) as sub:
+        assert sub.local == local
         c.admit("small", [1, 2, 3])
         sub.wait_for(c.last_seq)
         assert sub.replays == 0
