@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import signal
 from typing import Any
 
@@ -145,7 +146,11 @@ def _run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args).resolved()
     manager, rows, extra = build_manager(cfg)
     context = zmq.Context(io_threads=cfg.io_threads)
-    server = CacheServer(cfg, manager, rows, context=context, extra_info=extra)
+    try:
+        server = CacheServer(cfg, manager, rows, context=context, extra_info=extra)
+    except BaseException:  # a refused start (an endpoint in use, a bad key) leaves no thread behind
+        context.destroy(linger=0)
+        raise
     stopping: list[int] = []
 
     def stop(signum: int, _frame: Any) -> None:
@@ -154,12 +159,13 @@ def _run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     log.info("configuration:\n%s", cfg.describe())
-    if "tcp://" in cfg.endpoint and not cfg.curve_server_cert:
+    endpoints = (cfg.endpoint, cfg.pub_endpoint, cfg.replay_endpoint, cfg.events_endpoint, cfg.events_replay_endpoint)
+    if any(e.startswith("tcp://") for e in endpoints) and not cfg.curve_server_cert:
         log.warning("tcp endpoint without --curve-server-cert: anyone who can reach it can change allocations")
     if not cfg.journal:
         log.warning("no journal: a restart loses every allocation (workers reload their tables from the new daemon)")
     print(f"kvcache serve: ready endpoint={cfg.endpoint} pub={cfg.pub_endpoint} replay={cfg.replay_endpoint} "
-          f"num_blocks={manager.num_blocks} rows={manager.num_rows} role={cfg.role}", flush=True)
+          f"num_blocks={manager.num_blocks} rows={manager.num_rows} role={cfg.role} pid={os.getpid()}", flush=True)
     try:
         server.serve(lambda: bool(stopping))
     finally:

@@ -6,8 +6,13 @@ Sockets (see protocol.py for the messages):
     pub_endpoint      PUB     sequence-numbered table deltas for workers
     replay_endpoint   ROUTER  missed deltas by sequence number, or a snapshot
     events_endpoint   PUB     KV events in vLLM's format (with --events)
+    events_replay_endpoint
+                      ROUTER  missed KV events by sequence number (with --events)
     local_endpoint    Unix datagram socket: the same messages as endpoint, from same-host clients,
                       without ZMQ's I/O threads (a round trip of about 16 µs instead of 166 on a VM)
+
+Every ipc socket is owner-only and locked against a second daemon on its path; with CURVE every other
+socket admits only the allowed clients (see kvcache.listeners).
 
 A step's reply goes out first, then its deltas, in the same turn of the loop (both only once the
 journal made them durable): a scheduler that has the reply (with its ``seq``) knows the deltas follow
@@ -35,10 +40,11 @@ from kvcache.allocator import _tables
 from kvcache.allocator.errors import KVCacheError
 from kvcache.allocator.manager import KVCacheManager
 from kvcache.allocator.swa import AttentionPolicy
-from kvcache.auth import CurveConfig, secure_server_socket, start_authenticator
+from kvcache.auth import CurveConfig, start_authenticator
 from kvcache.config import LOCAL_OFF, ServeConfig, describe_rows
 from kvcache.journal import Journal
 from kvcache.leases import Leases
+from kvcache.listeners import Listeners
 from kvcache.pd import MUTATING as _PD_MUTATING
 from kvcache.pd import PD_OPS, PDState, validate_op
 from kvcache.protocol import (
@@ -228,7 +234,6 @@ class CacheServer:
         self._extra_info = extra_info or {}
         self._ctx = context or zmq.Context.instance()
         self._sockets: list[zmq.Socket] = []
-        self._ipc_paths: list[Path] = []
         self._dedupe = _Dedupe(self.config.dedupe_window)
         self._slots = _Slots(self.config.max_slots)
         self._seq = -1
@@ -253,18 +258,19 @@ class CacheServer:
         self._events: Any = None
         self._subscribers: Any = None
         self._local_subscribers: dict[str | bytes, None] = {}  # workers taking deltas as datagrams, by address
-        self._curve: CurveConfig | None = None
         self._auth: Any = None
+        curve = None
         if self.config.curve_server_cert:
             if not self.config.curve_clients_dir:
                 raise KVCacheError("curve_clients_dir: needed with curve_server_cert (the allowed clients' keys)")
-            self._curve = CurveConfig.for_server(self.config.curve_server_cert, self.config.curve_clients_dir)
-            self._auth = start_authenticator(self._ctx, self._curve.clients_dir)
+            curve = CurveConfig.for_server(self.config.curve_server_cert, self.config.curve_clients_dir)
+            self._auth = start_authenticator(self._ctx, curve.clients_dir)
+        self._listeners = Listeners(curve)
         self.local: socket.socket | None = None
         try:  # a socket that cannot bind (or a journal that cannot load) leaves nothing open behind
-            self.router = self._bind(zmq.ROUTER, self.config.endpoint)
-            self.pub = self._bind(zmq.PUB, self.config.pub_endpoint, sndhwm=self.config.pub_hwm)
-            self.replay = self._bind(zmq.ROUTER, self.config.replay_endpoint)
+            self.router = self._bind(zmq.ROUTER, self.config.endpoint, "endpoint")
+            self.pub = self._bind(zmq.PUB, self.config.pub_endpoint, "pub_endpoint", sndhwm=self.config.pub_hwm)
+            self.replay = self._bind(zmq.ROUTER, self.config.replay_endpoint, "replay_endpoint")
             if self.config.local_endpoint != LOCAL_OFF:
                 self.local = self._bind_local(Path(self.config.local_endpoint))
             self._setup_optional()
@@ -277,7 +283,7 @@ class CacheServer:
 
     # ------------------------------------------------------------------ lifecycle
 
-    def _bind(self, kind: int, endpoint: str, *, sndhwm: int | None = None) -> zmq.Socket:
+    def _bind(self, kind: int, endpoint: str, field: str, *, sndhwm: int | None = None) -> zmq.Socket:
         sock = self._ctx.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
         if sndhwm is not None:
@@ -288,44 +294,21 @@ class CacheServer:
             # buffering gigabytes; anything smaller is refused with an error reply naming its size.
             limit = self.config.max_message_bytes
             sock.setsockopt(zmq.MAXMSGSIZE, max(8 * limit, limit + 2**28))
-        if endpoint.startswith("ipc://"):
-            path = Path(endpoint[len("ipc://"):])
-            path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-            if path.exists():
-                path.unlink()
-        if self._curve is not None and endpoint.startswith("tcp://"):
-            secure_server_socket(sock, self._curve)
-        old_umask = os.umask(0o077)  # ipc sockets: owner-only
         try:
-            sock.bind(endpoint)
-        except zmq.ZMQError as exc:
+            self._listeners.bind(sock, endpoint, field)
+        except BaseException:
             sock.close(0)
-            raise KVCacheError(f"endpoint: cannot bind {endpoint}: {exc}") from None
-        finally:
-            os.umask(old_umask)
-        if endpoint.startswith("ipc://"):
-            self._ipc_paths.append(Path(endpoint[len("ipc://"):]))
+            raise
         self._sockets.append(sock)
         return sock
 
     def _bind_local(self, path: Path) -> socket.socket:
         """The local endpoint: a non-blocking Unix datagram socket at ``path``, owner-only like the ipc ones."""
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        old_umask = os.umask(0o077)
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-            path.unlink(missing_ok=True)
-            sock.bind(str(path))
-        except OSError as exc:
-            sock.close()
-            raise KVCacheError(f"local_endpoint: cannot bind {path}: {exc}") from None
-        finally:
-            os.umask(old_umask)
+        sock = self._listeners.bind_datagram(path, "local_endpoint")
         sock.setblocking(False)
         # Room for replies and deltas not yet read (a Unix datagram counts against its sender's buffer until
         # read); the kernel caps it at net.core.wmem_max. A subscriber left behind catches up by replay.
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
-        self._ipc_paths.append(path)
         return sock
 
     def _setup_optional(self) -> None:
@@ -344,7 +327,7 @@ class CacheServer:
 
             wire = EventWire() if self.config.events_format == "array" else EventWire("map", True, True)
             self._events = KVEventPublisher(self._ctx, self.config.events_endpoint,
-                                            self.config.events_replay_endpoint, wire=wire)
+                                            self.config.events_replay_endpoint, wire=wire, listeners=self._listeners)
             self.manager.enable_events = True
 
     def _recover(self) -> None:
@@ -384,7 +367,7 @@ class CacheServer:
                              "pd": self._pd}, protocol=pickle.HIGHEST_PROTOCOL)
 
     def close(self) -> None:
-        """Close every socket and remove the ipc files this daemon created."""
+        """Close every socket, remove the socket and lock files this daemon created, and release its locks."""
         if self._journal is not None:
             self._journal.close()
             self._journal = None
@@ -403,11 +386,7 @@ class CacheServer:
         if self._auth is not None:
             self._auth.stop()
             self._auth = None
-        for path in self._ipc_paths:
-            try:
-                path.unlink()
-            except FileNotFoundError:
-                pass
+        self._listeners.close()
 
     def serve(self, should_stop: Callable[[], bool] = lambda: False, poll_ms: int = 100) -> None:
         """Serve until ``should_stop()`` is true (checked at least every ``poll_ms``)."""
