@@ -176,6 +176,7 @@ class KVEventPublisher:
         self._buffer: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=buffer_steps)
         self._pub = context.socket(zmq.PUB)
         self.replay_socket: zmq.Socket | None = None
+        self._recv_replay: Any = None
         bind = listeners.bind if listeners is not None else lambda sock, where, _field: sock.bind(where)
         try:
             self._pub.setsockopt(zmq.SNDHWM, send_hwm)
@@ -187,6 +188,8 @@ class KVEventPublisher:
                 self.replay_socket.setsockopt(zmq.SNDHWM, buffer_steps + 1)
                 self.replay_socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
                 bind(self.replay_socket, replay_endpoint, "events_replay_endpoint")
+                self._recv_replay = (listeners.receiver(self.replay_socket) if listeners is not None
+                                     else self.replay_socket.recv_multipart)
         except (zmq.ZMQError, KVCacheError):
             self.close()
             raise
@@ -215,8 +218,10 @@ class KVEventPublisher:
         if sock is None:
             return
         try:
-            frames = sock.recv_multipart(zmq.NOBLOCK)
+            frames = self._recv_replay(zmq.NOBLOCK)
         except zmq.Again:
+            return
+        if frames is None:  # a client revoked since it connected
             return
         if len(frames) != 3:
             log.warning("replay: ignoring a request of %d frames (expected identity, empty, start seq)", len(frames))

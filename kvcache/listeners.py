@@ -8,15 +8,20 @@ lock of a daemon that died (kill -9) is free again, and the next start replaces
 its stale files. ``close`` removes every socket and lock file.
 
 With CURVE, every other socket (tcp://) uses the daemon's key and lets in only
-the allowed clients.
+the allowed clients; a ROUTER's messages from a client revoked since it
+connected are dropped (``receiver``), and ``drop_subscribers`` makes every PUB
+peer connect and authenticate again.
 """
 from __future__ import annotations
 
 import fcntl
+import functools
+import logging
 import os
 import socket
+import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import zmq
 
@@ -24,7 +29,10 @@ from kvcache.allocator.errors import KVCacheError
 from kvcache.auth import secure_server_socket
 
 if TYPE_CHECKING:
-    from kvcache.auth import CurveConfig
+    from kvcache.auth import CurveConfig, KeyAuthenticator
+
+log = logging.getLogger("kvcache.listeners")
+REBIND_S = 2.0  # how long a re-bind waits for its port: libzmq closes the old listener asynchronously
 
 
 class Listeners:
@@ -35,6 +43,8 @@ class Listeners:
 
     def __init__(self, curve: CurveConfig | None = None) -> None:
         self.curve = curve
+        self._checked: dict[int, KeyAuthenticator] = {}  # id(ROUTER) -> the authenticator that admitted its peers
+        self._publishers: list[tuple[zmq.Socket, str]] = []  # CURVE PUB sockets and the endpoints they are bound to
         self._files: list[Path] = []
         self._locks: list[tuple[Path, int]] = []
 
@@ -44,7 +54,9 @@ class Listeners:
         if path is not None:
             self._claim(path, field, endpoint)
         elif self.curve is not None:
-            secure_server_socket(sock, self.curve)
+            auth = secure_server_socket(sock, self.curve)
+            if sock.type == zmq.ROUTER:
+                self._checked[id(sock)] = auth
         old_umask = os.umask(0o077)  # ipc sockets: owner-only
         try:
             sock.bind(endpoint)
@@ -54,6 +66,8 @@ class Listeners:
             os.umask(old_umask)
         if path is not None:
             self._files.append(path)
+        elif self.curve is not None and sock.type == zmq.PUB:
+            self._publishers.append((sock, sock.last_endpoint.decode()))
 
     def bind_datagram(self, path: Path, field: str) -> socket.socket:
         """A Unix datagram socket bound at ``path``, owner-only and locked like the ipc ones."""
@@ -70,6 +84,38 @@ class Listeners:
         self._files.append(path)
         return sock
 
+    def receiver(self, sock: zmq.Socket) -> Callable[[int], list[bytes] | None]:
+        """``sock.recv_multipart``; on a CURVE ROUTER, one that returns None for a message of a revoked client."""
+        auth = self._checked.get(id(sock))
+        if auth is None:
+            return sock.recv_multipart
+        return functools.partial(auth.recv_allowed, sock)
+
+    def drop_subscribers(self) -> None:
+        """Disconnect every peer of the CURVE PUB sockets, so each connects and passes the key check again.
+
+        A PUB cannot refuse one peer's traffic, and libzmq keeps a connection
+        open after its key is revoked; unbinding closes every connection the
+        listener accepted. Allowed subscribers reconnect within a few hundred
+        ms and see the messages they missed as a gap in the sequence numbers.
+        """
+        for sock, endpoint in self._publishers:
+            sock.unbind(endpoint)
+            deadline = time.monotonic() + REBIND_S
+            while True:
+                try:
+                    sock.bind(endpoint)
+                    break
+                except zmq.ZMQError as exc:
+                    if exc.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
+                        log.error("cannot bind %s again after dropping its subscribers: %s; no subscriber reaches "
+                                  "it until the daemon restarts", endpoint, exc)
+                        break
+                    time.sleep(0.01)
+        if self._publishers:
+            log.info("dropped the connections of every subscriber of %s; allowed ones reconnect",
+                     ", ".join(endpoint for _, endpoint in self._publishers))
+
     def close(self) -> None:
         """Remove the socket files, then the lock files, then release the locks (once the sockets are closed)."""
         for path in self._files:
@@ -79,6 +125,8 @@ class Listeners:
             lock.unlink(missing_ok=True)  # while still locked: a starting daemon then locks a new file, not this one
             os.close(fd)
         self._locks.clear()
+        self._checked.clear()
+        self._publishers.clear()
 
     def _claim(self, path: Path, field: str, endpoint: str) -> None:
         """Lock ``path``'s lock file (refused while a live daemon holds it), then remove a stale socket file."""

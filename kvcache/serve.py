@@ -1,4 +1,8 @@
-"""`kvcache serve`: build the manager a ServeConfig describes and run the daemon until a signal."""
+"""`kvcache serve`: build the manager a ServeConfig describes and run the daemon until SIGTERM or SIGINT.
+
+SIGHUP reads the allowed clients' keys (``--curve-clients-dir``) again: a
+revoked client's open connections get nothing more (``kvcache keys revoke``).
+"""
 from __future__ import annotations
 
 import argparse
@@ -61,7 +65,9 @@ HELP = {
                      "(0 = never; any message, e.g. ping, renews the lease)",
     "curve_server_cert": "the daemon's CURVE secret certificate (from `kvcache keys`): tcp:// sockets then accept "
                          "only the clients in --curve-clients-dir",
-    "curve_clients_dir": "folder of allowed clients' public certificates (`kvcache keys` writes DIR/clients)",
+    "curve_clients_dir": "folder of allowed clients' public certificates (`kvcache keys` writes DIR/clients); "
+                         "read again on SIGHUP, which also cuts off the open connections of revoked clients "
+                         "(`kvcache keys revoke`)",
     "snapshot_bytes": "compact the journal into a snapshot when its log passes this many bytes (default 256 MiB)",
     "role": "PD disaggregation: prefill (admits with a decode destination, its messagers send), decode "
             "(reserves blocks that prefill writes), or both (default: no PD ops)",
@@ -158,6 +164,7 @@ def _run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGHUP, lambda _signum, _frame: server.request_reload())
     log.info("configuration:\n%s", cfg.describe())
     endpoints = (cfg.endpoint, cfg.pub_endpoint, cfg.replay_endpoint, cfg.events_endpoint, cfg.events_replay_endpoint)
     if any(e.startswith("tcp://") for e in endpoints) and not cfg.curve_server_cert:

@@ -12,7 +12,7 @@ Sockets (see protocol.py for the messages):
                       without ZMQ's I/O threads (a round trip of about 16 µs instead of 166 on a VM)
 
 Every ipc socket is owner-only and locked against a second daemon on its path; with CURVE every other
-socket admits only the allowed clients (see kvcache.listeners).
+socket admits only the allowed clients, re-read on ``reload_clients`` (see kvcache.listeners).
 
 A step's reply goes out first, then its deltas, in the same turn of the loop (both only once the
 journal made them durable): a scheduler that has the reply (with its ``seq``) knows the deltas follow
@@ -259,6 +259,7 @@ class CacheServer:
         self._subscribers: Any = None
         self._local_subscribers: dict[str | bytes, None] = {}  # workers taking deltas as datagrams, by address
         self._auth: Any = None
+        self._reload_requested = False
         curve = None
         if self.config.curve_server_cert:
             if not self.config.curve_clients_dir:
@@ -271,6 +272,8 @@ class CacheServer:
             self.router = self._bind(zmq.ROUTER, self.config.endpoint, "endpoint")
             self.pub = self._bind(zmq.PUB, self.config.pub_endpoint, "pub_endpoint", sndhwm=self.config.pub_hwm)
             self.replay = self._bind(zmq.ROUTER, self.config.replay_endpoint, "replay_endpoint")
+            self._recv_step = self._listeners.receiver(self.router)
+            self._recv_replay = self._listeners.receiver(self.replay)
             if self.config.local_endpoint != LOCAL_OFF:
                 self.local = self._bind_local(Path(self.config.local_endpoint))
             self._setup_optional()
@@ -405,6 +408,9 @@ class CacheServer:
             handlers[self._subscribers.monitor_socket] = self._count_subscribers
         heartbeat_s = self.config.heartbeat_ms / 1000
         while not should_stop():
+            if self._reload_requested:
+                self._reload_requested = False
+                self.reload_clients()
             for sock, _ in poller.poll(min(poll_ms, self.config.heartbeat_ms)):
                 handlers[sock]()
             if time.monotonic() - self._last_publish >= heartbeat_s:
@@ -414,6 +420,29 @@ class CacheServer:
             if self._pd.transfers and time.monotonic() >= self._next_pd_check:
                 self.expire_transfers()
             self._observe()  # what the last interval's messages left uncounted
+
+    def request_reload(self) -> None:
+        """Have ``serve`` call ``reload_clients`` in its next turn (safe in a signal handler: it only sets a flag)."""
+        self._reload_requested = True
+
+    def reload_clients(self) -> None:
+        """Read the allowed clients' keys again; a revoked client's open connections get nothing more.
+
+        Its messages to the ROUTERs are dropped from now on, and every subscriber
+        of the PUBs is disconnected and must pass the new check to reconnect. A
+        folder that fails a check keeps the keys allowed so far, logged in one line.
+        """
+        if self._auth is None:
+            log.warning("reload: this daemon has no --curve-clients-dir; nothing to read again")
+            return
+        try:
+            revoked = self._auth.reload()
+        except KVCacheError as exc:
+            log.error("reload refused, the %d client key(s) allowed so far stay allowed: %s",
+                      len(self._auth.allowed), exc)
+            return
+        if revoked:
+            self._listeners.drop_subscribers()
 
     def expire_transfers(self, now: float | None = None) -> int:
         """Fail every PD transfer past its deadline (journaled like any message); returns how many."""
@@ -480,12 +509,13 @@ class CacheServer:
         deltas go after its replies; the metrics count them last.
         """
         outbox: list[tuple[list[bytes], bytes]] = []
+        recv = self._recv_step
         for _ in range(256):
             try:
-                frames = self.router.recv_multipart(zmq.NOBLOCK)
+                frames = recv(zmq.NOBLOCK)
             except zmq.Again:
                 break
-            if len(frames) < 2:
+            if frames is None or len(frames) < 2:  # None: a client revoked since it connected
                 continue
             reply = self._process(frames[-1])
             if self._journal is None:  # nothing to make durable first: answer before looking for the next one
@@ -1040,9 +1070,11 @@ class CacheServer:
         """Answer a worker that missed deltas: the buffered ones from its seq on, or a snapshot."""
         for _ in range(64):
             try:
-                frames = self.replay.recv_multipart(zmq.NOBLOCK)
+                frames = self._recv_replay(zmq.NOBLOCK)
             except zmq.Again:
                 return
+            if frames is None:  # a client revoked since it connected
+                continue
             envelope, payload = frames[:-1], frames[-1]
             try:
                 msg = unpack(payload, 4096)

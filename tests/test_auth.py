@@ -6,6 +6,7 @@ import itertools
 import logging
 import os
 import shutil
+import signal
 import stat
 import tempfile
 import time
@@ -27,7 +28,7 @@ from kvcache.auth import (
     start_authenticator,
 )
 from kvcache.cli import main
-from kvcache.client import CacheClient
+from kvcache.client import CacheClient, DaemonUnavailable
 from kvcache.config import ServeConfig, parse_rows
 from kvcache.keys import create_keys
 from kvcache.protocol import PROTOCOL_VERSION, pack, unpack
@@ -323,7 +324,7 @@ def test_kvcache_serve_over_tcp_with_curve_admits_only_keyed_clients_and_workers
     assert "refused" in d.log(), d.log()
 
 
-# ---------------------------------------------------------------- every socket of a daemon
+# ---------------------------------------------------------------- every socket of a daemon, and revocation
 
 FIELDS = ("endpoint", "pub_endpoint", "replay_endpoint", "events_endpoint", "events_replay_endpoint")
 PING = pack({"v": PROTOCOL_VERSION, "client": "probe", "id": 1, "ops": [{"op": "ping"}]})
@@ -425,4 +426,96 @@ def test_every_socket_of_a_curve_daemon_serves_allowed_clients_only(daemon, tmp_
                 probe.close()
     assert probes["allowed"].reached() == list(FIELDS)
     assert probes["no keys"].reached() == [] and probes["key not allowed"].reached() == [], c.daemon.log()
+
+
+def wait_for_line(d: Daemon, text: str, count: int = 1, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while d.log().count(text) < count:
+        assert time.monotonic() < deadline, f"{text!r} not logged {count} time(s):\n{d.log()}"
+        time.sleep(0.02)
+
+
+def test_revoking_a_client_cuts_off_its_open_connections_and_keeps_the_others(daemon, tmp_path, tcp_endpoint):
+    """`kvcache keys revoke DIR --name N --pid PID`: the daemon reads its clients folder again on SIGHUP. The revoked
+    client's connections, open since before, get no more replies, deltas or events, and a new connection with its
+    key is refused; another allowed client goes on getting all of them, and its worker's tables stay current."""
+    from kvcache.worker import TableSubscriber
+
+    c = start_curve_daemon(daemon, tmp_path, tcp_endpoint, "revoked", "kept")
+    with zmq.Context() as ctx, CacheClient(tcp_endpoint, timeout=5, curve=c.allowed["kept"]) as kept, \
+            CacheClient(tcp_endpoint, timeout=0.5, curve=c.allowed["revoked"]) as revoked:
+        assert revoked.ping() and kept.ping()
+        worker = TableSubscriber(tcp_endpoint, curve=c.allowed["kept"], max_slots=4, max_blocks=8)
+        r, k = Probe(ctx, c.endpoints, c.allowed["revoked"]), Probe(ctx, c.endpoints, c.allowed["kept"])
+        try:
+            exchange(kept, [r, k], 0, lambda: len(r.reached()) == len(k.reached()) == 5)
+            assert r.reached() == k.reached() == list(FIELDS)
+            assert main(["keys", "revoke", str(c.keys), "--name", "revoked", "--pid", str(c.daemon.process.pid)]) == 0
+            wait_for_line(c.daemon, "revoked 1:")
+            time.sleep(0.3)
+            r.read()  # what was sent before the cut
+            r.got, k.got = dict.fromkeys(FIELDS, 0), dict.fromkeys(FIELDS, 0)
+            exchange(kept, [r, k], SILENCE_S, lambda: len(k.reached()) == 5)
+            table = kept.admit("after", np.arange(9)).table
+            worker.wait_for(kept.last_seq, epoch=kept.last_epoch)  # over its new connection
+            assert np.array_equal(worker.table("after"), table)
+        finally:
+            r.close()
+            k.close()
+            worker.close()
+        assert r.reached() == [], c.daemon.log()
+        assert k.reached() == list(FIELDS)
+        with pytest.raises(DaemonUnavailable):  # the connection it kept open: its request times out
+            revoked.ping()
+        with CacheClient(tcp_endpoint, timeout=0.5, curve=c.allowed["revoked"]) as again:
+            with pytest.raises(DaemonUnavailable):  # a new connection: refused by its key
+                again.ping()
+        assert kept.ping()
+    assert c.daemon.process.poll() is None
+    assert "its key was revoked" in c.daemon.log() and "not in" in c.daemon.log()
+
+
+def test_a_bad_clients_folder_on_reload_keeps_the_allowed_keys_and_logs_one_line(daemon, tmp_path, tcp_endpoint):
+    """A reload that fails (a key file that is no certificate, a folder others may write) changes nothing: the
+    daemon keeps running with the keys it had and logs why, once per SIGHUP."""
+    c = start_curve_daemon(daemon, tmp_path, tcp_endpoint, "sched")
+    clients = c.keys / "clients"
+    with CacheClient(tcp_endpoint, timeout=5, curve=c.allowed["sched"]) as client:
+        assert client.ping()
+        (clients / "broken.key").write_text("not a certificate\n")
+        os.kill(c.daemon.process.pid, signal.SIGHUP)
+        wait_for_line(c.daemon, "reload refused")
+        assert client.ping()
+        (clients / "broken.key").unlink()
+        os.chmod(clients, 0o777)
+        os.kill(c.daemon.process.pid, signal.SIGHUP)
+        wait_for_line(c.daemon, "reload refused", count=2)
+        assert client.ping()
+        with CacheClient(tcp_endpoint, timeout=5, curve=c.allowed["sched"]) as fresh:
+            assert fresh.ping()  # its key is still allowed on new connections too
+    assert c.daemon.process.poll() is None
+    lines = [line for line in c.daemon.log().splitlines() if "reload refused" in line]
+    assert len(lines) == 2, lines
+    assert "broken.key" in lines[0] and "1 client key(s) allowed so far" in lines[0]
+    assert "writable by other users" in lines[1]
+
+
+def test_keys_revoke_deletes_the_clients_keys_and_checks_the_pid_first(tmp_path, capsys):
+    """`kvcache keys revoke` deletes clients/NAME.key and NAME.key_secret; a pid that is no `kvcache serve` is refused
+    before anything is deleted, and a name that has no key is an error naming the file."""
+    folder = tmp_path / "keys"
+    create_keys(folder, "a")
+    create_keys(folder, "b")
+    assert main(["keys", "revoke", str(folder), "--name", "a", "--pid", str(os.getpid())]) == 2
+    assert f"--pid: process {os.getpid()} is not a kvcache serve" in capsys.readouterr().err
+    assert (folder / "clients" / "a.key").exists()
+    assert main(["keys", "revoke", str(folder), "--name", "a"]) == 0
+    assert "kill -HUP" in capsys.readouterr().out
+    assert sorted(p.name for p in (folder / "clients").iterdir()) == ["b.key"]
+    assert not (folder / "a.key_secret").exists() and (folder / "b.key_secret").exists()
+    assert main(["keys", "revoke", str(folder), "--name", "a"]) == 2
+    assert f"{folder / 'clients' / 'a.key'} does not exist" in capsys.readouterr().err
+    assert main(["keys", "revoke", "--name", "b"]) == 2
+    assert "give the keys folder" in capsys.readouterr().err
+    assert main(["keys", str(folder), "--name", "a"]) == 0  # the name may get new keys
 
