@@ -165,6 +165,8 @@ def _run(args: argparse.Namespace) -> int:
           f"client {name!r} (copy {files.client_secret} and {files.server_public} to its host):\n"
           f"  CacheClient(\"tcp://DAEMON:5555\", curve=CurveConfig.for_client(\"{files.client_secret}\", "
           f"\"{files.server_public}\"))\n"
+          f"  kvcache stats --endpoint tcp://DAEMON:5555 --curve-client-cert {files.client_secret} "
+          f"--curve-server-public {files.server_public}\n"
           f"more clients: kvcache keys {args.folder} --name OTHER; revoke one: kvcache keys revoke {args.folder} "
           "--name NAME --pid DAEMON_PID")
     return 0

@@ -519,3 +519,21 @@ def test_keys_revoke_deletes_the_clients_keys_and_checks_the_pid_first(tmp_path,
     assert "give the keys folder" in capsys.readouterr().err
     assert main(["keys", str(folder), "--name", "a"]) == 0  # the name may get new keys
 
+
+def test_stats_reaches_a_curve_daemon_with_key_flags_and_fails_in_one_line_without(daemon, tmp_path, tcp_endpoint,
+                                                                                    capsys):
+    """`kvcache stats --endpoint tcp://... --curve-client-cert ... --curve-server-public ...` prints the summary;
+    without keys it fails with one line within its --timeout."""
+    c = start_curve_daemon(daemon, tmp_path, tcp_endpoint, "sched")
+    keyed = ["stats", "--endpoint", tcp_endpoint, "--curve-client-cert", str(c.allowed["sched"].client_secret),
+             "--curve-server-public", str(c.keys / "server.key")]
+    assert main(keyed) == 0
+    assert "64 blocks x 1 row(s), block_size 4" in capsys.readouterr().out
+    start = time.monotonic()
+    assert main(["stats", "--endpoint", tcp_endpoint, "--timeout", "1"]) == 2
+    assert time.monotonic() - start < 2.0
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"kvcache stats: error: daemon at {tcp_endpoint} did not answer "
+                                                   "within 1 s"), err
+    assert main(keyed[:5]) == 2  # a client certificate without the daemon's public one
+    assert "--curve-client-cert and --curve-server-public: give both" in capsys.readouterr().err
