@@ -135,6 +135,8 @@ class Listeners:
         except OSError as exc:
             raise KVCacheError(f"{field}: cannot create the folder {path.parent}: {exc.strerror}") from None
         lock = path.with_name(path.name + ".lock")
+        if any(lock == held for held, _ in self._locks):
+            raise KVCacheError(f"{field}: {endpoint} is already one of this daemon's sockets; give each its own path")
         self._locks.append((lock, _lock(lock, field, endpoint)))
         path.unlink(missing_ok=True)  # left by a daemon that died: nobody holds its lock
 

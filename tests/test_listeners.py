@@ -90,3 +90,16 @@ def test_a_path_is_claimed_by_one_listeners_at_a_time(tmp_path: Path):
     second.bind_datagram(path, "local_endpoint").close()
     second.close()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_two_sockets_of_one_daemon_on_one_path_are_refused_naming_the_second(tmp_path: Path):
+    """Without the check the second would replace the first's socket file, as a second daemon did."""
+    listeners = Listeners()
+    path = tmp_path / "x.sock"
+    listeners.bind_datagram(path, "local_endpoint").close()
+    try:
+        with pytest.raises(KVCacheError, match=r"^pub_endpoint: .*x\.sock is already one of this daemon's sockets"):
+            listeners.bind_datagram(path, "pub_endpoint")
+    finally:
+        listeners.close()
+    assert list(tmp_path.iterdir()) == []
