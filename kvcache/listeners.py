@@ -100,7 +100,10 @@ class Listeners:
         ms and see the messages they missed as a gap in the sequence numbers.
         """
         for sock, endpoint in self._publishers:
-            sock.unbind(endpoint)
+            try:
+                sock.unbind(endpoint)
+            except zmq.ZMQError:  # its bind again failed last time: nothing to unbind
+                pass
             deadline = time.monotonic() + REBIND_S
             while True:
                 try:

@@ -437,7 +437,7 @@ class CacheServer:
             return
         try:
             revoked = self._auth.reload()
-        except KVCacheError as exc:
+        except (KVCacheError, OSError) as exc:  # OSError: the folder changed while it was read
             log.error("reload refused, the %d client key(s) allowed so far stay allowed: %s",
                       len(self._auth.allowed), exc)
             return

@@ -93,7 +93,7 @@ def test_a_path_is_claimed_by_one_listeners_at_a_time(tmp_path: Path):
 
 
 def test_two_sockets_of_one_daemon_on_one_path_are_refused_naming_the_second(tmp_path: Path):
-    """Without the check the second would replace the first's socket file, as a second daemon did."""
+    """Binding the second would replace the first's socket file and leave the first unreachable."""
     listeners = Listeners()
     path = tmp_path / "x.sock"
     listeners.bind_datagram(path, "local_endpoint").close()
