@@ -16,9 +16,12 @@ Client side, before connect::
     secure_client_socket(dealer, CurveConfig.for_client("keys/NAME.key_secret", "keys/server.key"))
 
 A refused peer gets no reply: its handshake fails and nothing reaches the
-socket. ipc:// endpoints need no CURVE: the daemon binds them under umask
-077, so only its user can connect; ``check_ipc_permissions`` verifies that.
-Key files come from ``kvcache keys DIR``.
+socket. ``auth.reload()`` reads the folder again (``kvcache serve`` does on
+SIGHUP); libzmq keeps a revoked client's open connections, so the daemon drops
+their messages (``recv_allowed``) and reconnects its subscribers
+(kvcache.listeners). ipc:// endpoints need no CURVE: the daemon binds them under
+umask 077, so only its user can connect; ``check_ipc_permissions`` verifies
+that. Key files come from ``kvcache keys DIR``.
 """
 from __future__ import annotations
 
@@ -113,8 +116,8 @@ def _load_cert(path: Path, field: str) -> tuple[bytes, bytes | None]:
     return public, secret
 
 
-def secure_server_socket(sock: zmq.Socket, cfg: CurveConfig) -> None:
-    """Make ``sock`` a CURVE server checked by its context's authenticator; call before ``bind``.
+def secure_server_socket(sock: zmq.Socket, cfg: CurveConfig) -> KeyAuthenticator:
+    """Make ``sock`` a CURVE server checked by its context's authenticator (returned); call before ``bind``.
 
     ZAP_ENFORCE_DOMAIN makes libzmq refuse clients, rather than let them all
     in, should the handler ever be missing.
@@ -131,6 +134,7 @@ def secure_server_socket(sock: zmq.Socket, cfg: CurveConfig) -> None:
     sock.zap_domain = ZAP_DOMAIN.encode()
     sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
     auth.watch(sock)
+    return auth
 
 
 def secure_client_socket(sock: zmq.Socket, cfg: CurveConfig) -> None:
@@ -190,6 +194,7 @@ class KeyAuthenticator(ThreadAuthenticator):
     def __init__(self, context: zmq.Context, clients_dir: Path, *, repeat_s: float = REPEAT_S) -> None:
         super().__init__(context, log=logging.getLogger("kvcache.auth.zap"))
         self.clients_dir = clients_dir
+        self.allowed: frozenset[str] = frozenset()  # the allowed public keys, z85 (as the User-Id of their messages)
         self._refusals = _Refusals(repeat_s)
         self._request: list[bytes] | None = None
         self._stop_watching = threading.Event()
@@ -209,8 +214,12 @@ class KeyAuthenticator(ThreadAuthenticator):
             super().start()
             _running[id(self.context)] = self
 
-    def reload(self) -> None:
-        """Read the allowed public keys again (after adding or revoking a client's ``.key`` file)."""
+    def reload(self) -> frozenset[str]:
+        """Read the allowed public keys again (after adding or revoking a client's ``.key`` file).
+
+        Returns the keys allowed before and not now (z85). A folder that fails a
+        check raises and leaves the keys allowed so far in force.
+        """
         folder = self.clients_dir
         if not folder.is_dir():
             raise KVCacheError(f"curve_clients_dir: {folder} is not a folder")
@@ -219,13 +228,36 @@ class KeyAuthenticator(ThreadAuthenticator):
             raise KVCacheError(f"curve_clients_dir: {folder} is writable by other users (mode "
                                f"{stat.S_IMODE(mode):04o}), who could add their own key; chmod 700 {folder}")
         try:
-            count = len(zmq.auth.load_certificates(folder))  # configure_curve would only log a bad file
-        except (OSError, ValueError) as exc:
-            raise KVCacheError(f"curve_clients_dir: cannot load the public keys in {folder}: {exc}") from None
-        self.configure_curve(domain=ZAP_DOMAIN, location=str(folder))
-        if not count:
+            files = sorted(folder.glob("*.key"))
+        except OSError as exc:
+            raise KVCacheError(f"curve_clients_dir: cannot list {folder}: {exc.strerror}") from None
+        keys = {_load_cert(path, "curve_clients_dir")[0] for path in files}  # a bad file raises, naming it
+        revoked = self.allowed - {key.decode() for key in keys}
+        self.certs[ZAP_DOMAIN] = dict.fromkeys(keys, True)  # what pyzmq's ZAP handler looks keys up in
+        self.allowed = frozenset(key.decode() for key in keys)
+        if not keys:
             log.warning("curve: %s holds no client public keys (*.key): every client will be refused", folder)
-        log.info("curve: %d client key(s) allowed from %s", count, folder)
+        log.info("curve: %d client key(s) allowed from %s%s", len(keys), folder,
+                 f"; revoked {len(revoked)}: {', '.join(sorted(revoked))}" if revoked else "")
+        return frozenset(revoked)
+
+    def recv_allowed(self, sock: zmq.Socket, flags: int = 0) -> list[bytes] | None:
+        """A message of ``sock`` (a CURVE server), or None for one of a client whose key is no longer allowed.
+
+        libzmq keeps a connection open after its key is revoked; each message
+        carries the key it was admitted with as its ``User-Id``, which this
+        handler set, so a revoked client's messages are dropped (and logged) here.
+        """
+        frames = sock.recv_multipart(flags, copy=False)
+        try:
+            user = frames[0].get("User-Id")
+        except zmq.ZMQError:  # no ZAP handler admitted this peer: not ours to answer
+            user = None
+        if user in self.allowed:
+            return [frame.bytes for frame in frames]
+        self._refusals.report(f"CURVE client with public key {user}",
+                              f"its key was revoked (no longer in {self.clients_dir}); its message was dropped")
+        return None
 
     def watch(self, sock: zmq.Socket) -> None:
         """Log handshake failures of ``sock`` (no keys, wrong server key), which never reach the ZAP handler."""

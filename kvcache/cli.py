@@ -5,12 +5,15 @@ import argparse
 import json
 import sys
 from importlib import resources
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from kvcache import __version__
 from kvcache.allocator.errors import KVCacheError
 from kvcache.allocator.layout import MODEL_DTYPES, CacheSpec, QuantType, ScaleLayout
 from kvcache.units import parse_size
+
+if TYPE_CHECKING:
+    from kvcache.client import CacheClient
 
 DEFAULT_EXAMPLE = "llama-3.1-70b"
 
@@ -65,6 +68,37 @@ def add_spec_arguments(parser: argparse.ArgumentParser) -> None:
         "blackwell [blocks, heads, 4] float32",
     )
     cache.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks the kv heads are split over")
+
+
+def add_daemon_arguments(parser: argparse.ArgumentParser, timeout: float = 3.0) -> None:
+    """Flags of a tool that talks to a running daemon: its endpoint (as `kvcache serve` names it), CURVE keys for a
+    tcp:// daemon started with --curve-server-cert, and a deadline per request."""
+    group = parser.add_argument_group("daemon")
+    group.add_argument("--endpoint", default="", help="the daemon's scheduler endpoint, ipc://PATH or "
+                       "tcp://HOST:PORT (default: the default of `kvcache serve`)")
+    group.add_argument("--curve-client-cert", metavar="FILE", help="this client's CURVE secret certificate "
+                       "(NAME.key_secret from `kvcache keys`), for a tcp:// daemon with --curve-server-cert")
+    group.add_argument("--curve-server-public", metavar="FILE", help="the daemon's CURVE public certificate "
+                       "(server.key from `kvcache keys`), with --curve-client-cert")
+    group.add_argument("--timeout", type=float, default=timeout, metavar="SECONDS",
+                       help=f"seconds to wait for each answer of the daemon (default {timeout:g})")
+
+
+def client_from_args(args: argparse.Namespace) -> CacheClient:
+    """A CacheClient for the daemon that ``add_daemon_arguments``' flags name."""
+    from kvcache.auth import CurveConfig
+    from kvcache.client import CacheClient
+    from kvcache.config import ServeConfig
+
+    if (args.curve_client_cert is None) != (args.curve_server_public is None):
+        raise KVCacheError("--curve-client-cert and --curve-server-public: give both (a client's secret "
+                           "certificate and the daemon's public one) or neither")
+    curve = None
+    if args.curve_client_cert is not None:
+        curve = CurveConfig.for_client(args.curve_client_cert, args.curve_server_public)
+    if not args.timeout > 0:
+        raise KVCacheError(f"--timeout: must be positive seconds, got {args.timeout:g}")
+    return CacheClient(args.endpoint or ServeConfig().resolved().endpoint, timeout=args.timeout, curve=curve)
 
 
 def spec_from_args(args: argparse.Namespace) -> tuple[CacheSpec, str]:

@@ -507,7 +507,9 @@ class CacheClient:
             self._sock = self._connect()
         else:
             raise DaemonUnavailable(f"daemon at {self.endpoint} did not answer within {self.timeout:g} s"
-                                    + (f" ({self.retries + 1} attempts)" if self.retries else ""))
+                                    + (f" ({self.retries + 1} attempts)" if self.retries else "")
+                                    + ("; if it runs with CURVE (--curve-server-cert), this client needs keys it "
+                                       "allows" if self.curve is None and self.endpoint.startswith("tcp://") else ""))
         if not reply.get("ok"):
             raise DaemonError(str(reply.get("error")))
         self.last_seq = reply["seq"]

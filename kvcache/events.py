@@ -29,6 +29,12 @@ elements they do not know, so the array form stops after ``lora_name``, the
 last field without a default. In the map form ``omit_defaults`` drops fields
 left at their default (``extra_keys``, ``group_idx``, ``event_version``, ...);
 fields without a default are written even when None.
+
+A daemon with CURVE (``--curve-server-cert``) serves both sockets with its key
+to the allowed clients only, as its other tcp:// sockets: a router then gives
+its SUB and replay sockets a client key pair before connecting, e.g.
+``secure_client_socket(sub, CurveConfig.for_client("NAME.key_secret", "server.key"))``
+from kvcache.auth (or the same three ``curve_*`` socket options in any ZMQ binding).
 """
 from __future__ import annotations
 
@@ -48,6 +54,7 @@ from kvcache.protocol import pack_lists
 
 if TYPE_CHECKING:
     from kvcache.allocator.events import CacheEvent
+    from kvcache.listeners import Listeners
 
 log = logging.getLogger("kvcache.events")
 
@@ -140,6 +147,10 @@ class KVEventPublisher:
     Replay streams several messages per request, as vLLM does: a DEALER peer
     receives them all; a REQ peer (vLLM's example subscriber) receives only
     the first, since a REQ socket takes one reply per request.
+
+    ``listeners`` (the daemon's) binds both sockets as the daemon's others:
+    ipc owner-only and locked, CURVE on tcp, errors naming ``events_endpoint``
+    or ``events_replay_endpoint``.
     """
 
     def __init__(
@@ -153,6 +164,7 @@ class KVEventPublisher:
         dp_rank: int = 0,
         send_hwm: int = 100_000,
         wire: EventWire = EventWire(),
+        listeners: Listeners | None = None,
     ) -> None:
         if buffer_steps < 1:
             raise KVCacheError(f"buffer_steps: must be at least 1, got {buffer_steps}")
@@ -164,17 +176,21 @@ class KVEventPublisher:
         self._buffer: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=buffer_steps)
         self._pub = context.socket(zmq.PUB)
         self.replay_socket: zmq.Socket | None = None
+        self._recv_replay: Any = None
+        bind = listeners.bind if listeners is not None else lambda sock, where, _field: sock.bind(where)
         try:
             self._pub.setsockopt(zmq.SNDHWM, send_hwm)
-            self._pub.bind(endpoint)
+            bind(self._pub, endpoint, "events_endpoint")
             if replay_endpoint:
                 self.replay_socket = context.socket(zmq.ROUTER)
                 # Room for one whole replay, so a replay is never cut short silently;
                 # mandatory routing turns a full or vanished peer into an error we can see.
                 self.replay_socket.setsockopt(zmq.SNDHWM, buffer_steps + 1)
                 self.replay_socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
-                self.replay_socket.bind(replay_endpoint)
-        except zmq.ZMQError:
+                bind(self.replay_socket, replay_endpoint, "events_replay_endpoint")
+                self._recv_replay = (listeners.receiver(self.replay_socket) if listeners is not None
+                                     else self.replay_socket.recv_multipart)
+        except (zmq.ZMQError, KVCacheError):
             self.close()
             raise
 
@@ -202,8 +218,10 @@ class KVEventPublisher:
         if sock is None:
             return
         try:
-            frames = sock.recv_multipart(zmq.NOBLOCK)
+            frames = self._recv_replay(zmq.NOBLOCK)
         except zmq.Again:
+            return
+        if frames is None:  # a client revoked since it connected
             return
         if len(frames) != 3:
             log.warning("replay: ignoring a request of %d frames (expected identity, empty, start seq)", len(frames))

@@ -1,4 +1,5 @@
-"""`kvcache keys DIR`: CURVE key pairs for the daemon and its clients, readable only by their owner.
+"""`kvcache keys DIR`: CURVE key pairs for the daemon and its clients, readable only by their owner;
+`kvcache keys revoke DIR`: take one client's key back.
 
 Layout (the daemon's pair is made once and kept; each ``--name`` adds a client)::
 
@@ -7,13 +8,17 @@ Layout (the daemon's pair is made once and kept; each ``--name`` adds a client):
     DIR/NAME.key_secret      client NAME's secret certificate     (client NAME only, 0600)
     DIR/clients/NAME.key     client NAME's public certificate     (the daemon allows every key here)
 
-Revoking a client is deleting its ``clients/NAME.key`` and restarting the daemon.
+Revoking a client is deleting its ``clients/NAME.key`` and sending the daemon
+SIGHUP (``kvcache keys revoke DIR --name NAME --pid PID`` does both): the daemon
+reads the folder again, drops the client's messages on its open connections,
+reconnects its subscribers, and refuses its new connections.
 """
 from __future__ import annotations
 
 import argparse
 import os
 import re
+import signal
 from pathlib import Path
 from typing import NamedTuple
 
@@ -78,24 +83,78 @@ def create_keys(folder: str | os.PathLike, name: str = "client") -> KeyFiles:
     return files._replace(server_created=created)
 
 
+def revoke_key(folder: str | os.PathLike, name: str) -> list[Path]:
+    """Delete client ``name``'s public key from ``folder``/clients, and its secret certificate in ``folder``.
+
+    Returns the files deleted. The daemon refuses the client once it reads the
+    folder again (SIGHUP); the name can then be given new keys.
+    """
+    if not _NAME.fullmatch(name) or name == SERVER:
+        raise KVCacheError(f"--name: {name!r} is not a client's name")
+    root = Path(folder)
+    public, secret = root / CLIENTS / f"{name}.key", root / f"{name}.key_secret"
+    if not public.exists():
+        raise KVCacheError(f"--name: {public} does not exist: client {name!r} is not allowed by {root / CLIENTS}")
+    deleted = []
+    for path in (public, secret):
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            raise KVCacheError(f"keys: cannot delete {path}: {exc.strerror}") from None
+        deleted.append(path)
+    return deleted
+
+
+def check_daemon_pid(pid: int) -> None:
+    """Raise unless ``pid`` is a running `kvcache serve` (read from /proc where there is one)."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except FileNotFoundError:
+        raise KVCacheError(f"--pid: no process {pid} is running") from None
+    except OSError:  # no /proc on this system: os.kill still checks the process exists
+        return
+    if not any(a == "serve" and (b == "kvcache" or b.endswith("/kvcache")) for b, a in zip(argv, argv[1:])):
+        raise KVCacheError(f"--pid: process {pid} is not a kvcache serve ({' '.join(argv).strip()[:100]})")
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    """Register `kvcache keys`."""
-    p = sub.add_parser("keys", help="make CURVE keys for a daemon on tcp:// and its clients",
+    """Register `kvcache keys` (and its `revoke` form)."""
+    p = sub.add_parser("keys", help="make CURVE keys for a daemon on tcp:// and its clients, or revoke a client's",
+                       usage="kvcache keys [-h] DIR [--name NAME]\n       kvcache keys revoke DIR --name NAME "
+                       "[--pid PID]",
                        description="Create CURVE key pairs: the daemon's (once) and one client's, with owner-only "
-                       "permissions, and print how to use them.")
+                       "permissions, and print how to use them. With `revoke`: delete client NAME's public key "
+                       "(DIR/clients/NAME.key) and its secret certificate (DIR/NAME.key_secret), and with --pid "
+                       "send that daemon SIGHUP, so it refuses the client from now on, on the connections it has "
+                       "open too.")
     p.add_argument("folder", metavar="DIR", help="folder for the keys (created with mode 0700)")
-    p.add_argument("--name", default="client", help="the client's name, one per scheduler or worker host "
-                   "(default client)")
+    p.add_argument("revoke_folder", nargs="?", help=argparse.SUPPRESS)  # `keys revoke DIR`: DIR lands here
+    p.add_argument("--name", help="the client's name, one per scheduler or worker host (default client; "
+                   "revoke: required)")
+    p.add_argument("--pid", type=int, help="revoke: the pid of the `kvcache serve` that uses DIR/clients (its "
+                   "ready line names it), sent SIGHUP to read the folder again; without it, send SIGHUP yourself")
     p.set_defaults(run=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
-    files = create_keys(args.folder, args.name)
+    if args.folder == "revoke" and args.revoke_folder is not None:
+        return _revoke(args.revoke_folder, args.name, args.pid)
+    if args.revoke_folder is not None:
+        raise KVCacheError(f"keys: one folder only, got {args.folder!r} and {args.revoke_folder!r} (to revoke a "
+                           "client: kvcache keys revoke DIR --name NAME)")
+    if args.folder == "revoke":
+        raise KVCacheError("keys revoke: give the keys folder: kvcache keys revoke DIR --name NAME [--pid PID]")
+    if args.pid is not None:
+        raise KVCacheError("--pid: only with revoke (kvcache keys revoke DIR --name NAME --pid PID)")
+    name = args.name or "client"
+    files = create_keys(args.folder, name)
     server = "created" if files.server_created else "kept (already there)"
     allowed = files.client_public.parent
     rows = [("daemon secret", files.server_secret, f"{server}; keep on the daemon's host only"),
             ("daemon public", files.server_public, "copy to every client"),
-            ("client secret", files.client_secret, f"copy to client {args.name!r} only"),
+            ("client secret", files.client_secret, f"copy to client {name!r} only"),
             ("client public", files.client_public, f"allowed: the daemon accepts every key in {allowed}")]
     width = max(len(str(path)) for _, path, _ in rows)
     print(f"kvcache keys: CURVE keys in {Path(args.folder)}")
@@ -103,9 +162,31 @@ def _run(args: argparse.Namespace) -> int:
         print(f"  {label}  {str(path):<{width}}  {note}")
     print(f"daemon:\n  kvcache serve --endpoint tcp://0.0.0.0:5555 --curve-server-cert {files.server_secret} "
           f"--curve-clients-dir {allowed}\n"
-          f"client {args.name!r} (copy {files.client_secret} and {files.server_public} to its host):\n"
+          f"client {name!r} (copy {files.client_secret} and {files.server_public} to its host):\n"
           f"  CacheClient(\"tcp://DAEMON:5555\", curve=CurveConfig.for_client(\"{files.client_secret}\", "
           f"\"{files.server_public}\"))\n"
-          f"more clients: kvcache keys {args.folder} --name OTHER; revoke one: delete its {CLIENTS}/NAME.key and "
-          "restart the daemon")
+          f"  kvcache stats --endpoint tcp://DAEMON:5555 --curve-client-cert {files.client_secret} "
+          f"--curve-server-public {files.server_public}\n"
+          f"more clients: kvcache keys {args.folder} --name OTHER; revoke one: kvcache keys revoke {args.folder} "
+          "--name NAME --pid DAEMON_PID")
+    return 0
+
+
+def _revoke(folder: str, name: str | None, pid: int | None) -> int:
+    if not name:
+        raise KVCacheError("--name: revoke needs the client's name (kvcache keys revoke DIR --name NAME)")
+    if pid is not None:
+        check_daemon_pid(pid)  # before deleting anything: a wrong pid changes nothing
+    for path in revoke_key(folder, name):
+        print(f"kvcache keys: deleted {path}")
+    if pid is None:
+        print(f"kvcache keys: client {name!r} is revoked once the daemon reads {Path(folder) / CLIENTS} again: "
+              "kill -HUP DAEMON_PID")
+        return 0
+    try:
+        os.kill(pid, signal.SIGHUP)
+    except OSError as exc:
+        raise KVCacheError(f"--pid: cannot signal {pid}: {exc.strerror}; the key is deleted, send SIGHUP to the "
+                           "daemon yourself") from None
+    print(f"kvcache keys: sent SIGHUP to kvcache serve pid {pid}: it refuses client {name!r} from now on")
     return 0

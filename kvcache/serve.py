@@ -1,9 +1,14 @@
-"""`kvcache serve`: build the manager a ServeConfig describes and run the daemon until a signal."""
+"""`kvcache serve`: build the manager a ServeConfig describes and run the daemon until SIGTERM or SIGINT.
+
+SIGHUP reads the allowed clients' keys (``--curve-clients-dir``) again: a
+revoked client's open connections get nothing more (``kvcache keys revoke``).
+"""
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import logging
+import os
 import signal
 from typing import Any
 
@@ -66,7 +71,9 @@ HELP = {
                      "(0 = never; any message, e.g. ping, renews the lease)",
     "curve_server_cert": "the daemon's CURVE secret certificate (from `kvcache keys`): tcp:// sockets then accept "
                          "only the clients in --curve-clients-dir",
-    "curve_clients_dir": "folder of allowed clients' public certificates (`kvcache keys` writes DIR/clients)",
+    "curve_clients_dir": "folder of allowed clients' public certificates (`kvcache keys` writes DIR/clients); "
+                         "read again on SIGHUP, which also cuts off the open connections of revoked clients "
+                         "(`kvcache keys revoke`)",
     "snapshot_bytes": "compact the journal into a snapshot when its log passes this many bytes (default 256 MiB)",
     "role": "PD disaggregation: prefill (admits with a decode destination, its messagers send), decode "
             "(reserves blocks that prefill writes), or both (default: no PD ops)",
@@ -151,7 +158,11 @@ def _run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args).resolved()
     manager, rows, extra = build_manager(cfg)
     context = zmq.Context(io_threads=cfg.io_threads)
-    server = CacheServer(cfg, manager, rows, context=context, extra_info=extra)
+    try:
+        server = CacheServer(cfg, manager, rows, context=context, extra_info=extra)
+    except BaseException:  # a refused start (an endpoint in use, a bad key) leaves no thread behind
+        context.destroy(linger=0)
+        raise
     stopping: list[int] = []
 
     def stop(signum: int, _frame: Any) -> None:
@@ -159,13 +170,15 @@ def _run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGHUP, lambda _signum, _frame: server.request_reload())
     log.info("configuration:\n%s", cfg.describe())
-    if "tcp://" in cfg.endpoint and not cfg.curve_server_cert:
+    endpoints = (cfg.endpoint, cfg.pub_endpoint, cfg.replay_endpoint, cfg.events_endpoint, cfg.events_replay_endpoint)
+    if any(e.startswith("tcp://") for e in endpoints) and not cfg.curve_server_cert:
         log.warning("tcp endpoint without --curve-server-cert: anyone who can reach it can change allocations")
     if not cfg.journal:
         log.warning("no journal: a restart loses every allocation (workers reload their tables from the new daemon)")
     print(f"kvcache serve: ready endpoint={cfg.endpoint} pub={cfg.pub_endpoint} replay={cfg.replay_endpoint} "
-          f"num_blocks={manager.num_blocks} rows={manager.num_rows} role={cfg.role}", flush=True)
+          f"num_blocks={manager.num_blocks} rows={manager.num_rows} role={cfg.role} pid={os.getpid()}", flush=True)
     try:
         server.serve(lambda: bool(stopping))
     finally:

@@ -6,8 +6,13 @@ Sockets (see protocol.py for the messages):
     pub_endpoint      PUB     sequence-numbered table deltas for workers
     replay_endpoint   ROUTER  missed deltas by sequence number, or a snapshot
     events_endpoint   PUB     KV events in vLLM's format (with --events)
+    events_replay_endpoint
+                      ROUTER  missed KV events by sequence number (with --events)
     local_endpoint    Unix datagram socket: the same messages as endpoint, from same-host clients,
                       without ZMQ's I/O threads (a round trip of about 16 µs instead of 166 on a VM)
+
+Every ipc socket is owner-only and locked against a second daemon on its path; with CURVE every other
+socket admits only the allowed clients, re-read on ``reload_clients`` (see kvcache.listeners).
 
 A step's reply goes out first, then its deltas, in the same turn of the loop (both only once the
 journal made them durable): a scheduler that has the reply (with its ``seq``) knows the deltas follow
@@ -38,10 +43,11 @@ from kvcache.allocator.manager import KVCacheManager, _Request
 from kvcache.allocator.pool import BlockPool
 from kvcache.allocator.prefix import BlockHasher, Inserted, MMPlaceholder, PrefixIndex
 from kvcache.allocator.swa import AttentionPolicy, Full, Window
-from kvcache.auth import CurveConfig, secure_server_socket, start_authenticator
+from kvcache.auth import CurveConfig, start_authenticator
 from kvcache.config import LOCAL_OFF, ServeConfig, describe_rows
 from kvcache.journal import Journal, JournalFull
 from kvcache.leases import Leases
+from kvcache.listeners import Listeners
 from kvcache.state_codec import StateCodec
 from kvcache.pd import MUTATING as _PD_MUTATING
 from kvcache.pd import MAX_ERROR, PD_OPS, PDState, Transfer, validate_op
@@ -301,7 +307,6 @@ class CacheServer:
         self._extra_info = extra_info or {}
         self._ctx = context or zmq.Context.instance()
         self._sockets: list[zmq.Socket] = []
-        self._ipc_paths: list[Path] = []
         self._retries = _RetryCache(self.config.dedupe_window, self.config.dedupe_bytes)
         self._slots = _Slots(self.config.max_slots)
         self._seq = -1
@@ -328,20 +333,24 @@ class CacheServer:
         self._events: Any = None
         self._subscribers: Any = None
         self._local_subscribers: dict[str | bytes, None] = {}  # workers taking deltas as datagrams, by address
-        self._curve: CurveConfig | None = None
         self._auth: Any = None
+        self._reload_requested = False
+        curve = None
         if self.config.curve_server_cert:
             if not self.config.curve_clients_dir:
                 raise KVCacheError("curve_clients_dir: needed with curve_server_cert (the allowed clients' keys)")
-            self._curve = CurveConfig.for_server(self.config.curve_server_cert, self.config.curve_clients_dir)
-            self._auth = start_authenticator(self._ctx, self._curve.clients_dir)
+            curve = CurveConfig.for_server(self.config.curve_server_cert, self.config.curve_clients_dir)
+            self._auth = start_authenticator(self._ctx, curve.clients_dir)
+        self._listeners = Listeners(curve)
         self.local: socket.socket | None = None
         try:  # a socket that cannot bind (or a journal that cannot load) leaves nothing open behind
-            self.router = self._bind(zmq.ROUTER, self.config.endpoint)
+            self.router = self._bind(zmq.ROUTER, self.config.endpoint, "endpoint")
             # A slow subscriber's queue holds at most pub_bytes: deltas past PUB_MAX_DELTA_BYTES go as their seq only.
-            self.pub = self._bind(zmq.PUB, self.config.pub_endpoint,
+            self.pub = self._bind(zmq.PUB, self.config.pub_endpoint, "pub_endpoint",
                                   sndhwm=max(1, self.config.pub_bytes // PUB_MAX_DELTA_BYTES))
-            self.replay = self._bind(zmq.ROUTER, self.config.replay_endpoint)
+            self.replay = self._bind(zmq.ROUTER, self.config.replay_endpoint, "replay_endpoint")
+            self._recv_step = self._listeners.receiver(self.router)
+            self._recv_replay = self._listeners.receiver(self.replay)
             if self.config.local_endpoint != LOCAL_OFF:
                 self.local = self._bind_local(Path(self.config.local_endpoint))
             self._setup_optional()
@@ -354,7 +363,7 @@ class CacheServer:
 
     # ------------------------------------------------------------------ lifecycle
 
-    def _bind(self, kind: int, endpoint: str, *, sndhwm: int | None = None) -> zmq.Socket:
+    def _bind(self, kind: int, endpoint: str, field: str, *, sndhwm: int | None = None) -> zmq.Socket:
         sock = self._ctx.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
         if sndhwm is not None:
@@ -365,44 +374,21 @@ class CacheServer:
             # buffering gigabytes; anything smaller is refused with an error reply naming its size.
             limit = self.config.max_message_bytes
             sock.setsockopt(zmq.MAXMSGSIZE, max(8 * limit, limit + 2**28))
-        if endpoint.startswith("ipc://"):
-            path = Path(endpoint[len("ipc://"):])
-            path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-            if path.exists():
-                path.unlink()
-        if self._curve is not None and endpoint.startswith("tcp://"):
-            secure_server_socket(sock, self._curve)
-        old_umask = os.umask(0o077)  # ipc sockets: owner-only
         try:
-            sock.bind(endpoint)
-        except zmq.ZMQError as exc:
+            self._listeners.bind(sock, endpoint, field)
+        except BaseException:
             sock.close(0)
-            raise KVCacheError(f"endpoint: cannot bind {endpoint}: {exc}") from None
-        finally:
-            os.umask(old_umask)
-        if endpoint.startswith("ipc://"):
-            self._ipc_paths.append(Path(endpoint[len("ipc://"):]))
+            raise
         self._sockets.append(sock)
         return sock
 
     def _bind_local(self, path: Path) -> socket.socket:
         """The local endpoint: a non-blocking Unix datagram socket at ``path``, owner-only like the ipc ones."""
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        old_umask = os.umask(0o077)
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-            path.unlink(missing_ok=True)
-            sock.bind(str(path))
-        except OSError as exc:
-            sock.close()
-            raise KVCacheError(f"local_endpoint: cannot bind {path}: {exc}") from None
-        finally:
-            os.umask(old_umask)
+        sock = self._listeners.bind_datagram(path, "local_endpoint")
         sock.setblocking(False)
         # Room for replies and deltas not yet read (a Unix datagram counts against its sender's buffer until
         # read); the kernel caps it at net.core.wmem_max. A subscriber left behind catches up by replay.
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
-        self._ipc_paths.append(path)
         return sock
 
     def _setup_optional(self) -> None:
@@ -421,7 +407,7 @@ class CacheServer:
 
             wire = EventWire() if self.config.events_format == "array" else EventWire("map", True, True)
             self._events = KVEventPublisher(self._ctx, self.config.events_endpoint,
-                                            self.config.events_replay_endpoint, wire=wire)
+                                            self.config.events_replay_endpoint, wire=wire, listeners=self._listeners)
             self.manager.enable_events = True
 
     def _recover(self) -> None:
@@ -505,7 +491,7 @@ class CacheServer:
                            "settings": {name: getattr(self.config, name) for name in _JOURNALED_SETTINGS}})
 
     def close(self) -> None:
-        """Close every socket and remove the ipc files this daemon created."""
+        """Close every socket, remove the socket and lock files this daemon created, and release its locks."""
         if self._journal is not None:
             self._journal.close()
             self._journal = None
@@ -524,11 +510,7 @@ class CacheServer:
         if self._auth is not None:
             self._auth.stop()
             self._auth = None
-        for path in self._ipc_paths:
-            try:
-                path.unlink()
-            except FileNotFoundError:
-                pass
+        self._listeners.close()
 
     def serve(self, should_stop: Callable[[], bool] = lambda: False, poll_ms: int = 100) -> None:
         """Serve until ``should_stop()`` is true (checked at least every ``poll_ms``)."""
@@ -547,6 +529,9 @@ class CacheServer:
             handlers[self._subscribers.monitor_socket] = self._count_subscribers
         heartbeat_s = self.config.heartbeat_ms / 1000
         while not should_stop():
+            if self._reload_requested:
+                self._reload_requested = False
+                self.reload_clients()
             for sock, _ in poller.poll(min(poll_ms, self.config.heartbeat_ms)):
                 handlers[sock]()
             if time.monotonic() - self._last_publish >= heartbeat_s:
@@ -556,6 +541,29 @@ class CacheServer:
             if self._pd.transfers and time.monotonic() >= self._next_pd_check:
                 self.expire_transfers()
             self._observe()  # what the last interval's messages left uncounted
+
+    def request_reload(self) -> None:
+        """Have ``serve`` call ``reload_clients`` in its next turn (safe in a signal handler: it only sets a flag)."""
+        self._reload_requested = True
+
+    def reload_clients(self) -> None:
+        """Read the allowed clients' keys again; a revoked client's open connections get nothing more.
+
+        Its messages to the ROUTERs are dropped from now on, and every subscriber
+        of the PUBs is disconnected and must pass the new check to reconnect. A
+        folder that fails a check keeps the keys allowed so far, logged in one line.
+        """
+        if self._auth is None:
+            log.warning("reload: this daemon has no --curve-clients-dir; nothing to read again")
+            return
+        try:
+            revoked = self._auth.reload()
+        except (KVCacheError, OSError) as exc:  # OSError: the folder changed while it was read
+            log.error("reload refused, the %d client key(s) allowed so far stay allowed: %s",
+                      len(self._auth.allowed), exc)
+            return
+        if revoked:
+            self._listeners.drop_subscribers()
 
     def expire_transfers(self, now: float | None = None) -> int:
         """Fail every PD transfer past its deadline (journaled like any message); returns how many."""
@@ -622,12 +630,13 @@ class CacheServer:
         deltas go after its replies; the metrics count them last.
         """
         outbox: list[tuple[list[bytes], bytes]] = []
+        recv = self._recv_step
         for _ in range(256):
             try:
-                frames = self.router.recv_multipart(zmq.NOBLOCK)
+                frames = recv(zmq.NOBLOCK)
             except zmq.Again:
                 break
-            if len(frames) < 2:
+            if frames is None or len(frames) < 2:  # None: a client revoked since it connected
                 continue
             reply = self._process(frames[-1])
             if self._journal is None:  # nothing to make durable first: answer before looking for the next one
@@ -1272,9 +1281,11 @@ class CacheServer:
         """Answer a worker that missed deltas: the buffered ones from its seq on, or a snapshot."""
         for _ in range(64):
             try:
-                frames = self.replay.recv_multipart(zmq.NOBLOCK)
+                frames = self._recv_replay(zmq.NOBLOCK)
             except zmq.Again:
                 return
+            if frames is None:  # a client revoked since it connected
+                continue
             envelope, payload = frames[:-1], frames[-1]
             try:
                 msg = unpack(payload, 4096)

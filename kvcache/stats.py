@@ -8,18 +8,16 @@ from typing import Any
 
 import numpy as np
 
+from kvcache.cli import add_daemon_arguments, client_from_args
 from kvcache.client import CacheClient
-from kvcache.config import ServeConfig
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("stats", help="print a running daemon's usage, prefix hits and traffic",
                        description="Ask a running `kvcache serve` for its geometry, usage and counters.")
-    p.add_argument("endpoint", nargs="?", default="", help="the daemon's scheduler endpoint (default: the "
-                   "default of `kvcache serve`)")
+    add_daemon_arguments(p)
     p.add_argument("--watch", type=float, metavar="SECONDS", help="refresh every SECONDS until interrupted")
     p.add_argument("--json", action="store_true", help="print one JSON object and exit")
-    p.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the daemon (default 3)")
     p.set_defaults(run=_run)
 
 
@@ -61,8 +59,7 @@ def render(snapshot: dict[str, Any], previous: dict[str, Any] | None = None, int
 
 
 def _run(args: argparse.Namespace) -> int:
-    endpoint = args.endpoint or ServeConfig().resolved().endpoint
-    with CacheClient(endpoint, timeout=args.timeout) as client:
+    with client_from_args(args) as client:
         snapshot = collect(client)
         if args.json:
             print(json.dumps(snapshot, default=lambda o: o.tolist() if isinstance(o, np.ndarray) else str(o)))

@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -77,3 +78,27 @@ def daemon() -> Iterator[Callable[..., Daemon]]:
     for d in started:
         d.stop()
         shutil.rmtree(d.folder, ignore_errors=True)
+
+
+@pytest.fixture
+def tcp_endpoint() -> str:
+    """``tcp://127.0.0.1:PORT`` whose port and next four are free (a daemon's PUB, replay and event sockets)."""
+    for _ in range(50):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            base = probe.getsockname()[1]
+        if base > 65000:
+            continue
+        held: list[socket.socket] = []
+        try:
+            for port in range(base, base + 5):
+                s = socket.socket()
+                held.append(s)
+                s.bind(("127.0.0.1", port))
+            return f"tcp://127.0.0.1:{base}"
+        except OSError:
+            continue
+        finally:
+            for s in held:
+                s.close()
+    raise RuntimeError("no run of 5 free ports")

@@ -2,14 +2,16 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import shutil
+import signal
 import stat
 import tempfile
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator, NamedTuple
+from typing import TYPE_CHECKING, Callable, Iterator, NamedTuple
 
 import numpy as np
 import pytest
@@ -26,12 +28,15 @@ from kvcache.auth import (
     start_authenticator,
 )
 from kvcache.cli import main
+from kvcache.client import CacheClient, DaemonUnavailable
 from kvcache.config import ServeConfig, parse_rows
 from kvcache.keys import create_keys
 from kvcache.protocol import PROTOCOL_VERSION, pack, unpack
 from kvcache.server import CacheServer
 
 if TYPE_CHECKING:
+    from conftest import Daemon
+
     from kvcache.auth import KeyAuthenticator
 
 pytestmark = pytest.mark.skipif(not zmq.has("curve"), reason="libzmq without CURVE")
@@ -261,7 +266,7 @@ def test_without_a_running_authenticator_even_allowed_clients_get_nothing(secure
     assert len(secured.server.manager) == 0
 
 
-def test_a_refused_client_and_worker_get_errors_within_their_timeouts_not_hangs(daemon, tmp_path):
+def test_a_refused_client_and_worker_get_errors_within_their_timeouts_not_hangs(daemon, tmp_path, tcp_endpoint):
     """Keyless sockets to a CURVE daemon: once the failed handshake dropped their only peer, a send has nowhere to
     queue. Each call (and the worker's replay request) still ends within its timeout."""
     import numpy as np
@@ -272,7 +277,7 @@ def test_a_refused_client_and_worker_get_errors_within_their_timeouts_not_hangs(
 
     keys = tmp_path / "keys"
     assert main(["keys", str(keys), "--name", "sched"]) == 0
-    endpoint = f"tcp://127.0.0.1:{_free_base_port()}"
+    endpoint = tcp_endpoint
     daemon("--endpoint", endpoint, "--num-blocks", "64", "--block-size", "4",
            "--curve-server-cert", str(keys / "server.key_secret"), "--curve-clients-dir", str(keys / "clients"))
     with CacheClient(endpoint, timeout=0.5, retries=1) as stranger:
@@ -288,32 +293,7 @@ def test_a_refused_client_and_worker_get_errors_within_their_timeouts_not_hangs(
     assert time.monotonic() - start < 1.5
 
 
-def _free_base_port() -> int:
-    """A port whose next four are free too (the daemon's PUB, replay and event sockets)."""
-    import socket
-
-    for _ in range(50):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            base = probe.getsockname()[1]
-        if base > 65000:
-            continue
-        try:
-            held = []
-            for port in range(base, base + 5):
-                s = socket.socket()
-                held.append(s)
-                s.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in held:
-                s.close()
-    raise RuntimeError("no run of 5 free ports")
-
-
-def test_kvcache_serve_over_tcp_with_curve_admits_only_keyed_clients_and_workers(daemon, tmp_path):
+def test_kvcache_serve_over_tcp_with_curve_admits_only_keyed_clients_and_workers(daemon, tmp_path, tcp_endpoint):
     """A real daemon with --curve-*: a keyed client and worker work; a keyless client gets nothing."""
     import numpy as np
 
@@ -324,8 +304,7 @@ def test_kvcache_serve_over_tcp_with_curve_admits_only_keyed_clients_and_workers
 
     keys = tmp_path / "keys"
     assert main(["keys", str(keys), "--name", "sched"]) == 0
-    base = _free_base_port()
-    endpoint = f"tcp://127.0.0.1:{base}"
+    endpoint = tcp_endpoint
     d = daemon("--endpoint", endpoint, "--num-blocks", "64", "--block-size", "4",
                "--curve-server-cert", str(keys / "server.key_secret"), "--curve-clients-dir", str(keys / "clients"))
     curve = CurveConfig.for_client(keys / "sched.key_secret", keys / "server.key")
@@ -343,3 +322,218 @@ def test_kvcache_serve_over_tcp_with_curve_admits_only_keyed_clients_and_workers
     while "refused" not in d.log() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert "refused" in d.log(), d.log()
+
+
+# ---------------------------------------------------------------- every socket of a daemon, and revocation
+
+FIELDS = ("endpoint", "pub_endpoint", "replay_endpoint", "events_endpoint", "events_replay_endpoint")
+PING = pack({"v": PROTOCOL_VERSION, "client": "probe", "id": 1, "ops": [{"op": "ping"}]})
+SILENCE_S = 2.0  # how long a refused peer is watched for anything arriving
+
+
+class CurveDaemon(NamedTuple):
+    """A `kvcache serve` on tcp with CURVE and KV events, its endpoints by ServeConfig name, and client keys."""
+
+    daemon: Daemon
+    endpoints: dict[str, str]
+    keys: Path
+    allowed: dict[str, CurveConfig]  # by client name, as on its host: keys in the daemon's clients folder
+    intruder: CurveConfig  # its own key pair with the daemon's public key; not in the clients folder
+
+
+def start_curve_daemon(daemon, tmp_path: Path, tcp_endpoint: str, *names: str) -> CurveDaemon:
+    keys, hosts = tmp_path / "keys", tmp_path / "hosts"
+    hosts.mkdir()
+    for name in names:
+        shutil.copy2(create_keys(keys, name).client_secret, hosts)  # each client keeps a copy of its secret
+    other = create_keys(tmp_path / "other", "intruder")
+    d = daemon("--endpoint", tcp_endpoint, "--num-blocks", "64", "--block-size", "4", "--events",
+               "--curve-server-cert", str(keys / "server.key_secret"), "--curve-clients-dir", str(keys / "clients"))
+    resolved = ServeConfig(endpoint=tcp_endpoint).resolved()
+    return CurveDaemon(d, {f: getattr(resolved, f) for f in FIELDS}, keys,
+                       {n: CurveConfig.for_client(hosts / f"{n}.key_secret", keys / "server.key") for n in names},
+                       CurveConfig.for_client(other.client_secret, keys / "server.key"))
+
+
+class Probe:
+    """One peer on each of a daemon's five sockets (SUB on the PUBs, DEALER on the ROUTERs), with some keys or none;
+    counts the messages each socket receives."""
+
+    def __init__(self, ctx: zmq.Context, endpoints: dict[str, str], curve: CurveConfig | None) -> None:
+        self.socks: dict[str, zmq.Socket] = {}
+        for field, where in endpoints.items():
+            sock = ctx.socket(zmq.SUB if field in ("pub_endpoint", "events_endpoint") else zmq.DEALER)
+            sock.linger = 0
+            if sock.type == zmq.SUB:
+                sock.subscribe(b"")
+            if curve is not None:
+                secure_client_socket(sock, curve)
+            sock.connect(where)
+            self.socks[field] = sock
+        self.got = dict.fromkeys(endpoints, 0)
+
+    def ask(self) -> None:
+        """A request on each ROUTER: a ping, deltas from seq 0, KV events from seq 0 (each is answered)."""
+        for field, frames in (("endpoint", [PING]), ("replay_endpoint", [pack({"from": 0})]),
+                              ("events_replay_endpoint", [b"", bytes(8)])):
+            with contextlib.suppress(zmq.Again):  # no connection (refused): nowhere to queue it
+                self.socks[field].send_multipart(frames, zmq.NOBLOCK)
+
+    def read(self) -> None:
+        for field, sock in self.socks.items():
+            while sock.poll(0):
+                sock.recv_multipart()
+                self.got[field] += 1
+
+    def reached(self) -> list[str]:
+        """The sockets that received anything."""
+        return [f for f, n in self.got.items() if n]
+
+    def close(self) -> None:
+        for sock in self.socks.values():
+            sock.close(0)
+
+
+def exchange(client: CacheClient, probes: list[Probe], seconds: float, until: Callable[[], bool]) -> None:
+    """Admit and free a request (deltas, KV events), ask on every ROUTER and read every probe, every 50 ms, for at
+    least ``seconds`` and until ``until()`` holds, or 15 s (the caller's asserts then say what never came)."""
+    start = time.monotonic()
+    for i in itertools.count():
+        elapsed = time.monotonic() - start
+        if (elapsed >= seconds and until()) or elapsed > 15.0:
+            return
+        client.admit(f"r{i}", np.arange(9) + 100 * i)  # two full blocks: a BlockStored event
+        client.free(f"r{i}")
+        for probe in probes:
+            probe.ask()
+        time.sleep(0.05)
+        for probe in probes:
+            probe.read()
+
+
+def test_every_socket_of_a_curve_daemon_serves_allowed_clients_only(daemon, tmp_path, tcp_endpoint):
+    """The scheduler ROUTER, deltas PUB, replay ROUTER, KV-events PUB and KV-events replay ROUTER all use the
+    daemon's key and its clients folder: a keyless peer and one whose key is not in the folder get nothing from
+    any of them, while an allowed peer gets answers, deltas and events from each."""
+    c = start_curve_daemon(daemon, tmp_path, tcp_endpoint, "sched")
+    with zmq.Context() as ctx, CacheClient(tcp_endpoint, timeout=5, curve=c.allowed["sched"]) as client:
+        probes = {"allowed": Probe(ctx, c.endpoints, c.allowed["sched"]), "no keys": Probe(ctx, c.endpoints, None),
+                  "key not allowed": Probe(ctx, c.endpoints, c.intruder)}
+        try:
+            exchange(client, list(probes.values()), SILENCE_S, lambda: len(probes["allowed"].reached()) == 5)
+        finally:
+            for probe in probes.values():
+                probe.close()
+    assert probes["allowed"].reached() == list(FIELDS)
+    assert probes["no keys"].reached() == [] and probes["key not allowed"].reached() == [], c.daemon.log()
+
+
+def wait_for_line(d: Daemon, text: str, count: int = 1, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while d.log().count(text) < count:
+        assert time.monotonic() < deadline, f"{text!r} not logged {count} time(s):\n{d.log()}"
+        time.sleep(0.02)
+
+
+def test_revoking_a_client_cuts_off_its_open_connections_and_keeps_the_others(daemon, tmp_path, tcp_endpoint):
+    """`kvcache keys revoke DIR --name N --pid PID`: the daemon reads its clients folder again on SIGHUP. The revoked
+    client's connections, open since before, get no more replies, deltas or events, and a new connection with its
+    key is refused; another allowed client goes on getting all of them, and its worker's tables stay current."""
+    from kvcache.worker import TableSubscriber
+
+    c = start_curve_daemon(daemon, tmp_path, tcp_endpoint, "revoked", "kept")
+    with zmq.Context() as ctx, CacheClient(tcp_endpoint, timeout=5, curve=c.allowed["kept"]) as kept, \
+            CacheClient(tcp_endpoint, timeout=0.5, curve=c.allowed["revoked"]) as revoked:
+        assert revoked.ping() and kept.ping()
+        worker = TableSubscriber(tcp_endpoint, curve=c.allowed["kept"], max_slots=4, max_blocks=8)
+        r, k = Probe(ctx, c.endpoints, c.allowed["revoked"]), Probe(ctx, c.endpoints, c.allowed["kept"])
+        try:
+            exchange(kept, [r, k], 0, lambda: len(r.reached()) == len(k.reached()) == 5)
+            assert r.reached() == k.reached() == list(FIELDS)
+            assert main(["keys", "revoke", str(c.keys), "--name", "revoked", "--pid", str(c.daemon.process.pid)]) == 0
+            wait_for_line(c.daemon, "revoked 1:")
+            time.sleep(0.3)
+            r.read()  # what was sent before the cut
+            r.got, k.got = dict.fromkeys(FIELDS, 0), dict.fromkeys(FIELDS, 0)
+            exchange(kept, [r, k], SILENCE_S, lambda: len(k.reached()) == 5)
+            table = kept.admit("after", np.arange(9)).table
+            worker.wait_for(kept.last_seq, epoch=kept.last_epoch)  # over its new connection
+            assert np.array_equal(worker.table("after"), table)
+        finally:
+            r.close()
+            k.close()
+            worker.close()
+        assert r.reached() == [], c.daemon.log()
+        assert k.reached() == list(FIELDS)
+        with pytest.raises(DaemonUnavailable):  # the connection it kept open: its request times out
+            revoked.ping()
+        with CacheClient(tcp_endpoint, timeout=0.5, curve=c.allowed["revoked"]) as again:
+            with pytest.raises(DaemonUnavailable):  # a new connection: refused by its key
+                again.ping()
+        assert kept.ping()
+    assert c.daemon.process.poll() is None
+    assert "its key was revoked" in c.daemon.log() and "not in" in c.daemon.log()
+
+
+def test_a_bad_clients_folder_on_reload_keeps_the_allowed_keys_and_logs_one_line(daemon, tmp_path, tcp_endpoint):
+    """A reload that fails (a key file that is no certificate, a folder others may write) changes nothing: the
+    daemon keeps running with the keys it had and logs why, once per SIGHUP."""
+    c = start_curve_daemon(daemon, tmp_path, tcp_endpoint, "sched")
+    clients = c.keys / "clients"
+    with CacheClient(tcp_endpoint, timeout=5, curve=c.allowed["sched"]) as client:
+        assert client.ping()
+        (clients / "broken.key").write_text("not a certificate\n")
+        os.kill(c.daemon.process.pid, signal.SIGHUP)
+        wait_for_line(c.daemon, "reload refused")
+        assert client.ping()
+        (clients / "broken.key").unlink()
+        os.chmod(clients, 0o777)
+        os.kill(c.daemon.process.pid, signal.SIGHUP)
+        wait_for_line(c.daemon, "reload refused", count=2)
+        assert client.ping()
+        with CacheClient(tcp_endpoint, timeout=5, curve=c.allowed["sched"]) as fresh:
+            assert fresh.ping()  # its key is still allowed on new connections too
+    assert c.daemon.process.poll() is None
+    lines = [line for line in c.daemon.log().splitlines() if "reload refused" in line]
+    assert len(lines) == 2, lines
+    assert "broken.key" in lines[0] and "1 client key(s) allowed so far" in lines[0]
+    assert "writable by other users" in lines[1]
+
+
+def test_keys_revoke_deletes_the_clients_keys_and_checks_the_pid_first(tmp_path, capsys):
+    """`kvcache keys revoke` deletes clients/NAME.key and NAME.key_secret; a pid that is no `kvcache serve` is refused
+    before anything is deleted, and a name that has no key is an error naming the file."""
+    folder = tmp_path / "keys"
+    create_keys(folder, "a")
+    create_keys(folder, "b")
+    assert main(["keys", "revoke", str(folder), "--name", "a", "--pid", str(os.getpid())]) == 2
+    assert f"--pid: process {os.getpid()} is not a kvcache serve" in capsys.readouterr().err
+    assert (folder / "clients" / "a.key").exists()
+    assert main(["keys", "revoke", str(folder), "--name", "a"]) == 0
+    assert "kill -HUP" in capsys.readouterr().out
+    assert sorted(p.name for p in (folder / "clients").iterdir()) == ["b.key"]
+    assert not (folder / "a.key_secret").exists() and (folder / "b.key_secret").exists()
+    assert main(["keys", "revoke", str(folder), "--name", "a"]) == 2
+    assert f"{folder / 'clients' / 'a.key'} does not exist" in capsys.readouterr().err
+    assert main(["keys", "revoke", "--name", "b"]) == 2
+    assert "give the keys folder" in capsys.readouterr().err
+    assert main(["keys", str(folder), "--name", "a"]) == 0  # the name may get new keys
+
+
+def test_stats_reaches_a_curve_daemon_with_key_flags_and_fails_in_one_line_without(daemon, tmp_path, tcp_endpoint,
+                                                                                    capsys):
+    """`kvcache stats --endpoint tcp://... --curve-client-cert ... --curve-server-public ...` prints the summary;
+    without keys it fails with one line within its --timeout."""
+    c = start_curve_daemon(daemon, tmp_path, tcp_endpoint, "sched")
+    keyed = ["stats", "--endpoint", tcp_endpoint, "--curve-client-cert", str(c.allowed["sched"].client_secret),
+             "--curve-server-public", str(c.keys / "server.key")]
+    assert main(keyed) == 0
+    assert "64 blocks x 1 row(s), block_size 4" in capsys.readouterr().out
+    start = time.monotonic()
+    assert main(["stats", "--endpoint", tcp_endpoint, "--timeout", "1"]) == 2
+    assert time.monotonic() - start < 2.0
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"kvcache stats: error: daemon at {tcp_endpoint} did not answer "
+                                                   "within 1 s"), err
+    assert main(keyed[:5]) == 2  # a client certificate without the daemon's public one
+    assert "--curve-client-cert and --curve-server-public: give both" in capsys.readouterr().err

@@ -141,7 +141,8 @@ def test_a_path_that_reaches_another_daemon_is_not_used(daemon, tmp_path):
     """A client checks the daemon behind the path is its own (same epoch) before sending anything there."""
     first = daemon("--num-blocks", "40", "--block-size", "4")
     path = _local_path(first)
-    daemon("--num-blocks", "40", "--block-size", "4", "--local-endpoint", path)  # takes the path over
+    second = daemon("--num-blocks", "40", "--block-size", "4")
+    os.replace(_local_path(second), path)  # the first daemon's path now leads to the second's socket
     with CacheClient(first.endpoint, local=True) as client:
         assert client.ping()
         assert client.local_endpoint is None

@@ -294,8 +294,8 @@ def test_a_decode_daemon_serves_its_transfers_on_metrics_and_in_stats(daemon):
     assert value(s, "kvcache_pd_transfer_seconds_count") == 1
     assert 0 < value(s, "kvcache_pd_transfer_seconds_sum") < 30
     assert value(s, "kvcache_pd_in_transfer") == 0
-    out = subprocess.run([sys.executable, "-m", "kvcache", "stats", d.endpoint], capture_output=True, text=True,
-                         timeout=60, check=True).stdout
+    out = subprocess.run([sys.executable, "-m", "kvcache", "stats", "--endpoint", d.endpoint], capture_output=True,
+                         text=True, timeout=60, check=True).stdout
     assert "PD decode: in transfer 0   started 3   done 1   failed 1   cancelled 1" in out
     assert "32 blocks x 1 row(s), block_size 16" in out
     assert "on the PUB, 0 on the local endpoint" in out
