@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 # Step latency from 10 µs (a ping) to 100 ms (a step of thousands of ops).
 STEP_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 1e-1)
-ERROR_KINDS = ("decode", "validate", "internal")
+ERROR_KINDS = ("decode", "validate", "journal", "internal")  # journal: refused while its disk is full
 # A PD transfer from its reserve/admit to done: a layer-wise pipeline's prefill time plus its tail.
 PD_BUCKETS = (1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 GAUGE_INTERVAL_S = 0.1
@@ -107,7 +107,7 @@ class DaemonMetrics:
             self._step_seconds.observe(value)
 
     def observe_error(self, kind: str) -> None:
-        """Count a refused or failed message by kind (decode, validate, internal)."""
+        """Count a refused or failed message by kind (decode, validate, journal, internal)."""
         child = self._errors.get(kind)
         if child is None:
             child = self._errors[kind] = self._errors_counter.labels(kind)

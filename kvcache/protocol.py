@@ -5,8 +5,14 @@ Scheduler → daemon (one ROUTER frame)::
     {"v": 2, "client": str, "id": int, "ops": [op, ...]}
 
 ``client`` names the sender (a random id per CacheClient unless given);
-``id`` is unique per client: a retried request with an answered ``(client,
-id)`` gets the first answer again and is not applied twice. Ops::
+``id`` is unique per client and should count up by one per request (from a
+random start, as CacheClient's do). A retry sends the same bytes again and
+gets the first answer, never a second application; the same ``(client, id)``
+with other content is refused. Replies are kept for retries within the
+daemon's ``--dedupe-bytes``; beyond that, ids that count up are remembered as
+ranges, so a retry whose reply was dropped is refused ("the retry window
+passed") rather than applied again. A message whose reply could pass
+``--max-reply-bytes`` is refused before any op applies. Ops::
 
     {"op": "admit",  "req": ID, "tokens": TOKENS, "salt"?: str, "lora"?: str,
                      "mm"?: [[str, int, int], ...], "num_tokens"?: int, "slot"?: int}
