@@ -57,6 +57,7 @@ if TYPE_CHECKING:
     from kvcache.listeners import Listeners
 
 log = logging.getLogger("kvcache.events")
+LIVE_BATCH_BYTES = 1 << 20  # larger event batches are numbered and kept for replay but not sent live
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 _LOW_64 = (1 << 64) - 1
@@ -161,8 +162,9 @@ class KVEventPublisher:
         *,
         topic: str = "",
         buffer_steps: int = 10_000,
+        buffer_bytes: int = 256 << 20,
         dp_rank: int = 0,
-        send_hwm: int = 100_000,
+        send_bytes: int = 64 << 20,
         wire: EventWire = EventWire(),
         listeners: Listeners | None = None,
     ) -> None:
@@ -173,18 +175,21 @@ class KVEventPublisher:
         self.wire = wire
         self.next_seq = 0
         self.num_dropped = 0
-        self._buffer: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=buffer_steps)
+        self.buffer_steps, self.buffer_bytes = buffer_steps, buffer_bytes
+        self._buffer: collections.deque[tuple[int, bytes]] = collections.deque()
+        self._buffered_bytes = 0
         self._pub = context.socket(zmq.PUB)
         self.replay_socket: zmq.Socket | None = None
         self._recv_replay: Any = None
         bind = listeners.bind if listeners is not None else lambda sock, where, _field: sock.bind(where)
         try:
-            self._pub.setsockopt(zmq.SNDHWM, send_hwm)
+            # A slow subscriber's queue holds at most send_bytes: larger batches are only replayed.
+            self._pub.setsockopt(zmq.SNDHWM, max(1, send_bytes // LIVE_BATCH_BYTES))
             bind(self._pub, endpoint, "events_endpoint")
             if replay_endpoint:
                 self.replay_socket = context.socket(zmq.ROUTER)
-                # Room for one whole replay, so a replay is never cut short silently;
-                # mandatory routing turns a full or vanished peer into an error we can see.
+                # Room for one whole replay, so a replay is never cut short silently (its frames share the
+                # buffer's bytes); mandatory routing turns a full or vanished peer into an error we can see.
                 self.replay_socket.setsockopt(zmq.SNDHWM, buffer_steps + 1)
                 self.replay_socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
                 bind(self.replay_socket, replay_endpoint, "events_replay_endpoint")
@@ -201,7 +206,14 @@ class KVEventPublisher:
         payload = encode_batch(events, ts=time.time(), dp_rank=self.dp_rank, wire=self.wire)
         seq = self.next_seq
         self.next_seq += 1
-        self._buffer.append((seq, payload))
+        buffer = self._buffer
+        buffer.append((seq, payload))
+        self._buffered_bytes += len(payload)
+        while len(buffer) > 1 and (len(buffer) > self.buffer_steps or self._buffered_bytes > self.buffer_bytes):
+            self._buffered_bytes -= len(buffer.popleft()[1])
+        if len(payload) > LIVE_BATCH_BYTES:  # subscribers see the gap at the next batch and replay it
+            self.num_dropped += 1
+            return seq
         try:
             self._pub.send_multipart((self.topic, seq.to_bytes(8, "big"), payload), flags=zmq.NOBLOCK)
         except zmq.Again:
@@ -231,7 +243,7 @@ class KVEventPublisher:
         end = [client, b"", b"", END_SEQ, b""] if self.wire.replay_topic else [client, b"", END_SEQ, b""]
         try:
             for seq, payload in self._since(int.from_bytes(start, "big")):
-                sock.send_multipart([*head, seq.to_bytes(8, "big"), payload], flags=zmq.NOBLOCK)
+                sock.send_multipart([*head, seq.to_bytes(8, "big"), payload], flags=zmq.NOBLOCK, copy=False)
             sock.send_multipart(end, flags=zmq.NOBLOCK)
         except zmq.Again:
             log.warning("replay: peer's queue is full; replay cut short without an end marker")

@@ -94,7 +94,8 @@ _JOURNALED_SETTINGS = (*_REPLAY_SETTINGS, "role", "tp")
 SNAPSHOT_RETRY_S = 10.0
 # The largest delta payload the PUB sends as it is (as a local-endpoint datagram): a larger one goes as a heartbeat
 # of its seq, which sends workers to the replay socket for it.
-PUB_MAX_DELTA_BYTES = LOCAL_MAX_BYTES  # a snapshot that found the disk full is tried again after this long
+PUB_MAX_DELTA_BYTES = LOCAL_MAX_BYTES
+REPLAY_HWM = 4  # replies queued per replay peer  # a snapshot that found the disk full is tried again after this long
 METRICS_INTERVAL_S = 0.05  # a busy daemon counts its messages in the metrics at most this often
 _PD_CLIENT = "kvcache-transfer-expiry"
 
@@ -348,7 +349,8 @@ class CacheServer:
             # A slow subscriber's queue holds at most pub_bytes: deltas past PUB_MAX_DELTA_BYTES go as their seq only.
             self.pub = self._bind(zmq.PUB, self.config.pub_endpoint, "pub_endpoint",
                                   sndhwm=max(1, self.config.pub_bytes // PUB_MAX_DELTA_BYTES))
-            self.replay = self._bind(zmq.ROUTER, self.config.replay_endpoint, "replay_endpoint")
+            # A worker that asks again and again without reading holds at most a few replies (snapshots).
+            self.replay = self._bind(zmq.ROUTER, self.config.replay_endpoint, "replay_endpoint", sndhwm=REPLAY_HWM)
             self._recv_step = self._listeners.receiver(self.router)
             self._recv_replay = self._listeners.receiver(self.replay)
             if self.config.local_endpoint != LOCAL_OFF:
@@ -407,7 +409,8 @@ class CacheServer:
 
             wire = EventWire() if self.config.events_format == "array" else EventWire("map", True, True)
             self._events = KVEventPublisher(self._ctx, self.config.events_endpoint,
-                                            self.config.events_replay_endpoint, wire=wire, listeners=self._listeners)
+                                            self.config.events_replay_endpoint, wire=wire, listeners=self._listeners,
+                                            buffer_bytes=self.config.replay_bytes, send_bytes=self.config.pub_bytes)
             self.manager.enable_events = True
 
     def _recover(self) -> None:
@@ -1300,7 +1303,8 @@ class CacheServer:
                 self.replay.send_multipart([*envelope, b"D"])
             elif start >= oldest:
                 skip = start - oldest
-                self.replay.send_multipart([*envelope, b"D", *(p for _, p in list(self._history)[skip:])])
+                self.replay.send_multipart([*envelope, b"D", *(p for _, p in list(self._history)[skip:])],
+                                           copy=False)  # the frames share the history's bytes
             else:
                 self.replay.send_multipart([*envelope, b"S", self.snapshot()])
 

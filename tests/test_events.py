@@ -21,7 +21,7 @@ import zmq
 from kvcache.allocator import Full, KVCacheManager, Window
 from kvcache.allocator.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvcache.allocator.prefix import BlockHasher
-from kvcache.events import END_SEQ, EventWire, KVEventPublisher, encode_batch
+from kvcache.events import END_SEQ, LIVE_BATCH_BYTES, EventWire, KVEventPublisher, encode_batch
 
 BS = 4
 SEED = b"events-test"
@@ -345,6 +345,51 @@ def test_replay_keeps_only_the_last_buffer_steps_batches(ctx, tmp_path):
         assert [seq for seq, _ in collect(client)] == [3, 4, 5]
     finally:
         client.close(linger=0)
+        pub.close()
+
+
+def test_replay_keeps_at_most_buffer_bytes_of_batches_but_always_the_last(ctx, tmp_path):
+    """The replay buffer is bounded in bytes too: the oldest batches go first, the newest always stays."""
+    endpoint, replay = endpoints(tmp_path)
+    pub = KVEventPublisher(ctx, endpoint, replay, buffer_bytes=1)
+    client = replay_client(ctx, replay)
+    try:
+        publish_n(pub, 4)
+        ask_replay(pub, client, 0)
+        assert [seq for seq, _ in collect(client)] == [3]
+    finally:
+        client.close(linger=0)
+        pub.close()
+
+
+def test_a_batch_too_big_to_send_live_is_only_replayed(ctx, tmp_path):
+    """A batch over LIVE_BATCH_BYTES is numbered and buffered but not queued on the PUB: a subscriber sees the gap
+    at the next batch and replays it, and a slow one never holds more than the PUB's byte budget."""
+    endpoint, replay = endpoints(tmp_path)
+    pub = KVEventPublisher(ctx, endpoint, replay)
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(endpoint)
+    client = replay_client(ctx, replay)
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while not sub.poll(20):  # the subscription reaches the PUB
+            assert time.monotonic() < deadline, "the subscriber never joined"
+            pub.publish([AllBlocksCleared()])
+        while sub.poll(50):
+            sub.recv_multipart()
+        first = pub.next_seq
+        big = np.arange(LIVE_BATCH_BYTES // 4, dtype=np.uint32) + 2**31  # 5 bytes a token id in msgpack
+        pub.publish([BlockStored((b"\x01" * 32,), None, big, BS, None)])
+        pub.publish([AllBlocksCleared()])
+        _, seq, _ = recv(sub)
+        assert int.from_bytes(seq, "big") == first + 1 and pub.num_dropped >= 1
+        ask_replay(pub, client, first)
+        replayed = collect(client)
+        assert [s for s, _ in replayed] == [first, first + 1] and len(replayed[0][1]) > LIVE_BATCH_BYTES
+    finally:
+        client.close(linger=0)
+        sub.close(linger=0)
         pub.close()
 
 

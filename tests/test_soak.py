@@ -26,7 +26,7 @@ PAUSES = (5.0, 25.0, 45.0)  # seconds into the run when the odd subscribers stop
 PAUSE_S = (2.0, 8.0)
 # A small PUB queue, so a paused subscriber loses deltas (a replay) or more than the replay buffer (a snapshot).
 FLAGS = ("--num-blocks", "2000", "--block-size", "4", "--rows", "window:16:4,full", "--hash-seed", "soak",
-         "--replay-buffer", "1024", "--dedupe-window", "128", "--pub-hwm", "100")
+         "--replay-buffer", "1024", "--dedupe-window", "128", "--pub-bytes", "6553600")
 
 
 def _report(results: Any, index: int, work: Any) -> None:
@@ -153,7 +153,7 @@ def test_eight_schedulers_and_eight_workers_for_a_minute_lose_nothing_and_do_not
     the allocator by its 2,000 blocks per row, live requests by 8 per client,
     the replay buffer by 1,024 deltas (under 1 KiB each: at most ~1 MiB), the
     dedupe cache by 128 replies per client (~1 MiB for 8 clients and the
-    admin), the PUB's queue to a stalled worker by --pub-hwm 100. 16 MiB is
+    admin), the PUB's queue to a stalled worker by 100 deltas (--pub-bytes). 16 MiB is
     several times that, room for allocator fragmentation, yet a leak of 1 KiB
     per step would exceed it within the 50 s (20,000+ steps).
     """

@@ -253,7 +253,7 @@ def _burst(client: CacheClient, steps: int, tokens: int, start: int) -> None:
 def test_a_subscriber_that_misses_deltas_replays_them_or_loads_a_snapshot(daemon):
     """Deltas the PUB drops for a slow worker come back from the replay socket; too old ones by a snapshot."""
     d = daemon("--rows", "window:256:16,full", "--block-size", "16", "--num-blocks", "2100", "--max-slots", "16",
-               "--pub-hwm", "1", "--replay-buffer", "100", "--no-enable-prefix-caching")
+               "--pub-bytes", "65536", "--replay-buffer", "100", "--no-enable-prefix-caching")
     tiny = zmq.Context()
     tiny.setsockopt(zmq.RCVHWM, 2)  # the worker's SUB queue holds two deltas: the rest wait in the daemon or drop
     with CacheClient(d.endpoint) as c, \
