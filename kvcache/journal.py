@@ -35,7 +35,6 @@ snapshot, or a snapshot without a WAL, means a file was lost: refused.
 from __future__ import annotations
 
 import errno
-import fcntl
 import os
 import shutil
 import stat
@@ -43,11 +42,12 @@ import struct
 import time
 import zlib
 from pathlib import Path
-from typing import Iterator, NamedTuple
+from typing import Iterator, NamedTuple, Sequence
 
 import numpy as np
 
 from kvcache.allocator.errors import KVCacheError
+from kvcache.listeners import LockHeld, pid_lock
 
 _HEADER = struct.Struct("<IIQ")  # length (top bit: first record of a commit), crc32 of length+lsn+payload, lsn
 _CRC_HEAD = struct.Struct("<IQ")
@@ -80,7 +80,7 @@ class Damage(NamedTuple):
 class Recovered(NamedTuple):
     """What a journal held at open: the snapshot (or None) and the records after it, oldest first."""
 
-    snapshot: bytes | None
+    snapshot: bytearray | None
     snapshot_lsn: int
     records: list[bytes]
     truncated_bytes: int  # torn tail cut off (or, from ``examine``, that would be cut)
@@ -255,18 +255,11 @@ class Journal:
         check_private(self.folder, "journal folder")
         for name, what in (("snapshot", "snapshot"), ("wal", "log"), ("lock", "lock file")):
             check_private(self.folder / name, what)
-        path = self.folder / "lock"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-            os.close(fd)
-            raise KVCacheError(f"journal: {self.folder} is in use by process {holder} (another kvcache serve); "
+            self._lock = pid_lock(self.folder / "lock")
+        except LockHeld as exc:
+            raise KVCacheError(f"journal: {self.folder} is in use by process {exc.holder} (another kvcache serve); "
                                "stop it, or give this daemon another --journal") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        self._lock = fd
 
     def _preallocate(self, needed: int) -> None:
         """Zero-fill the WAL so that ``needed`` more bytes fit with ``PREALLOCATE_BYTES`` to spare, then sync it.
@@ -330,8 +323,9 @@ class Journal:
             os.fdatasync(self._fd)
         self._wal_bytes += len(data)
 
-    def write_snapshot(self, state: bytes) -> None:
-        """Replace the snapshot with ``state`` (everything up to ``lsn``) and empty the WAL.
+    def write_snapshot(self, state: bytes | Sequence[bytes | memoryview]) -> None:
+        """Replace the snapshot with ``state`` (everything up to ``lsn``; bytes, or pieces written in turn) and
+        empty the WAL.
 
         A full disk raises ``JournalFull`` and leaves the old snapshot and the WAL
         as they were (or, when only the new WAL's zero-filling failed, the new
@@ -339,11 +333,16 @@ class Journal:
         """
         self.commit()
         assert self._fd is not None, "journal is not open"
+        pieces = [state] if isinstance(state, (bytes, bytearray, memoryview)) else state
+        crc = 0
+        for piece in pieces:
+            crc = zlib.crc32(piece, crc)
         tmp = self.folder / "snapshot.tmp"
         try:
             with open(tmp, "wb", opener=lambda p, f: os.open(p, f | os.O_NOFOLLOW, 0o600)) as f:
-                f.write(_SNAPSHOT_MAGIC + _SNAPSHOT_HEAD.pack(self.lsn, zlib.crc32(state)))
-                f.write(state)
+                f.write(_SNAPSHOT_MAGIC + _SNAPSHOT_HEAD.pack(self.lsn, crc))
+                for piece in pieces:
+                    f.write(piece)
                 f.flush()
                 os.fsync(f.fileno())
         except OSError as exc:
@@ -370,21 +369,26 @@ class Journal:
             self._lock = None
 
 
-def read_snapshot(folder: str | Path) -> tuple[bytes | None, int]:
-    """The state bytes of ``folder``'s snapshot and the lsn it holds, or (None, 0) when there is none."""
+def read_snapshot(folder: str | Path) -> tuple[bytearray | None, int]:
+    """The state of ``folder``'s snapshot (a bytearray of its own, so arrays decoded from it can be views) and the
+    lsn it holds, or (None, 0) when there is none."""
     path = Path(folder) / "snapshot"
     try:
-        data = path.read_bytes()
+        f = open(path, "rb")
     except FileNotFoundError:
         return None, 0
-    if data.startswith(_PICKLE_MAGIC):
-        raise KVCacheError(f"journal: {path} was written by an older kvcache as a pickle, which could run code when "
-                           "loaded, so it is not read; drain that daemon's requests and start with an empty folder")
-    head = len(_SNAPSHOT_MAGIC) + _SNAPSHOT_HEAD.size
-    if not data.startswith(_SNAPSHOT_MAGIC) or len(data) < head:
-        raise KVCacheError(f"journal: {path} is not a kvcache snapshot")
-    lsn, crc = _SNAPSHOT_HEAD.unpack_from(data, len(_SNAPSHOT_MAGIC))
-    state = data[head:]
+    with f:
+        head = f.read(len(_SNAPSHOT_MAGIC) + _SNAPSHOT_HEAD.size)
+        if head.startswith(_PICKLE_MAGIC):
+            raise KVCacheError(f"journal: {path} was written by an older kvcache as a pickle, which could run code "
+                               "when loaded, so it is not read; drain that daemon's requests and start with an empty "
+                               "folder")
+        if not head.startswith(_SNAPSHOT_MAGIC) or len(head) < len(_SNAPSHOT_MAGIC) + _SNAPSHOT_HEAD.size:
+            raise KVCacheError(f"journal: {path} is not a kvcache snapshot")
+        lsn, crc = _SNAPSHOT_HEAD.unpack_from(head, len(_SNAPSHOT_MAGIC))
+        state = bytearray(os.fstat(f.fileno()).st_size - len(head))
+        if f.readinto(state) != len(state):
+            raise KVCacheError(f"journal: {path} changed while it was read")
     if zlib.crc32(state) != crc:
         raise KVCacheError(f"journal: {path} fails its checksum; the journal is damaged")
     return state, lsn
@@ -432,12 +436,11 @@ def repair(folder: str | Path, truncate_at: int) -> Path:
     check_private(folder, "journal folder")
     wal = folder / "wal"
     check_private(wal, "log")
-    fd = os.open(folder / "lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise KVCacheError(f"journal: {folder} is in use by a running daemon; stop it before repairing") from None
+        fd = pid_lock(folder / "lock")
+    except LockHeld as exc:
+        raise KVCacheError(f"journal: {folder} is in use by process {exc.holder}; stop it before repairing") from None
+    try:
         data = wal.read_bytes()
         ends = {0, *(end for end, _, _, _ in _whole_records(data))}
         if truncate_at not in ends:

@@ -144,24 +144,28 @@ class Listeners:
         path.unlink(missing_ok=True)  # left by a daemon that died: nobody holds its lock
 
 
-def _lock(lock: Path, field: str, endpoint: str) -> int:
-    """An open, exclusively locked ``lock`` file holding this pid; refused with the holder's pid while it runs.
+class LockHeld(KVCacheError):
+    """A lock file another live process holds; ``holder`` is the pid it wrote there."""
 
-    The last holder removes the file before it unlocks, so a lock taken on a file
+    def __init__(self, lock: Path, holder: str) -> None:
+        super().__init__(f"{lock} is held by process {holder}")
+        self.holder = holder
+
+
+def pid_lock(lock: Path) -> int:
+    """An open, exclusively locked (flock) ``lock`` file holding this pid; ``LockHeld`` while another process has it.
+
+    A holder that removes the file removes it before it unlocks, so a lock taken on a file
     that is no longer at ``lock`` is dropped and taken again on the new one.
     """
     while True:
-        try:
-            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        except OSError as exc:
-            raise KVCacheError(f"{field}: cannot open the lock file {lock}: {exc.strerror}") from None
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
             os.close(fd)
-            raise KVCacheError(f"{field}: {endpoint} is in use by a running kvcache serve (pid {holder}, lock "
-                               f"{lock}); stop it or choose another path") from None
+            raise LockHeld(lock, holder) from None
         try:
             found = os.stat(lock)
         except FileNotFoundError:
@@ -171,11 +175,22 @@ def _lock(lock: Path, field: str, endpoint: str) -> int:
             try:
                 os.ftruncate(fd, 0)
                 os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-            except OSError as exc:
+            except OSError:
                 os.close(fd)
-                raise KVCacheError(f"{field}: cannot write the lock file {lock}: {exc.strerror}") from None
+                raise
             return fd
         os.close(fd)
+
+
+def _lock(lock: Path, field: str, endpoint: str) -> int:
+    """``pid_lock`` of an endpoint's lock file, its refusals naming the endpoint and the running daemon."""
+    try:
+        return pid_lock(lock)
+    except LockHeld as exc:
+        raise KVCacheError(f"{field}: {endpoint} is in use by a running kvcache serve (pid {exc.holder}, lock "
+                           f"{lock}); stop it or choose another path") from None
+    except OSError as exc:
+        raise KVCacheError(f"{field}: cannot use the lock file {lock}: {exc.strerror}") from None
 
 
 def _bind_error(field: str, endpoint: str, exc: zmq.ZMQError) -> str:

@@ -487,8 +487,8 @@ class CacheServer:
         self._pd.timeout = cfg.transfer_timeout
         self._retries.limit(cfg.dedupe_window, cfg.dedupe_bytes)
 
-    def _state(self) -> bytes:
-        """Everything a restart needs, for a journal snapshot."""
+    def _state(self) -> list[bytes | memoryview]:
+        """Everything a restart needs, for a journal snapshot (as pieces to write in turn)."""
         return dump_state({"manager": self.manager, "slots": self._slots, "seq": self._seq, "epoch": self.epoch,
                            "retries": self._retries, "leases": self._leases, "pd": self._pd,
                            "settings": {name: getattr(self.config, name) for name in _JOURNALED_SETTINGS}})
@@ -1373,12 +1373,12 @@ _STATE_TYPES = {"manager": KVCacheManager, "slots": _Slots, "retries": _RetryCac
                 "seq": int, "epoch": int, "settings": dict}
 
 
-def dump_state(state: dict[str, Any]) -> bytes:
-    """A daemon's state (``CacheServer._state``'s map) as journal snapshot bytes."""
-    return STATE_CODEC.dumps({"format": SNAPSHOT_FORMAT, "kvcache": __version__, **state})
+def dump_state(state: dict[str, Any]) -> list[bytes | memoryview]:
+    """A daemon's state (``CacheServer._state``'s map) as journal snapshot pieces."""
+    return STATE_CODEC.chunks({"format": SNAPSHOT_FORMAT, "kvcache": __version__, **state})
 
 
-def load_state(data: bytes) -> dict[str, Any]:
+def load_state(data: bytearray) -> dict[str, Any]:
     """The map ``dump_state`` saved; anything else raises ``KVCacheError`` without running code from the snapshot."""
     state = STATE_CODEC.loads(data)
     if not isinstance(state, dict) or state.get("format") != SNAPSHOT_FORMAT:

@@ -11,9 +11,15 @@ Values::
 
     None, bool, int (any size), float, str, bytes, list, dict   as themselves (dict keys of any of these types)
     tuple, set, frozenset, range, bytearray, OrderedDict, deque  tagged lists
-    numpy arrays and scalars                                     ExtType: dtype descr, shape, C-order bytes
+    numpy arrays                                                 ExtType: dtype descr, shape, where its bytes lie
+    numpy scalars                                                ExtType: dtype descr, shape (), the bytes
     instances of a given class                                   [tag, state]; a second reference to the same
                                                                  instance or array refers back to the first
+
+The encoding is ``u64 length | msgpack of the value | the arrays' C-order
+bytes``, each array starting on a 64-byte boundary; ``chunks`` gives it as
+pieces (the arrays' own memory, no copy) for a file, and ``loads`` of a
+writable buffer (a bytearray) makes the arrays views of it.
 
 Shared references to an instance or array stay shared after decoding (the
 manager's requests sit in a dict and in a list by slot). Lists, dicts and
@@ -35,7 +41,8 @@ _ARRAY, _SCALAR, _TAG = 1, 2, 3  # ExtType codes
 # Tags: the first item of a tagged list, an ExtType(_TAG) whose data is one of these bytes (and, for an
 # instance, its index and class name).
 _TUPLE, _SET, _FROZENSET, _RANGE, _BYTEARRAY, _ORDERED, _DEQUE, _BIGINT, _OBJECT, _REF = range(10)
-_U32 = struct.Struct("<I")
+_LENGTH = struct.Struct("<Q")  # the msgpack part's length, first
+_ALIGN = 64  # each array's bytes start on a multiple of this, from the start of the encoding
 _OBJECT_HEAD = struct.Struct("<BI")  # tag, instance index; the class name follows
 
 
@@ -79,23 +86,26 @@ def _restore(cls: type, state: Any) -> Any:
     return obj
 
 
-def _array_ext(code: int, array: np.ndarray) -> msgpack.ExtType:
+def _dtype_head(array: np.ndarray) -> list[Any]:
     if array.dtype.hasobject:
         raise KVCacheError(f"snapshot: an array of dtype {array.dtype} holds Python objects; it cannot be saved")
-    head = msgpack.packb([np.lib.format.dtype_to_descr(array.dtype), list(array.shape)])
-    return msgpack.ExtType(code, _U32.pack(len(head)) + head + np.ascontiguousarray(array).tobytes())
+    return [np.lib.format.dtype_to_descr(array.dtype), list(array.shape)]
 
 
-def _array_from(data: bytes) -> np.ndarray:
-    (size,) = _U32.unpack_from(data)
-    descr, shape = msgpack.unpackb(data[4:4 + size])
+def _dtype_of(descr: Any) -> np.dtype:
     dtype = np.lib.format.descr_to_dtype(descr if isinstance(descr, str) else [tuple(f) for f in descr])
     if dtype.hasobject:
         raise KVCacheError(f"snapshot: an array of dtype {dtype} would hold Python objects; refused")
-    count = int(np.prod(shape, dtype=np.int64))
-    if count * dtype.itemsize != len(data) - 4 - size:
-        raise KVCacheError(f"snapshot: an array of shape {shape} and dtype {dtype} does not match its bytes")
-    return np.frombuffer(data, dtype=dtype, count=count, offset=4 + size).reshape(shape).copy()
+    return dtype
+
+
+def _scalar_ext(value: np.generic) -> msgpack.ExtType:
+    array = np.asarray(value)
+    return msgpack.ExtType(_SCALAR, msgpack.packb([*_dtype_head(array), array.tobytes()]))
+
+
+def _align(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
 
 
 class StateCodec:
@@ -110,30 +120,48 @@ class StateCodec:
     # ------------------------------------------------------------------ encoding
 
     def dumps(self, value: Any) -> bytes:
-        """``value`` as bytes; a value of a type the codec does not know raises ``KVCacheError``."""
+        """``value`` encoded, as one bytes object (``chunks`` joined)."""
+        return b"".join(self.chunks(value))
+
+    def chunks(self, value: Any) -> list[bytes | memoryview]:
+        """``value`` encoded, as pieces to write one after another; the arrays' pieces are their own memory.
+
+        A value of a type the codec does not know raises ``KVCacheError``.
+        """
         shared: dict[int, int] = {}  # id of an instance or array -> its index
         seen: set[int] = set()  # ids of the lists and dicts that instances hold
         keep: list[Any] = []  # what ``shared`` and ``seen`` name stays alive until the end (ids are not reused)
+        arrays: list[np.ndarray] = []  # C-contiguous, in the order their bytes follow the msgpack part
+        placed = [0]  # where the next array's bytes go, from the start of the arrays' part
 
         def tagged(kind: int, items: Iterable[Any]) -> list[Any]:
             return [msgpack.ExtType(_TAG, bytes([kind])), *items]
 
+        def reference(obj: Any) -> msgpack.ExtType | None:
+            index = shared.get(id(obj))
+            return None if index is None else msgpack.ExtType(_TAG, _OBJECT_HEAD.pack(_REF, index))
+
         def default(obj: Any) -> Any:
-            if isinstance(obj, (np.ndarray, np.generic)):
-                if isinstance(obj, np.generic):
-                    return _array_ext(_SCALAR, np.asarray(obj))
-                index = shared.get(id(obj))
-                if index is not None:
-                    return msgpack.ExtType(_TAG, _OBJECT_HEAD.pack(_REF, index))
+            if isinstance(obj, np.generic):
+                return _scalar_ext(obj)
+            if isinstance(obj, np.ndarray):
+                ref = reference(obj)
+                if ref is not None:
+                    return ref
                 shared[id(obj)] = len(shared)
                 keep.append(obj)
-                return [msgpack.ExtType(_TAG, _OBJECT_HEAD.pack(_OBJECT, shared[id(obj)])), _array_ext(_ARRAY, obj)]
+                head = _dtype_head(obj)
+                flat = np.ascontiguousarray(obj).reshape(-1).view(np.uint8)
+                arrays.append(flat)
+                ext = msgpack.ExtType(_ARRAY, msgpack.packb([*head, placed[0], flat.size]))
+                placed[0] = _align(placed[0] + flat.size)
+                return [msgpack.ExtType(_TAG, _OBJECT_HEAD.pack(_OBJECT, shared[id(obj)])), ext]
             cls = type(obj)
             name = cls.__qualname__
             if self._classes.get(name) is cls:
-                index = shared.get(id(obj))
-                if index is not None:
-                    return msgpack.ExtType(_TAG, _OBJECT_HEAD.pack(_REF, index))
+                ref = reference(obj)
+                if ref is not None:
+                    return ref
                 shared[id(obj)] = len(shared)
                 keep.append(obj)
                 head = _OBJECT_HEAD.pack(_OBJECT, shared[id(obj)]) + name.encode()
@@ -168,21 +196,50 @@ class StateCodec:
 
         packer = msgpack.Packer(default=default, strict_types=True, use_bin_type=True, autoreset=True)
         try:
-            return packer.pack(value)
+            meta = packer.pack(value)
         except (TypeError, ValueError, OverflowError) as exc:
             raise KVCacheError(f"snapshot: cannot encode the state: {exc}") from None
+        head = _LENGTH.size + len(meta)
+        out: list[bytes | memoryview] = [_LENGTH.pack(len(meta)), meta, bytes(_align(head) - head)]
+        position = 0
+        for flat in arrays:
+            out.append(memoryview(flat))
+            position += flat.size
+            out.append(bytes(_align(position) - position))
+            position = _align(position)
+        return out
 
     # ------------------------------------------------------------------ decoding
 
-    def loads(self, data: bytes | memoryview) -> Any:
-        """The value ``dumps`` encoded; anything else raises ``KVCacheError``, having built no object of a class
-        the codec was not given."""
+    def loads(self, data: bytes | bytearray | memoryview) -> Any:
+        """The value ``chunks`` encoded; anything else raises ``KVCacheError``, having built no object of a class
+        the codec was not given. The arrays are views of ``data`` where it is writable, else copies."""
         built: dict[int, Any] = {}
+        buffer = memoryview(data).cast("B")
+        if len(buffer) < _LENGTH.size:
+            raise KVCacheError("snapshot: too short to hold a state")
+        (size,) = _LENGTH.unpack_from(buffer)
+        base = _align(_LENGTH.size + size)  # where the arrays' bytes start
+        if _LENGTH.size + size > len(buffer):
+            raise KVCacheError("snapshot: its state is cut short")
+        writable = not buffer.readonly
+
+        def array_at(descr: Any, shape: list[int], offset: int, nbytes: int) -> np.ndarray:
+            dtype = _dtype_of(descr)
+            count = int(np.prod(shape, dtype=np.int64))
+            if count * dtype.itemsize != nbytes or offset < 0 or base + offset + nbytes > len(buffer):
+                raise KVCacheError(f"snapshot: an array of shape {shape} and dtype {dtype} does not match its bytes")
+            array = np.frombuffer(buffer, dtype=dtype, count=count, offset=base + offset).reshape(shape)
+            return array if writable else array.copy()
 
         def ext_hook(code: int, data: bytes) -> Any:
-            if code == _ARRAY or code == _SCALAR:
-                array = _array_from(data)
-                return array if code == _ARRAY else array[()]
+            if code == _ARRAY:
+                return array_at(*msgpack.unpackb(data))
+            if code == _SCALAR:
+                descr, shape, raw = msgpack.unpackb(data)
+                if shape != []:
+                    raise KVCacheError("snapshot: a scalar with a shape")
+                return np.frombuffer(raw, dtype=_dtype_of(descr), count=1)[0]
             if code != _TAG or not data:
                 raise KVCacheError(f"snapshot: unknown extension type {code}")
             kind = data[0]
@@ -211,7 +268,13 @@ class StateCodec:
                         cls = self._classes.get(tag.name)
                         if cls is None:
                             raise KVCacheError(f"snapshot: unknown class {tag.name!r}; nothing of it is loaded")
-                        value = _restore(cls, state)
+                        try:
+                            value = _restore(cls, state)
+                        except KVCacheError:
+                            raise
+                        except Exception as exc:  # a class's own restore given a state it never saved
+                            raise KVCacheError(f"snapshot: a malformed {tag.name} ({type(exc).__name__}: {exc})"
+                                               ) from None
                     elif isinstance(state, np.ndarray):
                         value = state
                     else:
@@ -243,8 +306,8 @@ class StateCodec:
             raise KVCacheError(f"snapshot: unknown tag {kind}")
 
         try:
-            return msgpack.unpackb(data, ext_hook=ext_hook, list_hook=list_hook, strict_map_key=False, raw=False,
-                                   use_list=True)
+            return msgpack.unpackb(buffer[_LENGTH.size:_LENGTH.size + size], ext_hook=ext_hook, list_hook=list_hook,
+                                   strict_map_key=False, raw=False, use_list=True)
         except KVCacheError:
             raise
         except (ValueError, TypeError, msgpack.UnpackException) as exc:

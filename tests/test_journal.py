@@ -310,7 +310,7 @@ def test_repair_cuts_at_a_record_boundary_and_keeps_a_backup(tmp_path):
 
 def test_repair_refuses_a_journal_in_use(tmp_path):
     journal, _ = reopen(tmp_path)
-    with pytest.raises(KVCacheError, match="in use by a running daemon"):
+    with pytest.raises(KVCacheError, match=f"in use by process {os.getpid()}; stop it before repairing"):
         repair(tmp_path, 0)
     journal.close()
 

@@ -54,8 +54,9 @@ def test_a_snapshot_that_would_run_code_is_never_loaded(daemon, tmp_path):
     assert "as a pickle, which could run code" in refused(daemon, *FLAGS, "--journal", str(journal))
     # The current format, naming a class the codec was not given (the object of an os.system call)
     head = original[:6 + 8]
-    state = msgpack.packb([msgpack.ExtType(3, bytes([8]) + (0).to_bytes(4, "little") + b"posix.system"),
-                           [f"touch {marker}"]])
+    meta = msgpack.packb([msgpack.ExtType(3, bytes([8]) + (0).to_bytes(4, "little") + b"posix.system"),
+                          [f"touch {marker}"]])
+    state = len(meta).to_bytes(8, "little") + meta
     snapshot.write_bytes(head + zlib.crc32(state).to_bytes(4, "little") + state)
     assert "unknown class 'posix.system'" in refused(daemon, *FLAGS, "--journal", str(journal))
     assert not marker.exists()

@@ -110,7 +110,7 @@ class BenchConfig:
     prompt_tokens: int = 2048
     admits: int = 2  # per step, and as many frees
     block_size: int = 16
-    num_blocks: int = 262_144
+    num_blocks: int = 1_048_576  # a 1 s row at 4M extends/s grows the tables by about 250,000 blocks
     steps: int = 1000
     rounds: int = 10  # echo and steps take turns this many times
     seconds: float = 1.0  # per throughput row, and for pipelined echo
@@ -732,8 +732,8 @@ def bench_throughput(cfg: BenchConfig, fleet: Fleet, endpoint: str, step: dict[s
         for i, c in enumerate(conns):
             expect(c, "ready", deadline, f"extend client {i}")
         for path, n, size in _throughput_plan(cfg):
-            _renew(cfg, conns[:n], max(cfg.batches))  # fresh requests each row: grown tables go back to the pool
-            _renew(cfg, conns[n:], 0)  # and clients sitting this row out hold none
+            _renew(cfg, conns, 0)  # every client gives its grown tables back first, so no admit waits on another's
+            _renew(cfg, conns[:n], max(cfg.batches))  # then fresh requests for this row's clients
             rows.append(_row(path, n, size, [_timed_run(cfg, conns[:n], path, size, cfg.seconds)]))
     finally:
         fleet.stop(conns)
@@ -914,7 +914,8 @@ def bench_journal(cfg: BenchConfig, fleet: Fleet, ctx: zmq.Context) -> dict[str,
         # The batched-extend rows of section 3: both daemons renew, then the row runs in two halves on
         # each, in the order A B B A (A = off on even rows, on on odd ones), so a drift falls on both.
         for k, (path, n, size) in enumerate(_throughput_plan(cfg)):
-            _renew(cfg, conns["off"][:n] + conns["on"][:n], size)  # both daemons at once: nothing is timed
+            _renew(cfg, conns["off"] + conns["on"], 0)  # both daemons at once, every table back first: nothing timed
+            _renew(cfg, conns["off"][:n] + conns["on"][:n], size)
             runs: dict[str, list[_Run]] = {mode: [] for mode in JOURNAL_MODES}
             first, second = _alternate(k)
             for mode in (first, second, second, first):
