@@ -773,9 +773,10 @@ class CacheServer:
                 and time.monotonic() >= self._next_snapshot):
             try:
                 self._journal.write_snapshot(self._state())
-            except JournalFull as exc:
+            except (JournalFull, OSError) as exc:  # the log still holds everything: nothing is lost
                 self._next_snapshot = time.monotonic() + SNAPSHOT_RETRY_S
-                log.warning("%s; the snapshot is tried again in %g s, the log grows meanwhile", exc, SNAPSHOT_RETRY_S)
+                log.warning("journal %s: snapshot not written (%s); it is tried again in %g s, the log grows "
+                            "meanwhile", self.config.journal, exc, SNAPSHOT_RETRY_S)
 
     def _process(self, payload: bytes, *, replaying: bool = False) -> bytes:
         """Apply one scheduler message, journal it and stage its deltas; returns the reply. Never raises.

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import shutil
 import signal
 import socket
@@ -102,3 +103,35 @@ def tcp_endpoint() -> str:
             for s in held:
                 s.close()
     raise RuntimeError("no run of 5 free ports")
+
+
+@dataclasses.dataclass
+class SmallDisk:
+    """A tmpfs of a few MiB that a test can fill."""
+
+    path: Path
+
+    def fill(self, name: str = "filler") -> Path:
+        """Write zeros to ``path/name`` until the disk is full; returns the file (delete it to free the space)."""
+        filler = self.path / name
+        with open(filler, "wb") as f:
+            try:
+                while True:
+                    f.write(bytes(1 << 16))
+                    f.flush()
+            except OSError:
+                pass
+        return filler
+
+
+@pytest.fixture
+def small_disk(request, tmp_path) -> Iterator[SmallDisk]:
+    """A tmpfs of ``request.param`` (default 24m) mounted for the test (root only; skipped where not allowed)."""
+    size = getattr(request, "param", "24m")
+    folder = tmp_path / "disk"
+    folder.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("mounting a tmpfs needs root (and a kernel that allows it here)")
+    yield SmallDisk(folder)
+    subprocess.run(["umount", "-l", str(folder)], check=True)

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import subprocess
 
 import pytest
 from hypothesis import given, settings
@@ -315,38 +314,20 @@ def test_repair_refuses_a_journal_in_use(tmp_path):
     journal.close()
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 12 MiB tmpfs (root only): room for the log's preallocated stretches and a small snapshot."""
-    folder = tmp_path / "disk"
-    folder.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=12m", "tmpfs", str(folder)],
-                                           capture_output=True).returncode != 0:
-        pytest.skip("mounting a tmpfs needs root (and a kernel that allows it here)")
-    yield folder
-    subprocess.run(["umount", "-l", str(folder)], check=True)
-
-
+@pytest.mark.parametrize("small_disk", ["12m"], indirect=True)
 def test_a_full_disk_is_found_by_reserve_before_anything_is_written(small_disk):
-    journal, _ = reopen(small_disk / "j")
-    filler = small_disk / "filler"
-    with open(filler, "wb") as f:  # take what the log has not preallocated
-        try:
-            while True:
-                f.write(bytes(1 << 16))
-                f.flush()
-        except OSError:
-            pass
+    journal, _ = reopen(small_disk.path / "j")
+    filler = small_disk.fill()  # takes what the log has not preallocated
     journal.reserve(1000)  # within the preallocated stretch: no disk needed
     with pytest.raises(JournalFull, match="no space left on device"):
         journal.reserve(PREALLOCATE_BYTES)
     commits(journal, [b"x" * 1000])  # what was reserved commits
     with pytest.raises(JournalFull):
         journal.write_snapshot(b"S" * (2 << 20))
-    assert not (small_disk / "j" / "snapshot.tmp").exists()
+    assert not (small_disk.path / "j" / "snapshot.tmp").exists()
     filler.unlink()
     journal.reserve(PREALLOCATE_BYTES)
     journal.write_snapshot(b"S" * (2 << 20))
     journal.close()
-    _, rec = reopen(small_disk / "j")
+    _, rec = reopen(small_disk.path / "j")
     assert rec.snapshot == b"S" * (2 << 20) and rec.records == []

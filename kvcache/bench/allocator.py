@@ -7,7 +7,7 @@ does not fall on one side only:
   2. hashing a 32,768-token prompt: a summary of kvcache.bench.hashing (ours against vLLM's loop);
   3. end to end: admit + free of a 32,768-token prompt whose first half is cached, a fresh second
      half every iteration, in a pool small enough that steady state evicts (as a server does).
-Each of our rows carries the peer's time over ours; rows with a target from issue 3 are marked
+Each of our rows carries the peer's time over ours; rows with a target are marked
 ok / MISS. The exit code is 0 whatever the numbers: a benchmark reports, it does not fail.
 """
 from __future__ import annotations
@@ -48,7 +48,7 @@ QUICK_REPEAT = 3
 PASSES = 2  # end to end: each contender's timed prompts come in this many separate passes
 REWARM = 2  # end to end: untimed prompts at the start of each pass
 
-# Targets of issue 3 for the 2-core machine kind.
+# Targets, for a 2-core machine.
 HASH_TARGET = {"sha256": 20.0, "sha256_cbor": 3.0}
 E2E_PEER_TARGET = 10.0
 E2E_MS_TARGET = 0.7  # block 16, uniform, ndarray input
@@ -426,7 +426,7 @@ def add_parser(targets: argparse._SubParsersAction) -> None:
         "get_new_blocks/free_blocks, (2) hashing a 32,768-token prompt against vLLM's sha256 and "
         "sha256_cbor loops, (3) admit + free of a 32,768-token prompt with half of it cached, uniform "
         "and head-wise (8 rows), against vLLM's hash + find_longest_cache_hit + allocate + free path. "
-        "Prints ratios to the peer and marks issue 3's targets ok/MISS; always exits 0.",
+        "Prints ratios to the peer and marks the targets ok/MISS; always exits 0.",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the tables")
     p.add_argument(

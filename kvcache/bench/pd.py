@@ -1,6 +1,6 @@
 """`kvcache bench pd`: the PD pipeline's tail and throughput, against its own path's NIXL limits in the same run.
 
-Workload (issue 8): one request of 4,096 tokens, 32 layers, 8 kv heads x 128, bf16 (block 64 by
+Workload: one request of 4,096 tokens, 32 layers, 8 kv heads x 128, bf16 (block 64 by
 default), prefill TP 1 -> decode TP 1, through the whole stack: `kvcache serve --role prefill`
 and `--role decode`, a prefill worker process (LayerSignal, CacheMessager) and a decode worker
 process (CacheReceiver), NIXL between them (UCX's choice of transport on one host; caches are

@@ -9,7 +9,7 @@ Sections, each timed with CLOCK_MONOTONIC (comparable across processes), waiters
      alias host memory), then either the floor, a bare cudaLaunchHostFunc whose C callback writes the time,
      or send_cache; ours is the time the waiter in another process returns from wait.
      Samples alternate floor / ours. Also the cost of the enqueue call on the issuing thread, p50.
-Targets are issue 6's; the exit code is 0 whatever the numbers: a benchmark reports, it does not fail.
+Targets are marked ok / MISS; the exit code is 0 whatever the numbers: a benchmark reports, it does not fail.
 """
 from __future__ import annotations
 
@@ -287,7 +287,7 @@ def _row(label: str, p: dict[str, float]) -> list[str]:
 
 
 def _targets(cpu: dict[str, Any], gpu: dict[str, Any] | None) -> list[dict[str, Any]]:
-    """Every measured value with a target from issue 6."""
+    """Every measured value that has a target."""
     out = [
         {"name": "CPU path signal-to-wake p50", "value": f"{cpu['ours']['p50_us']:.1f} us",
          "target": f"<= {CPU_P50_TARGET_US:g} us", "ok": cpu["ours"]["p50_us"] <= CPU_P50_TARGET_US},
@@ -374,7 +374,7 @@ def add_parser(targets: argparse._SubParsersAction) -> None:
         description="Time (1) send_cache's CPU path to a LayerSignal.wait returning in another process, against "
         "a multiprocessing Pipe, (2) the CPU an idle waiter uses, (3) with PyTorch and a GPU: kernel end to the "
         "waiter's wake-up against a bare cudaLaunchHostFunc callback, and the enqueue cost. Prints p50/p99 and "
-        "marks issue 6's targets ok/MISS; always exits 0.",
+        "marks the targets ok/MISS; always exits 0.",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the tables")
     p.add_argument("--quick", action="store_true",

@@ -1,6 +1,6 @@
 """`kvcache bench tier`: the host tier's offload and reload of one request, against one memcpy of the same bytes.
 
-Workload (issue 7): one request of 4,096 tokens, 32 layers, 8 kv heads x 128, bf16, block 16 and 64,
+Workload: one request of 4,096 tokens, 32 layers, 8 kv heads x 128, bf16, block 16 and 64,
 its blocks at scattered ids of a cache twice its size. Each round, after ``reset_prefix_cache``:
   offload: ``free`` the request, then wait until the host copy of every block is findable
            (``drain``): hashing, host allocation, 32 per-layer writes, settling;

@@ -1,6 +1,6 @@
 """`kvcache bench transfer`: moving one request's KV blocks, against the raw limit of each path in the same run.
 
-Workload (issue 7): one request of 4,096 tokens, 32 layers, 8 kv heads x 128, bf16, block 16 and
+Workload: one request of 4,096 tokens, 32 layers, 8 kv heads x 128, bf16, block 16 and
 64; its blocks sit at scattered ids of a cache twice its size, and land at other scattered ids.
 Sections, each the best wall time of N runs (write + wait), ours and the limit taking turns:
   1. host to host, LocalEngine: all layers in one write (and layer by layer, the messager's
@@ -432,7 +432,7 @@ def add_parser(targets: argparse._SubParsersAction) -> None:
         description="Time moving one 4,096-token request (32 layers, 8 kv heads x 128, bf16, block 16 and 64, "
         "scattered ids): host to host against the fastest copy of the same bytes as one range; NIXL into another "
         "process against one single-descriptor NIXL write; with PyTorch and a GPU, device/host swaps per method "
-        "against one pinned cudaMemcpyAsync. Marks issue 7's targets ok/MISS; always exits 0.",
+        "against one pinned cudaMemcpyAsync. Marks the targets ok/MISS; always exits 0.",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the tables")
     p.add_argument("--quick", action="store_true",
