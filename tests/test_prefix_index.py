@@ -229,27 +229,6 @@ def test_prefix_index_matches_a_dict_model(ops):
             assert {r: int(b) for r, b in enumerate(got[0]) if b >= 0} == held
 
 
-def test_a_snapshot_of_the_older_table_layout_is_rebuilt_on_unpickling() -> None:
-    """A journal snapshot from before the table kept entry ids only (keys in _slot_keys, entries in _slot_vals)
-    still recovers: its table is rebuilt from the entries' hashes."""
-    import pickle
-
-    index = PrefixIndex(2, 64)
-    index.insert(packed([1, 2, 3]), np.array([[5, 6], [7, -1], [8, 9]], dtype=np.int32))
-    index.remove(np.array([1]), np.array([6]))
-    state = dict(index.__dict__)
-    live = state.pop("_slots")["entry"]
-    state["_slot_vals"] = np.roll(live, 3)  # the old table's own slot order
-    state["_slot_keys"] = np.zeros((live.size, 32), dtype=np.uint8)
-    old = PrefixIndex.__new__(PrefixIndex)
-    old.__setstate__(state)
-    restored = pickle.loads(pickle.dumps(old))
-    for got in (old, restored):
-        got.check_integrity()
-        assert got.match(packed([1, 2, 3])).tolist() == [[5, -1], [7, -1], [8, 9]]
-        assert "_slot_vals" not in got.__dict__ and "_slot_keys" not in got.__dict__
-
-
 def test_filling_every_block_with_a_hash_never_rebuilds_the_table() -> None:
     """The table and entry arrays are sized for a hash per block up front: filling the cache never stops a
     step to rehash (a rebuild at 131,072 hashes took milliseconds)."""
