@@ -25,7 +25,7 @@ class BlockStored:
     token_ids: np.ndarray
     block_size: int
     rows: tuple[int, ...]
-    lora: str | None = None
+    lora: str | tuple[str, str] | None = None  # the LoRA's name, or (name, path)
     medium: str = "GPU"
 
 

@@ -34,9 +34,11 @@ from kvcache.allocator.prefix import (
     HASH_BYTES,
     BlockHasher,
     Inserted,
+    LoRA,
     MMPlaceholder,
     PrefixIndex,
     as_token_array,
+    check_lora,
 )
 from kvcache.allocator.swa import AttentionPolicy, Full, Window, recyclable_blocks
 from kvcache.allocator.tiers import tier_extension
@@ -92,7 +94,7 @@ class _Request:
     num_blocks: int
     recycled: list[int]  # per window group: logical blocks [0, recycled) already given back
     cache_salt: str | None
-    lora: str | None
+    lora: LoRA | None
     mm: list[MMPlaceholder] | None
     changed: np.ndarray | range | None  # columns the last admit/extend set (None: the last one; see _changed_ok)
     view: np.ndarray | None = None  # cached read-only view of the table handed to callers
@@ -274,7 +276,7 @@ class KVCacheManager:
         _check_count(num_tokens, "num_tokens", least=0)
         return self._pool.can_allocate(-(-num_tokens // self.block_size))
 
-    def lookup(self, prompt_tokens: Tokens, *, cache_salt: str | None = None, lora: str | None = None,
+    def lookup(self, prompt_tokens: Tokens, *, cache_salt: str | None = None, lora: LoRA | None = None,
                mm: Sequence[MMPlaceholder | tuple[str, int, int]] | None = None) -> int:
         """Tokens of ``prompt_tokens`` that ``admit`` would find cached now (no state change)."""
         return sum(self.lookup_tiers(prompt_tokens, cache_salt=cache_salt, lora=lora, mm=mm))
@@ -321,7 +323,7 @@ class KVCacheManager:
         prompt_tokens: Tokens,
         *,
         cache_salt: str | None = None,
-        lora: str | None = None,
+        lora: LoRA | None = None,
         mm: Sequence[MMPlaceholder | tuple[str, int, int]] | None = None,
         num_tokens: int | None = None,
     ) -> Admission | None:
@@ -340,6 +342,7 @@ class KVCacheManager:
         """
         if request_id in self._requests:
             raise KVCacheError(f"request_id: {request_id!r} is already admitted")
+        lora = check_lora(lora)
         tokens = as_token_array(prompt_tokens)
         if tokens.size == 0:
             raise KVCacheError("prompt_tokens: must hold at least one token")
@@ -417,7 +420,7 @@ class KVCacheManager:
             not self.enable_events or (len(self._group_col) == 1 and not self._window_groups))
 
     def _admit_commit(self, request_id: object, tokens: np.ndarray, hashes: bytes, num_hit: int,
-                      hit: np.ndarray | None, covered: int, num_blocks: int, cache_salt: str | None, lora: str | None,
+                      hit: np.ndarray | None, covered: int, num_blocks: int, cache_salt: str | None, lora: LoRA | None,
                       mm: Sequence[MMPlaceholder | tuple[str, int, int]] | None) -> Admission | None | bool:
         """``admit``'s commit once its hit is known, in one C pass: the Admission, None (no room), or False where
         a new block's hash is indexed already (the general path merges it); None and False change nothing."""
@@ -458,7 +461,7 @@ class KVCacheManager:
         return Admission(num_hit * bs, _view(req), covered)
 
     def _record(self, request_id: object, slot: int, table: np.ndarray, num_blocks: int, recycled: list[int],
-                cache_salt: str | None, lora: str | None, mm: Sequence[MMPlaceholder | tuple[str, int, int]] | None
+                cache_salt: str | None, lora: LoRA | None, mm: Sequence[MMPlaceholder | tuple[str, int, int]] | None
                 ) -> _Request:
         """An admitted request's record, filed under its id and ``slot``, with the slot's hashing flags."""
         req = _Request(slot=slot, table=table, heads=table[self._row_group] if self._expand else None,
@@ -1164,9 +1167,10 @@ class KVCacheManager:
             raise KVCacheError("tier: this manager already has a tier attached; detach it first")
         self.tier = tier
 
-    def lookup_tiers(self, prompt_tokens: Tokens, *, cache_salt: str | None = None, lora: str | None = None,
+    def lookup_tiers(self, prompt_tokens: Tokens, *, cache_salt: str | None = None, lora: LoRA | None = None,
                      mm: Sequence[MMPlaceholder | tuple[str, int, int]] | None = None) -> tuple[int, int]:
         """(GPU-cached tokens, further tokens the tier holds) that ``admit`` would count now (no state change)."""
+        lora = check_lora(lora)
         tokens = as_token_array(prompt_tokens)
         if self._hasher is None or tokens.size < 2:
             return 0, 0
@@ -1406,7 +1410,7 @@ class KVCacheManager:
                 ))
             run_start = i
 
-    def _filled_event(self, digest: bytes, parent: bytes | None, tokens: np.ndarray, lora: str | None) -> BlockStored:
+    def _filled_event(self, digest: bytes, parent: bytes | None, tokens: np.ndarray, lora: LoRA | None) -> BlockStored:
         """The event of a decode step's filled block: one hash new to the index, held on every row."""
         return BlockStored(block_hashes=(digest,), parent_block_hash=parent, token_ids=tokens,
                            block_size=self.block_size, rows=self._every_row(), lora=lora)

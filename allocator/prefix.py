@@ -16,7 +16,7 @@ import array
 import hashlib
 import os
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, NamedTuple, NewType
+from typing import TYPE_CHECKING, NamedTuple, NewType, Tuple, Union
 
 import numpy as np
 
@@ -36,6 +36,8 @@ BlockHash = NewType("BlockHash", bytes)
 ALGORITHMS = ("sha256", "sha256_cbor")
 HASH_BYTES = 32
 _RAW_ROOT_TAG = b"kvcache-sha256-v1"
+VLLM_NONE_HASH_SEED = "vllm-none-hash"  # vLLM's root seed for sha256_cbor when PYTHONHASHSEED is unset
+LoRA = Union[str, Tuple[str, str]]  # a LoRA adapter as hashes key it: its name, or (name, path)
 _UINT32_LIMIT = 2**32
 
 assert array.array("I").itemsize == 4, "array('I') must hold uint32 on this platform"
@@ -167,16 +169,17 @@ class BlockHasher:
 
     algorithm "sha256" (default, fast): h_i = SHA256(h_{i-1} || block_i as uint32 LE || extra_i),
     extra_i being the canonical CBOR of [salt, lora, [[mm_id, mm_offset - block_start], ...]]
-    when the block has any of them, else nothing. root = SHA256(b"kvcache-sha256-v1" ||
-    block_size as uint32 LE || seed).
+    when the block has any of them, else nothing (lora: its name, or [name, path]). root =
+    SHA256(b"kvcache-sha256-v1" || block_size as uint32 LE || seed); seed None draws a random
+    root per hasher, so its hashes are only comparable with those of the same hasher: pass a
+    seed for hashes that are stable across processes and restarts.
 
-    algorithm "sha256_cbor": byte-identical to vLLM's `sha256_cbor` prefix-cache hashes:
+    algorithm "sha256_cbor": byte-identical to what vLLM 0.33 computes with ``sha256_cbor``:
     h_i = SHA256(cbor2.dumps((h_{i-1}, tuple(block_i), extra_keys_i), canonical=True)) with
-    vLLM's extra keys, and root = vLLM's NONE_HASH = sha256_cbor(seed) (seed = the
-    PYTHONHASHSEED string vLLM runs with). vLLM's prompt-embeds keys are not produced.
-
-    seed None draws a random root per hasher, so its hashes are only comparable with those
-    of the same hasher; pass a seed for hashes that are stable across processes and restarts.
+    vLLM's tagged extra keys (``_vllm_extra_keys``), and root = vLLM's NONE_HASH:
+    sha256_cbor(seed), seed being the PYTHONHASHSEED string vLLM runs with, or vLLM's
+    default "vllm-none-hash" when seed is None. vLLM's prompt-embeds keys are not produced.
+    Checked against hashes vLLM 0.33 computed (tests/vectors/vllm-0.33-sha256_cbor.json).
     """
 
     __slots__ = ("block_size", "algorithm", "root", "native", "_chain")
@@ -217,7 +220,7 @@ class BlockHasher:
         tokens: Sequence[int] | np.ndarray,
         *,
         cache_salt: str | None = None,
-        lora: str | None = None,
+        lora: LoRA | None = None,
         mm: Sequence[MMPlaceholder | tuple[str, int, int]] | None = None,
         parent: bytes | None = None,
         start_block: int = 0,
@@ -238,7 +241,7 @@ class BlockHasher:
         tokens: Sequence[int] | np.ndarray,
         *,
         cache_salt: str | None = None,
-        lora: str | None = None,
+        lora: LoRA | None = None,
         mm: Sequence[MMPlaceholder | tuple[str, int, int]] | None = None,
         parent: bytes | None = None,
         start_block: int = 0,
@@ -264,7 +267,7 @@ class BlockHasher:
         self,
         tokens: Sequence[int] | np.ndarray,
         cache_salt: str | None,
-        lora: str | None,
+        lora: LoRA | None,
         mm: Sequence[MMPlaceholder | tuple[str, int, int]] | None,
         parent: bytes | None,
         start_block: int,
@@ -292,8 +295,7 @@ class BlockHasher:
             parent = bytes(parent)
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise KVCacheError(f"cache_salt must be a str or None, got {type(cache_salt).__name__}")
-        if lora is not None and not isinstance(lora, str):
-            raise KVCacheError(f"lora must be a str (the LoRA name) or None, got {type(lora).__name__}")
+        lora = check_lora(lora)
         items = _check_mm(mm)
         num_blocks = len(toks) // self.block_size
         if num_blocks == 0:
@@ -312,10 +314,9 @@ def _pick_chain(algorithm: str, native: bool) -> Callable[..., bytes | list[byte
 def _make_root(block_size: int, algorithm: str, seed: bytes | str | None) -> BlockHash:
     """The hash standing in for block 0's parent (vLLM's NONE_HASH for sha256_cbor)."""
     if algorithm == "sha256_cbor":
-        # vllm/v1/core/kv_cache_utils.py init_none_hash: hash_fn(PYTHONHASHSEED) or os.urandom(32).
-        if seed is None:
-            return BlockHash(os.urandom(HASH_BYTES))
-        return BlockHash(hashlib.sha256(cbor_encode(seed)).digest())
+        # vLLM 0.33 init_none_hash: hash_fn(PYTHONHASHSEED) where it is set, else (for a cryptographic hash
+        # such as sha256_cbor) hash_fn("vllm-none-hash"), so processes agree without a seed.
+        return BlockHash(hashlib.sha256(cbor_encode(VLLM_NONE_HASH_SEED if seed is None else seed)).digest())
     seed_bytes = os.urandom(16) if seed is None else seed.encode("utf-8") if isinstance(seed, str) else seed
     return BlockHash(hashlib.sha256(_RAW_ROOT_TAG + block_size.to_bytes(4, "little") + seed_bytes).digest())
 
@@ -400,7 +401,7 @@ def _block_extras(
     num_blocks: int,
     start_block: int,
     cache_salt: str | None,
-    lora: str | None,
+    lora: LoRA | None,
     mm: list[MMPlaceholder],
 ) -> list[bytes | None] | None:
     """Per-block pre-encoded extra keys (None = no extra), or None when no block has any.
@@ -427,7 +428,7 @@ def _block_extras(
     if salt is not None:
         special.add(0)
     if algorithm == "sha256_cbor":
-        base = cbor_encode((lora,)) if lora is not None else None
+        base = cbor_encode(_vllm_extra_keys(lora, [], None)) if lora is not None else None
     else:
         base = cbor_encode([None, lora, []]) if lora is not None else None
     extras: list[bytes | None] = [base] * num_blocks
@@ -441,21 +442,34 @@ def _block_extras(
     return extras
 
 
-def _vllm_extra_keys(lora: str | None, mm_keys: list[tuple[str, int]], salt: str | None) -> tuple[object, ...]:
-    """vLLM's extra-key tuple for one block: LoRA name, then mm keys, then the salt.
+def _vllm_extra_keys(lora: LoRA | None, mm_keys: list[tuple[str, int]], salt: str | None) -> tuple[object, ...]:
+    """vLLM 0.33's extra keys of one block, tagged: the LoRA, then each overlapping multimodal item, then the salt.
 
-    Source: vllm/v1/core/kv_cache_utils.py (vllm-project/vllm @ 001cabc1),
-    generate_block_hash_extra_keys: lora_extra_keys + mm_extra_keys + cache_salt_keys, where
-    _gen_lora_extra_hash_keys gives [lora_request.lora_name] and _gen_mm_extra_hash_keys gives
-    (mm_feature.identifier, offset - start_token_idx) per overlapping item.
+    vLLM 0.33 (vllm/v1/core/kv_cache_utils.py, generate_block_hash_extra_keys) keys a LoRA by
+    ``("lora", lora_name, lora_path)``, an item by ``("mm", identifier, offset - block_start)`` and the
+    salt (block 0 only) by ``("cache_salt", salt)``. A LoRA given by name alone is ``("lora", name)``:
+    never equal to any (name, path) key. vLLM's prompt-embeds digests are not produced.
     """
     keys: list[object] = []
     if lora is not None:
-        keys.append(lora)
-    keys.extend(mm_keys)
+        keys.append(("lora", lora) if isinstance(lora, str) else ("lora", *lora))
+    keys.extend(("mm", ident, offset) for ident, offset in mm_keys)
     if salt is not None:
-        keys.append(salt)
+        keys.append(("cache_salt", salt))
     return tuple(keys)
+
+
+def check_lora(lora: object, field: str = "lora") -> LoRA | None:
+    """A LoRA as the hasher keys it: None, its name, or (name, path) (a list of two str is taken as the pair).
+
+    The path tells two adapters under one name apart, as vLLM keys them; a name
+    alone is its own key, never equal to a (name, path).
+    """
+    if lora is None or isinstance(lora, str):
+        return lora
+    if isinstance(lora, (tuple, list)) and len(lora) == 2 and all(isinstance(x, str) for x in lora):
+        return (lora[0], lora[1])
+    raise KVCacheError(f"{field}: must be a LoRA name (str) or (name, path), got {_describe(lora)}")
 
 
 # --------------------------------------------------------------------------- PrefixIndex

@@ -49,7 +49,7 @@ class LowerTier(Protocol):
         """
 
     def released(self, request_id: object, hashes: bytes, blocks: np.ndarray, tokens: np.ndarray,
-                 lora: str | None) -> None:
+                 lora: str | tuple[str, str] | None) -> None:
         """``free``: the request's first ``n`` hashed blocks ``[num_rows, n]`` lose their last reference.
 
         An id >= 0 holds that column's hash in the prefix index and its KV is

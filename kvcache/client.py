@@ -177,7 +177,7 @@ class Batch(_tables.RunCollector):
         return self._count + len(self._run_reqs)
 
     def admit(self, request_id: Any, prompt_tokens: Sequence[int] | np.ndarray, *, cache_salt: str | None = None,
-              lora: str | None = None, mm: Sequence[tuple[str, int, int]] | None = None,
+              lora: str | tuple[str, str] | None = None, mm: Sequence[tuple[str, int, int]] | None = None,
               num_tokens: int | None = None, slot: int | None = None, dest: dict[str, Any] | None = None) -> Batch:
         op: dict[str, Any] = {"op": "admit", "req": request_id, "tokens": _as_token_array(prompt_tokens)}
         for key, value in (("salt", cache_salt), ("lora", lora), ("num_tokens", num_tokens), ("slot", slot),
@@ -189,7 +189,7 @@ class Batch(_tables.RunCollector):
         return self._add(op)
 
     def reserve(self, request_id: Any, prompt_tokens: Sequence[int] | np.ndarray, *, cache_salt: str | None = None,
-                lora: str | None = None, slot: int | None = None, timeout: float | None = None) -> Batch:
+                lora: str | tuple[str, str] | None = None, slot: int | None = None, timeout: float | None = None) -> Batch:
         """A decode daemon's admit for a request whose KV a prefill node will write (``--role decode``)."""
         op: dict[str, Any] = {"op": "reserve", "req": request_id, "tokens": _as_token_array(prompt_tokens)}
         for key, value in (("salt", cache_salt), ("lora", lora), ("slot", slot), ("timeout", timeout)):
@@ -335,7 +335,7 @@ class CacheClient:
     # ------------------------------------------------------------------ the manager's API
 
     def admit(self, request_id: Any, prompt_tokens: Sequence[int] | np.ndarray, *, cache_salt: str | None = None,
-              lora: str | None = None, mm: Sequence[tuple[str, int, int]] | None = None,
+              lora: str | tuple[str, str] | None = None, mm: Sequence[tuple[str, int, int]] | None = None,
               num_tokens: int | None = None, slot: int | None = None,
               dest: dict[str, Any] | None = None) -> Admission | None:
         """As KVCacheManager.admit; ``slot`` names the engine's batch slot (default: the daemon picks).
@@ -350,7 +350,7 @@ class CacheClient:
     # ------------------------------------------------------------------ PD disaggregation (see kvcache.pd)
 
     def reserve(self, request_id: Any, prompt_tokens: Sequence[int] | np.ndarray, *, cache_salt: str | None = None,
-                lora: str | None = None, slot: int | None = None, timeout: float | None = None) -> Reservation | None:
+                lora: str | tuple[str, str] | None = None, slot: int | None = None, timeout: float | None = None) -> Reservation | None:
         """Decode side: blocks for a request a prefill node will fill, matching this node's prefix cache first.
 
         None when blocks are short (nothing changes). The request is ready for decoding once
@@ -408,7 +408,7 @@ class CacheClient:
         return self._single(self.batch().op("table", req=request_id))
 
     def lookup(self, prompt_tokens: Sequence[int] | np.ndarray, *, cache_salt: str | None = None,
-               lora: str | None = None) -> int:
+               lora: str | tuple[str, str] | None = None) -> int:
         fields: dict[str, Any] = {"tokens": _as_token_array(prompt_tokens)}
         if cache_salt is not None:
             fields["salt"] = cache_salt

@@ -14,7 +14,7 @@ ranges, so a retry whose reply was dropped is refused ("the retry window
 passed") rather than applied again. A message whose reply could pass
 ``--max-reply-bytes`` is refused before any op applies. Ops::
 
-    {"op": "admit",  "req": ID, "tokens": TOKENS, "salt"?: str, "lora"?: str,
+    {"op": "admit",  "req": ID, "tokens": TOKENS, "salt"?: str, "lora"?: str | [str, str],
                      "mm"?: [[str, int, int], ...], "num_tokens"?: int, "slot"?: int}
     {"op": "extend", "req": ID, "tokens": TOKENS, "num_computed"?: int}
     {"op": "free",   "req": ID}
@@ -313,6 +313,16 @@ def check_optional_str(op: dict, key: str, field: str, most: int = 4096) -> str 
     if not isinstance(value, str) or len(value) > most:
         raise ProtocolError(f"{field}.{key}: must be a str of at most {most} characters")
     return value
+
+
+def check_lora(op: dict, field: str, most: int = 4096) -> str | tuple[str, str] | None:
+    """An op's optional ``lora``: a LoRA name, or [name, path] (two adapters under one name differ by path)."""
+    value = op.get("lora")
+    if value is None or (isinstance(value, str) and len(value) <= most):
+        return value
+    if isinstance(value, list) and len(value) == 2 and all(isinstance(x, str) and len(x) <= most for x in value):
+        return (value[0], value[1])
+    raise ProtocolError(f"{field}.lora: must be a LoRA name or [name, path], str of at most {most} characters each")
 
 
 def check_mm(value: Any, field: str) -> list[tuple[str, int, int]] | None:

@@ -44,8 +44,8 @@ HELP = {
     "head_wise": "one row per kv head of the model (needs --model); default one row for all heads",
     "enable_prefix_caching": "reuse cached prefixes (default on; --no-enable-prefix-caching turns it off)",
     "hash_algorithm": "prefix hash: sha256 (fast default) or sha256_cbor (byte-identical to vLLM's)",
-    "hash_seed": "seed for stable hashes across restarts and processes (sha256_cbor: vLLM's PYTHONHASHSEED); "
-                 "empty = random per daemon",
+    "hash_seed": "seed of the prefix hashes (sha256_cbor: vLLM's PYTHONHASHSEED); empty = vLLM's default "
+                 "root for sha256_cbor, a random one per daemon for sha256 (a journal keeps it across restarts)",
     "events": "publish KV events in vLLM's format on --events-endpoint",
     "events_format": "KV event encoding: array (vLLM before mid-2026, msgspec array_like structs) or map "
                      "(current vLLM: events as maps, 64-bit int hashes, topic frame in replay) (default array)",

@@ -66,6 +66,7 @@ from kvcache.protocol import (
     PROTOCOL_VERSION,
     ProtocolError,
     check_int,
+    check_lora,
     check_mm,
     check_optional_str,
     check_request_id,
@@ -125,7 +126,7 @@ class _Op:
     req: Any = None
     tokens: np.ndarray | None = None
     salt: str | None = None
-    lora: str | None = None
+    lora: str | tuple[str, str] | None = None  # a LoRA name, or (name, path)
     mm: list | None = None
     number: int | None = None  # num_tokens (admit, can_admit) or num_computed (extend)
     slot: int | None = None
@@ -1032,7 +1033,7 @@ class CacheServer:
         elif op.get("dest") is not None:
             self._pd.check_role("sent", field)  # a destination needs --role prefill
             pd = self._pd.check_dest(op, field, int(tokens.size))
-        return _Op(kind, req, tokens, check_optional_str(op, "salt", field), check_optional_str(op, "lora", field),
+        return _Op(kind, req, tokens, check_optional_str(op, "salt", field), check_lora(op, field),
                    check_mm(op.get("mm"), f"{field}.mm"), number, slot, pd=pd)
 
     def _other_op(self, op: dict, i: int, kind: str, live: dict[Any, bool]) -> _Op:
@@ -1040,7 +1041,7 @@ class CacheServer:
         cfg, field = self.config, f"ops[{i}]"
         if kind == "lookup":
             return _Op(kind, tokens=check_tokens(op.get("tokens"), f"{field}.tokens", cfg.max_tokens),
-                       salt=check_optional_str(op, "salt", field), lora=check_optional_str(op, "lora", field),
+                       salt=check_optional_str(op, "salt", field), lora=check_lora(op, field),
                        mm=check_mm(op.get("mm"), f"{field}.mm"))
         if kind == "can_admit":
             return _Op(kind, number=check_int(op.get("num_tokens"), f"{field}.num_tokens"))

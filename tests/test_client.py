@@ -216,3 +216,15 @@ def test_several_scheduler_processes_share_one_daemon_without_sharing_blocks(dae
         # Reference counts equal table membership (a block in two tables only through a shared prefix),
         # and free + used == total per row.
         client.check_integrity()
+
+
+def test_a_lora_given_as_name_and_path_reaches_the_daemon_as_the_library_keys_it(daemon):
+    d = daemon("--num-blocks", "64", "--block-size", "4", "--hash-algorithm", "sha256_cbor")
+    library = KVCacheManager(64, 4, hash_algorithm="sha256_cbor")
+    prompt = np.arange(13)
+    with CacheClient(d.endpoint) as client:
+        for m in (client, library):
+            m.admit("a", prompt, lora=("sql", "/adapters/sql"))
+        for lora in (("sql", "/adapters/sql"), ("sql", "/adapters/other"), "sql", None):
+            assert client.lookup(prompt, lora=lora) == library.lookup(prompt, lora=lora)
+        assert client.lookup(prompt, lora=("sql", "/adapters/sql")) == 12

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import struct
 import threading
@@ -37,7 +38,7 @@ SEED = "1234"
 def vllm_mm_keys(
     mm: Sequence[tuple[str, int, int]], start: int, end: int, start_idx: int
 ) -> tuple[list[tuple[str, int]], int]:
-    """vLLM's _gen_mm_extra_hash_keys walk (vllm/v1/core/kv_cache_utils.py @ 001cabc1), verbatim logic."""
+    """vLLM's _gen_mm_extra_hash_keys walk (vllm/v1/core/kv_cache_utils.py), its logic as it stands."""
     keys: list[tuple[str, int]] = []
     if not mm:
         return keys, start_idx
@@ -64,26 +65,46 @@ def vllm_mm_keys(
 def vllm_block_hashes(
     tokens: Sequence[int],
     block_size: int,
-    seed: str = SEED,
+    seed: str = "vllm-none-hash",
     *,
-    lora: str | None = None,
+    lora: tuple[str, str] | str | None = None,
     salt: str | None = None,
     mm: Sequence[tuple[str, int, int]] = (),
 ) -> list[bytes]:
-    """vLLM's request_block_hasher with sha256_cbor, using cbor2 and hashlib only."""
+    """vLLM 0.33's request block hasher with sha256_cbor, from cbor2 and hashlib only: tagged extra keys
+    ("lora", name, path), ("mm", identifier, offset - block_start), ("cache_salt", salt) on block 0.
+
+    The reference the random tests compare against; ``test_the_reference_reproduces_vllms_own_hashes``
+    grounds it in hashes vLLM itself computed. A LoRA given by name alone is keyed ("lora", name).
+    """
     none_hash = hashlib.sha256(cbor2.dumps(seed, canonical=True)).digest()
+    lora_keys = [] if lora is None else [("lora", lora)] if isinstance(lora, str) else [("lora", *lora)]
     hashes: list[bytes] = []
     prev: bytes | None = None
     mm_idx = 0
     for start in range(0, len(tokens) - block_size + 1, block_size):
         end = start + block_size
         mm_keys, mm_idx = vllm_mm_keys(mm, start, end, mm_idx)
-        keys = ([lora] if lora is not None else []) + mm_keys + ([salt] if start == 0 and salt else [])
+        keys = lora_keys + [("mm", *k) for k in mm_keys] + ([("cache_salt", salt)] if start == 0 and salt else [])
         extra = tuple(keys) if keys else None
         parent = prev if prev else none_hash
         prev = hashlib.sha256(cbor2.dumps((parent, tuple(tokens[start:end]), extra), canonical=True)).digest()
         hashes.append(prev)
     return hashes
+
+
+def vllm_vectors() -> list[dict]:
+    """The 40 cases vLLM 0.33 hashed itself (tests/vectors/README.md says how)."""
+    path = os.path.join(os.path.dirname(__file__), "vectors", "vllm-0.33-sha256_cbor.json")
+    with open(path) as f:
+        return json.load(f)["cases"]
+
+
+def vector_request(case: dict) -> dict:
+    """A vector case's request as BlockHasher takes it."""
+    return {"cache_salt": case["cache_salt"] or None,
+            "lora": (case["lora_name"], case["lora_path"]) if case["lora_name"] is not None else None,
+            "mm": [tuple(item) for item in case["mm"]] or None}
 
 
 def raw_block_hashes(
@@ -355,8 +376,33 @@ def test_cbor_encoder_is_byte_identical_to_cbor2_canonical(value: object) -> Non
 # --------------------------------------------------------------------------- sha256_cbor == vLLM
 
 
-def test_sha256_cbor_root_is_vllm_none_hash_of_the_seed_string() -> None:
-    """With a seed, the root is vLLM's NONE_HASH = sha256_cbor(PYTHONHASHSEED)."""
+@pytest.mark.parametrize("case", vllm_vectors(), ids=lambda c: f"bs{c['block_size']}-{len(c['tokens'])}")
+def test_sha256_cbor_reproduces_every_hash_vllm_computed(case: dict, each_backend: tuple[str, ...]) -> None:
+    """Byte for byte what vLLM 0.33 computed, whole prompts and chunk by chunk (the parent carried over)."""
+    bs, tokens, request = case["block_size"], case["tokens"], vector_request(case)
+    want = [bytes.fromhex(h) for h in case["hashes"]]
+    for backend in each_backend:
+        native.set_backend(backend)
+        hasher = BlockHasher(bs, "sha256_cbor")
+        assert hasher.hash_blocks(tokens, **request) == want
+        got = hasher.hash_blocks(tokens[:bs], **request)
+        for b in range(1, len(want)):  # one block at a time, as a decode step hashes a block that fills
+            got += hasher.hash_blocks(tokens[b * bs:(b + 1) * bs], parent=got[-1], start_block=b, **request)
+        assert got == want
+
+
+def test_the_reference_reproduces_vllms_own_hashes() -> None:
+    """The by-hand reference of the random tests below gives every hash vLLM computed."""
+    for case in vllm_vectors():
+        request = vector_request(case)
+        assert [h.hex() for h in vllm_block_hashes(case["tokens"], case["block_size"], lora=request["lora"],
+                                                   salt=request["cache_salt"], mm=request["mm"] or ())
+                ] == case["hashes"]
+
+
+def test_sha256_cbor_root_is_vllms_none_hash() -> None:
+    """vLLM's NONE_HASH: sha256_cbor of PYTHONHASHSEED where set, else of "vllm-none-hash"."""
+    assert BlockHasher(16, "sha256_cbor").root == hashlib.sha256(cbor2.dumps("vllm-none-hash", canonical=True)).digest()
     assert BlockHasher(16, "sha256_cbor", seed=SEED).root == hashlib.sha256(cbor2.dumps(SEED, canonical=True)).digest()
 
 
@@ -364,60 +410,41 @@ def test_sha256_cbor_root_is_vllm_none_hash_of_the_seed_string() -> None:
 def test_sha256_cbor_matches_vllm_without_extras(block_size: int, each_backend: tuple[str, ...]) -> None:
     """Plain prompts over every CBOR int width and array-header width hash exactly as vLLM does."""
     prompt = widths_prompt(block_size)
-    expected = vllm_block_hashes(prompt, block_size)
+    expected = vllm_block_hashes(prompt, block_size, SEED)
     for backend in each_backend:
         native.set_backend(backend)
         assert BlockHasher(block_size, "sha256_cbor", seed=SEED).hash_blocks(prompt) == expected
 
 
-@pytest.mark.parametrize("block_size", BLOCK_SIZES)
-def test_sha256_cbor_matches_vllm_with_lora(block_size: int) -> None:
-    """A LoRA name is an extra key of every block, as vLLM's (lora_name,) tuple."""
-    prompt = widths_prompt(block_size)
-    got = BlockHasher(block_size, "sha256_cbor", seed=SEED).hash_blocks(prompt, lora="sql-adapter")
-    assert got == vllm_block_hashes(prompt, block_size, lora="sql-adapter")
-    assert got != vllm_block_hashes(prompt, block_size)
+@pytest.mark.parametrize("algorithm", ["sha256", "sha256_cbor"])
+def test_a_lora_name_alone_never_shares_a_hash_with_a_name_and_path(algorithm: str) -> None:
+    """Two adapters under one name differ by path; a name alone is a third key, equal to neither."""
+    hasher = BlockHasher(4, algorithm, seed=SEED)
+    tokens = list(range(12))
+    keyed = {repr(lora): hasher.hash_blocks(tokens, lora=lora)
+             for lora in ("sql", ("sql", ""), ("sql", "/a"), ("sql", "/b"), ["sql", "/a"], None)}
+    assert keyed[repr(("sql", "/a"))] == keyed[repr(["sql", "/a"])]  # a list is taken as the pair
+    distinct = {tuple(v) for k, v in keyed.items() if k != repr(["sql", "/a"])}
+    assert len(distinct) == 5 and all(len(v) == 3 for v in distinct)
 
 
-@pytest.mark.parametrize("block_size", BLOCK_SIZES)
-def test_sha256_cbor_matches_vllm_with_salt(block_size: int) -> None:
-    """The cache salt is an extra key of block 0 only, as in vLLM."""
-    prompt = widths_prompt(block_size)
-    got = BlockHasher(block_size, "sha256_cbor", seed=SEED).hash_blocks(prompt, cache_salt="tenant-7")
-    assert got == vllm_block_hashes(prompt, block_size, salt="tenant-7")
-
-
-@pytest.mark.parametrize("block_size", BLOCK_SIZES)
-def test_sha256_cbor_matches_vllm_with_multimodal_items(block_size: int) -> None:
-    """Items give (identifier, offset - block_start) keys to every block they overlap."""
-    prompt = widths_prompt(block_size, num_blocks=max(8, 80 // block_size))
-    n = len(prompt)
-    a_len = max(1, n // 5)
-    mm = [("img-a", 2, a_len), ("img-b", a_len + 3, 1), ("img-c", a_len + 4 + n // 4, max(1, n // 4))]
-    assert mm[-1][1] + mm[-1][2] <= n
-    got = BlockHasher(block_size, "sha256_cbor", seed=SEED).hash_blocks(prompt, mm=mm)
-    assert got == vllm_block_hashes(prompt, block_size, mm=mm)
-
-
-def test_sha256_cbor_matches_vllm_with_every_extra_key_at_once() -> None:
-    """LoRA, then mm keys, then salt: vLLM's order, with two items sharing a block."""
-    prompt = widths_prompt(16, num_blocks=6)
-    mm = [MMPlaceholder("img-a", 3, 5), MMPlaceholder("img-b", 9, 30), MMPlaceholder("img-c", 70, 4)]
-    got = BlockHasher(16, "sha256_cbor", seed=SEED).hash_blocks(prompt, lora="l", cache_salt="s", mm=mm)
-    assert got == vllm_block_hashes(prompt, 16, lora="l", salt="s", mm=mm)
+@pytest.mark.parametrize("lora", [("a",), ("a", "b", "c"), ("a", 1), 5, b"a"])
+def test_a_lora_that_is_neither_a_name_nor_a_pair_is_refused(lora: object) -> None:
+    with pytest.raises(KVCacheError, match="lora: must be a LoRA name"):
+        BlockHasher(4, seed=SEED).hash_blocks(list(range(8)), lora=lora)
 
 
 @settings(max_examples=150, deadline=None)
 @given(data=st.data())
 def test_sha256_cbor_matches_vllm_for_random_requests(data: st.DataObject) -> None:
-    """Random prompts, block sizes, LoRA, salt and multimodal layouts hash exactly as vLLM does."""
+    """Random prompts, block sizes, LoRA, salt and multimodal layouts hash as the vector-checked reference does."""
     block_size = data.draw(st.integers(1, 40))
     prompt = data.draw(st.lists(st.integers(0, 2**32 - 1), max_size=200))
-    lora = data.draw(st.none() | st.text(max_size=5))
+    lora = data.draw(st.none() | st.text(max_size=5) | st.tuples(st.text(max_size=5), st.text(max_size=5)))
     salt = data.draw(st.none() | st.text(max_size=5))
     mm = make_mm_layout(data, len(prompt))
     got = BlockHasher(block_size, "sha256_cbor", seed=SEED).hash_blocks(prompt, lora=lora, cache_salt=salt, mm=mm)
-    assert got == vllm_block_hashes(prompt, block_size, lora=lora, salt=salt, mm=mm)
+    assert got == vllm_block_hashes(prompt, block_size, SEED, lora=lora, salt=salt, mm=mm)
 
 
 # --------------------------------------------------------------------------- sha256 (raw framing)
@@ -572,11 +599,11 @@ def test_same_seed_gives_same_hashes_and_different_seeds_differ(algorithm: str) 
     assert BlockHasher(16, algorithm, seed=b"alpha").root != BlockHasher(16, algorithm, seed=b"beta").root
 
 
-@pytest.mark.parametrize("algorithm", ["sha256", "sha256_cbor"])
-def test_unseeded_hashers_draw_different_roots(algorithm: str) -> None:
-    """seed=None gives a random root per hasher, so two hashers' hashes are not comparable."""
+def test_unseeded_sha256_hashers_draw_different_roots() -> None:
+    """seed=None gives a random root per "sha256" hasher, so two hashers' hashes are not comparable (a tenant
+    cannot predict another daemon's hashes); "sha256_cbor" takes vLLM's fixed default instead."""
     prompt = list(range(32))
-    first, second = BlockHasher(16, algorithm), BlockHasher(16, algorithm)
+    first, second = BlockHasher(16), BlockHasher(16)
     assert first.root != second.root and len(first.root) == 32
     assert first.hash_blocks(prompt) != second.hash_blocks(prompt)
     assert first.hash_blocks(prompt) == first.hash_blocks(prompt)

@@ -740,3 +740,18 @@ def test_admit_commit_checks_sizes_and_hit_first_and_changes_nothing():
                                  slot, m._ntok, m._changed_ok, m._last_block, m._tail, m._last_hash, m._fast_limit,
                                  m._next_recycle, m._width, m._hasher.root, 0, np.zeros(1, dtype=np.intp))
     assert all(np.array_equal(a, b) for a, b in zip(arrays, before))
+
+
+@pytest.mark.parametrize("algorithm", ["sha256", "sha256_cbor"])
+def test_a_lora_is_keyed_by_name_and_path(algorithm):
+    """The same name pointed at another adapter must not reuse KV; a name alone is yet another key."""
+    m = make_manager(32, hash_algorithm=algorithm)
+    prompt = tokens(17)
+    m.admit("a", prompt, lora=("sql", "/adapters/sql-v1"))
+    assert m.lookup(prompt, lora=("sql", "/adapters/sql-v1")) == 16
+    assert m.lookup(prompt, lora=["sql", "/adapters/sql-v1"]) == 16  # a list is the same pair
+    assert m.lookup(prompt, lora=("sql", "/adapters/sql-v2")) == 0
+    assert m.lookup(prompt, lora="sql") == 0 and m.lookup(prompt) == 0
+    with pytest.raises(KVCacheError, match="lora: must be a LoRA name"):
+        m.admit("b", prompt, lora=("sql",))
+    assert "b" not in m

@@ -487,3 +487,16 @@ def test_metrics_count_a_busy_daemons_messages_once_per_interval_and_catch_up(se
     s = scrape(metrics.render())
     assert ops(s) == 4 and value(s, "kvcache_step_seconds_count") == 5
     assert value(s, "kvcache_live_requests") == 3
+
+
+def test_lora_travels_as_a_name_or_a_name_and_path_and_anything_else_is_refused(server):
+    """On the wire a LoRA is a str or [name, path]; a name alone never hits a (name, path)'s blocks."""
+    reply = call(server, [admit("a", 9, lora=["sql", "/v1"]),
+                          {"op": "lookup", "tokens": np.arange(9, dtype=np.uint32), "lora": ["sql", "/v1"]},
+                          {"op": "lookup", "tokens": np.arange(9, dtype=np.uint32), "lora": ["sql", "/v2"]},
+                          {"op": "lookup", "tokens": np.arange(9, dtype=np.uint32), "lora": "sql"}])
+    assert reply["ok"] and reply["results"][1:] == [8, 0, 0]
+    for bad in (["sql"], ["sql", 3], 7, ["a", "b", "c"]):
+        refused = call(server, [admit("b", 9, lora=bad)], request_id=2 + len(str(bad)))
+        assert not refused["ok"] and refused["error"].startswith("ops[0].lora: must be a LoRA name or [name, path]")
+    assert server.manager.stats().num_requests == 1

@@ -156,7 +156,7 @@ class _Offload:
     cols: np.ndarray  # intp [m]: positions in the released chain
     chain: bytes  # the released request's packed hashes (parents for events)
     tokens: np.ndarray  # the released chain's tokens
-    lora: str | None
+    lora: str | tuple[str, str] | None
     dropped: np.ndarray  # bool [m]: the GPU block was reused before the copy finished
 
 
@@ -378,7 +378,7 @@ class TransferManager:
             self._waits[request_id] = deps
 
     def released(self, request_id: object, hashes: bytes, blocks: np.ndarray, tokens: np.ndarray,
-                 lora: str | None) -> None:
+                 lora: str | tuple[str, str] | None) -> None:
         """Offload the released blocks the host lacks, oldest first as far as free host blocks go."""
         self._finish_own_loads(request_id)
         self._waits.pop(request_id, None)
