@@ -1243,8 +1243,13 @@ class KVCacheManager:
 
         Full rows need every block of the prefix; a Window row needs only its
         sink blocks and the blocks the next query (at ``L * block_size``) sees.
+        With only Window rows a hit may hold holes (blocks long evicted before
+        the window), so every hash is looked up, not just the leading run.
         """
-        found = self._index.match(hashes)  # [k, rows]
+        if self._window_groups and not self._full_rows.size:
+            found = self._index.blocks_of(hashes)  # [n, rows], -1 where no row holds the hash
+        else:
+            found = self._index.match(hashes)  # [k, rows]: the leading run, which bounds any Full row's hit
         k = found.shape[0]
         if k == 0:
             return 0, None

@@ -5,13 +5,14 @@ import dataclasses
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvcache.allocator import CacheSpec, Full, KVCacheError, KVCacheManager, Window
 from kvcache.allocator.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvcache.allocator.prefix import BlockHasher
+from kvcache.allocator.swa import needed_blocks
 from kvcache.server import STATE_CODEC
 from reference_manager import ReferenceManager
 
@@ -755,3 +756,62 @@ def test_a_lora_is_keyed_by_name_and_path(algorithm):
     with pytest.raises(KVCacheError, match="lora: must be a LoRA name"):
         m.admit("b", prompt, lora=("sql",))
     assert "b" not in m
+
+
+def brute_force_hit(m: KVCacheManager, prompt: list[int]) -> int:
+    """The longest cached prefix every row can use, in tokens, by trying every length from the longest down.
+
+    Presence per row comes from the prefix index; a Full row needs every block of the prefix, a Window row
+    its sink blocks and the blocks the next query sees (swa.needed_blocks).
+    """
+    bs = m.block_size
+    hashes = m.hasher.hash_blocks_packed(prompt[: len(prompt) - 1])
+    present = m._index.blocks_of(hashes) >= 0  # [blocks, groups]
+    policies = list(dict.fromkeys(m.rows))
+    for length in range(len(hashes) // 32, 0, -1):
+        needed = [needed_blocks(p, length * bs, bs) for p in policies]
+        if all(present[b, g] for g, need in enumerate(needed) for b in [*need.sink, *need.window]):
+            return length * bs
+    return 0
+
+
+def test_a_window_only_hit_may_skip_blocks_evicted_before_its_window():
+    """vLLM's sliding-window manager finds the hit from the right: the sink and the last window suffice, so the
+    prefix's first blocks, recycled while it decoded and evicted since, need not be cached."""
+    m = make_manager(8, [Window(4)], block_size=2)
+    prompt = tokens(14)
+    m.admit("a", prompt[:4])
+    for t in prompt[4:]:  # decoding: blocks 0-4 go back one by one as the window passes them
+        m.extend("a", [t])
+    m.free("a")
+    m.admit("b", tokens(6, 100))  # one free block and the two oldest cached ones: blocks 0 and 1 of "a"
+    m.free("b")
+    present = (m._index.blocks_of(m.hasher.hash_blocks_packed(prompt[:13])) >= 0).ravel().tolist()
+    assert present == [False, False, True, True, True, True]
+    assert m.lookup(prompt) == brute_force_hit(m, prompt) == 12  # the query at 12 sees tokens 9-12: blocks 4, 5
+    adm = m.admit("c", prompt)
+    assert adm.num_cached_tokens == 12 and adm.table[0, :4].tolist() == [-1, -1, -1, -1]
+    m.check_integrity()
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_the_hit_is_the_longest_prefix_every_row_can_use(data):
+    """Random rows, prompts sharing prefixes, admits and frees that evict: lookup and admit find exactly the
+    brute-force hit."""
+    bs = data.draw(st.sampled_from([1, 2, 4]))
+    policies = data.draw(st.lists(st.sampled_from([Full(), Window(3), Window(5, 2), Window(8, 1)]), min_size=1,
+                                  max_size=3))
+    m = make_manager(data.draw(st.integers(6, 24)), policies, block_size=bs)
+    stems = [tokens(40, 1000 * i) for i in range(3)]
+    live = []
+    for step in range(data.draw(st.integers(1, 25))):
+        prompt = data.draw(st.sampled_from(stems))[: data.draw(st.integers(1, 40))] + tokens(data.draw(
+            st.integers(0, 6)), 50_000 + step * 10)
+        assert m.lookup(prompt) == brute_force_hit(m, prompt)
+        adm = m.admit(step, prompt)
+        if adm is not None:
+            live.append(step)
+        if live and data.draw(st.booleans()):
+            m.free(live.pop(data.draw(st.integers(0, len(live) - 1))))
+        m.check_integrity()
