@@ -1,7 +1,8 @@
-"""Prefix-cache events with vLLM's hash-level meaning: a hash is stored when it enters the index, removed when it leaves.
+"""Prefix-cache events per row group, with vLLM's meaning: a group stores a hash when it caches a block for it, and
+removes it when that block is reused.
 
-A hash leaves when no row holds a block for it any more; in head-wise mode one
-row losing it (an SWA head's block reused) is not an event.
+A row group is the rows that share one attention policy, numbered in order of first appearance in the manager's
+rows (vLLM's ``group_idx``); a uniform cache has one group, a head-wise one with window and full heads two.
 """
 from __future__ import annotations
 
@@ -13,27 +14,34 @@ import numpy as np
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class BlockStored:
-    """Consecutive full blocks' hashes entered the prefix index, held on ``rows``.
+    """Consecutive full blocks' hashes that row group ``group`` now holds.
 
     ``token_ids`` (uint32) are the blocks' tokens, ``len(block_hashes) *
     block_size`` of them; ``parent_block_hash`` is the hash before the first
-    block (None at a request's start).
+    block (None at a request's start). ``window`` is the group's sliding
+    window in tokens (None: full attention). ``extra_keys`` holds, per block,
+    what its hash took beyond the tokens as vLLM publishes it (untagged: the
+    LoRA's name, ``(mm identifier, offset)`` pairs, the cache salt), None for a
+    block with none.
     """
 
     block_hashes: tuple[bytes, ...]
     parent_block_hash: bytes | None
     token_ids: np.ndarray
     block_size: int
-    rows: tuple[int, ...]
+    group: int = 0
+    window: int | None = None
     lora: str | tuple[str, str] | None = None  # the LoRA's name, or (name, path)
+    extra_keys: tuple[tuple | None, ...] | None = None
     medium: str = "GPU"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class BlockRemoved:
-    """These hashes left the prefix index: every block that held them was reused."""
+    """Row group ``group`` no longer holds these hashes: its blocks for them were reused or dropped."""
 
     block_hashes: tuple[bytes, ...]
+    group: int = 0
     medium: str = "GPU"
 
 

@@ -175,6 +175,7 @@ class KVCacheManager:
         self._group_col = np.arange(len(groups), dtype=np.intp)[:, None]
         self._group_rows = np.arange(len(groups), dtype=np.int64)  # the same, flat: what the pool's C passes take
         self._full_rows = np.array([g for g, p in enumerate(groups) if isinstance(p, Full)], dtype=np.intp)
+        self._group_windows = [p.window_tokens if isinstance(p, Window) else None for p in groups]  # for events
         self._window_groups: list[tuple[Window, np.ndarray]] = [
             (p, np.array([g], dtype=np.intp)) for g, p in enumerate(groups) if isinstance(p, Window)
         ]
@@ -203,6 +204,17 @@ class KVCacheManager:
         self.__dict__.update(state)
         for req in self._requests.values():
             req.view = None
+
+    @property
+    def row_groups(self) -> np.ndarray:
+        """Each row's group (intp ``[num_rows]``): rows with equal policies form one, numbered in order of first
+        appearance; KV events name groups (vLLM's ``group_idx``)."""
+        return self._row_group
+
+    @property
+    def group_windows(self) -> list[int | None]:
+        """Each group's sliding window in tokens, None for a full-attention group."""
+        return list(self._group_windows)
 
     @property
     def hasher(self) -> BlockHasher | None:
@@ -448,11 +460,9 @@ class KVCacheManager:
             if dropped:
                 self._events.append(BlockRemoved(tuple(bytes(removed[i * _H:(i + 1) * _H]) for i in range(dropped))))
             if full > num_hit:
-                self._events.append(BlockStored(
-                    block_hashes=tuple(hashes[i * _H:(i + 1) * _H] for i in range(num_hit, full)),
-                    parent_block_hash=hashes[(num_hit - 1) * _H:num_hit * _H] if num_hit else None,
-                    token_ids=tokens[num_hit * bs:full * bs].copy(), block_size=bs,
-                    rows=self._every_row(), lora=lora))
+                self._events.append(self._stored(
+                    0, hashes[num_hit * _H:full * _H], hashes[(num_hit - 1) * _H:num_hit * _H] if num_hit else None,
+                    tokens[num_hit * bs:full * bs], lora, self._extra_keys(cache_salt, lora, mm, num_hit, full)))
         per_group = evicted.tolist()
         if any(per_group):  # (row, block) pairs: a group's eviction counts once per row it stands for
             self._evicted += sum(e * size for e, size in zip(per_group, self._group_sizes.tolist()))
@@ -698,9 +708,9 @@ class KVCacheManager:
             dropped = removed[q * _H:(q + 1) * _H]
             if dropped != _NO_HASH:
                 tagged.append((int(opened[first + q]), 0, BlockRemoved((dropped,))))
-        for position, block, digest, parent, tokens in stored:  # no LoRA here: keyed requests are declined
-            tagged.append((position, 1, self._filled_event(digest, parent if block else None,
-                                                           np.frombuffer(tokens, dtype=np.uint32), None)))
+        for position, block, digest, parent, tokens in stored:  # no extra keys here: keyed requests are declined
+            tagged.append((position, 1, self._stored(0, digest, parent if block else None,
+                                                     np.frombuffer(tokens, dtype=np.uint32), None, (None,))))
         tagged.sort(key=lambda item: item[:2])
         self._events += [event for _, _, event in tagged]
 
@@ -1110,8 +1120,8 @@ class KVCacheManager:
             rows, blocks = rows[live], blocks[live]
             removed = self._index.remove(rows, blocks)
             self._pool.uncache(rows, blocks)
-            if self.enable_events and len(removed.gone):
-                self._events.append(BlockRemoved(tuple(bytes(h) for h in removed.gone)))
+            if self.enable_events:
+                self._events += self._removed(removed.rows, removed.hashes)
         self.free(request_id)
 
     def shed_window(self, request_id: object, first_block: int = 0) -> np.ndarray:
@@ -1135,8 +1145,8 @@ class KVCacheManager:
                 r, b = np.broadcast_to(group[:, None], part.shape)[held], part[held]
                 removed = self._index.remove(r, b)
                 self._pool.uncache(r, b)
-                if self.enable_events and len(removed.gone):
-                    self._events.append(BlockRemoved(tuple(bytes(h) for h in removed.gone)))
+                if self.enable_events:
+                    self._events += self._removed(removed.rows, removed.hashes)
         self._pool.decref(rows, blocks, unique=True)
         self._recycled += int(self._group_sizes[rows].sum())
         req.changed = changed = _columns(self._mark_recycled(req, stops))
@@ -1195,8 +1205,8 @@ class KVCacheManager:
         groups, blocks = np.divmod(groups, self.num_blocks)
         removed = self._index.remove(groups, blocks)
         self._pool.uncache(removed.rows, removed.blocks)
-        if self.enable_events and len(removed.gone):
-            self._events.append(BlockRemoved(tuple(bytes(h) for h in removed.gone)))
+        if self.enable_events:
+            self._events += self._removed(removed.rows, removed.hashes)
 
     def push_events(self, events: Sequence[CacheEvent]) -> None:
         """Queue a tier's events (medium "CPU") behind the manager's own, so subscribers see one ordered stream."""
@@ -1318,7 +1328,8 @@ class KVCacheManager:
             last = self._pool.refcount(self._group_col, table) == 1
             holds = (self._index.blocks_of(hashes).T == table) & (table >= 0)
             blocks = np.where(last & holds, table, -1)[self._row_group]
-        self.tier.released(request_id, hashes, blocks, tokens[: n * bs], req.lora)
+        self.tier.released(request_id, hashes, blocks, tokens[: n * bs], req.lora,
+                           self._extra_keys(req.cache_salt, req.lora, req.mm, 0, n))
 
     def _record_tier_tokens(self, slots: np.ndarray, flat: np.ndarray, counts: np.ndarray, ok: np.ndarray) -> None:
         """Append each successful extend's tokens, in order, to its request's history (a tier is attached)."""
@@ -1371,7 +1382,7 @@ class KVCacheManager:
         elif inserted.added.any():
             i, r = np.nonzero(inserted.added)
             self._pool.mark_cached(r, blocks[i, r])
-        if self.enable_events and (inserted.everything or inserted.new.any()):
+        if self.enable_events and (inserted.everything or inserted.added.any()):
             self._store_events(req, start, hashes, inserted, tokens)
         self._last_hash[req.slot] = np.frombuffer(hashes[-_H:], dtype=np.uint8)
 
@@ -1382,47 +1393,68 @@ class KVCacheManager:
         self._evicted += int(self._group_sizes[rows].sum())
         if self.tier is not None:
             self.tier.evicting(*self._expand_pairs(rows, blocks))
-        gone = self._index.remove_gone(rows, blocks)
-        if self.enable_events and len(gone):
-            self._events.append(BlockRemoved(tuple(bytes(h) for h in gone)))
+        if self.enable_events:
+            removed = self._index.remove(rows, blocks)
+            self._events += self._removed(removed.rows, removed.hashes)
+        else:
+            self._index.remove_gone(rows, blocks)
 
     def _store_events(self, req: _Request, start: int, packed: bytes, inserted: Inserted, tokens: np.ndarray) -> None:
-        """One BlockStored per run of consecutive hashes new to the index and stored on the same rows.
+        """Per row group, one BlockStored per run of consecutive hashes the group newly holds.
 
         ``packed`` hashes blocks ``start`` on, whose tokens ``tokens`` start with.
         """
         bs = self.block_size
-        if inserted is self._all_new:  # a decode step's filled block
-            self._events.append(self._filled_event(packed, self._last_hash[req.slot].tobytes() if start else None,
-                                                   tokens[:bs].copy(), req.lora))
+        parent = self._last_hash[req.slot].tobytes() if start else None
+        n = len(packed) // _H
+        extra = self._extra_keys(req.cache_salt, req.lora, req.mm, start, start + n)
+        if inserted is self._all_new or inserted.everything:  # every group holds every block now
+            self._events += [self._stored(g, packed, parent, tokens[:n * bs], req.lora, extra)
+                             for g in range(len(self._group_col))]
             return
-        hashes = [packed[i: i + _H] for i in range(0, len(packed), _H)]
-        keys = [bytes(p) if new else None for p, new in
-                zip(np.packbits(inserted.added, axis=1, bitorder="little"), inserted.new.tolist())]
-        run_start = 0
-        for i in range(1, len(keys) + 1):
-            if i < len(keys) and keys[i] == keys[run_start]:
-                continue
-            if keys[run_start] is not None:
-                self._events.append(BlockStored(
-                    block_hashes=tuple(hashes[run_start:i]),
-                    parent_block_hash=(hashes[run_start - 1] if run_start else
-                                       self._last_hash[req.slot].tobytes() if start else None),
-                    token_ids=tokens[run_start * bs: i * bs].copy(),
-                    block_size=bs,
-                    rows=self._rows_of(np.flatnonzero(inserted.added[run_start])),
-                    lora=req.lora,
-                ))
-            run_start = i
+        added = inserted.added  # [n, groups]
+        for g in range(added.shape[1]):
+            held = np.concatenate(([False], added[:, g], [False]))
+            edges = np.flatnonzero(held[1:] != held[:-1])
+            for first, stop in zip(edges[::2].tolist(), edges[1::2].tolist()):
+                self._events.append(self._stored(
+                    g, packed[first * _H:stop * _H], packed[(first - 1) * _H:first * _H] if first else parent,
+                    tokens[first * bs:stop * bs], req.lora, extra[first:stop]))
 
-    def _filled_event(self, digest: bytes, parent: bytes | None, tokens: np.ndarray, lora: LoRA | None) -> BlockStored:
-        """The event of a decode step's filled block: one hash new to the index, held on every row."""
-        return BlockStored(block_hashes=(digest,), parent_block_hash=parent, token_ids=tokens,
-                           block_size=self.block_size, rows=self._every_row(), lora=lora)
+    def _stored(self, group: int, hashes: bytes, parent: bytes | None, tokens: np.ndarray, lora: LoRA | None,
+                extra_keys: tuple[tuple | None, ...]) -> BlockStored:
+        """Row group ``group`` holds these packed hashes now (``tokens`` their blocks' tokens, copied)."""
+        return BlockStored(block_hashes=tuple(hashes[i:i + _H] for i in range(0, len(hashes), _H)),
+                           parent_block_hash=parent, token_ids=tokens.copy(), block_size=self.block_size, group=group,
+                           window=self._group_windows[group], lora=lora, extra_keys=extra_keys)
 
-    def _every_row(self) -> tuple[int, ...]:
-        """All rows (heads), ascending: what an event stored on every group reports."""
-        return tuple(range(self._row_group.size))
+    def _removed(self, groups: np.ndarray, hashes: np.ndarray) -> list[BlockRemoved]:
+        """One BlockRemoved per row group of the dropped (group, hash) pairs (packed ``V32`` hashes), groups
+        ascending, pairs in order."""
+        if groups.size == 0:
+            return []
+        if len(self._group_col) == 1:
+            return [BlockRemoved(tuple(bytes(h) for h in hashes))]
+        return [BlockRemoved(tuple(bytes(h) for h in hashes[groups == g]), group=int(g)) for g in np.unique(groups)]
+
+    def _extra_keys(self, cache_salt: str | None, lora: LoRA | None, mm: Sequence[MMPlaceholder] | None,
+                    first: int, stop: int) -> tuple[tuple | None, ...]:
+        """Blocks ``[first, stop)``'s extra hash keys as vLLM publishes them in events: untagged, per block the
+        LoRA's name, each overlapping multimodal item's ``(identifier, offset - block start)``, then (block 0)
+        the salt; None for a block with none."""
+        if lora is None and not mm and not cache_salt:
+            return (None,) * (stop - first)
+        bs = self.block_size
+        name = lora if lora is None or isinstance(lora, str) else lora[0]
+        out: list[tuple | None] = []
+        for b in range(first, stop):
+            keys: list[object] = [] if name is None else [name]
+            keys += [(ident, offset - b * bs) for ident, offset, length in mm or ()
+                     if offset < (b + 1) * bs and offset + length > b * bs]
+            if b == 0 and cache_salt:
+                keys.append(cache_salt)
+            out.append(tuple(keys) if keys else None)
+        return tuple(out)
 
     def _refresh(self, req: _Request) -> None:
         """After a table change: drop the cached view and recompute the fast-path limits."""
@@ -1445,12 +1477,6 @@ class KVCacheManager:
         bs = self.block_size
         return min((recycled[g] + 1) * bs + policy.window_tokens - 1 for g, (policy, _) in
                    enumerate(self._window_groups))
-
-    def _rows_of(self, groups: np.ndarray) -> tuple[int, ...]:
-        """The rows (heads) that the given groups stand for, ascending."""
-        if groups.size == len(self._group_col):  # every group (they are distinct): every row, without np.isin
-            return self._every_row()
-        return tuple(np.flatnonzero(np.isin(self._row_group, groups)).tolist())
 
 
 _EMPTY = np.empty(0, dtype=np.intp)

@@ -49,12 +49,13 @@ class LowerTier(Protocol):
         """
 
     def released(self, request_id: object, hashes: bytes, blocks: np.ndarray, tokens: np.ndarray,
-                 lora: str | tuple[str, str] | None) -> None:
+                 lora: str | tuple[str, str] | None, extra_keys: tuple[tuple | None, ...]) -> None:
         """``free``: the request's first ``n`` hashed blocks ``[num_rows, n]`` lose their last reference.
 
         An id >= 0 holds that column's hash in the prefix index and its KV is
         final; -1 where not (shared with a live request, a duplicate, recycled).
-        ``tokens`` are the ``n`` blocks' tokens. Called on every free (n may be 0).
+        ``tokens`` are the ``n`` blocks' tokens, ``extra_keys`` their keys as
+        events publish them (``BlockStored.extra_keys``). Called on every free (n may be 0).
         """
 
     def evicting(self, rows: np.ndarray, blocks: np.ndarray) -> None:

@@ -36,6 +36,7 @@ typedef struct {
     char *buf;
     Py_ssize_t len, cap;
     int int_lists; /* packb_lists: integer arrays as msgpack arrays of ints, not the array ext */
+    PyObject *wide; /* packb_lists: maps of this dict subclass get a map 16 header at least (borrowed), or NULL */
 } out_t;
 
 static int reserve(out_t *o, Py_ssize_t extra)
@@ -316,7 +317,10 @@ static int pack_obj(out_t *o, PyObject *obj, int depth, int fallback_allowed)
     if (PyByteArray_Check(obj))
         return put_bin(o, PyByteArray_AS_STRING(obj), PyByteArray_GET_SIZE(obj));
     if (PyDict_Check(obj)) {
-        if (put_len(o, PyDict_GET_SIZE(obj), 0x80, 16, 0, 0xde, 0xdf) < 0)
+        /* a ``wide`` map (packb_lists) gets a map 16 header however short, as msgspec writes a struct whose
+         * fields and tag could outgrow a fixmap: its header is sized before the fields present are counted */
+        const int wide = o->wide != NULL && PyObject_TypeCheck(obj, (PyTypeObject *)o->wide);
+        if (put_len(o, PyDict_GET_SIZE(obj), wide ? -1 : 0x80, 16, 0, 0xde, 0xdf) < 0)
             return -1;
         Py_ssize_t pos = 0;
         PyObject *key, *value;
@@ -408,9 +412,9 @@ PyDoc_STRVAR(packb_doc,
 "through the fallback once (numpy scalars, other arrays), else TypeError.");
 
 /* packb's and packb_lists' bytes: obj packed, integer arrays as the ext or (``int_lists``) as msgpack ints. */
-static PyObject *pack_to_bytes(PyObject *obj, int int_lists)
+static PyObject *pack_to_bytes(PyObject *obj, int int_lists, PyObject *wide)
 {
-    out_t o = {NULL, 0, 0, int_lists};
+    out_t o = {NULL, 0, 0, int_lists, wide};
     PyObject *result = NULL;
     if (pack_obj(&o, obj, 0, 1) == 0)
         result = PyBytes_FromStringAndSize(o.buf ? o.buf : "", o.len);
@@ -421,19 +425,27 @@ static PyObject *pack_to_bytes(PyObject *obj, int int_lists)
 static PyObject *packb(PyObject *self, PyObject *obj)
 {
     (void)self;
-    return pack_to_bytes(obj, 0);
+    return pack_to_bytes(obj, 0, NULL);
 }
 
 PyDoc_STRVAR(packb_lists_doc,
-"packb_lists(obj) -> bytes\n\n"
+"packb_lists(obj, wide=None) -> bytes\n\n"
 "packb, except that a 1-D integer numpy array is written as the msgpack array of ints that\n"
-"msgpack.packb(arr.tolist()) writes (no Python int per element): KV event batches' token ids, in vLLM's\n"
-"encoding. Any other array is a TypeError.");
+"msgpack.packb(arr.tolist()) writes (no Python int per element), and a map of the dict subclass ``wide``\n"
+"with a map 16 header however short, as msgspec writes a struct of 16 or more fields: KV event batches in\n"
+"vLLM's encoding. Any other array is a TypeError.");
 
-static PyObject *packb_lists(PyObject *self, PyObject *obj)
+static PyObject *packb_lists(PyObject *self, PyObject *args)
 {
     (void)self;
-    return pack_to_bytes(obj, 1);
+    PyObject *obj, *wide = Py_None;
+    if (!PyArg_ParseTuple(args, "O|O:packb_lists", &obj, &wide))
+        return NULL;
+    if (wide != Py_None && !(PyType_Check(wide) && PyType_IsSubtype((PyTypeObject *)wide, &PyDict_Type))) {
+        PyErr_SetString(PyExc_TypeError, "packb_lists: wide must be a dict subclass or None");
+        return NULL;
+    }
+    return pack_to_bytes(obj, 1, wide == Py_None ? NULL : wide);
 }
 
 /* ------------------------------------------------------------------ unpacking */
@@ -774,7 +786,7 @@ fail:
 static PyMethodDef methods[] = {
     {"configure", configure, METH_VARARGS, configure_doc},
     {"packb", packb, METH_O, packb_doc},
-    {"packb_lists", packb_lists, METH_O, packb_lists_doc},
+    {"packb_lists", packb_lists, METH_VARARGS, packb_lists_doc},
     {"unpackb", unpackb, METH_VARARGS, unpackb_doc},
     {NULL, NULL, 0, NULL},
 };

@@ -52,7 +52,7 @@ class ServeConfig:
     hash_algorithm: str = "sha256"
     hash_seed: str = ""
     events: bool = False
-    events_format: str = "array"
+    events_format: str = "map"
     metrics_port: int = 0
     max_message_bytes: int = 64 * 2**20
     max_tokens: int = 1 << 22

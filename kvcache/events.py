@@ -1,34 +1,36 @@
 """KV cache events on ZeroMQ in vLLM's publisher format, so a router built for vLLM can index this daemon's cache.
 
-Followed from vllm-project/vllm ``vllm/distributed/kv_events.py`` (``EventBatch``,
-``KVCacheEvent``, ``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``,
-``ZmqEventPublisher``) at commit b4e69e0af33f4698e157a262cc787fe61983cd3d (all
-structs ``array_like``) and at the later version whose ``KVCacheEvent`` dropped
-``array_like`` (vLLM PR #42892) and whose replay replies carry the topic, with
-``examples/online_serving/kv_events_subscriber.py`` at
-0ef0f42653bc5a0c7c44d26ce3a161e692b07a2c and
-``examples/features/kv_events/kv_events_subscriber.py`` at
-1bd773f6a52899e189c8237e55473cda0074f2fb as the consumers. The structs are
-msgspec ``omit_defaults=True, tag=True`` structs encoded with msgpack; we write
-the same bytes with our msgpack codec (``kvcache._wire``, token ids straight from their array)::
+The default encoding is vLLM 0.33's (``vllm/distributed/kv_events.py``: ``KVEventBatch``, ``BlockStored``,
+``BlockRemoved``, ``AllBlocksCleared``, ``ZmqEventPublisher``): msgspec structs, the batch ``array_like``, the
+events tagged maps with ``omit_defaults``; tests/vectors holds batches vLLM 0.33 encoded itself, which this
+module reproduces byte for byte. ``--events-format array`` speaks the generation before vLLM PR #42892 (every
+struct ``array_like``), as its example subscribers decode it. We write the bytes with our msgpack codec
+(``kvcache._wire``, token ids straight from their array)::
 
     live (PUB)       [topic, seq (8 bytes, big-endian), payload]
     payload          [ts (float64), [event, ...], data_parallel_rank]
-    event, "array"   ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size,
+    event, map       {"type": "BlockStored", "block_hashes", "parent_block_hash", "token_ids", "block_size",
+                      "lora_id", "medium", "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind",
+                      "kv_cache_spec_sliding_window"}   (the last four left out where None)
+                     {"type": "BlockRemoved", "block_hashes", "medium", "group_idx"}
+                     {"type": "AllBlocksCleared"}
+    event, array     ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size,
                       lora_id, medium, lora_name]
                      ["BlockRemoved", block_hashes, medium]
                      ["AllBlocksCleared"]
-    event, "map"     {"type": "BlockStored", "block_hashes": ..., ..., "lora_name": ...}
     replay request   a REQ or DEALER peer sends [b"", start seq (8 bytes)] to the ROUTER
     replay reply     [b"", (topic,) seq, payload] per buffered batch with seq >= start, then
                      [b"", (b"",) END_SEQ, b""]; the topic frame only with ``replay_topic``
 
-msgspec writes every field of an ``array_like`` struct, defaults included
-(``omit_defaults`` does not shorten arrays), and decoders ignore trailing
-elements they do not know, so the array form stops after ``lora_name``, the
-last field without a default. In the map form ``omit_defaults`` drops fields
-left at their default (``extra_keys``, ``group_idx``, ``event_version``, ...);
-fields without a default are written even when None.
+Events are per row group (vLLM's ``group_idx``: rows sharing one policy, see
+kvcache.allocator.events); a store names its group's kind (``full_attention`` or
+``sliding_window``) and window, so a router tells a window group's blocks from a
+full group's. ``extra_keys`` holds one entry per block, untagged as vLLM
+publishes them (the LoRA's name, ``[mm identifier, offset]`` pairs, the salt), or
+None for a block with none. ``lora_id`` is always None (no adapter ids here).
+msgspec writes every field of an ``array_like`` struct, defaults included, and
+decoders ignore trailing elements they do not know, so the array form stops
+after ``lora_name``, the last field without a default.
 
 A daemon with CURVE (``--curve-server-cert``) serves both sockets with its key
 to the allowed clients only, as its other tcp:// sockets: a router then gives
@@ -67,36 +69,48 @@ _LOW_64 = (1 << 64) - 1
 class EventWire:
     """Which vLLM generation's encoding to speak: vLLM changed it, and routers decode one form or both.
 
-    ``layout="array"`` writes each event as a tagged array (vLLM before PR
-    #42892); ``"map"`` as a tagged map under ``"type"`` (vLLM after it).
-    ``replay_topic`` puts the topic frame in replay replies as newer vLLM
-    does. ``int_hashes`` sends each hash as the low 64 bits of its digest
-    (vLLM's default, ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``) instead of
-    the 32-byte digest. Current vLLM main is
-    ``EventWire(layout="map", replay_topic=True, int_hashes=True)``.
+    The default is vLLM 0.33's: events as tagged maps under ``"type"`` with
+    the row group's ``group_idx``, ``kv_cache_spec_kind`` and
+    ``kv_cache_spec_sliding_window`` and each block's ``extra_keys``, hashes
+    as the low 64 bits of the digest (vLLM's default,
+    ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``) and the topic frame in replay
+    replies. ``layout="array"`` writes each event as the tagged array of vLLM
+    before PR #42892 (block_hashes through lora_name only), and with
+    ``replay_topic=False, int_hashes=False`` it is that generation's whole
+    encoding (``--events-format array``).
     """
 
-    layout: str = "array"
-    replay_topic: bool = False
-    int_hashes: bool = False
+    layout: str = "map"
+    replay_topic: bool = True
+    int_hashes: bool = True
 
     def __post_init__(self) -> None:
         if self.layout not in ("array", "map"):
             raise KVCacheError(f"layout: expected 'array' or 'map', got {self.layout!r}")
 
 
+OLDER_ARRAY_WIRE = EventWire("array", replay_topic=False, int_hashes=False)  # --events-format array
+
+
 def encode_batch(events: Sequence[CacheEvent], *, ts: float, dp_rank: int, wire: EventWire = EventWire()) -> bytes:
     """One ``KVEventBatch`` payload: ``[ts, [event, ...], data_parallel_rank]`` as msgpack."""
-    return pack_lists([float(ts), [_encode_event(e, wire) for e in events], dp_rank])
+    return pack_lists([float(ts), [_encode_event(e, wire) for e in events], dp_rank], _WideMap)
 
 
-# vLLM's field names in declaration order, tag first (the map layout's keys; the array layout is the values).
+class _WideMap(dict):
+    """A BlockStored map: msgspec sizes a struct's map header for its tag and every field (16 for BlockStored,
+    a map 16) before it leaves out the defaults, so it is written with a map 16 header however short."""
+
+
+# vLLM's field names in declaration order, tag first (the map layout's keys; the array layout is the values);
+# the map layout adds the optional fields after them where they are not None (msgspec's omit_defaults).
 _FIELDS = {
     BlockStored: ("type", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
                   "lora_name"),
     BlockRemoved: ("type", "block_hashes", "medium"),
     AllBlocksCleared: ("type",),
 }
+FULL_ATTENTION, SLIDING_WINDOW = "full_attention", "sliding_window"  # vLLM's KVCacheSpecKind values
 
 
 def _encode_event(event: CacheEvent, wire: EventWire) -> list[Any] | dict[str, Any]:
@@ -104,17 +118,29 @@ def _encode_event(event: CacheEvent, wire: EventWire) -> list[Any] | dict[str, A
     kind = type(event)
     if kind is BlockStored:
         parent = event.parent_block_hash
+        lora = event.lora if event.lora is None or isinstance(event.lora, str) else event.lora[0]
         # token_ids stays an integer array: pack_lists writes it as msgpack ints
         values: list[Any] = ["BlockStored", _hashes(event.block_hashes, wire),
                              None if parent is None else _hash(parent, wire), event.token_ids, event.block_size,
-                             None, event.medium, event.lora]
-    elif kind is BlockRemoved:
+                             None, event.medium, lora]
+        if wire.layout == "array":
+            return values
+        out = _WideMap(zip(_FIELDS[kind], values))
+        if event.extra_keys is not None:
+            out["extra_keys"] = event.extra_keys
+        out["group_idx"] = event.group
+        out["kv_cache_spec_kind"] = FULL_ATTENTION if event.window is None else SLIDING_WINDOW
+        if event.window is not None:
+            out["kv_cache_spec_sliding_window"] = event.window
+        return out
+    if kind is BlockRemoved:
         values = ["BlockRemoved", _hashes(event.block_hashes, wire), event.medium]
-    elif kind is AllBlocksCleared:
-        values = ["AllBlocksCleared"]
-    else:
-        raise TypeError(f"not a cache event: {type(event).__name__}")
-    return values if wire.layout == "array" else dict(zip(_FIELDS[kind], values))
+        if wire.layout == "array":
+            return values
+        return {**dict(zip(_FIELDS[kind], values)), "group_idx": event.group}
+    if kind is AllBlocksCleared:
+        return ["AllBlocksCleared"] if wire.layout == "array" else {"type": "AllBlocksCleared"}
+    raise TypeError(f"not a cache event: {type(event).__name__}")
 
 
 def _hashes(block_hashes: tuple[bytes, ...], wire: EventWire) -> tuple[bytes, ...] | list[int] | np.ndarray:

@@ -231,10 +231,11 @@ def pack(obj: Any) -> bytes:
     return _wire.packb(obj)
 
 
-def pack_lists(obj: Any) -> bytes:
+def pack_lists(obj: Any, wide: type | None = None) -> bytes:
     """``pack``, with 1-D integer arrays written as msgpack arrays of ints (``arr.tolist()``'s bytes, no Python int
-    per element): vLLM's KV events carry token ids that way."""
-    return _wire.packb_lists(obj)
+    per element), and maps of the dict subclass ``wide`` with a map 16 header however short (as msgspec writes a
+    struct of 16 fields or more): vLLM's KV events are written that way."""
+    return _wire.packb_lists(obj, wide)
 
 
 def unpack(data: bytes, max_bytes: int, max_items: int | None = None) -> Any:

@@ -47,8 +47,9 @@ HELP = {
     "hash_seed": "seed of the prefix hashes (sha256_cbor: vLLM's PYTHONHASHSEED); empty = vLLM's default "
                  "root for sha256_cbor, a random one per daemon for sha256 (a journal keeps it across restarts)",
     "events": "publish KV events in vLLM's format on --events-endpoint",
-    "events_format": "KV event encoding: array (vLLM before mid-2026, msgspec array_like structs) or map "
-                     "(current vLLM: events as maps, 64-bit int hashes, topic frame in replay) (default array)",
+    "events_format": "KV event encoding: map (vLLM 0.33: events as maps with group_idx, the group's spec kind and "
+                     "sliding window and extra_keys, 64-bit int hashes, topic frame in replay) or array (vLLM before "
+                     "mid-2026, msgspec array_like structs, 32-byte hashes) (default map)",
     "metrics_port": "serve Prometheus metrics over HTTP on this port of 127.0.0.1 (0 = off)",
     "max_message_bytes": "largest scheduler message accepted, refused by size before decoding (default 64 MiB)",
     "max_tokens": "most tokens in one operation (default 4,194,304)",

@@ -406,9 +406,9 @@ class CacheServer:
                 self._metrics.serve_http(self.config.metrics_port)
             self._subscribers = SubscriberCounter(self.pub)
         if self.config.events:
-            from kvcache.events import EventWire, KVEventPublisher
+            from kvcache.events import OLDER_ARRAY_WIRE, EventWire, KVEventPublisher
 
-            wire = EventWire() if self.config.events_format == "array" else EventWire("map", True, True)
+            wire = EventWire() if self.config.events_format == "map" else OLDER_ARRAY_WIRE
             self._events = KVEventPublisher(self._ctx, self.config.events_endpoint,
                                             self.config.events_replay_endpoint, wire=wire, listeners=self._listeners,
                                             buffer_bytes=self.config.replay_bytes, send_bytes=self.config.pub_bytes)

@@ -1,12 +1,16 @@
 """KV events: a router written only from vLLM's KV-event format mirrors the manager's prefix index.
 
-The subscriber below knows nothing of kvcache's publisher: it follows vLLM's
-``vllm/distributed/kv_events.py`` and its example subscriber (SUB socket,
+The subscriber below knows nothing of kvcache's publisher: it follows vLLM 0.33's
+``vllm/distributed/kv_events.py`` field lists and its example subscriber (SUB socket,
 ``[topic, seq, payload]``, msgpack ``[ts, events, dp_rank]`` with tagged events,
-replay over the ROUTER with an end marker of seq -1 and an empty payload).
+replay over the ROUTER with an end marker of seq -1 and an empty payload), and keeps
+one hash set per ``group_idx``. The encoding itself is checked against batches vLLM
+0.33 encoded (tests/vectors/vllm-0.33-kv-events.json).
 """
 from __future__ import annotations
 
+import json
+import os
 import random
 import time
 from typing import Callable
@@ -21,7 +25,7 @@ import zmq
 from kvcache.allocator import Full, KVCacheManager, Window
 from kvcache.allocator.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvcache.allocator.prefix import BlockHasher
-from kvcache.events import END_SEQ, LIVE_BATCH_BYTES, EventWire, KVEventPublisher, encode_batch
+from kvcache.events import END_SEQ, LIVE_BATCH_BYTES, OLDER_ARRAY_WIRE, EventWire, KVEventPublisher, encode_batch
 
 BS = 4
 SEED = b"events-test"
@@ -45,11 +49,16 @@ def decode_event(event: list | dict) -> tuple[str, dict]:
     return fields.pop("type"), fields
 
 
+def low64(digest: bytes) -> int:
+    """vLLM's int block hash: the digest's low 64 bits."""
+    return int.from_bytes(digest, "big") & (2**64 - 1)
+
+
 class VLLMRouterIndex:
-    """What a KV-aware router keeps: the set of block hashes an engine holds, fed by its KV events."""
+    """What a KV-aware router keeps: per group, the set of block hashes an engine holds, fed by its KV events."""
 
     def __init__(self, ctx: zmq.Context, endpoint: str, replay_endpoint: str, *,
-                 topic: bytes = b"", replay_topic: bool = False, hasher: BlockHasher | None = None,
+                 topic: bytes = b"", wire: EventWire = EventWire(), hasher: BlockHasher | None = None,
                  pump: Callable[[], None] = lambda: None) -> None:
         self.sub = ctx.socket(zmq.SUB)
         self.sub.setsockopt(zmq.SUBSCRIBE, topic)
@@ -57,10 +66,11 @@ class VLLMRouterIndex:
         self.replay = ctx.socket(zmq.DEALER)  # a DEALER receives every reply of a streamed replay
         self.replay.connect(replay_endpoint)
         self.topic = topic
-        self.replay_topic = replay_topic
+        self.wire = wire
         self.hasher = hasher
         self.pump = pump  # runs the publisher's side while we wait (the daemon's poll loop, in one thread)
-        self.hashes: set[bytes | int] = set()
+        self.hashes: dict[int, set[bytes | int]] = {}  # group_idx -> hashes
+        self.kinds: dict[int, tuple[str, int | None]] = {}  # group_idx -> (kv_cache_spec_kind, sliding window)
         self.last_seq = -1
         self.applied: list[tuple[int, str]] = []  # (seq, "live" | "replay")
         self.tags: set[str] = set()
@@ -97,7 +107,7 @@ class VLLMRouterIndex:
                 self.pump()
             empty, *frames = self.replay.recv_multipart()
             assert empty == b""
-            if self.replay_topic:
+            if self.wire.replay_topic:
                 topic, *frames = frames
                 assert topic in (self.topic, b"")
             seq_bytes, payload = frames
@@ -115,20 +125,31 @@ class VLLMRouterIndex:
         for event in events:
             tag, fields = decode_event(event)
             self.tags.add(tag)
+            group = fields.get("group_idx", 0)  # the array layout has one set: every group's events in it
             if tag == "BlockStored":
                 hashes = fields["block_hashes"]
                 assert len(fields["token_ids"]) == len(hashes) * fields["block_size"]
                 assert fields["medium"] == "GPU" and fields["lora_id"] is None
                 self.lora_names.add(fields["lora_name"])
+                if isinstance(event, dict):
+                    extra = fields["extra_keys"]
+                    assert len(extra) == len(hashes), "one extra_keys entry per block"
+                    kind = (fields["kv_cache_spec_kind"], fields.get("kv_cache_spec_sliding_window"))
+                    assert self.kinds.setdefault(group, kind) == kind, "a group changed its kind"
                 if self.hasher is not None:
                     parent = fields["parent_block_hash"]
-                    expected = self.hasher.hash_blocks(fields["token_ids"], lora=fields["lora_name"], parent=parent,
-                                                       start_block=0 if parent is None else 1)
-                    assert hashes == expected, "block hashes do not follow from parent and tokens"
-                self.hashes.update(hashes)
+                    if self.wire.int_hashes:  # the parent's low 64 bits do not chain: check from the root only
+                        if parent is None:
+                            expected = self.hasher.hash_blocks(fields["token_ids"], lora=fields["lora_name"])
+                            assert hashes == [low64(h) for h in expected], "block hashes do not follow from tokens"
+                    else:
+                        expected = self.hasher.hash_blocks(fields["token_ids"], lora=fields["lora_name"],
+                                                           parent=parent, start_block=0 if parent is None else 1)
+                        assert hashes == expected, "block hashes do not follow from parent and tokens"
+                self.hashes.setdefault(group, set()).update(hashes)
             elif tag == "BlockRemoved":
                 assert fields["medium"] == "GPU"
-                self.hashes.difference_update(fields["block_hashes"])
+                self.hashes.setdefault(group, set()).difference_update(fields["block_hashes"])
             else:
                 assert tag == "AllBlocksCleared" and fields == {}
                 self.hashes.clear()
@@ -151,10 +172,20 @@ def make_manager(num_blocks: int = 12, rows=(Full(),)) -> KVCacheManager:
     return KVCacheManager(num_blocks, BS, rows, hash_seed=SEED, enable_events=True)
 
 
+def indexed(manager: KVCacheManager, wire: EventWire) -> dict[int, set[bytes | int]]:
+    """Per row group, the hashes the manager's prefix index holds (as the wire sends them)."""
+    groups, blocks = manager._index.held_pairs()
+    hashes, _ = manager._index.hashes_at(groups, blocks)
+    out: dict[int, set[bytes | int]] = {}
+    for g, h in zip(groups.tolist(), hashes):
+        out.setdefault(0 if wire.layout == "array" else g, set()).add(low64(bytes(h)) if wire.int_hashes
+                                                                      else bytes(h))
+    return out
+
+
 def assert_mirrors(router: VLLMRouterIndex, manager: KVCacheManager) -> None:
-    """The router's hash set is exactly the manager's prefix index."""
-    assert len(router.hashes) == len(manager._index), (len(router.hashes), len(manager._index))
-    assert all(h in manager._index for h in router.hashes)
+    """Per group, the router's hashes are exactly what the manager's index holds for that group."""
+    assert {g: h for g, h in router.hashes.items() if h} == indexed(manager, router.wire)
 
 
 def run_step(pub: KVEventPublisher, router: VLLMRouterIndex, manager: KVCacheManager, published: list[int]) -> None:
@@ -228,13 +259,18 @@ def test_late_router_catches_up_through_replay_then_follows_live(ctx, tmp_path):
         pub.close()
 
 
-@pytest.mark.parametrize("rows", [(Full(),), (Full(), Window(8), Window(8, 4))], ids=["uniform", "head-wise"])
-@pytest.mark.parametrize("wire", [EventWire(), EventWire(layout="map", replay_topic=True)], ids=["array", "map"])
+UNIFORM, HEAD_WISE = (Full(),), (Full(), Window(8), Window(8, 4))
+
+
+@pytest.mark.parametrize("rows, wire", [(UNIFORM, EventWire()), (HEAD_WISE, EventWire()),
+                                        (HEAD_WISE, EventWire(int_hashes=False)), (UNIFORM, OLDER_ARRAY_WIRE)],
+                         ids=["uniform", "head-wise", "head-wise-bytes-hashes", "uniform-array"])
 def test_router_index_follows_random_workload(ctx, tmp_path, rows, wire):
-    """Random admits, extends, frees and resets: after every step the router holds exactly the indexed hashes."""
+    """Random admits, extends, frees and resets: after every step the router holds exactly the indexed hashes of
+    each group (the array layout, which has no groups, serves a uniform cache)."""
     endpoint, replay = endpoints(tmp_path)
     pub = KVEventPublisher(ctx, endpoint, replay, wire=wire)
-    router = VLLMRouterIndex(ctx, endpoint, replay, replay_topic=wire.replay_topic, hasher=BlockHasher(BS, seed=SEED),
+    router = VLLMRouterIndex(ctx, endpoint, replay, wire=wire, hasher=BlockHasher(BS, seed=SEED),
                              pump=pub.handle_replay)
     m = make_manager(num_blocks=24, rows=rows)
     rng = random.Random(7)
@@ -262,6 +298,10 @@ def test_router_index_follows_random_workload(ctx, tmp_path, rows, wire):
         assert router.tags == {"BlockStored", "BlockRemoved", "AllBlocksCleared"}
         assert published == list(range(len(published)))
         assert [seq for seq, _ in router.applied] == published
+        if wire.layout == "map":  # each group announced its policy
+            windows = m.group_windows
+            assert router.kinds == {g: ("full_attention", None) if w is None else ("sliding_window", w)
+                                    for g, w in enumerate(windows)}
     finally:
         router.close()
         pub.close()
@@ -275,7 +315,7 @@ def publish_n(pub: KVEventPublisher, n: int) -> list[bytes]:
     for i in range(n):
         h = i.to_bytes(32, "big")
         hashes.append(h)
-        assert pub.publish([BlockStored((h,), None, np.arange(BS, dtype=np.uint32), BS, (0,))]) == i
+        assert pub.publish([BlockStored((h,), None, np.arange(BS, dtype=np.uint32), BS)]) == i
     return hashes
 
 
@@ -303,11 +343,12 @@ def recv(sock: zmq.Socket) -> list[bytes]:
 
 
 def collect(sock: zmq.Socket) -> list[tuple[int, bytes]]:
-    """Replayed (seq, payload) pairs up to the end marker [b"", seq -1, b""]."""
+    """Replayed (seq, payload) pairs up to the end marker [b"", (b"",) seq -1, b""], with or without the topic."""
     out = []
     while True:
-        empty, seq_bytes, payload = recv(sock)
+        empty, *frames = recv(sock)
         assert empty == b""
+        seq_bytes, payload = frames[-2:]
         if seq_bytes == END_SEQ:
             assert payload == b""
             return out
@@ -327,7 +368,8 @@ def test_replay_sends_missed_batches_then_end_marker(ctx, tmp_path):
             assert [seq for seq, _ in replayed] == expected
             for seq, payload in replayed:
                 _, events, _ = msgpack.unpackb(payload, raw=False)
-                assert events[0][:2] == ["BlockStored", [hashes[seq]]]
+                assert decode_event(events[0])[0] == "BlockStored"
+                assert events[0]["block_hashes"] == [low64(hashes[seq])]
         pub.handle_replay()  # nothing pending: returns at once
     finally:
         client.close(linger=0)
@@ -420,8 +462,8 @@ def test_req_client_as_in_vllm_example_gets_the_first_missed_batch(ctx, tmp_path
         publish_n(pub, 4)
         client.send((1).to_bytes(8, "big"))
         serve_one_replay(pub)
-        seq_bytes, payload = recv(client)
-        assert int.from_bytes(seq_bytes, "big") == 1 and payload
+        topic, seq_bytes, payload = recv(client)  # vLLM 0.33 sends the topic frame in replay replies
+        assert topic == b"" and int.from_bytes(seq_bytes, "big") == 1 and payload
     finally:
         client.close(linger=0)
         pub.close()
@@ -447,12 +489,14 @@ def test_malformed_replay_request_gets_no_reply_and_changes_nothing(ctx, tmp_pat
 # -- the exact encoding --------------------------------------------------------------------------
 
 H1, H2, H0 = b"\x01" * 32, b"\x02" * 32, b"\x00" * 24 + (2**64 - 1).to_bytes(8, "big")
-STORED = BlockStored((H1, H2), H0, np.arange(8, dtype=np.uint32), 4, (0, 1), lora="ad")
+STORED = BlockStored((H1, H2), H0, np.arange(8, dtype=np.uint32), 4, group=1, window=16, lora=("ad", "/a"),
+                     extra_keys=(("ad", ("img", 3), "salt"), ("ad",)))
 
 
 def test_array_layout_is_msgspec_array_like_tagged_structs():
     """Array form: [ts, [[tag, fields in vLLM's declaration order up to lora_name]], dp_rank]."""
-    payload = encode_batch([STORED, BlockRemoved((H1,)), AllBlocksCleared()], ts=1.5, dp_rank=3)
+    payload = encode_batch([STORED, BlockRemoved((H1,)), AllBlocksCleared()], ts=1.5, dp_rank=3,
+                           wire=OLDER_ARRAY_WIRE)
     assert msgpack.unpackb(payload, raw=False) == [1.5, [
         ["BlockStored", [H1, H2], H0, list(range(8)), 4, None, "GPU", "ad"],
         ["BlockRemoved", [H1], "GPU"],
@@ -462,57 +506,118 @@ def test_array_layout_is_msgspec_array_like_tagged_structs():
     assert b"\xc4\x20" + H1 in payload, "hashes travel as msgpack bin 8"
 
 
-def test_map_layout_with_int_hashes_matches_current_vllm():
-    """Map form: tag under "type", fields without defaults always present; hashes as the digest's low 64 bits."""
-    payload = encode_batch([STORED, BlockRemoved((H1,)), AllBlocksCleared()], ts=2.0, dp_rank=0,
-                           wire=EventWire(layout="map", int_hashes=True))
-    low = int.from_bytes(H1[-8:], "big")
+def test_the_default_is_vllm_0_33s_map_layout_with_groups_and_extra_keys():
+    """Map form: tag under "type", fields without defaults always present, then extra_keys, group_idx and the
+    group's spec; hashes as the digest's low 64 bits."""
+    payload = encode_batch([STORED, BlockRemoved((H1,), group=1), AllBlocksCleared()], ts=2.0, dp_rank=0)
     ts, events, rank = msgpack.unpackb(payload, raw=False)
     assert (ts, rank) == (2.0, 0)
     assert events == [
-        {"type": "BlockStored", "block_hashes": [low, int.from_bytes(H2[-8:], "big")],
-         "parent_block_hash": 2**64 - 1, "token_ids": list(range(8)), "block_size": 4, "lora_id": None,
-         "medium": "GPU", "lora_name": "ad"},
-        {"type": "BlockRemoved", "block_hashes": [low], "medium": "GPU"},
+        {"type": "BlockStored", "block_hashes": [low64(H1), low64(H2)], "parent_block_hash": 2**64 - 1,
+         "token_ids": list(range(8)), "block_size": 4, "lora_id": None, "medium": "GPU", "lora_name": "ad",
+         "extra_keys": [["ad", ["img", 3], "salt"], ["ad"]], "group_idx": 1, "kv_cache_spec_kind": "sliding_window",
+         "kv_cache_spec_sliding_window": 16},
+        {"type": "BlockRemoved", "block_hashes": [low64(H1)], "medium": "GPU", "group_idx": 1},
         {"type": "AllBlocksCleared"},
     ]
     assert list(events[0])[0] == "type", "the tag comes first, as msgspec writes it"
 
 
+def vllm_event_vectors() -> dict:
+    """Batches vLLM 0.33 encoded itself (tests/vectors/README.md says how)."""
+    with open(os.path.join(os.path.dirname(__file__), "vectors", "vllm-0.33-kv-events.json")) as f:
+        return json.load(f)
+
+
+def _vector_event(fields: dict, digests: dict[str, str]) -> tuple[object, bool]:
+    """A vector's event as a CacheEvent, and whether its hashes travel as ints."""
+    def digest(h):
+        return bytes.fromhex(h["hex"]) if isinstance(h, dict) else bytes.fromhex(digests[str(h)])
+
+    def keys(entry):
+        return None if entry is None else tuple(tuple(k) if isinstance(k, list) else k for k in entry)
+
+    tag = fields["type"]
+    if tag == "AllBlocksCleared":
+        return AllBlocksCleared(), True
+    ints = not isinstance(fields["block_hashes"][0], dict)
+    hashes = tuple(digest(h) for h in fields["block_hashes"])
+    if tag == "BlockRemoved":
+        return BlockRemoved(hashes, group=fields["group_idx"], medium=fields["medium"]), ints
+    parent = fields["parent_block_hash"]
+    window = fields["kv_cache_spec_sliding_window"]
+    assert fields["kv_cache_spec_kind"] == ("full_attention" if window is None else "sliding_window")
+    return BlockStored(hashes, None if parent is None else digest(parent), np.array(fields["token_ids"], np.uint32),
+                       fields["block_size"], group=fields["group_idx"], window=window, lora=fields["lora_name"],
+                       extra_keys=tuple(keys(e) for e in fields["extra_keys"]), medium=fields["medium"]), ints
+
+
+@pytest.mark.parametrize("index", range(4))
+def test_batches_are_byte_for_byte_what_vllm_0_33_encodes(index):
+    """Our encoder writes exactly the payload vLLM 0.33's ZmqEventPublisher sends for the same events."""
+    vectors = vllm_event_vectors()
+    batch = vectors["batches"][index]
+    decoded = [_vector_event(e, vectors["digests"]) for e in batch["events"]]
+    ints = {i for _, i in decoded}
+    assert len(ints) == 1
+    payload = encode_batch([e for e, _ in decoded], ts=batch["ts"], dp_rank=batch["data_parallel_rank"],
+                           wire=EventWire(int_hashes=ints.pop()))
+    assert payload.hex() == batch["payload"]
+
+
 def _reference_payload(events, ts, dp_rank, wire):
     """The batch as msgpack-python writes the plain structure (token ids as a list of Python ints)."""
     def hash_of(h):
-        return int.from_bytes(h, "big") & (2**64 - 1) if wire.int_hashes else bytes(h)
+        return low64(h) if wire.int_hashes else bytes(h)
 
     out = []
     for e in events:
         if isinstance(e, BlockStored):
+            lora = e.lora if e.lora is None or isinstance(e.lora, str) else e.lora[0]
             fields = [("block_hashes", [hash_of(h) for h in e.block_hashes]),
                       ("parent_block_hash", None if e.parent_block_hash is None else hash_of(e.parent_block_hash)),
                       ("token_ids", e.token_ids.tolist()), ("block_size", e.block_size), ("lora_id", None),
-                      ("medium", e.medium), ("lora_name", e.lora)]
+                      ("medium", e.medium), ("lora_name", lora)]
+            if wire.layout == "map":
+                fields += [("extra_keys", e.extra_keys)] if e.extra_keys is not None else []
+                fields += [("group_idx", e.group),
+                           ("kv_cache_spec_kind", "full_attention" if e.window is None else "sliding_window")]
+                fields += [("kv_cache_spec_sliding_window", e.window)] if e.window is not None else []
         elif isinstance(e, BlockRemoved):
             fields = [("block_hashes", [hash_of(h) for h in e.block_hashes]), ("medium", e.medium)]
+            fields += [("group_idx", e.group)] if wire.layout == "map" else []
         else:
             fields = []
         tag = type(e).__name__
         out.append([tag, *(v for _, v in fields)] if wire.layout == "array" else {"type": tag, **dict(fields)})
-    return msgpack.packb([float(ts), out, dp_rank], use_bin_type=True)
+    def pack(value) -> bytes:  # msgspec writes BlockStored's map (a tag and 15 fields) with a map 16 header
+        if isinstance(value, dict) and value["type"] == "BlockStored":
+            return b"\xde" + len(value).to_bytes(2, "big") + b"".join(pack(k) + pack(v) for k, v in value.items())
+        return msgpack.packb(value, use_bin_type=True)
+
+    events_header = msgpack.packb([None] * len(out))[: -len(out) or None]
+    return (b"\x93" + msgpack.packb(float(ts)) + events_header + b"".join(pack(e) for e in out)
+            + msgpack.packb(dp_rank))
 
 
 _digests = st.binary(min_size=32, max_size=32)
+_keys = st.none() | st.tuples(st.text(max_size=4), st.tuples(st.text(max_size=4), st.integers(-5, 70)))
 _events = st.lists(st.one_of(
-    st.builds(lambda hashes, parent, tokens, lora: BlockStored(tuple(hashes), parent, np.array(tokens, np.uint32),
-                                                               4, (0,), lora=lora),
-              st.lists(_digests, min_size=1, max_size=20), st.none() | _digests,
-              st.lists(st.integers(0, 2**32 - 1), max_size=80), st.none() | st.text(max_size=8)),
-    st.builds(lambda hashes: BlockRemoved(tuple(hashes)), st.lists(_digests, min_size=1, max_size=20)),
+    st.builds(lambda hashes, parent, tokens, lora, group, window, keyed: BlockStored(
+        tuple(hashes), parent, np.array(tokens, np.uint32), 4, group=group, window=window, lora=lora,
+        extra_keys=tuple(keyed[: len(hashes)]) + (None,) * max(0, len(hashes) - len(keyed))),
+        st.lists(_digests, min_size=1, max_size=20), st.none() | _digests,
+        st.lists(st.integers(0, 2**32 - 1), max_size=80), st.none() | st.text(max_size=8)
+        | st.tuples(st.text(max_size=4), st.text(max_size=4)), st.integers(0, 3), st.none() | st.integers(1, 2**20),
+        st.lists(_keys, max_size=20)),
+    st.builds(lambda hashes, group: BlockRemoved(tuple(hashes), group=group),
+              st.lists(_digests, min_size=1, max_size=20), st.integers(0, 3)),
     st.just(AllBlocksCleared())), max_size=8)
 
 
 @settings(max_examples=200, deadline=None)
 @given(events=_events, ts=st.floats(allow_nan=False), dp_rank=st.integers(0, 2**31),
-       wire=st.sampled_from([EventWire(), EventWire(layout="map", int_hashes=True)]))
+       wire=st.sampled_from([EventWire(), EventWire(int_hashes=False), OLDER_ARRAY_WIRE]))
 def test_encoding_is_msgpack_pythons_bytes_for_the_plain_structure(events, ts, dp_rank, wire):
     """The C codec writes token ids straight from their array: byte for byte what msgpack-python writes for the
     same batch with the ids as a list of Python ints (so msgspec decodes it as vLLM's structs)."""
@@ -527,3 +632,42 @@ def test_publish_without_events_sends_nothing(ctx, tmp_path):
         pub.handle_replay()
     finally:
         pub.close()
+
+
+def test_a_daemons_stream_decodes_as_vllm_0_33_events_with_the_hashers_hashes(daemon):
+    """A real `kvcache serve --events` (its default format), read with the field list above: each group's store
+    names its kind and window, and every stored hash is the low 64 bits of what the sha256_cbor hasher gives the
+    prompt with its LoRA, salt and multimodal item; extra_keys are vLLM's untagged keys per block."""
+    from kvcache.client import CacheClient
+
+    d = daemon("--num-blocks", "64", "--block-size", "4", "--rows", "window:8,full", "--events",
+               "--hash-algorithm", "sha256_cbor")
+    with CacheClient(d.endpoint) as client:
+        events_endpoint = client.info()["events_endpoint"]
+        sub = zmq.Context.instance().socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.connect(events_endpoint)
+        try:
+            prompt = list(range(1000, 1013))
+            request = {"lora": ("sql", "/adapters/sql"), "cache_salt": "tenant", "mm": [("img-1", 5, 4)]}
+            deadline = time.monotonic() + TIMEOUT_S
+            stored: list[dict] = []
+            n = 0
+            while not stored:  # the subscription joins asynchronously: admit until a batch arrives
+                assert time.monotonic() < deadline, "no event batch arrived"
+                client.admit(f"r{n}", prompt, **request)
+                n += 1
+                if sub.poll(100):
+                    _, _, payload = sub.recv_multipart()
+                    _, events, _ = msgpack.unpackb(payload, raw=False)
+                    stored = [dict(decode_event(e)[1], type=decode_event(e)[0]) for e in events]
+        finally:
+            sub.close(0)
+    want = [low64(h) for h in BlockHasher(4, "sha256_cbor").hash_blocks(prompt, **request)]
+    assert [(e["type"], e["group_idx"], e["kv_cache_spec_kind"], e.get("kv_cache_spec_sliding_window"))
+            for e in stored] == [("BlockStored", 0, "sliding_window", 8), ("BlockStored", 1, "full_attention", None)]
+    for e in stored:
+        assert e["block_hashes"] == want and e["parent_block_hash"] is None and e["lora_name"] == "sql"
+        assert e["token_ids"] == prompt[:12] and e["block_size"] == 4 and e["medium"] == "GPU"
+        assert e["extra_keys"] == [["sql", "tenant"], ["sql", ["img-1", 1]], ["sql", ["img-1", -3]]]

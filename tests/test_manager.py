@@ -286,15 +286,15 @@ def test_reset_prefix_cache_forgets_every_hash():
     m.check_integrity()
 
 
-def test_events_report_stored_and_removed_hashes_with_rows():
+def test_events_report_stored_and_removed_hashes_of_the_group():
     m = make_manager(num_blocks=3, enable_events=True)
     m.admit("a", tokens(9))
     stored = m.take_events()
     assert len(stored) == 1 and isinstance(stored[0], BlockStored)
     hashes = BlockHasher(BS, seed=b"test").hash_blocks(tokens(8))
     assert stored[0].block_hashes == tuple(hashes)
-    assert stored[0].parent_block_hash is None and stored[0].rows == (0,)
-    assert stored[0].token_ids.tolist() == tokens(8)
+    assert stored[0].parent_block_hash is None and (stored[0].group, stored[0].window) == (0, None)
+    assert stored[0].token_ids.tolist() == tokens(8) and stored[0].extra_keys == (None, None)
     m.free("a")
     m.admit("b", tokens(9, 100))
     removed = [e for e in m.take_events() if isinstance(e, BlockRemoved)]
@@ -815,3 +815,25 @@ def test_the_hit_is_the_longest_prefix_every_row_can_use(data):
         if live and data.draw(st.booleans()):
             m.free(live.pop(data.draw(st.integers(0, len(live) - 1))))
         m.check_integrity()
+
+
+def test_each_row_group_reports_its_own_stores_and_removals_with_extra_keys():
+    """Head-wise rows [Window, Full, Window]: groups 0 (the window) and 1 (full). A window group that gives a
+    block back and loses it to eviction reports it alone; extra keys follow vLLM's untagged form."""
+    m = make_manager(num_blocks=6, rows=[Window(4), Full(), Window(4)], block_size=2, enable_events=True)
+    assert m.row_groups.tolist() == [0, 1, 0] and m.group_windows == [4, None]
+    m.admit("a", tokens(5), lora=("sql", "/v1"), cache_salt="s", mm=[("img", 1, 2)])
+    stored = m.take_events()
+    assert [(e.group, e.window, len(e.block_hashes)) for e in stored] == [(0, 4, 2), (1, None, 2)]
+    assert stored[0].block_hashes == stored[1].block_hashes
+    assert stored[0].extra_keys == (("sql", ("img", 1), "s"), ("sql", ("img", -1)))
+    assert stored[0].lora == ("sql", "/v1")
+    m.free("a")
+    m.admit("c", tokens(12))  # six blocks per group: "a"'s two cached ones are evicted in each
+    assert [(type(e), e.group, len(e.block_hashes)) for e in m.take_events()] == [
+        (BlockRemoved, 0, 2), (BlockRemoved, 1, 2), (BlockStored, 0, 6), (BlockStored, 1, 6)]
+    m.shed_window("c")  # the window group drops blocks 0-3 (the query at 12 sees tokens 9-12); full keeps them
+    removed = m.take_events()
+    hashes = m.hasher.hash_blocks(tokens(12))
+    assert [(type(e), e.group, e.block_hashes) for e in removed] == [(BlockRemoved, 0, tuple(hashes[:4]))]
+    m.check_integrity()

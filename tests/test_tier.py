@@ -216,11 +216,12 @@ def test_evicted_blocks_come_back_from_host_byte_for_byte(tiers, name: str, mode
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_stored_events_are_the_maximal_runs_of_kept_columns(tiers, data) -> None:
-    """Offload events: kept columns in order, each event consecutive columns of one row set, no two neighbours mergeable."""
+    """Offload events: per row group, its kept columns in order, each event consecutive columns, no two neighbours
+    mergeable; the group's window and the columns' extra keys go with them."""
     from kvcache.transfer.manager import _Offload
 
     spec = make_spec("bf16", num_kv_heads=3)
-    tier = tiers(spec, num_blocks=8, host_blocks=8, rows=[Full(), Full(), Full()])
+    tier = tiers(spec, num_blocks=8, host_blocks=8, rows=[Full(), Window(8), Window(16, 4)])  # three groups
     bs, chain_len = spec.block_size, 24
     cols = np.array(sorted(data.draw(st.sets(st.integers(0, chain_len - 1), min_size=1, max_size=chain_len))),
                     dtype=np.intp)
@@ -231,25 +232,28 @@ def test_stored_events_are_the_maximal_runs_of_kept_columns(tiers, data) -> None
     chain = bytes(range(256)) * (chain_len * 32 // 256 + 1)
     chain = chain[: chain_len * 32]
     tokens = np.arange(chain_len * bs, dtype=np.uint32)
+    extra = tuple(None if c % 3 else ("lora", c) for c in range(chain_len))
     src = np.where(present, 1, -1).astype(np.int32)
-    off = _Offload([], np.arange(cols.size, dtype=np.int32), src, cols, chain, tokens, None,
+    off = _Offload([], np.arange(cols.size, dtype=np.int32), src, cols, chain, tokens, "lora", extra,
                    np.zeros(cols.size, dtype=bool))
     events = tier.tm._stored_events(off, keep)
-    kept = cols[keep]
-    assert b"".join(h for e in events for h in e.block_hashes) == b"".join(chain[c * 32:(c + 1) * 32] for c in kept)
-    spans, at = [], 0
-    for e in events:
-        first = kept[at]
-        n = len(e.block_hashes)
-        assert (kept[at:at + n] == np.arange(first, first + n)).all(), "an event spans a gap in the columns"
-        rows = {tuple(np.flatnonzero(present[:, np.flatnonzero(cols == c)[0]]).tolist()) for c in kept[at:at + n]}
-        assert rows == {e.rows}, "an event mixes row sets"
-        assert e.parent_block_hash == (chain[(first - 1) * 32:first * 32] if first else None)
-        assert list(e.token_ids) == list(range(first * bs, (first + n) * bs))
-        spans.append((int(first), int(first) + n, e.rows))
-        at += n
-    for (_, end, rows), (start, _, next_rows) in zip(spans, spans[1:]):
-        assert end != start or rows != next_rows, "two neighbouring events could be one"
+    assert [e.group for e in events] == sorted(e.group for e in events), "groups in order"
+    for g, window in enumerate([None, 8, 16]):
+        mine = [e for e in events if e.group == g]
+        held = [int(c) for c, k, p in zip(cols, keep, present[g]) if k and p]
+        assert [c for e in mine for c in range(e.token_ids[0] // bs, e.token_ids[-1] // bs + 1)] == held
+        for e in mine:
+            first, n = int(e.token_ids[0]) // bs, len(e.block_hashes)
+            assert e.window == window and e.medium == "CPU" and e.lora == "lora"
+            assert b"".join(e.block_hashes) == chain[first * 32:(first + n) * 32]
+            assert e.parent_block_hash == (chain[(first - 1) * 32:first * 32] if first else None)
+            assert list(e.token_ids) == list(range(first * bs, (first + n) * bs))
+            assert e.extra_keys == extra[first:first + n]
+        for e, after in zip(mine, mine[1:]):
+            end = int(e.token_ids[-1]) // bs + 1
+            start = int(after.token_ids[0]) // bs
+            assert end != start or any(k and not p for c, k, p in zip(cols, keep, present[g]) if c == end), \
+                "two neighbouring events could be one"
 
 
 def test_window_rows_load_only_blocks_the_host_holds(tiers) -> None:
@@ -269,7 +273,11 @@ def test_window_rows_load_only_blocks_the_host_holds(tiers) -> None:
     tier.manager.free("a")
     assert tier.tm.drain(10)
     stored = [e for e in tier.manager.take_events() if isinstance(e, BlockStored) and e.medium == "CPU"]
-    assert {e.rows for e in stored} == {(0,), (0, 1)}, "recycled columns are stored for the full row only"
+    full = {c for e in stored if e.group == 0 for c in range(e.token_ids[0] // spec.block_size,
+                                                               e.token_ids[-1] // spec.block_size + 1)}
+    window = {c for e in stored if e.group == 1 for c in range(e.token_ids[0] // spec.block_size,
+                                                               e.token_ids[-1] // spec.block_size + 1)}
+    assert window < full, "recycled columns are stored for the full row only"
     fill_gpu(tier, 2)
     gpu, host = tier.tm.lookup(tokens)
     assert gpu == 0 and host == (len(tokens) - 1) // spec.block_size * spec.block_size
@@ -373,11 +381,12 @@ def test_full_host_evicts_least_recently_used_with_cpu_removed_events(tiers) -> 
 
 def test_cpu_events_reach_vllm_subscribers_with_their_medium() -> None:
     """The vLLM encoding carries medium "CPU" in BlockStored and BlockRemoved, where vLLM's structs have it."""
-    stored = BlockStored((b"h" * 32,), None, np.arange(4, dtype=np.uint32), 4, (0,), None, medium="CPU")
+    stored = BlockStored((b"h" * 32,), None, np.arange(4, dtype=np.uint32), 4, medium="CPU")
     removed = BlockRemoved((b"h" * 32,), medium="CPU")
     _, events, _ = msgpack.unpackb(encode_batch([stored, removed], ts=0.0, dp_rank=0))
-    assert events[0][0] == "BlockStored" and events[0][6] == "CPU"
-    assert events[1] == ["BlockRemoved", [b"h" * 32], "CPU"]
+    assert events[0]["type"] == "BlockStored" and events[0]["medium"] == "CPU"
+    assert events[1] == {"type": "BlockRemoved", "block_hashes": [int.from_bytes(b"h" * 8, "big")], "medium": "CPU",
+                         "group_idx": 0}
 
 
 def test_blocks_shared_with_a_live_request_are_not_offloaded_yet(tiers) -> None:

@@ -157,6 +157,7 @@ class _Offload:
     chain: bytes  # the released request's packed hashes (parents for events)
     tokens: np.ndarray  # the released chain's tokens
     lora: str | tuple[str, str] | None
+    extra_keys: tuple[tuple | None, ...]  # per chain column, as events publish them
     dropped: np.ndarray  # bool [m]: the GPU block was reused before the copy finished
 
 
@@ -378,7 +379,7 @@ class TransferManager:
             self._waits[request_id] = deps
 
     def released(self, request_id: object, hashes: bytes, blocks: np.ndarray, tokens: np.ndarray,
-                 lora: str | tuple[str, str] | None) -> None:
+                 lora: str | tuple[str, str] | None, extra_keys: tuple[tuple | None, ...]) -> None:
         """Offload the released blocks the host lacks, oldest first as far as free host blocks go."""
         self._finish_own_loads(request_id)
         self._waits.pop(request_id, None)
@@ -405,7 +406,7 @@ class TransferManager:
         self._index.insert(picked, dst.T)
         handles = self._copy_layers(self._out, self.gpu, src, self.host, dst)
         job = next(self._ids)
-        self._offloads[job] = _Offload(handles, host_ids, src, cols, hashes, tokens, lora,
+        self._offloads[job] = _Offload(handles, host_ids, src, cols, hashes, tokens, lora, extra_keys,
                                        np.zeros(cols.size, dtype=bool))
         r, c = np.nonzero(src >= 0)
         self._src_job[r, src[r, c]] = job
@@ -495,8 +496,10 @@ class TransferManager:
         removed = self._index.remove(rows, np.tile(host_ids, self._rows))
         self._ready[host_ids] = False
         self._counts["evicted"] += int(host_ids.size)
-        if len(removed.gone):
-            self.manager.push_events([BlockRemoved(tuple(bytes(h) for h in removed.gone), medium="CPU")])
+        leaders = self._group_leaders()  # a group's rows hold the same blocks: its first row speaks for it
+        self.manager.push_events([BlockRemoved(tuple(bytes(h) for h in removed.hashes[removed.rows == row]), group=g,
+                                               medium="CPU")
+                                  for g, row in enumerate(leaders) if (removed.rows == row).any()])
 
     def _settle_offload(self, job: int) -> bool:
         """If every layer of the offload ended: make its kept blocks findable, free the rest; True when settled."""
@@ -565,26 +568,37 @@ class TransferManager:
             self._settle_load(job, wait=True)
 
     def _stored_events(self, off: _Offload, keep: np.ndarray) -> list[BlockStored]:
-        """One BlockStored(medium="CPU") per run of consecutive kept columns stored for the same rows."""
+        """Per row group, one BlockStored(medium="CPU") per run of consecutive kept columns the group holds."""
         bs = self.manager.block_size
         cols = off.cols[keep]
-        present = (off.src[:, keep] >= 0).T  # [m, rows]
         if cols.size == 0:
             return []
-        breaks = (np.flatnonzero((np.diff(cols) != 1) | (present[1:] != present[:-1]).any(axis=1)) + 1).tolist()
+        windows = self.manager.group_windows
         events = []
-        for start, end in zip([0, *breaks], [*breaks, cols.size]):
-            first, last = int(cols[start]), int(cols[end - 1]) + 1
-            events.append(BlockStored(
-                block_hashes=tuple(off.chain[j * _H:(j + 1) * _H] for j in range(first, last)),
-                parent_block_hash=off.chain[(first - 1) * _H: first * _H] if first else None,
-                token_ids=off.tokens[first * bs: last * bs].copy(),
-                block_size=bs,
-                rows=tuple(np.flatnonzero(present[start]).tolist()),
-                lora=off.lora,
-                medium="CPU",
-            ))
+        for g, row in enumerate(self._group_leaders()):
+            held = off.src[row, keep] >= 0
+            breaks = np.flatnonzero((np.diff(cols) != 1) | (held[1:] != held[:-1])) + 1
+            for start, end in zip([0, *breaks.tolist()], [*breaks.tolist(), cols.size]):
+                if not held[start]:
+                    continue
+                first, last = int(cols[start]), int(cols[end - 1]) + 1
+                events.append(BlockStored(
+                    block_hashes=tuple(off.chain[j * _H:(j + 1) * _H] for j in range(first, last)),
+                    parent_block_hash=off.chain[(first - 1) * _H: first * _H] if first else None,
+                    token_ids=off.tokens[first * bs: last * bs].copy(),
+                    block_size=bs,
+                    group=g,
+                    window=windows[g],
+                    lora=off.lora,
+                    extra_keys=off.extra_keys[first:last],
+                    medium="CPU",
+                ))
         return events
+
+    def _group_leaders(self) -> list[int]:
+        """Each row group's first row."""
+        groups = self.manager.row_groups
+        return [int(np.argmax(groups == g)) for g in range(int(groups.max()) + 1)]
 
 
 def _worst(statuses: Any) -> TransferStatus:
