@@ -125,8 +125,9 @@ def _positive_int(value: Any, field: str) -> int:
 class CacheSpec:
     """Geometry of one model's paged KV cache; every size is per TP rank unless named global.
 
-    ``num_kv_heads`` is the model's global count; ranks split them evenly, or
-    each rank holds one replicated head when there are fewer heads than ranks.
+    ``num_kv_heads`` is the model's global count; ranks split them evenly where the ranks divide them, or,
+    where the heads divide the ranks (ranks a multiple of heads), each rank holds one head replicated on
+    ``tp_size // num_kv_heads`` ranks; anything else is an error.
     MLA types store one latent head (``kv_lora_rank + qk_rope_head_dim`` wide)
     replicated on every rank; leave ``num_kv_heads``/``head_dim`` unset for them.
     """
@@ -241,7 +242,7 @@ class CacheSpec:
 
     @property
     def kv_heads_per_rank(self) -> int:
-        """kv heads one rank stores: an even share, or one replicated head when heads < ranks."""
+        """kv heads one rank stores: an even share, or one replicated head when the heads divide the ranks."""
         assert self.num_kv_heads is not None
         if self.quant.is_mla:
             return 1

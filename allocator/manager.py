@@ -1155,7 +1155,12 @@ class KVCacheManager:
         return changed
 
     def reset_prefix_cache(self) -> int:
-        """Forget every cached prefix (live requests keep their blocks); returns the hashes dropped."""
+        """Forget every cached prefix (live requests keep their blocks); returns the hashes dropped.
+
+        Unlike vLLM 0.33's ``reset_prefix_cache``, which refuses (returns False, changing nothing) while any block
+        is in use, this resets with live requests too: their blocks stay theirs but are no longer findable, so no
+        later admit hits KV computed before the reset (after a weight update, say).
+        """
         if self.tier is not None:
             self.tier.evicting(*self._expand_pairs(*self._index.held_pairs()))
             self.tier.reset()
