@@ -1,7 +1,8 @@
 """Per-row block pool: free heaps, reference counts and LRU of cached free blocks.
 
-A row is an independent block-id space over ``[0, num_blocks)`` (uniform mode:
-one row; head-wise mode: one row per kv head). Every operation is a handful of
+A row is an independent block-id space over ``[0, num_blocks)`` (KVCacheManager
+gives the pool one row per row group: one for a uniform cache, one per distinct
+attention policy for a head-wise one). Every operation is a handful of
 numpy array operations over all the (row, block) pairs it touches; Python
 loops run only over rows, and only on rare paths (ring compaction, reset). A
 single pair, or a one-row pool, takes a scalar or slice path instead: a decode

@@ -96,8 +96,9 @@ class ServeConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise KVCacheError(f"{name}: must be a positive integer, got {value!r}")
-        if isinstance(self.dedupe_window, bool) or not isinstance(self.dedupe_window, int) or self.dedupe_window < 0:
-            raise KVCacheError(f"dedupe_window: must be a non-negative integer, got {self.dedupe_window!r}")
+        if isinstance(self.dedupe_window, bool) or not isinstance(self.dedupe_window, int) or self.dedupe_window < 1:
+            raise KVCacheError(f"dedupe_window: must be a positive integer (retries and the local endpoint's resend "
+                               f"are answered from kept replies), got {self.dedupe_window!r}")
         if not self.transfer_timeout > 0:
             raise KVCacheError(f"transfer_timeout: must be positive seconds, got {self.transfer_timeout!r}")
 

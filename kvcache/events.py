@@ -3,7 +3,7 @@
 The default encoding is vLLM 0.33's (``vllm/distributed/kv_events.py``: ``KVEventBatch``, ``BlockStored``,
 ``BlockRemoved``, ``AllBlocksCleared``, ``ZmqEventPublisher``): msgspec structs, the batch ``array_like``, the
 events tagged maps with ``omit_defaults``; tests/vectors holds batches vLLM 0.33 encoded itself, which this
-module reproduces byte for byte. ``--events-format array`` speaks the generation before vLLM PR #42892 (every
+module reproduces byte for byte. ``--events-format array`` speaks the generation before vLLM's events became maps (every
 struct ``array_like``), as its example subscribers decode it. We write the bytes with our msgpack codec
 (``kvcache._wire``, token ids straight from their array)::
 
@@ -18,7 +18,8 @@ struct ``array_like``), as its example subscribers decode it. We write the bytes
                       lora_id, medium, lora_name]
                      ["BlockRemoved", block_hashes, medium]
                      ["AllBlocksCleared"]
-    replay request   a REQ or DEALER peer sends [b"", start seq (8 bytes)] to the ROUTER
+    replay request   [start seq (8 bytes)] from a REQ peer (its socket adds the empty delimiter), or
+                     [b"", start seq] from a DEALER peer, to the ROUTER
     replay reply     [b"", (topic,) seq, payload] per buffered batch with seq >= start, then
                      [b"", (b"",) END_SEQ, b""]; the topic frame only with ``replay_topic``
 
@@ -75,7 +76,7 @@ class EventWire:
     as the low 64 bits of the digest (vLLM's default,
     ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``) and the topic frame in replay
     replies. ``layout="array"`` writes each event as the tagged array of vLLM
-    before PR #42892 (block_hashes through lora_name only), and with
+    before its events became maps (block_hashes through lora_name only), and with
     ``replay_topic=False, int_hashes=False`` it is that generation's whole
     encoding (``--events-format array``).
     """

@@ -319,6 +319,13 @@ class PDState:
                         "first_block": t.first_block, "deadline_s": max(0.0, t.deadline - time.monotonic())})
         return out
 
+    def plan_bytes(self, req: Any) -> int:
+        """Bytes ``plans`` may spend on ``req`` beyond its tables: its destination's receivers and decode daemon."""
+        t = self.transfers.get(req)
+        if t is None or t.dest is None:
+            return 0
+        return sum(len(e) + 8 for e in t.dest["receivers"]) + len(t.dest.get("decode") or "") + 256
+
     def poll(self, owner: str) -> dict[str, list]:
         """Outcomes for ``owner``'s requests since its last poll: done [req, t_ns] and failed [req, error]."""
         events = self._outbox.pop(owner, [])

@@ -29,11 +29,11 @@ passed") rather than applied again. A message whose reply could pass
 
 PD disaggregation (``kvcache serve --role prefill|decode``; see kvcache/pd.py for the flow)::
 
-    decode:  {"op": "reserve", "req": ID, "tokens": TOKENS, "salt"?, "lora"?, "slot"?, "timeout"?: seconds}
+    decode:  {"op": "reserve", "req": ID, "tokens": TOKENS, "salt"?, "lora"?, "mm"?, "slot"?, "timeout"?: seconds}
                → admit's result + "receivers": [endpoint per decode rank]
              {"op": "attach", "rank": int, "endpoint": str}     (a decode rank's CacheReceiver)
              {"op": "received", "req": ID, "rank": int}         (every writer to that rank has finished)
-    prefill: admit with "dest": {"receivers": [str], "table": int32[1, blocks], "cached": int,
+    prefill: admit with "dest": {"receivers": [str], "table": int32[rows, blocks], "cached": int,
                                  "decode": str, "timeout"?: seconds}
              {"op": "plans", "reqs": [ID, ...]} → per request its plan or None (messagers)
              {"op": "sent", "req": ID, "rank": int}             (a prefill rank wrote and notified all)
@@ -97,8 +97,9 @@ true}`` (the request was applied and its reply kept: the same ``(client, id)`` s
 Workers on the daemon's host may take the table deltas from the local endpoint instead of the PUB: a
 datagram ``LOCAL_SUBSCRIBE`` (bytes that are not a msgpack map) registers the sender's address, and the
 daemon answers it with a heartbeat. From then on every delta and heartbeat comes as one datagram
-``topic+epoch (9 bytes) | seq (8 bytes) | payload``, the PUB's three frames back to back. A delta larger
-than ``LOCAL_MAX_BYTES`` comes as a heartbeat of its seq (fetch it by replay); one that finds the
+``topic+epoch (9 bytes) | seq (8 bytes) | payload``, the PUB's three frames back to back. A delta whose
+datagram would pass ``LOCAL_MAX_BYTES`` (a payload over 65,519 bytes) comes as a heartbeat of its seq, on
+the PUB as on the local endpoint (fetch it by replay); one that finds the
 worker's queue full is not sent (the worker sees the gap). The daemon forgets an address it can no
 longer reach, and one that sends ``LOCAL_UNSUBSCRIBE``; a worker renews its subscription when deltas
 stop coming. At most ``MAX_LOCAL_SUBSCRIBERS`` addresses are kept.

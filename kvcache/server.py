@@ -92,11 +92,12 @@ _LEASE_CLIENT = "kvcache-lease-expiry"
 # with); the recovered state must fit the rest (_fit_settings).
 _REPLAY_SETTINGS = ("max_tokens", "max_message_bytes", "max_slots")
 _JOURNALED_SETTINGS = (*_REPLAY_SETTINGS, "role", "tp")
-SNAPSHOT_RETRY_S = 10.0
-# The largest delta payload the PUB sends as it is (as a local-endpoint datagram): a larger one goes as a heartbeat
-# of its seq, which sends workers to the replay socket for it.
-PUB_MAX_DELTA_BYTES = LOCAL_MAX_BYTES
-REPLAY_HWM = 4  # replies queued per replay peer  # a snapshot that found the disk full is tried again after this long
+SNAPSHOT_RETRY_S = 10.0  # a snapshot that found the disk full is tried again after this long
+# The largest delta the PUB sends as it is: the one that fits a local-endpoint datagram with its head. A larger one
+# goes as a heartbeat of its seq on either path, which sends workers to the replay socket for it.
+PUB_MAX_DELTA_BYTES = LOCAL_MAX_BYTES - DELTA_HEAD_BYTES
+REPLAY_HWM = 4  # replies queued per replay peer
+_OP_ERROR_BYTES = 2 * MAX_ID_CHARS + 512  # an op's {"error": message} result at most (a message names ids)
 METRICS_INTERVAL_S = 0.05  # a busy daemon counts its messages in the metrics at most this often
 _PD_CLIENT = "kvcache-transfer-expiry"
 
@@ -790,7 +791,11 @@ class CacheServer:
         except Exception as exc:  # the daemon must outlive its own bugs
             log.exception("internal error while handling a message")
             self._count_error("internal")
-            return error_reply(None, f"internal error: {type(exc).__name__}: {exc}")
+            try:  # the id, so that the client matches the reply to its request
+                request_id = unpack(payload, self.config.max_message_bytes).get("id")
+            except Exception:
+                request_id = None
+            return error_reply(request_id, f"internal error: {type(exc).__name__}: {exc}")
 
     def _process_checked(self, payload: bytes, replaying: bool) -> bytes:
         start = time.perf_counter()
@@ -864,7 +869,8 @@ class CacheServer:
         m = self.manager
         rows, bs = m.num_rows, m.block_size
         column = 4 * (rows + 1)  # a changed column: its index and its value in every row
-        total = 256 + 16 * len(ops)
+        total = 256 + _OP_ERROR_BYTES * len(ops)  # any op may fail as it applies: {"error": its message}
+        receivers = sum(len(e or "") + 8 for e in self._pd.receivers)
         sent = 0  # tokens sent by this message's ops so far
         for op in ops:
             kind = op.kind
@@ -875,6 +881,10 @@ class CacheServer:
             elif kind in ("admit", "reserve"):
                 blocks = -(-op.tokens.size // bs)
                 total += 4 * rows * blocks * (3 if op.pd is not None else 1) + 64 * len(m.rows)
+                if kind == "reserve":
+                    total += receivers
+                elif op.pd is not None:  # a prefill admit's plan: its destination's receivers and decode daemon
+                    total += sum(len(e) + 8 for e in op.pd["receivers"]) + len(op.pd.get("decode") or "") + 256
                 sent += op.tokens.size
             elif kind in ("extend", "table"):
                 held = m.num_tokens(op.req) if op.req in self._slots.of else 0
@@ -885,6 +895,7 @@ class CacheServer:
                 reqs = (op.pd or {}).get("reqs", ())
                 held = sum(m.num_tokens(r) for r in reqs if r in self._slots.of)
                 total += 2 * 4 * rows * -(-(held + sent) // bs) + 1024 * len(reqs)
+                total += sum(self._pd.plan_bytes(r) for r in reqs)
             elif kind == "owned":
                 total += (MAX_ID_CHARS + 16) * self._leases.count(client)
             elif kind == "reclaim":
@@ -1029,6 +1040,8 @@ class CacheServer:
             self._pd.check_role(kind, field)
             if number is not None:
                 raise ProtocolError(f"{field}.num_tokens: a reservation takes the whole prompt")
+            if op.get("dest") is not None:
+                raise ProtocolError(f"{field}.dest: a reservation takes no destination (a prefill admit does)")
             pd = {"timeout": self._pd.check_reserve(op, field)}
         elif op.get("dest") is not None:
             self._pd.check_role("sent", field)  # a destination needs --role prefill

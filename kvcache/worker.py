@@ -242,7 +242,7 @@ class TableSubscriber:
         if info.get("protocol") != PROTOCOL_VERSION:
             raise ProtocolError(f"daemon speaks protocol {info.get('protocol')!r}, this worker {PROTOCOL_VERSION}")
         self.num_rows: int = info["num_rows"]
-        self.tp_size = info.get("tp_size", 1) if tp_size is None else tp_size
+        self.tp_size = info.get("tp", 1) if tp_size is None else tp_size
         self.rank = rank
         heads = info.get("num_kv_heads")
         if self.num_rows == 1:

@@ -500,3 +500,32 @@ def test_lora_travels_as_a_name_or_a_name_and_path_and_anything_else_is_refused(
         refused = call(server, [admit("b", 9, lora=bad)], request_id=2 + len(str(bad)))
         assert not refused["ok"] and refused["error"].startswith("ops[0].lora: must be a LoRA name or [name, path]")
     assert server.manager.stats().num_requests == 1
+
+
+def test_a_reservation_with_a_destination_is_refused(tmp_path):
+    rows = [Full()]
+    srv = CacheServer(ServeConfig(endpoint=f"ipc://{tmp_path}/k.sock", role="decode"), KVCacheManager(64, 4, rows),
+                      rows)
+    try:
+        reply = call(srv, [{"op": "reserve", "req": "a", "tokens": np.arange(9, dtype=np.uint32),
+                            "dest": {"receivers": ["x"]}}])
+        assert not reply["ok"] and reply["error"].startswith("ops[0].dest: a reservation takes no destination")
+    finally:
+        srv.close()
+
+
+def test_an_internal_error_is_answered_with_the_requests_id_and_the_daemon_goes_on(server, monkeypatch):
+    """A bug while applying (injected here) gets an error reply the client can match to its request."""
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(server.manager, "lookup", broken)
+    reply = call(server, [{"op": "lookup", "tokens": np.arange(9, dtype=np.uint32)}], request_id=41)
+    assert reply["id"] == 41 and not reply["ok"] and reply["error"] == "internal error: RuntimeError: injected"
+    monkeypatch.undo()
+    assert call(server, [{"op": "ping"}], request_id=42)["results"] == ["pong"]
+
+
+def test_a_retry_cache_of_no_replies_is_refused():
+    with pytest.raises(KVCacheError, match="dedupe_window: must be a positive integer"):
+        ServeConfig(dedupe_window=0)
