@@ -3,23 +3,37 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test install clean
+.PHONY: demo test docs install clean
 
-$(VENV)/.installed: pyproject.toml setup.py $(wildcard */*.c)
+# The package and its core dependencies: all the demo needs.
+$(VENV)/.base: pyproject.toml setup.py $(wildcard */*.c)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -U pip setuptools wheel
+	$(PY) -m pip install -q .
+	touch $@
+
+# What the tests need on top: test tools, Paddle (CPU) and NIXL (UCX on CPU). --no-deps for NIXL: its metadata
+# asks for PyTorch, which it does not need here.
+$(VENV)/.installed: $(VENV)/.base
 	$(PY) -m pip install -q -e '.[dev]'
-	# NIXL (UCX on CPU) for the transfer tests; --no-deps: its metadata asks for PyTorch, which it does not need here.
 	$(PY) -m pip install -q --no-deps nixl-cu12
 	touch $@
 
 install: $(VENV)/.installed
 
-demo: install
+demo: $(VENV)/.base
 	$(VENV)/bin/kvcache plan --example llama-3.1-70b --gpu-memory 80GiB --tp 8 --quant block_wise_fp8 --host-memory 512GiB
 
-test: install
+test: $(VENV)/.installed
 	$(PY) -m pytest -q
+
+# The API reference, from the docstrings, into build/api/.
+docs: $(VENV)/.base
+	$(PY) -m pip install -q pdoc
+	mkdir -p build && cd build && $(abspath $(PY)) -m pdoc --docformat markdown -t $(abspath docs/api-template) -o api $$($(abspath $(PY)) -c \
+	  "import kvcache, pkgutil; print(*[m.name for m in pkgutil.walk_packages(kvcache.__path__, 'kvcache.') \
+	  if not m.name.rpartition('.')[2].startswith('_')], 'kvcache')")  # run outside the checkout, whose folders would shadow the package
+	@echo "API reference: build/api/index.html"
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info
