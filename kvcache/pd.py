@@ -383,13 +383,10 @@ class PDState:
     def _forget(self, t: Transfer) -> None:
         self._by_serial.pop(t.serial, None)
         self._begun.pop(t.serial, None)
-        if self.role == "decode":
-            marked = getattr(t, "arriving", None)  # transfers from snapshots of earlier versions lack it
-            if marked is None:
-                self._pending[self._pending == t.serial] = -1
-            else:  # only its own pairs: O(its blocks), not a scan of every block
-                mine = self._pending[marked] == t.serial
-                self._pending[marked[0][mine], marked[1][mine]] = -1
+        if self.role == "decode" and t.arriving is not None:  # its own pairs only: O(its blocks), no scan of all
+            marked = t.arriving
+            mine = self._pending[marked] == t.serial
+            self._pending[marked[0][mine], marked[1][mine]] = -1
 
     def _tell(self, owner: str, kind: str, req: Any, detail: Any) -> None:
         self._outbox.setdefault(owner, []).append((kind, req, detail))
