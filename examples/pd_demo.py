@@ -22,6 +22,7 @@ import sys
 
 import numpy as np
 
+from kvcache.allocator.errors import KVCacheError
 from kvcache.pd_cluster import Cluster, run_batch, scenario
 
 
@@ -41,6 +42,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="run each messager and receiver in its worker's process (default) or in a process of "
                         "its own (MessagerProcess; ReceiverProcess with CPU caches only)")
     args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except KVCacheError as exc:
+        print(f"pd_demo: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def run(args: argparse.Namespace) -> int:
     device = "cuda:0" if args.device == "cuda" else args.device
     from kvcache.client import CacheClient
     from kvcache.pd_worker import PDProxy

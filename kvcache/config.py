@@ -12,6 +12,8 @@ from kvcache.allocator.errors import KVCacheError
 from kvcache.allocator.swa import AttentionPolicy, Full, Window
 
 LOCAL_OFF = "off"  # local_endpoint's value for no local endpoint
+_TYPES = {"str": str, "int": int, "float": (int, float), "bool": bool}  # ServeConfig's field types, as accepted
+_TYPE_NAMES = {str: "a string", int: "an integer", (int, float): "a number", bool: "true or false"}
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -85,6 +87,10 @@ class ServeConfig:
         return cfg
 
     def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):  # a TOML file can give any type: name the field, not a traceback later
+            value, kind = getattr(self, f.name), _TYPES[str(f.type)]
+            if isinstance(value, bool) is not (kind is bool) or not isinstance(value, kind):
+                raise KVCacheError(f"{f.name}: must be {_TYPE_NAMES[kind]}, got {value!r}")
         if self.events_format not in ("array", "map"):
             raise KVCacheError(f"events_format: {self.events_format!r} is neither 'array' nor 'map'")
         if self.role not in ("both", "prefill", "decode"):

@@ -29,6 +29,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from kvcache.allocator.errors import KVCacheError
 from kvcache.allocator import CacheSpec
 from kvcache.allocator.layout import DTYPE_BYTES
 from kvcache.transfer.heads import rank_heads
@@ -422,7 +423,17 @@ class Cluster:
         ``thread`` runs each rank's messager or receiver in the worker's process, ``process`` in a process of
         its own (``MessagerProcess``, and ``ReceiverProcess`` for CPU caches; those then live in shared memory)."""
         if link not in ("thread", "process"):
-            raise ValueError(f"link: must be 'thread' or 'process', got {link!r}")
+            raise KVCacheError(f"link: must be 'thread' or 'process', got {link!r}")
+        for tp in (prefill_tp, decode_tp):  # a geometry the ranks cannot split fails here, not in a worker
+            CacheSpec(num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim, block_size=block_size,
+                      dtype="bfloat16", tp_size=tp)
+        if device.startswith("cuda"):
+            try:
+                import torch
+            except ImportError:
+                raise KVCacheError(f"device: {device} needs PyTorch with CUDA (pip install torch)") from None
+            if not torch.cuda.is_available():
+                raise KVCacheError(f"device: {device}: PyTorch sees no CUDA device") from None
         self.folder = Path(tempfile.mkdtemp(prefix="kv-pd-", dir="/tmp"))
         self.daemons: dict[str, subprocess.Popen] = {}
         self.prefill_workers: list[Worker] = []

@@ -5,10 +5,14 @@ Real parts throughout: spawned link processes mapping the workers' caches, real 
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import multiprocessing as mp
 import os
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -221,3 +225,22 @@ def test_a_link_process_exits_when_its_worker_dies_and_the_cluster_leaves_no_sha
         while not _exited(link_pid) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert _exited(link_pid)
+
+
+def run_demo(*flags: str) -> list[str]:
+    """examples/pd_demo.py's stderr lines after a refusal (exit code 2)."""
+    demo = Path(__file__).resolve().parents[1] / "examples" / "pd_demo.py"
+    result = subprocess.run([sys.executable, str(demo), *flags], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, result.stderr
+    return result.stderr.strip().splitlines()
+
+
+def test_the_demo_refuses_a_tp_size_the_heads_do_not_split_over_in_one_line():
+    assert run_demo("--prefill-tp", "3") == [
+        "pd_demo: error: tp_size: 4 kv heads cannot be split over 3 ranks (heads must divide evenly, or the ranks "
+        "must be a multiple of the heads)"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is not None, reason="PyTorch is installed here")
+def test_the_demo_on_cuda_without_pytorch_says_what_to_install():
+    assert run_demo("--device", "cuda") == ["pd_demo: error: device: cuda:0 needs PyTorch with CUDA (pip install torch)"]

@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import subprocess
+import sys
 import time
 from typing import Iterator
 
@@ -529,3 +532,27 @@ def test_an_internal_error_is_answered_with_the_requests_id_and_the_daemon_goes_
 def test_a_retry_cache_of_no_replies_is_refused():
     with pytest.raises(KVCacheError, match="dedupe_window: must be a positive integer"):
         ServeConfig(dedupe_window=0)
+
+
+@pytest.mark.parametrize("toml, message", [
+    ('num_blocks = "abc"', "num_blocks: must be an integer, got 'abc'"),
+    ("events = 1", "events: must be true or false, got 1"),
+    ("utilization = true", "utilization: must be a number, got True"),
+    ('rows = 7', "rows: must be a string, got 7"),
+])
+def test_a_wrongly_typed_setting_in_a_config_file_is_one_clear_line(tmp_path, toml, message):
+    path = tmp_path / "kvcache.toml"
+    path.write_text(f"[serve]\n{toml}\n")
+    result = subprocess.run([sys.executable, "-m", "kvcache", "serve", "--config", str(path)], capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 2 and result.stderr == f"kvcache serve: error: {message}\n"
+
+
+def test_plan_into_a_closed_pipe_exits_quietly():
+    """`kvcache plan --json | head -c 1` with the reader gone before the output is written: no traceback."""
+    read, write = os.pipe()
+    os.close(read)
+    result = subprocess.run([sys.executable, "-m", "kvcache", "plan", "--json"], stdout=write, stderr=subprocess.PIPE,
+                            text=True, timeout=60)
+    os.close(write)
+    assert result.returncode == 141 and result.stderr == ""
