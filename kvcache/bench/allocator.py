@@ -29,6 +29,7 @@ from kvcache.allocator.swa import AttentionPolicy
 from kvcache.bench import vllm_peer
 from kvcache.bench.common import mark as _mark
 from kvcache.bench.common import positive_int as _positive_int
+from kvcache.bench.common import progress as _progress
 from kvcache.bench.common import ratio as _x
 from kvcache.bench.common import table as _table
 from kvcache.bench.hashing import _vllm_request_hashes, _vllm_sha256, bench_hashing
@@ -389,9 +390,12 @@ def run_benchmark(repeat: int, quick: bool) -> dict[str, Any]:
     """Every section, measured now; one JSON-ready dict."""
     native = prefix._chainhash
     backend = native.backend() if native is not None else "python"
+    _progress("1. block allocate + free")
     block_alloc = bench_block_alloc(repeat)
+    _progress(f"2. hashing a {PROMPT_TOKENS:,}-token prompt, {PASSES} passes")
     runs = [bench_hashing(PROMPT_TOKENS, BLOCK_SIZES, repeat=max(4, -(-repeat // PASSES))) for _ in range(PASSES)]
     hashing = summarise_hashing(best_hashing_rows(runs), backend)
+    _progress("3. end to end: admit + free")
     e2e = bench_end_to_end(repeat)
     return {
         "benchmark": "allocator",

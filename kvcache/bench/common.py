@@ -7,6 +7,7 @@ import multiprocessing
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 import traceback
@@ -19,6 +20,14 @@ from kvcache.allocator.errors import KVCacheError
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection
     from multiprocessing.process import BaseProcess
+
+
+_STARTED = time.monotonic()
+
+
+def progress(text: str) -> None:
+    """Say on stderr what a benchmark measures now, with the seconds since it started (the tables go to stdout)."""
+    print(f"kvcache bench: [{time.monotonic() - _STARTED:6.1f} s] {text}", file=sys.stderr, flush=True)
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[str]], *, align_left: int = 0) -> str:

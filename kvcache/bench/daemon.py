@@ -59,7 +59,7 @@ import numpy as np
 import zmq
 
 from kvcache.allocator.errors import KVCacheError
-from kvcache.bench.common import Fleet, expect, mark, positive_int, ratio, table
+from kvcache.bench.common import Fleet, expect, mark, positive_int, progress, ratio, table
 from kvcache.client import CacheClient, DaemonError
 from kvcache.config import ServeConfig
 from kvcache.journal import records_end
@@ -731,7 +731,9 @@ def bench_throughput(cfg: BenchConfig, fleet: Fleet, endpoint: str, step: dict[s
         deadline = time.monotonic() + cfg.timeout
         for i, c in enumerate(conns):
             expect(c, "ready", deadline, f"extend client {i}")
-        for path, n, size in _throughput_plan(cfg):
+        plan = _throughput_plan(cfg)
+        for i, (path, n, size) in enumerate(plan, 1):
+            progress(f"   row {i} of {len(plan)}: {_PATH_NAMES[path]}, {n} client(s), {size:,} extends per message")
             _renew(cfg, conns, 0)  # every client gives its grown tables back first, so no admit waits on another's
             _renew(cfg, conns[:n], max(cfg.batches))  # then fresh requests for this row's clients
             rows.append(_row(path, n, size, [_timed_run(cfg, conns[:n], path, size, cfg.seconds)]))
@@ -913,7 +915,9 @@ def bench_journal(cfg: BenchConfig, fleet: Fleet, ctx: zmq.Context) -> dict[str,
 
         # The batched-extend rows of section 3: both daemons renew, then the row runs in two halves on
         # each, in the order A B B A (A = off on even rows, on on odd ones), so a drift falls on both.
-        for k, (path, n, size) in enumerate(_throughput_plan(cfg)):
+        plan = _throughput_plan(cfg)
+        for k, (path, n, size) in enumerate(plan):
+            progress(f"   row {k + 1} of {len(plan)}: {_PATH_NAMES[path]}, {n} client(s), {size:,} per message")
             _renew(cfg, conns["off"] + conns["on"], 0)  # both daemons at once, every table back first: nothing timed
             _renew(cfg, conns["off"][:n] + conns["on"][:n], size)
             runs: dict[str, list[_Run]] = {mode: [] for mode in JOURNAL_MODES}
@@ -1376,26 +1380,32 @@ def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
         client = CacheClient(ends.daemon, timeout=cfg.timeout, name="bench-scheduler", context=ctx)
         try:
             sched = _Scheduler(client, cfg)
+            progress(f"1-2. raw echo and {cfg.steps:,} step round trips, in {cfg.rounds} rounds")
             echo_out, step_out = bench_echo_and_steps(cfg, echo, sched)
             step_out["local"] = None
             if ends.echo_local is not None:
+                progress("2b. the same steps over the local endpoint")
                 with contextlib.closing(_LocalEchoClient(ends.echo_local, cfg.timeout)) as local_echo, \
                         CacheClient(ends.daemon, timeout=cfg.timeout, name="bench-local", context=ctx,
                                     local=True) as local_client:
                     step_out["local"] = bench_local_steps(cfg, local_echo, _Scheduler(local_client, cfg, seed=1, first_id=1 << 40),
                                                           echo_out["p50_us"])
             fleet.stop([echo_conn])
+            progress(f"3. throughput: {len(_throughput_plan(cfg))} rows of {cfg.seconds:g} s")
             throughput = bench_throughput(cfg, fleet, ends.daemon, step_out)
             info = client.info()
             transports = [("PUB", info["pub_endpoint"], False)]
             if info.get("local_endpoint"):
                 transports.append(("local endpoint", info["local_endpoint"], True))
+            progress(f"4. delta lag: {cfg.subscribers} subscribers, {cfg.lag_steps} steps per transport")
             lags = bench_lag(cfg, fleet, transports, sched)
         finally:
             echo.close()
             client.close()
         fleet.terminate(daemon)  # the profile runs the server in this process: the daemon's core is free
+        progress("3b. journal on / off: two fresh daemons, section 3's rows in turns")
         journal = bench_journal(cfg, fleet, ctx)  # two fresh daemons of their own, after the first one stopped
+        progress(f"5. profile: {cfg.profile_steps} steps in process")
         profile = bench_profile(cfg, fleet.folder)
         step_out["handle_p50_us"] = profile["handle_p50_us"]
         step_out["native_floor_us"] = step_out["codec_p50_us"] + profile["native_us"]["allocator"]

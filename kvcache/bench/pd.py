@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 
 from kvcache.bench.common import mark, positive_int, table
+from kvcache.bench.common import progress as report_progress
 
 TOKENS = 4096
 LAYERS = 32
@@ -131,15 +132,20 @@ def run_benchmark(*, layers: int, block_size: int, repeat: int, pace: float, dev
                     "stages_s": {name: since(ns, times.last_ns) for name, ns in stamps.items()},
                     "from_first_s": {**from_first, **{name: since(ns, times.first_ns) for name, ns in stamps.items()}}}
 
+        report_progress("warming up both nodes")
         run(inflight)  # touches every block the batches use, on both sides
         for _ in range(2):  # connects the messager to the receiver, warms both sides' memory and UCX's paths
             run()
         # The limits move the warm-up request's own tables, as the messager did.
+        report_progress("the limits: raw NIXL writes of one layer, one request and one batch")
         limits = cluster.prefill_workers[0].call(
             "probe", (tables["src"], tables["dst"], tuple(decode.info()["receivers"]), repeat + 2, inflight),
             timeout=300)
         layer_s = limits["layer_s"]
+        report_progress(f"tail: {repeat} paced requests")
         paced = [run(1, pace * layer_s) for _ in range(repeat)]
+        report_progress(f"throughput: {repeat} requests, {repeat} batches of {inflight}"
+                        + (f", {repeat} runs of {steps} steps" if steps > 1 else ""))
         unpaced = [run() for _ in range(repeat)]
         batched = [run(inflight) for _ in range(repeat)]
         streamed = [run(inflight, number=steps) for _ in range(repeat)] if steps > 1 else batched

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from kvcache.bench.common import positive_int as _positive_int
+from kvcache.bench.common import progress as _progress
 from kvcache.ops import _send_cache, send_cache
 from kvcache.transfer import LayerSignal, WaitStatus
 
@@ -345,7 +346,9 @@ def render(result: dict[str, Any]) -> str:
 
 def run_benchmark(cpu_samples: int, gpu_samples: int, quick: bool) -> dict[str, Any]:
     """Every section, measured now; one JSON-ready dict."""
+    _progress(f"1-2. CPU path, {cpu_samples} samples, then 1 s of idle waiting")
     cpu = bench_cpu(cpu_samples)
+    _progress(f"3. CUDA path, {gpu_samples} samples (where PyTorch sees a GPU)")
     gpu = bench_gpu(gpu_samples)
     return {
         "benchmark": "signal",

@@ -28,6 +28,7 @@ from kvcache.allocator.manager import KVCacheManager
 from kvcache.allocator.prefix import BlockHasher
 from kvcache.bench.common import mark as _mark
 from kvcache.bench.common import positive_int as _positive_int
+from kvcache.bench.common import progress as _progress
 from kvcache.bench.common import table as _table
 from kvcache.bench.transfer import BLOCK_SIZES, CACHE_FACTOR, HEAD_DIM, KV_HEADS, LAYERS, QUICK_LAYERS, SEED, TOKENS
 from kvcache.bench.transfer import host_region, make_spec, one_range
@@ -219,6 +220,7 @@ def render(result: dict[str, Any]) -> str:
 def _run(args: argparse.Namespace) -> int:
     repeat = args.repeat or (QUICK_REPEAT if args.quick else REPEAT)
     layers = args.layers or (QUICK_LAYERS if args.quick else LAYERS)
+    _progress(f"offload and reload, {layers} layers, {repeat} rounds each (device {args.device})")
     result = bench(layers, repeat, args.device)
     print(json.dumps(result, indent=2) if args.json else render(result))
     return 0

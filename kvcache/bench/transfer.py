@@ -34,6 +34,7 @@ from kvcache.bench.common import Fleet, expect
 from kvcache.bench.common import mark as _mark
 from kvcache.bench.common import positive_int as _positive_int
 from kvcache.bench.common import nonnegative_int
+from kvcache.bench.common import progress as _progress
 from kvcache.bench.common import table as _table
 from kvcache.transfer.engines import HOST_METHODS, LocalEngine, TransferStatus
 from kvcache.transfer.regions import CopyRanges, KVRegion
@@ -392,8 +393,11 @@ def _targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def run_benchmark(layers: int, repeat: int, quick: bool, sections: Sequence[str],
                   threads: int | None = None) -> dict[str, Any]:
     """Every chosen section, measured now; one JSON-ready dict. ``threads``: the engines' (None: their default)."""
+    _progress("1. host -> host") if "host" in sections else None
     host = bench_host(layers, repeat, threads) if "host" in sections else []
+    _progress("2. NIXL into another process") if "nixl" in sections else None
     nixl = bench_nixl(layers, repeat, threads) if "nixl" in sections else "not chosen"
+    _progress("3. CUDA copies (where PyTorch sees a GPU)") if "gpu" in sections else None
     gpu = bench_gpu(layers, repeat) if "gpu" in sections else "not chosen"
     rows = host + (nixl if isinstance(nixl, list) else []) + (gpu["rows"] if isinstance(gpu, dict) else [])
     return {
