@@ -1,12 +1,15 @@
 """`kvcache plan`: how many KV blocks and tokens fit a GPU (and host) memory budget."""
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import json
 from typing import Any
 
 from kvcache.allocator.errors import KVCacheError
 from kvcache.allocator.layout import CacheSpec
-from kvcache.units import format_bytes
+from kvcache.arguments import add_spec_arguments, spec_from_args
+from kvcache.units import format_bytes, parse_size
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -129,3 +132,41 @@ def render_plan(plan: Plan) -> str:
     lines.append("")
     lines += [f"{k.ljust(key_width)}  {v}" for k, v in summary]
     return "\n".join(lines)
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    spec, name = spec_from_args(args)
+    plan = make_plan(
+        spec,
+        gpu_memory=parse_size(args.gpu_memory, "--gpu-memory"),
+        utilization=args.utilization,
+        reserve=parse_size(args.reserve, "--reserve"),
+        host_memory=None if args.host_memory is None else parse_size(args.host_memory, "--host-memory"),
+        model=name,
+    )
+    print(json.dumps(plan_json(plan), indent=2) if args.json else render_plan(plan))
+    return 0
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Register `kvcache plan`."""
+    p = sub.add_parser(
+        "plan",
+        help="size a paged KV cache: tensors, bytes per block, blocks and tokens that fit",
+        description="Print the per-layer cache tensors of one rank, bytes per block, and how many blocks "
+        "and tokens fit a GPU (and optionally host) memory budget.",
+    )
+    add_spec_arguments(p)
+    mem = p.add_argument_group("memory")
+    mem.add_argument("--gpu-memory", default="80GiB", help="memory of one GPU, e.g. 80GiB (default 80GiB)")
+    mem.add_argument(
+        "--utilization", type=float, default=0.9, help="fraction of --gpu-memory the engine may use (default 0.9)"
+    )
+    mem.add_argument(
+        "--reserve",
+        default="0",
+        help="memory per GPU taken by weights and activations, subtracted from the budget (default 0)",
+    )
+    mem.add_argument("--host-memory", help="host memory of the node for a host-tier cache, e.g. 512GiB")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.set_defaults(run=_run_plan)

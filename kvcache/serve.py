@@ -117,7 +117,7 @@ def build_manager(cfg: ServeConfig) -> tuple[KVCacheManager, list[AttentionPolic
     extra: dict[str, Any] = {"tp_size": cfg.tp}
     spec = None
     if cfg.model:
-        from kvcache.cli import example_models, load_example
+        from kvcache.examples import example_models, load_example
 
         source: Any = load_example(cfg.model) if cfg.model in example_models() else cfg.model
         fields: dict[str, Any] = {"block_size": cfg.block_size, "quant": cfg.quant, "scale_layout": cfg.scale_layout,

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from kvcache.cli import add_daemon_arguments, client_from_args
+from kvcache.arguments import add_daemon_arguments, client_from_args
 from kvcache.client import CacheClient
 
 

@@ -8,7 +8,8 @@ import sys
 import pytest
 
 from kvcache.allocator import CacheSpec, KVCacheError
-from kvcache.cli import example_models, main
+from kvcache.cli import main
+from kvcache.examples import example_models
 from kvcache.plan import make_plan
 from kvcache.units import format_bytes, parse_size
 
