@@ -23,7 +23,7 @@ import sys
 import numpy as np
 
 from kvcache.allocator.errors import KVCacheError
-from kvcache.pd_cluster import Cluster, run_batch, scenario
+from kvcache.pd.cluster import Cluster, run_batch, scenario
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
 def run(args: argparse.Namespace) -> int:
     device = "cuda:0" if args.device == "cuda" else args.device
     from kvcache.client import CacheClient
-    from kvcache.pd_worker import PDProxy
+    from kvcache.pd import PDProxy
 
     with Cluster(layers=args.layers, kv_heads=args.kv_heads, head_dim=args.head_dim, block_size=args.block_size,
                  prefill_tp=args.prefill_tp, decode_tp=args.decode_tp, device=device, rows=args.rows,

@@ -33,7 +33,7 @@ from kvcache.allocator.errors import KVCacheError
 from kvcache.auth import CurveConfig, secure_client_socket
 from kvcache.allocator.manager import Admission
 from kvcache.allocator.pool import Usage
-from kvcache.pd import Outcomes, Reservation, Sending
+from kvcache.pd.state import Outcomes, Reservation, Sending
 from kvcache.protocol import LOCAL_MAX_BYTES, PROTOCOL_VERSION, ProtocolError, bind_private, pack, unpack
 
 log = logging.getLogger("kvcache.client")

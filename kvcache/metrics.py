@@ -17,7 +17,7 @@ from kvcache.allocator.pool import usage
 
 if TYPE_CHECKING:
     from kvcache.allocator.manager import KVCacheManager, ManagerStats
-    from kvcache.pd import PDState
+    from kvcache.pd.state import PDState
 
 # Step latency from 10 µs (a ping) to 100 ms (a step of thousands of ops).
 STEP_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 1e-1)

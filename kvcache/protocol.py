@@ -27,7 +27,7 @@ passed") rather than applied again. A message whose reply could pass
     {"op": "reclaim", "reqs": [ID, ...]} → the ids now owned by this client (a restarted scheduler)
     {"op": "check_integrity"}   (admin: pool, index and tables agree; an error result names what does not)
 
-PD disaggregation (``kvcache serve --role prefill|decode``; see kvcache/pd.py for the flow)::
+PD disaggregation (``kvcache serve --role prefill|decode``; see kvcache/pd/state.py for the flow)::
 
     decode:  {"op": "reserve", "req": ID, "tokens": TOKENS, "salt"?, "lora"?, "mm"?, "slot"?, "timeout"?: seconds}
                → admit's result + "receivers": [endpoint per decode rank]

@@ -49,8 +49,8 @@ from kvcache.journal import Journal, JournalFull
 from kvcache.leases import Leases
 from kvcache.listeners import Listeners
 from kvcache.state_codec import StateCodec
-from kvcache.pd import MUTATING as _PD_MUTATING
-from kvcache.pd import MAX_ERROR, PD_OPS, PDState, Transfer, validate_op
+from kvcache.pd.state import MUTATING as _PD_MUTATING
+from kvcache.pd.state import MAX_ERROR, PD_OPS, PDState, Transfer, validate_op
 from kvcache.protocol import (
     DELTA_HEAD_BYTES,
     DELTA_TOPIC,

@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvcache.allocator import Full, KVCacheManager, Window
 from kvcache.client import CacheClient
 from kvcache.metrics import DaemonMetrics, SubscriberCounter
-from kvcache.pd import PDState
+from kvcache.pd.state import PDState
 
 BS = 4
 TIMEOUT_S = 5.0

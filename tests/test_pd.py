@@ -1,6 +1,6 @@
 """PD disaggregation end to end: real `kvcache serve --role prefill|decode` daemons, worker processes, messagers over NIXL.
 
-The cluster and the fake model are kvcache.pd_cluster's, as examples/pd_demo.py uses them: what the demo shows is tested.
+The cluster and the fake model are kvcache.pd.cluster's, as examples/pd_demo.py uses them: what the demo shows is tested.
 Every scenario ends with no block held on either node.
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 
 from kvcache.allocator.errors import KVCacheError
 from kvcache.client import CacheClient, DaemonError
-from kvcache.pd_cluster import Cluster, check_request, run_batch, scenario, signal_of, table_of, wait_outcomes
+from kvcache.pd.cluster import Cluster, check_request, run_batch, scenario, signal_of, table_of, wait_outcomes
 from kvcache.transfer.nixl import nixl_available
 
 needs_nixl = pytest.mark.skipif(not nixl_available(), reason="NIXL is not installed (pip install nixl-cu12 --no-deps)")
@@ -27,7 +27,7 @@ def submit_prompts(prefill: CacheClient, decode: CacheClient, seed: int, lengths
                    ) -> tuple[dict, list]:
     """Submit fresh prompts through a PDProxy of these clients (whose pd_poll then sees them); returns the prompts
     and their prefill step's items (whole prompts)."""
-    from kvcache.pd_worker import PDProxy
+    from kvcache.pd import PDProxy
 
     proxy = PDProxy(prefill, decode)
     rng = np.random.default_rng(seed)
@@ -55,7 +55,7 @@ def test_concurrent_requests_with_prefix_hits_on_either_side_arrive_byte_for_byt
     Either NIXL's progress thread drives UCX in both workers, or their engines' worker threads do;
     the plans go with the step, or the messagers fetch them.
     """
-    from kvcache.pd_worker import PDProxy
+    from kvcache.pd import PDProxy
 
     with Cluster(layers=4, kv_heads=4, head_dim=32, progress=progress) as cluster:
         prefill, decode = clients(cluster)
@@ -83,7 +83,7 @@ def test_concurrent_requests_with_prefix_hits_on_either_side_arrive_byte_for_byt
 @pytest.mark.parametrize("prefill_tp, decode_tp, kv_heads", [(2, 1, 4), (1, 2, 4), (2, 4, 2)])
 def test_heads_are_resliced_between_different_tp_sizes(prefill_tp, decode_tp, kv_heads):
     """Prefill TP 2 -> decode 1 (stacking), 1 -> 2 (splitting), 2 -> 4 with 2 heads (replicated on decode)."""
-    from kvcache.pd_worker import PDProxy
+    from kvcache.pd import PDProxy
 
     with Cluster(layers=3, kv_heads=kv_heads, head_dim=32, prefill_tp=prefill_tp, decode_tp=decode_tp) as cluster:
         prefill, decode = clients(cluster)
@@ -120,7 +120,7 @@ def test_a_killed_decode_node_fails_the_transfer_on_the_prefill_side_within_its_
 @needs_nixl
 def test_a_cancelled_request_is_reported_to_both_schedulers_and_released_at_once():
     """Cancel one of two requests before its prefill step: both sides report it cancelled; the other arrives intact."""
-    from kvcache.pd_worker import PDProxy
+    from kvcache.pd import PDProxy
 
     with Cluster(layers=3, kv_heads=2, head_dim=32, timeout=30.0) as cluster:
         prefill, decode = clients(cluster)
@@ -146,7 +146,7 @@ def test_a_cancelled_request_is_reported_to_both_schedulers_and_released_at_once
 @needs_nixl
 def test_a_request_cancelled_after_its_plan_went_with_the_step_is_released_once_the_messager_reports():
     """The messager cannot see a cancel it was never asked about: it writes, and both sides release on its word."""
-    from kvcache.pd_worker import PDProxy
+    from kvcache.pd import PDProxy
 
     with Cluster(layers=3, kv_heads=2, head_dim=32, timeout=30.0) as cluster:
         prefill, decode = clients(cluster)
@@ -168,7 +168,7 @@ def test_a_request_cancelled_after_its_plan_went_with_the_step_is_released_once_
 @needs_nixl
 def test_a_decode_side_cancel_mid_transfer_keeps_the_blocks_until_the_writes_stop():
     """Blocks still being written must not be handed to anyone else: released only once the prefill side is done."""
-    from kvcache.pd_worker import PDProxy
+    from kvcache.pd import PDProxy
 
     with Cluster(layers=4, kv_heads=2, head_dim=32, timeout=30.0) as cluster:
         prefill, decode = clients(cluster)
@@ -188,7 +188,7 @@ def test_a_decode_side_cancel_mid_transfer_keeps_the_blocks_until_the_writes_sto
 @needs_nixl
 def test_a_prefill_worker_that_dies_fails_the_request_on_both_sides_at_the_deadline():
     """Nothing hangs: a writer gone mid-step leaves both reservations to their deadline, then both schedulers hear."""
-    from kvcache.pd_worker import PDProxy
+    from kvcache.pd import PDProxy
 
     timeout = 3.0
     with Cluster(layers=4, kv_heads=2, head_dim=32, timeout=timeout) as cluster:
@@ -249,7 +249,7 @@ def test_pd_ops_refuse_bad_input_naming_the_field_and_change_nothing(daemon):
 
 def test_a_prefill_admit_with_a_destination_returns_the_plan_the_plans_op_gives(daemon):
     """Sending.plan is what the messagers would fetch: source = the admission's table, destination = the reservation's."""
-    from kvcache.pd import Sending
+    from kvcache.pd.state import Sending
 
     d = daemon("--num-blocks", "32", "--block-size", "16", "--role", "decode")
     p = daemon("--num-blocks", "32", "--block-size", "16", "--role", "prefill", "--transfer-timeout", "9")
@@ -276,8 +276,8 @@ def test_a_prefill_admit_with_a_destination_returns_the_plan_the_plans_op_gives(
 @needs_nixl
 def test_a_receivers_batch_report_lands_every_request_still_in_transfer_when_one_is_gone(daemon):
     """The receiver reports a poll's requests in one message; one no longer in transfer must not sink the rest."""
-    from kvcache.pd_cluster import Cache, spec_of
-    from kvcache.pd_worker import DecodeLink
+    from kvcache.pd.cluster import Cache, spec_of
+    from kvcache.pd.links import DecodeLink
     from kvcache.transfer import KVRegion
 
     d = daemon("--num-blocks", "32", "--block-size", "16", "--role", "decode")
@@ -398,7 +398,7 @@ def test_a_silent_schedulers_reservation_is_cancelled_by_its_lease_and_released_
 @needs_nixl
 def test_chunked_prefill_sends_each_chunk_as_it_is_computed_and_notifies_after_the_last():
     """A 700-token prompt prefilled in three chunks, the decode node holding its first 256 tokens already."""
-    from kvcache.pd_worker import PDProxy
+    from kvcache.pd import PDProxy
 
     with Cluster(layers=3, kv_heads=2, head_dim=32) as cluster:
         prefill, decode = clients(cluster)
@@ -430,7 +430,7 @@ def test_chunked_prefill_sends_each_chunk_as_it_is_computed_and_notifies_after_t
 def test_a_messager_whole_steps_behind_its_writer_still_sends_every_step():
     """The writer computes three steps before the messager hears of the first: each layer is then already
     done in a later step (STALE to the signal), which means done in the step asked for too."""
-    from kvcache.pd_worker import PDProxy
+    from kvcache.pd import PDProxy
 
     with Cluster(layers=3, kv_heads=2, head_dim=32) as cluster:
         prefill, decode = clients(cluster)
@@ -459,9 +459,9 @@ def test_the_messager_and_the_receiver_shorten_the_gil_switch_interval_unless_to
     """A model runner holding the GIL would make their threads wait the default 5 ms per hand-off."""
     import sys
 
-    from kvcache.pd_cluster import Cache, spec_of
+    from kvcache.pd.cluster import Cache, spec_of
     from kvcache.transfer import KVRegion, LayerSignal
-    from kvcache.transfer.messager import SWITCH_INTERVAL_S, CacheMessager, CacheReceiver
+    from kvcache.pd.messager import SWITCH_INTERVAL_S, CacheMessager, CacheReceiver
     from kvcache.transfer.nixl import NixlEngine
 
     spec = spec_of(dict(layers=2, kv_heads=2, head_dim=16, block_size=16), 1)
@@ -536,7 +536,7 @@ def test_a_messagers_layer_ranges_give_each_layer_exactly_the_ranges_built_for_i
     also where layers interleave in memory (block-major), and none reaches into another layer."""
     from kvcache.allocator import CacheSpec
     from kvcache.transfer.heads import head_routes, route_ranges
-    from kvcache.transfer.messager import CacheMessager, TransferPlan
+    from kvcache.pd.messager import CacheMessager, TransferPlan
 
     layers, rng = 5, np.random.default_rng(3)
     spec = CacheSpec(num_layers=layers, num_kv_heads=4, head_dim=32, block_size=16, tp_size=prefill_tp)

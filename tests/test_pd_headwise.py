@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from kvcache.client import CacheClient
-from kvcache.pd_cluster import Cluster, run_batch, scenario
+from kvcache.pd.cluster import Cluster, run_batch, scenario
 from kvcache.transfer.nixl import nixl_available
 
 needs_nixl = pytest.mark.skipif(not nixl_available(), reason="NIXL is not installed (pip install nixl-cu12 --no-deps)")
@@ -30,7 +30,7 @@ def nothing_held(prefill: CacheClient, decode: CacheClient) -> None:
 @pytest.mark.parametrize("prefill_tp, decode_tp", [(1, 1), (2, 1), (1, 2)])
 def test_head_wise_requests_arrive_head_by_head_with_prefix_hits_on_either_side(prefill_tp, decode_tp):
     """Fresh prompts, hits on both nodes, on prefill only (its window heads skip blocks), on decode only."""
-    from kvcache.pd_worker import PDProxy
+    from kvcache.pd import PDProxy
 
     with Cluster(layers=3, kv_heads=4, head_dim=32, prefill_tp=prefill_tp, decode_tp=decode_tp, rows=ROWS) as cluster:
         prefill, decode = CacheClient(cluster.cfg["prefill"]), CacheClient(cluster.cfg["decode"])
@@ -69,7 +69,7 @@ def test_a_decode_reservation_keeps_only_what_its_window_heads_read(daemon):
 def test_blocks_the_prefill_node_never_sent_are_never_a_decode_prefix_hit():
     """The prefill node hits a prompt's head (its window heads skip the blocks behind their window), the decode
     node does not: those decode blocks stay unwritten, so a later prompt sharing a shorter head must not hit them."""
-    from kvcache.pd_worker import PDProxy
+    from kvcache.pd import PDProxy
 
     rng = np.random.default_rng(4)
     head = rng.integers(0, 50_000, 400)
@@ -91,8 +91,8 @@ def test_blocks_the_prefill_node_never_sent_are_never_a_decode_prefix_hit():
 def test_chunked_prefill_with_window_heads_recycling_between_chunks():
     """700 tokens in three chunks; the prefill node's window heads give blocks back between chunks (they went out
     with their chunk, or the decode node never wanted them); the decode node holds the first 256 tokens already."""
-    from kvcache.pd_cluster import check_request, wait_outcomes
-    from kvcache.pd_worker import PDProxy
+    from kvcache.pd.cluster import check_request, wait_outcomes
+    from kvcache.pd import PDProxy
 
     with Cluster(layers=3, kv_heads=4, head_dim=32, rows=ROWS) as cluster:
         prefill, decode = CacheClient(cluster.cfg["prefill"]), CacheClient(cluster.cfg["decode"])

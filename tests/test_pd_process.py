@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from kvcache.allocator import CacheSpec
 from kvcache.allocator.errors import KVCacheError
-from kvcache.pd_cluster import Cluster, run_batch, scenario, wait_outcomes
+from kvcache.pd.cluster import Cluster, run_batch, scenario, wait_outcomes
 from kvcache.transfer import KVRegion, LayerSignal
 from kvcache.transfer.nixl import nixl_available
 from kvcache.transfer.sharing import SharedHostBuffer, SharedRegion, share_region
@@ -101,7 +101,7 @@ def test_private_host_memory_is_refused_with_the_reason():
 
 @needs_nixl
 def test_a_messager_process_that_cannot_start_says_why_and_leaves_no_process():
-    from kvcache.pd_process import MessagerProcess
+    from kvcache.pd.process import MessagerProcess
 
     with SharedHostBuffer(SPEC.cache_bytes(5)) as buf:
         region = KVRegion.from_buffer(SPEC, 5, buf.array.ctypes.data, keep=(buf,))
@@ -115,7 +115,7 @@ def test_a_messager_process_that_cannot_start_says_why_and_leaves_no_process():
 
 @needs_nixl
 def test_a_dead_messager_process_is_reported_by_the_next_call():
-    from kvcache.pd_process import MessagerProcess
+    from kvcache.pd.process import MessagerProcess
 
     with SharedHostBuffer(SPEC.cache_bytes(5)) as buf, \
             LayerSignal.create(f"kvcache-test-dead-{os.getpid()}", SPEC.num_layers, replace=True) as sig:
@@ -141,7 +141,7 @@ def _slow(link, region, seconds: float, value: str) -> str:
 
 @needs_nixl
 def test_a_call_that_gave_up_at_its_deadline_does_not_answer_the_next_one():
-    from kvcache.pd_process import MessagerProcess
+    from kvcache.pd.process import MessagerProcess
 
     with SharedHostBuffer(SPEC.cache_bytes(5)) as buf, \
             LayerSignal.create(f"kvcache-test-late-{os.getpid()}", SPEC.num_layers, replace=True) as sig:
@@ -158,7 +158,7 @@ def test_a_call_that_gave_up_at_its_deadline_does_not_answer_the_next_one():
 @needs_nixl
 def test_links_in_their_own_processes_move_concurrent_requests_byte_for_byte():
     """The PD scenario (fresh prompts, prefix hits on either side) with every messager and receiver in its own process."""
-    from kvcache.pd_worker import PDProxy
+    from kvcache.pd import PDProxy
 
     with Cluster(layers=4, kv_heads=4, head_dim=32, prefill_tp=2, decode_tp=1, link="process") as cluster:
         for w in cluster.prefill_workers + cluster.decode_workers:
@@ -195,7 +195,7 @@ def test_a_killed_messager_process_fails_its_requests_on_both_sides_and_nothing_
 
 def test_a_receiver_process_refuses_a_gpu_cache_before_starting_anything():
     """Peers could write GPU memory a process imported only through UCX's slow fallback: refused, with the reason."""
-    from kvcache.pd_process import ReceiverProcess
+    from kvcache.pd.process import ReceiverProcess
 
     region = KVRegion.from_addresses(SPEC, 4, np.full((SPEC.num_layers, len(SPEC.tensors())), 1 << 40), device="cuda:0")
     before = set(mp.active_children())

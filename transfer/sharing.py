@@ -1,6 +1,6 @@
 """A worker's KV cache opened in another process: CUDA IPC for device memory, the backing file for host memory.
 
-A messager or receiver in a process of its own (``kvcache.pd_process``) must register the worker's
+A messager or receiver in a process of its own (``kvcache.pd.process``) must register the worker's
 cache with NIXL from its own address space. ``share_region(region)`` says, in a picklable form,
 where the region's memory lives; ``SharedRegion.open(shared)`` maps it into this process and
 rebases every address; ``close()`` unmaps it.

@@ -66,8 +66,8 @@ def run_benchmark(*, layers: int, block_size: int, repeat: int, pace: float, dev
                   progress: str = "thread", inflight: int = INFLIGHT, steps: int | None = None,
                   compute: str = "sleep", link: str = "thread") -> dict[str, Any]:
     from kvcache.client import CacheClient
-    from kvcache.pd_cluster import Cluster, wait_outcomes
-    from kvcache.pd_worker import PDProxy
+    from kvcache.pd.cluster import Cluster, wait_outcomes
+    from kvcache.pd import PDProxy
 
     blocks = -(-tokens // block_size)
     if steps is None:

@@ -38,7 +38,7 @@ from kvcache.transfer.signal import LayerSignal
 
 __all__ = ["MessagerProcess", "ReceiverProcess"]
 
-log = logging.getLogger("kvcache.pd_process")
+log = logging.getLogger("kvcache.pd.process")
 
 START_TIMEOUT_S = 120.0  # the child imports NIXL and maps the cache: seconds on a loaded machine
 STOP_TIMEOUT_S = 10.0
@@ -202,7 +202,7 @@ def _failures(link: Any, region: KVRegion) -> list[tuple[Any, str]]:
 
 def _child_main(conn: Any, kind: str, shared: Any, options: dict[str, Any]) -> None:
     """The link process: map the cache, start the link, then follow the worker's commands until stop or EOF."""
-    from kvcache.pd_worker import DecodeLink, PrefillLink
+    from kvcache.pd.links import DecodeLink, PrefillLink
 
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s kvcache {kind}-link %(levelname)s %(message)s")
     mapped = signal = link = None

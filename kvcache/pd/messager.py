@@ -23,7 +23,7 @@ finished::
                                      on_sent(req)                           on_received(reqs)
 
 Control-plane callbacks (where plans come from, whom to tell) are plain callables, so this module
-does no daemon I/O of its own; ``kvcache.pd_worker`` wires them to the daemons. Every wait has a
+does no daemon I/O of its own; ``kvcache.pd.links`` wires them to the daemons. Every wait has a
 deadline (the plan's): a dead writer, a dead peer or a late layer fails the request through
 ``on_failed``, never a hang.
 """
@@ -53,7 +53,7 @@ if TYPE_CHECKING:
 __all__ = ["SWITCH_INTERVAL_S", "CacheMessager", "CacheReceiver", "Chunk", "TransferPlan", "shorten_switch_interval",
            "writers_of"]
 
-log = logging.getLogger("kvcache.messager")
+log = logging.getLogger("kvcache.pd.messager")
 _STOP = object()
 
 SWITCH_INTERVAL_S = 2e-4

@@ -1,31 +1,8 @@
-"""PD disaggregation in the daemon: decode-side reservations and prefill-side transfers, owned by the server thread.
-
-A request moves from a prefill node to a decode node like this (each arrow one daemon op)::
-
-    proxy/scheduler          decode daemon (--role decode)         prefill daemon (--role prefill)
-    reserve(req, tokens) ->  admit, matching the decode prefix cache;
-                             "receiving" until a deadline; result: table,
-                             cached tokens, the decode ranks' receivers
-    admit(req, tokens, dest={receivers, table, cached, decode}) ------->  admit (its own prefix hits skip
-                                                                          compute); "sending" until a deadline
-    prefill messagers:                                                    plans(reqs) -> what to write where
-      write each layer's blocks past the decode side's cache
-      over NIXL, a notification with the last write
-    decode receivers:        received(req, rank) from every decode rank:
-                             "ready" (once requests it shares
-                             still-arriving blocks with are ready too)
-    messagers:                                                            sent(req, rank) from every prefill rank:
-                                                                          freed (blocks stay cached)
-    schedulers: pd_poll() -> {"done": [[req, t_ns]], "failed": [[req, error]]}
-
-Failures (transfer_failed from either side, cancel, a deadline passing) release the request on
-that daemon, and the error reaches its scheduler through ``pd_poll``. Decode blocks that never got
-their data leave the prefix index (``KVCacheManager.discard``), so nobody hits garbage. A
-cancelled request's blocks are kept until the writers stop (a report from every rank, a failure,
-or the deadline), so a late write never lands in blocks handed to someone else.
+"""The daemon's half of PD disaggregation: decode-side reservations and prefill-side transfers, owned by the server
+thread.
 
 Pure state: no sockets, no clocks of its own; the server passes ``now`` and applies the frees this
-module asks for (so deltas, slots and leases stay in one place).
+module asks for (so deltas, slots and leases stay in one place). The flow is in ``kvcache.pd``.
 """
 from __future__ import annotations
 

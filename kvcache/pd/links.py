@@ -8,7 +8,7 @@
     ... write each layer, send_cache(stream, signal, layer)
 
 A model runner whose Python holds the GIL while it launches kernels delays the link's threads: run the
-messager in a process of its own with ``kvcache.pd_process.MessagerProcess`` (same arguments).
+messager in a process of its own with ``kvcache.pd.process.MessagerProcess`` (same arguments).
 
 The prefill link fetches plans from its daemon (``plans``), reports ``sent`` there, and on failure
 reports ``transfer_failed`` to both daemons (the decode one named in the plan). The decode link
@@ -25,12 +25,12 @@ from typing import Any
 from kvcache.auth import CurveConfig
 from kvcache.client import CacheClient, DaemonError
 from kvcache.allocator.errors import KVCacheError
-from kvcache.transfer.messager import CacheMessager, CacheReceiver, TransferPlan
+from kvcache.pd.messager import CacheMessager, CacheReceiver, TransferPlan
 from kvcache.transfer.nixl import NixlEngine
 from kvcache.transfer.regions import KVRegion
 from kvcache.transfer.signal import LayerSignal
 
-log = logging.getLogger("kvcache.pd_worker")
+log = logging.getLogger("kvcache.pd.links")
 
 
 class _Clients:
@@ -175,44 +175,3 @@ class DecodeLink:
         for req, result in zip(reqs, results):
             if isinstance(result, DaemonError):  # cancelled or failed meanwhile
                 log.info("decode daemon refused received(%r): %s", req, result)
-
-
-class PDProxy:
-    """The scheduler's side of a PD pair: reserve on decode, then admit on prefill with that destination.
-
-    As vLLM's PD proxy does. ``cancel`` gives a request up on both daemons; outcomes reach each
-    side's scheduler through its own ``pd_poll`` (this proxy's clients own the requests here).
-    """
-
-    def __init__(self, prefill: CacheClient, decode: CacheClient, *, timeout: float | None = None) -> None:
-        self.prefill, self.decode, self.timeout = prefill, decode, timeout
-
-    def submit(self, request_id: Any, prompt_tokens: Any, **options: Any) -> tuple[Any, Any] | None:
-        """(Reservation, Admission) for a new request, or None when either side lacks blocks (nothing is left held)."""
-        reservation = self.decode.reserve(request_id, prompt_tokens, timeout=self.timeout, **options)
-        if reservation is None:
-            return None
-        try:
-            admission = self.prefill.admit(request_id, prompt_tokens,
-                                           dest=reservation.dest(self.decode.endpoint, self.timeout), **options)
-        except BaseException:
-            self._cancel_decode(request_id)
-            raise
-        if admission is None:
-            self._cancel_decode(request_id)
-            return None
-        return reservation, admission
-
-    def cancel(self, request_id: Any) -> None:
-        """Give the request up on both sides (either may have finished or failed it already)."""
-        for client in (self.prefill, self.decode):
-            try:
-                client.cancel(request_id)
-            except DaemonError:
-                pass  # not in transfer there any more
-
-    def _cancel_decode(self, request_id: Any) -> None:
-        try:
-            self.decode.cancel(request_id, release=True)
-        except DaemonError:
-            pass

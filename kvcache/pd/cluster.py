@@ -177,10 +177,10 @@ def gather(parts: list[list[list[np.ndarray]]], num_kv_heads: int) -> list[np.nd
 
 def prefill_worker(conn: Any, cfg: dict[str, Any], rank: int) -> None:
     """A prefill rank: cache, layer signal, messager; runs steps of the fake model on command."""
-    from kvcache.pd_process import MessagerProcess
-    from kvcache.pd_worker import PrefillLink
+    from kvcache.pd.process import MessagerProcess
+    from kvcache.pd.links import PrefillLink
     from kvcache.transfer import KVRegion, LayerSignal
-    from kvcache.transfer.messager import Chunk
+    from kvcache.pd.messager import Chunk
 
     spec = spec_of(cfg, cfg["prefill_tp"])
     process = cfg["link"] == "process"
@@ -304,7 +304,7 @@ def probe(link: Any, region: Any, src: np.ndarray, dst: np.ndarray, receivers: t
     long each kind's transfer() call took (median): with the raw write, they split the pipeline's
     cost into per transfer, per range and per byte.
     """
-    from kvcache.transfer.messager import TransferPlan
+    from kvcache.pd.messager import TransferPlan
     from kvcache.transfer.regions import CopyRanges
 
     messager = link.messager
@@ -344,8 +344,8 @@ def probe(link: Any, region: Any, src: np.ndarray, dst: np.ndarray, receivers: t
 
 def decode_worker(conn: Any, cfg: dict[str, Any], rank: int) -> None:
     """A decode rank: cache and receiver; reads blocks back on command."""
-    from kvcache.pd_process import ReceiverProcess
-    from kvcache.pd_worker import DecodeLink
+    from kvcache.pd.process import ReceiverProcess
+    from kvcache.pd.links import DecodeLink
     from kvcache.transfer import KVRegion
 
     spec = spec_of(cfg, cfg["decode_tp"])
