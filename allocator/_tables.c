@@ -1028,6 +1028,69 @@ static PyObject *token_array(PyObject *self, PyObject *arg)
     return result;
 }
 
+/* A list item as a token id: 0 <= id < 2**32 from an exact int, or -1 (not an exact int, or out of range). */
+static inline int64_t list_token(PyObject *item)
+{
+    if (!PyLong_CheckExact(item))
+        return -1;
+#if PY_VERSION_HEX >= 0x030C0000
+    if (PyUnstable_Long_IsCompact((PyLongObject *)item)) { /* |value| < 2**30: no conversion call */
+        const Py_ssize_t v = PyUnstable_Long_CompactValue((PyLongObject *)item);
+        return v >= 0 && (uint64_t)v <= UINT32_MAX ? (int64_t)v : -1;
+    }
+#else
+    const Py_ssize_t size = Py_SIZE(item);
+    if (size == 0 || size == 1)
+        return size ? (int64_t)((PyLongObject *)item)->ob_digit[0] : 0;
+#endif
+    const unsigned long long v = PyLong_AsUnsignedLongLong(item);
+    if (v == (unsigned long long)-1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return -1;
+    }
+    return v <= UINT32_MAX ? (int64_t)v : -1;
+}
+
+PyDoc_STRVAR(token_list_doc,
+"token_list(value) -> ndarray | None\n\n"
+"A list of exact ints in [0, 2**32) as a new uint32 array, read in one pass in C. None for anything else\n"
+"(another type, an item that is not an exact int, or an id out of range): the caller's Python path converts\n"
+"it or names the bad value.");
+
+static PyObject *token_list(PyObject *self, PyObject *arg)
+{
+    (void)self;
+    if (!PyList_CheckExact(arg))
+        Py_RETURN_NONE;
+    if (load_numpy() < 0)
+        return NULL;
+    const Py_ssize_t n = PyList_GET_SIZE(arg);
+    PyObject *arr = PyObject_CallFunction(ndarray_type, "(n)O", n, uint32_dtype);
+    if (!arr)
+        return NULL;
+    Py_buffer b;
+    if (PyObject_GetBuffer(arr, &b, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) {
+        Py_DECREF(arr);
+        return NULL;
+    }
+    uint32_t *out = b.buf;
+    PyObject **items = ((PyListObject *)arg)->ob_item;
+    int ok = PyList_GET_SIZE(arg) == n; /* nothing here runs Python code, so the list cannot change under us */
+    for (Py_ssize_t i = 0; ok && i < n; i++) {
+        if (i + 16 < n)
+            __builtin_prefetch(items[i + 16]); /* the int objects lie apart in memory: ask for them early */
+        const int64_t v = list_token(items[i]);
+        out[i] = (uint32_t)v;
+        ok = v >= 0;
+    }
+    PyBuffer_Release(&b);
+    if (!ok) {
+        Py_DECREF(arr);
+        Py_RETURN_NONE;
+    }
+    return arr;
+}
+
 static PyObject *extend_slow_name, *as_tokens_name;
 
 /* A static type: a Python subclass's own traverse and dealloc visit and release the (heap) subclass. */
@@ -1860,6 +1923,7 @@ static PyMethodDef methods[] = {
     {"insert_cached", insert_cached, METH_VARARGS, insert_cached_doc},
     {"join_runs", join_runs, METH_VARARGS, join_runs_doc},
     {"token_array", token_array, METH_O, token_array_doc},
+    {"token_list", token_list, METH_O, token_list_doc},
     {"reads_array_heads", reads_array_heads, METH_NOARGS, reads_array_heads_doc},
     {"lookup_ids", lookup_ids, METH_VARARGS, lookup_ids_doc},
     {"mirror_step", mirror_step, METH_VARARGS, mirror_step_doc},

@@ -588,6 +588,15 @@ class KVCacheManager:
         changed columns are appended to it in order (what ``changed_columns``
         gives after each extend).
         """
+        deltas = self._extend_decode(request_ids, tokens, counts)
+        if deltas is not None:  # the ids are a list, every one admitted
+            if changes is not None:
+                ends = deltas.offsets.tolist()
+                found = {i: deltas.cols[ends[k]:ends[k + 1]] for k, i in enumerate(deltas.index.tolist())}
+                changes.extend(found.get(i, _NO_COLUMNS) for i in range(len(request_ids)))
+            reqs = self._requests
+            return [None if n < 0 else req.view if (req := reqs[rid]).view is not None else _view(req)
+                    for rid, n in zip(request_ids, deltas.lens.tolist())]
         slots, flat, counts = self._check_many(request_ids, tokens, counts)
         views: list[np.ndarray | None] = []
         ok, changed, widths = self._extend_slots(slots, flat, counts, views)

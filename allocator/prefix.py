@@ -332,11 +332,15 @@ def as_token_array(tokens: Sequence[int] | np.ndarray, field: str = "tokens") ->
     """Tokens as a C-contiguous uint32 array, or KVCacheError naming ``field`` and the first bad value.
 
     The one token check of the package (hasher, manager, wire protocol). uint32
-    arrays pass without a scan, int32 ones as a view after one; lists convert and
-    range-check in C (array('I')).
+    arrays pass without a scan, int32 ones as a view after one; lists of ints
+    convert and range-check in one C pass.
     """
     if type(tokens) is np.ndarray:  # uint32, or int32 ids >= 0, 1-D and contiguous: one C call
         usual = _tables.token_array(tokens)
+        if usual is not None:
+            return usual
+    elif type(tokens) is list:  # exact ints in range: one C pass
+        usual = _tables.token_list(tokens)
         if usual is not None:
             return usual
     if isinstance(tokens, np.ndarray):

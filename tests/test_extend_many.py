@@ -220,20 +220,16 @@ def test_extend_many_takes_strided_counts_and_any_integer_tokens():
 
 @pytest.mark.parametrize("deltas", [True, False])
 def test_uniform_decode_steps_take_the_c_run_and_match_the_general_path(monkeypatch, deltas):
-    """Without events a uniform manager's decode steps go through one C pass (_tables.extend_decode for
-    extend_many_deltas, run_commit's run for extend_many); with events (the general numpy path) the same steps
-    give the same tables, free counts and prefix hits."""
+    """A uniform manager's decode steps go through one C pass (_tables.extend_decode), for extend_many_deltas and
+    extend_many alike; a manager kept off it (the general numpy path) gives the same tables, free counts and
+    prefix hits."""
     from kvcache.allocator import _tables
 
-    calls = []
-    if deltas:  # the blocks each pass opened
-        real = _tables.extend_decode
-        monkeypatch.setattr(_tables, "extend_decode", lambda *a: (r := real(*a)) and calls.append(len(r[0]) // 4) or r)
-    else:
-        real = _tables.run_commit
-        monkeypatch.setattr(_tables, "run_commit", lambda *a: calls.append(len(a[3])) or real(*a))
-    c_run, general = (KVCacheManager(64, 4, enable_prefix_caching=True, hash_seed=b"x", enable_events=e)
-                      for e in (False, True))
+    calls = []  # the blocks each pass opened
+    real = _tables.extend_decode
+    monkeypatch.setattr(_tables, "extend_decode", lambda *a: (r := real(*a)) and calls.append(len(r[0]) // 4) or r)
+    c_run, general = (KVCacheManager(64, 4, enable_prefix_caching=True, hash_seed=b"x") for _ in range(2))
+    general._decodes_in_one_pass = lambda: None
     rng = np.random.default_rng(3)
     for m in (c_run, general):
         for rid in range(6):

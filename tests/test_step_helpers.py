@@ -214,6 +214,33 @@ def test_token_array_is_the_python_conversion_or_declines(data: st.DataObject) -
 
 
 @settings(max_examples=300)
+@given(st.lists(st.one_of(st.integers(0, 2**32 - 1), st.integers(0, 2**30 + 5), st.integers(-5, -1),
+                          st.integers(2**32, 2**70), st.booleans(), st.floats(0, 10), st.just(np.int64(7))),
+                max_size=60))
+def test_token_list_reads_exact_ints_in_range_or_declines(values: list) -> None:
+    """A list of exact ints in [0, 2**32) comes back as a new writable uint32 array of them; anything else (bools,
+    floats, numpy scalars, ids out of range) is declined (None) for as_token_array's Python path, which converts
+    numpy scalars and names the bad value."""
+    got = _tables.token_list(values)
+    plain = all(type(v) is int and 0 <= v < 2**32 for v in values)
+    if plain:
+        assert got.dtype == np.uint32 and got.flags.writeable and got.tolist() == values
+    else:
+        assert got is None
+    try:
+        expected = np.array(values, dtype=np.uint64) if all(
+            not isinstance(v, (bool, float)) and 0 <= v < 2**32 for v in values) else None
+    except (OverflowError, ValueError):
+        expected = None
+    if expected is not None:
+        assert as_token_array(values).tolist() == expected.tolist()
+    elif any(isinstance(v, float) or (not isinstance(v, bool) and not 0 <= v < 2**32) for v in values):
+        with pytest.raises(KVCacheError, match="tokens"):
+            as_token_array(values)
+    assert _tables.token_list(tuple(values)) is None and _tables.token_list(np.array([1], np.uint32)) is None
+
+
+@settings(max_examples=300)
 @given(st.data())
 def test_check_tokens_holds_the_limit_and_the_range_on_its_one_call_path(data: st.DataObject) -> None:
     """check_tokens gives token_array's cases in one C call: the daemon's limit and the id range still hold for

@@ -1,18 +1,25 @@
-"""`kvcache bench allocator`: block pool, hashing and admit + free against vLLM v1's Python path, same run.
+"""`kvcache bench allocator`: block pool, hashing, admit + free and a scheduler step against vLLM, same run.
 
-Three sections, each best-of-N wall time (time.perf_counter_ns) after warm-up, in-process, with
-ours and the peer taking turns (in rounds, or in passes) so a slow spell of a shared machine
-does not fall on one side only:
+The peer is the installed vLLM itself (kvcache.bench.vllm: its `BlockPool`, request block hasher
+and `KVCacheManager`); where `vllm` is not importable, our rows are reported without it. Five
+sections, in this process, ours and the peer taking turns (in rounds, or in passes) so a slow
+spell of a shared machine does not fall on one side only:
   1. block allocate + free, ns per block: our BlockPool against vLLM's get_new_blocks + free_blocks;
-  2. hashing a 32,768-token prompt: a summary of kvcache.bench.hashing (ours against vLLM's loop);
+  2. hashing a 32,768-token prompt: a summary of kvcache.bench.hashing (ours against vLLM's hasher);
   3. end to end: admit + free of a 32,768-token prompt whose first half is cached, a fresh second
-     half every iteration, in a pool small enough that steady state evicts (as a server does).
-Each of our rows carries the peer's time over ours; rows with a target are marked
-ok / MISS. The exit code is 0 whatever the numbers: a benchmark reports, it does not fail.
+     half every iteration, in a pool small enough that steady state evicts (as a server does);
+  4. admit + free of a fresh prompt of 16 to 32,768 tokens (the fixed cost of a call and of
+     list input), from an array and from a list;
+  5. a scheduler step: 256 decoding requests (2,048-token prompts) each gain a token, the two
+     oldest end and two fresh prompts are admitted (p50 of steps after the pool started evicting).
+Times are the best of N (sections 1-4) or the median (5). Each of our rows carries the peer's
+time over ours; rows with a target are marked ok / MISS. The exit code is 0 whatever the
+numbers: a benchmark reports, it does not fail.
 """
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import platform
@@ -26,13 +33,13 @@ import numpy as np
 from kvcache.allocator import Full, KVCacheManager, Window, prefix
 from kvcache.allocator.pool import BlockPool
 from kvcache.allocator.swa import AttentionPolicy
-from kvcache.bench import vllm_peer
+from kvcache.bench import vllm
 from kvcache.bench.common import mark as _mark
 from kvcache.bench.common import positive_int as _positive_int
 from kvcache.bench.common import progress as _progress
 from kvcache.bench.common import ratio as _x
 from kvcache.bench.common import table as _table
-from kvcache.bench.hashing import _vllm_request_hashes, _vllm_sha256, bench_hashing
+from kvcache.bench.hashing import bench_hashing
 
 PROMPT_TOKENS = 32768
 SHARED_TOKENS = 16384
@@ -42,18 +49,36 @@ ALLOC_POOL_BLOCKS = 16384
 ALLOC_ROWS = (1, 8)
 POOL_PROMPTS = 4  # pool size in prompts' worth of blocks: small enough that iterations evict
 HEAD_WISE_ROWS: tuple[AttentionPolicy, ...] = (Window(4096, 64),) * 6 + (Full(),) * 2
+SWEEP_TOKENS = (16, 256, 2048, 32768)
+SWEEP_MIN_BLOCKS = 1024
+STEP_REQUESTS = 256
+STEP_PROMPT_TOKENS = 2048
+STEP_ADMITS = 2
+STEP_POOL_BLOCKS = 65536  # the steady set holds about 34,000: the pool starts evicting after ~120 steps
+STEP_WARMUP = 160
 VOCAB = 150_000
 SEED = "0"
 REPEAT = 50
 QUICK_REPEAT = 3
-PASSES = 2  # end to end: each contender's timed prompts come in this many separate passes
-REWARM = 2  # end to end: untimed prompts at the start of each pass
+PASSES = 2  # sections 2-4: each contender's timed samples come in this many separate passes
+REWARM = 2  # sections 3-4: untimed prompts at the start of each pass
 
 # Targets, for a 2-core machine.
 HASH_TARGET = {"sha256": 20.0, "sha256_cbor": 3.0}
 E2E_PEER_TARGET = 10.0
 E2E_MS_TARGET = 0.7  # block 16, uniform, ndarray input
 HEAD_WISE_TARGET = 2.0
+SWEEP_TARGET = 3.0
+STEP_TARGET = 15.0
+
+
+def _peer_ratio(peer: float | None, ours: float) -> float | None:
+    return None if peer is None else peer / ours
+
+
+def _check_target(ratio: float | None, target: float) -> bool | None:
+    """ok / MISS of a peer-over-ours ratio; None (no verdict) where the peer was not measured."""
+    return None if ratio is None else ratio >= target
 
 
 # --------------------------------------------------------------------------- 1. block allocate + free
@@ -64,12 +89,6 @@ def _ours_alloc_cycle(pool: BlockPool, row_col: np.ndarray, n: int, cycles: int)
     for _ in range(cycles):
         allocation = pool.allocate(n)
         pool.decref(row_col, allocation.blocks)
-
-
-def _peer_alloc_cycle(pool: vllm_peer.BlockPool, n: int, cycles: int) -> None:
-    """`cycles` times: vLLM's get_new_blocks(n), then free_blocks of them."""
-    for _ in range(cycles):
-        pool.free_blocks(pool.get_new_blocks(n))
 
 
 def _best_interleaved(fns: Sequence[Callable[[], object]], repeat: int) -> list[int]:
@@ -91,18 +110,20 @@ def _best_interleaved(fns: Sequence[Callable[[], object]], repeat: int) -> list[
     return best
 
 
-def bench_block_alloc(repeat: int) -> list[dict[str, Any]]:
+def bench_block_alloc(repeat: int, peer: bool) -> list[dict[str, Any]]:
     """ns per block of allocate + free for each batch size and row count, with vLLM's ns per block."""
     rows_out = []
     for n in ALLOC_BATCHES:
         cycles = max(1, 4000 // n)  # each sample is a few hundred microseconds, well above timer noise
-        peer_pool = vllm_peer.BlockPool(ALLOC_POOL_BLOCKS + 1)  # + vLLM's null block
-        fns = [partial(_peer_alloc_cycle, peer_pool, n, cycles)]
+        fns: list[Callable[[], object]] = []
+        if peer:
+            fns.append(partial(vllm.pool_cycle(ALLOC_POOL_BLOCKS + 1), n, cycles))  # + vLLM's null block
         for num_rows in ALLOC_ROWS:
             pool = BlockPool(num_rows, ALLOC_POOL_BLOCKS)
             fns.append(partial(_ours_alloc_cycle, pool, np.arange(num_rows, dtype=np.intp)[:, None], n, cycles))
-        peer_ns, *ours = (ns / (cycles * n) for ns in _best_interleaved(fns, repeat))
-        for num_rows, ours_ns in zip(ALLOC_ROWS, ours):
+        per_block = [ns / (cycles * n) for ns in _best_interleaved(fns, repeat)]
+        peer_ns = per_block.pop(0) if peer else None
+        for num_rows, ours_ns in zip(ALLOC_ROWS, per_block):
             rows_out.append({
                 "batch": n,
                 "rows": num_rows,
@@ -110,7 +131,7 @@ def bench_block_alloc(repeat: int) -> list[dict[str, Any]]:
                 "ours_ns_per_block": ours_ns,
                 "ours_ns_per_row_block": ours_ns / num_rows,
                 "peer_ns_per_block": peer_ns,
-                "peer_over_ours": peer_ns / ours_ns,
+                "peer_over_ours": _peer_ratio(peer_ns, ours_ns),
             })
     return rows_out
 
@@ -130,15 +151,15 @@ def best_hashing_rows(runs: Sequence[list[dict[str, Any]]]) -> list[dict[str, An
 
 
 def summarise_hashing(raw: list[dict[str, Any]], backend: str) -> list[dict[str, Any]]:
-    """Our default-backend ndarray rows, with vLLM's time (same hash name), ratio and target check."""
+    """Our default-backend rows (ndarray and list input), with vLLM's time (same hash name), ratio and target."""
     peers = {(r["algorithm"], r["block_size"]): r for r in raw if r["impl"] != "kvcache"}
     out = []
     for r in raw:
-        if r["impl"] != "kvcache" or r["backend"] != backend or not r["input"].startswith("ndarray"):
+        if r["impl"] != "kvcache" or r["backend"] != backend:
             continue
-        peer_ms = peers[(r["algorithm"], r["block_size"])]["ms_per_prompt"] if (
-            (r["algorithm"], r["block_size"]) in peers) else None
-        ratio = None if peer_ms is None else peer_ms / r["ms_per_prompt"]
+        peer = peers.get((r["algorithm"], r["block_size"]))
+        peer_ms = None if peer is None else peer["ms_per_prompt"]
+        ratio = _peer_ratio(peer_ms, r["ms_per_prompt"])
         target = HASH_TARGET[r["algorithm"]]
         out.append({
             "algorithm": r["algorithm"],
@@ -152,23 +173,29 @@ def summarise_hashing(raw: list[dict[str, Any]], backend: str) -> list[dict[str,
             "peer": r["peer"],
             "peer_ms": peer_ms,
             "peer_over_ours": ratio,
-            "target": f"vllm/ours >= {target:g}x" + (" (~0.15-0.25 ms)" if r["algorithm"] == "sha256" else ""),
-            "ok": None if ratio is None else ratio >= target,
+            "target": f"vllm/ours >= {target:g}x",
+            "ok": _check_target(ratio, target),
         })
     return out
 
 
-# --------------------------------------------------------------------------- 3. end to end
+# --------------------------------------------------------------------------- 3. and 4. admit + free
 
 
-def _prompts(rng: np.random.Generator, shared: np.ndarray, count: int) -> list[np.ndarray]:
-    """`count` prompts: the shared first half, then fresh random tokens (int32, as a scheduler holds them)."""
-    fresh = rng.integers(0, VOCAB, size=(count, PROMPT_TOKENS - SHARED_TOKENS), dtype=np.int32)
+def _prompts(rng: np.random.Generator, shared: np.ndarray, count: int, num_tokens: int) -> list[np.ndarray]:
+    """`count` prompts of `num_tokens`: `shared` first, then fresh random tokens (int32, as a scheduler holds them)."""
+    fresh = rng.integers(0, VOCAB, size=(count, num_tokens - shared.size), dtype=np.int32)
     return [np.concatenate([shared, row]) for row in fresh]
 
 
+def _as_lists(prompts: Sequence[np.ndarray], shared: np.ndarray) -> list[list[int]]:
+    """The prompts as lists, sharing the first part's int objects (as a scheduler's lists would)."""
+    shared_list = shared.tolist()
+    return [shared_list + p[shared.size:].tolist() for p in prompts]
+
+
 class _Contender(NamedTuple):
-    """One end-to-end case: how to run one prompt, its prompts, and its cached-hash count."""
+    """One admit + free case: how to run one prompt, its prompts, and its cached-hash count."""
 
     impl: str
     mode: str
@@ -218,13 +245,28 @@ def _ours_cycle(manager: KVCacheManager, i: int, tokens: Any) -> int:
     return admission.num_cached_tokens
 
 
-def _peer_cycle(manager: vllm_peer.KVCacheManager, none_hash: bytes, block_size: int, i: int, tokens: list[int]) -> int:
-    """vLLM's path for one prompt: hash every full block (sha256 of pickle), admit, free."""
-    block_hashes = _vllm_request_hashes(_vllm_sha256, none_hash, tokens, block_size)
-    admitted = manager.admit(str(i), block_hashes, len(tokens))
-    assert admitted is not None, "the pool holds four prompts: admit must succeed"
-    manager.free(str(i))
-    return admitted[0]
+def _peer_cycle(allocator: vllm.Allocator, i: int, tokens: list[int]) -> int:
+    """vLLM's path for one prompt: a `Request` (its blocks hashed as it is built), admit, free."""
+    request = allocator.request(tokens)
+    hit = allocator.admit(request)
+    assert hit is not None, "the pool holds four prompts: admit must succeed"
+    allocator.free(request)
+    return hit
+
+
+def _ours(mode: str, kind: str, rows: tuple[AttentionPolicy, ...], num_blocks: int, block_size: int,
+          inputs: Sequence[Any], setup: np.ndarray) -> _Contender:
+    manager = KVCacheManager(num_blocks, block_size, rows, hash_seed=SEED)
+    _ours_cycle(manager, -1, setup)
+    return _Contender("kvcache", mode, kind, partial(_ours_cycle, manager), inputs,
+                      lambda: manager.stats().num_cached_hashes)
+
+
+def _peer(num_blocks: int, block_size: int, inputs: Sequence[list[int]], setup: np.ndarray) -> _Contender:
+    allocator = vllm.Allocator(num_blocks + 1, block_size)  # + vLLM's null block: same usable blocks
+    _peer_cycle(allocator, -1, setup.tolist())
+    return _Contender(f"vllm {vllm.version()}", "uniform", "list[int]", partial(_peer_cycle, allocator), inputs,
+                      allocator.num_cached_blocks)
 
 
 def _warmup_iterations(block_size: int) -> int:
@@ -235,17 +277,17 @@ def _warmup_iterations(block_size: int) -> int:
     return -(-free_after_setup // new_blocks) + 2
 
 
-def _e2e_row(block_size: int, mode: str, kind: str, impl: str, ns: int, hits: list[int], evicted: int
-             ) -> dict[str, Any]:
-    """One end-to-end result row."""
+def _cycle_row(c: _Contender, block_size: int, num_tokens: int, shared: int, pool_blocks: int, ns: int,
+               hits: list[int], evicted: int) -> dict[str, Any]:
+    """One admit + free result row."""
     return {
-        "impl": impl,
+        "impl": c.impl,
         "block_size": block_size,
-        "mode": mode,
-        "input": kind,
-        "num_tokens": PROMPT_TOKENS,
-        "shared_tokens": SHARED_TOKENS,
-        "pool_blocks": POOL_PROMPTS * PROMPT_TOKENS // block_size,
+        "mode": c.mode,
+        "input": c.input,
+        "num_tokens": num_tokens,
+        "shared_tokens": shared,
+        "pool_blocks": pool_blocks,
         "ms": ns / 1e6,
         "hit_tokens_min": min(hits),
         "hit_tokens_max": max(hits),
@@ -254,8 +296,8 @@ def _e2e_row(block_size: int, mode: str, kind: str, impl: str, ns: int, hits: li
     }
 
 
-def bench_end_to_end(repeat: int) -> list[dict[str, Any]]:
-    """Admit + free of half-cached prompts for ours (uniform, head-wise; ndarray, list) and vLLM's path."""
+def bench_end_to_end(repeat: int, peer: bool) -> list[dict[str, Any]]:
+    """Admit + free of half-cached prompts for ours (uniform, head-wise; ndarray, list) and vLLM's manager."""
     rng = np.random.default_rng(0)
     shared = rng.integers(0, VOCAB, size=SHARED_TOKENS, dtype=np.int32)
     out: list[dict[str, Any]] = []
@@ -263,31 +305,19 @@ def bench_end_to_end(repeat: int) -> list[dict[str, Any]]:
         num_blocks = POOL_PROMPTS * PROMPT_TOKENS // bs
         warmup = _warmup_iterations(bs)
         new_per_cycle = (PROMPT_TOKENS - SHARED_TOKENS) // bs
-        setup, = _prompts(rng, shared, 1)
+        setup, = _prompts(rng, shared, 1, PROMPT_TOKENS)
         per_pass = -(-repeat // PASSES)
-        prompts = _prompts(rng, shared, warmup + PASSES * (REWARM + per_pass))
-        shared_list = shared.tolist()  # the lists share the first half's int objects, as a scheduler's would
-        lists = [shared_list + p[SHARED_TOKENS:].tolist() for p in prompts]
+        prompts = _prompts(rng, shared, warmup + PASSES * (REWARM + per_pass), PROMPT_TOKENS)
+        lists = _as_lists(prompts, shared)
         kind = f"ndarray[{prompts[0].dtype}]"
-        cases: list[tuple[str, tuple[AttentionPolicy, ...], str, Sequence[Any]]] = [
-            ("uniform", (Full(),), kind, prompts),
-            ("head-wise 8", HEAD_WISE_ROWS, kind, prompts),
-        ]
+        contenders = [_ours("uniform", kind, (Full(),), num_blocks, bs, prompts, setup)]
         if bs == BLOCK_SIZES[0]:
-            cases.insert(1, ("uniform", (Full(),), "list[int]", lists))
-        contenders = []
-        for mode, rows, kind, inputs in cases:
-            manager = KVCacheManager(num_blocks, bs, rows, hash_seed=SEED)
-            _ours_cycle(manager, -1, setup)
-            contenders.append(_Contender("kvcache", mode, kind, partial(_ours_cycle, manager), inputs,
-                                         lambda m=manager: m.stats().num_cached_hashes))
-        peer = vllm_peer.KVCacheManager(num_blocks + 1, bs)  # + vLLM's null block: same usable blocks
-        none_hash = _vllm_sha256(SEED)
-        _peer_cycle(peer, none_hash, bs, -1, setup.tolist())
-        contenders.append(_Contender("vllm (sha256 pickle, python)", "uniform", "list[int]",
-                                     partial(_peer_cycle, peer, none_hash, bs), lists, peer.num_cached_hashes))
+            contenders.append(_ours("uniform", "list[int]", (Full(),), num_blocks, bs, lists, setup))
+        contenders.append(_ours("head-wise 8", kind, HEAD_WISE_ROWS, num_blocks, bs, prompts, setup))
+        if peer:
+            contenders.append(_peer(num_blocks, bs, lists, setup))
         for c, (ns, hits, evicted) in zip(contenders, _measure_in_passes(contenders, warmup, per_pass, new_per_cycle)):
-            out.append(_e2e_row(bs, c.mode, c.input, c.impl, ns, hits, evicted))
+            out.append(_cycle_row(c, bs, PROMPT_TOKENS, SHARED_TOKENS, num_blocks, ns, hits, evicted))
     _add_e2e_ratios(out)
     return out
 
@@ -301,44 +331,157 @@ def _add_e2e_ratios(rows: list[dict[str, Any]]) -> None:
         if r["impl"] != "kvcache":
             continue
         bs = r["block_size"]
-        r["peer_ms"] = peer_ms[bs]
-        r["peer_over_ours"] = peer_ms[bs] / r["ms"]
+        r["peer_ms"] = peer_ms.get(bs)
+        r["peer_over_ours"] = _peer_ratio(r["peer_ms"], r["ms"])
         if r["mode"] == "uniform":
             r["target"] = f"vllm/ours >= {E2E_PEER_TARGET:g}x"
-            r["ok"] = r["peer_over_ours"] >= E2E_PEER_TARGET
+            r["ok"] = _check_target(r["peer_over_ours"], E2E_PEER_TARGET)
             if bs == 16 and r["input"].startswith("ndarray"):
                 r["target"] += f", <= {E2E_MS_TARGET:g} ms"
-                r["ok"] = r["ok"] and r["ms"] <= E2E_MS_TARGET
+                r["ok"] = (r["ok"] is not False) and r["ms"] <= E2E_MS_TARGET
         else:
             r["head_wise_over_uniform"] = r["ms"] / uniform_ms[bs]
             r["target"] = f"head-wise/uniform <= {HEAD_WISE_TARGET:g}x"
             r["ok"] = r["head_wise_over_uniform"] <= HEAD_WISE_TARGET
 
 
+def bench_prompt_lengths(repeat: int, peer: bool) -> list[dict[str, Any]]:
+    """Admit + free of fresh prompts of each length in SWEEP_TOKENS (block 16), ndarray and list, and vLLM's."""
+    rng = np.random.default_rng(1)
+    none = np.empty(0, dtype=np.int32)
+    bs = BLOCK_SIZES[0]
+    out: list[dict[str, Any]] = []
+    for num_tokens in SWEEP_TOKENS:
+        _progress(f"4. admit + free of a fresh {num_tokens:,}-token prompt")
+        num_blocks = max(SWEEP_MIN_BLOCKS, POOL_PROMPTS * -(-num_tokens // bs))
+        warmup = -(-num_blocks // max(1, num_tokens // bs)) + 2  # then every admit evicts
+        per_pass = -(-repeat // PASSES) * (4 if num_tokens <= 256 else 1)  # short calls: more samples, same time
+        setup, = _prompts(rng, none, 1, num_tokens)
+        prompts = _prompts(rng, none, warmup + PASSES * (REWARM + per_pass), num_tokens)
+        lists = _as_lists(prompts, none)
+        contenders = [_ours("uniform", "ndarray[int32]", (Full(),), num_blocks, bs, prompts, setup),
+                      _ours("uniform", "list[int]", (Full(),), num_blocks, bs, lists, setup)]
+        if peer:
+            contenders.append(_peer(num_blocks, bs, lists, setup))
+        results = _measure_in_passes(contenders, warmup, per_pass, num_tokens // bs)
+        rows = [_cycle_row(c, bs, num_tokens, 0, num_blocks, ns, hits, evicted)
+                for c, (ns, hits, evicted) in zip(contenders, results)]
+        peer_ms = rows[-1]["ms"] if peer else None
+        for r in rows:
+            r["us"] = r["ms"] * 1e3
+            if r["impl"] == "kvcache":
+                r["peer_ms"] = peer_ms
+                r["peer_over_ours"] = _peer_ratio(peer_ms, r["ms"])
+                r["target"] = f"vllm/ours >= {SWEEP_TARGET:g}x"
+                r["ok"] = _check_target(r["peer_over_ours"], SWEEP_TARGET)
+        out.extend(rows)
+    return out
+
+
+# --------------------------------------------------------------------------- 5. scheduler step
+
+
+class _OursStep:
+    """The step workload of kvcache.bench.vllm.SchedulerStep on our KVCacheManager, in this process."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.manager = KVCacheManager(num_blocks, BLOCK_SIZES[0], (Full(),), hash_seed=SEED)
+        self.live: collections.deque[int] = collections.deque()
+        self.next_id = 0
+        self.ones = np.ones(STEP_REQUESTS, dtype=np.int32)
+
+    def setup(self, rng: np.random.Generator) -> None:
+        for prompt in rng.integers(0, VOCAB, size=(STEP_REQUESTS + STEP_ADMITS, STEP_PROMPT_TOKENS)).tolist():
+            self._admit(prompt)
+
+    def _admit(self, prompt: list[int]) -> None:
+        if self.manager.admit(self.next_id, prompt) is None:
+            raise RuntimeError("the pool is too small for the step workload")
+        self.live.append(self.next_id)
+        self.next_id += 1
+
+    def step(self, inp: vllm.StepInput) -> None:
+        manager = self.manager
+        for _ in inp.prompts:
+            manager.free(self.live.popleft())
+        tables = manager.extend_many(list(self.live), inp.decode, self.ones)
+        if any(t is None for t in tables):
+            raise RuntimeError("the pool is too small for the step workload")
+        for prompt in inp.prompts:
+            self._admit(prompt)
+
+    def run(self, inputs: Sequence[vllm.StepInput]) -> np.ndarray:
+        out = np.empty(len(inputs), dtype=np.int64)
+        for i, inp in enumerate(inputs):
+            t0 = time.perf_counter_ns()
+            self.step(inp)
+            out[i] = time.perf_counter_ns() - t0
+        return out
+
+
+def bench_step(repeat: int, peer: bool) -> dict[str, Any]:
+    """p50/p99 of a scheduler step, ours and vLLM's, after STEP_WARMUP steps (the pool evicting), in turns."""
+    rng = np.random.default_rng(2)
+    contenders: list[Any] = [_OursStep(STEP_POOL_BLOCKS)]
+    if peer:
+        contenders.append(vllm.SchedulerStep(STEP_REQUESTS, STEP_PROMPT_TOKENS, STEP_ADMITS, BLOCK_SIZES[0],
+                                             STEP_POOL_BLOCKS + 1))
+    rounds, per_round = PASSES * 2, max(4, repeat)
+    inputs = vllm.step_inputs(rng, STEP_WARMUP + rounds * per_round, STEP_REQUESTS, STEP_ADMITS, STEP_PROMPT_TOKENS,
+                              VOCAB)
+    for c in contenders:
+        c.setup(rng)
+        c.run(inputs[:STEP_WARMUP])
+    times: list[list[np.ndarray]] = [[] for _ in contenders]
+    for r in range(rounds):
+        chunk = inputs[STEP_WARMUP + r * per_round:STEP_WARMUP + (r + 1) * per_round]
+        for k, c in enumerate(contenders):
+            times[k].append(c.run(chunk))
+    p50, p99 = ([float(np.percentile(np.concatenate(t), q)) / 1e3 for t in times] for q in (50, 99))
+    peer_p50 = p50[1] if peer else None
+    ratio = _peer_ratio(peer_p50, p50[0])
+    return {
+        "requests": STEP_REQUESTS, "prompt_tokens": STEP_PROMPT_TOKENS, "admits": STEP_ADMITS,
+        "frees": STEP_ADMITS, "block_size": BLOCK_SIZES[0], "pool_blocks": STEP_POOL_BLOCKS,
+        "steps": rounds * per_round, "input": "list[int]",
+        "ours_p50_us": p50[0], "ours_p99_us": p99[0],
+        "peer_p50_us": peer_p50, "peer_p99_us": p99[1] if peer else None,
+        "peer_over_ours": ratio,
+        "target": f"vllm/ours >= {STEP_TARGET:g}x (p50)",
+        "ok": _check_target(ratio, STEP_TARGET),
+    }
+
+
 # --------------------------------------------------------------------------- report
+
+
+def _ms(value: float | None, digits: int = 3) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
 
 
 def render(result: dict[str, Any]) -> str:
     """The human-readable report: one table per section."""
     cfg = result["config"]
+    peer = f"vLLM {cfg['vllm']}" if cfg["vllm"] else "vLLM not importable: peer columns empty"
+    step = result["step"]
     out = [
         f"kvcache bench allocator: repeat {cfg['repeat']} (best of), python {cfg['python']}, "
-        f"numpy {cfg['numpy']}, {cfg['cpus']} cpu(s){', quick' if cfg['quick'] else ''}",
+        f"numpy {cfg['numpy']}, {cfg['cpus']} cpu(s){', quick' if cfg['quick'] else ''}; peer: {peer}",
         "",
         "1. block allocate + free, ns per block (8 rows: one id per kv head; vLLM's one block serves all heads)",
         _table(
             ["batch", "rows", "ours ns/block", "ours ns/(row,block)", "vllm ns/block", "vllm/ours"],
             [[str(r["batch"]), str(r["rows"]), f"{r['ours_ns_per_block']:.0f}", f"{r['ours_ns_per_row_block']:.0f}",
-              f"{r['peer_ns_per_block']:.0f}", _x(r["peer_over_ours"])] for r in result["block_alloc"]],
+              _ms(r["peer_ns_per_block"], 0), _x(r["peer_over_ours"])] for r in result["block_alloc"]],
         ),
         "",
         f"2. hashing a {PROMPT_TOKENS:,}-token prompt (kvcache.bench.hashing; backend "
         f"{cfg['hash_backend']}; floor: one hashlib call over the same SHA-256 compressions)",
         _table(
-            ["algorithm", "block", "ours ms", "ns/token", "floor ms", "vllm ms", "vllm/ours", "target", ""],
-            [[r["algorithm"], str(r["block_size"]), f"{r['ours_ms']:.3f}", f"{r['ours_ns_per_token']:.2f}",
-              f"{r['limit_ms']:.3f}", "-" if r["peer_ms"] is None else f"{r['peer_ms']:.3f}",
-              _x(r["peer_over_ours"]), r["target"], _mark(r["ok"])] for r in result["hashing"]],
+            ["algorithm", "block", "input", "ours ms", "ns/token", "floor ms", "vllm ms", "vllm/ours", "target", ""],
+            [[r["algorithm"], str(r["block_size"]), r["input"], f"{r['ours_ms']:.3f}", f"{r['ours_ns_per_token']:.2f}",
+              f"{r['limit_ms']:.3f}", _ms(r["peer_ms"]), _x(r["peer_over_ours"]), r["target"], _mark(r["ok"])]
+             for r in result["hashing"]],
         ),
         "",
         f"3. end to end: admit + free of a {PROMPT_TOKENS:,}-token prompt whose first {SHARED_TOKENS:,} tokens are "
@@ -348,19 +491,37 @@ def render(result: dict[str, Any]) -> str:
         _table(
             ["block", "mode", "input", "ours ms", "vllm ms", "vllm/ours", "hw/uniform", "hit tokens", "evicted",
              "target", ""],
-            [[str(r["block_size"]), r["mode"], r["input"], f"{r['ms']:.3f}", f"{r['peer_ms']:.3f}",
+            [[str(r["block_size"]), r["mode"], r["input"], f"{r['ms']:.3f}", _ms(r["peer_ms"]),
               _x(r["peer_over_ours"]), _x(r.get("head_wise_over_uniform")),
               _hits(r), f"{r['evicted_hashes']:,}", r["target"], _mark(r["ok"])]
              for r in result["end_to_end"] if r["impl"] == "kvcache"],
         ),
-        "  vllm path (sha256(pickle) per block, find_longest_cache_hit, touch, get_new_blocks, cache_full_blocks, "
-        "free tail first): " + "; ".join(
+        "  vllm (a Request with its block hasher, get_computed_blocks, allocate_slots, free): " + ("; ".join(
             f"block {r['block_size']} {r['ms']:.3f} ms, hit {_hits(r)}, evicted {r['evicted_hashes']:,}"
-            for r in result["end_to_end"] if r["impl"] != "kvcache"
+            for r in result["end_to_end"] if r["impl"] != "kvcache") or "-"),
+        "",
+        f"4. admit + free of a fresh prompt (no cached prefix, block {BLOCK_SIZES[0]}, pool {POOL_PROMPTS} prompts' "
+        f"worth or {SWEEP_MIN_BLOCKS:,} blocks), microseconds",
+        _table(
+            ["tokens", "input", "ours us", "vllm us", "vllm/ours", "target", ""],
+            [[f"{r['num_tokens']:,}", r["input"], f"{r['us']:.1f}", _ms(None if r["peer_ms"] is None else r["peer_ms"] * 1e3, 1),
+              _x(r["peer_over_ours"]), r["target"], _mark(r["ok"])]
+             for r in result["prompt_lengths"] if r["impl"] == "kvcache"],
         ),
         "",
-        f"targets met: {sum(t['ok'] for t in result['targets'])} of {len(result['targets'])}",
-        *(f"  MISS {t['name']}: {t['value']} (target {t['target']})" for t in result["targets"] if not t["ok"]),
+        f"5. scheduler step, in process: {step['requests']} decoding requests ({step['prompt_tokens']:,}-token "
+        f"prompts) gain a token, {step['frees']} end, {step['admits']} fresh prompts admitted; lists in; "
+        f"pool {step['pool_blocks']:,} blocks, evicting",
+        _table(
+            ["", "p50 us", "p99 us", "vllm/ours (p50)", "target", ""],
+            [["kvcache", f"{step['ours_p50_us']:.1f}", f"{step['ours_p99_us']:.1f}", _x(step["peer_over_ours"]),
+              step["target"], _mark(step["ok"])],
+             ["vllm", _ms(step["peer_p50_us"], 1), _ms(step["peer_p99_us"], 1), "", "", ""]],
+        ),
+        "",
+        f"targets met: {sum(bool(t['ok']) for t in result['targets'])} of {len(result['targets'])}"
+        + ("" if cfg["vllm"] else " (peer targets need vllm)"),
+        *(f"  MISS {t['name']}: {t['value']} (target {t['target']})" for t in result["targets"] if t["ok"] is False),
     ]
     return "\n".join(out)
 
@@ -370,33 +531,45 @@ def _hits(row: dict[str, Any]) -> str:
     return f"{lo:,}" if lo == hi else f"{lo:,}..{hi:,}"
 
 
-def _targets(hashing: list[dict[str, Any]], e2e: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Every row with a target, flattened for a summary line."""
+def _targets(hashing: list[dict[str, Any]], e2e: list[dict[str, Any]], lengths: list[dict[str, Any]],
+             step: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every row with a verdict (ok or MISS), flattened for a summary line."""
     out = []
     for r in hashing:
-        if r["ok"] is not None:
-            out.append({"name": f"hashing {r['algorithm']} block {r['block_size']}",
-                        "value": _x(r["peer_over_ours"]), "target": r["target"], "ok": bool(r["ok"])})
+        out.append({"name": f"hashing {r['algorithm']} block {r['block_size']} {r['input']}",
+                    "value": _x(r["peer_over_ours"]), "target": r["target"], "ok": r["ok"]})
     for r in e2e:
         if r["impl"] == "kvcache":
             value = (f"{r['ms']:.3f} ms, {_x(r['peer_over_ours'])}" if r["mode"] == "uniform"
                      else _x(r["head_wise_over_uniform"]))
             out.append({"name": f"end to end block {r['block_size']} {r['mode']} {r['input']}",
-                        "value": value, "target": r["target"], "ok": bool(r["ok"])})
-    return out
+                        "value": value, "target": r["target"], "ok": r["ok"]})
+    for r in lengths:
+        if r["impl"] == "kvcache":
+            out.append({"name": f"admit + free {r['num_tokens']} tokens {r['input']}",
+                        "value": f"{r['us']:.1f} us, {_x(r['peer_over_ours'])}", "target": r["target"],
+                        "ok": r["ok"]})
+    out.append({"name": "scheduler step", "value": f"{step['ours_p50_us']:.1f} us, {_x(step['peer_over_ours'])}",
+                "target": step["target"], "ok": step["ok"]})
+    return [t for t in out if t["ok"] is not None]
 
 
 def run_benchmark(repeat: int, quick: bool) -> dict[str, Any]:
     """Every section, measured now; one JSON-ready dict."""
     native = prefix._chainhash
     backend = native.backend() if native is not None else "python"
-    _progress("1. block allocate + free")
-    block_alloc = bench_block_alloc(repeat)
+    peer_version = vllm.version()
+    peer = peer_version is not None
+    _progress(f"1. block allocate + free (peer: {'vllm ' + peer_version if peer else 'none, vllm not importable'})")
+    block_alloc = bench_block_alloc(repeat, peer)
     _progress(f"2. hashing a {PROMPT_TOKENS:,}-token prompt, {PASSES} passes")
     runs = [bench_hashing(PROMPT_TOKENS, BLOCK_SIZES, repeat=max(4, -(-repeat // PASSES))) for _ in range(PASSES)]
     hashing = summarise_hashing(best_hashing_rows(runs), backend)
-    _progress("3. end to end: admit + free")
-    e2e = bench_end_to_end(repeat)
+    _progress("3. end to end: admit + free of half-cached prompts")
+    e2e = bench_end_to_end(repeat, peer)
+    lengths = bench_prompt_lengths(repeat, peer)
+    _progress("5. scheduler step")
+    step = bench_step(repeat, peer)
     return {
         "benchmark": "allocator",
         "config": {
@@ -406,11 +579,14 @@ def run_benchmark(repeat: int, quick: bool) -> dict[str, Any]:
             "numpy": np.__version__,
             "cpus": os.cpu_count(),
             "hash_backend": backend,
+            "vllm": peer_version,
         },
         "block_alloc": block_alloc,
         "hashing": hashing,
         "end_to_end": e2e,
-        "targets": _targets(hashing, e2e),
+        "prompt_lengths": lengths,
+        "step": step,
+        "targets": _targets(hashing, e2e, lengths, step),
     }
 
 
@@ -425,12 +601,13 @@ def add_parser(targets: argparse._SubParsersAction) -> None:
     """Register `kvcache bench allocator`."""
     p = targets.add_parser(
         "allocator",
-        help="block pool, prefix hashing and admit + free, against vLLM v1's Python allocator",
-        description="Time, in this process, (1) block allocate + free per block against vLLM's "
-        "get_new_blocks/free_blocks, (2) hashing a 32,768-token prompt against vLLM's sha256 and "
-        "sha256_cbor loops, (3) admit + free of a 32,768-token prompt with half of it cached, uniform "
-        "and head-wise (8 rows), against vLLM's hash + find_longest_cache_hit + allocate + free path. "
-        "Prints ratios to the peer and marks the targets ok/MISS; always exits 0.",
+        help="block pool, prefix hashing, admit + free and a scheduler step, against vLLM's own allocator",
+        description="Time, in this process, (1) block allocate + free per block, (2) hashing a 32,768-token "
+        "prompt, (3) admit + free of a 32,768-token prompt with half of it cached, uniform and head-wise "
+        "(8 rows), (4) admit + free of fresh prompts of 16 to 32,768 tokens from arrays and lists, (5) a "
+        "scheduler step of 256 decoding requests; each against the installed vLLM's BlockPool, request "
+        "block hasher and KVCacheManager (`pip install vllm` to compare; without it our rows are reported "
+        "alone). Prints ratios to the peer and marks the targets ok/MISS; always exits 0.",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the tables")
     p.add_argument(
@@ -444,7 +621,7 @@ def add_parser(targets: argparse._SubParsersAction) -> None:
         type=_positive_int,
         metavar="N",
         help=f"timed runs per measurement, the best is reported (default {REPEAT}, or {QUICK_REPEAT} with "
-        f"--quick); sections 2 and 3 split them over {PASSES} passes, and kvcache.bench.hashing times "
-        "vLLM's slow loop a quarter as often",
+        f"--quick); sections 2-4 split them over {PASSES} passes, and kvcache.bench.hashing times "
+        "vLLM's slower hasher a quarter as often",
     )
     p.set_defaults(run=_run)

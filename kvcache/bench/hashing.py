@@ -1,14 +1,13 @@
-"""Benchmark of prefix-cache block hashing: BlockHasher against vLLM's Python loop, same run.
+"""Benchmark of prefix-cache block hashing: BlockHasher against vLLM's own request block hasher, same run.
 
 Rows report ms per prompt and ns per token (best of `repeat` after a warm-up). Our rows carry
-`peer_over_ours` (how many times faster than vLLM's loop with the same hash name) and
-`limit_ms`: hashlib (OpenSSL) hashing the same number of SHA-256 compressions in one call,
-the floor for any chained SHA-256 of this prompt.
+`peer_over_ours` (how many times faster than the installed vLLM's hasher with the same hash
+name; None where vLLM is not importable) and `limit_ms`: hashlib (OpenSSL) hashing the same
+number of SHA-256 compressions in one call, the floor for any chained SHA-256 of this prompt.
 """
 from __future__ import annotations
 
 import hashlib
-import pickle
 import time
 from functools import partial
 from collections.abc import Callable, Sequence
@@ -17,78 +16,9 @@ from typing import Any
 import numpy as np
 
 from kvcache.allocator import prefix
-
-try:
-    import cbor2
-except ImportError:  # the peer's sha256_cbor row is then reported as unavailable
-    cbor2 = None
+from kvcache.bench import vllm
 
 _SEED = "0"
-
-
-# --------------------------------------------------------------------------- the peer: vLLM's loop
-# A faithful re-statement of vLLM's per-block hashing in pure Python, with its costs kept:
-#   vllm/utils/hashing.py (vllm-project/vllm @ ac621345): sha256 = hashlib.sha256(pickle.dumps(x,
-#     protocol=HIGHEST_PROTOCOL)); sha256_cbor = hashlib.sha256(cbor2.dumps(x, canonical=True)).
-#     Newer versions add xxhash / xxhash_cbor (optional xxhash package); not measured here.
-#   vllm/v1/core/kv_cache_utils.py (vllm-project/vllm @ 001cabc1): get_request_block_hasher's
-#     loop, generate_block_hash_extra_keys (mm, LoRA, salt, prompt-embeds lists, None when empty)
-#     and hash_block_tokens (NONE_HASH for block 0, hash of (parent, tuple(tokens), extra_keys)).
-
-
-def _vllm_sha256(value: Any) -> bytes:
-    """vLLM's `sha256`: SHA-256 of the pickled object."""
-    return hashlib.sha256(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)).digest()
-
-
-def _vllm_sha256_cbor(value: Any) -> bytes:
-    """vLLM's `sha256_cbor`: SHA-256 of canonical CBOR."""
-    return hashlib.sha256(cbor2.dumps(value, canonical=True)).digest()
-
-
-def _vllm_extra_keys(start: int, end: int, mm_idx: int) -> tuple[tuple[Any, ...] | None, int]:
-    """vLLM's generate_block_hash_extra_keys for a plain request (no mm, LoRA, salt or embeds).
-
-    Each helper returns its empty list at once for such a request; the concatenation and the
-    None result are what vLLM pays per block.
-    """
-    mm_keys: list[Any] = []
-    lora_keys: list[str] = []
-    salt_keys: list[str] = []
-    embeds_keys: list[bytes] = []
-    keys = lora_keys + mm_keys + salt_keys + embeds_keys
-    if not keys:
-        return None, mm_idx
-    return tuple(keys), mm_idx
-
-
-def _vllm_hash_block_tokens(
-    hash_fn: Callable[[Any], bytes], none_hash: bytes, parent: bytes | None, tokens: Sequence[int], extra: Any
-) -> bytes:
-    """vLLM's hash_block_tokens."""
-    if not parent:
-        parent = none_hash
-    return hash_fn((parent, tuple(tokens), extra))
-
-
-def _vllm_request_hashes(
-    hash_fn: Callable[[Any], bytes], none_hash: bytes, tokens: list[int], block_size: int
-) -> list[bytes]:
-    """vLLM's request_block_hasher for a request with no hashes yet."""
-    start = 0
-    mm_idx = 0
-    prev: bytes | None = None
-    hashes: list[bytes] = []
-    while True:
-        end = start + block_size
-        if end > len(tokens):
-            break
-        extra, mm_idx = _vllm_extra_keys(start, end, mm_idx)
-        block_hash = _vllm_hash_block_tokens(hash_fn, none_hash, prev, tokens[start:end], extra)
-        hashes.append(block_hash)
-        start += block_size
-        prev = block_hash
-    return hashes
 
 
 # --------------------------------------------------------------------------- measurement
@@ -134,25 +64,21 @@ def _row(impl: str, algorithm: str, block_size: int, num_tokens: int, ns: int, *
 def bench_hashing(
     num_tokens: int = 32768, block_sizes: Sequence[int] = (16, 64), repeat: int = 20
 ) -> list[dict[str, Any]]:
-    """Time hashing one prompt of num_tokens with each algorithm and backend, and vLLM's loop."""
+    """Time hashing one prompt of num_tokens with each algorithm and backend, and vLLM's request block hasher."""
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, 150_000, size=num_tokens, dtype=np.uint32)
     token_list = tokens.tolist()
     native = prefix._chainhash
     backends = native.available_backends() if native is not None else ("python",)
-    peers: dict[str, tuple[str, Callable[[Any], bytes] | None]] = {
-        "sha256": ("vllm sha256 (pickle, python loop)", _vllm_sha256),
-        "sha256_cbor": ("vllm sha256_cbor (cbor2, python loop)", _vllm_sha256_cbor if cbor2 is not None else None),
-    }
+    peer_version = vllm.version()
     rows: list[dict[str, Any]] = []
     try:
         for block_size in block_sizes:
             for algorithm in prefix.ALGORITHMS:
-                peer_name, peer_fn = peers[algorithm]
+                peer_name = f"vllm {peer_version} {algorithm}" if peer_version else "vllm"
                 peer_ns = None
-                if peer_fn is not None:
-                    none_hash = peer_fn(_SEED)
-                    peer_run = partial(_vllm_request_hashes, peer_fn, none_hash, token_list, block_size)
+                if peer_version is not None:
+                    peer_run = vllm.prompt_hasher(block_size, algorithm, token_list)
                     peer_ns = _best_ns(peer_run, max(3, repeat // 4))
                 limit_bytes = bytes(_compressions(algorithm, tokens, block_size) * 64 - 9)
                 limit_ns = _best_ns(partial(hashlib.sha256, limit_bytes), repeat)
@@ -184,13 +110,13 @@ def bench_hashing(
                             "block_size": block_size,
                             "num_tokens": num_tokens,
                             "available": False,
-                            "reason": "cbor2 is not installed",
+                            "reason": "vllm is not importable",
                         }
                     )
                 else:
                     rows.append(
                         _row(
-                            peer_name, algorithm, block_size, num_tokens, peer_ns, backend="hashlib", input="list[int]"
+                            peer_name, algorithm, block_size, num_tokens, peer_ns, backend="python", input="list[int]"
                         )
                     )
     finally:

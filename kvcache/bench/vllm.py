@@ -1,0 +1,179 @@
+"""vLLM's own allocator and block hasher on `kvcache bench`'s workloads: the peer, where `vllm` is importable.
+
+Every call here goes into the installed vLLM (its `KVCacheManager`, `BlockPool`, `Request` with
+`get_request_block_hasher`), nothing of it restated: the benchmarks time what vLLM itself does.
+vLLM runs its KV-cache manager on a CPU; an environment for it: `pip install vllm==0.33.0` (with a
+CPU build of PyTorch). Without it the benchmarks report their own rows and say the peer is missing.
+"""
+from __future__ import annotations
+
+import collections
+import itertools
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+
+MAX_MODEL_LEN = 1 << 17
+
+
+def version() -> str | None:
+    """The importable vLLM's version, or None (then every peer row is left out)."""
+    try:
+        import vllm
+        import vllm.v1.core.kv_cache_manager  # noqa: F401 - what the peer needs
+    except Exception:  # noqa: BLE001 - not installed, or installed without what it needs (torch)
+        return None
+    return str(vllm.__version__)
+
+
+def hash_function(algorithm: str) -> Callable[[Any], bytes]:
+    """vLLM's hash function of that name (``sha256``: SHA-256 of a pickle; ``sha256_cbor``: of canonical CBOR)."""
+    from vllm.utils.hashing import sha256, sha256_cbor
+
+    return {"sha256": sha256, "sha256_cbor": sha256_cbor}[algorithm]
+
+
+class Allocator:
+    """vLLM's `KVCacheManager` for one full-attention group, and the requests it schedules.
+
+    ``admit`` does what vLLM's scheduler does for a new request: the cached prefix
+    (`get_computed_blocks`), then `allocate_slots` for the rest; ``decode`` appends one
+    token and allocates its slot, as a decode step does; ``free`` ends a request.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, algorithm: str = "sha256") -> None:
+        import torch
+        from vllm.v1.core.kv_cache_manager import KVCacheManager
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+        fn = hash_function(algorithm)
+        init_none_hash(fn)
+        spec = FullAttentionSpec(block_size=block_size, num_kv_heads=8, head_size=128, dtype=torch.bfloat16)
+        config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
+                               kv_cache_groups=[KVCacheGroupSpec(layer_names=["layer"], kv_cache_spec=spec)])
+        self.manager = KVCacheManager(config, max_model_len=MAX_MODEL_LEN, scheduler_block_size=block_size,
+                                      hash_block_size=block_size, enable_caching=True)
+        self.block_hasher = get_request_block_hasher(block_size, fn)
+        self._ids = itertools.count()
+
+    def request(self, tokens: Sequence[int]) -> Any:
+        """A new `vllm.v1.request.Request` for ``tokens`` (a list), its block hashes computed as vLLM does."""
+        from vllm import SamplingParams
+        from vllm.v1.request import Request
+
+        return Request(f"bench-{next(self._ids)}", list(tokens), SamplingParams(max_tokens=1 << 16), None,
+                       block_hasher=self.block_hasher)
+
+    def admit(self, request: Any) -> int | None:
+        """The request's cached prefix and the rest of its slots; the tokens hit, or None where blocks run out."""
+        blocks, hit, _ = self.manager.get_computed_blocks(request)
+        if self.manager.allocate_slots(request, request.num_tokens - hit, hit, blocks) is None:
+            return None
+        request.num_computed_tokens = request.num_tokens
+        return hit
+
+    def decode(self, request: Any, token: int) -> bool:
+        """One generated token: appended (its block hashed once full) and its slot allocated; False without room."""
+        request.append_output_token_ids(token)
+        if self.manager.allocate_slots(request, 1) is None:
+            return False
+        request.num_computed_tokens += 1
+        return True
+
+    def free(self, request: Any) -> None:
+        self.manager.free(request)
+
+    def num_cached_blocks(self) -> int:
+        return len(self.manager.block_pool.cached_block_hash_to_block._cache)
+
+
+def pool_cycle(num_blocks: int) -> Callable[[int, int], None]:
+    """``cycle(n, times)``: vLLM's `BlockPool.get_new_blocks(n)` then `free_blocks` of them, ``times`` times."""
+    from vllm.v1.core.block_pool import BlockPool
+
+    pool = BlockPool(num_blocks, enable_caching=True, hash_block_size=16)
+
+    def cycle(n: int, times: int) -> None:
+        for _ in range(times):
+            pool.free_blocks(pool.get_new_blocks(n))
+
+    return cycle
+
+
+def prompt_hasher(block_size: int, algorithm: str, tokens: list[int]) -> Callable[[], list[bytes]]:
+    """A call that hashes a new request of ``tokens`` as vLLM's request block hasher does when it arrives.
+
+    The `Request` is built once, without the hasher (its construction is not timed); the hasher
+    then starts from its first block on every call.
+    """
+    from vllm import SamplingParams
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    fn = hash_function(algorithm)
+    init_none_hash(fn)
+    hasher = get_request_block_hasher(block_size, fn)
+    request = Request("bench-hash", tokens, SamplingParams(max_tokens=1), None)
+    return lambda: hasher(request)
+
+
+class StepInput(NamedTuple):
+    """What one scheduler step brings, made before its clock starts: a token per running request, fresh prompts."""
+
+    decode: list[int]
+    prompts: list[list[int]]
+
+
+def step_inputs(rng: np.random.Generator, count: int, requests: int, admits: int, prompt_tokens: int,
+                vocab: int = 150_000) -> list[StepInput]:
+    """``count`` steps' inputs: ``requests`` decode tokens and ``admits`` unique prompts each, as lists."""
+    decode = rng.integers(0, vocab, size=(count, requests), dtype=np.int64).tolist()
+    prompts = rng.integers(0, vocab, size=(count, admits, prompt_tokens), dtype=np.int64).tolist()
+    return [StepInput(d, p) for d, p in zip(decode, prompts)]
+
+
+class SchedulerStep:
+    """vLLM's scheduler step on a steady set of decoding requests, in this process.
+
+    A step frees the oldest ``admits`` requests, decodes one token for each of the
+    ``requests`` running ones (append, then `allocate_slots` for it), and admits as many
+    fresh prompts (a `Request`, hashed as it is built, then `get_computed_blocks` +
+    `allocate_slots`): the work vLLM's scheduler asks of its KV cache manager in such a step.
+    """
+
+    def __init__(self, requests: int, prompt_tokens: int, admits: int, block_size: int, num_blocks: int) -> None:
+        self.allocator = Allocator(num_blocks, block_size)
+        self.requests, self.prompt_tokens, self.admits = requests, prompt_tokens, admits
+        self.live: collections.deque[Any] = collections.deque()
+
+    def setup(self, rng: np.random.Generator) -> None:
+        """Admit the steady set and the first step's finishing requests."""
+        for prompt in rng.integers(0, 150_000, size=(self.requests + self.admits, self.prompt_tokens)).tolist():
+            self._admit(prompt)
+
+    def _admit(self, prompt: list[int]) -> None:
+        request = self.allocator.request(prompt)
+        if self.allocator.admit(request) is None:
+            raise RuntimeError("vLLM's pool is too small for the step workload")
+        self.live.append(request)
+
+    def step(self, inp: StepInput) -> None:
+        for _ in inp.prompts:
+            self.allocator.free(self.live.popleft())
+        for request, token in zip(self.live, inp.decode):
+            if not self.allocator.decode(request, token):
+                raise RuntimeError("vLLM's pool is too small for the step workload")
+        for prompt in inp.prompts:
+            self._admit(prompt)
+
+    def run(self, inputs: Sequence[StepInput]) -> np.ndarray:
+        """ns of each step, one per input."""
+        out = np.empty(len(inputs), dtype=np.int64)
+        for i, inp in enumerate(inputs):
+            t0 = time.perf_counter_ns()
+            self.step(inp)
+            out[i] = time.perf_counter_ns() - t0
+        return out
