@@ -372,7 +372,8 @@ class KVCacheManager:
             self.tier.poll()
         if self._hasher is not None:
             hashes = self._hasher.hash_blocks_packed(tokens, cache_salt=cache_salt, lora=lora, mm=mm)
-            num_hit, hit = self._match(hashes[: (tokens.size - 1) // bs * _H])
+            if tokens.size > bs:  # else no block before the last token: nothing to find
+                num_hit, hit = self._match(hashes[: (tokens.size - 1) // bs * _H])
             if self.tier is not None:
                 num_tier, tier_held = self._match_tier(hashes, num_hit, (tokens.size - 1) // bs)
         num_cached = num_hit + num_tier
@@ -486,6 +487,8 @@ class KVCacheManager:
 
     def _recycled_after(self, num_hit: int) -> list[int]:
         """Per window group, the blocks a request admitted with a hit of ``num_hit`` blocks has given back."""
+        if not self._window_groups:
+            return []
         bs = self.block_size
         return [recyclable_blocks(w, num_hit * bs, bs).stop for w, _ in self._window_groups]
 
