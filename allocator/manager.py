@@ -812,11 +812,13 @@ class KVCacheManager:
         block that fills, one release of every block a window row gives back.
         Done one by one in order, allocations (pops, and evictions of cached
         free blocks), inserts of hashes new to the index, and releases of
-        cached blocks (appended to the LRU ring) while the allocations come off
-        the free stacks, all commute; so the batch is exact when every
+        cached blocks all commute: a released cached block joins the LRU ring
+        behind every block there before the run, and the run's evictions, no
+        more than those blocks (each row's allocations fit its free blocks
+        before the run), never reach it. So the batch is exact when every
         allocation succeeds and every hash it inserts is new and distinct, and
-        with releases, every released block is cached and the stacks hold every
-        allocation. Otherwise the run goes one by one. Events keep the
+        every released block is cached (an uncached one would go on the free
+        stack, which the allocations pop). Otherwise the run goes one by one. Events keep the
         one-by-one order: each open's evictions, then each fill's store.
         """
         if not (self._window_groups or self._expand or self.enable_events):
@@ -840,8 +842,7 @@ class KVCacheManager:
             returns = [self._recyclable(by_slot[x], d) for x, d in zip(s[recycle].tolist(), tt[recycle].tolist())]
             rec_rows = np.concatenate([r for r, _, _ in returns])
             rec_blocks = np.concatenate([b for _, b, _ in returns])
-            if (rec_rows.size and not pool.is_cached(rec_rows, rec_blocks).all()) or (
-                    num_need and (pool.num_free() - pool.num_cached_free() < num_need).any()):
+            if rec_rows.size and not pool.is_cached(rec_rows, rec_blocks).all():
                 self._extend_each(index, slots, flat, counts, offsets, t, ok, changed)
                 return
         hashes = b""

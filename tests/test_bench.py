@@ -78,9 +78,12 @@ def test_quick_json_run_reports_every_section(capsys: pytest.CaptureFixture[str]
     for r in ours:
         peer_ok(r)
 
-    step = result["step"]
-    assert step["ours_p99_us"] >= step["ours_p50_us"] > 0
-    peer_ok(step)
+    uniform, head_wise = result["step"]
+    assert (uniform["mode"], head_wise["mode"]) == ("uniform", "head-wise 8")
+    for r in result["step"]:
+        assert r["ours_p99_us"] >= r["ours_p50_us"] > 0
+    peer_ok(uniform)
+    assert head_wise["head_wise_over_uniform"] > 0 and isinstance(head_wise["ok"], bool)
 
     assert all(isinstance(t["ok"], bool) for t in result["targets"])
     text = bench.render(result)
