@@ -79,7 +79,7 @@ done:
     return skipped;
 }
 
-/* The decode step's per-request rules, shared by extend_fast, run_commit and extend_decode. Slot s's arrays:
+/* The decode step's per-request rules, shared by extend_fast and extend_decode. Slot s's arrays:
  * num_tokens, fast_limit, next_recycle (int64), tail (uint32 [slots, block_size]), changed (bool). */
 
 /* An extend of k tokens at t stays inside its last block and gives no block back: extend_fast's fast path. */
@@ -369,89 +369,6 @@ done:
 
 /* ------------------------------------------------------------------ a decode step's block-crossing run */
 
-PyDoc_STRVAR(run_prepare_doc,
-"run_prepare(index, slots, flat, offsets, t, tail, last_hash, s, tt, tok, need, fill, blocks_tok, parents,\n"
-"            hashing) -> (opens, fills)\n\n"
-"Gathers a run of one-token extends for KVCacheManager._extend_run, writing only its outputs (each with room\n"
-"for m = len(index) items): for batch positions index[j] (intp), s[j] = slots[index[j]] (intp), tt[j] =\n"
-"t[index[j]] (int64: tokens before), tok[j] = flat[offsets[index[j]]] (uint32; offsets int64). need[:opens]\n"
-"(intp) lists the j at a block boundary (they open a block); with hashing, fill[:fills] the j whose token\n"
-"fills its block, blocks_tok[q] (uint32 [m, block_size]) that block's tokens (tail, then the token) and\n"
-"parents[q] (uint8 [m, 32]) the hash before it (last_hash). ValueError on sizes or indices out of range.");
-
-static PyObject *run_prepare(PyObject *self, PyObject *args)
-{
-    (void)self;
-    Py_buffer index, slots, flat, offsets, t, tail, last_hash, s, tt, tok, need, fill, btok, parents;
-    int hashing;
-    if (!PyArg_ParseTuple(args, "y*y*y*y*y*y*y*w*w*w*w*w*w*w*p", &index, &slots, &flat, &offsets, &t, &tail,
-                          &last_hash, &s, &tt, &tok, &need, &fill, &btok, &parents, &hashing))
-        return NULL;
-    PyObject *result = NULL;
-    const Py_ssize_t m = index.len / (Py_ssize_t)sizeof(Py_ssize_t);
-    const Py_ssize_t n = slots.len / (Py_ssize_t)sizeof(Py_ssize_t);
-    const Py_ssize_t num_flat = flat.len / (Py_ssize_t)sizeof(uint32_t);
-    const Py_ssize_t cap = last_hash.len / KEY_BYTES;
-    const Py_ssize_t bs = cap ? tail.len / (Py_ssize_t)sizeof(uint32_t) / cap : 0;
-    const Py_ssize_t room = hashing ? m : 0;
-    if (index.len % (Py_ssize_t)sizeof(Py_ssize_t) || offsets.len != n * (Py_ssize_t)sizeof(int64_t)
-        || t.len != n * (Py_ssize_t)sizeof(int64_t) || (m && bs < 1) || last_hash.len != cap * KEY_BYTES
-        || tail.len != cap * bs * (Py_ssize_t)sizeof(uint32_t) || s.len < m * (Py_ssize_t)sizeof(Py_ssize_t)
-        || tt.len < m * (Py_ssize_t)sizeof(int64_t) || tok.len < m * (Py_ssize_t)sizeof(uint32_t)
-        || need.len < m * (Py_ssize_t)sizeof(Py_ssize_t) || fill.len < m * (Py_ssize_t)sizeof(Py_ssize_t)
-        || btok.len < room * bs * (Py_ssize_t)sizeof(uint32_t) || parents.len < room * KEY_BYTES) {
-        PyErr_SetString(PyExc_ValueError, "run_prepare: array sizes disagree");
-        goto done;
-    }
-    const Py_ssize_t *idx = index.buf, *slot = slots.buf;
-    const int64_t *off = offsets.buf, *before = t.buf;
-    const uint32_t *tokens = flat.buf, *tl = tail.buf;
-    const uint8_t *lh = last_hash.buf;
-    Py_ssize_t *s_out = s.buf, *need_out = need.buf, *fill_out = fill.buf;
-    int64_t *tt_out = tt.buf;
-    uint32_t *tok_out = tok.buf, *blocks = btok.buf;
-    uint8_t *par = parents.buf;
-    Py_ssize_t opens = 0, fills = 0;
-    for (Py_ssize_t j = 0; j < m; j++) {
-        const Py_ssize_t i = idx[j];
-        if (i < 0 || i >= n || slot[i] < 0 || slot[i] >= cap || off[i] < 0 || off[i] >= num_flat || before[i] < 0) {
-            PyErr_Format(PyExc_ValueError, "run_prepare: index[%zd] = %zd, its slot, offset or count is out of range",
-                         j, i);
-            goto done;
-        }
-        const Py_ssize_t sl = slot[i];
-        const int64_t pos = before[i] % bs;
-        s_out[j] = sl;
-        tt_out[j] = before[i];
-        tok_out[j] = tokens[off[i]];
-        if (pos == 0)
-            need_out[opens++] = j;
-        if (hashing && pos == bs - 1) {
-            memcpy(blocks + fills * bs, tl + sl * bs, (size_t)bs * sizeof(uint32_t));
-            blocks[fills * bs + bs - 1] = tok_out[j];
-            memcpy(par + fills * KEY_BYTES, lh + sl * KEY_BYTES, KEY_BYTES);
-            fill_out[fills++] = j;
-        }
-    }
-    result = Py_BuildValue("nn", opens, fills);
-done:
-    PyBuffer_Release(&index);
-    PyBuffer_Release(&slots);
-    PyBuffer_Release(&flat);
-    PyBuffer_Release(&offsets);
-    PyBuffer_Release(&t);
-    PyBuffer_Release(&tail);
-    PyBuffer_Release(&last_hash);
-    PyBuffer_Release(&s);
-    PyBuffer_Release(&tt);
-    PyBuffer_Release(&tok);
-    PyBuffer_Release(&need);
-    PyBuffer_Release(&fill);
-    PyBuffer_Release(&btok);
-    PyBuffer_Release(&parents);
-    return result;
-}
-
 static PyObject *num_blocks_name, *changed_name, *view_name, *table_name;
 
 /* Request req's table: its capacity in columns (data in *data; a writable int32 [rows, capacity] array, which
@@ -464,7 +381,7 @@ static Py_ssize_t request_table(PyObject *req, Py_ssize_t rows, int32_t **data)
     const Py_ssize_t capacity = columns_of(table, rows, data, 1);
     Py_DECREF(table);
     if (capacity < 0)
-        PyErr_Format(PyExc_ValueError, "run_commit: a request's table is not an int32 [%zd, capacity] array", rows);
+        PyErr_Format(PyExc_ValueError, "a request's table is not an int32 [%zd, capacity] array", rows);
     return capacity;
 }
 
@@ -490,131 +407,6 @@ static int record_opened(PyObject *req)
                        || PyObject_SetAttr(req, view_name, Py_None) < 0;
     Py_XDECREF(more);
     return failed ? -1 : 0;
-}
-
-PyDoc_STRVAR(run_commit_doc,
-"run_commit(s, tt, tok, need, fill, new_blocks, by_slot, tail, ntok, changed_ok, last_block, width, fast_limit,\n"
-"           last_hash, hashes, cols, filled, hashing) -> list[int]\n\n"
-"Commits a run gathered by run_prepare once its blocks are allocated (uniform rows, no window, no events):\n"
-"each request s[j] takes token tok[j] at tt[j]; request s[need[q]] gets new_blocks[:, q] (int32 C-contiguous\n"
-"[rows, len(need)]) as its next column (its old width goes to cols[q], int32), num_blocks + 1, changed and\n"
-"view None; fill[q]'s last_hash becomes hashes[q] (32 bytes each) and filled[q] (int32 [len(fill), rows])\n"
-"its last column's blocks; fast_limit as KVCacheManager._refresh leaves it. Returns, ascending, the q whose\n"
-"table had no room for the column (the caller widens and writes those). Checks everything first: an error\n"
-"(ValueError) changes nothing.");
-
-static PyObject *run_commit(PyObject *self, PyObject *args)
-{
-    (void)self;
-    Py_buffer s, tt, tok, need, fill, nb, tail, ntok, changed_ok, last_block, width, limit, last_hash, hashes, cols,
-        filled;
-    PyObject *by_slot;
-    int hashing;
-    if (!PyArg_ParseTuple(args, "y*y*y*y*y*y*O!w*w*w*w*w*w*w*y*w*w*p", &s, &tt, &tok, &need, &fill, &nb,
-                          &PyList_Type, &by_slot, &tail, &ntok, &changed_ok, &last_block, &width, &limit, &last_hash,
-                          &hashes, &cols, &filled, &hashing))
-        return NULL;
-    PyObject *result = NULL;
-    const Py_ssize_t m = s.len / (Py_ssize_t)sizeof(Py_ssize_t);
-    const Py_ssize_t k = need.len / (Py_ssize_t)sizeof(Py_ssize_t);
-    const Py_ssize_t f = fill.len / (Py_ssize_t)sizeof(Py_ssize_t);
-    const Py_ssize_t cap = ntok.len / (Py_ssize_t)sizeof(int64_t);
-    const Py_ssize_t rows = cap ? last_block.len / (Py_ssize_t)sizeof(int32_t) / cap : 0;
-    const Py_ssize_t bs = cap ? tail.len / (Py_ssize_t)sizeof(uint32_t) / cap : 0;
-    if (tt.len != m * (Py_ssize_t)sizeof(int64_t) || tok.len != m * (Py_ssize_t)sizeof(uint32_t)
-        || need.len % (Py_ssize_t)sizeof(Py_ssize_t) || fill.len % (Py_ssize_t)sizeof(Py_ssize_t)
-        || (m && (rows < 1 || bs < 1)) || nb.len != rows * k * (Py_ssize_t)sizeof(int32_t)
-        || tail.len != cap * bs * (Py_ssize_t)sizeof(uint32_t) || changed_ok.len != cap
-        || last_block.len != cap * rows * (Py_ssize_t)sizeof(int32_t) || width.len != cap * (Py_ssize_t)sizeof(int32_t)
-        || limit.len != ntok.len || last_hash.len != cap * KEY_BYTES || hashes.len != f * KEY_BYTES
-        || cols.len != k * (Py_ssize_t)sizeof(int32_t) || filled.len != f * rows * (Py_ssize_t)sizeof(int32_t)) {
-        PyErr_SetString(PyExc_ValueError, "run_commit: array sizes disagree");
-        goto done;
-    }
-    const Py_ssize_t *sl = s.buf, *nd = need.buf, *fl = fill.buf;
-    const int64_t *before = tt.buf;
-    const uint32_t *tk = tok.buf;
-    const int32_t *blocks = nb.buf;
-    uint32_t *tl = tail.buf;
-    int64_t *nt = ntok.buf, *lim = limit.buf;
-    uint8_t *ok = changed_ok.buf, *lh = last_hash.buf;
-    int32_t *lb = last_block.buf, *wd = width.buf, *col_out = cols.buf, *filled_out = filled.buf;
-    for (Py_ssize_t j = 0; j < m; j++) {
-        if (sl[j] < 0 || sl[j] >= cap || before[j] < 0) {
-            PyErr_Format(PyExc_ValueError, "run_commit: s[%zd] = %zd or tt[%zd] is out of range", j, sl[j], j);
-            goto done;
-        }
-    }
-    for (Py_ssize_t q = 0; q < k + f; q++) {
-        const Py_ssize_t j = q < k ? nd[q] : fl[q - k];
-        if (j < 0 || j >= m) {
-            PyErr_Format(PyExc_ValueError, "run_commit: %s[%zd] = %zd is outside [0, %zd)", q < k ? "need" : "fill",
-                         q < k ? q : q - k, j, m);
-            goto done;
-        }
-        if (q < k) {
-            PyObject *req = sl[j] < PyList_GET_SIZE(by_slot) ? PyList_GET_ITEM(by_slot, sl[j]) : Py_None;
-            int32_t *table;
-            if (req == Py_None) {
-                PyErr_Format(PyExc_ValueError, "run_commit: slot %zd holds no request", sl[j]);
-                goto done;
-            }
-            if (request_table(req, rows, &table) < 0)
-                goto done;
-        }
-    }
-    result = PyList_New(0);
-    if (!result)
-        goto done;
-    for (Py_ssize_t j = 0; j < m; j++) /* the token */
-        write_run_token(tl + sl[j] * bs, &nt[sl[j]], &ok[sl[j]], &lim[sl[j]], before[j], tk[j], bs, hashing);
-    for (Py_ssize_t q = 0; q < k; q++) { /* the opened blocks: the table's next column */
-        const Py_ssize_t slot = sl[nd[q]];
-        PyObject *req = PyList_GET_ITEM(by_slot, slot);
-        const int32_t col = wd[slot];
-        int32_t *table;
-        const Py_ssize_t capacity = request_table(req, rows, &table);
-        if (capacity < 0)
-            goto fail;
-        if (col < capacity) {
-            for (Py_ssize_t r = 0; r < rows; r++)
-                table[r * capacity + col] = blocks[r * k + q];
-        } else if (append_position(result, q) < 0) {
-            goto fail;
-        }
-        if (record_opened(req) < 0)
-            goto fail;
-        for (Py_ssize_t r = 0; r < rows; r++)
-            lb[slot * rows + r] = blocks[r * k + q];
-        col_out[q] = col;
-        wd[slot] = col + 1;
-    }
-    for (Py_ssize_t q = 0; q < f; q++) { /* the filled blocks: their hash, and the blocks that hold it */
-        const Py_ssize_t slot = sl[fl[q]];
-        memcpy(filled_out + q * rows, lb + slot * rows, (size_t)rows * sizeof(int32_t));
-        memcpy(lh + slot * KEY_BYTES, (const uint8_t *)hashes.buf + q * KEY_BYTES, KEY_BYTES);
-    }
-    goto done;
-fail: /* only a failed allocation or attribute write gets here, after the checks */
-    Py_CLEAR(result);
-done:
-    PyBuffer_Release(&s);
-    PyBuffer_Release(&tt);
-    PyBuffer_Release(&tok);
-    PyBuffer_Release(&need);
-    PyBuffer_Release(&fill);
-    PyBuffer_Release(&nb);
-    PyBuffer_Release(&tail);
-    PyBuffer_Release(&ntok);
-    PyBuffer_Release(&changed_ok);
-    PyBuffer_Release(&last_block);
-    PyBuffer_Release(&width);
-    PyBuffer_Release(&limit);
-    PyBuffer_Release(&last_hash);
-    PyBuffer_Release(&hashes);
-    PyBuffer_Release(&cols);
-    PyBuffer_Release(&filled);
-    return result;
 }
 
 PyDoc_STRVAR(lookup_ids_doc,
@@ -1255,129 +1047,6 @@ static int keys_new_and_distinct(const table_t *t, const uint8_t *keys, Py_ssize
     return 1;
 }
 
-PyDoc_STRVAR(run_take_doc,
-"run_take(ref, cached, stack, top, ring, lru_pos, head, tail_pos, lru_count,\n"
-"         slots, seed, hash_of, entry_blocks, entry_at, holders, spare, num_spare, hashes, out)\n"
-"    -> (evicted, num_spare, keys_removed) | None | False\n\n"
-"A decode run's pool and index work before run_commit, on a one-row manager without a tier: when the packed\n"
-"``hashes`` of the blocks it fills (32 bytes each) are distinct and none is in the index, takes len(out) blocks\n"
-"of pool row 0 into ``out`` (int32, in pop order: BlockPool.allocate) and drops the evicted ones from the\n"
-"index (PrefixIndex.remove_gone; the caller made room on ``spare``). Returns None, changing nothing, when the\n"
-"row has too few allocatable blocks; False, changing nothing, when a hash repeats or is indexed already (the\n"
-"one-by-one path follows). ValueError (nothing changed) on inconsistent sizes.");
-
-static PyObject *run_take(PyObject *self, PyObject *args)
-{
-    (void)self;
-    enum { NB = POOL_ARRAYS + 8 };
-    Py_buffer b[NB];
-    memset(b, 0, sizeof b);
-    unsigned long long seed;
-    Py_ssize_t num_spare;
-    /* b[0..8] the pool; b[9] slots, b[10] hash_of, b[11] entry_blocks, b[12] entry_at, b[13] holders, b[14] spare;
-     * b[15] hashes, b[16] out. */
-    if (!PyArg_ParseTuple(args, "w*w*w*w*w*w*w*w*w*w*Kw*w*w*w*w*ny*w*", &b[0], &b[1], &b[2], &b[3], &b[4], &b[5],
-                          &b[6], &b[7], &b[8], &b[9], &seed, &b[10], &b[11], &b[12], &b[13], &b[14], &num_spare,
-                          &b[15], &b[16]))
-        return NULL;
-    PyObject *result = NULL;
-    int32_t *evicted = NULL;
-    pool_t p;
-    index_t x;
-    if (open_pool(&p, b, "run_take") < 0
-        || open_index(&x, &b[9], seed, &b[10], &b[11], &b[12], &b[13], "run_take") < 0)
-        goto done;
-    const Py_ssize_t n = b[16].len / (Py_ssize_t)sizeof(int32_t), k = b[15].len / KEY_BYTES;
-    if (p.rows != 1 || x.rows != 1 || p.n != x.num_blocks || b[16].len % (Py_ssize_t)sizeof(int32_t)
-        || b[15].len % KEY_BYTES || num_spare < 0 || num_spare + n > b[14].len / (Py_ssize_t)sizeof(Py_ssize_t)) {
-        PyErr_SetString(PyExc_ValueError, "run_take: the pool, index or output have inconsistent sizes");
-        goto done;
-    }
-    if (n > p.top[0] + p.lru_count[0]) {
-        result = Py_NewRef(Py_None);
-        goto done;
-    }
-    if (!keys_new_and_distinct(&x.t, b[15].buf, k)) {
-        result = Py_NewRef(Py_False);
-        goto done;
-    }
-    evicted = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(int32_t));
-    if (!evicted) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    const Py_ssize_t num_evicted = pool_take(&p, 0, n, b[16].buf, evicted, 0);
-    if (num_evicted < 0) /* -1 cannot happen after the room check; -2: AssertionError set */
-        goto done;
-    const Py_ssize_t gone = drop_evicted(&x, 0, evicted, num_evicted, b[14].buf, &num_spare, NULL);
-    result = Py_BuildValue("nnn", num_evicted, num_spare, gone);
-done:
-    PyMem_Free(evicted);
-    release_buffers(b, NB); /* zeroed ones (not parsed) have no object: skipped */
-    return result;
-}
-
-PyDoc_STRVAR(insert_cached_doc,
-"insert_cached(ref, cached, stack, top, ring, lru_pos, head, tail_pos, lru_count,\n"
-"              slots, seed, hash_of, entry_blocks, entry_at, holders, spare, num_spare, num_entries, hashes, blocks)\n"
-"    -> (num_spare, num_entries, inserted)\n\n"
-"PrefixIndex.insert_new of a one-row index and BlockPool.mark_cached_columns in one pass: the k packed\n"
-"``hashes`` (distinct, none indexed: what run_take checked) enter the index held by ``blocks`` (int32 [k]),\n"
-"under entry ids from the spare stack, then new ones (the caller made room for k more), and the blocks are\n"
-"flagged cached. AssertionError, changing nothing, if a block has no reference or already holds a hash;\n"
-"ValueError, changing nothing, on inconsistent sizes.");
-
-static PyObject *insert_cached(PyObject *self, PyObject *args)
-{
-    (void)self;
-    enum { NB = POOL_ARRAYS + 8 };
-    Py_buffer b[NB];
-    memset(b, 0, sizeof b);
-    unsigned long long seed;
-    Py_ssize_t num_spare, num_entries;
-    /* b[0..8] the pool; b[9] slots, b[10] hash_of, b[11] entry_blocks, b[12] entry_at, b[13] holders, b[14] spare;
-     * b[15] hashes, b[16] blocks. */
-    if (!PyArg_ParseTuple(args, "w*w*w*w*w*w*w*w*w*w*Kw*w*w*w*w*nny*y*", &b[0], &b[1], &b[2], &b[3], &b[4], &b[5],
-                          &b[6], &b[7], &b[8], &b[9], &seed, &b[10], &b[11], &b[12], &b[13], &b[14], &num_spare,
-                          &num_entries, &b[15], &b[16]))
-        return NULL;
-    PyObject *result = NULL;
-    int64_t *entries = NULL;
-    pool_t p;
-    index_t x;
-    if (open_pool(&p, b, "insert_cached") < 0
-        || open_index(&x, &b[9], seed, &b[10], &b[11], &b[12], &b[13], "insert_cached") < 0)
-        goto done;
-    const Py_ssize_t k = b[15].len / KEY_BYTES;
-    const int32_t *blocks = b[16].buf;
-    if (p.rows != 1 || x.rows != 1 || p.n != x.num_blocks || b[15].len % KEY_BYTES
-        || b[16].len != k * (Py_ssize_t)sizeof(int32_t) || num_spare < 0
-        || num_spare > b[14].len / (Py_ssize_t)sizeof(Py_ssize_t) || num_entries < 0
-        || num_entries + k - (k < num_spare ? k : num_spare) > x.entries) {
-        PyErr_SetString(PyExc_ValueError, "insert_cached: the pool, index or blocks have inconsistent sizes");
-        goto done;
-    }
-    for (Py_ssize_t i = 0; i < k; i++) {
-        if (blocks[i] < 0 || blocks[i] >= p.n || p.ref[blocks[i]] < 1) {
-            PyErr_Format(PyExc_AssertionError, "insert_cached: block %d is free or out of range", (int)blocks[i]);
-            goto done;
-        }
-    }
-    entries = PyMem_Malloc((size_t)(k ? k : 1) * sizeof(int64_t));
-    if (!entries) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    const Py_ssize_t inserted = insert_and_cache(&x, &p, b[15].buf, k, blocks, entries, b[14].buf, &num_spare,
-                                                 &num_entries);
-    if (inserted >= 0)
-        result = Py_BuildValue("nnn", num_spare, num_entries, inserted);
-done:
-    PyMem_Free(entries);
-    release_buffers(b, NB); /* zeroed ones (not parsed) have no object: skipped */
-    return result;
-}
-
 PyDoc_STRVAR(extend_decode_doc,
 "extend_decode(slot_of | slots_given, ids, tokens, counts, by_slot, hashing, ntok, fast_limit, next_recycle,\n"
 "              tail, changed_ok,\n"
@@ -1386,13 +1055,14 @@ PyDoc_STRVAR(extend_decode_doc,
 "              slots, seed, hash_of, entry_blocks, entry_at, holders, spare, num_spare, num_entries, events=False)\n"
 "    -> (index, cols, vals, widen, evicted, num_spare, num_entries, keys_removed, keys_added[, removed, stored])\n"
 "       | None\n\n"
-"KVCacheManager.extend_many_deltas in one pass, for a one-row manager (one group, no window, no events, no tier):\n"
+"KVCacheManager.extend_many_deltas in one pass, for a one-row manager (one group, no window, no tier):\n"
 "request ids[i] (its slot slot_of[id], or slots_given[i]: intp slots a lookup_ids of the same ids gave) gets the\n"
 "next counts[i] (int64, or int32) of tokens (uint32). Extends inside the\n"
-"last block are extend_fast's; every other one must be a plain decode extend (run_prepare's), and those go as\n"
+"last block are extend_fast's; every other one must be a plain decode extend (one token, no extra hash keys),\n"
+"and those go as\n"
 "one run: blocks for the ones at a block boundary (BlockPool.allocate, in request order, evictions dropped\n"
 "from the index), the filled blocks hashed (hashing: -1 none, 0 sha256, 1 sha256_cbor) and indexed, every\n"
-"slot array, table column and request record as run_commit writes them. lens (int32 [n]) gets each table's\n"
+"slot array, table column and request record as KVCacheManager._extend_run writes them. lens (int32 [n]) gets each table's\n"
 "width; index/cols/vals (bytes of int32) list the opened requests' positions, old widths and new blocks;\n"
 "widen the positions in index whose table had no room (the caller widens and writes them). Returns None,\n"
 "changing nothing, for anything else (an id not admitted or of another type, a slot listed twice, a negative\n"
@@ -1920,16 +1590,12 @@ static PyMethodDef methods[] = {
     {"bounds", bounds, METH_O, bounds_doc},
     {"extend_decode", extend_decode, METH_VARARGS, extend_decode_doc},
     {"extend_fast", extend_fast, METH_VARARGS, extend_fast_doc},
-    {"insert_cached", insert_cached, METH_VARARGS, insert_cached_doc},
     {"join_runs", join_runs, METH_VARARGS, join_runs_doc},
     {"token_array", token_array, METH_O, token_array_doc},
     {"token_list", token_list, METH_O, token_list_doc},
     {"reads_array_heads", reads_array_heads, METH_NOARGS, reads_array_heads_doc},
     {"lookup_ids", lookup_ids, METH_VARARGS, lookup_ids_doc},
     {"mirror_step", mirror_step, METH_VARARGS, mirror_step_doc},
-    {"run_commit", run_commit, METH_VARARGS, run_commit_doc},
-    {"run_prepare", run_prepare, METH_VARARGS, run_prepare_doc},
-    {"run_take", run_take, METH_VARARGS, run_take_doc},
     {"set_columns", set_columns, METH_VARARGS, set_columns_doc},
     {NULL, NULL, 0, NULL},
 };

@@ -6,31 +6,60 @@ call that would need more blocks than are free returns None and changes
 nothing. Tables are int32 ``[num_rows, num_blocks]``; ``-1`` marks a slot a
 sliding-window row no longer holds.
 
-A decode step (``extend_many``, one token per request) is the hot path. Each
-request's hot fields live in slot-indexed arrays, so the step touches a
-request in one of three ways (block_size 4, prefix caching on)::
+The class is spread over four modules, each a part a reader looks for:
+this one (admit, extend one request, free, the prefix index and events),
+``requests`` (each request's record and the slot arrays of its hot fields),
+``decode`` (``extend_many``, a decode step's batch) and ``tiers`` (a lower
+cache tier). A decode step gives a request one token, which lands in one of
+three places (block_size 4, prefix caching on)::
 
     tokens   | t0 t1 t2 t3 | t4 t5 .  .  |
-    fast     |             | t4 t5 +1    |  inside the last block: one C pass over all of them
-    fill     |             | t4 t5 t6 +1 |  fills it: hashed and indexed with the step's other fills
-    open     | t0 t1 t2 t3 | +1          |  a new block: one pool allocation for the step's opens
+    fast     |             | t4 t5 +1    |  inside the last block
+    fill     |             | t4 t5 t6 +1 |  fills it: hashed and indexed
+    open     | t0 t1 t2 t3 | +1          |  a new block from the pool
 
-Anything else (recycling a window, several tokens, extra hash keys) runs
-``extend`` one request at a time, in order between the batched runs.
+Every operation has one general path, in Python over numpy: ``admit``,
+``_extend`` (one request), ``_extend_each`` (a batch one request at a time,
+in order). The paths below are faster ways to the same result, each kept for
+what it buys on ``kvcache bench allocator`` and ``kvcache bench daemon``
+(time with the path switched off over time with it, same run; 2-core x86):
+
+===================  =================================================  =======================================
+path                 taken when                                         buys
+===================  =================================================  =======================================
+``_admit_commit``    prefix caching, no tier; with events one group     admit + free 5.0x at 16 tokens, 2.3x at
+(C admit_commit)     and no window (stores are one event per admit);    2,048, 1.5x at 32,768; step 1.5x;
+                     declines (general path) when a new block's hash    daemon step 1.5x
+                     is indexed already
+``_extend_decode``   ``extend_many`` / ``_deltas`` with a list of       step 1.24x (uniform); daemon step 1.26x
+(C extend_decode)    ids on one group, no window, no expanded rows,
+                     no tier, a native hasher; declines a batch with
+                     a multi-token or keyed extend, too few blocks, a
+                     slot listed twice, or a fill's hash known
+``extend_fast``      the general batch path: extends that stay in       the in-block case of every batch the C
+(C)                  the last block and give nothing back              decode pass declines (head-wise, windows,
+                                                                        tiers)
+``_extend_run``      the general batch path: one-token extends that     head-wise step 2.9x (6 window rows)
+(numpy, batched)     open, fill or recycle, while the result equals
+                     one-by-one (enough blocks, new distinct hashes,
+                     released blocks cached)
+===================  =================================================  =======================================
+
+A batch that lists a request twice runs one request at a time
+(``_extend_in_order``): each extend's table is returned as it was made.
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import TYPE_CHECKING, NamedTuple, Sequence, Union
 
 import numpy as np
 
 from kvcache.allocator import _tables
+from kvcache.allocator.decode import DecodeBatch
 from kvcache.allocator.errors import KVCacheError
 from kvcache.allocator.events import AllBlocksCleared, BlockRemoved, BlockStored, CacheEvent
-from kvcache.allocator.pool import Allocation, BlockPool, Usage, usage
+from kvcache.allocator.pool import BlockPool, Usage, usage
 from kvcache.allocator.prefix import (
-    _PACKED,
     HASH_BYTES,
     BlockHasher,
     Inserted,
@@ -41,25 +70,24 @@ from kvcache.allocator.prefix import (
     check_lora,
 )
 from kvcache.allocator.swa import AttentionPolicy, Full, Window, recyclable_blocks
-from kvcache.allocator.tiers import tier_extension
+from kvcache.allocator.requests import (
+    _NO_COLUMNS,
+    Admission,
+    RequestSlots,
+    _check_count,
+    _columns,
+    _grow,
+    _Request,
+    _view,
+    _widen,
+)
+from kvcache.allocator.tiers import TierLink
 
 if TYPE_CHECKING:
     from kvcache.allocator.layout import CacheSpec
     from kvcache.allocator.tiers import LowerTier
 
 Tokens = Union[Sequence[int], np.ndarray]
-
-
-class Admission(NamedTuple):
-    """What ``admit`` decided: the cached prefix, the table, and the tokens the table covers.
-
-    ``num_cached_tokens`` is a multiple of block_size and at most
-    ``len(prompt) - 1``; the step computes tokens ``[num_cached_tokens, num_tokens)``.
-    """
-
-    num_cached_tokens: int
-    table: np.ndarray
-    num_tokens: int
 
 
 class ManagerStats(NamedTuple):
@@ -79,57 +107,7 @@ class ManagerStats(NamedTuple):
     recycled_blocks: int
 
 
-@dataclasses.dataclass(slots=True)
-class _Request:
-    """One admitted request: its table and hashing progress (token counts live in the manager's slot arrays).
-
-    Only the tokens of the partial last block are kept (in the manager's
-    ``_tail[slot]``): every full block is hashed as it fills, and a block's
-    tokens are never read again after that.
-    """
-
-    slot: int  # row of the manager's per-request arrays
-    table: np.ndarray  # int32 [num_groups, capacity_blocks]: one row per distinct policy
-    heads: np.ndarray | None  # int32 [num_rows, capacity_blocks]: table expanded to rows, when they differ
-    num_blocks: int
-    recycled: list[int]  # per window group: logical blocks [0, recycled) already given back
-    cache_salt: str | None
-    lora: LoRA | None
-    mm: list[MMPlaceholder] | None
-    changed: np.ndarray | range | None  # columns the last admit/extend set (None: the last one; see _changed_ok)
-    view: np.ndarray | None = None  # cached read-only view of the table handed to callers
-
-
-class _Chunk(NamedTuple):
-    """Changed columns of some requests of a batch: request ``index[j]`` set ``sizes[j]`` of ``cols`` (in turn).
-
-    ``vals`` (int32 ``[num_rows, cols.size]``) holds the new values, or None
-    for one request's chunk whose values are read from its table afterwards.
-    """
-
-    index: np.ndarray
-    sizes: np.ndarray
-    cols: np.ndarray
-    vals: np.ndarray | None
-
-
-class TableDeltas(NamedTuple):
-    """What ``extend_many_deltas`` changed, in the wire protocol's compressed rows.
-
-    ``lens[i]`` is request i's table width after the batch (-1: no room, request
-    unchanged); request ``index[j]`` (ascending) set columns
-    ``cols[offsets[j]:offsets[j + 1]]`` to ``vals[:, offsets[j]:offsets[j + 1]]``
-    (int32 ``[num_rows, total]``); every other table is as it was.
-    """
-
-    lens: np.ndarray
-    index: np.ndarray
-    offsets: np.ndarray
-    cols: np.ndarray
-    vals: np.ndarray
-
-
-class KVCacheManager:
+class KVCacheManager(RequestSlots, DecodeBatch, TierLink):
     """Per-row paged KV block allocation with sliding-window recycling and prefix caching.
 
     ``rows`` holds one attention policy per allocation row: ``[Full()]`` for a
@@ -220,31 +198,6 @@ class KVCacheManager:
     def hasher(self) -> BlockHasher | None:
         """The prefix hasher (its algorithm and root), or None with prefix caching off."""
         return self._hasher
-
-    def _init_slots(self) -> None:
-        """Empty per-request slot arrays: a decode step updates these hot fields all at once.
-
-        Per slot: tokens covered, the fast-path limits (see _refresh), the table
-        width, whether req.changed is current (a fast-path extend changes no
-        column), the partial last block's tokens, the last column's blocks, the
-        last full block's hash, and whether hashing needs extra keys.
-        """
-        groups = len(self._group_col)
-        self._slot_of: dict[object, int] = {}
-        self._by_slot: list[_Request | None] = []
-        self._free_slots: list[int] = []
-        self._ntok = np.zeros(0, dtype=np.int64)
-        self._fast_limit = np.zeros(0, dtype=np.int64)
-        self._next_recycle = np.zeros(0, dtype=np.int64)
-        self._width = np.zeros(0, dtype=np.int32)
-        self._changed_ok = np.zeros(0, dtype=bool)
-        self._tail = np.zeros((0, self.block_size), dtype=np.uint32)
-        self._stamp = np.zeros(0, dtype=np.intp)  # scratch for _tables.extend_fast
-        self._keyed = np.zeros(0, dtype=bool)  # the request's blocks hash extra keys (LoRA, multimodal)
-        self._salted = np.zeros(0, dtype=bool)  # the request's block 0 hashes a cache salt
-        self._last_block = np.zeros((0, groups), dtype=np.int32)  # each group's block in the last column
-        self._last_hash = np.zeros((0, HASH_BYTES), dtype=np.uint8)  # hash of the last full block (root: none)
-        self._all_new = Inserted(np.ones((1, groups), dtype=bool), np.ones(1, dtype=bool))  # one new hash, all rows
 
     @classmethod
     def from_spec(
@@ -471,34 +424,6 @@ class KVCacheManager:
         self._count_query(int(tokens.size), num_hit)
         return Admission(num_hit * bs, _view(req), covered)
 
-    def _record(self, request_id: object, slot: int, table: np.ndarray, num_blocks: int, recycled: list[int],
-                cache_salt: str | None, lora: LoRA | None, mm: Sequence[MMPlaceholder | tuple[str, int, int]] | None
-                ) -> _Request:
-        """An admitted request's record, filed under its id and ``slot``, with the slot's hashing flags."""
-        req = _Request(slot=slot, table=table, heads=table[self._row_group] if self._expand else None,
-                       num_blocks=num_blocks, recycled=recycled, cache_salt=cache_salt, lora=lora,
-                       mm=list(mm) if mm else None, changed=range(0, num_blocks))
-        self._requests[request_id] = req
-        self._slot_of[request_id] = slot
-        self._by_slot[slot] = req
-        self._keyed[slot] = lora is not None or bool(mm)
-        self._salted[slot] = bool(cache_salt)
-        return req
-
-    def _recycled_after(self, num_hit: int) -> list[int]:
-        """Per window group, the blocks a request admitted with a hit of ``num_hit`` blocks has given back."""
-        if not self._window_groups:
-            return []
-        bs = self.block_size
-        return [recyclable_blocks(w, num_hit * bs, bs).stop for w, _ in self._window_groups]
-
-    def _count_query(self, num_tokens: int, num_cached: int) -> None:
-        """The prefix-hit statistics of one admitted prompt of ``num_tokens`` with ``num_cached`` blocks cached."""
-        self._queries += 1
-        self._hit_requests += num_cached > 0
-        self._queried_tokens += num_tokens
-        self._hit_tokens += num_cached * self.block_size
-
     def extend(self, request_id: object, tokens: Tokens, *, num_computed_tokens: int | None = None) -> np.ndarray | None:
         """Append ``tokens`` (a prefill chunk or decoded tokens) and allocate the blocks they need.
 
@@ -577,454 +502,6 @@ class KVCacheManager:
         req.num_blocks = num_blocks
         self._last_block[req.slot] = blocks[:, -1]
 
-    def extend_many(self, request_ids: Sequence[object], tokens: Tokens, counts: Sequence[int] | np.ndarray,
-                    *, changes: list[np.ndarray] | None = None) -> list[np.ndarray | None]:
-        """``extend`` for many requests at once: request i gets the next ``counts[i]`` of ``tokens``.
-
-        A decode step's shape: most requests gain one token that lands in a block
-        they already hold, and those take a vectorised fast path with no block,
-        hash or table work. Equivalent to calling ``extend`` for each in order
-        (each may return None for lack of blocks, changing nothing for that
-        request). Unknown ids or bad tokens raise before any request changes.
-        Tables are live read-only views, so a request listed twice shows its
-        final table in both places. With ``changes`` (a list), each request's
-        changed columns are appended to it in order (what ``changed_columns``
-        gives after each extend).
-        """
-        deltas = self._extend_decode(request_ids, tokens, counts)
-        if deltas is not None:  # the ids are a list, every one admitted
-            if changes is not None:
-                ends = deltas.offsets.tolist()
-                found = {i: deltas.cols[ends[k]:ends[k + 1]] for k, i in enumerate(deltas.index.tolist())}
-                changes.extend(found.get(i, _NO_COLUMNS) for i in range(len(request_ids)))
-            reqs = self._requests
-            return [None if n < 0 else req.view if (req := reqs[rid]).view is not None else _view(req)
-                    for rid, n in zip(request_ids, deltas.lens.tolist())]
-        slots, flat, counts = self._check_many(request_ids, tokens, counts)
-        views: list[np.ndarray | None] = []
-        ok, changed, widths = self._extend_slots(slots, flat, counts, views)
-        if self.tier is not None:
-            self._record_tier_tokens(slots, flat, counts, ok)
-        if changes is not None:
-            found: dict[int, np.ndarray] = {}
-            for index, sizes, cols, _ in changed:
-                found.update(zip(index.tolist(), np.split(cols, np.cumsum(sizes)[:-1])))
-            changes.extend(found.get(i, _NO_COLUMNS) for i in range(slots.size))
-        if widths is not None:  # a slot listed twice: each extend's table as it was made, as one by one
-            return views
-        by_slot = self._by_slot
-        out: list[np.ndarray | None] = []
-        for s, good in zip(slots.tolist(), ok.tolist()):
-            req = by_slot[s]
-            out.append(None if not good else req.view if req.view is not None else _view(req))
-        return out
-
-    def extend_many_deltas(self, request_ids: Sequence[object], tokens: Tokens,
-                           counts: Sequence[int] | np.ndarray, *, slots: np.ndarray | None = None) -> TableDeltas:
-        """``extend_many``, answering with array deltas instead of a table per request (what the daemon sends).
-
-        No Python object per request on the way out: a decode step changes
-        one table in ``block_size``, and only those are listed. ``slots`` is what
-        ``slots_of`` gave for these ids, if nothing was admitted or freed since:
-        the ids are not looked up again.
-        """
-        deltas = self._extend_decode(request_ids, tokens, counts, slots)
-        if deltas is not None:
-            return deltas
-        slots, flat, counts = self._check_many(request_ids, tokens, counts)
-        ok, changed, widths = self._extend_slots(slots, flat, counts, None)
-        if self.tier is not None:
-            self._record_tier_tokens(slots, flat, counts, ok)
-        lens = np.where(ok, self._width[slots] if widths is None else widths, -1).astype(np.int32)
-        if not changed:
-            return TableDeltas(lens, np.empty(0, dtype=np.int32), np.zeros(1, dtype=np.int32), _NO_COLUMNS,
-                               np.empty((self.num_rows, 0), dtype=np.int32))
-        by_slot = self._by_slot
-        vals = []
-        for index, _, cols, chunk_vals in changed:
-            # A chunk without values: one request's, read from its table (final even if listed twice).
-            vals.append(chunk_vals if chunk_vals is not None else _view(by_slot[slots[index[0]]])[:, cols])
-        if len(changed) == 1:
-            index, sizes, cols, _ = changed[0]
-        else:
-            index, sizes, cols = (np.concatenate([c[k] for c in changed]) for k in range(3))
-        offsets = np.zeros(index.size + 1, dtype=np.int32)
-        np.cumsum(sizes, out=offsets[1:])
-        return TableDeltas(lens, index.astype(np.int32, copy=False), offsets, cols.astype(np.int32, copy=False),
-                           vals[0] if len(vals) == 1 else np.concatenate(vals, axis=1))
-
-    def _decodes_in_one_pass(self) -> int | None:
-        """``_tables.extend_decode``'s hashing argument (-1 none, 0 sha256, 1 sha256_cbor) where it can take a batch
-        of extends: one group, no window or expanded rows, no tier, a native hasher; else None."""
-        if len(self._group_col) != 1 or self._window_groups or self._expand or self.tier is not None:
-            return None
-        if self._hasher is None:
-            return -1
-        return (self._hasher.algorithm != "sha256") if self._hasher.native else None
-
-    def slots_of(self, request_ids: list[object], exclude: dict | None = None) -> np.ndarray | None:
-        """Each id's row in the per-request arrays (intp), in one C pass; None if one is not admitted, not an int
-        or str, or a key of ``exclude``. What ``extend_many_deltas`` takes as ``slots`` (a daemon checks a step's
-        ids with it before applying anything)."""
-        found = np.empty(len(request_ids), dtype=np.intp)
-        return found if _tables.lookup_ids(self._slot_of, request_ids, found, exclude) < 0 else None
-
-    def _extend_decode(self, request_ids: Sequence[object], tokens: Tokens, counts: Sequence[int] | np.ndarray,
-                       slots: np.ndarray | None = None) -> TableDeltas | None:
-        """``extend_many_deltas`` in one C pass (a decode step on a one-row manager), or None, changing nothing,
-        where ``_tables.extend_decode`` leaves the batch to the general path (which also names any bad input)."""
-        hashing = self._decodes_in_one_pass()
-        if hashing is None or type(request_ids) is not list:
-            return None
-        counts = np.asarray(counts)
-        if counts.ndim != 1:
-            return None
-        # The pass reads int64 counts, or contiguous int32 ones (as the wire brings them).
-        if counts.dtype != np.int64 and (counts.dtype != np.int32 or not counts.flags.c_contiguous):
-            if counts.dtype.kind not in "iu" or counts.dtype.itemsize == 8:  # uint64 might not fit
-                return None
-            counts = counts.astype(np.int64)
-        if counts.size != len(request_ids):
-            return None
-        flat = as_token_array(tokens)
-        n = counts.size
-        pool, prefix = self._pool, self._index
-        prefix.reserve(n, n)
-        lens = np.empty(n, dtype=np.int32)
-        done = _tables.extend_decode(self._slot_of if slots is None else slots, request_ids, flat, counts,
-                                     self._by_slot, hashing, self._ntok, self._fast_limit, self._next_recycle,
-                                     self._tail, self._changed_ok, self._stamp, self._keyed, self._salted,
-                                     self._last_hash, self._last_block, self._width, lens,
-                                     *pool._c_arrays(), *prefix._c_arrays(), prefix._num_entries, self.enable_events)
-        if done is None:
-            return None
-        index, cols, vals, widen, evicted, prefix._num_spare, prefix._num_entries, gone, added = done[:9]
-        prefix._count += added - gone
-        self._evicted += evicted
-        index = np.frombuffer(index, dtype=np.int32)
-        if self.enable_events:
-            self._decode_events(index, evicted, *done[9:])
-        cols = np.frombuffer(cols, dtype=np.int32)
-        vals = np.frombuffer(vals, dtype=np.int32).reshape(1, -1)
-        for q in widen:
-            _put_column(self._by_slot[self._slot_of[request_ids[index[q]]]], int(cols[q]), vals[:, q])
-        return TableDeltas(lens, index, np.arange(index.size + 1, dtype=np.int32), cols, vals)
-
-    def _decode_events(self, opened: np.ndarray, evicted: int, removed: bytes,
-                       stored: list[tuple[int, int, bytes, bytes, bytes]]) -> None:
-        """``_tables.extend_decode``'s KV events in the one-by-one order: request by request, an open's eviction
-        (the last ``evicted`` opens evicted, in order) before a fill's store."""
-        tagged: list[tuple[int, int, CacheEvent]] = []
-        first = opened.size - evicted
-        for q in range(evicted):
-            dropped = removed[q * _H:(q + 1) * _H]
-            if dropped != _NO_HASH:
-                tagged.append((int(opened[first + q]), 0, BlockRemoved((dropped,))))
-        for position, block, digest, parent, tokens in stored:  # no extra keys here: keyed requests are declined
-            tagged.append((position, 1, self._stored(0, digest, parent if block else None,
-                                                     np.frombuffer(tokens, dtype=np.uint32), None, (None,))))
-        tagged.sort(key=lambda item: item[:2])
-        self._events += [event for _, _, event in tagged]
-
-    def _check_many(self, request_ids: Sequence[object], tokens: Tokens, counts: Sequence[int] | np.ndarray
-                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """``extend_many``'s arguments checked, as (slots, uint32 tokens, int64 counts); raises before any change."""
-        flat = as_token_array(tokens)
-        counts = np.asarray(counts)
-        if counts.ndim != 1 or counts.size != len(request_ids) or (counts.size and counts.dtype.kind not in "iu"):
-            raise KVCacheError(f"counts: need one integer per request ({len(request_ids)}), got {counts.shape}")
-        if counts.size and int(counts.min()) < 0:
-            raise KVCacheError("counts: must not be negative")
-        counts = np.ascontiguousarray(counts, dtype=np.int64)
-        if int(counts.sum()) != flat.size:
-            raise KVCacheError(f"counts: sum to {int(counts.sum())} but {flat.size} tokens were given")
-        ids = request_ids if type(request_ids) is list else list(request_ids)
-        slots = np.empty(len(ids), dtype=np.intp)
-        if _tables.lookup_ids(self._slot_of, ids, slots, None) >= 0:  # an unknown id (or one of another type)
-            try:
-                slots = np.fromiter(map(self._slot_of.__getitem__, ids), dtype=np.intp, count=len(ids))
-            except (KeyError, TypeError):
-                for rid in ids:
-                    self._get(rid)
-                raise
-        return slots, flat, counts
-
-    def _extend_slots(self, slots: np.ndarray, flat: np.ndarray, counts: np.ndarray,
-                      views: list[np.ndarray | None] | None) -> tuple[np.ndarray, list[_Chunk], np.ndarray | None]:
-        """Extend request ``slots[i]`` by its ``counts[i]`` tokens of ``flat``, as ``extend`` would in order.
-
-        Returns which succeeded (bool ``[n]``), the changed columns as chunks
-        in ascending request order (see ``_Chunk``), and, when a slot is
-        listed twice, each extend's table width (else None: the widths are
-        ``_width[slots]``; then ``views``, if a list, receives each extend's
-        table view as it was made, as ``extend`` returns it). Requests that stay inside their partial block
-        (``_fast_limit``) and free nothing (``_next_recycle``) are updated
-        in one C pass (``_tables.extend_fast``); they touch no shared state, so they
-        commute with the others, which go through ``_extend_run`` (decode
-        steps, batched) or ``_extend`` one at a time, in order. A slot listed
-        twice sends the whole batch one at a time.
-        """
-        n = slots.size
-        ok = np.ones(n, dtype=bool)
-        if n == 0:
-            return ok, [], None
-        found = _tables.extend_fast(slots, counts, flat, self._ntok, self._fast_limit, self._next_recycle, self._tail,
-                                    self._changed_ok, self._stamp, self._keyed, self._salted, self._hasher is not None)
-        if found is None:
-            widths = np.zeros(n, dtype=np.int32)
-            return ok, self._extend_in_order(slots, flat, counts, ok, widths, views), widths
-        changed: list[_Chunk] = []
-        if found[0]:
-            slow = np.frombuffer(found[0], dtype=np.intp)
-            t = self._ntok[slots]  # the slow ones' are still as before the batch
-            offsets = np.cumsum(counts) - counts
-            # Plain one-token extends (nothing to free, no extra keys to hash) go through _extend_run in
-            # runs; any other request runs alone between them, so the order of pool and index
-            # operations is the one-by-one order.
-            start = 0
-            for j in [*(i for i, plain in enumerate(found[1]) if not plain), slow.size]:
-                if j > start:
-                    self._extend_run(slow[start:j], slots, flat, counts, offsets, t, ok, changed)
-                if j < slow.size:
-                    self._extend_each(slow[j:j + 1], slots, flat, counts, offsets, t, ok, changed)
-                start = j + 1
-        return ok, changed, None
-
-    def _extend_each(self, index: np.ndarray, slots: np.ndarray, flat: np.ndarray, counts: np.ndarray,
-                     offsets: np.ndarray, t: np.ndarray, ok: np.ndarray, changed: list[_Chunk]) -> None:
-        """``_extend`` of requests ``index`` (no slot repeated) one by one, in order."""
-        by_slot = self._by_slot
-        for i in index.tolist():
-            req = by_slot[slots[i]]
-            o = int(offsets[i])
-            if self._extend(req, flat[o:o + int(counts[i])], int(t[i])) is None:
-                ok[i] = False
-            elif len(req.changed):
-                cols = self._changed_of(req)
-                changed.append(_Chunk(np.array([i]), np.array([cols.size]), cols, None))
-
-    def _extend_run(self, index: np.ndarray, slots: np.ndarray, flat: np.ndarray, counts: np.ndarray,
-                    offsets: np.ndarray, t: np.ndarray, ok: np.ndarray, changed: list[_Chunk]) -> None:
-        """One-token extends (``index``, ascending) that open a block, fill one, or free window blocks; batched.
-
-        A decode step's slow path: one pool allocation for every request that
-        crosses into a new block, one hash call and one index insert for every
-        block that fills, one release of every block a window row gives back.
-        Done one by one in order, allocations (pops, and evictions of cached
-        free blocks), inserts of hashes new to the index, and releases of
-        cached blocks all commute: a released cached block joins the LRU ring
-        behind every block there before the run, and the run's evictions, no
-        more than those blocks (each row's allocations fit its free blocks
-        before the run), never reach it. So the batch is exact when every
-        allocation succeeds and every hash it inserts is new and distinct, and
-        every released block is cached (an uncached one would go on the free
-        stack, which the allocations pop). Otherwise the run goes one by one. Events keep the
-        one-by-one order: each open's evictions, then each fill's store.
-        """
-        if not (self._window_groups or self._expand or self.enable_events):
-            self._extend_plain_run(index, slots, flat, counts, offsets, t, ok, changed)
-            return
-        bs = self.block_size
-        s = slots[index]
-        tt = t[index]
-        tok = flat[offsets[index]]
-        width = self._width[s]
-        pos = tt % bs
-        need = pos == 0  # at a block boundary: opens a block (a request holds >= 1 token)
-        num_need = int(np.count_nonzero(need))
-        pool = self._pool
-        if num_need and pool.min_free() < num_need:
-            self._extend_each(index, slots, flat, counts, offsets, t, ok, changed)
-            return
-        by_slot = self._by_slot
-        recycle = np.flatnonzero(tt >= self._next_recycle[s])  # only with hashing: see extend_fast's plain
-        if recycle.size:
-            returns = [self._recyclable(by_slot[x], d) for x, d in zip(s[recycle].tolist(), tt[recycle].tolist())]
-            rec_rows = np.concatenate([r for r, _, _ in returns])
-            rec_blocks = np.concatenate([b for _, b, _ in returns])
-            if rec_rows.size and not pool.is_cached(rec_rows, rec_blocks).all():
-                self._extend_each(index, slots, flat, counts, offsets, t, ok, changed)
-                return
-        hashes = b""
-        if self._hasher is not None:
-            fills = pos == bs - 1
-            fill = np.flatnonzero(fills)
-            if fill.size:
-                blocks_tok = self._tail[s[fill]]
-                blocks_tok[:, bs - 1] = tok[fill]
-                hashes = self._hasher.hash_each(blocks_tok, self._last_hash[s[fill]].tobytes())
-                if not self._fills_new(hashes, fill.size):
-                    self._extend_each(index, slots, flat, counts, offsets, t, ok, changed)
-                    return
-        # Commit: nothing below can fail.
-        self._tail[s, pos] = tok
-        self._ntok[s] = tt + 1
-        self._changed_ok[s] = need
-        recycled: dict[int, list[range]] = {}  # position in the run -> window columns it emptied
-        tagged: list[tuple[int, int, CacheEvent]] = []  # events with their request's position in the run
-        if recycle.size:
-            if rec_rows.size:  # in request order, tail first: the LRU order of one by one
-                pool.decref(rec_rows, rec_blocks)
-                self._recycled += int(self._group_sizes[rec_rows].sum())
-            for j, (_, blocks, stops) in zip(recycle.tolist(), returns):
-                if blocks.size:  # as _extend: a window with nothing left to give keeps its marks
-                    recycled[j] = self._mark_recycled(by_slot[s[j]], stops)
-        if num_need:
-            allocation = pool.allocate(num_need)
-            assert allocation is not None, "allocation failed after the free-block check"
-            if self.enable_events and allocation.evicted_rows.size:
-                tagged = self._forget_each(allocation, np.flatnonzero(need))
-            else:
-                self._forget(allocation.evicted_rows, allocation.evicted_blocks)
-            new_blocks = allocation.blocks  # [groups, num_need], in request order
-            heads = new_blocks[self._row_group] if self._expand else new_blocks
-            opened = s[need]
-            reqs = [by_slot[x] for x in opened.tolist()]
-            cols = width[need].astype(np.int64)
-            new_blocks = np.ascontiguousarray(new_blocks, dtype=np.int32)
-            for j in _tables.set_columns([req.table for req in reqs], cols, new_blocks):
-                _put_column(reqs[j], int(cols[j]), new_blocks[:, j])
-            if self._expand:
-                assert not _tables.set_columns([req.heads for req in reqs], cols, heads), "rows narrower than table"
-            for req in reqs:
-                req.num_blocks += 1
-                req.changed = None
-                req.view = None
-            self._last_block[opened] = new_blocks.T
-            self._width[opened] = width[need] + 1
-            if not recycled:
-                changed.append(_Chunk(index[need], np.ones(num_need, dtype=np.int32), width[need], heads))
-        if recycled:  # changes one request at a time, in order, each the union of its columns
-            for j in sorted(set(np.flatnonzero(need).tolist()) | recycled.keys()):
-                req = by_slot[s[j]]
-                opened_col = [range(int(width[j]), int(width[j]) + 1)] if need[j] else []
-                req.changed = cols = _columns(opened_col + recycled.get(j, []))
-                self._changed_ok[s[j]] = True
-                changed.append(_Chunk(index[j:j + 1], np.array([cols.size]), cols, None))
-        if hashes:
-            filled = s[fill]
-            blocks = self._last_block[filled]
-            self._index.insert_new(hashes, blocks)
-            pool.mark_cached_columns(blocks)
-        if self.enable_events and hashes:
-            for f, j in enumerate(fill.tolist()):
-                before = len(self._events)
-                self._store_events(by_slot[s[j]], int(tt[j]) // bs, hashes[f * _H:(f + 1) * _H], self._all_new,
-                                   blocks_tok[f])
-                tagged += [(j, 1, e) for e in self._events[before:]]
-                del self._events[before:]
-        if tagged:  # one by one, request j's evictions come before its store, and both before j + 1's
-            tagged.sort(key=lambda item: item[:2])
-            self._events += [e for _, _, e in tagged]
-        if hashes:
-            self._last_hash[filled] = np.frombuffer(hashes, dtype=np.uint8).reshape(-1, _H)
-        # _refresh's limits: an opened block takes bs tokens (with hashing bs - 1: its last one fills
-        # it), a filled one none (the next extend opens a block).
-        if self._hasher is None:
-            self._fast_limit[s] = tt + bs
-        else:
-            self._fast_limit[s] = np.where(fills, tt + 1, tt + bs - 1)
-        for j in recycled:
-            self._refresh(by_slot[s[j]])  # the next recycling point moved on
-
-    def _extend_plain_run(self, index: np.ndarray, slots: np.ndarray, flat: np.ndarray, counts: np.ndarray,
-                          offsets: np.ndarray, t: np.ndarray, ok: np.ndarray, changed: list[_Chunk]) -> None:
-        """``_extend_run`` where no row has a window, rows are groups and events are off: C passes.
-
-        ``_tables.run_prepare`` gathers the run (who opens a block, who fills
-        one, and the filled blocks' tokens); the hasher runs here; then
-        ``_tables.run_take`` checks the filled blocks' hashes, allocates and
-        drops the evicted blocks from the index; ``_tables.run_commit`` writes
-        every slot array, table column and request record, as the general path
-        does; ``_tables.insert_cached`` indexes the filled blocks. With a tier
-        (it hears of evictions) the pool and index calls stay in Python.
-        """
-        bs, m, groups = self.block_size, index.size, len(self._group_col)
-        hashing = self._hasher is not None
-        s, tt, tok = np.empty(m, dtype=np.intp), np.empty(m, dtype=np.int64), np.empty(m, dtype=np.uint32)
-        need, fill = np.empty(m, dtype=np.intp), np.empty(m, dtype=np.intp)
-        blocks_tok = np.empty((m if hashing else 0, bs), dtype=np.uint32)
-        parents = np.empty((m if hashing else 0, _H), dtype=np.uint8)
-        num_need, num_fill = _tables.run_prepare(index, slots, flat, offsets, t, self._tail, self._last_hash, s, tt,
-                                                 tok, need, fill, blocks_tok, parents, hashing)
-        pool = self._pool
-        if num_need and pool.min_free() < num_need:
-            self._extend_each(index, slots, flat, counts, offsets, t, ok, changed)
-            return
-        hashes = b""
-        if num_fill:
-            hashes = self._hasher.hash_each(blocks_tok[:num_fill], parents[:num_fill].tobytes())
-        if self.tier is None:  # the fill check, allocation and its evictions' index drops in one C pass
-            new_blocks = np.empty((groups, num_need), dtype=np.int32)
-            prefix = self._index
-            prefix.reserve(0, num_need)
-            done = _tables.run_take(*pool._c_arrays(), *prefix._c_arrays(), hashes, new_blocks)
-            if not done:  # a fill's hash repeats or is indexed (None, no room, is ruled out above)
-                self._extend_each(index, slots, flat, counts, offsets, t, ok, changed)
-                return
-            evicted, prefix._num_spare, gone = done
-            prefix._count -= gone
-            self._evicted += evicted
-        else:
-            if num_fill and not self._fills_new(hashes, num_fill):
-                self._extend_each(index, slots, flat, counts, offsets, t, ok, changed)
-                return
-            # Commit: nothing below can fail.
-            if num_need:
-                allocation = pool.allocate(num_need)
-                assert allocation is not None, "allocation failed after the free-block check"
-                self._forget(allocation.evicted_rows, allocation.evicted_blocks)
-                new_blocks = np.ascontiguousarray(allocation.blocks, dtype=np.int32)  # [groups, num_need], in order
-            else:
-                new_blocks = np.empty((groups, 0), dtype=np.int32)
-        need = need[:num_need]
-        cols = np.empty(num_need, dtype=np.int32)
-        filled = np.empty((num_fill, groups), dtype=np.int32)
-        by_slot = self._by_slot
-        for q in _tables.run_commit(s, tt, tok, need, fill[:num_fill], new_blocks, by_slot, self._tail, self._ntok,
-                                    self._changed_ok, self._last_block, self._width, self._fast_limit,
-                                    self._last_hash, hashes, cols, filled, hashing):
-            _put_column(by_slot[s[need[q]]], int(cols[q]), new_blocks[:, q])
-        if num_need:
-            changed.append(_Chunk(index[need], np.ones(num_need, dtype=np.int32), cols, new_blocks))
-        if num_fill and self.tier is None:  # the new hashes' insert and cached flags in one C pass
-            prefix.reserve(num_fill, 0)
-            prefix._num_spare, prefix._num_entries, added = _tables.insert_cached(
-                *pool._c_arrays(), *prefix._c_arrays(), prefix._num_entries, hashes, filled)
-            prefix._count += added
-        elif num_fill:
-            self._index.insert_new(hashes, filled)
-            pool.mark_cached_columns(filled)
-
-    def _fills_new(self, hashes: bytes, count: int) -> bool:
-        """Whether ``count`` packed hashes a run's blocks filled are distinct and none is in the index: what
-        makes one insert of them all the one-by-one result."""
-        if count > 1 and len(set(np.frombuffer(hashes, dtype=_PACKED).tolist())) < count:
-            return False
-        return not self._index.any_known(hashes)
-
-    def _forget_each(self, allocation: Allocation, opens: np.ndarray) -> list[tuple[int, int, CacheEvent]]:
-        """``_forget`` of a run's evictions one open at a time, in order; their events, tagged with the open's position.
-
-        Row g's part of the allocation took its stack's blocks first and then
-        evicted, so the last ``e_g`` opens of the run are the ones that evicted
-        there. The events are taken back out for the caller to merge with the
-        run's stores.
-        """
-        m = allocation.blocks.shape[1]
-        first = m - np.bincount(allocation.evicted_rows, minlength=allocation.blocks.shape[0])
-        took = np.arange(m) >= first[:, None]  # [groups, opens]: that open evicted in that row
-        start = len(self._events)
-        tagged = []
-        for q, j in enumerate(opens.tolist()):
-            rows = np.flatnonzero(took[:, q])
-            if rows.size:
-                before = len(self._events)
-                self._forget(rows, allocation.blocks[rows, q])
-                tagged += [(j, 0, e) for e in self._events[before:]]
-        del self._events[start:]
-        return tagged
-
     def _mark_recycled(self, req: _Request, stops: list[int]) -> list[range]:
         """Empty (-1) each window group's columns up to ``stops[g]`` whose blocks went back; returns those columns."""
         emptied = []
@@ -1035,72 +512,6 @@ class KVCacheManager:
                 req.heads[self._row_group == group[0], req.recycled[g]:stops[g]] = -1
             req.recycled[g] = max(req.recycled[g], stops[g])
         return emptied
-
-    def _extend_in_order(self, slots: np.ndarray, flat: np.ndarray, counts: np.ndarray, ok: np.ndarray,
-                         widths: np.ndarray, views: list[np.ndarray | None] | None) -> list[_Chunk]:
-        """``_extend_slots`` one request at a time (a slot is listed more than once)."""
-        bs = self.block_size
-        by_slot = self._by_slot
-        changed: list[_Chunk] = []
-        offset = 0
-        for i, (s, k) in enumerate(zip(slots.tolist(), counts.tolist())):
-            req = by_slot[s]
-            t = int(self._ntok[s])
-            if t < self._next_recycle[s] and t + k <= self._fast_limit[s]:
-                p = t % bs
-                self._tail[s, p:p + k] = flat[offset:offset + k]
-                self._ntok[s] = t + k
-                self._changed_ok[s] = False
-            elif self._extend(req, flat[offset:offset + k], t) is None:
-                ok[i] = False
-            else:
-                cols = self._changed_of(req)
-                if cols.size:
-                    changed.append(_Chunk(np.array([i]), np.array([cols.size]), cols, None))
-            widths[i] = req.num_blocks
-            if views is not None:
-                views.append(None if not ok[i] else req.view if req.view is not None else _view(req))
-            offset += k
-        return changed
-
-    def _changed_of(self, req: _Request) -> np.ndarray:
-        """``changed_columns`` of a request record."""
-        if not self._changed_ok[req.slot]:
-            return _NO_COLUMNS
-        if req.changed is None:
-            return np.array([req.num_blocks - 1], dtype=np.int32)
-        if isinstance(req.changed, range):
-            return np.arange(req.changed.start, req.changed.stop, dtype=np.int32)
-        return req.changed
-
-    def _take_slot(self) -> int:
-        """A free row of the per-request arrays, growing them by doubling."""
-        slot = self._next_slot()
-        if self._free_slots:
-            self._free_slots.pop()
-        else:
-            self._by_slot.append(None)
-        return slot
-
-    def _next_slot(self) -> int:
-        """The row ``_take_slot`` gives next, the arrays grown to hold it; nothing taken."""
-        if self._free_slots:
-            return self._free_slots[-1]
-        slot = len(self._by_slot)
-        if slot == self._ntok.size:
-            size = max(64, 2 * slot)
-            self._ntok = _resized(self._ntok, size)
-            self._fast_limit = _resized(self._fast_limit, size)
-            self._next_recycle = _resized(self._next_recycle, size)
-            self._width = _resized(self._width, size)
-            self._changed_ok = _resized(self._changed_ok, size)
-            self._tail = _resized(self._tail, size)
-            self._keyed = _resized(self._keyed, size)
-            self._last_block = _resized(self._last_block, size)
-            self._last_hash = _resized(self._last_hash, size)
-            self._salted = _resized(self._salted, size)
-            self._stamp = np.zeros(size, dtype=np.intp)
-        return slot
 
     def free(self, request_id: object) -> None:
         """End a request: its blocks return to the pool; full ones stay cached for later hits.
@@ -1185,52 +596,6 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ lower tier
 
-    def attach_tier(self, tier: LowerTier | None) -> None:
-        """Put a cache tier under the GPU blocks (None detaches it); see ``allocator/tiers.py``.
-
-        With a tier, ``admit`` counts the tier's blocks after a GPU hit as cached,
-        ``free`` offers released blocks to it, and evictions are reported first.
-        """
-        if tier is not None and self.tier is not None and tier is not self.tier:
-            raise KVCacheError("tier: this manager already has a tier attached; detach it first")
-        self.tier = tier
-
-    def lookup_tiers(self, prompt_tokens: Tokens, *, cache_salt: str | None = None, lora: LoRA | None = None,
-                     mm: Sequence[MMPlaceholder | tuple[str, int, int]] | None = None) -> tuple[int, int]:
-        """(GPU-cached tokens, further tokens the tier holds) that ``admit`` would count now (no state change)."""
-        lora = check_lora(lora)
-        tokens = as_token_array(prompt_tokens)
-        if self._hasher is None or tokens.size < 2:
-            return 0, 0
-        hashes = self._hasher.hash_blocks_packed(tokens[: tokens.size - 1], cache_salt=cache_salt, lora=lora, mm=mm)
-        num_hit = self._match(hashes)[0]
-        num_tier = self._match_tier(hashes, num_hit, len(hashes) // _H)[0] if self.tier is not None else 0
-        return num_hit * self.block_size, num_tier * self.block_size
-
-    def drop_cached(self, rows: np.ndarray, blocks: np.ndarray) -> None:
-        """Forget the hashes these (row, block) pairs hold: their KV is not what the hash says (a failed load).
-
-        Live requests keep the blocks; free ones go back uncached. Emits BlockRemoved for hashes that left.
-        """
-        rows = np.asarray(rows, dtype=np.intp).ravel()
-        blocks = np.asarray(blocks, dtype=np.intp).ravel()
-        keep = blocks >= 0
-        if not keep.all():
-            rows, blocks = rows[keep], blocks[keep]
-        if rows.size and ((rows < 0) | (rows >= self.num_rows) | (blocks >= self.num_blocks)).any():
-            raise KVCacheError(f"rows/blocks: pairs must lie in [0, {self.num_rows}) x [0, {self.num_blocks})")
-        groups = np.unique(self._row_group[rows] * self.num_blocks + blocks)
-        groups, blocks = np.divmod(groups, self.num_blocks)
-        removed = self._index.remove(groups, blocks)
-        self._pool.uncache(removed.rows, removed.blocks)
-        if self.enable_events:
-            self._events += self._removed(removed.rows, removed.hashes)
-
-    def push_events(self, events: Sequence[CacheEvent]) -> None:
-        """Queue a tier's events (medium "CPU") behind the manager's own, so subscribers see one ordered stream."""
-        if self.enable_events:
-            self._events.extend(events)
-
     def check_integrity(self) -> None:
         """Raise AssertionError with the numbers if pool, index and tables disagree."""
         self._pool.check_integrity()
@@ -1259,12 +624,6 @@ class KVCacheManager:
         assert (cached == held).all(), f"{int((cached != held).sum())} pairs cached in the pool but not the index"
 
     # ------------------------------------------------------------------ internals
-
-    def _get(self, request_id: object) -> _Request:
-        try:
-            return self._requests[request_id]
-        except (KeyError, TypeError):
-            raise KVCacheError(f"request_id: {request_id!r} is not admitted") from None
 
     def _match(self, hashes: bytes) -> tuple[int, np.ndarray | None]:
         """Longest usable cached prefix in blocks, and its blocks ``[num_rows, L]`` (-1 where not needed).
@@ -1310,52 +669,6 @@ class KVCacheManager:
             keep[first_seen[num_hit]:] = True
             blocks[np.ix_(group, np.flatnonzero(~keep))] = -1
         return num_hit, blocks
-
-    def _match_tier(self, hashes: bytes, start: int, limit: int) -> tuple[int, np.ndarray | None]:
-        """Blocks after a GPU hit of ``start`` blocks that the tier supplies, and which groups it holds them for.
-
-        Returns (n, bool ``[groups, n]``), or (0, None); hashes are the prompt's, ``limit`` the most blocks a hit may take.
-        """
-        assert self.tier is not None
-        if limit <= start:
-            return 0, None
-        held = np.asarray(self.tier.held(hashes[start * _H: limit * _H]), dtype=bool)
-        if held.shape[0] == 0:
-            return 0, None
-        num_groups = len(self._group_col)
-        present = held if not self._expand and held.shape[1] == num_groups else np.stack(
-            [held[:, self._row_group == g].all(axis=1) for g in range(num_groups)], axis=1)
-        policies = list(dict.fromkeys(self.rows))
-        n = tier_extension(present, start, policies, self.block_size)
-        return (n, present[:n].T.copy()) if n else (0, None)
-
-    def _release_to_tier(self, request_id: object, req: _Request) -> None:
-        """Offer the tier the request's hashed blocks that lose their last reference with this free."""
-        assert self.tier is not None
-        self.tier.poll()
-        bs = self.block_size
-        history = self._tier_tokens.get(req.slot)
-        tokens = np.concatenate(history) if history else np.empty(0, dtype=np.uint32)
-        n = int(self._ntok[req.slot]) // bs if history and self._hasher is not None else 0
-        hashes = b""
-        blocks = np.empty((self.num_rows, 0), dtype=np.int32)
-        if n:
-            hashes = self._hasher.hash_blocks_packed(tokens[: n * bs], cache_salt=req.cache_salt, lora=req.lora,
-                                                     mm=req.mm)
-            table = req.table[:, :n]
-            last = self._pool.refcount(self._group_col, table) == 1
-            holds = (self._index.blocks_of(hashes).T == table) & (table >= 0)
-            blocks = np.where(last & holds, table, -1)[self._row_group]
-        self.tier.released(request_id, hashes, blocks, tokens[: n * bs], req.lora,
-                           self._extra_keys(req.cache_salt, req.lora, req.mm, 0, n))
-
-    def _record_tier_tokens(self, slots: np.ndarray, flat: np.ndarray, counts: np.ndarray, ok: np.ndarray) -> None:
-        """Append each successful extend's tokens, in order, to its request's history (a tier is attached)."""
-        ends = np.cumsum(counts)
-        for s, good, end, k in zip(slots.tolist(), np.asarray(ok).tolist(), ends.tolist(), np.asarray(counts).tolist()):
-            history = self._tier_tokens.get(s)
-            if good and history is not None:
-                history.append(flat[end - k:end].copy())
 
     def _expand_pairs(self, groups: np.ndarray, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(group, block) pairs as the (row, block) pairs they stand for."""
@@ -1474,82 +787,8 @@ class KVCacheManager:
             out.append(tuple(keys) if keys else None)
         return tuple(out)
 
-    def _refresh(self, req: _Request) -> None:
-        """After a table change: drop the cached view and recompute the fast-path limits."""
-        bs = self.block_size
-        req.view = None
-        slot = req.slot
-        # An extend up to ``limit`` tokens stays in the last block and, with hashing, does not fill it.
-        limit = req.num_blocks * bs
-        if self._hasher is not None:
-            limit = min(limit, (int(self._ntok[slot]) // bs + 1) * bs - 1)
-        self._fast_limit[slot] = limit
-        self._next_recycle[slot] = self._recycle_at(req.recycled)
-        self._width[slot] = req.num_blocks
-
-    def _recycle_at(self, recycled: list[int]) -> int:
-        """The first num_computed_tokens at which a window row would give a block back (per window group,
-        ``recycled`` blocks are given back already)."""
-        if not self._window_groups:
-            return _NEVER
-        bs = self.block_size
-        return min((recycled[g] + 1) * bs + policy.window_tokens - 1 for g, (policy, _) in
-                   enumerate(self._window_groups))
-
-
 _EMPTY = np.empty(0, dtype=np.intp)
-_NEVER = 2**62  # a _next_recycle no request reaches
-_NO_COLUMNS = np.empty(0, dtype=np.int32)
-_NO_HASH = bytes(HASH_BYTES)  # extend_decode's mark of an eviction that dropped no hash
 _NO_HIT = np.empty((0, 0), dtype=np.int32)  # admit_commit's hit of a request with no cached prefix
 _H = HASH_BYTES
 
 
-def _view(req: _Request) -> np.ndarray:
-    """The request's table as a read-only view (cached until the table changes)."""
-    view = (req.table if req.heads is None else req.heads)[:, : req.num_blocks]
-    view.flags.writeable = False
-    req.view = view
-    return view
-
-
-def _columns(ranges: list[range]) -> np.ndarray:
-    """The union of column ranges as an ascending int32 array."""
-    parts = [np.arange(r.start, r.stop, dtype=np.int32) for r in ranges if r.stop > r.start]
-    if not parts:
-        return np.empty(0, dtype=np.int32)
-    return parts[0] if len(parts) == 1 else np.unique(np.concatenate(parts))
-
-
-def _resized(arr: np.ndarray, rows: int) -> np.ndarray:
-    """A zero-filled copy of ``arr`` with ``rows`` rows, the existing ones kept."""
-    out = np.zeros((rows, *arr.shape[1:]), dtype=arr.dtype)
-    out[: arr.shape[0]] = arr
-    return out
-
-
-def _put_column(req: _Request, col: int, column: np.ndarray) -> None:
-    """Write table column ``col`` of a request whose table is full: it doubles first (its expanded rows too)."""
-    req.table = _widen(req.table, col, _grow(col + 1, 4))
-    req.table[:, col] = column
-    if req.heads is not None:
-        req.heads = _widen(req.heads, col, req.table.shape[1])
-
-
-def _widen(table: np.ndarray, used: int, capacity: int) -> np.ndarray:
-    """A copy of ``table`` with ``capacity`` columns: the first ``used`` kept, the rest -1."""
-    grown = np.full((table.shape[0], capacity), -1, dtype=np.int32)
-    grown[:, :used] = table[:, :used]
-    return grown
-
-
-def _grow(needed: int, least: int) -> int:
-    """Capacity for ``needed`` items: the next power of two, at least ``least``."""
-    return max(least, 1 << max(0, needed - 1).bit_length())
-
-
-def _check_count(value: object, field: str, least: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise KVCacheError(f"{field}: must be an integer, got {value!r}")
-    if value < least:
-        raise KVCacheError(f"{field}: must be at least {least}, got {value}")

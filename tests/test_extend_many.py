@@ -30,10 +30,7 @@ PREFIXES = [list(range(40)), list(range(1000, 1040)), list(range(12)) + list(ran
 
 def twins(shape: str, num_blocks: int, caching: bool, algorithm: str, block_size: int = BS, events: bool = True
           ) -> tuple[KVCacheManager, KVCacheManager]:
-    """Two identical managers: one is driven by batches, the other one request at a time.
-
-    Without events, uniform rows take the C run of a decode step (``_extend_plain_run``).
-    """
+    """Two identical managers: one is driven by batches, the other one request at a time."""
     make = lambda: KVCacheManager(num_blocks, block_size, SHAPES[shape], enable_prefix_caching=caching,
                                   hash_algorithm=algorithm, hash_seed=b"twins", enable_events=events)
     return make(), make()
@@ -250,58 +247,6 @@ def test_uniform_decode_steps_take_the_c_run_and_match_the_general_path(monkeypa
         assert c_run.table(rid).tolist() == general.table(rid).tolist()
         prompt = np.arange(rid * 100, rid * 100 + 3 + rid)
         assert c_run.lookup(prompt) == general.lookup(prompt)
-
-
-def test_run_commit_checks_everything_before_it_writes():
-    """A run whose need index, slot or sizes are wrong raises ValueError and leaves every array as it was."""
-    from kvcache.allocator import _tables
-
-    m = KVCacheManager(64, 4, enable_prefix_caching=True, hash_seed=b"x", enable_events=False)
-    for rid in range(3):
-        m.admit(rid, np.arange(4 * rid, 4 * rid + 4))  # full blocks: the next extend opens one
-    state = lambda: [a.copy() for a in (m._tail, m._ntok, m._changed_ok, m._last_block, m._width, m._fast_limit,
-                                        m._last_hash)] + [m.table(r).tolist() for r in range(3)]
-    before = state()
-    s = np.array([m._slot_of[r] for r in range(3)], dtype=np.intp)
-    tt = m._ntok[s].copy()
-    tok = np.array([7, 8, 9], dtype=np.uint32)
-    blocks = np.array([[60, 61, 62]], dtype=np.int32)
-    arrays = (m._tail, m._ntok, m._changed_ok, m._last_block, m._width, m._fast_limit, m._last_hash)
-    empty = np.empty((0, 1), dtype=np.int32)
-    for need, slots, new in [(np.array([0, 1, 3], dtype=np.intp), s, blocks),  # need past the run
-                             (np.array([0, 1, 2], dtype=np.intp), np.array([*s[:2], 10**6], dtype=np.intp), blocks),
-                             (np.array([0, 1, 2], dtype=np.intp), s, blocks[:, :2].copy())]:  # a block short
-        with pytest.raises(ValueError):
-            _tables.run_commit(slots, tt, tok, need, np.empty(0, dtype=np.intp), new, m._by_slot, *arrays, b"",
-                               np.empty(3, dtype=np.int32), empty, True)
-        assert all(np.array_equal(x, y) for x, y in zip(state()[:7], before[:7])) and state()[7:] == before[7:]
-    with pytest.raises(ValueError):
-        _tables.run_prepare(np.array([5], dtype=np.intp), s, tok, np.zeros(3, dtype=np.int64), tt, m._tail,
-                            m._last_hash, *(np.empty(1, dtype=d) for d in (np.intp, np.int64, np.uint32, np.intp,
-                                                                          np.intp)),
-                            np.empty((1, 4), dtype=np.uint32), np.empty((1, 32), dtype=np.uint8), True)
-
-
-def test_insert_cached_refuses_a_free_block_or_a_held_pair_and_changes_nothing():
-    """The decode run's index pass checks every block before it writes: a free block, or one already holding a
-    hash, is an AssertionError and leaves the pool's flags and the index as they were."""
-    from kvcache.allocator import _tables
-
-    m = KVCacheManager(32, 4, enable_prefix_caching=True, hash_seed=b"x", enable_events=False)
-    m.admit(0, np.arange(9, dtype=np.uint32))  # blocks 0, 1 full (indexed), block 2 partial
-    pool, index = m._pool, m._index
-    index.reserve(2, 0)
-    state = lambda: [a.copy() for a in (pool._cached, index._slots, index._hash_of, index._blocks, index._entry_at,
-                                        index._holders)] + [index._num_spare, index._num_entries]
-    before = state()
-    hashes = bytes(range(32)) + bytes(range(1, 33))
-    free_block = int(pool._stack[pool._top[0] - 1])
-    for blocks, match in (([2, free_block], "free or out of range"), ([2, 0], "already holds a hash")):
-        with pytest.raises(AssertionError, match=match):
-            _tables.insert_cached(*pool._c_arrays(), *index._c_arrays(), index._num_entries, hashes,
-                                  np.array(blocks, dtype=np.int32))
-        after = state()
-        assert all(np.array_equal(a, b) for a, b in zip(after[:6], before[:6])) and after[6:] == before[6:]
 
 
 @pytest.mark.parametrize("caching,algorithm,events,given", [

@@ -5,7 +5,6 @@ import os
 import subprocess
 import sys
 import zlib
-from pathlib import Path
 
 import msgpack
 import numpy as np

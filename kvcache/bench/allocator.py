@@ -65,7 +65,10 @@ PASSES = 2  # sections 2-4: each contender's timed samples come in this many sep
 REWARM = 2  # sections 3-4: untimed prompts at the start of each pass
 
 # Targets, for a 2-core machine.
-HASH_TARGET = {"sha256": 20.0, "sha256_cbor": 3.0}
+HASH_TARGET = {"sha256": 20.0, "sha256_cbor": 3.0}  # vllm/ours
+# sha256 at block 64: one hashlib call over the same compressions (the floor) is only ~15x vLLM's hasher, so the
+# target there is ours within this much of the floor.
+HASH_FLOOR_TARGET = 1.25
 E2E_PEER_TARGET = 10.0
 E2E_MS_TARGET = 0.7  # block 16, uniform, ndarray input
 HEAD_WISE_TARGET = 2.0
@@ -161,7 +164,12 @@ def summarise_hashing(raw: list[dict[str, Any]], backend: str) -> list[dict[str,
         peer = peers.get((r["algorithm"], r["block_size"]))
         peer_ms = None if peer is None else peer["ms_per_prompt"]
         ratio = _peer_ratio(peer_ms, r["ms_per_prompt"])
-        target = HASH_TARGET[r["algorithm"]]
+        over_floor = r["ms_per_prompt"] / r["limit_ms"]
+        if r["algorithm"] == "sha256" and r["block_size"] > 16:
+            target, ok = f"ours <= {HASH_FLOOR_TARGET:g}x floor", over_floor <= HASH_FLOOR_TARGET
+        else:
+            target = f"vllm/ours >= {HASH_TARGET[r['algorithm']]:g}x"
+            ok = _check_target(ratio, HASH_TARGET[r["algorithm"]])
         out.append({
             "algorithm": r["algorithm"],
             "block_size": r["block_size"],
@@ -174,8 +182,9 @@ def summarise_hashing(raw: list[dict[str, Any]], backend: str) -> list[dict[str,
             "peer": r["peer"],
             "peer_ms": peer_ms,
             "peer_over_ours": ratio,
-            "target": f"vllm/ours >= {target:g}x",
-            "ok": _check_target(ratio, target),
+            "over_floor": over_floor,
+            "target": target,
+            "ok": ok,
         })
     return out
 
@@ -486,9 +495,11 @@ def render(result: dict[str, Any]) -> str:
         f"2. hashing a {PROMPT_TOKENS:,}-token prompt (kvcache.bench.hashing; backend "
         f"{cfg['hash_backend']}; floor: one hashlib call over the same SHA-256 compressions)",
         _table(
-            ["algorithm", "block", "input", "ours ms", "ns/token", "floor ms", "vllm ms", "vllm/ours", "target", ""],
+            ["algorithm", "block", "input", "ours ms", "ns/token", "floor ms", "ours/floor", "vllm ms", "vllm/ours",
+             "target", ""],
             [[r["algorithm"], str(r["block_size"]), r["input"], f"{r['ours_ms']:.3f}", f"{r['ours_ns_per_token']:.2f}",
-              f"{r['limit_ms']:.3f}", _ms(r["peer_ms"]), _x(r["peer_over_ours"]), r["target"], _mark(r["ok"])]
+              f"{r['limit_ms']:.3f}", _x(r["over_floor"]), _ms(r["peer_ms"]), _x(r["peer_over_ours"]), r["target"],
+              _mark(r["ok"])]
              for r in result["hashing"]],
         ),
         "",
@@ -545,8 +556,9 @@ def _targets(hashing: list[dict[str, Any]], e2e: list[dict[str, Any]], lengths: 
     """Every row with a verdict (ok or MISS), flattened for a summary line."""
     out = []
     for r in hashing:
+        value = _x(r["over_floor"]) + " floor" if r["target"].startswith("ours") else _x(r["peer_over_ours"])
         out.append({"name": f"hashing {r['algorithm']} block {r['block_size']} {r['input']}",
-                    "value": _x(r["peer_over_ours"]), "target": r["target"], "ok": r["ok"]})
+                    "value": value, "target": r["target"], "ok": r["ok"]})
     for r in e2e:
         if r["impl"] == "kvcache":
             value = (f"{r['ms']:.3f} ms, {_x(r['peer_over_ours'])}" if r["mode"] == "uniform"
