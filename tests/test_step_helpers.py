@@ -262,3 +262,28 @@ def test_check_tokens_holds_the_limit_and_the_range_on_its_one_call_path(data: s
 def test_bounds_declines_what_is_not_an_integer_array() -> None:
     for value in (np.ones(3), np.ones(3, dtype=bool), [1, 2], 5):
         assert _tables.bounds(value) is None
+
+
+def test_c_passes_refuse_a_read_only_array_they_write_and_change_nothing() -> None:
+    """The C passes read numpy arrays off their heads, but an array they would write that is read-only (or not
+    contiguous) is refused as a buffer export refuses it, before anything changes; the same call then works."""
+    m = KVCacheManager(64, 4, hash_seed=b"x")
+    for rid in range(3):
+        m.admit(rid, list(range(10 * rid, 10 * rid + 4)))  # full blocks: the next token opens one
+    before = [m.table(r).tolist() for r in range(3)], m._ntok.copy(), m.num_free_blocks.tolist()
+    m._ntok.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        m.extend_many_deltas([0, 1, 2], [7, 8, 9], [1, 1, 1])
+    with pytest.raises(ValueError, match="read-only"):
+        m.admit(3, [1, 2, 3, 4, 5])
+    m._ntok.flags.writeable = True
+    assert ([m.table(r).tolist() for r in range(3)], m._ntok.copy(), m.num_free_blocks.tolist())[0] == before[0]
+    assert np.array_equal(m._ntok, before[1]) and m.num_free_blocks.tolist() == before[2] and 3 not in m
+    full = m._ntok
+    m._ntok = np.repeat(full, 2)[::2]  # the same values, not contiguous
+    with pytest.raises(ValueError, match="contiguous"):
+        m.extend_many_deltas([0, 1, 2], [7, 8, 9], [1, 1, 1])
+    m._ntok = full
+    deltas = m.extend_many_deltas([0, 1, 2], [7, 8, 9], [1, 1, 1])
+    assert deltas.lens.tolist() == [2, 2, 2] and [m.num_tokens(r) for r in range(3)] == [5, 5, 5]
+    m.check_integrity()
