@@ -12,21 +12,21 @@ EXTENSIONS: list[Extension] = [
     Extension(
         "kvcache.allocator._hashtable",
         ["allocator/_hashtable.c"],
-        depends=["allocator/_hashtable.h"],
+        depends=["allocator/_hashtable.h", "allocator/_arrays.h"],
         extra_compile_args=["-O3", "-std=gnu11", "-Wall", "-Wextra"],
     ),
     # One column written into each of many per-request block tables (a decode step's new blocks).
     Extension(
         "kvcache.allocator._tables",
         ["allocator/_tables.c"],
-        depends=["allocator/_pool.h", "allocator/_hashtable.h"],
+        depends=["allocator/_pool.h", "allocator/_hashtable.h", "allocator/_arrays.h"],
         extra_compile_args=["-O3", "-std=gnu11", "-Wall", "-Wextra"],
     ),
     # A request's references dropped row by row in one pass (BlockPool.decref of a whole table).
     Extension(
         "kvcache.allocator._pool",
         ["allocator/_pool.c"],
-        depends=["allocator/_pool.h"],
+        depends=["allocator/_pool.h", "allocator/_arrays.h"],
         extra_compile_args=["-O3", "-std=gnu11", "-Wall", "-Wextra"],
     ),
     # send_cache and the layer signal: futex + shared memory; the CUDA runtime is dlopen'ed at run time.

@@ -15,6 +15,7 @@
  * The caller keeps the load at most one half and never calls two functions on the same arrays at
  * once.
  */
+#include "_arrays.h"
 #include "_hashtable.h"
 
 PyDoc_STRVAR(find_doc,
@@ -28,7 +29,8 @@ static PyObject *find(PyObject *self, PyObject *args)
     unsigned long long seed;
     int stop_at_miss;
     (void)self;
-    if (!PyArg_ParseTuple(args, "y*y*Ky*p", &slots, &hash_of, &seed, &queries, &stop_at_miss)) {
+    if (!PyArg_ParseTuple(args, "O&O&KO&p", read_array, &slots, read_array, &hash_of, &seed, read_array, &queries,
+                          &stop_at_miss)) {
         return NULL;
     }
     PyObject *result = NULL;
@@ -72,7 +74,8 @@ static PyObject *insert(PyObject *self, PyObject *args)
     Py_buffer slots, hash_of, new_keys, new_entries;
     unsigned long long seed;
     (void)self;
-    if (!PyArg_ParseTuple(args, "w*y*Ky*y*", &slots, &hash_of, &seed, &new_keys, &new_entries)) {
+    if (!PyArg_ParseTuple(args, "O&O&KO&O&", write_array, &slots, read_array, &hash_of, &seed, read_array, &new_keys,
+                          read_array, &new_entries)) {
         return NULL;
     }
     PyObject *result = NULL;
@@ -122,7 +125,7 @@ static PyObject *remove_keys(PyObject *self, PyObject *args)
     Py_buffer slots, hash_of, old_keys;
     unsigned long long seed;
     (void)self;
-    if (!PyArg_ParseTuple(args, "w*y*Ky*", &slots, &hash_of, &seed, &old_keys)) {
+    if (!PyArg_ParseTuple(args, "O&O&KO&", write_array, &slots, read_array, &hash_of, &seed, read_array, &old_keys)) {
         return NULL;
     }
     PyObject *result = NULL;
@@ -160,8 +163,9 @@ static PyObject *insert_new(PyObject *self, PyObject *args)
     unsigned long long seed;
     int fresh_only = 0;
     (void)self;
-    if (!PyArg_ParseTuple(args, "w*Ky*y*y*w*w*w*w*|p", &slots, &seed, &hashes, &entries, &blocks, &hash_of,
-                          &entry_blocks, &entry_at, &holders, &fresh_only)) {
+    if (!PyArg_ParseTuple(args, "O&KO&O&O&O&O&O&O&|p", write_array, &slots, &seed, read_array, &hashes, read_array,
+                          &entries, read_array, &blocks, write_array, &hash_of, write_array, &entry_blocks,
+                          write_array, &entry_at, write_array, &holders, &fresh_only)) {
         return NULL;
     }
     PyObject *result = NULL;

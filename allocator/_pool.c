@@ -10,12 +10,14 @@
  * take() is the other way: one row's allocation (a request's new blocks), popping the free stack
  * and then evicting the LRU ring's oldest live entries, as BlockPool._allocate_row does.
  */
+#include "_arrays.h"
 #include "_pool.h"
 
 PyDoc_STRVAR(release_doc,
-"release(ref, cached, stack, top, ring, lru_pos, head, tail, lru_count, rows, blocks) -> int\n\n"
+"release(ref, cached, stack, top, ring, lru_pos, head, tail, lru_count, rows, blocks, used=-1) -> int\n\n"
 "BlockPool.decref(rows[:, None], blocks, unique=True) in one pass: rows int64 [k], blocks int32 [k, L]\n"
-"C-contiguous (-1 = hole, skipped); the other arguments are the pool's arrays. Raises\n"
+"C-contiguous (-1 = hole, skipped); the other arguments are the pool's arrays. With used >= 0 only\n"
+"columns [0, used) count, released last column first (a freed request's table, tail first). Raises\n"
 "AssertionError, changing nothing, if a block has no reference or an id is out of range.\n"
 "Returns how many blocks became free.");
 
@@ -23,8 +25,10 @@ static PyObject *release(PyObject *self, PyObject *args)
 {
     (void)self;
     Py_buffer b[POOL_ARRAYS + 2]; /* the pool's arrays, then rows and blocks */
-    if (!PyArg_ParseTuple(args, "w*w*w*w*w*w*w*w*w*y*y*", &b[0], &b[1], &b[2], &b[3], &b[4], &b[5], &b[6], &b[7],
-                          &b[8], &b[9], &b[10]))
+    Py_ssize_t used = -1;
+    if (!PyArg_ParseTuple(args, "O&O&O&O&O&O&O&O&O&O&O&|n", write_array, &b[0], write_array, &b[1], write_array, &b[2],
+                          write_array, &b[3], write_array, &b[4], write_array, &b[5], write_array, &b[6], write_array,
+                          &b[7], write_array, &b[8], read_array, &b[9], read_array, &b[10], &used))
         return NULL;
     PyObject *result = NULL;
     pool_t p;
@@ -32,10 +36,12 @@ static PyObject *release(PyObject *self, PyObject *args)
         goto done;
     const Py_ssize_t k = b[9].len / (Py_ssize_t)sizeof(int64_t);
     const Py_ssize_t width = k ? b[10].len / (Py_ssize_t)sizeof(int32_t) / k : 0;
-    if (b[10].len != k * width * (Py_ssize_t)sizeof(int32_t)) {
+    if (b[10].len != k * width * (Py_ssize_t)sizeof(int32_t) || used > width) {
         PyErr_SetString(PyExc_ValueError, "release: the pairs have inconsistent sizes");
         goto done;
     }
+    const int tail_first = used >= 0;
+    const Py_ssize_t count = tail_first ? used : width; /* column q of the walk: count - 1 - q, tail first */
     const int64_t *rows = b[9].buf;
     const int32_t *blocks = b[10].buf;
     for (Py_ssize_t i = 0; i < k; i++) {
@@ -43,8 +49,8 @@ static PyObject *release(PyObject *self, PyObject *args)
             PyErr_Format(PyExc_AssertionError, "decref: row %lld is not in [0, %zd)", (long long)rows[i], p.rows);
             goto done;
         }
-        for (Py_ssize_t j = 0; j < width; j++) {
-            const int32_t blk = blocks[i * width + j];
+        for (Py_ssize_t q = 0; q < count; q++) {
+            const int32_t blk = blocks[i * width + (tail_first ? count - 1 - q : q)];
             if (blk == -1)
                 continue;
             if (blk < -1 || blk >= p.n) {
@@ -62,8 +68,8 @@ static PyObject *release(PyObject *self, PyObject *args)
     const Py_ssize_t mask = p.cap - 1;
     for (Py_ssize_t i = 0; i < k; i++) {
         const Py_ssize_t r = rows[i];
-        for (Py_ssize_t j = 0; j < width; j++) {
-            const int32_t blk = blocks[i * width + j];
+        for (Py_ssize_t q = 0; q < count; q++) {
+            const int32_t blk = blocks[i * width + (tail_first ? count - 1 - q : q)];
             if (blk < 0)
                 continue;
             const Py_ssize_t flat = r * p.n + blk;
@@ -106,8 +112,10 @@ static PyObject *take(PyObject *self, PyObject *args)
     Py_buffer b[POOL_ARRAYS + 2]; /* the pool's arrays, then out and evicted */
     Py_ssize_t r;
     int ascending;
-    if (!PyArg_ParseTuple(args, "w*w*w*w*w*w*w*w*w*nw*w*p", &b[0], &b[1], &b[2], &b[3], &b[4], &b[5], &b[6], &b[7],
-                          &b[8], &r, &b[9], &b[10], &ascending))
+    if (!PyArg_ParseTuple(args, "O&O&O&O&O&O&O&O&O&nO&O&p", write_array, &b[0], write_array, &b[1], write_array,
+                          &b[2], write_array, &b[3], write_array, &b[4], write_array, &b[5], write_array, &b[6],
+                          write_array, &b[7], write_array, &b[8], &r, write_array, &b[9], write_array, &b[10],
+                          &ascending))
         return NULL;
     PyObject *result = NULL;
     pool_t p;

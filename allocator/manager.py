@@ -324,7 +324,7 @@ class KVCacheManager(RequestSlots, DecodeBatch, TierLink):
         if self.tier is not None:
             self.tier.poll()
         if self._hasher is not None:
-            hashes = self._hasher.hash_blocks_packed(tokens, cache_salt=cache_salt, lora=lora, mm=mm)
+            hashes = self._hasher._hash(tokens, cache_salt, lora, mm, None, 0, split=False)  # hash_blocks_packed's
             if tokens.size > bs:  # else no block before the last token: nothing to find
                 num_hit, hit = self._match(hashes[: (tokens.size - 1) // bs * _H])
             if self.tier is not None:
@@ -420,8 +420,15 @@ class KVCacheManager(RequestSlots, DecodeBatch, TierLink):
         per_group = evicted.tolist()
         if any(per_group):  # (row, block) pairs: a group's eviction counts once per row it stands for
             self._evicted += sum(e * size for e, size in zip(per_group, self._group_sizes.tolist()))
-        req = self._record(request_id, self._take_slot(), table, num_blocks, recycled, cache_salt, lora, mm)
-        self._count_query(int(tokens.size), num_hit)
+        if self._free_slots:  # the slot _next_slot gave: take it
+            self._free_slots.pop()
+        else:
+            self._by_slot.append(None)
+        req = self._record(request_id, slot, table, num_blocks, recycled, cache_salt, lora, mm)
+        self._queries += 1  # _count_query's statistics, inline on this path
+        self._hit_requests += num_hit > 0
+        self._queried_tokens += int(tokens.size)
+        self._hit_tokens += num_hit * bs
         return Admission(num_hit * bs, _view(req), covered)
 
     def extend(self, request_id: object, tokens: Tokens, *, num_computed_tokens: int | None = None) -> np.ndarray | None:
@@ -527,7 +534,7 @@ class KVCacheManager(RequestSlots, DecodeBatch, TierLink):
         del self._slot_of[request_id]
         self._by_slot[req.slot] = None
         self._free_slots.append(req.slot)
-        self._pool.release_table(self._group_rows, np.ascontiguousarray(req.table[:, req.num_blocks - 1::-1]))
+        self._pool.release_table(self._group_rows, req.table, req.num_blocks)
 
     def discard(self, request_id: object, first_block: int = 0) -> None:
         """End a request whose KV from block ``first_block`` on was never written (a failed transfer).

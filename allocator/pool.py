@@ -302,13 +302,14 @@ class BlockPool:
         if num_zero:
             self._revive(rz, fz, g, lowest)
 
-    def release_table(self, rows: np.ndarray, blocks: np.ndarray) -> None:
+    def release_table(self, rows: np.ndarray, blocks: np.ndarray, used: int = -1) -> None:
         """``decref(rows[:, None], blocks, unique=True)`` for int64 ``rows`` and a C-contiguous int32 ``blocks``
-        (a freed request's table, row by row): the C pass without decref's argument handling."""
+        (a table, row by row): the C pass without decref's argument handling. With ``used`` >= 0, only columns
+        ``[0, used)``, released last column first (a freed request's table: its tail is evicted first)."""
         try:
-            _pool.release(*self._c_arrays(), rows, blocks)
+            _pool.release(*self._c_arrays(), rows, blocks, used)
         except AssertionError:  # nothing changed: an id out of range is the caller's error, named as such
-            self._check_pairs(rows[:, None], blocks)
+            self._check_pairs(rows[:, None], blocks if used < 0 else blocks[:, used - 1::-1] if used else blocks[:, :0])
             raise
 
     def decref(self, rows: np.ndarray, blocks: np.ndarray, *, unique: bool = False) -> None:

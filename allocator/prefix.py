@@ -777,6 +777,9 @@ class PrefixIndex:
     def reserve(self, keys: int, spare: int) -> None:
         """Room for ``keys`` more hashes (table and entry arrays) and ``spare`` more spare ids, without changing
         what the index holds: what a C pass that inserts and drops hashes itself needs beforehand."""
+        if (2 * (self._count + keys) <= self._slots.size and self._num_entries + keys <= len(self._holders)
+                and self._num_spare + spare <= self._spare.size):
+            return  # the usual case: room already (one check, no calls)
         self._reserve_keys(keys)
         self._grow_entries(self._num_entries + keys)
         self._grow_spare(self._num_spare + spare)
