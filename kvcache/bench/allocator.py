@@ -38,6 +38,7 @@ from kvcache.bench.common import mark as _mark
 from kvcache.bench.common import positive_int as _positive_int
 from kvcache.bench.common import progress as _progress
 from kvcache.bench.common import ratio as _x
+from kvcache.bench.common import TimedSteps
 from kvcache.bench.common import table as _table
 from kvcache.bench.hashing import bench_hashing
 
@@ -391,7 +392,7 @@ def bench_prompt_lengths(repeat: int, peer: bool) -> list[dict[str, Any]]:
 # --------------------------------------------------------------------------- 5. scheduler step
 
 
-class _OursStep:
+class _OursStep(TimedSteps):
     """The step workload of kvcache.bench.vllm.SchedulerStep on our KVCacheManager, in this process."""
 
     def __init__(self, num_blocks: int, rows: tuple[AttentionPolicy, ...]) -> None:
@@ -419,14 +420,6 @@ class _OursStep:
             raise RuntimeError("the pool is too small for the step workload")
         for prompt in inp.prompts:
             self._admit(prompt)
-
-    def run(self, inputs: Sequence[vllm.StepInput]) -> np.ndarray:
-        out = np.empty(len(inputs), dtype=np.int64)
-        for i, inp in enumerate(inputs):
-            t0 = time.perf_counter_ns()
-            self.step(inp)
-            out[i] = time.perf_counter_ns() - t0
-        return out
 
 
 def bench_step(repeat: int, peer: bool) -> list[dict[str, Any]]:

@@ -15,6 +15,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from kvcache.allocator.errors import KVCacheError
 
 if TYPE_CHECKING:
@@ -28,6 +30,22 @@ _STARTED = time.monotonic()
 def progress(text: str) -> None:
     """Say on stderr what a benchmark measures now, with the seconds since it started (the tables go to stdout)."""
     print(f"kvcache bench: [{time.monotonic() - _STARTED:6.1f} s] {text}", file=sys.stderr, flush=True)
+
+
+class TimedSteps:
+    """A scheduler-step workload whose ``step(input)`` is timed one input at a time by ``run``."""
+
+    def step(self, inp: Any) -> None:
+        raise NotImplementedError
+
+    def run(self, inputs: Sequence[Any]) -> np.ndarray:
+        """ns of each step, one per input (the inputs made before any clock starts)."""
+        out = np.empty(len(inputs), dtype=np.int64)
+        for i, inp in enumerate(inputs):
+            t0 = time.perf_counter_ns()
+            self.step(inp)
+            out[i] = time.perf_counter_ns() - t0
+        return out
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[str]], *, align_left: int = 0) -> str:

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import collections
 import itertools
-import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
+
+from kvcache.bench.common import TimedSteps
 
 MAX_MODEL_LEN = 1 << 17
 
@@ -135,7 +136,7 @@ def step_inputs(rng: np.random.Generator, count: int, requests: int, admits: int
     return [StepInput(d, p) for d, p in zip(decode, prompts)]
 
 
-class SchedulerStep:
+class SchedulerStep(TimedSteps):
     """vLLM's scheduler step on a steady set of decoding requests, in this process.
 
     A step frees the oldest ``admits`` requests, decodes one token for each of the
@@ -168,12 +169,3 @@ class SchedulerStep:
                 raise RuntimeError("vLLM's pool is too small for the step workload")
         for prompt in inp.prompts:
             self._admit(prompt)
-
-    def run(self, inputs: Sequence[StepInput]) -> np.ndarray:
-        """ns of each step, one per input."""
-        out = np.empty(len(inputs), dtype=np.int64)
-        for i, inp in enumerate(inputs):
-            t0 = time.perf_counter_ns()
-            self.step(inp)
-            out[i] = time.perf_counter_ns() - t0
-        return out
