@@ -300,7 +300,8 @@ class DecodeBatch:
         tagged: list[tuple[int, int, CacheEvent]] = []  # events with their request's position in the run
         if recycle.size:
             if rec_rows.size:  # in request order, tail first: the LRU order of one by one
-                pool.decref(rec_rows, rec_blocks)
+                # One C pass, pair by pair (a block two requests give back goes free at the second, as one by one).
+                pool.release_table(rec_rows.astype(np.int64), rec_blocks.astype(np.int32).reshape(-1, 1))
                 self._recycled += int(self._group_sizes[rec_rows].sum())
             for j, (_, blocks, stops) in zip(recycle.tolist(), returns):
                 if blocks.size:  # as _extend: a window with nothing left to give keeps its marks

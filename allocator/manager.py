@@ -69,7 +69,7 @@ from kvcache.allocator.prefix import (
     as_token_array,
     check_lora,
 )
-from kvcache.allocator.swa import AttentionPolicy, Full, Window, recyclable_blocks
+from kvcache.allocator.swa import AttentionPolicy, Full, Window, window_stop
 from kvcache.allocator.requests import (
     _NO_COLUMNS,
     Admission,
@@ -688,22 +688,26 @@ class KVCacheManager(RequestSlots, DecodeBatch, TierLink):
 
     def _recyclable(self, req: _Request, done: int) -> tuple[np.ndarray, np.ndarray, list[int]]:
         """(rows, blocks) the window rows may give back before queries from ``done``, tail first."""
+        bs = self.block_size
         stops: list[int] = []
         rows_parts, block_parts = [], []
         for g, (policy, group) in enumerate(self._window_groups):
-            stop = min(recyclable_blocks(policy, done, self.block_size).stop, req.num_blocks)
+            stop = min(window_stop(policy, done, bs), req.num_blocks)
             stops.append(stop)
-            start = max(req.recycled[g], -(-policy.sink_tokens // self.block_size))
+            start = max(req.recycled[g], -(-policy.sink_tokens // bs))
             if stop <= start:
                 continue
-            part = req.table[group, start:stop][:, ::-1]
-            rows_parts.append(np.broadcast_to(group[:, None], part.shape).ravel())
+            part = req.table[group, start:stop][:, ::-1]  # [rows of the group, blocks], tail first
+            rows_parts.append(np.repeat(group, stop - start))
             block_parts.append(part.ravel())
         if not rows_parts:
             return _EMPTY, _EMPTY, stops
-        rows, blocks = np.concatenate(rows_parts), np.concatenate(block_parts)
+        if len(rows_parts) == 1:
+            rows, blocks = rows_parts[0], block_parts[0]
+        else:
+            rows, blocks = np.concatenate(rows_parts), np.concatenate(block_parts)
         live = blocks >= 0
-        return rows[live], blocks[live], stops
+        return (rows, blocks, stops) if live.all() else (rows[live], blocks[live], stops)
 
     def _register(self, req: _Request, start: int, hashes: bytes, tokens: np.ndarray) -> None:
         """Enter the request's newly full blocks (packed ``hashes``, from block ``start`` on) in the index.

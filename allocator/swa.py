@@ -86,8 +86,13 @@ def recyclable_blocks(policy: AttentionPolicy, first_pending_query: int, block_s
     if isinstance(policy, Full):
         return range(0, 0)
     start = _ceil_div(policy.sink_tokens, block_size)
+    return range(start, window_stop(policy, first_pending_query, block_size))
+
+
+def window_stop(policy: Window, first_pending_query: int, block_size: int) -> int:
+    """``recyclable_blocks(policy, ...).stop`` for a Window, unchecked: what a decode step's loop calls."""
     stop = max(0, first_pending_query - policy.window_tokens + 1) // block_size
-    return range(start, max(start, stop))
+    return max(-(-policy.sink_tokens // block_size), stop)
 
 
 def needed_blocks(policy: AttentionPolicy, num_tokens: int, block_size: int) -> NeededBlocks:
