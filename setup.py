@@ -6,6 +6,7 @@ EXTENSIONS: list[Extension] = [
     Extension(
         "kvcache.allocator._chainhash",
         ["allocator/_chainhash.c"],
+        depends=["allocator/_tokens.h"],
         extra_compile_args=["-O3", "-std=gnu11", "-Wall", "-Wextra", "-Wno-missing-field-initializers"],
     ),
     # Batch lookups/inserts/removals of packed 32-byte hashes for the prefix index.
@@ -19,7 +20,7 @@ EXTENSIONS: list[Extension] = [
     Extension(
         "kvcache.allocator._tables",
         ["allocator/_tables.c"],
-        depends=["allocator/_pool.h", "allocator/_hashtable.h", "allocator/_arrays.h"],
+        depends=["allocator/_pool.h", "allocator/_hashtable.h", "allocator/_arrays.h", "allocator/_tokens.h"],
         extra_compile_args=["-O3", "-std=gnu11", "-Wall", "-Wextra"],
     ),
     # A request's references dropped row by row in one pass (BlockPool.decref of a whole table).

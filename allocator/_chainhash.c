@@ -28,6 +28,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "_tokens.h"
+
 #if defined(__x86_64__)
 #define KV_X86 1
 #include <cpuid.h>
@@ -352,6 +354,21 @@ static int host_is_le(void)
     return *(const uint8_t *)&one == 1;
 }
 
+/* The longest block hashed straight from a list's items (chain_raw, SHA-NI); longer ones copy the list first. */
+#define LIST_BLOCK_MAX 64
+
+/* out[j] = items[j] as token ids for j < bs; negative if an item is not one (then out is partly garbage). */
+static inline int64_t read_block(PyObject *const *items, Py_ssize_t bs, uint32_t *out)
+{
+    int64_t bad = 0;
+    for (Py_ssize_t j = 0; j < bs; j++) {
+        const int64_t v = list_token(items[j]);
+        out[j] = (uint32_t)v;
+        bad |= v;
+    }
+    return bad;
+}
+
 static int get_tokens(PyObject *obj, token_buf *t)
 {
     if (PyObject_GetBuffer(obj, &t->view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
@@ -504,6 +521,7 @@ typedef struct {
     uint8_t *out;
     Py_ssize_t n;    /* blocks */
     Py_ssize_t made; /* list items made so far */
+    int hold_gil;    /* never let other threads run (the tokens are a list's items) */
 } sink;
 
 /* Makes the list's items [made, upto); their 32 bytes are written by the loop. */
@@ -517,7 +535,7 @@ static __attribute__((noinline)) int sink_make(sink *sk, Py_ssize_t upto)
         PyList_SET_ITEM(sk->list, i, b);
         sk->made = i + 1;
     }
-    if (from / YIELD_EVERY != upto / YIELD_EVERY) {
+    if (!sk->hold_gil && from / YIELD_EVERY != upto / YIELD_EVERY) {
         Py_BEGIN_ALLOW_THREADS
         Py_END_ALLOW_THREADS
     }
@@ -689,8 +707,18 @@ static int cbor_portable(const token_buf *t, Py_ssize_t bs, Py_ssize_t n, const 
 /* chain_raw without extras, block_size % 4 == 0: the message's 16-byte lanes are the digest (2),
  * the block's tokens (bs / 4, read in place) and padding (1 to 4, constants of the call). */
 SHANI_FN int raw_shani_lanes_body(const uint8_t *tok, const Py_ssize_t bs, Py_ssize_t n, int tok_le,
-                                  const uint8_t *parent, sink *sk)
+                                  const uint8_t *parent, sink *sk, PyObject *const *items)
 {
+    /* items (a list's, GIL held; bs <= LIST_BLOCK_MAX): block i + 1's ids are read into one of two buffers
+     * between block i's first and second compression, where the SHA chain leaves the load ports idle. A
+     * bad item makes the result -2 (the caller names it). */
+    uint32_t ids[2][LIST_BLOCK_MAX] __attribute__((aligned(16)));
+    int64_t bad = 0;
+    if (items) {
+        tok = (const uint8_t *)ids[0];
+        tok_le = host_is_le();
+        bad |= read_block(items, bs, ids[0]);
+    }
     /* The message reads tokens as uint32 LE bytes; its words are big-endian: swap LE input. */
     const __m128i tok_mask = tok_le ? BSWAP32_MASK : _mm_set_epi64x(0x0f0e0d0c0b0a0908ULL, 0x0706050403020100ULL);
     const size_t len = 32 + 4 * (size_t)bs;
@@ -707,51 +735,73 @@ SHANI_FN int raw_shani_lanes_body(const uint8_t *tok, const Py_ssize_t bs, Py_ss
 
 #define RAW_LANE(j) ((j) < data_lanes ? _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(blk + 16 * ((j) - 2))), tok_mask) \
                                       : pad[(j) - data_lanes])
+    /* A list's ids read after each compression: all of the next block's after the first where a block takes two
+     * (measured faster for block 16), else a share after each. */
+    const Py_ssize_t share = chunks <= 2 ? bs : (bs + chunks - 1) / chunks;
     __m128i w0 = shani_words(parent), w1 = shani_words(parent + 16), wk[4];
     shani_chain_start(w0, w1, wk);
     for (Py_ssize_t i = 0; i < n; i++) {
-        const uint8_t *blk = tok + (size_t)i * 4 * (size_t)bs;
+        const uint8_t *blk = items ? (const uint8_t *)ids[i & 1] : tok + (size_t)i * 4 * (size_t)bs;
         __m128i s0 = IV_ABEF, s1 = IV_CDGH, base0 = s0, base1 = s1;
         shani_rounds(&s0, &s1, w0, w1, RAW_LANE(2), RAW_LANE(3), wk);
         if (sink_prepare(sk, i) < 0)
             return -1;
+        /* Block i + 1's ids, a share after each compression of block i (its read spread over the chain). */
+        PyObject *const *next = items && i + 1 < n ? items + (i + 1) * bs : NULL;
+        uint32_t *next_ids = ids[(i + 1) & 1];
+        if (next)
+            bad |= read_block(next, share, next_ids);
         for (Py_ssize_t c = 1; c < chunks; c++) {
             s0 = _mm_add_epi32(s0, base0);
             s1 = _mm_add_epi32(s1, base1);
             base0 = s0;
             base1 = s1;
             shani_rounds(&s0, &s1, RAW_LANE(4 * c), RAW_LANE(4 * c + 1), RAW_LANE(4 * c + 2), RAW_LANE(4 * c + 3), NULL);
+            if (next && c * share < bs)
+                bad |= read_block(next + c * share, (c + 1) * share < bs ? share : bs - c * share, next_ids + c * share);
         }
         shani_chain_end(&s0, &s1, base0, base1, &w0, &w1, wk);
         shani_store_digest(sink_slot(sk, i), w0, w1);
     }
 #undef RAW_LANE
-    return 0;
+    return bad < 0 ? -2 : 0;
 }
 
 /* Specialised copies for the common block sizes (the lane layout folds to constants). */
 SHANI_LOOP int raw_shani_lanes_16(const uint8_t *tok, Py_ssize_t n, int tok_le, const uint8_t *parent,
                                   sink *sk)
 {
-    return raw_shani_lanes_body(tok, 16, n, tok_le, parent, sk);
+    return raw_shani_lanes_body(tok, 16, n, tok_le, parent, sk, NULL);
 }
 
 SHANI_LOOP int raw_shani_lanes_32(const uint8_t *tok, Py_ssize_t n, int tok_le, const uint8_t *parent,
                                   sink *sk)
 {
-    return raw_shani_lanes_body(tok, 32, n, tok_le, parent, sk);
+    return raw_shani_lanes_body(tok, 32, n, tok_le, parent, sk, NULL);
 }
 
 SHANI_LOOP int raw_shani_lanes_64(const uint8_t *tok, Py_ssize_t n, int tok_le, const uint8_t *parent,
                                   sink *sk)
 {
-    return raw_shani_lanes_body(tok, 64, n, tok_le, parent, sk);
+    return raw_shani_lanes_body(tok, 64, n, tok_le, parent, sk, NULL);
 }
 
 SHANI_LOOP int raw_shani_lanes_any(const uint8_t *tok, Py_ssize_t bs, Py_ssize_t n, int tok_le,
                                    const uint8_t *parent, sink *sk)
 {
-    return raw_shani_lanes_body(tok, bs, n, tok_le, parent, sk);
+    return raw_shani_lanes_body(tok, bs, n, tok_le, parent, sk, NULL);
+}
+
+/* The same over a list's items (see raw_shani_lanes_body), for block 16 and the others up to LIST_BLOCK_MAX. */
+SHANI_LOOP int raw_shani_list_16(PyObject *const *items, Py_ssize_t n, const uint8_t *parent, sink *sk)
+{
+    return raw_shani_lanes_body(NULL, 16, n, 1, parent, sk, items);
+}
+
+SHANI_LOOP int raw_shani_list_any(PyObject *const *items, Py_ssize_t bs, Py_ssize_t n, const uint8_t *parent,
+                                  sink *sk)
+{
+    return raw_shani_lanes_body(NULL, bs, n, 1, parent, sk, items);
 }
 
 /* chain_raw in general (extras, any block size, any byte order): block i+1's message is written
@@ -874,6 +924,40 @@ static int run_chain(int backend, int cbor, const token_buf *t, Py_ssize_t bs, P
     return raw_portable(t, bs, n, e, scratch, sk);
 }
 
+/* chain_raw of a list of token ids without extras, straight from its items (SHA-NI, block_size % 4 == 0 and at
+ * most LIST_BLOCK_MAX): reading the ids overlaps the SHA chain, where a conversion first would add its whole
+ * time. NULL with an exception, or Py_None (new reference) when an item is not a token id. */
+static PyObject *chain_list(const chain_args *a)
+{
+#ifdef KV_X86
+    PyObject *const *items = ((PyListObject *)a->tokens_obj)->ob_item;
+    const Py_ssize_t bs = a->block_size, count = PyList_GET_SIZE(a->tokens_obj), n = count / bs;
+    uint32_t tail[LIST_BLOCK_MAX];
+    if (read_block(items + n * bs, count - n * bs, tail) < 0) /* the partial block's ids are checked too */
+        Py_RETURN_NONE;
+    sink sk = {NULL, NULL, n, 0, 1}; /* the GIL stays held: no other thread may change the list */
+    PyObject *result = a->split ? PyList_New(n) : PyBytes_FromStringAndSize(NULL, n * 32);
+    if (!result || n == 0)
+        return result;
+    if (a->split)
+        sk.list = result;
+    else
+        sk.out = (uint8_t *)PyBytes_AS_STRING(result);
+    const int rc = bs == 16 ? raw_shani_list_16(items, n, a->parent.buf, &sk)
+                            : raw_shani_list_any(items, bs, n, a->parent.buf, &sk);
+    if (rc < 0) {
+        Py_DECREF(result);
+        if (rc == -2)
+            Py_RETURN_NONE;
+        return NULL;
+    }
+    return result;
+#else
+    (void)a;
+    Py_RETURN_NONE;
+#endif
+}
+
 /* Shared driver of chain_raw / chain_cbor: validate, hash, shape the result. */
 static PyObject *chain_common(PyObject *args, PyObject *kwargs, int cbor)
 {
@@ -882,6 +966,16 @@ static PyObject *chain_common(PyObject *args, PyObject *kwargs, int cbor)
     extras_buf e;
     if (parse_chain_args(args, kwargs, &a) < 0)
         return NULL;
+    if (PyList_CheckExact(a.tokens_obj)) { /* hashed from the items where that is faster, else None */
+        PyObject *result = Py_None;
+        if (!cbor && a.extras_obj == Py_None && g_backend_id == BACKEND_SHANI && a.block_size % 4 == 0
+            && a.block_size <= LIST_BLOCK_MAX)
+            result = chain_list(&a);
+        else
+            Py_INCREF(result);
+        PyBuffer_Release(&a.parent);
+        return result;
+    }
     if (get_tokens(a.tokens_obj, &t) < 0) {
         PyBuffer_Release(&a.parent);
         return NULL;
@@ -896,7 +990,7 @@ static PyObject *chain_common(PyObject *args, PyObject *kwargs, int cbor)
     const int backend = g_backend_id;
     PyObject *result = NULL;
     uint8_t *scratch = NULL;
-    sink sk = {NULL, NULL, n, 0};
+    sink sk = {NULL, NULL, n, 0, 0};
     if (n == 0) {
         result = a.split ? PyList_New(0) : PyBytes_FromStringAndSize(NULL, 0);
         goto done;
@@ -970,7 +1064,7 @@ static int each_blocks(int cbor, const token_buf *t, Py_ssize_t n, Py_ssize_t bs
         token_buf block = *t;
         block.data = t->data + (size_t)i * (size_t)bs * 4;
         block.count = bs;
-        sink sk = {NULL, out + 32 * i, 1, 0};
+        sink sk = {NULL, out + 32 * i, 1, 0, 0};
         run_chain(backend, cbor, &block, bs, 1, &e, parent + 32 * i, scratch, half, &sk);
     }
     if (saved)
@@ -1094,7 +1188,9 @@ static PyMethodDef methods[] = {
     {"each_cbor", each_cbor, METH_VARARGS, "each_cbor(tokens, block_size, parents) -> bytes: each_raw for chain_cbor."},
     {"chain_raw", (PyCFunction)(void (*)(void))chain_raw, METH_VARARGS | METH_KEYWORDS,
      "chain_raw(tokens, block_size, parent, extras=None, *, split=False) -> bytes | list[bytes]\n\n"
-     "Chained digests of the full blocks: SHA256(prev || tokens as uint32 LE || extra)."},
+     "Chained digests of the full blocks: SHA256(prev || tokens as uint32 LE || extra). tokens: a uint32 buffer, or\n"
+     "a list of ints, hashed from its items (SHA-NI, no extras, block_size % 4 == 0, <= 64); None for a list\n"
+     "otherwise or with an item that is not a token id (convert it, and name the bad item, first)."},
     {"chain_cbor", (PyCFunction)(void (*)(void))chain_cbor, METH_VARARGS | METH_KEYWORDS,
      "chain_cbor(tokens, block_size, parent, extras=None, *, split=False) -> bytes | list[bytes]\n\n"
      "Chained digests SHA256(cbor((prev, tuple(tokens), extra))), canonical CBOR as cbor2 writes it;\n"

@@ -274,9 +274,14 @@ class BlockHasher:
         *,
         split: bool,
     ) -> list[BlockHash] | bytes:
+        plain = (cache_salt is None and lora is None and mm is None and parent is None and type(start_block) is int
+                 and start_block == 0)  # a prompt without extra keys, from the root: the chain call alone
+        if plain and type(tokens) is list and self.native:
+            hashed = self._chain(tokens, self.block_size, self.root, None, split=split)  # from the items, or None
+            if hashed is not None:
+                return hashed
         toks = as_token_array(tokens)
-        if (cache_salt is None and lora is None and mm is None and parent is None and type(start_block) is int
-                and start_block == 0):  # a prompt without extra keys, from the root: the chain call alone
+        if plain:
             if toks.size < self.block_size:
                 return [] if split else b""
             return self._chain(toks, self.block_size, self.root, None, split=split)

@@ -206,7 +206,7 @@ def test_chain_functions_validate_their_arguments() -> None:
         with pytest.raises(TypeError, match="uint32"):
             fn(toks.astype(np.int32), 16, parent)
         with pytest.raises(TypeError, match="uint32"):
-            fn([1, 2, 3], 16, parent)
+            fn((1, 2, 3), 16, parent)
         with pytest.raises(TypeError, match="uint32"):
             fn(toks.reshape(2, 16), 16, parent)
         with pytest.raises(ValueError, match="parent must be 32 bytes"):
@@ -219,6 +219,34 @@ def test_chain_functions_validate_their_arguments() -> None:
             fn(toks, 16, parent, [b"", "x"])
         with pytest.raises(TypeError, match="extras must be"):
             fn(toks, 16, parent, 5)
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data())
+def test_a_list_is_hashed_from_its_items_or_declined(data: st.DataObject) -> None:
+    """chain_raw hashes a list of ints as the uint32 array of them (SHA-NI, no extras, block_size % 4 == 0 and
+    <= 64); a list with an item that is no token id, anywhere (the partial block too), or any other case gives
+    None; BlockHasher turns both into the array's hashes or a KVCacheError naming the tokens."""
+    block_size = data.draw(st.sampled_from([1, 4, 12, 16, 32, 64, 68, 100]))
+    values = data.draw(st.lists(st.integers(0, 2**32 - 1), max_size=400))
+    split = data.draw(st.booleans())
+    parent = data.draw(st.binary(min_size=32, max_size=32))
+    array = np.array(values, dtype=np.uint32)
+    fused = native.backend() == "sha_ni" and block_size % 4 == 0 and block_size <= 64
+    got = native.chain_raw(values, block_size, parent, split=split)
+    assert got == (native.chain_raw(array, block_size, parent, split=split) if fused else None)
+    assert native.chain_cbor(values, block_size, parent, split=split) is None
+    assert native.chain_raw(values, block_size, parent, [None] * (len(values) // block_size)) is None
+    for algorithm in ("sha256", "sha256_cbor"):
+        hasher = BlockHasher(block_size, algorithm, seed=SEED)
+        assert hasher.hash_blocks(values) == hasher.hash_blocks(array)
+        assert hasher.hash_blocks_packed(values) == hasher.hash_blocks_packed(array)
+    if values:
+        bad = list(values)
+        bad[data.draw(st.integers(0, len(values) - 1))] = data.draw(st.sampled_from([-1, 2**32, 1.5, "7", None]))
+        assert native.chain_raw(bad, block_size, parent, split=split) is None
+        with pytest.raises(KVCacheError, match="tokens"):
+            BlockHasher(block_size, "sha256", seed=SEED).hash_blocks(bad)
 
 
 def test_chain_split_returns_one_bytes_per_block() -> None:
