@@ -81,6 +81,77 @@ done:
     return skipped;
 }
 
+PyDoc_STRVAR(clear_columns_doc,
+"clear_columns(tables, which, cols, clear, old) -> None\n\n"
+"For every q: old[:, q] = tables[which[q]][:, cols[q]], then that column's rows r with clear[r] become -1\n"
+"(tables: int32 C-contiguous [rows, capacity] arrays; which, cols: int64 [m], each column inside its table;\n"
+"clear: uint8 [rows]; old: int32 C-contiguous [rows, m]): the blocks a decode run's window rows give back, read\n"
+"and emptied. Checks everything before it writes: ValueError, changing nothing.");
+
+static PyObject *clear_columns(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *tables;
+    Py_buffer which, cols, clear, old;
+    if (!PyArg_ParseTuple(args, "O!O&O&O&O&", &PyList_Type, &tables, read_array, &which, read_array, &cols,
+                          read_array, &clear, write_array, &old))
+        return NULL;
+    PyObject *result = NULL;
+    const Py_ssize_t k = PyList_GET_SIZE(tables), m = cols.len / (Py_ssize_t)sizeof(int64_t), rows = clear.len;
+    Py_buffer *views = PyMem_Calloc(k ? (size_t)k : 1, sizeof(Py_buffer));
+    Py_ssize_t got = 0;
+    if (!views) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    const int64_t *col = cols.buf, *of = which.buf;
+    if (cols.len != m * (Py_ssize_t)sizeof(int64_t) || which.len != cols.len
+        || old.len != rows * m * (Py_ssize_t)sizeof(int32_t)) {
+        PyErr_SetString(PyExc_ValueError, "clear_columns: which, cols, clear and old do not fit together");
+        goto done;
+    }
+    for (; got < k; got++) {
+        Py_buffer *t = &views[got];
+        if (PyObject_GetBuffer(PyList_GET_ITEM(tables, got), t, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE | PyBUF_FORMAT) < 0)
+            goto done;
+        if (t->ndim != 2 || t->itemsize != 4 || !t->format || (t->format[0] != 'i' && t->format[0] != 'l')
+            || t->format[1] != '\0' || t->shape[0] != rows) {
+            PyErr_Format(PyExc_ValueError, "clear_columns: tables[%zd] must be an int32 [%zd, capacity] array", got,
+                         rows);
+            PyBuffer_Release(t);
+            goto done;
+        }
+    }
+    for (Py_ssize_t q = 0; q < m; q++) {
+        if (of[q] < 0 || of[q] >= k || col[q] < 0 || col[q] >= views[of[q]].shape[1]) {
+            PyErr_Format(PyExc_ValueError, "clear_columns: entry %zd names table %lld, column %lld, not in them", q,
+                         (long long)of[q], (long long)col[q]);
+            goto done;
+        }
+    }
+    const uint8_t *blank = clear.buf;
+    int32_t *out = old.buf;
+    for (Py_ssize_t q = 0; q < m; q++) {
+        int32_t *data = views[of[q]].buf;
+        const Py_ssize_t capacity = views[of[q]].shape[1];
+        for (Py_ssize_t r = 0; r < rows; r++) {
+            out[r * m + q] = data[r * capacity + col[q]];
+            if (blank[r])
+                data[r * capacity + col[q]] = -1;
+        }
+    }
+    result = Py_NewRef(Py_None);
+done:
+    for (Py_ssize_t j = 0; j < got; j++)
+        PyBuffer_Release(&views[j]);
+    PyMem_Free(views);
+    PyBuffer_Release(&which);
+    PyBuffer_Release(&cols);
+    PyBuffer_Release(&clear);
+    PyBuffer_Release(&old);
+    return result;
+}
+
 /* The decode step's per-request rules, shared by extend_fast and extend_decode. Slot s's arrays:
  * num_tokens, fast_limit, next_recycle (int64), tail (uint32 [slots, block_size]), changed (bool). */
 
@@ -914,6 +985,54 @@ static Py_ssize_t drop_evicted(index_t *x, Py_ssize_t r, const int32_t *evicted,
     return gone;
 }
 
+PyDoc_STRVAR(drop_gone_doc,
+"drop_gone(slots, seed, hash_of, entry_blocks, entry_at, holders, spare, num_spare, rows, blocks)\n"
+"    -> (num_spare, keys_removed)\n\n"
+"PrefixIndex.remove_gone in one pass: each (rows[i], blocks[i]) pair (int32 [k] each) that holds a hash loses\n"
+"it, row by row in row order and in pair order within a row; a hash no row holds any more leaves the table, its\n"
+"entry pushed on the spare stack (the caller made room for k more). ValueError, changing nothing, on a row or\n"
+"block out of range or buffers that disagree.");
+
+static PyObject *drop_gone(PyObject *self, PyObject *args)
+{
+    (void)self;
+    Py_buffer b[9];
+    memset(b, 0, sizeof b);
+    unsigned long long seed;
+    Py_ssize_t num_spare;
+    /* b[0] slots, b[1] hash_of, b[2] entry_blocks, b[3] entry_at, b[4] holders, b[5] spare, b[6] rows, b[7] blocks */
+    if (!PyArg_ParseTuple(args, "O&KO&O&O&O&O&nO&O&", write_array, &b[0], &seed, read_array, &b[1], write_array,
+                          &b[2], write_array, &b[3], write_array, &b[4], write_array, &b[5], &num_spare, read_array,
+                          &b[6], read_array, &b[7]))
+        return NULL;
+    PyObject *result = NULL;
+    index_t x;
+    if (open_index(&x, &b[0], seed, &b[1], &b[2], &b[3], &b[4], "drop_gone") < 0)
+        goto done;
+    const Py_ssize_t k = b[6].len / (Py_ssize_t)sizeof(int32_t);
+    const int32_t *rows = b[6].buf, *blocks = b[7].buf;
+    if (b[7].len != b[6].len || num_spare < 0 || num_spare + k > b[5].len / (Py_ssize_t)sizeof(Py_ssize_t)) {
+        PyErr_SetString(PyExc_ValueError, "drop_gone: rows, blocks and the spare stack do not fit");
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < k; i++) {
+        if (rows[i] < 0 || rows[i] >= x.rows || blocks[i] < 0 || blocks[i] >= x.num_blocks) {
+            PyErr_Format(PyExc_ValueError, "drop_gone: pair %zd (row %d, block %d) is outside the index", i,
+                         (int)rows[i], (int)blocks[i]);
+            goto done;
+        }
+    }
+    Py_ssize_t removed = 0;
+    for (Py_ssize_t r = 0; r < x.rows; r++)
+        for (Py_ssize_t i = 0; i < k; i++)
+            if (rows[i] == r)
+                removed += drop_evicted(&x, r, &blocks[i], 1, b[5].buf, &num_spare, NULL);
+    result = Py_BuildValue("nn", num_spare, removed);
+done:
+    release_buffers(b, 9);
+    return result;
+}
+
 /* Entry ids for k new hashes as PrefixIndex._take_entries hands them out: the last spare first, then fresh ones. */
 static void take_entries(const Py_ssize_t *spare, Py_ssize_t *num_spare, Py_ssize_t *num_entries, Py_ssize_t k,
                          int64_t *entries)
@@ -1515,6 +1634,8 @@ static PyMethodDef methods[] = {
     {"extend_fast", extend_fast, METH_VARARGS, extend_fast_doc},
     {"join_runs", join_runs, METH_VARARGS, join_runs_doc},
     {"token_array", token_array, METH_O, token_array_doc},
+    {"clear_columns", clear_columns, METH_VARARGS, clear_columns_doc},
+    {"drop_gone", drop_gone, METH_VARARGS, drop_gone_doc},
     {"token_list", token_list, METH_O, token_list_doc},
     {"reads_array_heads", reads_array_heads, METH_NOARGS, reads_array_heads_doc},
     {"lookup_ids", lookup_ids, METH_VARARGS, lookup_ids_doc},

@@ -8,7 +8,7 @@ The batch is equivalent to calling ``extend`` for each request in order; see
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
 
 import numpy as np
 
@@ -24,6 +24,19 @@ if TYPE_CHECKING:
 
 _H = HASH_BYTES
 _NO_HASH = bytes(HASH_BYTES)  # extend_decode's mark of an eviction that dropped no hash
+
+
+class _WindowSteps(NamedTuple):
+    """What a decode run's requests give back in a manager's one window group (``DecodeBatch._window_steps``):
+    pool rows and blocks, in run order, each giver's tail first; the givers' positions in the run, records and given
+    columns ``[starts, stops)``."""
+
+    rows: np.ndarray
+    blocks: np.ndarray
+    positions: np.ndarray
+    reqs: list[Any]
+    starts: np.ndarray
+    stops: np.ndarray
 
 
 class DecodeBatch:
@@ -274,10 +287,14 @@ class DecodeBatch:
             return
         by_slot = self._by_slot
         recycle = np.flatnonzero(tt >= self._next_recycle[s])  # only with hashing: see extend_fast's plain
+        gives = self._window_steps(s, tt, recycle) if recycle.size else None
         if recycle.size:
-            returns = [self._recyclable(by_slot[x], d) for x, d in zip(s[recycle].tolist(), tt[recycle].tolist())]
-            rec_rows = np.concatenate([r for r, _, _ in returns])
-            rec_blocks = np.concatenate([b for _, b, _ in returns])
+            if gives is not None:
+                rec_rows, rec_blocks = gives.rows, gives.blocks
+            else:
+                returns = [self._recyclable(by_slot[x], d) for x, d in zip(s[recycle].tolist(), tt[recycle].tolist())]
+                rec_rows = np.concatenate([r for r, _, _ in returns])
+                rec_blocks = np.concatenate([b for _, b, _ in returns])
             if rec_rows.size and not pool.is_cached(rec_rows, rec_blocks).all():
                 self._extend_each(index, slots, flat, counts, offsets, t, ok, changed)
                 return
@@ -303,9 +320,12 @@ class DecodeBatch:
                 # One C pass, pair by pair (a block two requests give back goes free at the second, as one by one).
                 pool.release_table(rec_rows.astype(np.int64), rec_blocks.astype(np.int32).reshape(-1, 1))
                 self._recycled += int(self._group_sizes[rec_rows].sum())
-            for j, (_, blocks, stops) in zip(recycle.tolist(), returns):
-                if blocks.size:  # as _extend: a window with nothing left to give keeps its marks
-                    recycled[j] = self._mark_recycled(by_slot[s[j]], stops)
+            if gives is not None:
+                self._mark_window_steps(gives)
+            else:
+                for j, (_, blocks, stops) in zip(recycle.tolist(), returns):
+                    if blocks.size:  # as _extend: a window with nothing left to give keeps its marks
+                        recycled[j] = self._mark_recycled(by_slot[s[j]], stops)
         if num_need:
             allocation = pool.allocate(num_need)
             assert allocation is not None, "allocation failed after the free-block check"
@@ -329,8 +349,10 @@ class DecodeBatch:
                 req.view = None
             self._last_block[opened] = new_blocks.T
             self._width[opened] = width[need] + 1
-            if not recycled:
+            if not recycled and (gives is None or not gives.positions.size):
                 changed.append(_Chunk(index[need], np.ones(num_need, dtype=np.int32), width[need], heads))
+        if gives is not None and gives.positions.size:
+            changed.append(self._window_step_changes(gives, index, s, need, width))
         if recycled:  # changes one request at a time, in order, each the union of its columns
             for j in sorted(set(np.flatnonzero(need).tolist()) | recycled.keys()):
                 req = by_slot[s[j]]
@@ -363,6 +385,80 @@ class DecodeBatch:
             self._fast_limit[s] = np.where(fills, tt + 1, tt + bs - 1)
         for j in recycled:
             self._refresh(by_slot[s[j]])  # the next recycling point moved on
+        if gives is not None and gives.positions.size:  # _refresh's limits for the givers, at once
+            given = s[gives.positions]
+            limit = self._width[given].astype(np.int64) * bs
+            if self._hasher is not None:
+                limit = np.minimum(limit, (self._ntok[given] // bs + 1) * bs - 1)
+            self._fast_limit[given] = limit
+            policy = self._window_groups[0][0]
+            self._next_recycle[given] = (gives.stops + 1) * bs + policy.window_tokens - 1
+
+    def _window_steps(self, s: np.ndarray, tt: np.ndarray, recycle: np.ndarray) -> _WindowSteps | None:
+        """What a run's requests ``recycle`` give back where the manager has one window group, read without a
+        change; None with several (``_recyclable`` request by request)."""
+        if len(self._window_groups) != 1:
+            return None
+        policy, group = self._window_groups[0]
+        bs, g = self.block_size, int(group[0])
+        rs = s[recycle]
+        reqs = [self._by_slot[x] for x in rs.tolist()]
+        stop = np.minimum(np.maximum(-(-policy.sink_tokens // bs), np.maximum(tt[recycle] - policy.window_tokens + 1,
+                                                                              0) // bs), self._width[rs])
+        start = np.fromiter((req.recycled[0] for req in reqs), dtype=np.int64, count=len(reqs))
+        span = np.maximum(stop - start, 0)
+        owner, cols = _spans(span, start, descending=True)  # each request's columns, tail first (the LRU order)
+        old = np.empty((len(self._group_col), cols.size), dtype=np.int32)
+        _tables.clear_columns([req.table for req in reqs], owner, cols, np.zeros(old.shape[0], np.uint8), old)
+        live = old[g] >= 0
+        gives = np.bincount(owner[live], minlength=len(reqs)) > 0  # a window with nothing to give keeps its marks
+        done = np.flatnonzero(gives)
+        return _WindowSteps(np.full(int(live.sum()), g, dtype=np.intp), old[g][live], recycle[done],
+                            [reqs[k] for k in done.tolist()], start[done], stop[done])
+
+    def _mark_window_steps(self, gives: _WindowSteps) -> None:
+        """``_mark_recycled`` of ``_window_steps``' givers: their given columns emptied in the window group's rows."""
+        if not gives.positions.size:
+            return
+        g = int(self._window_groups[0][1][0])
+        owner, cols = _spans(gives.stops - gives.starts, gives.starts)
+        for tables, clear in (([req.table for req in gives.reqs], self._group_col[:, 0] == g),
+                              ([req.heads for req in gives.reqs] if self._expand else None, self._row_group == g)):
+            if tables is not None:
+                scratch = np.empty((clear.size, cols.size), dtype=np.int32)
+                _tables.clear_columns(tables, owner, cols, clear.view(np.uint8), scratch)
+        for req, stop in zip(gives.reqs, gives.stops.tolist()):
+            req.recycled[0] = stop
+            req.view = None
+
+    def _window_step_changes(self, gives: _WindowSteps, index: np.ndarray, s: np.ndarray, need: np.ndarray,
+                             width: np.ndarray) -> _Chunk:
+        """One chunk of a run's changed columns where ``_window_steps`` took the givers: each request that opened a
+        block or gave some back, in order, its given columns, then its opened one, with their values now."""
+        gave_at = np.zeros(need.size, dtype=bool)
+        gave_at[gives.positions] = True
+        order = np.flatnonzero(need | gave_at)
+        gave = gave_at[order]
+        given_start = np.zeros(order.size, dtype=np.int64)
+        given_span = np.zeros(order.size, dtype=np.int64)
+        given_start[gave] = gives.starts  # both ascending by position
+        given_span[gave] = gives.stops - gives.starts
+        opens = need[order].astype(np.int64)
+        owner, cols = _spans(given_span + opens, given_start)
+        last = np.cumsum(given_span + opens) - 1
+        cols[last[opens > 0]] = width[order[opens > 0]]  # an opener's last column is the block it opened
+        by_slot = self._by_slot
+        reqs = [by_slot[x] for x in s[order].tolist()]
+        tables = [req.table if req.heads is None else req.heads for req in reqs]
+        vals = np.empty((self.num_rows, cols.size), dtype=np.int32)
+        _tables.clear_columns(tables, owner, cols, np.zeros(self.num_rows, np.uint8), vals)  # read only
+        cols32 = cols.astype(np.int32)
+        sizes = (given_span + opens).astype(np.int32)
+        ends = np.cumsum(sizes).tolist()
+        for req, a, b in zip(reqs, [0, *ends[:-1]], ends):
+            req.changed = cols32[a:b]
+        self._changed_ok[s[order]] = True
+        return _Chunk(index[order], sizes, cols32, vals)
 
     def _extend_each(self, index: np.ndarray, slots: np.ndarray, flat: np.ndarray, counts: np.ndarray,
                      offsets: np.ndarray, t: np.ndarray, ok: np.ndarray, changed: list[_Chunk]) -> None:
@@ -425,3 +521,13 @@ class DecodeBatch:
                 tagged += [(j, 0, e) for e in self._events[before:]]
         del self._events[start:]
         return tagged
+
+
+def _spans(lengths: np.ndarray, starts: np.ndarray, *, descending: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """Columns ``starts[k] .. starts[k] + lengths[k] - 1`` of every k, back to back (each k's run descending with
+    ``descending``), and the k each belongs to."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    owner = np.repeat(np.arange(lengths.size), lengths)
+    within = np.arange(owner.size) - (np.cumsum(lengths) - lengths)[owner]
+    first = np.asarray(starts, dtype=np.int64)[owner]
+    return owner, (first + lengths[owner] - 1 - within) if descending else first + within

@@ -235,24 +235,19 @@ class BlockPool:
             self._top[r] = t0 - n
             self._ref[(r * self._n)[:, None] + blocks] = 1
             return Allocation(blocks, _EMPTY_I32, _EMPTY_I32)
-        take = np.minimum(top, n)
-        need = n - take
-        evicted_rows, evicted_blocks = _EMPTY_I32, _EMPTY_I32
-        if not take.any():
-            # Stacks empty (a full prefix cache): every block is an eviction.
-            blocks, evicted_rows, evicted_blocks = self._pop_lru(r, need)
-        else:
-            cols = np.arange(n)
-            from_stack = cols < take[:, None]
-            stack_idx = (r * self._n)[:, None] + np.where(from_stack, top[:, None] - 1 - cols, 0)
-            blocks = self._stack[stack_idx]
-            if need.any():
-                ev_mat, evicted_rows, evicted_blocks = self._pop_lru(r, need)
-                ev_cols = np.clip(cols - take[:, None], 0, ev_mat.shape[1] - 1)
-                blocks = np.where(from_stack, blocks, np.take_along_axis(ev_mat, ev_cols, axis=1))
-            self._top[r] = top - take
-        self._ref[(r * self._n)[:, None] + blocks] = 1
-        return Allocation(blocks, evicted_rows, evicted_blocks)
+        # Row by row in one C pass each (pop, then evict oldest first); every row has room (checked above).
+        blocks = np.empty((r.size, n), dtype=np.int32)
+        evicted = np.empty(n, dtype=np.int32)
+        arrays = self._c_arrays()
+        ev_rows, ev_blocks = [], []
+        for k, row in enumerate(r.tolist()):
+            count = _pool.take(*arrays, row, blocks[k:k + 1], evicted, False)
+            if count:
+                ev_rows.append(np.full(count, row, dtype=np.int32))
+                ev_blocks.append(evicted[:count].copy())
+        if not ev_rows:
+            return Allocation(blocks, _EMPTY_I32, _EMPTY_I32)
+        return Allocation(blocks, np.concatenate(ev_rows), np.concatenate(ev_blocks))
 
     def _allocate_row(self, row: int, n: int, ascending: bool = False) -> Allocation | None:
         """``allocate`` in one row, in one C pass (a request's admit, a decode step's new blocks)."""
@@ -736,72 +731,6 @@ class BlockPool:
         self._lru_pos[row * self._n + live] = row * self._cap + np.arange(k)
         self._head[row] = 0
         self._tail[row] = k
-
-    def _ring_entries(self, r: np.ndarray, head: np.ndarray, width: int) -> np.ndarray:
-        """Ring entries g of positions ``head[i] .. head[i] + width - 1`` of rows ``r``, wrapped."""
-        start = head & self._mask
-        if (start + width <= self._cap).all():
-            return (r * self._cap + start)[:, None] + np.arange(width)
-        return (r * self._cap)[:, None] + ((start[:, None] + np.arange(width)) & self._mask)
-
-    def _pop_lru(self, r: np.ndarray, need: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Evict ``need[i]`` oldest live entries of row ``r[i]``; callers checked there are enough.
-
-        A row's stale entries number ``tail - head - lru_count``, so ``need +
-        stale`` positions past its head always hold enough live ones. Without
-        stale entries (the usual case) the next ``need`` positions are taken
-        unchecked; otherwise one scan of at most that window finds them
-        (starting at ``2 * need`` and doubling, so stale entries far past the
-        evicted ones are not read each time). Returns ``[len(r), max(need)]``
-        evicted ids (row i's first need[i] are valid, int32) and the flat
-        (rows, blocks) evicted, int32, row by row, oldest first.
-        """
-        head, tail = self._head[r], self._tail[r]
-        width = int(need.max())
-        span = tail - head
-        stale = span - self._lru_count[r]
-        if not np.count_nonzero(stale):
-            g = self._ring_entries(r, head, width)
-            blk = self._ring[g]  # past a row's need: other entries or old ids, never reported
-            if (need == width).all():
-                ev_rows, ev_blocks = np.repeat(r, width), blk.reshape(-1)
-                ev_flat = ((r * self._n)[:, None] + blk).reshape(-1)
-            else:
-                chosen = np.arange(width) < need[:, None]
-                ev_rows, ev_blocks = np.repeat(r, need), blk[chosen]
-                ev_flat = ev_rows * self._n + ev_blocks
-            self._lru_pos[ev_flat] = -1
-            self._cached[ev_flat] = False
-            self._head[r] = head + need
-            self._lru_count[r] -= need
-            return blk, ev_rows.astype(np.int32), ev_blocks
-        enough = int(np.minimum(span, need + stale).max())
-        m = min(enough, 2 * width)
-        row_base = (r * self._n)[:, None]
-        while True:
-            inside = np.arange(m) < span[:, None]
-            g = self._ring_entries(r, head, m)
-            blk = self._ring[g]  # past the tail: old or zero ids, masked out by ``inside``
-            live = inside & (self._lru_pos[row_base + blk] == g)
-            seen = np.cumsum(live, axis=1)
-            if (seen[:, -1] >= need).all():
-                break
-            assert m < enough, f"LRU ring of rows {r.tolist()} holds fewer than {need.tolist()} live entries"
-            m = min(2 * m, enough)
-        chosen = live & (seen <= need[:, None])
-        row_idx = np.broadcast_to(np.arange(r.size)[:, None], chosen.shape)[chosen]
-        ev_blocks = blk[chosen]
-        ev_mat = np.zeros((r.size, width), dtype=np.int32)
-        ev_mat[row_idx, seen[chosen] - 1] = ev_blocks
-        last = np.argmax(seen >= need[:, None], axis=1)  # position of each row's last eviction
-        ev_rows = r[row_idx]
-        ev_flat = ev_rows * self._n + ev_blocks
-        self._lru_pos[ev_flat] = -1
-        self._cached[ev_flat] = False
-        self._head[r] = np.where(need > 0, head + last + 1, head)
-        self._lru_count[r] -= need
-        return ev_mat, ev_rows.astype(np.int32), ev_blocks.astype(np.int32)
-
 
 def _max_unsigned(a: np.ndarray) -> int | float:
     """The largest element, negative ones reading huge (signed ints viewed unsigned): one reduction."""

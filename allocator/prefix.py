@@ -674,9 +674,14 @@ class PrefixIndex:
         return RemovedBlocks(rows.astype(np.int32), blocks.astype(np.int32), self._hash_of[entries],
                              self._hash_of[gone])
 
-    def remove_gone(self, rows: np.ndarray, blocks: np.ndarray) -> np.ndarray:
-        """``remove``, answering only its ``gone`` (an eviction's call: no per-pair hashes gathered)."""
-        return self._hash_of[self._drop(rows, blocks)[3]]
+    def remove_gone(self, rows: np.ndarray, blocks: np.ndarray) -> int:
+        """``remove`` of an eviction's pairs, answering only how many hashes left the index (one C pass)."""
+        rows = np.ascontiguousarray(rows, dtype=np.int32).ravel()
+        blocks = np.ascontiguousarray(blocks, dtype=np.int32).ravel()
+        self.reserve(0, rows.size)
+        self._num_spare, gone = _tables.drop_gone(*self._c_arrays(), rows, blocks)
+        self._count -= gone
+        return gone
 
     def _drop(self, rows: np.ndarray, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """``remove``'s work: the pairs that held a hash (rows, blocks, entries) and the entries now gone."""
