@@ -28,10 +28,10 @@ what it buys on ``kvcache bench allocator`` and ``kvcache bench daemon``
 path                 taken when                                         buys
 ===================  =================================================  =======================================
 ``_admit_commit``    prefix caching, no tier; with events one group     admit + free 5.0x at 16 tokens, 2.3x at
-(C admit_commit)     and no window (stores are one event per admit);    2,048, 1.5x at 32,768; step 1.5x;
-                     declines (general path) when a new block's hash    daemon step 1.5x
+(C admit_commit)     and no window (stores are one event per admit);    2,048, 1.5x at 32,768; step 1.3x;
+                     declines (general path) when a new block's hash    daemon step 1.3x
                      is indexed already
-``_extend_decode``   ``extend_many`` / ``_deltas`` with a list of       step 1.24x (uniform); daemon step 1.26x
+``_extend_decode``   ``extend_many`` / ``_deltas`` with a list of       step 1.55x (uniform); daemon step 1.7x
 (C extend_decode)    ids on one group, no window, no expanded rows,
                      no tier, a native hasher; declines a batch with
                      a multi-token or keyed extend, too few blocks, a
@@ -39,10 +39,12 @@ path                 taken when                                         buys
 ``extend_fast``      the general batch path: extends that stay in       the in-block case of every batch the C
 (C)                  the last block and give nothing back              decode pass declines (head-wise, windows,
                                                                         tiers)
-``_extend_run``      the general batch path: one-token extends that     head-wise step 2.9x (6 window rows)
+``_extend_run``      the general batch path: one-token extends that     head-wise step 4.1x (6 window rows)
 (numpy, batched)     open, fill or recycle, while the result equals
                      one-by-one (enough blocks, new distinct hashes,
                      released blocks cached)
+``_window_steps``    in ``_extend_run``, one window group: what the     head-wise step 1.5x
+(numpy, batched)     run's requests give back, for all at once
 ===================  =================================================  =======================================
 
 A batch that lists a request twice runs one request at a time
