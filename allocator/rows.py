@@ -1,0 +1,201 @@
+"""Rows from a model's attention layout: which (layer, kv head) cells share one policy and one block id per block.
+
+A row is the unit the block pool allocates for: each of its blocks holds the
+keys and values of every cell of the row, and a sliding-window row gives
+blocks back as the window passes. Models declare their sliding windows per
+layer (Gemma 2/3, GPT-OSS, Qwen2 with ``use_sliding_window``, Mistral's
+all-layer ``sliding_window``) or, FastDeploy-style, per kv head
+(``head_wise_swa_ratio``: that share of each windowed layer's kv heads gets the
+window). ``layer_policies`` reads either from a Hugging Face ``config.json``;
+``derive_rows`` groups the cells into rows::
+
+    by layer groups (the default): one row per distinct policy, all its layers, all kv heads
+    head-wise: one row per kv head within each layer group (the product of the two)
+
+Anything a config says about windows that cannot be read exactly is an error
+naming the key, never ignored.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from kvcache.allocator.errors import KVCacheError
+from kvcache.allocator.swa import AttentionPolicy, Full, Window
+
+# Layer types as configs name them (transformers' ``layer_types``).
+_FULL_TYPES = frozenset({"full_attention"})
+_WINDOW_TYPES = frozenset({"sliding_attention"})
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Row:
+    """One row: its policy and the cells it holds, as the model's layers and global kv heads (ascending)."""
+
+    policy: AttentionPolicy
+    layers: tuple[int, ...]
+    kv_heads: tuple[int, ...]
+
+    @property
+    def num_cells(self) -> int:
+        """(layer, kv head) cells one block of this row holds."""
+        return len(self.layers) * len(self.kv_heads)
+
+    def describe(self) -> dict[str, Any]:
+        """The row as plain JSON-ready values."""
+        policy = ({"kind": "full"} if isinstance(self.policy, Full) else
+                  {"kind": "window", "window": self.policy.window_tokens, "sink": self.policy.sink_tokens})
+        return {**policy, "layers": list(self.layers), "kv_heads": list(self.kv_heads)}
+
+
+def layer_policies(config: Mapping[str, Any], num_layers: int) -> tuple[AttentionPolicy, ...]:
+    """Each layer's policy as the config declares it (all Full where it declares no window).
+
+    Reads ``layer_types`` with ``sliding_window``; else ``sliding_window_pattern`` (every Nth layer
+    full, Gemma 3), Gemma 2's alternation (even layers windowed), Qwen2's ``use_sliding_window``
+    with ``max_window_layers`` (layers from there on windowed), FastDeploy's ``window_attn_skip_freq``
+    (every Nth layer from 0 full), or a ``sliding_window`` alone (every layer, Mistral). A sink
+    (``sink_size``) goes with every window. ``attention_chunk_size`` (chunked local attention) is
+    refused: its blocks die at chunk boundaries, which no policy here models.
+    """
+    if config.get("attention_chunk_size"):
+        raise KVCacheError("config.attention_chunk_size: chunked local attention is not supported; give the rows "
+                           "with --rows (full keeps every block)")
+    window = _window(config)
+    types = config.get("layer_types")
+    if types is not None:
+        return _from_layer_types(types, window, num_layers)
+    if window is None:
+        for key in ("sliding_window_pattern", "window_attn_skip_freq", "head_wise_swa_ratio"):
+            if config.get(key):
+                raise KVCacheError(f"config.{key}: set, but the config has no sliding_window")
+        if config.get("use_sliding_window") is True:
+            raise KVCacheError("config.use_sliding_window: true, but the config has no sliding_window")
+        return (Full(),) * num_layers
+    pattern = config.get("sliding_window_pattern")
+    skip = config.get("window_attn_skip_freq")
+    model_type = str(config.get("model_type", ""))
+    if pattern is not None and skip is not None:
+        raise KVCacheError("config: sliding_window_pattern and window_attn_skip_freq both set; keep one")
+    if pattern is not None:
+        every = _positive(pattern, "sliding_window_pattern")
+        windowed = [(i + 1) % every != 0 for i in range(num_layers)]
+    elif skip is not None:
+        windowed = _skip_freq(skip, num_layers)
+    elif model_type.startswith("gemma2"):
+        windowed = [i % 2 == 0 for i in range(num_layers)]
+    elif "use_sliding_window" in config:
+        if not isinstance(config["use_sliding_window"], bool):
+            raise KVCacheError(f"config.use_sliding_window: must be true or false, got {config['use_sliding_window']!r}")
+        if not config["use_sliding_window"]:
+            return (Full(),) * num_layers
+        first = config.get("max_window_layers", 0)
+        if isinstance(first, bool) or not isinstance(first, int) or first < 0:
+            raise KVCacheError(f"config.max_window_layers: must be an integer >= 0, got {first!r}")
+        windowed = [i >= first for i in range(num_layers)]
+    else:
+        windowed = [True] * num_layers
+    return tuple(window if w else Full() for w in windowed)
+
+
+def head_window_count(config: Mapping[str, Any], num_kv_heads: int) -> int | None:
+    """How many of each windowed layer's kv heads keep the window, FastDeploy-style: the first
+    ``round(num_kv_heads * head_wise_swa_ratio)`` (at least one for a ratio above 0); None when the
+    config sets no ``head_wise_swa_ratio`` (every head of a windowed layer keeps it)."""
+    ratio = config.get("head_wise_swa_ratio")
+    if ratio is None:
+        return None
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio <= 1:
+        raise KVCacheError(f"config.head_wise_swa_ratio: must be a number in [0, 1], got {ratio!r}")
+    if ratio == 0:
+        return 0
+    return max(1, int(num_kv_heads * ratio + 0.5))
+
+
+def derive_rows(policies: Sequence[AttentionPolicy], num_kv_heads: int, *, head_wise: bool = False,
+                window_heads: int | None = None) -> tuple[Row, ...]:
+    """Rows for layers with ``policies`` and ``num_kv_heads`` kv heads.
+
+    Layers with equal policies form a group. By default each group is one row over all kv heads;
+    ``head_wise`` gives one row per (group, kv head). ``window_heads`` (``head_window_count``) keeps
+    the window only on the first that many heads of a windowed layer, the others attending in full:
+    those cells join the full layers' rows. Rows come in the order of their first layer, then head.
+    """
+    if num_kv_heads < 1:
+        raise KVCacheError(f"num_kv_heads: must be at least 1, got {num_kv_heads}")
+    if window_heads is not None and not 0 <= window_heads <= num_kv_heads:
+        raise KVCacheError(f"head_wise_swa_ratio: gives {window_heads} window heads of {num_kv_heads}")
+    cells: dict[AttentionPolicy, dict[int, list[int]]] = {}  # policy -> kv head -> layers
+    for layer, policy in enumerate(policies):
+        for head in range(num_kv_heads):
+            own = policy if window_heads is None or head < window_heads else Full()
+            cells.setdefault(own, {}).setdefault(head, []).append(layer)
+    rows: list[Row] = []
+    for policy, by_head in cells.items():
+        if head_wise:
+            rows += [Row(policy, tuple(layers), (head,)) for head, layers in sorted(by_head.items())]
+            continue
+        # Heads with the same layers share one row; with head-wise windows the full heads span more layers.
+        by_layers: dict[tuple[int, ...], list[int]] = {}
+        for head, layers in sorted(by_head.items()):
+            by_layers.setdefault(tuple(layers), []).append(head)
+        rows += [Row(policy, layers, tuple(heads)) for layers, heads in by_layers.items()]
+    return tuple(sorted(rows, key=lambda r: (r.layers[0], r.kv_heads[0], isinstance(r.policy, Window))))
+
+
+def _window(config: Mapping[str, Any]) -> Window | None:
+    """The config's window (``sliding_window`` or FastDeploy's ``window_size``) with ``sink_size``; None without."""
+    value, key = config.get("sliding_window"), "sliding_window"
+    if value is None and config.get("window_size") is not None:
+        value, key = config["window_size"], "window_size"
+    if isinstance(value, (list, tuple)):  # (left, right): a causal model's right side is 0
+        if len(value) != 2 or value[1] not in (0, None):
+            raise KVCacheError(f"config.{key}: a (left, right) window must have right 0, got {list(value)!r}")
+        value = value[0]
+    if value is None or value is False or (isinstance(value, int) and not isinstance(value, bool) and value <= 0):
+        if config.get("sink_size"):
+            raise KVCacheError("config.sink_size: set, but the config has no sliding window")
+        return None
+    window = _positive(value, key)
+    sink = config.get("sink_size") or 0
+    if isinstance(sink, bool) or not isinstance(sink, int) or sink < 0:
+        raise KVCacheError(f"config.sink_size: must be an integer >= 0, got {sink!r}")
+    return Window(window, sink)
+
+
+def _from_layer_types(types: Any, window: Window | None, num_layers: int) -> tuple[AttentionPolicy, ...]:
+    if not isinstance(types, Sequence) or isinstance(types, str) or len(types) != num_layers:
+        count = len(types) if isinstance(types, Sequence) and not isinstance(types, str) else "no list"
+        raise KVCacheError(f"config.layer_types: needs one entry per layer ({num_layers}), got {count}")
+    out: list[AttentionPolicy] = []
+    for i, kind in enumerate(types):
+        if kind in _FULL_TYPES:
+            out.append(Full())
+        elif kind == "chunked_attention":
+            raise KVCacheError(f"config.layer_types[{i}]: chunked local attention is not supported; give the rows "
+                               "with --rows")
+        elif kind in _WINDOW_TYPES:
+            if window is None:
+                raise KVCacheError(f"config.layer_types[{i}]: {kind!r}, but the config has no sliding_window")
+            out.append(window)
+        else:
+            raise KVCacheError(f"config.layer_types[{i}]: unknown layer type {kind!r}; expected one of "
+                               f"{', '.join(sorted(_FULL_TYPES | _WINDOW_TYPES))}")
+    return tuple(out)
+
+
+def _skip_freq(skip: Any, num_layers: int) -> list[bool]:
+    """FastDeploy's ``window_attn_skip_freq``: an int N windows every layer but 0, N, 2N, ...; a list flags each."""
+    if isinstance(skip, list):
+        if len(skip) != num_layers or not all(isinstance(v, (bool, int)) for v in skip):
+            raise KVCacheError(f"config.window_attn_skip_freq: a list needs one flag per layer ({num_layers})")
+        return [bool(v) for v in skip]
+    every = _positive(skip, "window_attn_skip_freq")
+    return [i % every != 0 for i in range(num_layers)]
+
+
+def _positive(value: Any, key: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise KVCacheError(f"config.{key}: must be a positive integer, got {value!r}")
+    return value

@@ -1,0 +1,166 @@
+"""Rows from model configs: the published config.json fields of real models give the rows hand arithmetic gives."""
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvcache.allocator import Full, KVCacheError, Window
+from kvcache.allocator.rows import Row, derive_rows, head_window_count, layer_policies
+
+# The window fields of published config.json files (google/gemma-2-9b, google/gemma-3-4b-it's text_config,
+# openai/gpt-oss-20b, mistralai/Mistral-7B-v0.1, meta-llama/Llama-3.1-8B, deepseek-ai/DeepSeek-V3), and a
+# FastDeploy head-wise model config.
+GEMMA2 = {"model_type": "gemma2", "num_hidden_layers": 42, "num_attention_heads": 16, "num_key_value_heads": 8,
+          "head_dim": 256, "sliding_window": 4096}
+GEMMA3 = {"model_type": "gemma3_text", "num_hidden_layers": 34, "num_attention_heads": 8, "num_key_value_heads": 4,
+          "head_dim": 256, "sliding_window": 1024, "sliding_window_pattern": 6}
+GPT_OSS = {"model_type": "gpt_oss", "num_hidden_layers": 24, "num_attention_heads": 64, "num_key_value_heads": 8,
+           "head_dim": 64, "sliding_window": 128,
+           "layer_types": ["sliding_attention", "full_attention"] * 12}
+MISTRAL = {"model_type": "mistral", "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+           "hidden_size": 4096, "sliding_window": 4096}
+LLAMA3 = {"model_type": "llama", "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+          "hidden_size": 4096}
+DEEPSEEK_V3 = {"model_type": "deepseek_v3", "num_hidden_layers": 61, "kv_lora_rank": 512, "qk_rope_head_dim": 64}
+QWEN25 = {"model_type": "qwen2", "num_hidden_layers": 28, "num_key_value_heads": 4, "sliding_window": 131072,
+          "use_sliding_window": False, "max_window_layers": 28}
+FASTDEPLOY = {"num_hidden_layers": 4, "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 128,
+              "window_size": 4096, "sink_size": 64, "head_wise_swa_ratio": 0.5}
+
+W = Window
+
+
+def rows_of(config: dict, *, head_wise: bool = False, heads: int | None = None) -> tuple[Row, ...]:
+    num_layers = config["num_hidden_layers"]
+    heads = heads if heads is not None else config.get("num_key_value_heads", 1)
+    return derive_rows(layer_policies(config, num_layers), heads, head_wise=head_wise,
+                       window_heads=head_window_count(config, heads))
+
+
+def test_gemma2_windows_the_even_layers() -> None:
+    window, full = rows_of(GEMMA2)
+    assert window == Row(W(4096), tuple(range(0, 42, 2)), tuple(range(8)))
+    assert full == Row(Full(), tuple(range(1, 42, 2)), tuple(range(8)))
+    assert window.num_cells == full.num_cells == 21 * 8
+
+
+def test_gemma3_keeps_every_sixth_layer_full() -> None:
+    window, full = rows_of(GEMMA3)
+    assert full.policy == Full() and full.layers == (5, 11, 17, 23, 29)
+    assert window.policy == W(1024) and len(window.layers) == 29 and not set(window.layers) & set(full.layers)
+    assert window.num_cells == 29 * 4 and full.num_cells == 5 * 4
+    # A config with layer_types says it outright; it wins over the pattern.
+    types = ["sliding_attention"] * 34
+    for i in (5, 11, 17, 23, 29, 33):
+        types[i] = "full_attention"
+    window, full = rows_of({**GEMMA3, "layer_types": types})
+    assert len(window.layers) == 28 and full.layers == (5, 11, 17, 23, 29, 33)
+
+
+def test_gpt_oss_alternates_a_128_token_window() -> None:
+    window, full = rows_of(GPT_OSS)
+    assert window == Row(W(128), tuple(range(0, 24, 2)), tuple(range(8)))
+    assert full == Row(Full(), tuple(range(1, 24, 2)), tuple(range(8)))
+
+
+def test_a_sliding_window_alone_windows_every_layer() -> None:
+    (row,) = rows_of(MISTRAL)
+    assert row == Row(W(4096), tuple(range(32)), tuple(range(8)))
+
+
+@pytest.mark.parametrize("config", [LLAMA3, DEEPSEEK_V3, QWEN25])
+def test_models_without_a_window_in_use_get_one_full_row(config: dict) -> None:
+    (row,) = rows_of(config, heads=config.get("num_key_value_heads", 1))
+    assert row.policy == Full() and row.layers == tuple(range(config["num_hidden_layers"]))
+
+
+def test_head_wise_rows_are_the_product_of_layer_groups_and_heads() -> None:
+    rows = rows_of(GEMMA3, head_wise=True)
+    assert len(rows) == 2 * 4
+    assert [r.kv_heads for r in rows] == [(h,) for h in range(4)] * 2
+    assert {r.policy for r in rows[:4]} == {W(1024)} and {r.policy for r in rows[4:]} == {Full()}
+    assert sum(r.num_cells for r in rows) == 34 * 4
+
+
+def test_fastdeploy_head_wise_windows_the_first_heads() -> None:
+    window, full = rows_of(FASTDEPLOY)
+    assert window == Row(W(4096, 64), (0, 1, 2, 3), (0, 1))
+    assert full == Row(Full(), (0, 1, 2, 3), (2, 3))
+    assert [r.kv_heads for r in rows_of(FASTDEPLOY, head_wise=True)] == [(0,), (1,), (2,), (3,)]
+    # With every other layer full (window_attn_skip_freq 2: layers 0 and 2), the window heads' full layers form a
+    # row of their own.
+    rows = rows_of({**FASTDEPLOY, "window_attn_skip_freq": 2})
+    assert rows == (Row(Full(), (0, 2), (0, 1)), Row(Full(), (0, 1, 2, 3), (2, 3)), Row(W(4096, 64), (1, 3), (0, 1)))
+
+
+@pytest.mark.parametrize(("heads", "ratio", "expected"), [(4, 1.0, 4), (4, 0.5, 2), (4, 0.0, 0), (1, 0.5, 1),
+                                                          (3, 0.5, 2), (8, 0.25, 2), (2, 0.5, 1)])
+def test_window_heads_round_as_fastdeploy_does(heads: int, ratio: float, expected: int) -> None:
+    assert head_window_count({"head_wise_swa_ratio": ratio}, heads) == expected
+
+
+@pytest.mark.parametrize(("config", "key"), [
+    ({"num_hidden_layers": 4, "layer_types": ["sliding_attention"] * 4}, "layer_types"),
+    ({"num_hidden_layers": 4, "sliding_window": 8, "layer_types": ["full_attention"] * 3}, "layer_types"),
+    ({"num_hidden_layers": 4, "sliding_window": 8, "layer_types": ["full_attention"] * 3 + ["banded"]},
+     "layer_types"),
+    ({"num_hidden_layers": 4, "sliding_window": 8, "layer_types": ["chunked_attention"] * 4}, "layer_types"),
+    ({"num_hidden_layers": 4, "attention_chunk_size": 8192}, "attention_chunk_size"),
+    ({"num_hidden_layers": 4, "sliding_window_pattern": 6}, "sliding_window_pattern"),
+    ({"num_hidden_layers": 4, "use_sliding_window": True}, "use_sliding_window"),
+    ({"num_hidden_layers": 4, "head_wise_swa_ratio": 0.5}, "head_wise_swa_ratio"),
+    ({"num_hidden_layers": 4, "sliding_window": -5, "sink_size": 4}, "sink_size"),
+    ({"num_hidden_layers": 4, "sliding_window": "4096"}, "sliding_window"),
+    ({"num_hidden_layers": 4, "sliding_window": [4096, 16]}, "sliding_window"),
+    ({"num_hidden_layers": 4, "sliding_window": 64, "sink_size": -1}, "sink_size"),
+    ({"num_hidden_layers": 4, "sliding_window": 64, "sliding_window_pattern": 0}, "sliding_window_pattern"),
+    ({"num_hidden_layers": 4, "sliding_window": 64, "sliding_window_pattern": 2, "window_attn_skip_freq": 2},
+     "sliding_window_pattern"),
+    ({"num_hidden_layers": 4, "sliding_window": 64, "window_attn_skip_freq": [1, 0]}, "window_attn_skip_freq"),
+    ({"num_hidden_layers": 4, "sliding_window": 64, "use_sliding_window": "yes"}, "use_sliding_window"),
+    ({"num_hidden_layers": 4, "sliding_window": 64, "use_sliding_window": True, "max_window_layers": -1},
+     "max_window_layers"),
+    ({"num_hidden_layers": 4, "sliding_window": 64, "head_wise_swa_ratio": 1.5}, "head_wise_swa_ratio"),
+])
+def test_window_settings_that_cannot_be_read_exactly_are_errors_naming_the_key(config: dict, key: str) -> None:
+    with pytest.raises(KVCacheError, match=key):
+        rows_of(config, heads=4)
+
+
+@settings(max_examples=200, deadline=None)
+@given(policies=st.lists(st.sampled_from([Full(), W(8), W(8, 4), W(16)]), min_size=1, max_size=12),
+       heads=st.integers(1, 6), head_wise=st.booleans(), data=st.data())
+def test_rows_cover_every_cell_once_with_its_policy(policies: list, heads: int, head_wise: bool,
+                                                    data: st.DataObject) -> None:
+    """Every (layer, head) cell is in exactly one row, under its layer's policy (or Full for a head past the
+    window heads); rows of one policy never share a cell, and head-wise rows hold one head each."""
+    window_heads = data.draw(st.none() | st.integers(0, heads))
+    rows = derive_rows(policies, heads, head_wise=head_wise, window_heads=window_heads)
+    seen: dict[tuple[int, int], object] = {}
+    for row in rows:
+        assert row.layers == tuple(sorted(row.layers)) and row.kv_heads == tuple(sorted(row.kv_heads))
+        if head_wise:
+            assert len(row.kv_heads) == 1
+        for layer in row.layers:
+            for head in row.kv_heads:
+                assert (layer, head) not in seen
+                seen[(layer, head)] = row.policy
+    for layer, policy in enumerate(policies):
+        for head in range(heads):
+            windowed = isinstance(policy, Window) and (window_heads is None or head < window_heads)
+            assert seen[(layer, head)] == (policy if windowed else Full())
+
+
+def test_transformers_derives_the_same_layer_types() -> None:
+    """Where transformers is importable, its own configs' layer_types equal what the pattern fields give here."""
+    transformers = pytest.importorskip("transformers")
+    cases = [(transformers.Gemma2Config(num_hidden_layers=42, sliding_window=4096), GEMMA2),
+             (transformers.Gemma3TextConfig(num_hidden_layers=34, sliding_window=1024), GEMMA3),
+             (transformers.Qwen2Config(num_hidden_layers=32, use_sliding_window=True, sliding_window=4096,
+                                       max_window_layers=28),
+              {"model_type": "qwen2", "num_hidden_layers": 32, "use_sliding_window": True, "sliding_window": 4096,
+               "max_window_layers": 28})]
+    for theirs, ours in cases:
+        expected = tuple(Full() if t == "full_attention" else W(ours["sliding_window"]) for t in theirs.layer_types)
+        assert layer_policies(ours, ours["num_hidden_layers"]) == expected
