@@ -33,6 +33,8 @@ from pathlib import Path
 from typing import Any, Mapping, NamedTuple
 
 from kvcache.allocator.errors import KVCacheError
+from kvcache.allocator.rows import Row, derive_rows, head_window_count, layer_policies
+from kvcache.allocator.swa import Full
 
 DTYPE_BYTES: dict[str, int] = {
     "bfloat16": 2,
@@ -143,6 +145,7 @@ class CacheSpec:
     tp_size: int = 1
     kv_lora_rank: int | None = None
     qk_rope_head_dim: int | None = None
+    rows: tuple[Row, ...] | None = None  # None: one Full row over every layer and kv head
 
     def __post_init__(self) -> None:
         setattr_ = object.__setattr__
@@ -156,6 +159,29 @@ class CacheSpec:
             self._validate_mla()
         else:
             self._validate_heads()
+        if self.rows is not None:
+            self._validate_rows()
+
+    def _validate_rows(self) -> None:
+        """Rows must hold every (layer, kv head) cell of the model exactly once."""
+        assert self.num_kv_heads is not None
+        rows = tuple(self.rows or ())
+        object.__setattr__(self, "rows", rows)
+        seen: set[tuple[int, int]] = set()
+        for i, row in enumerate(rows):
+            if not isinstance(row, Row) or not row.layers or not row.kv_heads:
+                raise KVCacheError(f"rows[{i}]: must be a Row with at least one layer and one kv head")
+            for layer in row.layers:
+                for head in row.kv_heads:
+                    if not (0 <= layer < self.num_layers and 0 <= head < self.num_kv_heads):
+                        raise KVCacheError(f"rows[{i}]: cell (layer {layer}, kv head {head}) is outside the model's "
+                                           f"{self.num_layers} layers and {self.num_kv_heads} kv heads")
+                    if (layer, head) in seen:
+                        raise KVCacheError(f"rows[{i}]: cell (layer {layer}, kv head {head}) is in two rows")
+                    seen.add((layer, head))
+        if len(seen) != self.num_layers * self.num_kv_heads:
+            raise KVCacheError(f"rows: hold {len(seen)} of the model's {self.num_layers * self.num_kv_heads} "
+                               "(layer, kv head) cells; every cell needs a row")
 
     def _validate_mla(self) -> None:
         if self.kv_lora_rank is None or self.qk_rope_head_dim is None:
@@ -206,14 +232,18 @@ class CacheSpec:
             )
 
     @classmethod
-    def from_hf_config(cls, config: str | Path | Mapping[str, Any], **overrides: Any) -> CacheSpec:
+    def from_hf_config(cls, config: str | Path | Mapping[str, Any], *, head_wise: bool = False,
+                       **overrides: Any) -> CacheSpec:
         """Build a spec from a Hugging Face ``config.json`` (path or dict); keyword overrides win.
 
         Reads Llama/Qwen-style GQA (``num_key_value_heads``, ``head_dim`` or
         ``hidden_size / num_attention_heads``) and DeepSeek-style MLA
         (``kv_lora_rank``, ``qk_rope_head_dim``); multimodal configs are read
         from their ``text_config``. ``quant`` none/fp8 on an MLA model means
-        mla/mla_fp8.
+        mla/mla_fp8. The rows come from the config's sliding windows
+        (``kvcache.allocator.rows``): one per layer group, or with ``head_wise``
+        one per kv head within each group; a model without windows and without
+        ``head_wise`` gets the default (one row).
         """
         cfg = _load_config(config)
         get = _ConfigReader(cfg)
@@ -237,8 +267,17 @@ class CacheSpec:
             head_dim = cfg.get("head_dim")
             fields["head_dim"] = head_dim if head_dim else get.int("hidden_size", "n_embd") // num_heads
             fields["quant"] = quant
+        rows_given = "rows" in overrides
         fields.update(overrides)
-        return cls(**fields)
+        spec = cls(**fields)
+        if rows_given:
+            return spec
+        heads = spec.num_kv_heads or 1
+        rows = derive_rows(layer_policies(cfg, spec.num_layers), heads, head_wise=head_wise,
+                           window_heads=head_window_count(cfg, heads))
+        if len(rows) == 1 and not head_wise:
+            return spec  # no window: the default row
+        return dataclasses.replace(spec, rows=rows)
 
     @property
     def kv_heads_per_rank(self) -> int:
@@ -292,6 +331,21 @@ class CacheSpec:
         )
 
     @property
+    def row_layout(self) -> tuple[Row, ...]:
+        """The rows: ``rows``, or the one Full row over every layer and kv head."""
+        if self.rows is not None:
+            return self.rows
+        assert self.num_kv_heads is not None
+        return (Row(Full(), tuple(range(self.num_layers)), tuple(range(self.num_kv_heads))),)
+
+    def row_bytes_per_block(self, row: Row) -> int:
+        """Bytes one block of ``row`` takes on a rank that holds it: its layers times its kv heads on that rank."""
+        assert self.num_kv_heads is not None
+        heads = self.kv_heads_per_rank
+        on_rank = max(1, len(row.kv_heads) * heads // self.num_kv_heads)
+        return self.bytes_per_block_per_layer // heads * on_rank * len(row.layers)
+
+    @property
     def bytes_per_block_per_layer(self) -> int:
         """Bytes one block takes in one layer on one rank, scales included."""
         return sum(t.bytes_per_block for t in self.tensors())
@@ -329,6 +383,7 @@ class CacheSpec:
         out["quant"] = self.quant.value
         out["scale_layout"] = self.scale_layout.value
         out["kv_heads_per_rank"] = self.kv_heads_per_rank
+        out["rows"] = None if self.rows is None else [r.describe() for r in self.rows]
         return out
 
 

@@ -49,6 +49,9 @@ def add_spec_arguments(parser: argparse.ArgumentParser) -> None:
         "blackwell [blocks, heads, 4] float32",
     )
     cache.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks the kv heads are split over")
+    cache.add_argument("--head-wise", action="store_true",
+                       help="one row per kv head within each layer group (default: one row per layer group; a "
+                       "model without sliding windows has one)")
 
 
 def add_daemon_arguments(parser: argparse.ArgumentParser, timeout: float = 3.0) -> None:
@@ -106,7 +109,29 @@ def spec_from_args(args: argparse.Namespace) -> tuple[CacheSpec, str]:
     if args.model or args.example or not given:
         name = args.model or args.example or DEFAULT_EXAMPLE
         config = args.model or load_example(name)
-        return CacheSpec.from_hf_config(config, **common, **given), name
+        return CacheSpec.from_hf_config(config, head_wise=args.head_wise, **common, **given), name
     if "num_layers" not in given:
         raise KVCacheError("--layers: needed with explicit geometry (or use --model/--example)")
+    if args.head_wise:
+        raise KVCacheError("--head-wise: needs --model or --example (the rows come from the model's config)")
     return CacheSpec(**common, **given), "custom"
+
+
+def _int_at_least(text: str, least: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < least:
+        raise argparse.ArgumentTypeError(f"must be at least {least}, got {value}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    return _int_at_least(text, 1)
+
+
+def nonnegative_int(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    return _int_at_least(text, 0)

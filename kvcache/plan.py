@@ -8,8 +8,30 @@ from typing import Any
 
 from kvcache.allocator.errors import KVCacheError
 from kvcache.allocator.layout import CacheSpec
-from kvcache.arguments import add_spec_arguments, spec_from_args
+from kvcache.allocator.rows import Row
+from kvcache.allocator.swa import Full, Window
+from kvcache.arguments import add_spec_arguments, positive_int, spec_from_args
 from kvcache.units import format_bytes, parse_size
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RowPlan:
+    """One row's pool: what a block of it takes, what one request holds of it at most, and its blocks."""
+
+    row: Row
+    bytes_per_block: int
+    blocks_per_request: int
+    num_blocks: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Load:
+    """The concurrent load a plan is sized for, as vLLM names it: requests of ``max_model_len`` tokens, prefilled
+    ``max_num_batched_tokens`` at a time, ``max_num_seqs`` of them at once."""
+
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -22,6 +44,10 @@ class Plan:
     num_blocks: int
     host_budget_bytes: int | None = None
     host_num_blocks: int | None = None
+    load: Load | None = None
+    rows: tuple[RowPlan, ...] = ()
+    max_concurrency: int | None = None  # requests of max_model_len tokens the rows' pools hold at once
+    uniform_concurrency: int | None = None  # the same with every layer full (one row)
 
     @property
     def max_tokens(self) -> int:
@@ -36,6 +62,7 @@ def make_plan(
     reserve: int = 0,
     host_memory: int | None = None,
     model: str = "custom",
+    load: Load | None = None,
 ) -> Plan:
     """Size the cache: per-rank budget = gpu_memory × utilization − reserve; host memory is per node.
 
@@ -51,7 +78,39 @@ def make_plan(
             f"fits no block of {format_bytes(spec.bytes_per_block)}"
         )
     host_blocks = None if host_memory is None else host_memory // spec.global_bytes_per_block
-    return Plan(spec, model, budget, spec.num_blocks_for(budget), host_memory, host_blocks)
+    plan = Plan(spec, model, budget, spec.num_blocks_for(budget), host_memory, host_blocks)
+    return plan if load is None else size_rows(plan, load)
+
+
+def blocks_per_request(row: Row, block_size: int, load: Load) -> int:
+    """The most blocks of ``row`` one request of ``load.max_model_len`` tokens holds at once.
+
+    A full row holds every block of the request. A window row ``Window(W, S)`` holds its sink blocks
+    and the blocks its queries still read: a prefill chunk of ``max_num_batched_tokens`` reads the
+    ``W - 1`` keys before it, so ``cdiv(S, B) + cdiv(W - 1 + chunk, B) + 1`` (one block of slack for a
+    boundary), never more than the whole request.
+    """
+    whole = -(-load.max_model_len // block_size)
+    policy = row.policy
+    if not isinstance(policy, Window):
+        return whole
+    chunk = min(load.max_num_batched_tokens, load.max_model_len)
+    live = -(-policy.sink_tokens // block_size) + -(-(policy.window_tokens - 1 + chunk) // block_size) + 1
+    return min(whole, live)
+
+
+def size_rows(plan: Plan, load: Load) -> Plan:
+    """Give each row a pool in proportion to what a request holds of it, filling the budget: the concurrency
+    the rows reach, against one full row over every layer (the uniform layout) in the same budget."""
+    spec = plan.spec
+    per_row = [(row, spec.row_bytes_per_block(row), blocks_per_request(row, spec.block_size, load))
+               for row in spec.row_layout]
+    per_request = sum(b * n for _, b, n in per_row)
+    concurrency = plan.budget_bytes // per_request
+    scale = plan.budget_bytes / per_request
+    rows = tuple(RowPlan(row, b, n, int(n * scale)) for row, b, n in per_row)
+    uniform = plan.budget_bytes // (-(-load.max_model_len // spec.block_size) * spec.bytes_per_block)
+    return dataclasses.replace(plan, load=load, rows=rows, max_concurrency=concurrency, uniform_concurrency=uniform)
 
 
 def plan_json(plan: Plan) -> dict[str, Any]:
@@ -83,6 +142,14 @@ def plan_json(plan: Plan) -> dict[str, Any]:
         out["host_budget_bytes"] = plan.host_budget_bytes
         out["host_num_blocks"] = plan.host_num_blocks
         out["host_max_tokens"] = plan.host_num_blocks * spec.block_size
+    out["rows"] = [{**rp.row.describe(), "bytes_per_block": rp.bytes_per_block,
+                    "blocks_per_request": rp.blocks_per_request, "blocks": rp.num_blocks,
+                    "bytes": rp.num_blocks * rp.bytes_per_block} for rp in plan.rows] or [
+        {**row.describe(), "bytes_per_block": spec.row_bytes_per_block(row)} for row in spec.row_layout]
+    if plan.load is not None:
+        out["load"] = dataclasses.asdict(plan.load)
+        out["max_concurrency"] = plan.max_concurrency
+        out["uniform_concurrency"] = plan.uniform_concurrency
     return out
 
 
@@ -103,7 +170,7 @@ def render_plan(plan: Plan) -> str:
         + (f", each on {spec.head_replicas} ranks" if spec.head_replicas > 1 else "")
         + ")",
         "",
-        f"per-layer tensors on one rank ({n:,} blocks):",
+        f"per-layer tensors on one rank ({n:,} blocks, one pool for every layer and kv head):",
     ]
     rows = [("tensor", "shape", "dtype", "bytes/block", "bytes")]
     for t in spec.tensors():
@@ -121,6 +188,14 @@ def render_plan(plan: Plan) -> str:
         ("tokens that fit", f"{plan.max_tokens:,}"),
         ("cache bytes per rank", f"{format_bytes(spec.cache_bytes(n))}"),
     ]
+    if plan.load is not None:
+        load = plan.load
+        summary += [
+            (f"requests of {load.max_model_len:,} tokens at once (rows)", f"{plan.max_concurrency:,}"
+             + ("" if (plan.max_concurrency or 0) >= load.max_num_seqs else f" (fewer than --max-num-seqs "
+                                                                           f"{load.max_num_seqs})")),
+            ("the same with every layer full", f"{plan.uniform_concurrency:,}"),
+        ]
     if plan.host_num_blocks is not None:
         assert plan.host_budget_bytes is not None
         summary += [
@@ -131,11 +206,53 @@ def render_plan(plan: Plan) -> str:
     key_width = max(len(k) for k, _ in summary)
     lines.append("")
     lines += [f"{k.ljust(key_width)}  {v}" for k, v in summary]
+    lines += ["", *render_rows(plan)]
     return "\n".join(lines)
+
+
+def render_rows(plan: Plan) -> list[str]:
+    """The rows: cells, policy, bytes per block, and with a load each row's pool."""
+    spec = plan.spec
+    head = ["row", "policy", "layers", "kv heads", "bytes/block"]
+    if plan.rows:
+        head += ["blocks/request", "blocks", "bytes"]
+    table = [head]
+    for i, row in enumerate(spec.row_layout):
+        policy = ("full" if isinstance(row.policy, Full) else
+                  f"window {row.policy.window_tokens}" + (f" + sink {row.policy.sink_tokens}"
+                                                          if row.policy.sink_tokens else ""))
+        cells = [str(i), policy, _ranges(row.layers), _ranges(row.kv_heads), f"{spec.row_bytes_per_block(row):,}"]
+        if plan.rows:
+            rp = plan.rows[i]
+            cells += [f"{rp.blocks_per_request:,}", f"{rp.num_blocks:,}", format_bytes(rp.num_blocks * rp.bytes_per_block)]
+        table.append(cells)
+    widths = [max(len(r[i]) for r in table) for i in range(len(head))]
+    title = (f"rows ({len(spec.row_layout)}; pools sized for requests of {plan.load.max_model_len:,} tokens, "
+             f"prefill chunks of {plan.load.max_num_batched_tokens:,}):" if plan.load else
+             f"rows ({len(spec.row_layout)}; give --max-model-len to size a pool per row):")
+    return [title, *("  " + "  ".join(c.ljust(w) if j < 4 else c.rjust(w) for j, (c, w) in enumerate(zip(r, widths)))
+                     for r in table)]
+
+
+def _ranges(values: tuple[int, ...]) -> str:
+    """0-3,5,7-9: ascending ints as runs."""
+    runs: list[str] = []
+    start = prev = values[0]
+    for v in (*values[1:], None):
+        if v is not None and v == prev + 1:
+            prev = v
+            continue
+        runs.append(str(start) if start == prev else f"{start}-{prev}")
+        if v is not None:
+            start = prev = v
+    return ",".join(runs)
 
 
 def _run_plan(args: argparse.Namespace) -> int:
     spec, name = spec_from_args(args)
+    load = None
+    if args.max_model_len is not None:
+        load = Load(args.max_model_len, args.max_num_seqs, args.max_num_batched_tokens or args.max_model_len)
     plan = make_plan(
         spec,
         gpu_memory=parse_size(args.gpu_memory, "--gpu-memory"),
@@ -143,6 +260,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         reserve=parse_size(args.reserve, "--reserve"),
         host_memory=None if args.host_memory is None else parse_size(args.host_memory, "--host-memory"),
         model=name,
+        load=load,
     )
     print(json.dumps(plan_json(plan), indent=2) if args.json else render_plan(plan))
     return 0
@@ -168,5 +286,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="memory per GPU taken by weights and activations, subtracted from the budget (default 0)",
     )
     mem.add_argument("--host-memory", help="host memory of the node for a host-tier cache, e.g. 512GiB")
+    load = p.add_argument_group("load (as vLLM names it): size a pool per row for it")
+    load.add_argument("--max-model-len", type=positive_int, metavar="TOKENS",
+                      help="tokens of the longest request; gives each row a pool and reports how many such requests "
+                      "fit at once, against every layer full")
+    load.add_argument("--max-num-seqs", type=positive_int, default=256, metavar="N",
+                      help="requests the engine runs at once (default 256): the plan says when fewer fit")
+    load.add_argument("--max-num-batched-tokens", type=positive_int, metavar="TOKENS",
+                      help="prefill chunk: a window row holds the window plus one chunk (default: the whole "
+                      "request in one chunk)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.set_defaults(run=_run_plan)

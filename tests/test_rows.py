@@ -164,3 +164,65 @@ def test_transformers_derives_the_same_layer_types() -> None:
     for theirs, ours in cases:
         expected = tuple(Full() if t == "full_attention" else W(ours["sliding_window"]) for t in theirs.layer_types)
         assert layer_policies(ours, ours["num_hidden_layers"]) == expected
+
+
+# --------------------------------------------------------------------------- rows in a CacheSpec and in a plan
+
+
+def test_a_spec_from_a_windowed_config_carries_its_rows_and_their_bytes() -> None:
+    """Gemma 3 4B, bf16, block 16: a cell's block is K + V = 2 × 16 × 256 × 2 = 16,384 B; the window row holds
+    29 layers × 4 heads, the full row 5 × 4; together every layer's block."""
+    from kvcache.allocator import CacheSpec
+
+    spec = CacheSpec.from_hf_config({"text_config": GEMMA3}, block_size=16)
+    window, full = spec.row_layout
+    assert (window.policy, full.policy) == (W(1024), Full())
+    assert spec.row_bytes_per_block(window) == 29 * 4 * 16_384 == 1_900_544
+    assert spec.row_bytes_per_block(full) == 5 * 4 * 16_384 == 327_680
+    assert spec.row_bytes_per_block(window) + spec.row_bytes_per_block(full) == spec.bytes_per_block
+    assert [r.kv_heads for r in CacheSpec.from_hf_config(GEMMA3, block_size=16, head_wise=True).row_layout] == \
+        [(h,) for h in range(4)] * 2
+    # GPT-OSS 20B over 2 ranks: each rank holds 4 of the 8 heads of every row.
+    gpt = CacheSpec.from_hf_config(GPT_OSS, block_size=16, tp_size=2)
+    assert [gpt.row_bytes_per_block(r) for r in gpt.row_layout] == [12 * 4 * (2 * 16 * 64 * 2)] * 2
+    # Without a window: the default row; DeepSeek-V3's one latent head.
+    assert CacheSpec.from_hf_config(LLAMA3).rows is None
+    (latent,) = CacheSpec.from_hf_config(DEEPSEEK_V3).row_layout
+    assert latent.kv_heads == (0,) and len(latent.layers) == 61
+
+
+def test_a_spec_refuses_rows_that_miss_or_repeat_a_cell() -> None:
+    from kvcache.allocator import CacheSpec
+
+    base = {"num_layers": 2, "num_kv_heads": 2, "head_dim": 8}
+    for rows, match in [((Row(Full(), (0, 1), (0,)),), "hold 2 of the model's 4"),
+                        ((Row(Full(), (0, 1), (0, 1)), Row(W(8), (1,), (1,))), "in two rows"),
+                        ((Row(Full(), (0, 1, 2), (0, 1)),), "outside"),
+                        ((Row(Full(), (), (0, 1)),), "at least one layer")]:
+        with pytest.raises(KVCacheError, match=match):
+            CacheSpec(**base, rows=rows)
+    assert CacheSpec.from_hf_config(GEMMA3, rows=None).rows is None  # rows given (none) win over the config's
+
+
+def test_plan_sizes_a_pool_per_row_and_reports_concurrency_against_uniform() -> None:
+    """Gemma 3 4B, block 16, 72 GiB (80 GiB × 0.9), requests of 32,768 tokens prefilled 8,192 at a time: a window
+    row holds cdiv(1023 + 8192, 16) + 1 = 577 blocks of a request, the full row 2,048; a request costs
+    577 × 1,900,544 + 2,048 × 327,680 = 1,767,702,528 B, so 43 fit, against 16 with every layer full
+    (2,048 × 2,228,224 B each)."""
+    from kvcache.allocator import CacheSpec
+    from kvcache.plan import Load, make_plan, plan_json
+
+    spec = CacheSpec.from_hf_config(GEMMA3, block_size=16)
+    plan = make_plan(spec, gpu_memory=80 << 30, load=Load(32_768, 256, 8_192))
+    window, full = plan.rows
+    assert (window.blocks_per_request, full.blocks_per_request) == (577, 2_048)
+    assert plan.max_concurrency == plan.budget_bytes // 1_767_702_528 == 43
+    assert plan.uniform_concurrency == plan.budget_bytes // (2_048 * 2_228_224) == 16
+    assert window.num_blocks * window.bytes_per_block + full.num_blocks * full.bytes_per_block <= plan.budget_bytes
+    assert window.num_blocks >= 43 * 577 and full.num_blocks >= 43 * 2_048
+    out = plan_json(plan)
+    assert out["max_concurrency"] == 43 and out["uniform_concurrency"] == 16
+    assert [(r["kind"], r["blocks_per_request"]) for r in out["rows"]] == [("window", 577), ("full", 2_048)]
+    # A whole-request prefill keeps every block of a 4,096-token request in the window row too.
+    short = make_plan(spec, gpu_memory=80 << 30, load=Load(4_096, 256, 4_096))
+    assert [r.blocks_per_request for r in short.rows] == [256, 256]

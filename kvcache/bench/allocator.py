@@ -35,7 +35,7 @@ from kvcache.allocator.pool import BlockPool
 from kvcache.allocator.swa import AttentionPolicy
 from kvcache.bench import vllm
 from kvcache.bench.common import mark as _mark
-from kvcache.bench.common import positive_int as _positive_int
+from kvcache.arguments import positive_int as _positive_int
 from kvcache.bench.common import progress as _progress
 from kvcache.bench.common import ratio as _x
 from kvcache.bench.common import TimedSteps

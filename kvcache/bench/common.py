@@ -1,7 +1,6 @@
 """What `kvcache bench` targets share: tables, ok/MISS marks, ratios, flag types, child processes."""
 from __future__ import annotations
 
-import argparse
 import contextlib
 import multiprocessing
 import shutil
@@ -64,26 +63,6 @@ def mark(ok: bool | None) -> str:
 def ratio(value: float | None) -> str:
     """A ratio as ``1.5x`` (``-`` when unknown)."""
     return "-" if value is None else f"{value:.1f}x"
-
-
-def _int_at_least(text: str, least: int) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < least:
-        raise argparse.ArgumentTypeError(f"must be at least {least}, got {value}")
-    return value
-
-
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1."""
-    return _int_at_least(text, 1)
-
-
-def nonnegative_int(text: str) -> int:
-    """argparse type: an integer >= 0."""
-    return _int_at_least(text, 0)
 
 
 # --------------------------------------------------------------------------- processes

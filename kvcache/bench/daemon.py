@@ -62,7 +62,8 @@ import zmq
 
 from kvcache.allocator.errors import KVCacheError
 from kvcache.bench import vllm
-from kvcache.bench.common import Fleet, expect, mark, positive_int, progress, ratio, table
+from kvcache.arguments import positive_int
+from kvcache.bench.common import Fleet, expect, mark, progress, ratio, table
 from kvcache.client import CacheClient, DaemonError
 from kvcache.config import ServeConfig
 from kvcache.journal import records_end

@@ -41,7 +41,8 @@ from typing import Any
 
 import numpy as np
 
-from kvcache.bench.common import mark, positive_int, table
+from kvcache.arguments import positive_int
+from kvcache.bench.common import mark, table
 from kvcache.bench.common import progress as report_progress
 
 TOKENS = 4096

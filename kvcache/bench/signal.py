@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from kvcache.bench.common import positive_int as _positive_int
+from kvcache.arguments import positive_int as _positive_int
 from kvcache.bench.common import progress as _progress
 from kvcache.ops import _send_cache, send_cache
 from kvcache.transfer import LayerSignal, WaitStatus

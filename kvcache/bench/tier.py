@@ -27,7 +27,7 @@ import numpy as np
 from kvcache.allocator.manager import KVCacheManager
 from kvcache.allocator.prefix import BlockHasher
 from kvcache.bench.common import mark as _mark
-from kvcache.bench.common import positive_int as _positive_int
+from kvcache.arguments import positive_int as _positive_int
 from kvcache.bench.common import progress as _progress
 from kvcache.bench.common import table as _table
 from kvcache.bench.transfer import BLOCK_SIZES, CACHE_FACTOR, HEAD_DIM, KV_HEADS, LAYERS, QUICK_LAYERS, SEED, TOKENS

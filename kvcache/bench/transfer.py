@@ -32,8 +32,8 @@ import numpy as np
 from kvcache.allocator.layout import CacheSpec
 from kvcache.bench.common import Fleet, expect
 from kvcache.bench.common import mark as _mark
-from kvcache.bench.common import positive_int as _positive_int
-from kvcache.bench.common import nonnegative_int
+from kvcache.arguments import positive_int as _positive_int
+from kvcache.arguments import nonnegative_int
 from kvcache.bench.common import progress as _progress
 from kvcache.bench.common import table as _table
 from kvcache.transfer.engines import HOST_METHODS, LocalEngine, TransferStatus
