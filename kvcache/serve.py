@@ -15,8 +15,8 @@ from typing import Any
 from kvcache.allocator.errors import KVCacheError
 from kvcache.allocator.layout import CacheSpec
 from kvcache.allocator.manager import KVCacheManager
-from kvcache.allocator.swa import AttentionPolicy
-from kvcache.config import ServeConfig, load_toml, parse_rows
+from kvcache.allocator.swa import AttentionPolicy, Full
+from kvcache.config import ServeConfig, describe_rows, load_toml, parse_rows
 from kvcache.units import parse_size
 
 HELP = {
@@ -124,7 +124,7 @@ def build_manager(cfg: ServeConfig) -> tuple[KVCacheManager, list[AttentionPolic
                                   "tp_size": cfg.tp}
         if cfg.dtype:
             fields["dtype"] = cfg.dtype
-        spec = CacheSpec.from_hf_config(source, **fields)
+        spec = CacheSpec.from_hf_config(source, head_wise=cfg.head_wise, **fields)
         extra["num_kv_heads"] = spec.num_kv_heads
     num_blocks = cfg.num_blocks
     if num_blocks <= 0:
@@ -141,12 +141,30 @@ def build_manager(cfg: ServeConfig) -> tuple[KVCacheManager, list[AttentionPolic
         rows = parse_rows(cfg.rows, spec.num_kv_heads)
     else:
         rows = parse_rows(cfg.rows)
+    if spec is not None and cfg.rows == "full":  # no rows given: the model's windows, where the daemon can serve them
+        rows = _model_rows(spec, rows, cfg.head_wise)
     if spec is not None:
         extra["cache_bytes_per_rank"] = spec.cache_bytes(num_blocks)
     manager = KVCacheManager(num_blocks, cfg.block_size, rows, enable_prefix_caching=cfg.enable_prefix_caching,
                              hash_algorithm=cfg.hash_algorithm, hash_seed=cfg.hash_seed or None,
                              enable_events=cfg.events)
     return manager, rows, extra
+
+
+def _model_rows(spec: CacheSpec, rows: list[AttentionPolicy], head_wise: bool) -> list[AttentionPolicy]:
+    """The row policies of the model's config where each row is a kv head over every layer (head-wise windows, as
+    FastDeploy declares them); otherwise ``rows``, with a warning when the config's windows go unused."""
+    layout = spec.row_layout
+    every_layer = tuple(range(spec.num_layers))
+    if head_wise and all(len(r.kv_heads) == 1 and r.layers == every_layer for r in layout):
+        return [r.policy for r in sorted(layout, key=lambda r: r.kv_heads)]
+    windowed = sorted({layer for r in layout if not isinstance(r.policy, Full) for layer in r.layers})
+    if windowed:
+        logging.getLogger("kvcache.serve").warning(
+            "the model declares sliding windows on %d of %d layers; the daemon keeps rows per kv head over every "
+            "layer, so it serves them as %s (no blocks given back; `kvcache plan --max-model-len` shows what "
+            "per-layer rows would save)", len(windowed), spec.num_layers, describe_rows(rows))
+    return rows
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -226,3 +226,28 @@ def test_plan_sizes_a_pool_per_row_and_reports_concurrency_against_uniform() -> 
     # A whole-request prefill keeps every block of a 4,096-token request in the window row too.
     short = make_plan(spec, gpu_memory=80 << 30, load=Load(4_096, 256, 4_096))
     assert [r.blocks_per_request for r in short.rows] == [256, 256]
+
+
+def test_serve_takes_head_wise_windows_from_the_config_and_warns_about_layer_windows(
+        tmp_path, caplog: pytest.LogCaptureFixture) -> None:
+    """A FastDeploy head-wise config served --head-wise gets its window heads as rows; a config with per-layer
+    windows, which the daemon's per-head rows cannot hold, is served full with a warning saying so."""
+    import json
+    import logging
+
+    from kvcache.config import ServeConfig
+    from kvcache.serve import build_manager
+
+    fastdeploy, gemma = tmp_path / "fastdeploy.json", tmp_path / "gemma3.json"
+    fastdeploy.write_text(json.dumps(FASTDEPLOY))
+    gemma.write_text(json.dumps(GEMMA3))
+    base = {"endpoint": f"ipc://{tmp_path}/d.sock", "num_blocks": 64, "block_size": 16}
+    _, rows, _ = build_manager(ServeConfig(**base, model=str(fastdeploy), head_wise=True).resolved())
+    assert rows == [W(4096, 64), W(4096, 64), Full(), Full()]
+    _, rows, _ = build_manager(ServeConfig(**base, model=str(fastdeploy), head_wise=True,
+                                           rows="window:128*4").resolved())
+    assert rows == [W(128)] * 4, "rows given win over the config's"
+    with caplog.at_level(logging.WARNING, logger="kvcache.serve"):
+        _, rows, _ = build_manager(ServeConfig(**base, model=str(gemma)).resolved())
+    assert rows == [Full()]
+    assert "sliding windows on 29 of 34 layers" in caplog.text
