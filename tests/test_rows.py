@@ -251,3 +251,22 @@ def test_serve_takes_head_wise_windows_from_the_config_and_warns_about_layer_win
         _, rows, _ = build_manager(ServeConfig(**base, model=str(gemma)).resolved())
     assert rows == [Full()]
     assert "sliding windows on 29 of 34 layers" in caplog.text
+
+
+@pytest.mark.skipif(__import__("kvcache.bench.vllm", fromlist=["version"]).version() is None,
+                    reason="vllm is not importable")
+def test_plan_concurrency_matches_vllms_hybrid_planner() -> None:
+    """vLLM 0.33's own hybrid planner on Gemma 3 4B's layers (72 GiB, requests of 32,768 tokens): our plan, given
+    the tokens vLLM keeps in flight, fits the requests vLLM fits, up to vLLM's padding of its layer groups."""
+    from kvcache.allocator import CacheSpec
+    from kvcache.bench import vllm
+    from kvcache.plan import Load, make_plan
+
+    spec = CacheSpec.from_hf_config(GEMMA3, block_size=16)
+    windows = [None if isinstance(p, Full) else p.window_tokens for p in layer_policies(GEMMA3, 34)]
+    budget = int((80 << 30) * 0.9)
+    theirs = vllm.hybrid_concurrency(windows, 4, 256, 16, 32_768, 8_192, budget)
+    plan = make_plan(spec, gpu_memory=80 << 30, load=Load(32_768, 256, theirs["max_in_flight_tokens"]))
+    assert theirs["max_concurrency"] <= plan.budget_bytes / sum(r.bytes_per_block * r.blocks_per_request
+                                                                for r in plan.rows) <= theirs["max_concurrency"] * 1.05
+    assert plan.uniform_concurrency < plan.max_concurrency

@@ -169,3 +169,40 @@ class SchedulerStep(TimedSteps):
                 raise RuntimeError("vLLM's pool is too small for the step workload")
         for prompt in inp.prompts:
             self._admit(prompt)
+
+
+def hybrid_concurrency(windows: Sequence[int | None], num_kv_heads: int, head_dim: int, block_size: int,
+                       max_model_len: int, max_num_batched_tokens: int, memory_bytes: int) -> dict[str, Any]:
+    """What vLLM's hybrid KV-cache planner gives a model with these per-layer windows (None: full) in
+    ``memory_bytes``: its layer groups, blocks, max concurrency at ``max_model_len``, and the in-flight tokens a
+    window keeps (``max_in_flight_tokens``). bf16 caches; the hybrid manager on, as on a GPU."""
+    import json
+    import tempfile
+
+    import torch
+    from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
+    from vllm.v1.core import kv_cache_planning as planning
+    from vllm.v1.core import kv_cache_utils
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    with tempfile.TemporaryDirectory() as folder:  # ModelConfig reads a config; only max_model_len matters here
+        with open(f"{folder}/config.json", "w") as f:
+            json.dump({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": 1,
+                       "num_attention_heads": num_kv_heads, "num_key_value_heads": num_kv_heads,
+                       "head_dim": head_dim, "hidden_size": num_kv_heads * head_dim, "intermediate_size": 64,
+                       "vocab_size": 128, "max_position_embeddings": max_model_len}, f)
+        model = ModelConfig(model=folder, skip_tokenizer_init=True, max_model_len=max_model_len, dtype="bfloat16")
+        config = VllmConfig(model_config=model, device_config=DeviceConfig(device="cpu"),
+                            scheduler_config=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
+                                                             max_model_len=max_model_len, is_encoder_decoder=False),
+                            cache_config=CacheConfig(block_size=block_size))
+    config.cache_config.kv_cache_layout = "NHD"
+    config.scheduler_config.disable_hybrid_kv_cache_manager = False  # the CPU platform turns it off
+    common = {"block_size": block_size, "num_kv_heads": num_kv_heads, "head_size": head_dim, "dtype": torch.bfloat16}
+    specs = {f"layers.{i}": SlidingWindowSpec(**common, sliding_window=w) if w else FullAttentionSpec(**common)
+             for i, w in enumerate(windows)}
+    kv = planning.get_kv_cache_configs(config, [specs], [memory_bytes],
+                                       planning.get_global_kv_cache_groups(config, [specs]))[0]
+    return {"groups": [len(g.layer_names) for g in kv.kv_cache_groups], "num_blocks": kv.num_blocks,
+            "max_concurrency": kv_cache_utils.get_max_concurrency_for_kv_cache_config(config, kv),
+            "max_in_flight_tokens": config.max_in_flight_tokens}
