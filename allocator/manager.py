@@ -132,7 +132,11 @@ class KVCacheManager(RequestSlots, DecodeBatch, TierLink):
         hash_algorithm: str = "sha256",
         hash_seed: bytes | str | None = None,
         enable_events: bool = False,
+        row_blocks: Sequence[int] | None = None,
     ) -> None:
+        """``num_blocks`` is every row's block id space; ``row_blocks`` (one count per row, each at most
+        ``num_blocks``) gives rows smaller pools, e.g. a sliding-window row the blocks its requests hold at most
+        (``kvcache plan --max-model-len`` sizes them). Rows with equal policies share a pool: equal counts."""
         _check_count(num_blocks, "num_blocks", least=1)
         _check_count(block_size, "block_size", least=1)
         rows = tuple(rows)
@@ -149,7 +153,20 @@ class KVCacheManager(RequestSlots, DecodeBatch, TierLink):
         groups = list(dict.fromkeys(rows))
         self._row_group = np.array([groups.index(p) for p in rows], dtype=np.intp)
         self._expand = len(groups) != len(rows)
-        self._pool = BlockPool(len(groups), num_blocks)
+        group_blocks = None
+        if row_blocks is not None:
+            sizes = list(row_blocks)
+            if len(sizes) != len(rows):
+                raise KVCacheError(f"row_blocks: needs one count per row ({len(rows)}), got {len(sizes)}")
+            for i, size in enumerate(sizes):
+                _check_count(size, f"row_blocks[{i}]", least=1)
+            group_blocks = [sizes[self._row_group.tolist().index(g)] for g in range(len(groups))]
+            for i, size in enumerate(sizes):
+                if size != group_blocks[self._row_group[i]]:
+                    raise KVCacheError(f"row_blocks[{i}]: rows with equal policies share a pool; row {i} has "
+                                       f"{size} blocks, an earlier row of policy {rows[i]!r} has "
+                                       f"{group_blocks[self._row_group[i]]}")
+        self._pool = BlockPool(len(groups), num_blocks, group_blocks)
         self._index = PrefixIndex(len(groups), num_blocks)
         self._hasher = BlockHasher(block_size, hash_algorithm, hash_seed) if enable_prefix_caching else None
         self._group_col = np.arange(len(groups), dtype=np.intp)[:, None]
@@ -234,9 +251,15 @@ class KVCacheManager(RequestSlots, DecodeBatch, TierLink):
         return self._pool.num_free()[self._row_group]
 
     @property
+    def row_blocks(self) -> np.ndarray:
+        """Blocks each row holds (intp ``[num_rows]``): ``num_blocks`` unless the manager was given
+        ``row_blocks``."""
+        return self._pool.row_blocks[self._row_group]
+
+    @property
     def usage(self) -> Usage:
         """Fraction of blocks in use per row and the largest, exact (never rounded to 0)."""
-        return usage(self.num_free_blocks, self.num_blocks)
+        return usage(self.num_free_blocks, self.row_blocks)
 
     def can_admit(self, num_tokens: int) -> bool:
         """Whether a request of ``num_tokens`` tokens fits even with no prefix hit."""

@@ -32,6 +32,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from kvcache.allocator import _pool
@@ -63,12 +65,14 @@ class Usage(NamedTuple):
     max: float
 
 
-def usage(num_free: np.ndarray, num_blocks: int) -> Usage:
-    """Used fraction per row from free counts; never rounds a non-empty row down to 0."""
-    if num_blocks < 1:
+def usage(num_free: np.ndarray, num_blocks: int | np.ndarray) -> Usage:
+    """Used fraction per row from free counts and each row's blocks (one count for all, or one per row); never
+    rounds a non-empty row down to 0."""
+    total = np.asarray(num_blocks, dtype=np.float64)
+    if (total < 1).any():
         raise KVCacheError(f"num_blocks: must be at least 1, got {num_blocks}")
     free = np.asarray(num_free, dtype=np.float64)
-    per_row = (num_blocks - free) / num_blocks
+    per_row = (total - free) / total
     return Usage(per_row, float(per_row.max()) if per_row.size else 0.0)
 
 
@@ -86,14 +90,23 @@ class BlockPool:
     (a request's table, a prefix hit): it skips the duplicate handling.
     """
 
-    def __init__(self, num_rows: int, num_blocks: int) -> None:
-        """Every block free, uncached, refcount 0; the free stacks pop 0 first."""
+    def __init__(self, num_rows: int, num_blocks: int, row_blocks: Sequence[int] | None = None) -> None:
+        """Every block free, uncached, refcount 0; the free stacks pop 0 first.
+
+        ``row_blocks`` gives row r only blocks ``[0, row_blocks[r])`` (each at most ``num_blocks``, the id
+        space): rows whose requests hold fewer blocks (a sliding window's) get smaller pools.
+        """
         for field, value in (("num_rows", num_rows), ("num_blocks", num_blocks)):
             if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
                 raise KVCacheError(f"{field}: must be an integer >= 1, got {value!r}")
         if num_blocks >= 2**31 - 1:
             raise KVCacheError(f"num_blocks: block ids are int32, got {num_blocks}")
         rows, n = int(num_rows), int(num_blocks)
+        sizes = np.full(rows, n, dtype=np.intp) if row_blocks is None else np.asarray(row_blocks)
+        if sizes.shape != (rows,) or sizes.dtype.kind not in "iu" or (sizes < 1).any() or (sizes > n).any():
+            raise KVCacheError(f"row_blocks: needs one integer in [1, {n}] per row ({rows}), got "
+                               f"{list(row_blocks) if row_blocks is not None else None!r}")
+        self._row_blocks = sizes.astype(np.intp)
         self._rows, self._n = rows, n
         # Ring slots per row: a power of two >= 2n, so positions wrap with a mask
         # and, after compaction, at least n free slots remain.
@@ -106,10 +119,13 @@ class BlockPool:
         self._zeros.flags.writeable = False
         self._ref = np.zeros(rows * n, dtype=np.int32)
         self._cached = np.zeros(rows * n, dtype=bool)
-        # Stack bottom..top is n-1..0 so the first pops are 0, 1, 2, ...
+        # Stack bottom..top is n_r-1..0 so the first pops are 0, 1, 2, ... (row r holds n_r of the n ids).
         self._stack2d = np.tile(np.arange(n - 1, -1, -1, dtype=np.int32), (rows, 1))
+        for r in np.flatnonzero(self._row_blocks < n).tolist():
+            k = int(self._row_blocks[r])
+            self._stack2d[r, :k] = np.arange(k - 1, -1, -1, dtype=np.int32)
         self._stack = self._stack2d.reshape(-1)  # flat view: slot row*n + i
-        self._top = np.full(rows, n, dtype=np.intp)
+        self._top = self._row_blocks.copy()
         self._ring2d = np.zeros((rows, self._cap), dtype=np.int32)
         self._ring = self._ring2d.reshape(-1)  # flat view: entry g = row*cap + (position & mask)
         self._lru_pos = np.full(rows * n, -1, dtype=np.intp)  # live ring entry g per (row, block), or -1
@@ -126,6 +142,8 @@ class BlockPool:
     def __setstate__(self, state: dict[str, object]) -> None:
         """Restore the fields and rebuild the flat views."""
         self.__dict__.update(state)
+        if "_row_blocks" not in state:  # a snapshot of a pool whose rows all hold every id
+            self._row_blocks = np.full(self._rows, self._n, dtype=np.intp)
         self._stack = self._stack2d.reshape(-1)
         self._ring = self._ring2d.reshape(-1)
         self._zeros.flags.writeable = False
@@ -137,8 +155,13 @@ class BlockPool:
 
     @property
     def num_blocks(self) -> int:
-        """Block ids per row: ``[0, num_blocks)``."""
+        """The block id space of every row: ``[0, num_blocks)``."""
         return self._n
+
+    @property
+    def row_blocks(self) -> np.ndarray:
+        """Blocks each row holds (intp ``[num_rows]``, a copy): ``num_blocks`` unless the pool was given sizes."""
+        return self._row_blocks.copy()
 
     def _c_arrays(self) -> tuple[np.ndarray, ...]:
         """The arrays the C passes over the pool take first, in their order (``_pool.h``'s ``open_pool``)."""
@@ -464,9 +487,12 @@ class BlockPool:
             expect = np.flatnonzero((ref[row] == 0) & cached[row])
             assert np.array_equal(in_lru, expect), \
                 f"row {row}: LRU holds {in_lru.size} blocks, {expect.size} are cached with refcount 0"
-            free, used = int(np.count_nonzero(ref[row] == 0)), int(np.count_nonzero(ref[row]))
-            assert top + live.size == free and free + used == n, \
-                f"row {row}: stack {top} + lru {live.size} != free {free}, or free + used {used} != {n}"
+            k = int(self._row_blocks[row])  # the row's blocks: ids past them are never handed out
+            assert (stack < k).all() and not ref[row, k:].any() and not cached[row, k:].any(), \
+                f"row {row}: ids past its {k} blocks are in use"
+            free, used = int(np.count_nonzero(ref[row, :k] == 0)), int(np.count_nonzero(ref[row]))
+            assert top + live.size == free and free + used == k, \
+                f"row {row}: stack {top} + lru {live.size} != free {free}, or free + used {used} != {k}"
 
     # ---------------------------------------------------------------- internals
 

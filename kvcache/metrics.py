@@ -128,7 +128,7 @@ class DaemonMetrics:
         self._requests.set(stats.num_requests)
         self._cached.set(stats.num_cached_hashes)
         free = manager.num_free_blocks
-        per_row = usage(free, manager.num_blocks).per_row
+        per_row = usage(free, manager.row_blocks).per_row
         for gauge, value in zip(self._free, free.tolist()):
             gauge.set(value)
         for gauge, value in zip(self._usage, per_row.tolist()):

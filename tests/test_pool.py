@@ -892,3 +892,17 @@ def test_the_c_passes_reject_arrays_of_disagreeing_sizes_and_change_nothing():
     with pytest.raises(ValueError, match="release: the pool's arrays have inconsistent sizes"):
         _pool.release(*short_stack, np.zeros(1, dtype=np.int64), np.zeros((1, 1), dtype=np.int32))
     assert all(np.array_equal(a, b) for a, b in zip(arrays, before))
+
+
+def test_a_pool_state_saved_before_row_sizes_existed_restores_with_every_row_full() -> None:
+    """Journal snapshots of pools from before per-row sizes hold no ``_row_blocks``: restored, every row holds
+    every id, and the pool works as before."""
+    pool = BlockPool(2, 8)
+    pool.allocate(3)
+    state = pool.__getstate__()
+    del state["_row_blocks"]
+    restored = BlockPool.__new__(BlockPool)
+    restored.__setstate__(state)
+    assert restored.row_blocks.tolist() == [8, 8]
+    restored.check_integrity()
+    assert restored.allocate(5) is not None and restored.allocate(1) is None

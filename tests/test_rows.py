@@ -270,3 +270,43 @@ def test_plan_concurrency_matches_vllms_hybrid_planner() -> None:
     assert theirs["max_concurrency"] <= plan.budget_bytes / sum(r.bytes_per_block * r.blocks_per_request
                                                                 for r in plan.rows) <= theirs["max_concurrency"] * 1.05
     assert plan.uniform_concurrency < plan.max_concurrency
+
+
+@settings(max_examples=100, deadline=None)
+@given(sizes=st.lists(st.integers(1, 12), min_size=1, max_size=4), data=st.data())
+def test_rows_with_pools_of_their_own_hand_out_only_their_blocks(sizes: list[int], data: st.DataObject) -> None:
+    """A manager whose rows have pools of different sizes: each row hands out ids below its size and refuses an
+    admit its smallest pool cannot hold; usage is per row's own pool; the pool's invariants hold throughout."""
+    from kvcache.allocator import KVCacheManager
+
+    policies = [W(4 * (i + 1)) if i else Full() for i in range(len(sizes))]  # distinct: a pool each
+    m = KVCacheManager(max(sizes), 2, policies, row_blocks=sizes, hash_seed=b"x")
+    assert m.row_blocks.tolist() == sizes and m.usage.max == 0.0
+    live = []
+    for rid, length in enumerate(data.draw(st.lists(st.integers(1, 12), max_size=8))):
+        free = m.num_free_blocks.tolist()
+        admission = m.admit(rid, list(range(100 * rid, 100 * rid + length)))  # distinct tokens: no prefix hit
+        assert (admission is None) == (-(-length // 2) > min(free)), "refused exactly when a row lacks room"
+        if admission is None:
+            continue
+        live.append(rid)
+        table = m.table(rid)
+        for row, size in enumerate(sizes):
+            assert ((table[row] == -1) | (table[row] < size)).all()
+        m.check_integrity()
+    assert (m.usage.per_row <= 1).all()
+    for rid in live:
+        m.free(rid)
+    m.check_integrity()
+    assert m.usage.max == 0.0
+
+
+def test_row_pool_sizes_are_checked() -> None:
+    from kvcache.allocator import KVCacheManager
+
+    for rows, sizes, match in [([Full(), W(8)], [4], "one count per row"),
+                               ([Full(), W(8)], [4, 0], r"row_blocks\[1\]"),
+                               ([Full(), W(8)], [4, 9], "row_blocks"),
+                               ([Full(), W(8), W(8)], [4, 3, 2], "share a pool")]:
+        with pytest.raises(KVCacheError, match=match):
+            KVCacheManager(8, 4, rows, row_blocks=sizes)
