@@ -57,7 +57,8 @@ def test_quick_json_run_reports_every_section(capsys: pytest.CaptureFixture[str]
     ours = [r for r in e2e if r["impl"] == "kvcache"]
     assert {(r["block_size"], r["mode"], r["input"].split("[")[0]) for r in ours} == {
         (16, "uniform", "ndarray"), (16, "uniform", "list"), (16, "head-wise 8", "ndarray"),
-        (64, "uniform", "ndarray"), (64, "head-wise 8", "ndarray"),
+        (16, "gemma-3 rows", "ndarray"), (64, "uniform", "ndarray"), (64, "head-wise 8", "ndarray"),
+        (64, "gemma-3 rows", "ndarray"),
     }
     assert {r["block_size"] for r in e2e if r["impl"] != "kvcache"} == (set() if peer is None else {16, 64})
     for r in e2e:
@@ -89,10 +90,15 @@ def test_quick_json_run_reports_every_section(capsys: pytest.CaptureFixture[str]
     peer_ok(uniform)
     assert head_wise["head_wise_over_uniform"] > 0 and isinstance(head_wise["ok"], bool)
 
+    for r in result["hybrid_capacity"]:  # kvcache plan's arithmetic: more requests fit with a pool per row
+        assert r["rows"] == 2 and r["rows_requests"] > r["uniform_requests"] > 0
+        assert r["gain"] == pytest.approx(r["rows_requests"] / r["uniform_requests"])
+        assert r["rows_tokens"] == r["rows_requests"] * bench.PROMPT_TOKENS
+
     assert all(isinstance(t["ok"], bool) for t in result["targets"])
     text = bench.render(result)
     for heading in ("1. block allocate + free", "2. hashing", "3. end to end", "4. admit + free of a fresh",
-                    "5. scheduler step", "targets met"):
+                    "5. scheduler step", "6. a Gemma 3 4B-shaped model", "targets met"):
         assert heading in text
 
 
