@@ -310,3 +310,30 @@ def test_row_pool_sizes_are_checked() -> None:
                                ([Full(), W(8), W(8)], [4, 3, 2], "share a pool")]:
         with pytest.raises(KVCacheError, match=match):
             KVCacheManager(8, 4, rows, row_blocks=sizes)
+
+
+def _config_rows() -> list:
+    """The policies of the rows a FastDeploy head-wise config gives (window heads 0 of 2, every other layer full),
+    head-wise: the product of layer groups and kv heads."""
+    config = {"num_hidden_layers": 4, "window_size": 6, "sink_size": 2, "window_attn_skip_freq": 2,
+              "head_wise_swa_ratio": 0.5}
+    rows = derive_rows(layer_policies(config, 4), 2, head_wise=True, window_heads=head_window_count(config, 2))
+    return [row.policy for row in rows]
+
+
+def test_a_config_gives_the_product_rows_the_machine_below_runs() -> None:
+    assert _config_rows() == [Full(), Full(), W(6, 2)]
+
+
+from test_manager import MACHINE_SETTINGS, ManagerMachine  # noqa: E402 - the manager's model-checked machine
+
+
+class ConfigRowsMachine(ManagerMachine):
+    """Admits, extends, frees and resets on a manager with a config's layer-group × head-wise rows, against the
+    brute-force reference: no block a query can still see is given back, every hit the reference finds is found."""
+
+    rows = _config_rows()
+
+
+TestConfigRowsManager = ConfigRowsMachine.TestCase
+TestConfigRowsManager.settings = MACHINE_SETTINGS
