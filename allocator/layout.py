@@ -338,12 +338,22 @@ class CacheSpec:
         assert self.num_kv_heads is not None
         return (Row(Full(), tuple(range(self.num_layers)), tuple(range(self.num_kv_heads))),)
 
+    def row_heads_per_rank(self, row: Row) -> int:
+        """kv heads of ``row`` one rank that holds it stores (its share of the rank's heads, at least one)."""
+        assert self.num_kv_heads is not None
+        return max(1, len(row.kv_heads) * self.kv_heads_per_rank // self.num_kv_heads)
+
+    def row_tensors(self, row: Row) -> tuple[TensorSpec, ...]:
+        """The cache tensors of one layer of ``row`` on a rank that holds it: the layer's tensors over the row's kv
+        heads there, each of shape ``(row's blocks, *block_shape)`` when the row has a pool of its own."""
+        heads = self.row_heads_per_rank(row)
+        if self.quant.is_mla:
+            return self.tensors()
+        return tuple(t._replace(block_shape=(heads, *t.block_shape[1:])) for t in self.tensors())
+
     def row_bytes_per_block(self, row: Row) -> int:
         """Bytes one block of ``row`` takes on a rank that holds it: its layers times its kv heads on that rank."""
-        assert self.num_kv_heads is not None
-        heads = self.kv_heads_per_rank
-        on_rank = max(1, len(row.kv_heads) * heads // self.num_kv_heads)
-        return self.bytes_per_block_per_layer // heads * on_rank * len(row.layers)
+        return sum(t.bytes_per_block for t in self.row_tensors(row)) * len(row.layers)
 
     @property
     def bytes_per_block_per_layer(self) -> int:

@@ -9,6 +9,7 @@ from typing import Any
 from kvcache.allocator.errors import KVCacheError
 from kvcache.allocator.layout import CacheSpec
 from kvcache.allocator.rows import Row
+from kvcache.allocator.table import rank_rows
 from kvcache.allocator.swa import Full, Window
 from kvcache.arguments import add_spec_arguments, positive_int, spec_from_args
 from kvcache.units import format_bytes, parse_size
@@ -105,7 +106,11 @@ def size_rows(plan: Plan, load: Load) -> Plan:
     spec = plan.spec
     per_row = [(row, spec.row_bytes_per_block(row), blocks_per_request(row, spec.block_size, load))
                for row in spec.row_layout]
-    per_request = sum(b * n for _, b, n in per_row)
+    # The budget is one rank's: count the rows rank 0 holds (head-wise rows of other ranks' heads live there).
+    assert spec.num_kv_heads is not None
+    mine = rank_rows(spec.num_kv_heads, spec.tp_size, 0) if not spec.quant.is_mla else slice(0, 1)
+    heads = set(range(spec.num_kv_heads)[mine])
+    per_request = sum(b * n for row, b, n in per_row if heads & set(row.kv_heads))
     concurrency = plan.budget_bytes // per_request
     scale = plan.budget_bytes / per_request
     rows = tuple(RowPlan(row, b, n, int(n * scale)) for row, b, n in per_row)
@@ -144,7 +149,9 @@ def plan_json(plan: Plan) -> dict[str, Any]:
         out["host_max_tokens"] = plan.host_num_blocks * spec.block_size
     out["rows"] = [{**rp.row.describe(), "bytes_per_block": rp.bytes_per_block,
                     "blocks_per_request": rp.blocks_per_request, "blocks": rp.num_blocks,
-                    "bytes": rp.num_blocks * rp.bytes_per_block} for rp in plan.rows] or [
+                    "bytes": rp.num_blocks * rp.bytes_per_block,
+                    "tensors": [{"name": t.name, "shape": list(t.shape(rp.num_blocks)), "dtype": t.dtype}
+                                for t in spec.row_tensors(rp.row)]} for rp in plan.rows] or [
         {**row.describe(), "bytes_per_block": spec.row_bytes_per_block(row)} for row in spec.row_layout]
     if plan.load is not None:
         out["load"] = dataclasses.asdict(plan.load)
@@ -226,12 +233,19 @@ def render_rows(plan: Plan) -> list[str]:
             rp = plan.rows[i]
             cells += [f"{rp.blocks_per_request:,}", f"{rp.num_blocks:,}", format_bytes(rp.num_blocks * rp.bytes_per_block)]
         table.append(cells)
+    tensors = []
+    if plan.rows:  # each row's layers hold tensors of its own pool size
+        tensors.append("per-layer tensors of each row on one rank (a row's pool, its kv heads):")
+        for i, rp in enumerate(plan.rows):
+            shapes = ", ".join(f"{t.name} [{', '.join(str(d) for d in t.shape(rp.num_blocks))}] {t.dtype}"
+                               for t in spec.row_tensors(rp.row))
+            tensors.append(f"  row {i}, each of its {len(rp.row.layers)} layers: {shapes}")
     widths = [max(len(r[i]) for r in table) for i in range(len(head))]
     title = (f"rows ({len(spec.row_layout)}; pools sized for requests of {plan.load.max_model_len:,} tokens, "
              f"prefill chunks of {plan.load.max_num_batched_tokens:,}):" if plan.load else
              f"rows ({len(spec.row_layout)}; give --max-model-len to size a pool per row):")
     return [title, *("  " + "  ".join(c.ljust(w) if j < 4 else c.rjust(w) for j, (c, w) in enumerate(zip(r, widths)))
-                     for r in table)]
+                     for r in table), *tensors]
 
 
 def _ranges(values: tuple[int, ...]) -> str:

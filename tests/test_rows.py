@@ -337,3 +337,30 @@ class ConfigRowsMachine(ManagerMachine):
 
 TestConfigRowsManager = ConfigRowsMachine.TestCase
 TestConfigRowsManager.settings = MACHINE_SETTINGS
+
+
+def test_a_rows_tensors_hold_its_kv_heads_on_a_rank() -> None:
+    """A row's per-layer tensors are the layer's over the row's heads on a rank; their bytes make the row's block."""
+    from kvcache.allocator import CacheSpec
+
+    spec = CacheSpec.from_hf_config(GEMMA3, block_size=16, tp_size=2, quant="block_wise_fp8", head_wise=True)
+    row = spec.row_layout[0]
+    key, value, key_scale, value_scale = spec.row_tensors(row)
+    assert key.shape(10) == (10, 1, 16, 256) and key.dtype == "float8_e4m3fn" and key_scale.block_shape == (1, 16)
+    assert spec.row_bytes_per_block(row) == 29 * (2 * 16 * 256 + 2 * 16 * 2)
+    layers = CacheSpec.from_hf_config(GEMMA3, block_size=16, tp_size=2)
+    assert [t.block_shape for t in layers.row_tensors(layers.row_layout[0])] == [(2, 16, 256)] * 2
+
+
+def test_head_wise_rows_over_ranks_fit_what_layer_group_rows_fit() -> None:
+    """The budget is one rank's: head-wise rows of other ranks' heads do not count against it, so a head-wise plan
+    over 2 ranks fits what the layer-group plan fits, about twice the 1-rank plan."""
+    from kvcache.allocator import CacheSpec
+    from kvcache.plan import Load, make_plan
+
+    load = Load(32_768, 256, 8_192)
+    plans = {(tp, hw): make_plan(CacheSpec.from_hf_config(GEMMA3, block_size=16, tp_size=tp, head_wise=hw),
+                                 gpu_memory=80 << 30, load=load) for tp in (1, 2) for hw in (False, True)}
+    assert plans[(2, True)].max_concurrency == plans[(2, False)].max_concurrency
+    assert plans[(1, True)].max_concurrency == plans[(1, False)].max_concurrency == 43
+    assert plans[(2, False)].max_concurrency == plans[(2, False)].budget_bytes // (1_767_702_528 // 2)
