@@ -364,3 +364,26 @@ def test_head_wise_rows_over_ranks_fit_what_layer_group_rows_fit() -> None:
     assert plans[(2, True)].max_concurrency == plans[(2, False)].max_concurrency
     assert plans[(1, True)].max_concurrency == plans[(1, False)].max_concurrency == 43
     assert plans[(2, False)].max_concurrency == plans[(2, False)].budget_bytes // (1_767_702_528 // 2)
+
+
+def test_the_readmes_layer_group_snippet_runs(tmp_path) -> None:
+    """README's library snippet: a config's rows, a plan's pools, and a manager over them that admits and frees."""
+    import json
+
+    from kvcache.allocator import CacheSpec, KVCacheManager
+    from kvcache.plan import Load, make_plan
+
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": GEMMA3}))
+    spec = CacheSpec.from_hf_config(str(tmp_path / "config.json"), block_size=16)
+    plan = make_plan(spec, gpu_memory=80 << 30, load=Load(max_model_len=32_768, max_num_seqs=256,
+                                                          max_num_batched_tokens=8_192))
+    cache = KVCacheManager(max(r.num_blocks for r in plan.rows), 16, [r.row.policy for r in plan.rows],
+                           row_blocks=[r.num_blocks for r in plan.rows])
+    assert cache.row_blocks.tolist() == [r.num_blocks for r in plan.rows] and plan.max_concurrency == 43
+    adm = cache.admit("req-1", list(range(40_000)))  # past the window: the window row still holds it all (prefill)
+    assert adm is not None and adm.table.shape[0] == 2
+    cache.extend("req-1", [7])
+    table = cache.table("req-1")
+    assert (table[0, :(40_001 - 1024) // 16 - 1] == -1).all() and (table[1] >= 0).all(), "the window gave blocks back"
+    cache.free("req-1")
+    cache.check_integrity()
