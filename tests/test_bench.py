@@ -94,6 +94,10 @@ def test_quick_json_run_reports_every_section(capsys: pytest.CaptureFixture[str]
         assert r["rows"] == 2 and r["rows_requests"] > r["uniform_requests"] > 0
         assert r["gain"] == pytest.approx(r["rows_requests"] / r["uniform_requests"])
         assert r["rows_tokens"] == r["rows_requests"] * bench.PROMPT_TOKENS
+        if peer is None:
+            assert r["vllm_requests"] is r["ours_at_vllm_in_flight"] is None
+        else:  # vLLM's own planner: ours, given its in-flight tokens, fits as many, up to its group padding
+            assert r["vllm_requests"] <= r["ours_at_vllm_in_flight"] + 1 <= r["vllm_requests"] * 1.05 + 1
 
     assert all(isinstance(t["ok"], bool) for t in result["targets"])
     text = bench.render(result)

@@ -407,20 +407,35 @@ def _hybrid_policies(block_size: int) -> tuple[AttentionPolicy, ...]:
     return tuple(row.policy for row in _hybrid_spec(block_size).row_layout)
 
 
-def hybrid_capacity() -> list[dict[str, Any]]:
+def hybrid_capacity(peer: bool) -> list[dict[str, Any]]:
     """Tokens of 32,768-token requests that fit 72 GiB with the hybrid model's rows (a pool each, ``kvcache plan``'s
-    sizing) against every layer full, at block 16 and 64."""
+    sizing) against every layer full, at block 16 and 64; with vLLM, what its own hybrid planner fits given the
+    tokens it keeps in flight, and our plan given the same."""
     out = []
     for bs in BLOCK_SIZES:
-        plan = make_plan(_hybrid_spec(bs), gpu_memory=80 * 2**30,
-                         load=Load(PROMPT_TOKENS, 256, HYBRID_BATCHED_TOKENS))
+        spec = _hybrid_spec(bs)
+        plan = make_plan(spec, gpu_memory=80 * 2**30, load=Load(PROMPT_TOKENS, 256, HYBRID_BATCHED_TOKENS))
         assert plan.max_concurrency is not None and plan.uniform_concurrency is not None
-        out.append({"block_size": bs, "rows": len(plan.rows), "max_model_len": PROMPT_TOKENS,
-                    "max_num_batched_tokens": HYBRID_BATCHED_TOKENS, "budget_bytes": plan.budget_bytes,
-                    "rows_requests": plan.max_concurrency, "uniform_requests": plan.uniform_concurrency,
-                    "rows_tokens": plan.max_concurrency * PROMPT_TOKENS,
-                    "uniform_tokens": plan.uniform_concurrency * PROMPT_TOKENS,
-                    "gain": plan.max_concurrency / plan.uniform_concurrency})
+        row = {"block_size": bs, "rows": len(plan.rows), "max_model_len": PROMPT_TOKENS,
+               "max_num_batched_tokens": HYBRID_BATCHED_TOKENS, "budget_bytes": plan.budget_bytes,
+               "rows_requests": plan.max_concurrency, "uniform_requests": plan.uniform_concurrency,
+               "rows_tokens": plan.max_concurrency * PROMPT_TOKENS,
+               "uniform_tokens": plan.uniform_concurrency * PROMPT_TOKENS,
+               "gain": plan.max_concurrency / plan.uniform_concurrency,
+               "vllm_requests": None, "vllm_in_flight_tokens": None, "ours_at_vllm_in_flight": None}
+        if peer:
+            layer_windows: list[int | None] = [None] * spec.num_layers
+            for r in spec.row_layout:
+                for layer in r.layers:
+                    layer_windows[layer] = None if isinstance(r.policy, Full) else r.policy.window_tokens
+            assert spec.num_kv_heads is not None and spec.head_dim is not None
+            theirs = vllm.hybrid_concurrency(layer_windows, spec.num_kv_heads, spec.head_dim, bs, PROMPT_TOKENS,
+                                             HYBRID_BATCHED_TOKENS, plan.budget_bytes)
+            same = make_plan(spec, gpu_memory=80 * 2**30,
+                             load=Load(PROMPT_TOKENS, 256, theirs["max_in_flight_tokens"]))
+            row.update(vllm_requests=theirs["max_concurrency"], vllm_in_flight_tokens=theirs["max_in_flight_tokens"],
+                       ours_at_vllm_in_flight=same.max_concurrency)
+        out.append(row)
     return out
 
 
@@ -572,11 +587,17 @@ def render(result: dict[str, Any]) -> str:
         f"(kvcache plan, prefill chunks of {HYBRID_BATCHED_TOKENS:,}) against every layer full; their admit + "
         "free is section 3's 'gemma-3 rows'",
         _table(
-            ["block", "rows", "requests", "tokens", "uniform requests", "uniform tokens", "gain"],
+            ["block", "rows", "requests", "tokens", "uniform requests", "uniform tokens", "gain",
+             "vllm in flight", "vllm requests", "ours then"],
             [[str(r["block_size"]), str(r["rows"]), f"{r['rows_requests']:,}", f"{r['rows_tokens']:,}",
-              f"{r['uniform_requests']:,}", f"{r['uniform_tokens']:,}", _x(r["gain"])]
+              f"{r['uniform_requests']:,}", f"{r['uniform_tokens']:,}", _x(r["gain"]),
+              "-" if r["vllm_in_flight_tokens"] is None else f"{r['vllm_in_flight_tokens']:,}",
+              "-" if r["vllm_requests"] is None else f"{r['vllm_requests']:.1f}",
+              "-" if r["ours_at_vllm_in_flight"] is None else f"{r['ours_at_vllm_in_flight']:,}"]
              for r in result["hybrid_capacity"]],
         ),
+        "  vllm = vLLM's own hybrid planner for the same layers and memory (it keeps max_num_batched_tokens x its "
+        "concurrent batches in flight); ours then = our plan given those in-flight tokens",
         "",
         f"targets met: {sum(bool(t['ok']) for t in result['targets'])} of {len(result['targets'])}"
         + ("" if cfg["vllm"] else " (peer targets need vllm)"),
@@ -632,7 +653,7 @@ def run_benchmark(repeat: int, quick: bool) -> dict[str, Any]:
     lengths = bench_prompt_lengths(repeat, peer)
     _progress("5. scheduler step")
     step = bench_step(repeat, peer)
-    capacity = hybrid_capacity()
+    capacity = hybrid_capacity(peer)
     return {
         "benchmark": "allocator",
         "config": {
