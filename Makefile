@@ -5,11 +5,12 @@ PY := $(VENV)/bin/python
 
 .PHONY: demo test docs install clean
 
-# The package and its core dependencies: all the demo needs.
-$(VENV)/.base: pyproject.toml setup.py $(wildcard */*.c)
+# The package and its core dependencies: all the demo needs. A venv set up for the tests keeps its editable
+# install (rebuilt here when the sources changed) instead of getting a copy that would shadow it.
+$(VENV)/.base: pyproject.toml setup.py $(wildcard */*.c) $(wildcard */*.h)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -U pip setuptools wheel
-	$(PY) -m pip install -q .
+	if [ -f $(VENV)/.installed ]; then $(PY) -m pip install -q -e '.[dev]'; else $(PY) -m pip install -q .; fi
 	touch $@
 
 # What the tests need on top: test tools, Paddle (CPU) and NIXL (UCX on CPU). --no-deps for NIXL: its metadata
