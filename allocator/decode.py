@@ -17,6 +17,7 @@ from kvcache.allocator.errors import KVCacheError
 from kvcache.allocator.events import BlockRemoved, CacheEvent
 from kvcache.allocator.prefix import _PACKED, HASH_BYTES, as_token_array
 from kvcache.allocator.requests import _NO_COLUMNS, TableDeltas, _Chunk, _columns, _put_column, _view
+from kvcache.allocator.swa import window_stop
 
 if TYPE_CHECKING:
     from kvcache.allocator.manager import Tokens
@@ -387,12 +388,7 @@ class DecodeBatch:
             self._refresh(by_slot[s[j]])  # the next recycling point moved on
         if gives is not None and gives.positions.size:  # _refresh's limits for the givers, at once
             given = s[gives.positions]
-            limit = self._width[given].astype(np.int64) * bs
-            if self._hasher is not None:
-                limit = np.minimum(limit, (self._ntok[given] // bs + 1) * bs - 1)
-            self._fast_limit[given] = limit
-            policy = self._window_groups[0][0]
-            self._next_recycle[given] = (gives.stops + 1) * bs + policy.window_tokens - 1
+            self._set_limits(given, self._width[given].astype(np.int64), self._recycle_at([gives.stops]))
 
     def _window_steps(self, s: np.ndarray, tt: np.ndarray, recycle: np.ndarray) -> _WindowSteps | None:
         """What a run's requests ``recycle`` give back where the manager has one window group, read without a
@@ -403,8 +399,7 @@ class DecodeBatch:
         bs, g = self.block_size, int(group[0])
         rs = s[recycle]
         reqs = [self._by_slot[x] for x in rs.tolist()]
-        stop = np.minimum(np.maximum(-(-policy.sink_tokens // bs), np.maximum(tt[recycle] - policy.window_tokens + 1,
-                                                                              0) // bs), self._width[rs])
+        stop = np.minimum(window_stop(policy, tt[recycle], bs), self._width[rs])
         start = np.fromiter((req.recycled[0] for req in reqs), dtype=np.int64, count=len(reqs))
         span = np.maximum(stop - start, 0)
         owner, cols = _spans(span, start, descending=True)  # each request's columns, tail first (the LRU order)

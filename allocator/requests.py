@@ -164,20 +164,25 @@ class RequestSlots:
 
     def _refresh(self, req: _Request) -> None:
         """After a table change: drop the cached view and recompute the fast-path limits."""
-        bs = self.block_size
         req.view = None
-        slot = req.slot
-        # An extend up to ``limit`` tokens stays in the last block and, with hashing, does not fill it.
-        limit = req.num_blocks * bs
-        if self._hasher is not None:
-            limit = min(limit, (int(self._ntok[slot]) // bs + 1) * bs - 1)
-        self._fast_limit[slot] = limit
-        self._next_recycle[slot] = self._recycle_at(req.recycled)
-        self._width[slot] = req.num_blocks
+        self._set_limits(req.slot, req.num_blocks, self._recycle_at(req.recycled))
 
-    def _recycle_at(self, recycled: list[int]) -> int:
+    def _set_limits(self, slots: int | np.ndarray, num_blocks: int | np.ndarray,
+                    next_recycle: int | np.ndarray) -> None:
+        """The fast-path limits of a slot (an int) or of several (an intp array, with arrays of the rest), whose
+        tables hold ``num_blocks`` and whose window rows give a block back next at ``next_recycle`` tokens."""
+        bs = self.block_size
+        # An extend up to ``limit`` tokens stays in the last block and, with hashing, does not fill it.
+        limit = num_blocks * bs
+        if self._hasher is not None:
+            limit = np.minimum(limit, (self._ntok[slots] // bs + 1) * bs - 1)
+        self._fast_limit[slots] = limit
+        self._next_recycle[slots] = next_recycle
+        self._width[slots] = num_blocks
+
+    def _recycle_at(self, recycled: list[int] | list[np.ndarray]) -> int | np.ndarray:
         """The first num_computed_tokens at which a window row would give a block back (per window group,
-        ``recycled`` blocks are given back already)."""
+        ``recycled`` blocks are given back already; with one window group, an array of counts gives an array)."""
         if not self._window_groups:
             return _NEVER
         bs = self.block_size

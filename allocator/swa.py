@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple, Union
 
+import numpy as np
+
 from kvcache.allocator.errors import KVCacheError
 
 
@@ -89,10 +91,12 @@ def recyclable_blocks(policy: AttentionPolicy, first_pending_query: int, block_s
     return range(start, window_stop(policy, first_pending_query, block_size))
 
 
-def window_stop(policy: Window, first_pending_query: int, block_size: int) -> int:
-    """``recyclable_blocks(policy, ...).stop`` for a Window, unchecked: what a decode step's loop calls."""
-    stop = max(0, first_pending_query - policy.window_tokens + 1) // block_size
-    return max(-(-policy.sink_tokens // block_size), stop)
+def window_stop(policy: Window, first_pending_query: int | np.ndarray, block_size: int) -> int | np.ndarray:
+    """``recyclable_blocks(policy, ...).stop`` for a Window, unchecked: what a decode step's loops call, for one
+    request (an int) or a run of them (an int array, elementwise)."""
+    stop = np.maximum(first_pending_query - policy.window_tokens + 1, 0) // block_size
+    stop = np.maximum(-(-policy.sink_tokens // block_size), stop)
+    return stop if isinstance(stop, np.ndarray) else int(stop)
 
 
 def needed_blocks(policy: AttentionPolicy, num_tokens: int, block_size: int) -> NeededBlocks:
