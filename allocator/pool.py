@@ -258,19 +258,10 @@ class BlockPool:
             self._top[r] = t0 - n
             self._ref[(r * self._n)[:, None] + blocks] = 1
             return Allocation(blocks, _EMPTY_I32, _EMPTY_I32)
-        # Row by row in one C pass each (pop, then evict oldest first); every row has room (checked above).
-        blocks = np.empty((r.size, n), dtype=np.int32)
-        evicted = np.empty(n, dtype=np.int32)
-        arrays = self._c_arrays()
-        ev_rows, ev_blocks = [], []
-        for k, row in enumerate(r.tolist()):
-            count = _pool.take(*arrays, row, blocks[k:k + 1], evicted, False)
-            if count:
-                ev_rows.append(np.full(count, row, dtype=np.int32))
-                ev_blocks.append(evicted[:count].copy())
-        if not ev_rows:
-            return Allocation(blocks, _EMPTY_I32, _EMPTY_I32)
-        return Allocation(blocks, np.concatenate(ev_rows), np.concatenate(ev_blocks))
+        # Row by row, each in one C pass (pop, then evict oldest first); every row has room (checked above).
+        parts = [self._allocate_row(row, n) for row in r.tolist()]
+        return Allocation(np.concatenate([p.blocks for p in parts]), np.concatenate([p.evicted_rows for p in parts]),
+                          np.concatenate([p.evicted_blocks for p in parts]))
 
     def _allocate_row(self, row: int, n: int, ascending: bool = False) -> Allocation | None:
         """``allocate`` in one row, in one C pass (a request's admit, a decode step's new blocks)."""
