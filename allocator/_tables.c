@@ -986,12 +986,13 @@ static Py_ssize_t drop_evicted(index_t *x, Py_ssize_t r, const int32_t *evicted,
 }
 
 PyDoc_STRVAR(drop_gone_doc,
-"drop_gone(slots, seed, hash_of, entry_blocks, entry_at, holders, spare, num_spare, rows, blocks)\n"
+"drop_gone(slots, seed, hash_of, entry_blocks, entry_at, holders, spare, num_spare, rows, blocks, gone=None)\n"
 "    -> (num_spare, keys_removed)\n\n"
-"PrefixIndex.remove_gone in one pass: each (rows[i], blocks[i]) pair (int32 [k] each) that holds a hash loses\n"
+"PrefixIndex's removal in one pass: each (rows[i], blocks[i]) pair (int32 [k] each) that holds a hash loses\n"
 "it, row by row in row order and in pair order within a row; a hash no row holds any more leaves the table, its\n"
-"entry pushed on the spare stack (the caller made room for k more). ValueError, changing nothing, on a row or\n"
-"block out of range or buffers that disagree.");
+"entry pushed on the spare stack (the caller made room for k more) and, with ``gone`` (a writable buffer of\n"
+"32 k bytes), its hash written there in that order. ValueError, changing nothing, on a row or block out of range\n"
+"or buffers that disagree.");
 
 static PyObject *drop_gone(PyObject *self, PyObject *args)
 {
@@ -1000,10 +1001,11 @@ static PyObject *drop_gone(PyObject *self, PyObject *args)
     memset(b, 0, sizeof b);
     unsigned long long seed;
     Py_ssize_t num_spare;
-    /* b[0] slots, b[1] hash_of, b[2] entry_blocks, b[3] entry_at, b[4] holders, b[5] spare, b[6] rows, b[7] blocks */
-    if (!PyArg_ParseTuple(args, "O&KO&O&O&O&O&nO&O&", write_array, &b[0], &seed, read_array, &b[1], write_array,
+    /* b[0] slots, b[1] hash_of, b[2] entry_blocks, b[3] entry_at, b[4] holders, b[5] spare, b[6] rows, b[7] blocks,
+     * b[8] gone (optional) */
+    if (!PyArg_ParseTuple(args, "O&KO&O&O&O&O&nO&O&|O&", write_array, &b[0], &seed, read_array, &b[1], write_array,
                           &b[2], write_array, &b[3], write_array, &b[4], write_array, &b[5], &num_spare, read_array,
-                          &b[6], read_array, &b[7]))
+                          &b[6], read_array, &b[7], write_array, &b[8]))
         return NULL;
     PyObject *result = NULL;
     index_t x;
@@ -1011,8 +1013,10 @@ static PyObject *drop_gone(PyObject *self, PyObject *args)
         goto done;
     const Py_ssize_t k = b[6].len / (Py_ssize_t)sizeof(int32_t);
     const int32_t *rows = b[6].buf, *blocks = b[7].buf;
-    if (b[7].len != b[6].len || num_spare < 0 || num_spare + k > b[5].len / (Py_ssize_t)sizeof(Py_ssize_t)) {
-        PyErr_SetString(PyExc_ValueError, "drop_gone: rows, blocks and the spare stack do not fit");
+    uint8_t *gone_out = b[8].obj || b[8].buf ? b[8].buf : NULL;
+    if (b[7].len != b[6].len || num_spare < 0 || num_spare + k > b[5].len / (Py_ssize_t)sizeof(Py_ssize_t)
+        || (gone_out && b[8].len < k * KEY_BYTES)) {
+        PyErr_SetString(PyExc_ValueError, "drop_gone: rows, blocks, the spare stack and gone do not fit");
         goto done;
     }
     for (Py_ssize_t i = 0; i < k; i++) {
@@ -1026,7 +1030,8 @@ static PyObject *drop_gone(PyObject *self, PyObject *args)
     for (Py_ssize_t r = 0; r < x.rows; r++)
         for (Py_ssize_t i = 0; i < k; i++)
             if (rows[i] == r)
-                removed += drop_evicted(&x, r, &blocks[i], 1, b[5].buf, &num_spare, NULL);
+                removed += drop_evicted(&x, r, &blocks[i], 1, b[5].buf, &num_spare,
+                                        gone_out ? gone_out + removed * KEY_BYTES : NULL);
     result = Py_BuildValue("nn", num_spare, removed);
 done:
     release_buffers(b, 9);

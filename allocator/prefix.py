@@ -669,45 +669,32 @@ class PrefixIndex:
 
         Pairs holding no hash are ignored. A hash no row holds any more is gone.
         """
-        rows, blocks, entries, gone = self._drop(rows, blocks)
-        # Entries keep their hash when dropped (until reused), so these read the same as before the drop.
-        return RemovedBlocks(rows.astype(np.int32), blocks.astype(np.int32), self._hash_of[entries],
-                             self._hash_of[gone])
-
-    def remove_gone(self, rows: np.ndarray, blocks: np.ndarray) -> int:
-        """``remove`` of an eviction's pairs, answering only how many hashes left the index (one C pass)."""
-        rows = np.ascontiguousarray(rows, dtype=np.int32).ravel()
-        blocks = np.ascontiguousarray(blocks, dtype=np.int32).ravel()
-        self.reserve(0, rows.size)
-        self._num_spare, gone = _tables.drop_gone(*self._c_arrays(), rows, blocks)
-        self._count -= gone
-        return gone
-
-    def _drop(self, rows: np.ndarray, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """``remove``'s work: the pairs that held a hash (rows, blocks, entries) and the entries now gone."""
         rows = np.asarray(rows, dtype=np.intp).ravel()
         blocks = np.asarray(blocks, dtype=np.intp).ravel()
         entries = self._entry_at[rows, blocks]
         held = entries >= 0
         if not held.all():
             rows, blocks, entries = rows[held], blocks[held], entries[held]
-        gone = entries[:0]
-        if entries.size:
-            self._blocks[entries, rows] = -1
-            self._entry_at[rows, blocks] = -1
-            # Within one row the pairs name distinct entries, so plain fancy decrements are exact
-            # (ufunc.at is far slower), and an entry reaches 0 in exactly one row's pass.
-            parts = []
-            for row in range(self._rows) if self._rows > 1 else (None,):
-                mine = entries if row is None else entries[rows == row]
-                self._holders[mine] -= 1
-                parts.append(mine[self._holders[mine] == 0])
-            gone = parts[0] if len(parts) == 1 else np.concatenate(parts)
-            if gone.size:
-                _hashtable.remove(self._slots, self._hash_of, self._seed, self._hash_of[gone].tobytes())
-                self._count -= gone.size
-                self._push_spare(gone)
-        return rows, blocks, entries, gone
+        hashes = self._hash_of[entries]
+        gone = bytearray(entries.size * HASH_BYTES)
+        count = self._drop(rows, blocks, gone)
+        return RemovedBlocks(rows.astype(np.int32), blocks.astype(np.int32), hashes,
+                             np.frombuffer(gone, dtype=_PACKED)[:count])
+
+    def remove_gone(self, rows: np.ndarray, blocks: np.ndarray) -> int:
+        """``remove`` of an eviction's pairs, answering only how many hashes left the index."""
+        return self._drop(rows, blocks)
+
+    def _drop(self, rows: np.ndarray, blocks: np.ndarray, gone: bytearray | None = None) -> int:
+        """``remove``'s work in one C pass: the pairs' hashes dropped, those no row holds leave the index (their
+        hashes written to ``gone``, in order, if given); returns how many left."""
+        rows = np.ascontiguousarray(rows, dtype=np.int32).ravel()
+        blocks = np.ascontiguousarray(blocks, dtype=np.int32).ravel()
+        self.reserve(0, rows.size)
+        arrays = (*self._c_arrays(), rows, blocks) + (() if gone is None else (gone,))
+        self._num_spare, count = _tables.drop_gone(*arrays)
+        self._count -= count
+        return count
 
     def clear(self) -> int:
         """Forget everything; returns how many hashes there were."""
