@@ -21,8 +21,11 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from kvcache.allocator.errors import KVCacheError
 from kvcache.allocator.swa import AttentionPolicy, Full, Window
+from kvcache.allocator.table import rank_rows
 
 # Layer types as configs name them (transformers' ``layer_types``).
 _FULL_TYPES = frozenset({"full_attention"})
@@ -47,6 +50,52 @@ class Row:
         policy = ({"kind": "full"} if isinstance(self.policy, Full) else
                   {"kind": "window", "window": self.policy.window_tokens, "sink": self.policy.sink_tokens})
         return {**policy, "layers": list(self.layers), "kv_heads": list(self.kv_heads)}
+
+    @classmethod
+    def from_description(cls, value: Any, field: str = "row") -> Row:
+        """The row ``describe`` gave (as an info reply carries it); a malformed one is an error naming ``field``."""
+        if not isinstance(value, Mapping):
+            raise KVCacheError(f"{field}: must be a map, got {type(value).__name__}")
+        kind = value.get("kind")
+        if kind == "full":
+            policy: AttentionPolicy = Full()
+        elif kind == "window":
+            window, sink = value.get("window"), value.get("sink", 0)
+            if not (_is_int(window) and window > 0 and _is_int(sink) and sink >= 0):
+                raise KVCacheError(f"{field}: a window needs window > 0 and sink >= 0, got {window!r}, {sink!r}")
+            policy = Window(window, sink)
+        else:
+            raise KVCacheError(f"{field}.kind: must be full or window, got {kind!r}")
+        cells = []
+        for key in ("layers", "kv_heads"):
+            items = value.get(key)
+            if not (isinstance(items, (list, tuple)) and items and all(_is_int(v) and v >= 0 for v in items)):
+                raise KVCacheError(f"{field}.{key}: must be a non-empty list of integers >= 0")
+            cells.append(tuple(sorted(set(items))))
+        return cls(policy, cells[0], cells[1])
+
+
+def rows_of_rank(rows: Sequence[Row], num_kv_heads: int, tp_size: int, rank: int) -> tuple[int, ...]:
+    """The rows TP rank ``rank`` holds: those with a kv head among the rank's heads (``rank_rows``), ascending."""
+    mine = set(range(num_kv_heads)[rank_rows(num_kv_heads, tp_size, rank)])
+    return tuple(i for i, row in enumerate(rows) if mine.intersection(row.kv_heads))
+
+
+def cell_rows(rows: Sequence[Row], num_layers: int, num_kv_heads: int, tp_size: int, rank: int) -> np.ndarray:
+    """int32 ``[num_layers, rank's kv heads]``: for each layer and each of the rank's kv heads, the index among
+    ``rows_of_rank`` of the row holding that cell; a layer's attention reads its heads' tables there."""
+    heads = range(num_kv_heads)[rank_rows(num_kv_heads, tp_size, rank)]
+    mine = rows_of_rank(rows, num_kv_heads, tp_size, rank)
+    out = np.full((num_layers, len(heads)), -1, dtype=np.int32)
+    for local, i in enumerate(mine):
+        row = rows[i]
+        for head in row.kv_heads:
+            if head in heads:
+                out[list(row.layers), heads.index(head)] = local
+    if (out < 0).any():
+        layer, head = (int(v) for v in np.argwhere(out < 0)[0])
+        raise KVCacheError(f"rows: no row holds layer {layer}, kv head {heads[head]}")
+    return out
 
 
 def layer_policies(config: Mapping[str, Any], num_layers: int) -> tuple[AttentionPolicy, ...]:
@@ -193,6 +242,10 @@ def _skip_freq(skip: Any, num_layers: int) -> list[bool]:
         return [bool(v) for v in skip]
     every = _positive(skip, "window_attn_skip_freq")
     return [i % every != 0 for i in range(num_layers)]
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _positive(value: Any, key: str) -> int:

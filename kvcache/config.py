@@ -6,9 +6,10 @@ import os
 import re
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from kvcache.allocator.errors import KVCacheError
+from kvcache.allocator.rows import Row
 from kvcache.allocator.swa import AttentionPolicy, Full, Window
 
 LOCAL_OFF = "off"  # local_endpoint's value for no local endpoint
@@ -50,6 +51,8 @@ class ServeConfig:
     scale_layout: str = "default"
     tp: int = 1
     head_wise: bool = False
+    max_model_len: int = 0
+    max_num_batched_tokens: int = 0
     enable_prefix_caching: bool = True
     hash_algorithm: str = "sha256"
     hash_seed: str = ""
@@ -105,6 +108,9 @@ class ServeConfig:
         if isinstance(self.dedupe_window, bool) or not isinstance(self.dedupe_window, int) or self.dedupe_window < 1:
             raise KVCacheError(f"dedupe_window: must be a positive integer (retries and the local endpoint's resend "
                                f"are answered from kept replies), got {self.dedupe_window!r}")
+        for name in ("max_model_len", "max_num_batched_tokens"):
+            if getattr(self, name) < 0:
+                raise KVCacheError(f"{name}: must be an integer >= 0 (0 = unset), got {getattr(self, name)}")
         if not self.transfer_timeout > 0:
             raise KVCacheError(f"transfer_timeout: must be positive seconds, got {self.transfer_timeout!r}")
 
@@ -179,10 +185,12 @@ def parse_rows(spec: str, num_rows: int | None = None) -> list[AttentionPolicy]:
     return rows
 
 
-def describe_rows(rows: list[AttentionPolicy]) -> list[dict[str, Any]]:
-    """Row policies as plain maps (for the info reply)."""
-    return [
-        {"kind": "full"} if isinstance(p, Full) else {"kind": "window", "window": p.window_tokens,
-                                                      "sink": p.sink_tokens}
-        for p in rows
-    ]
+def describe_rows(rows: Sequence[AttentionPolicy], row_blocks: Sequence[int],
+                  layout: Sequence[Row] | None = None) -> list[dict[str, Any]]:
+    """The rows as plain maps for the info reply: each one's policy and pool size (``num_blocks``), and with a
+    ``layout`` its cells (``layers``, ``kv_heads``)."""
+    if layout is not None:
+        return [{**row.describe(), "num_blocks": n} for row, n in zip(layout, row_blocks)]
+    return [({"kind": "full"} if isinstance(p, Full) else
+             {"kind": "window", "window": p.window_tokens, "sink": p.sink_tokens}) | {"num_blocks": n}
+            for p, n in zip(rows, row_blocks)]

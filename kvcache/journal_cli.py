@@ -59,7 +59,7 @@ def check_journal(folder: str | Path) -> dict[str, Any]:
                           block_size=manager.block_size, role=settings["role"], tp=settings["tp"],
                           max_slots=settings["max_slots"], max_tokens=settings["max_tokens"],
                           max_message_bytes=settings["max_message_bytes"])
-        server = CacheServer(cfg, manager, list(manager.rows))
+        server = CacheServer(cfg, manager)
         try:
             server._restore(state, recovered.records, recovered.snapshot_lsn)
             hasher = server.manager.hasher

@@ -8,8 +8,7 @@ from typing import Any
 
 from kvcache.allocator.errors import KVCacheError
 from kvcache.allocator.layout import CacheSpec
-from kvcache.allocator.rows import Row
-from kvcache.allocator.table import rank_rows
+from kvcache.allocator.rows import Row, rows_of_rank
 from kvcache.allocator.swa import Full, Window
 from kvcache.arguments import add_spec_arguments, positive_int, spec_from_args
 from kvcache.units import format_bytes, parse_size
@@ -108,9 +107,8 @@ def size_rows(plan: Plan, load: Load) -> Plan:
                for row in spec.row_layout]
     # The budget is one rank's: count the rows rank 0 holds (head-wise rows of other ranks' heads live there).
     assert spec.num_kv_heads is not None
-    mine = rank_rows(spec.num_kv_heads, spec.tp_size, 0) if not spec.quant.is_mla else slice(0, 1)
-    heads = set(range(spec.num_kv_heads)[mine])
-    per_request = sum(b * n for row, b, n in per_row if heads & set(row.kv_heads))
+    mine = rows_of_rank(spec.row_layout, spec.num_kv_heads, spec.tp_size, 0)
+    per_request = sum(per_row[i][1] * per_row[i][2] for i in mine)
     concurrency = plan.budget_bytes // per_request
     scale = plan.budget_bytes / per_request
     rows = tuple(RowPlan(row, b, n, int(n * scale)) for row, b, n in per_row)

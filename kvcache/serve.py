@@ -15,8 +15,9 @@ from typing import Any
 from kvcache.allocator.errors import KVCacheError
 from kvcache.allocator.layout import CacheSpec
 from kvcache.allocator.manager import KVCacheManager
-from kvcache.allocator.swa import AttentionPolicy, Full
-from kvcache.config import ServeConfig, describe_rows, load_toml, parse_rows
+from kvcache.allocator.rows import Row, rows_of_rank
+from kvcache.config import ServeConfig, load_toml, parse_rows
+from kvcache.plan import Load, make_plan
 from kvcache.units import parse_size
 
 HELP = {
@@ -29,10 +30,11 @@ HELP = {
     "local_endpoint": "Unix datagram socket (a path) for same-host clients: a round trip skips ZMQ's I/O threads, "
                       "about 10x faster (default: PATH-local.sock next to an ipc:// --endpoint; none for tcp://; "
                       "'off' disables)",
-    "num_blocks": "blocks per row; 0 = size from --model and --gpu-memory",
+    "num_blocks": "blocks of every row's pool; 0 = size from --model and --gpu-memory",
     "block_size": "tokens per block (default 64)",
     "rows": "row policies: full (uniform), or comma-separated full / window:W[:S] items with *N repeats, "
-            "e.g. 'window:4096:64*6,full*2'; with --head-wise a single item applies to every kv head",
+            "e.g. 'window:4096:64*6,full*2'; with --head-wise a single item applies to every kv head (default: "
+            "the --model config's sliding windows, one row per layer group, else one full row)",
     "model": "HF config.json (or its folder, or a built-in example name) to size the cache from",
     "gpu_memory": "GPU memory per rank for sizing with --model (default 80GiB)",
     "utilization": "fraction of --gpu-memory for the cache (default 0.9)",
@@ -41,7 +43,13 @@ HELP = {
     "quant": "KV quant type for sizing (none, int8, fp8, int8_zp, int4_zp, block_wise_fp8, mla, mla_fp8)",
     "scale_layout": "block_wise_fp8 scale layout for sizing (default, blackwell)",
     "tp": "tensor-parallel ranks for sizing and worker row slicing (default 1)",
-    "head_wise": "one row per kv head of the model (needs --model); default one row for all heads",
+    "head_wise": "one row per kv head of the model, within each layer group (needs --model); default one row "
+                 "for all heads of a layer group",
+    "max_model_len": "tokens of the longest request: sizes each row's pool from --gpu-memory for what such a "
+                     "request holds of it, so sliding-window rows take fewer blocks (as `kvcache plan "
+                     "--max-model-len` shows; 0 = every row the same blocks)",
+    "max_num_batched_tokens": "prefill chunk for sizing with --max-model-len: a window row holds the window plus "
+                              "one chunk (0 = the whole request in one chunk)",
     "enable_prefix_caching": "reuse cached prefixes (default on; --no-enable-prefix-caching turns it off)",
     "hash_algorithm": "prefix hash: sha256 (fast default) or sha256_cbor (byte-identical to vLLM's)",
     "hash_seed": "seed of the prefix hashes (sha256_cbor: vLLM's PYTHONHASHSEED); empty = vLLM's default "
@@ -112,8 +120,15 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
         raise KVCacheError(f"--config: {exc}") from None
 
 
-def build_manager(cfg: ServeConfig) -> tuple[KVCacheManager, list[AttentionPolicy], dict[str, Any]]:
-    """The manager, its row policies and extra info (geometry) a config describes."""
+def build_manager(cfg: ServeConfig) -> tuple[KVCacheManager, tuple[Row, ...] | None, dict[str, Any]]:
+    """The manager, its rows' cells (None where no model says which layers and kv heads they hold) and extra info
+    (geometry) a config describes.
+
+    With ``--model`` and no ``--rows`` the rows are the config's: layer groups (sliding layers in one row, full
+    layers in another), per kv head with ``--head-wise``. ``--num-blocks`` gives every row that many blocks;
+    sized from ``--gpu-memory``, each row's pool is in proportion to what a request of ``--max-model-len``
+    tokens holds of it (``kvcache plan`` shows the same sizes), or all equal without it.
+    """
     extra: dict[str, Any] = {"tp_size": cfg.tp}
     spec = None
     if cfg.model:
@@ -126,45 +141,60 @@ def build_manager(cfg: ServeConfig) -> tuple[KVCacheManager, list[AttentionPolic
             fields["dtype"] = cfg.dtype
         spec = CacheSpec.from_hf_config(source, head_wise=cfg.head_wise, **fields)
         extra["num_kv_heads"] = spec.num_kv_heads
-    num_blocks = cfg.num_blocks
-    if num_blocks <= 0:
-        if spec is None:
-            raise KVCacheError("num_blocks: give --num-blocks, or --model with --gpu-memory to size the cache")
-        budget = int(parse_size(cfg.gpu_memory, "--gpu-memory") * cfg.utilization) - parse_size(cfg.reserve,
-                                                                                                 "--reserve")
-        num_blocks = spec.num_blocks_for(max(0, budget))
-        if num_blocks < 1:
-            raise KVCacheError("gpu_memory: the budget fits no block")
-    if cfg.head_wise:
-        if spec is None:
-            raise KVCacheError("head_wise: needs --model to know the kv heads")
-        rows = parse_rows(cfg.rows, spec.num_kv_heads)
-    else:
-        rows = parse_rows(cfg.rows)
-    if spec is not None and cfg.rows == "full":  # no rows given: the model's windows, where the daemon can serve them
-        rows = _model_rows(spec, rows, cfg.head_wise)
-    if spec is not None:
-        extra["cache_bytes_per_rank"] = spec.cache_bytes(num_blocks)
-    manager = KVCacheManager(num_blocks, cfg.block_size, rows, enable_prefix_caching=cfg.enable_prefix_caching,
+        extra["num_layers"] = spec.num_layers
+    elif cfg.head_wise:
+        raise KVCacheError("head_wise: needs --model to know the kv heads")
+    layout = None if spec is None else _model_layout(spec, cfg)
+    policies = [r.policy for r in layout] if layout is not None else parse_rows(cfg.rows)
+    num_blocks, row_blocks = _pool_sizes(cfg, spec, layout)
+    if spec is not None and layout is not None:
+        blocks = row_blocks or [num_blocks] * len(layout)
+        mine = rows_of_rank(layout, spec.num_kv_heads or 1, spec.tp_size, 0)
+        extra["cache_bytes_per_rank"] = sum(spec.row_bytes_per_block(layout[i]) * blocks[i] for i in mine)
+    manager = KVCacheManager(num_blocks, cfg.block_size, policies, enable_prefix_caching=cfg.enable_prefix_caching,
                              hash_algorithm=cfg.hash_algorithm, hash_seed=cfg.hash_seed or None,
-                             enable_events=cfg.events)
-    return manager, rows, extra
+                             enable_events=cfg.events, row_blocks=row_blocks)
+    return manager, layout, extra
 
 
-def _model_rows(spec: CacheSpec, rows: list[AttentionPolicy], head_wise: bool) -> list[AttentionPolicy]:
-    """The row policies of the model's config where each row is a kv head over every layer (head-wise windows, as
-    FastDeploy declares them); otherwise ``rows``, with a warning when the config's windows go unused."""
-    layout = spec.row_layout
-    every_layer = tuple(range(spec.num_layers))
-    if head_wise and all(len(r.kv_heads) == 1 and r.layers == every_layer for r in layout):
-        return [r.policy for r in sorted(layout, key=lambda r: r.kv_heads)]
-    windowed = sorted({layer for r in layout if not isinstance(r.policy, Full) for layer in r.layers})
-    if windowed:
-        logging.getLogger("kvcache.serve").warning(
-            "the model declares sliding windows on %d of %d layers; the daemon keeps rows per kv head over every "
-            "layer, so it serves them as %s (no blocks given back; `kvcache plan --max-model-len` shows what "
-            "per-layer rows would save)", len(windowed), spec.num_layers, describe_rows(rows))
-    return rows
+def _model_layout(spec: CacheSpec, cfg: ServeConfig) -> tuple[Row, ...]:
+    """The rows' cells: the config's (``spec.row_layout``), or ``--rows`` as one row or one per kv head."""
+    assert spec.num_kv_heads is not None
+    if cfg.rows == "full":
+        return spec.row_layout
+    heads, layers = spec.num_kv_heads, tuple(range(spec.num_layers))
+    policies = parse_rows(cfg.rows, heads if cfg.head_wise else None)
+    if len(policies) == 1:
+        return (Row(policies[0], layers, tuple(range(heads))),)
+    if len(policies) != heads:
+        raise KVCacheError(f"rows: {len(policies)} policies given; with --model give one (every cell) or one per "
+                           f"kv head ({heads})")
+    return tuple(Row(p, layers, (h,)) for h, p in enumerate(policies))
+
+
+def _pool_sizes(cfg: ServeConfig, spec: CacheSpec | None,
+                layout: tuple[Row, ...] | None) -> tuple[int, list[int] | None]:
+    """Blocks of the id space and each row's pool (None: every row holds all of them)."""
+    if cfg.num_blocks > 0:
+        if cfg.max_model_len:
+            raise KVCacheError("max_model_len: sizes each row's pool from --gpu-memory; with --num-blocks every row "
+                               "holds that many blocks (drop one of the two)")
+        return cfg.num_blocks, None
+    if spec is None or layout is None:
+        raise KVCacheError("num_blocks: give --num-blocks, or --model with --gpu-memory to size the cache")
+    gpu_memory = parse_size(cfg.gpu_memory, "--gpu-memory")
+    reserve = parse_size(cfg.reserve, "--reserve")
+    load = None
+    if cfg.max_model_len:
+        load = Load(cfg.max_model_len, 1, cfg.max_num_batched_tokens or cfg.max_model_len)
+    plan = make_plan(dataclasses.replace(spec, rows=layout), gpu_memory=gpu_memory, utilization=cfg.utilization,
+                     reserve=reserve, load=load)
+    if load is None:
+        return plan.num_blocks, None
+    sizes = [r.num_blocks for r in plan.rows]
+    if min(sizes) < 1:
+        raise KVCacheError("gpu_memory: the budget gives a row no block; lower --max-model-len or raise --gpu-memory")
+    return max(sizes), sizes
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -175,10 +205,10 @@ def _run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     log = logging.getLogger("kvcache.serve")
     cfg = config_from_args(args).resolved()
-    manager, rows, extra = build_manager(cfg)
+    manager, layout, extra = build_manager(cfg)
     context = zmq.Context(io_threads=cfg.io_threads)
     try:
-        server = CacheServer(cfg, manager, rows, context=context, extra_info=extra)
+        server = CacheServer(cfg, manager, layout=layout, context=context, extra_info=extra)
     except BaseException:  # a refused start (an endpoint in use, a bad key) leaves no thread behind
         context.destroy(linger=0)
         raise

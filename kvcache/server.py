@@ -31,7 +31,7 @@ import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import zmq
@@ -42,7 +42,8 @@ from kvcache.allocator.errors import KVCacheError
 from kvcache.allocator.manager import KVCacheManager, _Request
 from kvcache.allocator.pool import BlockPool
 from kvcache.allocator.prefix import BlockHasher, Inserted, MMPlaceholder, PrefixIndex
-from kvcache.allocator.swa import AttentionPolicy, Full, Window
+from kvcache.allocator.rows import Row
+from kvcache.allocator.swa import Full, Window
 from kvcache.auth import CurveConfig, start_authenticator
 from kvcache.config import LOCAL_OFF, ServeConfig, describe_rows
 from kvcache.journal import Journal, JournalFull
@@ -109,6 +110,7 @@ def _check_compatible(journaled: KVCacheManager, configured: KVCacheManager, cfg
         ("num_blocks", journaled.num_blocks, configured.num_blocks),
         ("block_size", journaled.block_size, configured.block_size),
         ("rows", journaled.rows, configured.rows),
+        ("row_blocks", journaled.row_blocks.tolist(), configured.row_blocks.tolist()),
         ("enable_prefix_caching", journaled.enable_prefix_caching, configured.enable_prefix_caching),
         ("hash_algorithm", old_hasher and old_hasher.algorithm, new_hasher and new_hasher.algorithm),
     ):
@@ -302,11 +304,15 @@ class _Slots:
 class CacheServer:
     """The daemon's state and sockets; ``serve`` runs the loop in the calling thread (the owner)."""
 
-    def __init__(self, config: ServeConfig, manager: KVCacheManager, rows: list[AttentionPolicy],
-                 *, context: zmq.Context | None = None, extra_info: dict[str, Any] | None = None) -> None:
+    def __init__(self, config: ServeConfig, manager: KVCacheManager, *, layout: Sequence[Row] | None = None,
+                 context: zmq.Context | None = None, extra_info: dict[str, Any] | None = None) -> None:
+        """``layout`` names the (layer, kv head) cells of each of the manager's rows, for workers to find the
+        rows of their rank and layers (``kvcache.serve.build_manager`` gives it from a model's config)."""
+        if layout is not None and [r.policy for r in layout] != list(manager.rows):
+            raise KVCacheError(f"layout: its {len(layout)} rows' policies differ from the manager's rows")
         self.config = config.resolved()
         self.manager = manager
-        self.rows = rows
+        self.layout = None if layout is None else tuple(layout)
         self._extra_info = extra_info or {}
         self._ctx = context or zmq.Context.instance()
         self._sockets: list[zmq.Socket] = []
@@ -1339,7 +1345,7 @@ class CacheServer:
             "num_blocks": self.manager.num_blocks,
             "block_size": self.manager.block_size,
             "num_rows": self.manager.num_rows,
-            "rows": describe_rows(self.rows),
+            "rows": describe_rows(self.manager.rows, self.manager.row_blocks.tolist(), self.layout),
             "pub_endpoint": cfg.pub_endpoint,
             "replay_endpoint": cfg.replay_endpoint,
             "local_endpoint": cfg.local_endpoint if self.local is not None else None,

@@ -9,8 +9,9 @@ scheduler's reply; the tables then hold every change of that step::
     block_tables = sub.tensor[slots]       # [batch, rows of this rank, max_blocks], -1 = empty
 
 The tables are int32 ``[max_slots, rows, max_blocks]``: a request's table
-lives at the batch slot the daemon gave it, in the rows (kv heads) of this
-rank; everything else is -1. Start-up loads a consistent state (every buffered
+lives at the batch slot the daemon gave it, in the rows of this rank (its kv
+heads, its layer groups: see ``TableSubscriber``); everything else is -1.
+Start-up loads a consistent state (every buffered
 delta from seq 0, or a snapshot); then deltas arrive on the PUB socket in seq
 order. A seq that skips ahead (the PUB dropped messages for a slow worker)
 asks the replay socket for the missing ones; a worker too far behind gets a
@@ -59,6 +60,7 @@ import zmq
 
 from kvcache.allocator.errors import KVCacheError
 from kvcache.auth import CurveConfig, secure_client_socket
+from kvcache.allocator.rows import Row, cell_rows, rows_of_rank
 from kvcache.allocator.table import EMPTY, rank_rows
 from kvcache.client import CacheClient, DaemonUnavailable
 from kvcache.protocol import (
@@ -219,11 +221,25 @@ def _ms(seconds: float) -> int:
     return max(0, int(seconds * 1000) + 1)
 
 
+def _layout(info: Mapping[str, Any]) -> tuple[Row, ...] | None:
+    """The rows' cells from an info reply, or None where the daemon names none (no model config)."""
+    rows = info.get("rows")
+    if not (isinstance(rows, list) and rows and all(isinstance(r, dict) and "layers" in r for r in rows)):
+        return None
+    if len(rows) != info.get("num_rows"):
+        raise ProtocolError(f"info: {len(rows)} rows described for num_rows {info.get('num_rows')!r}")
+    return tuple(Row.from_description(r, f"info.rows[{i}]") for i, r in enumerate(rows))
+
+
 class TableSubscriber:
     """A TP rank's block tables (int32 ``[max_slots, rows, max_blocks]``), current up to ``seq``.
 
-    Rows: uniform mode (one row) gives every rank row 0; head-wise mode gives
-    rank r its kv heads (``rank_rows``). ``max_slots``/``max_blocks`` default
+    Rows: a daemon serving a model's config names each row's (layer, kv head)
+    cells (``layout``); rank r holds the rows with one of its kv heads
+    (``rank_rows``), and ``cell_rows[layer, head]`` says which of them a layer's
+    head reads (layer groups: the sliding layers' row or the full layers'; per
+    head within each group with ``--head-wise``). Without a config, one row is
+    every rank's, and head-wise rows are kv heads. ``max_slots``/``max_blocks`` default
     to 1024/4096, or to the shape of an array passed as ``out``. ``tp_size``
     defaults to the daemon's ``--tp``. Not thread-safe: one thread polls it.
     """
@@ -244,16 +260,30 @@ class TableSubscriber:
         self.num_rows: int = info["num_rows"]
         self.tp_size = info.get("tp", 1) if tp_size is None else tp_size
         self.rank = rank
-        heads = info.get("num_kv_heads")
-        if self.num_rows == 1:
-            rank_rows(1, self.tp_size, rank)  # validates rank and tp_size
-            self.rows = slice(0, 1)
+        rank_rows(1, self.tp_size, rank)  # validates rank and tp_size
+        #: Every row's (layer, kv head) cells, where the daemon serves a model's config (else None).
+        self.layout: tuple[Row, ...] | None = _layout(info)
+        #: int32 [layers, this rank's kv heads]: the index among this rank's rows of the row that holds each
+        #: cell (None without a layout). Layer l's kv head h reads ``tables[slots, cell_rows[l, h]]``.
+        self.cell_rows: np.ndarray | None = None
+        if self.layout is not None:
+            heads = info.get("num_kv_heads") or 1 + max(max(r.kv_heads) for r in self.layout)
+            layers = info.get("num_layers") or 1 + max(max(r.layers) for r in self.layout)
+            ids = np.asarray(rows_of_rank(self.layout, heads, self.tp_size, rank), dtype=np.intp)
+            self.cell_rows = cell_rows(self.layout, layers, heads, self.tp_size, rank)
+        elif self.num_rows == 1:
+            ids = np.zeros(1, dtype=np.intp)
         else:
+            heads = info.get("num_kv_heads")
             if heads is not None and heads != self.num_rows:
                 raise KVCacheError(f"daemon has {self.num_rows} rows but the model {heads} kv heads; "
                                    "head-wise tables need one row per kv head")
-            self.rows = rank_rows(self.num_rows, self.tp_size, rank)
-        self.row_policies: list[dict[str, Any]] = info["rows"][self.rows]
+            ids = np.arange(self.num_rows)[rank_rows(self.num_rows, self.tp_size, rank)]
+        #: This rank's rows of the daemon's tables: a slice where they are contiguous, else their indices.
+        self.rows: slice | np.ndarray = (slice(int(ids[0]), int(ids[-1]) + 1)
+                                         if (np.diff(ids) == 1).all() else ids)
+        self.row_ids: tuple[int, ...] = tuple(ids.tolist())
+        self.row_policies: list[dict[str, Any]] = [info["rows"][i] for i in self.row_ids]
         shape = self._table_shape(out, max_slots, max_blocks)
         self.max_slots, self.max_blocks = shape[0], shape[2]
         self.daemon_max_slots: int = info.get("max_slots", shape[0])
@@ -295,7 +325,7 @@ class TableSubscriber:
             raise
 
     def _table_shape(self, out: Any, max_slots: int | None, max_blocks: int | None) -> tuple[int, int, int]:
-        rows = self.rows.stop - self.rows.start
+        rows = len(self.row_ids)
         if isinstance(out, str):
             shape = (1024 if max_slots is None else max_slots, rows, 4096 if max_blocks is None else max_blocks)
             if shape[0] < 1 or shape[2] < 1:

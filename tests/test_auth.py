@@ -67,7 +67,7 @@ def secured(tmp_path: Path) -> Iterator[Secured]:
     port = router.bind_to_random_port("tcp://127.0.0.1")
     folder = Path(tempfile.mkdtemp(prefix="kv-", dir="/tmp"))  # short: unix socket paths are limited
     rows = parse_rows("window:8:4,full")
-    server = CacheServer(ServeConfig(endpoint=f"ipc://{folder}/k.sock"), KVCacheManager(64, 4, rows), rows)
+    server = CacheServer(ServeConfig(endpoint=f"ipc://{folder}/k.sock"), KVCacheManager(64, 4, rows))
     try:
         yield Secured(router, f"tcp://127.0.0.1:{port}", server, auth,
                       CurveConfig.for_client(keys.client_secret, keys.server_public),

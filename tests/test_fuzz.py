@@ -734,9 +734,9 @@ FIELDS = {
 @pytest.fixture(scope="module")
 def in_process(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CacheServer]:
     folder = tmp_path_factory.mktemp("fz")
-    manager, rows, _ = build_manager(GEOMETRY)
+    manager, layout, _ = build_manager(GEOMETRY)
     server = CacheServer(ServeConfig(endpoint=f"ipc://{folder}/k.sock", max_tokens=MAX_TOKENS,
-                                     max_slots=MAX_SLOTS), manager, rows)
+                                     max_slots=MAX_SLOTS), manager, layout=layout)
     yield server
     server.close()
 

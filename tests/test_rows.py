@@ -228,12 +228,11 @@ def test_plan_sizes_a_pool_per_row_and_reports_concurrency_against_uniform() -> 
     assert [r.blocks_per_request for r in short.rows] == [256, 256]
 
 
-def test_serve_takes_head_wise_windows_from_the_config_and_warns_about_layer_windows(
-        tmp_path, caplog: pytest.LogCaptureFixture) -> None:
-    """A FastDeploy head-wise config served --head-wise gets its window heads as rows; a config with per-layer
-    windows, which the daemon's per-head rows cannot hold, is served full with a warning saying so."""
+def test_serve_takes_its_rows_from_the_config(tmp_path) -> None:
+    """`kvcache serve --model` serves the config's rows: layer groups by default, per (group, kv head) with
+    --head-wise, FastDeploy's window heads as rows; --rows given wins; a --rows count that is neither one nor
+    one per kv head is refused by name."""
     import json
-    import logging
 
     from kvcache.config import ServeConfig
     from kvcache.serve import build_manager
@@ -242,15 +241,49 @@ def test_serve_takes_head_wise_windows_from_the_config_and_warns_about_layer_win
     fastdeploy.write_text(json.dumps(FASTDEPLOY))
     gemma.write_text(json.dumps(GEMMA3))
     base = {"endpoint": f"ipc://{tmp_path}/d.sock", "num_blocks": 64, "block_size": 16}
-    _, rows, _ = build_manager(ServeConfig(**base, model=str(fastdeploy), head_wise=True).resolved())
-    assert rows == [W(4096, 64), W(4096, 64), Full(), Full()]
-    _, rows, _ = build_manager(ServeConfig(**base, model=str(fastdeploy), head_wise=True,
-                                           rows="window:128*4").resolved())
-    assert rows == [W(128)] * 4, "rows given win over the config's"
-    with caplog.at_level(logging.WARNING, logger="kvcache.serve"):
-        _, rows, _ = build_manager(ServeConfig(**base, model=str(gemma)).resolved())
-    assert rows == [Full()]
-    assert "sliding windows on 29 of 34 layers" in caplog.text
+    manager, layout, _ = build_manager(ServeConfig(**base, model=str(fastdeploy), head_wise=True).resolved())
+    assert layout == rows_of(FASTDEPLOY, head_wise=True)
+    assert manager.rows == (W(4096, 64), W(4096, 64), Full(), Full())
+    _, layout, _ = build_manager(ServeConfig(**base, model=str(fastdeploy), head_wise=True,
+                                             rows="window:128*4").resolved())
+    assert layout == tuple(Row(W(128), (0, 1, 2, 3), (h,)) for h in range(4)), "rows given win over the config's"
+    manager, layout, extra = build_manager(ServeConfig(**base, model=str(gemma)).resolved())
+    assert layout == rows_of(GEMMA3) and manager.rows == (W(1024), Full())
+    assert extra["num_layers"] == 34 and manager.row_blocks.tolist() == [64, 64]
+    manager, layout, _ = build_manager(ServeConfig(**base, model=str(gemma), head_wise=True).resolved())
+    assert layout == rows_of(GEMMA3, head_wise=True) and manager.num_rows == 8
+    with pytest.raises(KVCacheError, match=r"^rows: 3 policies given; with --model give one"):
+        build_manager(ServeConfig(**base, model=str(gemma), rows="full,full,full").resolved())
+
+
+def test_serve_sizes_each_rows_pool_as_the_plan_does(tmp_path) -> None:
+    """Sized from --gpu-memory with --max-model-len, each row's pool is what a request holds of it times the
+    requests the budget fits (hand arithmetic for Gemma 3 4B, 72 GiB, 32k requests, 8k chunks); without
+    --max-model-len every row gets the uniform count; --max-model-len with --num-blocks is refused."""
+    import json
+
+    from kvcache.config import ServeConfig
+    from kvcache.serve import build_manager
+
+    gemma = tmp_path / "gemma3.json"
+    gemma.write_text(json.dumps(GEMMA3))
+    base = {"endpoint": f"ipc://{tmp_path}/d.sock", "block_size": 16, "model": str(gemma)}
+    manager, _, extra = build_manager(ServeConfig(**base, max_model_len=32_768,
+                                                  max_num_batched_tokens=8_192).resolved())
+    budget = int((80 << 30) * 0.9)
+    cell = 256 * 2 * 2 * 16  # K and V of one kv head, bf16, 16 tokens
+    window_bytes, full_bytes = 29 * 4 * cell, 5 * 4 * cell
+    window_blocks, full_blocks = 0 + -(-(1023 + 8192) // 16) + 1, 32_768 // 16  # 577, 2,048
+    per_request = window_bytes * window_blocks + full_bytes * full_blocks
+    assert manager.row_blocks.tolist() == [int(window_blocks * budget / per_request),
+                                           int(full_blocks * budget / per_request)]
+    assert budget - window_bytes - full_bytes < extra["cache_bytes_per_rank"] <= budget
+    assert budget // per_request == 43  # requests of 32k at once: each pool holds them
+    assert manager.row_blocks[0] >= 43 * window_blocks and manager.row_blocks[1] >= 43 * full_blocks
+    uniform, _, _ = build_manager(ServeConfig(**base).resolved())
+    assert uniform.row_blocks.tolist() == [budget // (34 * 4 * cell)] * 2
+    with pytest.raises(KVCacheError, match=r"^max_model_len: sizes each row's pool from --gpu-memory"):
+        build_manager(ServeConfig(**base, num_blocks=64, max_model_len=4096).resolved())
 
 
 @pytest.mark.skipif(__import__("kvcache.bench.vllm", fromlist=["version"]).version() is None,

@@ -22,7 +22,7 @@ from kvcache.server import CacheServer
 def server(tmp_path):
     rows = [Window(8, 4), Full()]
     manager = KVCacheManager(64, 4, rows, hash_seed=b"s")
-    srv = CacheServer(ServeConfig(endpoint=f"ipc://{tmp_path}/k.sock", replay_buffer=4), manager, rows)
+    srv = CacheServer(ServeConfig(endpoint=f"ipc://{tmp_path}/k.sock", replay_buffer=4), manager)
     yield srv
     srv.close()
 
@@ -111,7 +111,7 @@ def test_undecodable_messages_get_an_error_reply(server, payload, message):
 
 def test_oversized_messages_are_refused_before_decoding(tmp_path):
     manager = KVCacheManager(8, 4)
-    srv = CacheServer(ServeConfig(endpoint=f"ipc://{tmp_path}/k.sock", max_message_bytes=100), manager, [Full()])
+    srv = CacheServer(ServeConfig(endpoint=f"ipc://{tmp_path}/k.sock", max_message_bytes=100), manager)
     try:
         reply = unpack(srv.handle(b"\x00" * 101), 1 << 20)
         assert "101 bytes exceeds the limit of 100" in reply["error"]
@@ -284,7 +284,7 @@ def test_a_journal_written_by_protocol_1_still_replays(tmp_path):
     def start() -> CacheServer:
         rows = [Window(8, 4), Full()]
         return CacheServer(ServeConfig(endpoint=f"ipc://{tmp_path}/k.sock", journal=str(tmp_path / "journal")),
-                           KVCacheManager(64, 4, rows, hash_seed=b"s"), rows)
+                           KVCacheManager(64, 4, rows, hash_seed=b"s"))
 
     start().close()  # a new journal: its snapshot
     journal = Journal(tmp_path / "journal")
@@ -380,7 +380,7 @@ def one_row_server(tmp_path, request):
     """A uniform daemon (one row): its decode steps take the manager's one C pass, with the rows validation found."""
     rows = [Full()]
     srv = CacheServer(ServeConfig(endpoint=f"ipc://{tmp_path}/k.sock", role=getattr(request, "param", "both")),
-                      KVCacheManager(64, 4, rows, hash_seed=b"s"), rows)
+                      KVCacheManager(64, 4, rows, hash_seed=b"s"))
     yield srv
     srv.close()
 
@@ -510,8 +510,7 @@ def test_lora_travels_as_a_name_or_a_name_and_path_and_anything_else_is_refused(
 
 def test_a_reservation_with_a_destination_is_refused(tmp_path):
     rows = [Full()]
-    srv = CacheServer(ServeConfig(endpoint=f"ipc://{tmp_path}/k.sock", role="decode"), KVCacheManager(64, 4, rows),
-                      rows)
+    srv = CacheServer(ServeConfig(endpoint=f"ipc://{tmp_path}/k.sock", role="decode"), KVCacheManager(64, 4, rows))
     try:
         reply = call(srv, [{"op": "reserve", "req": "a", "tokens": np.arange(9, dtype=np.uint32),
                             "dest": {"receivers": ["x"]}}])

@@ -101,7 +101,7 @@ def daemon_tables(client: CacheClient, live: dict[Any, int]) -> dict[Any, np.nda
 
 def expected_tables(sub: TableSubscriber, live: dict[Any, int], tables: dict[Any, np.ndarray]) -> np.ndarray:
     """What ``sub.tables`` must hold: each live table's rows of this rank at its slot, -1 elsewhere."""
-    out = np.full((sub.max_slots, sub.rows.stop - sub.rows.start, sub.max_blocks), -1, dtype=np.int32)
+    out = np.full((sub.max_slots, len(sub.row_ids), sub.max_blocks), -1, dtype=np.int32)
     for req, slot in live.items():
         out[slot, :, : tables[req].shape[1]] = tables[req][sub.rows]
     return out
@@ -208,6 +208,68 @@ def test_uniform_mode_gives_every_rank_row_zero(daemon):
     finally:
         for s in subs:
             s.close()
+
+
+GEMMA_SHAPED = {"model_type": "gemma3_text", "num_hidden_layers": 6, "num_attention_heads": 8,
+                "num_key_value_heads": 4, "head_dim": 64, "sliding_window": 64, "sliding_window_pattern": 3}
+
+
+def test_layer_group_rows_head_wise_give_each_rank_its_heads_of_every_group(daemon, tmp_path):
+    """A Gemma-shaped config served --head-wise at tp 2: rows are (layer group, kv head), so a rank's rows are
+    not contiguous; each rank holds exactly its rows' tables after every step of two schedulers, and
+    ``cell_rows`` sends every (layer, head) of the rank to the row of its group and head."""
+    import json
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(GEMMA_SHAPED))
+    d = daemon("--model", str(config), "--head-wise", "--tp", "2", "--block-size", "16", "--num-blocks", "900",
+               "--max-slots", "32")
+    subs = [TableSubscriber(d.endpoint, rank=r, max_slots=32, max_blocks=64) for r in (0, 1)]
+    try:
+        windowed, full = (0, 1, 3, 4), (2, 5)
+        assert [r.layers for r in subs[0].layout] == [windowed] * 4 + [full] * 4
+        assert subs[0].row_ids == (0, 1, 4, 5) and subs[1].row_ids == (2, 3, 6, 7)
+        assert isinstance(subs[1].rows, np.ndarray) and subs[1].tables.shape == (32, 4, 64)
+        assert [p["kind"] for p in subs[1].row_policies] == ["window", "window", "full", "full"]
+        expected = np.array([[0, 1] if layer in windowed else [2, 3] for layer in range(6)])
+        for sub in subs:
+            np.testing.assert_array_equal(sub.cell_rows, expected)
+        follow(d.endpoint, subs, rounds=60, clients=2)
+    finally:
+        for s in subs:
+            s.close()
+
+
+def test_layer_group_rows_with_pools_of_their_own_hand_out_ids_within_each_pool(daemon, tmp_path):
+    """Served from a memory budget with --max-model-len, the window row gets a smaller pool than the full row
+    (as ``kvcache plan`` sizes it); both ranks hold both rows, a long request's window row gives blocks back
+    (-1) while the full row keeps every block, and every id is inside its row's pool."""
+    import json
+
+    from kvcache.allocator import CacheSpec
+    from kvcache.plan import Load, make_plan
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(GEMMA_SHAPED))
+    d = daemon("--model", str(config), "--tp", "2", "--block-size", "16", "--gpu-memory", "64MiB",
+               "--utilization", "1", "--max-model-len", "1024", "--max-num-batched-tokens", "256", "--max-slots", "8")
+    spec = CacheSpec.from_hf_config(GEMMA_SHAPED, block_size=16, tp_size=2)
+    plan = make_plan(spec, gpu_memory=64 << 20, utilization=1.0, load=Load(1024, 1, 256))
+    with CacheClient(d.endpoint) as c, TableSubscriber(d.endpoint, rank=1, max_slots=8, max_blocks=64) as sub:
+        info = c.info()
+        sizes = [r["num_blocks"] for r in info["rows"]]
+        assert sizes == [r.num_blocks for r in plan.rows] and sizes[0] < sizes[1]
+        assert [r["kind"] for r in info["rows"]] == ["window", "full"] and sub.row_ids == (0, 1)
+        assert sub.cell_rows[:, 0].tolist() == [0, 0, 1, 0, 0, 1]
+        c.admit("long", list(range(600)))
+        for _ in range(40):
+            c.extend("long", list(range(10)))
+        sub.wait_for(c.last_seq)
+        table = sub.table("long")
+        assert table.shape[1] == -(-1000 // 16)
+        assert (table[0] == -1).sum() >= (1000 - 64) // 16 - 1 and (table[1] >= 0).all()
+        for row, size in enumerate(sizes):
+            assert table[row][table[row] >= 0].max() < size
 
 
 # -- ordering within one step ------------------------------------------------------------------------

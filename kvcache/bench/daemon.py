@@ -1319,10 +1319,10 @@ def _profile_server(cfg: BenchConfig, folder: Path, name: str, **settings: Any) 
 
     serve_cfg = ServeConfig(endpoint=f"ipc://{folder}/{name}.sock", num_blocks=cfg.num_blocks,
                             block_size=cfg.block_size, rows="full", enable_prefix_caching=True, **settings)
-    manager, rows, extra = build_manager(serve_cfg.resolved())
+    manager, layout, extra = build_manager(serve_cfg.resolved())
     ctx = zmq.Context()
     try:
-        server = CacheServer(serve_cfg, manager, rows, context=ctx, extra_info=extra)
+        server = CacheServer(serve_cfg, manager, layout=layout, context=ctx, extra_info=extra)
         try:
             yield server
         finally:
