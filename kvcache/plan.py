@@ -101,10 +101,19 @@ def blocks_per_request(row: Row, block_size: int, load: Load) -> int:
 
 def size_rows(plan: Plan, load: Load) -> Plan:
     """Give each row a pool in proportion to what a request holds of it, filling the budget: the concurrency
-    the rows reach, against one full row over every layer (the uniform layout) in the same budget."""
+    the rows reach, against one full row over every layer (the uniform layout) in the same budget.
+
+    A layer's cache tensors have one block count, so rows that share a layer (a layer's window heads and its
+    full heads) get one pool size: the most any of them holds per request.
+    """
     spec = plan.spec
-    per_row = [(row, spec.row_bytes_per_block(row), blocks_per_request(row, spec.block_size, load))
-               for row in spec.row_layout]
+    layout = spec.row_layout
+    held = [blocks_per_request(row, spec.block_size, load) for row in layout]
+    for members in _sharing_layers(layout):
+        most = max(held[i] for i in members)
+        for i in members:
+            held[i] = most
+    per_row = [(row, spec.row_bytes_per_block(row), n) for row, n in zip(layout, held)]
     # The budget is one rank's: count the rows rank 0 holds (head-wise rows of other ranks' heads live there).
     assert spec.num_kv_heads is not None
     mine = rows_of_rank(spec.row_layout, spec.num_kv_heads, spec.tp_size, 0)
@@ -114,6 +123,27 @@ def size_rows(plan: Plan, load: Load) -> Plan:
     rows = tuple(RowPlan(row, b, n, int(n * scale)) for row, b, n in per_row)
     uniform = plan.budget_bytes // (-(-load.max_model_len // spec.block_size) * spec.bytes_per_block)
     return dataclasses.replace(plan, load=load, rows=rows, max_concurrency=concurrency, uniform_concurrency=uniform)
+
+
+def _sharing_layers(rows: tuple[Row, ...]) -> list[list[int]]:
+    """The rows grouped so that rows with a layer in common (directly or through others) are together."""
+    parent = list(range(len(rows)))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    owner: dict[int, int] = {}
+    for i, row in enumerate(rows):
+        for layer in row.layers:
+            j = owner.setdefault(layer, i)
+            parent[root(i)] = root(j)
+    groups: dict[int, list[int]] = {}
+    for i in range(len(rows)):
+        groups.setdefault(root(i), []).append(i)
+    return list(groups.values())
 
 
 def plan_json(plan: Plan) -> dict[str, Any]:

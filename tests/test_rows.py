@@ -228,6 +228,23 @@ def test_plan_sizes_a_pool_per_row_and_reports_concurrency_against_uniform() -> 
     assert [r.blocks_per_request for r in short.rows] == [256, 256]
 
 
+def test_rows_that_share_a_layer_share_one_pool_size() -> None:
+    """A layer's tensors have one block count: FastDeploy's window heads share their layers with full heads, so
+    every row gets the full rows' count; Gemma 3 head-wise keeps a smaller pool for the sliding group's rows."""
+    from kvcache.allocator import CacheSpec
+    from kvcache.plan import Load, make_plan
+
+    load = Load(32_768, 256, 8_192)
+    fastdeploy = make_plan(CacheSpec.from_hf_config(FASTDEPLOY, block_size=16, head_wise=True),
+                           gpu_memory=80 << 30, load=load)
+    assert {r.blocks_per_request for r in fastdeploy.rows} == {2_048}
+    assert len({r.num_blocks for r in fastdeploy.rows}) == 1
+    gemma = make_plan(CacheSpec.from_hf_config(GEMMA3, block_size=16, head_wise=True), gpu_memory=80 << 30, load=load)
+    counts = [(r.row.policy, r.num_blocks) for r in gemma.rows]
+    assert len(set(counts)) == 2 and counts[0][1] < counts[-1][1]
+    assert [r.blocks_per_request for r in gemma.rows] == [577] * 4 + [2_048] * 4
+
+
 def test_serve_takes_its_rows_from_the_config(tmp_path) -> None:
     """`kvcache serve --model` serves the config's rows: layer groups by default, per (group, kv head) with
     --head-wise, FastDeploy's window heads as rows; --rows given wins; a --rows count that is neither one nor
