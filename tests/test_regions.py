@@ -174,6 +174,80 @@ def test_copy_ranges_by_layers_gives_each_groups_copy_ranges(data, spec, num_blo
             assert np.array_equal(a, b)
 
 
+@st.composite
+def layer_group_cases(draw: st.DrawFn) -> tuple:
+    """A spec, each (layer, head) cell's row, layer block counts shared by a row's layers, and tables [rows, n]."""
+    spec = draw(specs())
+    heads = spec.kv_heads_per_rank
+    num_rows = draw(st.integers(1, 4))
+    cells = np.array(draw(st.lists(st.lists(st.integers(0, num_rows - 1), min_size=heads, max_size=heads),
+                                   min_size=spec.num_layers, max_size=spec.num_layers)), dtype=np.int64)
+    row_blocks = draw(st.lists(st.integers(1, 8), min_size=num_rows, max_size=num_rows))
+    # A layer's tensors have one count: the largest of its rows' pools; its rows' ids stay below their own.
+    layer_blocks = [max(row_blocks[r] for r in set(cells[layer].tolist())) for layer in range(spec.num_layers)]
+    n = draw(st.integers(0, 6))
+    src, dst = [], []
+    for r in range(num_rows):
+        src.append(draw(st.lists(st.integers(-1, row_blocks[r] - 1), min_size=n, max_size=n)))
+        ids = draw(st.permutations(list(range(row_blocks[r])) + [-1] * n))[:n]
+        dst.append(ids)
+    return spec, cells, layer_blocks, np.array(src, dtype=np.int64).reshape(num_rows, n), \
+        np.array(dst, dtype=np.int64).reshape(num_rows, n)
+
+
+@settings(max_examples=100, deadline=None)
+@given(case=layer_group_cases(), layouts=st.tuples(st.sampled_from(LAYOUTS), st.sampled_from(LAYOUTS)))
+def test_copy_ranges_with_cell_rows_move_each_layers_heads_from_their_own_rows(case, layouts):
+    """Tables whose rows are layer groups (or groups and heads): layer l's head h moves row cell_rows[l, h]'s
+    blocks, in layers whose tensors hold different block counts; a memmove over the ranges equals numpy's copy."""
+    spec, cells, layer_blocks, src_table, dst_table = case
+    src_buf, src_views = random_views(spec, layer_blocks, 1, layouts[0])
+    dst_buf, dst_views = random_views(spec, layer_blocks, 2, layouts[1])
+    src = KVRegion.from_tensors(spec, src_views)
+    dst = KVRegion.from_tensors(spec, dst_views)
+    assert src.layer_blocks.tolist() == layer_blocks and src.num_blocks == max(layer_blocks)
+    want = dst_buf.copy()
+    base = dst_buf.ctypes.data
+    for layer in range(spec.num_layers):
+        for sv, dv in zip(src_views[layer], dst_views[layer]):
+            ev = np.ndarray(dv.shape, dv.dtype, buffer=want, offset=dv.__array_interface__["data"][0] - base,
+                            strides=dv.strides)
+            for h in range(dv.shape[1]):
+                r = cells[layer, h]
+                for sb, db in zip(src_table[r].tolist(), dst_table[r].tolist()):
+                    if sb >= 0 and db >= 0:
+                        ev[db, h] = sv[sb, h]
+    got = copy_ranges(src, src_table, dst, dst_table, cell_rows=cells)
+    assert coverage(got.dst, got.length, base, dst_buf.size).max(initial=0) <= 1, "destination ranges overlap"
+    for s, d, length in zip(got.src.tolist(), got.dst.tolist(), got.length.tolist()):
+        ctypes.memmove(d, s, length)
+    assert np.array_equal(dst_buf, want)
+    groups = list(copy_ranges_by_layers(src, src_table, dst, dst_table, [[i] for i in range(spec.num_layers)],
+                                        cell_rows=cells))
+    assert sum(int(g.length.sum()) for g in groups) == int(got.length.sum())
+
+
+def test_a_block_id_past_its_layers_pool_is_refused_by_name():
+    """Layer 1 holds 2 blocks: a table row that addresses it with id 3 is an error naming the layer."""
+    spec = make_spec()
+    _, views = random_views(spec, [4, 2], 0)
+    region = KVRegion.from_tensors(spec, views)
+    table = np.array([[3], [3]])
+    cells = np.array([[0] * 4, [1] * 4])
+    with pytest.raises(KVCacheError, match="not a block id of layer 1, which holds 2 blocks"):
+        copy_ranges(region, table, region, table[::-1].copy() * 0, cell_rows=cells)
+    copy_ranges(region, np.array([[3], [1]]), region, np.array([[0], [0]]), cell_rows=cells)
+
+
+def test_a_region_with_layer_counts_survives_its_description():
+    spec = make_spec()
+    _, views = random_views(spec, [4, 2], 0)
+    region = KVRegion.from_tensors(spec, views)
+    again = KVRegion.from_description(region.describe(), owner="peer")
+    assert again.layer_blocks.tolist() == [4, 2] and np.array_equal(again.spans(), region.spans())
+    assert int(region.extents().length.sum()) == spec.bytes_per_block_per_layer * 6
+
+
 def test_copy_ranges_by_layers_checks_the_pairs_before_the_first_group():
     spec = make_spec()
     src, dst = Cache(spec, 4, "separate", seed=1), Cache(spec, 4, "separate", seed=2)

@@ -138,7 +138,8 @@ def route_layout(src: KVRegion, dst: KVRegion, route: Route, layers: Any = None)
                        np.ascontiguousarray(src.block_strides[ids]).ravel(),
                        (dst.addrs[ids] + unit * route.dst_row).ravel(),
                        np.ascontiguousarray(dst.block_strides[ids]).ravel(),
-                       np.tile(unit, ids.size), unit.size, src.num_blocks, dst.num_blocks)
+                       np.tile(unit, ids.size), unit.size, int(src.layer_blocks[ids].min(initial=src.num_blocks)),
+                       int(dst.layer_blocks[ids].min(initial=dst.num_blocks)))
 
 
 def layout_ranges(layout: RouteLayout, src_blocks: Any, dst_blocks: Any, per_layer: bool = True

@@ -76,6 +76,8 @@ class CopyRanges(NamedTuple):
     @classmethod
     def concat(cls, parts: Sequence[CopyRanges]) -> CopyRanges:
         """Several copies as one, their ranges in the parts' order."""
+        if not parts:
+            return cls(*(np.empty(0, dtype=np.int64) for _ in cls._fields))
         return cls(*(np.concatenate([getattr(p, f) for p in parts]) for f in cls._fields))
 
     @classmethod
@@ -266,6 +268,9 @@ class KVRegion:
     ``addrs`` and ``block_strides`` are int64 ``[num_layers, len(spec.tensors())]``. ``owner``
     is ``""`` for memory of this process, or the agent name of the peer whose address space the
     addresses belong to. ``keep`` holds the framework tensors so the memory outlives the region.
+    ``layer_blocks`` (int64 ``[num_layers]``) gives each layer's block count where rows of layer
+    groups have pools of their own (a sliding-window group's layers hold fewer blocks); ``num_blocks``
+    is the most of them, and by default every layer's.
     """
 
     spec: CacheSpec
@@ -276,6 +281,11 @@ class KVRegion:
     pinned: bool = False
     owner: str = ""
     keep: tuple = ()
+    layer_blocks: np.ndarray = None  # type: ignore[assignment]  # set in __post_init__ when not given
+
+    def __post_init__(self) -> None:
+        if self.layer_blocks is None:
+            object.__setattr__(self, "layer_blocks", np.full(self.spec.num_layers, self.num_blocks, dtype=np.int64))
 
     @property
     def tensors(self) -> tuple[TensorSpec, ...]:
@@ -303,10 +313,13 @@ class KVRegion:
         """int64 [tensors]: bytes of one block of each tensor."""
         return np.array([t.bytes_per_block for t in self.tensors], dtype=np.int64)
 
+    def spans(self) -> np.ndarray:
+        """int64 [num_layers, tensors]: bytes from each tensor's first block to the end of its last."""
+        return (self.layer_blocks[:, None] - 1) * self.block_strides + self.block_bytes[None, :]
+
     def extents(self) -> ByteRanges:
         """The memory the region spans, overlapping tensors merged: what an engine registers or pins."""
-        span = (self.num_blocks - 1) * self.block_strides + self.block_bytes[None, :]
-        lo, hi = self.addrs.ravel(), (self.addrs + span).ravel()
+        lo, hi = self.addrs.ravel(), (self.addrs + self.spans()).ravel()
         order = np.argsort(lo, kind="stable")
         lo, hi = lo[order], np.maximum.accumulate(hi[order])
         start = np.flatnonzero(np.concatenate(([True], lo[1:] > hi[:-1])))
@@ -328,8 +341,7 @@ class KVRegion:
         names = [t.name for t in spec.tensors()]
         grid = _tensor_grid(spec, caches, names)
         infos = [[_describe(obj, spec.tensors()[t], layer) for t, obj in enumerate(row)] for layer, row in enumerate(grid)]
-        first = infos[0][0]
-        num_blocks = first.shape[0] if first.shape else 0
+        layer_blocks = np.array([row[0].shape[0] if row[0].shape else 0 for row in infos], dtype=np.int64)
         devices = {info.device for row in infos for info in row}
         if len(devices) != 1:
             raise KVCacheError(f"cache tensors live on several devices ({', '.join(sorted(devices))}); "
@@ -340,25 +352,25 @@ class KVRegion:
         addrs = np.zeros((spec.num_layers, len(names)), dtype=np.int64)
         strides = np.zeros_like(addrs)
         for layer, row in enumerate(infos):
+            num_blocks = int(layer_blocks[layer])
             for t, info in enumerate(row):
                 _check_tensor(info, spec.tensors()[t], layer, num_blocks)
                 addrs[layer, t] = info.addr
                 strides[layer, t] = info.strides[0] if num_blocks > 1 else spec.tensors()[t].bytes_per_block
         pinned = all(info.pinned for row in infos for info in row) or all(
             _pinned_by_torch(obj) for row in grid for obj in row)
-        return cls(spec, num_blocks, found, addrs, strides, pinned and found == "cpu", "", tuple(
-            obj for row in grid for obj in row))
+        return cls(spec, int(layer_blocks.max()), found, addrs, strides, pinned and found == "cpu", "", tuple(
+            obj for row in grid for obj in row), layer_blocks)
 
     @classmethod
-    def from_addresses(cls, spec: CacheSpec, num_blocks: int, addrs: Any, *, device: str = "cpu",
+    def from_addresses(cls, spec: CacheSpec, num_blocks: int | Sequence[int], addrs: Any, *, device: str = "cpu",
                        block_strides: Any = None, pinned: bool = False, owner: str = "", keep: tuple = ()) -> KVRegion:
         """A region over raw memory: ``addrs`` int [num_layers, tensors]; strides default to dense blocks.
 
-        The caller vouches that the memory exists and stays alive; ``keep`` may hold its owners.
+        ``num_blocks`` is every layer's block count, or one count per layer. The caller vouches that the
+        memory exists and stays alive; ``keep`` may hold its owners.
         """
-        num_blocks = int(num_blocks)
-        if num_blocks < 1:
-            raise KVCacheError(f"num_blocks must be >= 1, got {num_blocks}")
+        layer_blocks = _layer_blocks(num_blocks, spec.num_layers)
         tensors = spec.tensors()
         shape = (spec.num_layers, len(tensors))
         arr = np.asarray(addrs)
@@ -374,21 +386,24 @@ class KVRegion:
         values = [int(a) for a in arr.ravel()]
         if any(a <= 0 or a > _ADDR_MAX for a in values):
             raise KVCacheError("addrs: every address must be a positive 63-bit integer")
-        if ((strides < bpb[None, :]) & (num_blocks > 1)).any():
-            layer, t = (int(i) for i in np.argwhere(strides < bpb[None, :])[0])
+        if ((strides < bpb[None, :]) & (layer_blocks[:, None] > 1)).any():
+            layer, t = (int(i) for i in np.argwhere((strides < bpb[None, :]) & (layer_blocks[:, None] > 1))[0])
             raise KVCacheError(f"layer {layer} tensor {tensors[t].name!r}: block stride {strides[layer, t]} is "
                                f"smaller than a block ({bpb[t]} bytes): blocks would overlap")
         _check_device(device)
-        return cls(spec, num_blocks, device, np.array(values, dtype=np.int64).reshape(shape), strides,
-                   pinned, owner, keep)
+        return cls(spec, int(layer_blocks.max()), device, np.array(values, dtype=np.int64).reshape(shape), strides,
+                   pinned, owner, keep, layer_blocks)
 
     @classmethod
-    def from_buffer(cls, spec: CacheSpec, num_blocks: int, addr: int, *, device: str = "cpu", pinned: bool = False,
-                    keep: tuple = ()) -> KVRegion:
-        """A region over one buffer of ``spec.cache_bytes(num_blocks)`` at ``addr``: layer-major, then tensor, then block."""
-        per_tensor = [t.nbytes(num_blocks) for t in spec.tensors()]
-        offsets = np.cumsum([0] + per_tensor * spec.num_layers)[:-1].reshape(spec.num_layers, len(per_tensor))
-        return cls.from_addresses(spec, num_blocks, int(addr) + offsets, device=device, pinned=pinned, keep=keep)
+    def from_buffer(cls, spec: CacheSpec, num_blocks: int | Sequence[int], addr: int, *, device: str = "cpu",
+                    pinned: bool = False, keep: tuple = ()) -> KVRegion:
+        """A region over one buffer of ``buffer_bytes(spec, num_blocks)`` at ``addr``: layer-major, then tensor, then
+        block; ``num_blocks`` is every layer's block count, or one per layer."""
+        layer_blocks = _layer_blocks(num_blocks, spec.num_layers)
+        sizes = [t.nbytes(int(n)) for n in layer_blocks for t in spec.tensors()]
+        offsets = np.cumsum([0] + sizes)[:-1].reshape(spec.num_layers, len(spec.tensors()))
+        return cls.from_addresses(spec, layer_blocks.tolist(), int(addr) + offsets, device=device, pinned=pinned,
+                                  keep=keep)
 
     # ----------------------------------------------------------------- wire form
 
@@ -399,6 +414,7 @@ class KVRegion:
         return {
             "spec": spec,
             "num_blocks": self.num_blocks,
+            "layer_blocks": self.layer_blocks.tolist(),
             "device": self.device,
             "pinned": self.pinned,
             "addrs": self.addrs.tolist(),
@@ -410,7 +426,8 @@ class KVRegion:
         """The region a peer described, its addresses in that peer's (``owner``'s) address space."""
         try:
             spec = CacheSpec(**description["spec"])
-            return cls.from_addresses(spec, description["num_blocks"], description["addrs"],
+            return cls.from_addresses(spec, description.get("layer_blocks", description["num_blocks"]),
+                                      description["addrs"],
                                       device=description["device"], block_strides=description["block_strides"],
                                       pinned=bool(description.get("pinned", False)), owner=owner)
         except (KeyError, TypeError) as exc:
@@ -435,7 +452,7 @@ class KVRegion:
 
 
 def copy_ranges(src: KVRegion, src_blocks: Any, dst: KVRegion, dst_blocks: Any,
-                layers: Any = None, rows: Any = None) -> CopyRanges:
+                layers: Any = None, rows: Any = None, cell_rows: Any = None) -> CopyRanges:
     """Merged (src, dst, length) ranges that copy ``src_blocks`` of ``src`` onto ``dst_blocks`` of ``dst``.
 
     Both block arrays have one shape (see ``KVRegion.ranges``); position ``i`` of one pairs with
@@ -443,24 +460,66 @@ def copy_ranges(src: KVRegion, src_blocks: Any, dst: KVRegion, dst_blocks: Any,
     sliding-window block, or one the receiver does not need). Two pairs writing the same
     destination block (and head) are an error; the same source may go to several destinations.
     Ranges are merged where both sides continue, so consecutive ids on both sides move as one.
+
+    ``cell_rows`` (int ``[num_layers, heads]``) reads both block arrays as tables ``[rows, n]`` whose
+    rows are layer groups (or groups and heads): layer l's head h moves the blocks of row
+    ``cell_rows[l, h]`` (``TableSubscriber.cell_rows``, ``kvcache.allocator.rows.cell_rows``).
     """
-    return _pair_ranges(src, dst, _copy_pairs(src, src_blocks, dst, dst_blocks, rows), layers)
+    return CopyRanges.concat([_pair_ranges(src, dst, pairs, group) for group, pairs in
+                              _row_pairs(src, src_blocks, dst, dst_blocks, rows, cell_rows, layers)])
 
 
 def copy_ranges_by_layers(src: KVRegion, src_blocks: Any, dst: KVRegion, dst_blocks: Any,
-                          groups: Iterable[Any], rows: Any = None) -> Iterator[CopyRanges]:
+                          groups: Iterable[Any], rows: Any = None, cell_rows: Any = None) -> Iterator[CopyRanges]:
     """``copy_ranges`` of each layer selection in ``groups`` in turn, the block pairs checked and sorted once.
 
     Lazy: a group's ranges are computed when the caller asks for them, so the caller can start
     copying one group while the next is worked out. The pairs are checked before the first yield.
     """
-    pairs = _copy_pairs(src, src_blocks, dst, dst_blocks, rows)
+    classes = _row_pairs(src, src_blocks, dst, dst_blocks, rows, cell_rows, None)
 
     def each() -> Iterator[CopyRanges]:
         for layers in groups:
-            yield _pair_ranges(src, dst, pairs, layers)
+            wanted = _layer_ids(layers, src.num_layers)
+            yield CopyRanges.concat([_pair_ranges(src, dst, pairs, wanted[np.isin(wanted, group)])
+                                     for group, pairs in classes])
 
     return each()
+
+
+def _row_pairs(src: KVRegion, src_blocks: Any, dst: KVRegion, dst_blocks: Any, rows: Any, cell_rows: Any,
+               layers: Any) -> list[tuple[np.ndarray, _Pairs]]:
+    """The checked pairs of each class of layers that read the same table rows, with the class's (selected) layers."""
+    selected = _layer_ids(layers, src.num_layers)
+    if cell_rows is None:
+        return [(selected, _copy_pairs(src, src_blocks, dst, dst_blocks, rows))]
+    if rows is not None:
+        raise KVCacheError("rows: give either rows (heads of a head-wise table) or cell_rows, not both")
+    cells = np.asarray(cell_rows)
+    if cells.shape != (src.num_layers, src.heads) or (cells.size and cells.dtype.kind not in "iu"):
+        raise KVCacheError(f"cell_rows: must be integers [{src.num_layers} layers, {src.heads} kv heads], "
+                           f"got shape {cells.shape}")
+    tables = []
+    for name, blocks in (("src_blocks", src_blocks), ("dst_blocks", dst_blocks)):
+        arr = np.asarray(blocks)
+        if arr.ndim != 2:
+            raise KVCacheError(f"{name}: with cell_rows, a table [rows, n]; got shape {arr.shape}")
+        tables.append(arr)
+    if tables[0].shape != tables[1].shape:
+        raise KVCacheError(f"src_blocks {tables[0].shape} and dst_blocks {tables[1].shape}: tables pair up one to one")
+    if cells.size and (cells.min() < 0 or cells.max() >= tables[0].shape[0]):
+        raise KVCacheError(f"cell_rows: names a row outside the tables' {tables[0].shape[0]} rows")
+    by_rows: dict[tuple[int, ...], list[int]] = {}
+    for layer in selected.tolist():
+        by_rows.setdefault(tuple(cells[layer].tolist()), []).append(layer)
+    out = []
+    for picks, group in by_rows.items():
+        if len(set(picks)) == 1:  # every head of these layers in one row: whole blocks
+            pairs = _copy_pairs(src, tables[0][picks[0]], dst, tables[1][picks[0]], None)
+        else:  # the heads' rows, one per head
+            pairs = _copy_pairs(src, tables[0][list(picks)], dst, tables[1][list(picks)], None)
+        out.append((np.array(group, dtype=np.int64), pairs))
+    return out
 
 
 class _Pairs(NamedTuple):
@@ -504,6 +563,26 @@ def _pair_ranges(src: KVRegion, dst: KVRegion, pairs: _Pairs, layers: Any) -> Co
 
 
 # --------------------------------------------------------------------------- helpers
+
+
+def buffer_bytes(spec: CacheSpec, num_blocks: int | Sequence[int]) -> int:
+    """Bytes of one buffer holding every layer's tensors at ``num_blocks`` (a count, or one per layer)."""
+    return sum(t.nbytes(int(n)) for n in _layer_blocks(num_blocks, spec.num_layers) for t in spec.tensors())
+
+
+def _layer_blocks(num_blocks: int | Sequence[int], num_layers: int) -> np.ndarray:
+    """int64 [num_layers]: a count for every layer, or one per layer; each at least 1."""
+    if isinstance(num_blocks, (int, np.integer)) and not isinstance(num_blocks, bool):
+        counts = np.full(num_layers, int(num_blocks), dtype=np.int64)
+    else:
+        counts = np.asarray(num_blocks)
+        if counts.shape != (num_layers,) or counts.dtype.kind not in "iu":
+            raise KVCacheError(f"num_blocks: must be an integer or one integer per layer ({num_layers}), "
+                               f"got {num_blocks!r}")
+        counts = counts.astype(np.int64)
+    if (counts < 1).any():
+        raise KVCacheError(f"num_blocks must be >= 1, got {int(counts.min())}")
+    return counts
 
 
 def _check_device(device: str) -> None:
@@ -554,6 +633,11 @@ def _units(region: KVRegion, blocks: Any, rows: Any, name: str) -> tuple[np.ndar
 def _addresses(region: KVRegion, block: np.ndarray, row: np.ndarray, per_row: bool, layers: np.ndarray
                ) -> tuple[np.ndarray, np.ndarray]:
     """Flat (addr, length) of every unit in (layer, tensor, unit) order, vectorised over all three."""
+    limit = region.layer_blocks[layers]
+    if block.size and limit.size and int(block.max()) >= int(limit.min()):
+        layer = int(layers[np.argmax(limit <= int(block.max()))])
+        raise KVCacheError(f"blocks: {int(block.max())} is not a block id of layer {layer}, which holds "
+                           f"{int(region.layer_blocks[layer])} blocks")
     unit = region.block_bytes // (region.heads if per_row else 1)
     base = region.addrs[layers]
     stride = region.block_strides[layers]

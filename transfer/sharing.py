@@ -111,7 +111,7 @@ def share_region(region: KVRegion) -> RegionShare:
         segments, cudart = _host_segments(ext.addr, ext.length), ""
     starts = np.array([s.start for s in segments], dtype=np.int64)
     ends = np.array([s.end for s in segments], dtype=np.int64)
-    span = (region.num_blocks - 1) * region.block_strides + region.block_bytes[None, :]
+    span = region.spans()
     index = np.searchsorted(starts, region.addrs, side="right") - 1
     if (region.addrs + span > ends[index]).any():
         layer, t = (int(i) for i in np.argwhere(region.addrs + span > ends[index])[0])
