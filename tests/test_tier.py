@@ -290,6 +290,94 @@ def test_window_rows_load_only_blocks_the_host_holds(tiers) -> None:
     tier.check_host()
 
 
+def cell_units(region: KVRegion, cells: np.ndarray, row: int, block: int) -> list[tuple[int, int]]:
+    """(address, bytes) of every (layer, tensor, head) of ``block`` that table row ``row`` holds."""
+    out = []
+    for layer, head in zip(*np.nonzero(cells == row)):
+        for t, tensor in enumerate(region.tensors):
+            unit = tensor.bytes_per_block // region.heads
+            out.append((int(region.addrs[layer, t]) + block * int(region.block_strides[layer, t]) + int(head) * unit,
+                        unit))
+    return out
+
+
+@pytest.mark.parametrize("name", ["bf16", "block_wise_fp8", "mla_fp8"])
+def test_layer_group_rows_go_to_host_and_come_back_byte_for_byte(name: str) -> None:
+    """Rows that are layer groups with pools of their own (the sliding layers' row smaller than the full layer's):
+    a decoded request's blocks reach host per row, the window row's recycled columns never do, and after the GPU
+    forgets them an admit loads every row's cells back into its own layers, byte for byte."""
+    from kvcache.allocator.rows import Row, cell_rows
+
+    base = make_spec(name)
+    heads = tuple(range(base.num_kv_heads))
+    spec = CacheSpec(**{**{k: v for k, v in base.describe().items() if k not in ("kv_heads_per_rank", "rows")},
+                        "rows": (Row(Window(8), (0, 2), heads), Row(Full(), (1,), heads))})
+    row_blocks, layer_blocks = [10, 16], [10, 16, 10]
+    memory, views = random_views(spec, layer_blocks, 0)
+    gpu = KVRegion.from_tensors(spec, views)
+    manager = KVCacheManager(16, spec.block_size, [Window(8), Full()], row_blocks=row_blocks, enable_events=True,
+                             hash_seed=SEED)
+    cells = cell_rows(spec.rows, spec.num_layers, spec.num_kv_heads, 1, 0)
+    hasher = BlockHasher(spec.block_size, "sha256", SEED)
+
+    def fill(rid: str, tokens: list[int], table: np.ndarray, start: int) -> None:
+        keys = hasher.hash_blocks(np.asarray(tokens, dtype=np.uint32))
+        for col in range(start, table.shape[1]):
+            key = keys[col] if col < len(keys) else rid.encode()
+            for row in range(2):
+                if table[row, col] >= 0:
+                    units = cell_units(gpu, cells, row, int(table[row, col]))
+                    data = pattern(key, row, sum(n for _, n in units))
+                    offset = 0
+                    for addr, n in units:
+                        ctypes.memmove(addr, data[offset:offset + n], n)
+                        offset += n
+
+    with TransferManager(manager, gpu, HostTierConfig(host_blocks=32)) as tm:
+        tokens = list(range(1, 10))
+        admission = manager.admit("a", tokens)
+        fill("a", tokens, admission.table, 0)
+        for token in range(500, 520):
+            tokens.append(token)
+            table = manager.extend("a", [token])
+            fill("a", tokens, table, (len(tokens) - 1) // spec.block_size)
+        recycled = manager.table("a")[0] < 0
+        assert recycled.any(), "the window row should have given blocks back"
+        manager.free("a")
+        assert tm.drain(10)
+        stored = [e for e in manager.take_events() if isinstance(e, BlockStored) and e.medium == "CPU"]
+        by_group = [{c for e in stored if e.group == g
+                     for c in range(e.token_ids[0] // spec.block_size, e.token_ids[-1] // spec.block_size + 1)}
+                    for g in range(2)]
+        assert by_group[0] < by_group[1], "recycled columns are stored for the full row only"
+        manager.drop_cached(np.repeat([0, 1], 16), np.tile(np.arange(16), 2))
+        memory[:] = 0  # what comes back must come from host
+        gpu_hit, host_hit = tm.lookup(tokens)
+        assert gpu_hit == 0 and host_hit == (len(tokens) - 1) // spec.block_size * spec.block_size
+        admission = manager.admit("b", tokens)
+        assert admission.num_cached_tokens == host_hit
+        load = tm.load("b")
+        for layer in range(spec.num_layers):
+            assert load.wait(layer, timeout=10) is TransferStatus.DONE
+        keys = hasher.hash_blocks(np.asarray(tokens, dtype=np.uint32))
+        cached = host_hit // spec.block_size
+        assert (admission.table[0, :cached][recycled[:cached]] == -1).all()
+        checked = 0
+        for col in range(cached):
+            for row in range(2):
+                block = int(admission.table[row, col])
+                if block < 0:
+                    continue
+                assert block < row_blocks[row]
+                got = b"".join(ctypes.string_at(a, n) for a, n in cell_units(gpu, cells, row, block))
+                assert got == pattern(keys[col], row, len(got)), f"column {col} row {row}: wrong bytes"
+                checked += 1
+        assert checked > cached
+        tm.poll()
+        tm.check_integrity()
+        manager.check_integrity()
+
+
 def test_blocks_decoded_through_extend_many_reach_host_and_come_back(tiers) -> None:
     """Decode steps in one batch (the daemon's shape): the generated blocks are offloaded under the right keys."""
     spec = make_spec("bf16")
@@ -494,7 +582,7 @@ def test_bad_pairing_is_refused_and_changes_nothing() -> None:
     manager = KVCacheManager.from_spec(spec, 8)
     with pytest.raises(KVCacheError, match="^host_bytes:"):
         TransferManager(manager, memory.region, HostTierConfig(host_bytes=100))
-    with pytest.raises(KVCacheError, match="^gpu: the region has 8 blocks"):
+    with pytest.raises(KVCacheError, match="^gpu: layer 0 holds 8 blocks, but its rows hand out 9"):
         TransferManager(KVCacheManager.from_spec(spec, 9), memory.region, HostTierConfig(host_blocks=4))
     with pytest.raises(KVCacheError, match="^gpu: block_size"):
         TransferManager(KVCacheManager(8, 8), memory.region, HostTierConfig(host_blocks=4))

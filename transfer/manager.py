@@ -40,6 +40,7 @@ from kvcache.allocator.errors import KVCacheError
 from kvcache.allocator.events import BlockRemoved, BlockStored
 from kvcache.allocator.pool import BlockPool
 from kvcache.allocator.prefix import HASH_BYTES, PrefixIndex
+from kvcache.allocator.rows import cell_rows
 from kvcache.transfer.engines import CUDA_METHODS, DEFAULT_TIMEOUT, LocalEngine, TransferHandle, TransferStatus
 from kvcache.transfer.regions import KVRegion, copy_ranges_by_layers
 
@@ -188,11 +189,7 @@ class TransferManager:
             raise KVCacheError(f"gpu: the region belongs to peer {gpu.owner!r}; the host tier needs this process's cache")
         if gpu.spec.block_size != manager.block_size:
             raise KVCacheError(f"gpu: block_size {gpu.spec.block_size} differs from the manager's {manager.block_size}")
-        if gpu.num_blocks < manager.num_blocks:
-            raise KVCacheError(f"gpu: the region has {gpu.num_blocks} blocks, the manager allocates {manager.num_blocks}")
-        if manager.num_rows not in (1, gpu.heads):
-            raise KVCacheError(f"gpu: the manager has {manager.num_rows} rows; a region of {gpu.heads} kv heads "
-                               "serves 1 (uniform) or one per head")
+        self._cells = _cell_rows(manager, gpu)
         if not manager.enable_prefix_caching:
             raise KVCacheError("manager: the host tier keys blocks by prefix hash; enable_prefix_caching is off")
         self.manager = manager
@@ -200,7 +197,6 @@ class TransferManager:
         self.gpu = gpu
         self.num_blocks = config.num_blocks(gpu.spec)
         self._rows = manager.num_rows
-        self._uniform = self._rows == 1
         self._out = LocalEngine(timeout=config.timeout, cuda_method=config.cuda_method)
         self._in = LocalEngine(timeout=config.timeout, cuda_method=config.cuda_method)  # loads never queue behind offloads
         try:
@@ -468,8 +464,6 @@ class TransferManager:
         memory each starts in; one merged across a layer boundary goes with the earlier layer,
         which the engine's in-order queue finishes first.
         """
-        if self._uniform:  # whole blocks (1-D ids); otherwise per head [rows, n]
-            src_ids, dst_ids = src_ids[0], dst_ids[0]
         starts = src.addrs.ravel()
         order = np.argsort(starts, kind="stable")
         owner = np.repeat(np.arange(src.num_layers), src.addrs.shape[1])[order]
@@ -478,7 +472,8 @@ class TransferManager:
         while first < src.num_layers:
             bounds.append((first, min(src.num_layers, first + max(1, first))))
             first = bounds[-1][1]
-        groups = copy_ranges_by_layers(src, src_ids, dst, dst_ids, [np.arange(a, b) for a, b in bounds])
+        groups = copy_ranges_by_layers(src, src_ids, dst, dst_ids, [np.arange(a, b) for a, b in bounds],
+                                       cell_rows=self._cells)
         handles: list[TransferHandle] = []
         for (first, stop), ranges in zip(bounds, groups):
             layer = owner[np.searchsorted(starts[order], ranges.src, side="right") - 1]
@@ -599,6 +594,31 @@ class TransferManager:
         """Each row group's first row."""
         groups = self.manager.row_groups
         return [int(np.argmax(groups == g)) for g in range(int(groups.max()) + 1)]
+
+
+def _cell_rows(manager: KVCacheManager, gpu: KVRegion) -> np.ndarray:
+    """Which of the manager's rows each (layer, kv head) of ``gpu`` reads: one row (uniform), the region's
+    ``spec.rows`` (layer groups, heads), or one row per kv head; checked against each layer's block count."""
+    layers, heads, rows = gpu.num_layers, gpu.heads, manager.num_rows
+    layout = gpu.spec.rows
+    if rows == 1:
+        cells = np.zeros((layers, heads), dtype=np.int64)
+    elif layout is not None and len(layout) == rows and gpu.spec.kv_heads_per_rank == gpu.spec.num_kv_heads:
+        if [r.policy for r in layout] != list(manager.rows):
+            raise KVCacheError("gpu: the region's rows (spec.rows) have other policies than the manager's rows")
+        cells = cell_rows(layout, layers, heads, 1, 0).astype(np.int64)
+    elif rows == heads:
+        cells = np.tile(np.arange(heads, dtype=np.int64), (layers, 1))
+    else:
+        raise KVCacheError(f"gpu: the manager has {rows} rows; a region of {heads} kv heads serves 1 (uniform), one "
+                           "per head, or the rows its spec names (spec.rows)")
+    need = manager.row_blocks[cells].max(axis=1)
+    short = np.flatnonzero(gpu.layer_blocks < need)
+    if short.size:
+        layer = int(short[0])
+        raise KVCacheError(f"gpu: layer {layer} holds {int(gpu.layer_blocks[layer])} blocks, but its rows hand out "
+                           f"{int(need[layer])}")
+    return cells
 
 
 def _worst(statuses: Any) -> TransferStatus:
