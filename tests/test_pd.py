@@ -557,6 +557,7 @@ def test_a_messagers_layer_ranges_give_each_layer_exactly_the_ranges_built_for_i
     plan = TransferPlan("r", sb[None], db[None], 0, ("tcp://x:1",), time.monotonic() + 60)
     messager = CacheMessager.__new__(CacheMessager)  # only its range building: no engine, no threads
     messager.region, messager.rank, messager._routes, messager._layouts = src, 0, {}, {}
+    messager._cells_of = {}
     every, starts = messager._layer_ranges(plan, 0, dst, 0, None)
     assert starts[0] == 0 and starts[-1] == every.num_ranges and np.all(np.diff(starts) > 0)
     routes = [r for r in head_routes(4, prefill_tp, 1) if r.src == 0]
@@ -566,3 +567,57 @@ def test_a_messagers_layer_ranges_give_each_layer_exactly_the_ranges_built_for_i
         assert _triples(part) == sorted(t for r in alone for t in _triples(r)), layer
         if prefill_tp == 1 and layout == "layer-major":  # whole blocks, tensors apart: the run of 6 is one range
             assert part.num_ranges == (19 - 5) * tensors
+
+
+@pytest.mark.parametrize("prefill_tp", [1, 2])
+@pytest.mark.parametrize("head_wise", [False, True])
+def test_a_messagers_layer_ranges_read_each_layers_own_row_of_layer_group_tables(prefill_tp, head_wise):
+    """Tables whose rows are layer groups (sliding layers, full layers; per kv head within each with head_wise):
+    each layer's ranges move, head by head, that layer's own row on both sides, in layers whose pools differ
+    (TP 2 -> 1 too); a table of some other row count fails by name."""
+    from kvcache.allocator import CacheSpec, Full, KVCacheError, Window
+    from kvcache.allocator.rows import derive_rows
+    from kvcache.transfer.heads import head_routes, route_ranges
+    from kvcache.transfer.regions import KVRegion
+    from kvcache.pd.messager import CacheMessager, TransferPlan
+
+    policies = [Window(32), Window(32), Full(), Window(32), Full()]
+    rows = derive_rows(policies, 4, head_wise=head_wise)
+    spec = CacheSpec(num_layers=5, num_kv_heads=4, head_dim=32, block_size=16, tp_size=prefill_tp, rows=rows)
+    dspec = CacheSpec(num_layers=5, num_kv_heads=4, head_dim=32, block_size=16, tp_size=1, rows=rows)
+    pools = {"src": (30, 40), "dst": (35, 50)}  # (window rows, full rows)
+    regions = []
+    for side, s in (("src", spec), ("dst", dspec)):
+        counts = [pools[side][isinstance(p, Full)] for p in policies]
+        buf = np.zeros(sum(s.bytes_per_block_per_layer * n for n in counts), np.uint8)
+        regions.append(KVRegion.from_buffer(s, counts, buf.ctypes.data, keep=(buf,)))
+    src, dst = regions
+    rng = np.random.default_rng(5)
+
+    def table(side: str) -> np.ndarray:
+        return np.stack([rng.permutation(pools[side][isinstance(r.policy, Full)])[:12] for r in rows])
+
+    sb, db = table("src"), table("dst")
+    sb[0, :3] = -1  # a window row's recycled blocks move nothing
+    plan = TransferPlan("r", sb, db, 0, ("tcp://x:1",), time.monotonic() + 60)
+    messager = CacheMessager.__new__(CacheMessager)  # only its range building
+    messager.region, messager.rank, messager._routes, messager._layouts, messager._cells_of = src, 0, {}, {}, {}
+    every, starts = messager._layer_ranges(plan, 0, dst, 0, None)
+    row_of = {(layer, head): i for i, r in enumerate(rows) for layer in r.layers for head in r.kv_heads}
+    for layer in range(5):
+        part = every.select(slice(starts[layer], starts[layer + 1]))
+        want = []
+        for r in (r for r in head_routes(4, prefill_tp, 1) if r.src == 0):
+            for k in range(r.count):  # one head at a time, from that head's row (rank 0's heads start at 0)
+                one = r._replace(src_row=r.src_row + k, dst_row=r.dst_row + k, count=1)
+                i = row_of[(layer, r.src_row + k)]
+                want += _triples(route_ranges(src, sb[i], dst, db[i], one, layers=[layer]))
+        assert _bytes(_triples(part)) == _bytes(want), layer
+    with pytest.raises(KVCacheError, match="tables of 3 rows"):
+        three = np.vstack([sb, sb])[:3]
+        messager._check_rows(TransferPlan("r", three, three, 0, ("tcp://x:1",), time.monotonic() + 60))
+
+
+def _bytes(triples):
+    """Every (src, dst) 64-byte unit a list of ranges moves, however the ranges are merged."""
+    return sorted((s + i, d + i) for s, d, n in triples for i in range(0, n, 64))

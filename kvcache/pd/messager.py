@@ -42,6 +42,7 @@ import msgpack
 import numpy as np
 
 from kvcache.allocator.errors import KVCacheError
+from kvcache.allocator.rows import cell_rows
 from kvcache.transfer.engines import TransferHandle, TransferStatus
 from kvcache.transfer.heads import Route, RouteLayout, head_routes, layout_ranges, rank_heads, route_layout
 from kvcache.transfer.regions import CopyRanges, KVRegion
@@ -181,8 +182,9 @@ class CacheMessager:
         self.sent_ns: dict[Any, dict[str, int]] = {}  # per request, when each stage of its end happened (last 4096)
         self._peers: dict[str, Peer] = {}
         self._routes: dict[int, dict[int, list[Route]]] = {}  # decode tp -> decode rank -> my routes to it
-        # (id(peer region), route) -> (that region, its layout): what every request to it starts from
-        self._layouts: dict[tuple[int, Route], tuple[KVRegion, RouteLayout]] = {}
+        # (id(peer region), route, layers) -> (that region, its layout): what every request to it starts from
+        self._layouts: dict[tuple[int, Route, tuple[int, ...]], tuple[KVRegion, RouteLayout]] = {}
+        self._cells_of: dict[int, np.ndarray] = {}  # table rows -> which row each (layer, global head) reads
         self._progress: dict[Any, _Progress] = {}  # requests sent in chunks, between their steps (step thread only)
         self._steps: queue.SimpleQueue = queue.SimpleQueue()
         self._finishing: queue.SimpleQueue = queue.SimpleQueue()
@@ -352,11 +354,30 @@ class CacheMessager:
             notified.add((p.plan.req, p.d))
 
     def _check_rows(self, plan: TransferPlan) -> None:
-        """Both tables uniform (one row) or both head-wise (one row per kv head); else the request fails."""
-        rows, heads = (plan.src_blocks.shape[0], plan.dst_blocks.shape[0]), self.region.spec.num_kv_heads
-        if rows[0] != rows[1] or rows[0] not in (1, heads):
-            raise KVCacheError(f"tables of {rows[0]} (prefill) and {rows[1]} (decode) rows: both need one row, "
-                               f"or one per kv head ({heads})")
+        """Both tables have the same rows, and rows this rank's cache can read (``_cells``); else the request fails."""
+        rows = (plan.src_blocks.shape[0], plan.dst_blocks.shape[0])
+        if rows[0] != rows[1]:
+            raise KVCacheError(f"tables of {rows[0]} (prefill) and {rows[1]} (decode) rows: both need the same rows")
+        self._cells(rows[0])
+
+    def _cells(self, num_rows: int) -> np.ndarray:
+        """int64 [layers, global kv heads]: which table row each layer's head reads, for tables of ``num_rows``
+        rows: one (uniform), the rows the region's spec names (layer groups, heads), or one per kv head."""
+        cells = self._cells_of.get(num_rows)
+        if cells is None:
+            spec = self.region.spec
+            layers, heads = spec.num_layers, spec.num_kv_heads
+            if num_rows == 1:
+                cells = np.zeros((layers, heads), dtype=np.int64)
+            elif spec.rows is not None and len(spec.rows) == num_rows:
+                cells = cell_rows(spec.rows, layers, heads, 1, 0).astype(np.int64)
+            elif num_rows == heads:
+                cells = np.tile(np.arange(heads, dtype=np.int64), (layers, 1))
+            else:
+                raise KVCacheError(f"tables of {num_rows} rows: need one row, one per kv head ({heads}), or the "
+                                   f"rows the cache's spec names ({len(spec.rows or ())})")
+            self._cells_of[num_rows] = cells
+        return cells
 
     def _targets(self, plan: TransferPlan) -> dict[int, tuple[KVRegion, str]]:
         """Decode rank -> (its region, its agent) for every decode rank this rank writes to; connects as needed."""
@@ -384,14 +405,14 @@ class CacheMessager:
             self._routes[decode_tp] = routes
         return routes
 
-    def _layout(self, remote: KVRegion, route: Route) -> RouteLayout:
-        """Every layer's units of ``route`` into ``remote``, built once per peer region (not per request)."""
-        key = (id(remote), route)
+    def _layout(self, remote: KVRegion, route: Route, layers: tuple[int, ...]) -> RouteLayout:
+        """``layers``' units of ``route`` into ``remote``, built once per peer region (not per request)."""
+        key = (id(remote), route, layers)
         held = self._layouts.get(key)
         if held is None or held[0] is not remote:
             if len(self._layouts) >= 256:  # peers come and go: forget the oldest
                 self._layouts.pop(next(iter(self._layouts)))
-            held = self._layouts[key] = (remote, route_layout(self.region, remote, route))
+            held = self._layouts[key] = (remote, route_layout(self.region, remote, route, list(layers)))
         return held[1]
 
     def _ranges(self, plan: TransferPlan, d: int, remote: KVRegion, layers: list[int]) -> CopyRanges:
@@ -400,25 +421,38 @@ class CacheMessager:
 
     def _layer_ranges(self, plan: TransferPlan, d: int, remote: KVRegion, lo: int, hi: int | None,
                       layers: list[int] | None = None) -> tuple[CopyRanges, np.ndarray]:
-        """Blocks ``[lo, hi)`` of ``layers`` (default all) for decode rank ``d``, in layer order, and where each starts."""
+        """Blocks ``[lo, hi)`` of ``layers`` (default all) for decode rank ``d``, in layer order, and where each starts.
+
+        Each route's heads read their table rows layer by layer (``_cells``): layers whose heads read the same
+        rows go together, whole blocks where one row holds every head of the route, else a row per head.
+        """
         src, dst = plan.src_blocks[:, lo:hi], plan.dst_blocks[:, lo:hi]
         spec = self.region.spec
-        parts = []
+        selected = list(range(spec.num_layers)) if layers is None else list(layers)
+        cells = self._cells(src.shape[0])
+        parts: list[tuple[CopyRanges, np.ndarray, list[int]]] = []
         for r in self._routes_to(len(plan.receivers))[d]:
-            layout = self._layout(remote, r) if layers is None else route_layout(self.region, remote, r, layers)
-            if src.shape[0] == 1:
-                parts.append(layout_ranges(layout, src[0], dst[0]))
-            else:  # head-wise: the route's heads, by their global index, pick their rows on both sides
-                g = rank_heads(spec.num_kv_heads, spec.tp_size, self.rank)[r.src_row]
-                parts.append(layout_ranges(layout, src[g:g + r.count], dst[g:g + r.count]))
+            g = rank_heads(spec.num_kv_heads, spec.tp_size, self.rank)[r.src_row]  # the route's first global head
+            classes: dict[tuple[int, ...], list[int]] = {}
+            for layer in selected:
+                classes.setdefault(tuple(cells[layer, g:g + r.count].tolist()), []).append(layer)
+            for picks, group in classes.items():
+                layout = (self._layout(remote, r, tuple(group)) if layers is None
+                          else route_layout(self.region, remote, r, group))
+                if len(set(picks)) == 1:  # one row holds every head of the route in these layers: whole blocks
+                    ranges, starts = layout_ranges(layout, src[picks[0]], dst[picks[0]])
+                else:
+                    ranges, starts = layout_ranges(layout, src[list(picks)], dst[list(picks)])
+                parts.append((ranges, starts, group))
         if len(parts) == 1:
-            return parts[0]
-        # Several routes (TP re-slicing): each layer's ranges of every route together, layers in order.
-        count = parts[0][1].size - 1
-        layer = np.concatenate([np.repeat(np.arange(count), np.diff(starts)) for _, starts in parts])
+            return parts[0][0], parts[0][1]
+        # Several routes (TP re-slicing) or layer classes: each layer's ranges together, layers in selection order.
+        position = {layer: i for i, layer in enumerate(selected)}
+        layer = np.concatenate([np.repeat([position[x] for x in group], np.diff(starts)).astype(np.int64)
+                                for _, starts, group in parts])
         order = np.argsort(layer, kind="stable")
-        joined = CopyRanges.concat([p for p, _ in parts]).select(order)
-        return joined, np.searchsorted(layer[order], np.arange(count + 1))
+        joined = CopyRanges.concat([p for p, _, _ in parts]).select(order)
+        return joined, np.searchsorted(layer[order], np.arange(len(selected) + 1))
 
     def _fail(self, req: Any, error: str, plan: TransferPlan | None) -> None:
         try:
