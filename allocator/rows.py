@@ -98,6 +98,20 @@ def cell_rows(rows: Sequence[Row], num_layers: int, num_kv_heads: int, tp_size: 
     return out
 
 
+def table_cells(rows: Sequence[Row] | None, num_table_rows: int, num_layers: int, num_kv_heads: int) -> np.ndarray:
+    """int64 ``[num_layers, num_kv_heads]``: the row of a table of ``num_table_rows`` rows that each (layer, kv head)
+    reads: the one row of a uniform table, the row of ``rows`` holding the cell (layer groups, and heads within
+    them), or the head's own row of a head-wise table. Any other count is an error."""
+    if num_table_rows == 1:
+        return np.zeros((num_layers, num_kv_heads), dtype=np.int64)
+    if rows is not None and len(rows) == num_table_rows:
+        return cell_rows(rows, num_layers, num_kv_heads, 1, 0).astype(np.int64)
+    if num_table_rows == num_kv_heads:
+        return np.tile(np.arange(num_kv_heads, dtype=np.int64), (num_layers, 1))
+    raise KVCacheError(f"tables of {num_table_rows} rows: need one row, one per kv head ({num_kv_heads}), or the "
+                       f"rows the cache's spec names ({len(rows or ())})")
+
+
 def layer_policies(config: Mapping[str, Any], num_layers: int) -> tuple[AttentionPolicy, ...]:
     """Each layer's policy as the config declares it (all Full where it declares no window).
 

@@ -1,8 +1,10 @@
-"""PD with head-wise tables: one row per kv head, sliding-window heads keeping sink and window only, over real daemons and NIXL.
+"""PD with tables of several rows over real daemons and NIXL: one row per kv head (sliding-window heads keeping
+sink and window only), and a model's layer groups (sliding layers in one row, full layers in another, per kv head
+within each group with --head-wise) with pools of their own.
 
-A decode reservation gives its window heads' blocks behind the window back at once (uncached where
+A decode reservation gives its window rows' blocks behind the window back at once (uncached where
 they would have arrived, as the prefill node may not hold them after its own prefix hit); each
-head's blocks move to that head's decode blocks, re-sliced across TP sizes.
+row's blocks move to the same row's decode blocks, layer by layer, re-sliced across TP sizes.
 """
 from __future__ import annotations
 
@@ -42,6 +44,41 @@ def test_head_wise_requests_arrive_head_by_head_with_prefix_hits_on_either_side(
             assert result["problems"] == [], name
             if name == "prefix hits on prefill only":
                 assert all(v > 0 for v in result["prefill_cached"].values())
+            if name == "prefix hits on decode only":
+                assert all(v > 0 for v in result["decode_cached"].values())
+        nothing_held(prefill, decode)
+
+
+# Gemma-shaped: layers 0 and 2 slide over 32 tokens (with a 16-token sink, so a decode-side hit can keep its first
+# block), 1 and 3 attend in full.
+GEMMA_SHAPED = {"model_type": "gemma3_text", "num_hidden_layers": 4, "num_attention_heads": 8,
+                "num_key_value_heads": 4, "head_dim": 32, "sliding_window": 32, "sink_size": 16,
+                "sliding_window_pattern": 2}
+
+
+@needs_nixl
+@pytest.mark.parametrize("prefill_tp, decode_tp, head_wise", [(1, 1, False), (2, 1, True), (1, 2, False)])
+def test_layer_group_rows_arrive_layer_by_layer_from_their_own_pools(prefill_tp, decode_tp, head_wise):
+    """Daemons serving a Gemma-shaped config: the sliding layers' row has a smaller pool than the full layers'
+    (sized from the memory for requests of 2,048 tokens); fresh prompts and prefix hits on either node move each
+    layer's blocks from its own row to the same row on the decode node, and every decode byte is the model's."""
+    from kvcache.pd import PDProxy
+
+    with Cluster(model=GEMMA_SHAPED, head_wise=head_wise, memory="32MiB", max_model_len=2048,
+                 max_num_batched_tokens=1040, prefill_tp=prefill_tp, decode_tp=decode_tp) as cluster:
+        prefill, decode = CacheClient(cluster.cfg["prefill"]), CacheClient(cluster.cfg["decode"])
+        rows = prefill.info()["rows"]
+        assert len(rows) == (8 if head_wise else 2)
+        assert [r["layers"] for r in rows[:: len(rows) // 2]] == [[0, 2], [1, 3]]
+        assert rows[0]["num_blocks"] < rows[-1]["num_blocks"]
+        layer_blocks = cluster.cfg["layer_blocks"]["decode"]
+        assert layer_blocks[0] == layer_blocks[2] < layer_blocks[1] == layer_blocks[3]
+        proxy = PDProxy(prefill, decode)
+        for name, prompts, clear in scenario(np.random.default_rng(5), cluster.spec.block_size):
+            if clear:
+                (prefill if clear == "prefill" else decode).reset_prefix_cache()
+            result = run_batch(cluster, proxy, prompts)
+            assert result["problems"] == [], name
             if name == "prefix hits on decode only":
                 assert all(v > 0 for v in result["decode_cached"].values())
         nothing_held(prefill, decode)

@@ -40,7 +40,7 @@ from kvcache.allocator.errors import KVCacheError
 from kvcache.allocator.events import BlockRemoved, BlockStored
 from kvcache.allocator.pool import BlockPool
 from kvcache.allocator.prefix import HASH_BYTES, PrefixIndex
-from kvcache.allocator.rows import cell_rows
+from kvcache.allocator.rows import table_cells
 from kvcache.transfer.engines import CUDA_METHODS, DEFAULT_TIMEOUT, LocalEngine, TransferHandle, TransferStatus
 from kvcache.transfer.regions import KVRegion, copy_ranges_by_layers
 
@@ -597,21 +597,16 @@ class TransferManager:
 
 
 def _cell_rows(manager: KVCacheManager, gpu: KVRegion) -> np.ndarray:
-    """Which of the manager's rows each (layer, kv head) of ``gpu`` reads: one row (uniform), the region's
-    ``spec.rows`` (layer groups, heads), or one row per kv head; checked against each layer's block count."""
-    layers, heads, rows = gpu.num_layers, gpu.heads, manager.num_rows
-    layout = gpu.spec.rows
-    if rows == 1:
-        cells = np.zeros((layers, heads), dtype=np.int64)
-    elif layout is not None and len(layout) == rows and gpu.spec.kv_heads_per_rank == gpu.spec.num_kv_heads:
-        if [r.policy for r in layout] != list(manager.rows):
-            raise KVCacheError("gpu: the region's rows (spec.rows) have other policies than the manager's rows")
-        cells = cell_rows(layout, layers, heads, 1, 0).astype(np.int64)
-    elif rows == heads:
-        cells = np.tile(np.arange(heads, dtype=np.int64), (layers, 1))
-    else:
-        raise KVCacheError(f"gpu: the manager has {rows} rows; a region of {heads} kv heads serves 1 (uniform), one "
-                           "per head, or the rows its spec names (spec.rows)")
+    """Which of the manager's rows each (layer, kv head) of ``gpu`` reads (``table_cells``: one row, the region's
+    ``spec.rows`` where it holds every kv head, or one per head), checked against each layer's block count."""
+    spec = gpu.spec
+    layout = spec.rows if spec.kv_heads_per_rank == spec.num_kv_heads else None
+    try:
+        cells = table_cells(layout, manager.num_rows, gpu.num_layers, gpu.heads)
+    except KVCacheError as exc:
+        raise KVCacheError(f"gpu: the manager's {exc}") from None
+    if layout is not None and len(layout) == manager.num_rows and [r.policy for r in layout] != list(manager.rows):
+        raise KVCacheError("gpu: the region's rows (spec.rows) have other policies than the manager's rows")
     need = manager.row_blocks[cells].max(axis=1)
     short = np.flatnonzero(gpu.layer_blocks < need)
     if short.size:

@@ -29,6 +29,7 @@ import numpy as np
 
 from kvcache.allocator.errors import KVCacheError
 from kvcache.allocator.layout import DTYPE_BYTES, CacheSpec, TensorSpec
+from kvcache.allocator.rows import Row
 
 __all__ = ["ByteRanges", "CopyRanges", "KVRegion", "TensorInfo", "copy_ranges", "describe_tensor"]
 
@@ -425,7 +426,10 @@ class KVRegion:
     def from_description(cls, description: Mapping[str, Any], owner: str) -> KVRegion:
         """The region a peer described, its addresses in that peer's (``owner``'s) address space."""
         try:
-            spec = CacheSpec(**description["spec"])
+            fields = dict(description["spec"])
+            if fields.get("rows") is not None:
+                fields["rows"] = tuple(Row.from_description(r, f"spec.rows[{i}]") for i, r in enumerate(fields["rows"]))
+            spec = CacheSpec(**fields)
             return cls.from_addresses(spec, description.get("layer_blocks", description["num_blocks"]),
                                       description["addrs"],
                                       device=description["device"], block_strides=description["block_strides"],

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import json
 import multiprocessing as mp
 import os
 import shutil
@@ -32,6 +33,7 @@ import numpy as np
 from kvcache.allocator.errors import KVCacheError
 from kvcache.allocator import CacheSpec
 from kvcache.allocator.layout import DTYPE_BYTES
+from kvcache.allocator.rows import table_cells
 from kvcache.transfer.heads import rank_heads
 
 RAW = {1: np.uint8, 2: np.uint16, 4: np.uint32}
@@ -59,8 +61,17 @@ def shared_cache_of(cfg: dict[str, Any], role: str, rank: int) -> str:
 
 
 def spec_of(cfg: dict[str, Any], tp: int) -> CacheSpec:
+    """A rank's spec: from the model config the daemons serve (its rows: layer groups), else the cluster's geometry."""
+    if cfg.get("model"):
+        return CacheSpec.from_hf_config(cfg["model"], block_size=cfg["block_size"], dtype="bfloat16", tp_size=tp,
+                                        head_wise=cfg.get("head_wise", False))
     return CacheSpec(num_layers=cfg["layers"], num_kv_heads=cfg["kv_heads"], head_dim=cfg["head_dim"],
                      block_size=cfg["block_size"], dtype="bfloat16", tp_size=tp)
+
+
+def cells_of(spec: CacheSpec, table: np.ndarray) -> np.ndarray:
+    """[layers, kv heads]: the row of ``table`` (``[rows, n]``) each layer's head reads (``table_cells``)."""
+    return table_cells(spec.rows, table.shape[0], spec.num_layers, spec.num_kv_heads)
 
 
 def kv_values(tokens: np.ndarray, blocks: range, layer: int, heads: range, tensor: int, shape: tuple[int, ...],
@@ -82,34 +93,39 @@ def kv_values(tokens: np.ndarray, blocks: range, layer: int, heads: range, tenso
 class Cache:
     """One rank's paged cache: per layer, per tensor, a view ``[num_blocks, heads, block_size, dim]`` of one buffer."""
 
-    def __init__(self, spec: CacheSpec, num_blocks: int, device: str, shared: str = "") -> None:
-        """``shared``: a CPU cache in a SharedHostBuffer of that name, which a link in its own process can map."""
+    def __init__(self, spec: CacheSpec, num_blocks: int | list[int], device: str, shared: str = "") -> None:
+        """``num_blocks``: every layer's blocks, or one count per layer (layer groups with pools of their own).
+        ``shared``: a CPU cache in a SharedHostBuffer of that name, which a link in its own process can map."""
+        from kvcache.transfer.regions import buffer_bytes
+
         self.spec, self.device = spec, device
         self.torch: Any = None
         self._stream: Any = None
         self.host: Any = None
+        counts = [num_blocks] * spec.num_layers if isinstance(num_blocks, int) else list(num_blocks)
+        nbytes = buffer_bytes(spec, counts)
         if device == "cpu":
             if shared:
                 from kvcache.transfer.sharing import SharedHostBuffer
 
-                self.host = SharedHostBuffer(spec.cache_bytes(num_blocks), name=shared)
+                self.host = SharedHostBuffer(nbytes, name=shared)
                 self.buffer = self.host.array
             else:
-                self.buffer = np.zeros(spec.cache_bytes(num_blocks), np.uint8)
+                self.buffer = np.zeros(nbytes, np.uint8)
             view = lambda lo, hi, dtype, shape: self.buffer[lo:hi].view(dtype).reshape(shape)  # noqa: E731
         else:
             import torch
 
             self.torch = torch
-            self.buffer = torch.zeros(spec.cache_bytes(num_blocks), dtype=torch.uint8, device=device)
+            self.buffer = torch.zeros(nbytes, dtype=torch.uint8, device=device)
             kinds = {np.uint8: torch.int8, np.uint16: torch.int16, np.uint32: torch.int32}
             view = lambda lo, hi, dtype, shape: self.buffer[lo:hi].view(kinds[dtype]).view(shape)  # noqa: E731
         self.layers, offset = [], 0
-        for _ in range(spec.num_layers):
+        for count in counts:
             row = []
             for t in spec.tensors():
-                n = t.nbytes(num_blocks)
-                row.append(view(offset, offset + n, RAW[DTYPE_BYTES[t.dtype]], t.shape(num_blocks)))
+                n = t.nbytes(count)
+                row.append(view(offset, offset + n, RAW[DTYPE_BYTES[t.dtype]], t.shape(count)))
                 offset += n
             self.layers.append(row)
 
@@ -147,14 +163,21 @@ class Cache:
                 arr[index, heads] = torch.where(mask, new, arr[index, heads])
 
     def read(self, ids: np.ndarray) -> list[list[np.ndarray]]:
-        """Blocks ``ids`` of every layer and tensor, as numpy (raw unsigned views)."""
+        """Blocks ``ids`` of every layer and tensor, as numpy (raw unsigned views); zeros past a layer's blocks."""
         out = []
         for row in self.layers:
+            have = ids < row[0].shape[0]
             if self.torch is None:
-                out.append([arr[ids].copy() for arr in row])
+                parts = [arr[ids[have]] for arr in row]
             else:
-                index = self.torch.from_numpy(ids).to(row[0].device)
-                out.append([arr[index].cpu().numpy().view(RAW[arr.element_size()]) for arr in row])
+                index = self.torch.from_numpy(ids[have]).to(row[0].device)
+                parts = [arr[index].cpu().numpy().view(RAW[arr.element_size()]) for arr in row]
+            whole = []
+            for part in parts:
+                full = np.zeros((ids.size, *part.shape[1:]), part.dtype)
+                full[have] = part
+                whole.append(full)
+            out.append(whole)
         return out
 
 
@@ -185,7 +208,7 @@ def prefill_worker(conn: Any, cfg: dict[str, Any], rank: int) -> None:
     spec = spec_of(cfg, cfg["prefill_tp"])
     process = cfg["link"] == "process"
     shared = shared_cache_of(cfg, "prefill", rank) if process else ""
-    cache = Cache(spec, cfg["num_blocks"], cfg["device"], shared=shared)
+    cache = Cache(spec, cfg["layer_blocks"]["prefill"], cfg["device"], shared=shared)
     region = KVRegion.from_tensors(spec, cache.layers)
     sig = LayerSignal.create(signal_of(cfg, rank), spec.num_layers, replace=True)
     heads = rank_heads(spec.num_kv_heads, spec.tp_size, rank)
@@ -269,19 +292,23 @@ def run_layers(cache: Cache, spec: CacheSpec, sig: Any, heads: range, items: lis
     running Python (the GIL held, as a runner launching kernels)."""
     from kvcache.ops import send_cache
 
+    tables = [np.atleast_2d(table) for _, _, table, *_ in items]
+    cells = [cells_of(spec, table) for table in tables]
     for layer in range(spec.num_layers):
-        for _, tokens, table, start, stop, _ in items:
+        for (_, tokens, _, start, stop, _), table, cell in zip(items, tables, cells):
             first = start // spec.block_size
             blocks = range(first, min(table.shape[-1], -(-stop // spec.block_size)))
             if blocks and compute:
                 values = [kv_values(tokens[:stop], blocks, layer, heads, t, ts.block_shape,
                                     RAW[DTYPE_BYTES[ts.dtype]]) for t, ts in enumerate(spec.tensors())]
-                if table.ndim == 1:
-                    ids = table[blocks.start:blocks.stop].astype(np.int64)
-                    cache.write(layer, ids, [v for v, _ in values], values[0][1])
+                rows = cell[layer, heads.start:heads.stop]
+                if (rows == rows[0]).all():  # one row holds every head of the rank in this layer: whole blocks
+                    ids = table[rows[0], blocks.start:blocks.stop].astype(np.int64)
+                    held = ids >= 0
+                    cache.write(layer, ids[held], [v[held] for v, _ in values], values[0][1][held])
                     continue
-                for k, g in enumerate(heads):  # head-wise: each head's blocks come from its own row
-                    ids = table[g, blocks.start:blocks.stop].astype(np.int64)
+                for k, row in enumerate(rows.tolist()):  # each head's blocks come from its own row
+                    ids = table[row, blocks.start:blocks.stop].astype(np.int64)
                     held = ids >= 0
                     cache.write(layer, ids[held], [v[held, k:k + 1] for v, _ in values], values[0][1][held],
                                 slice(k, k + 1))
@@ -351,7 +378,7 @@ def decode_worker(conn: Any, cfg: dict[str, Any], rank: int) -> None:
     spec = spec_of(cfg, cfg["decode_tp"])
     process = cfg["link"] == "process" and cfg["device"] == "cpu"  # a GPU cache's receiver stays: see ReceiverProcess
     shared = shared_cache_of(cfg, "decode", rank) if process else ""
-    cache = Cache(spec, cfg["num_blocks"], cfg["device"], shared=shared)
+    cache = Cache(spec, cfg["layer_blocks"]["decode"], cfg["device"], shared=shared)
     region = KVRegion.from_tensors(spec, cache.layers)
     make_link = ReceiverProcess if process else DecodeLink
     try:
@@ -417,16 +444,21 @@ class Cluster:
 
     def __init__(self, *, layers: int = 4, kv_heads: int = 4, head_dim: int = 32, block_size: int = 16,
                  num_blocks: int = 512, prefill_tp: int = 1, decode_tp: int = 1, device: str = "cpu",
-                 timeout: float = 20.0, rows: str = "full", progress: str = "thread", link: str = "thread") -> None:
+                 timeout: float = 20.0, rows: str = "full", progress: str = "thread", link: str = "thread",
+                 model: dict[str, Any] | None = None, head_wise: bool = False, memory: str = "",
+                 max_model_len: int = 0, max_num_batched_tokens: int = 0) -> None:
         """``rows``: both daemons' ``--rows`` (``full``: uniform tables; one policy per kv head: head-wise);
         ``progress``: the NIXL engines' progress mode (``thread`` or ``poll``, see NixlEngine); ``link``:
         ``thread`` runs each rank's messager or receiver in the worker's process, ``process`` in a process of
-        its own (``MessagerProcess``, and ``ReceiverProcess`` for CPU caches; those then live in shared memory)."""
+        its own (``MessagerProcess``, and ``ReceiverProcess`` for CPU caches; those then live in shared memory).
+        ``model``: a config.json's fields the daemons serve (``--model``; its rows, such as layer groups, replace
+        ``rows`` and the geometry), per kv head within each group with ``head_wise``; with ``memory`` and
+        ``max_model_len`` (and ``max_num_batched_tokens``) each row's pool is sized from that much memory per rank
+        (``--gpu-memory``, ``--max-model-len``) instead of ``num_blocks`` blocks each."""
         if link not in ("thread", "process"):
             raise KVCacheError(f"link: must be 'thread' or 'process', got {link!r}")
-        for tp in (prefill_tp, decode_tp):  # a geometry the ranks cannot split fails here, not in a worker
-            CacheSpec(num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim, block_size=block_size,
-                      dtype="bfloat16", tp_size=tp)
+        if memory and not model:
+            raise KVCacheError("memory: sizes the pools of a model's rows; give model too")
         if device.startswith("cuda"):
             try:
                 import torch
@@ -438,16 +470,26 @@ class Cluster:
         self.daemons: dict[str, subprocess.Popen] = {}
         self.prefill_workers: list[Worker] = []
         self.decode_workers: list[Worker] = []
+        config = ""
+        if model:
+            config = str(self.folder / "config.json")
+            Path(config).write_text(json.dumps(model))
         self.cfg = dict(layers=layers, kv_heads=kv_heads, head_dim=head_dim, block_size=block_size,
                         num_blocks=num_blocks, prefill_tp=prefill_tp, decode_tp=decode_tp, device=device,
                         timeout=5.0, rows=rows, progress=progress, link=link, prefill=f"ipc://{self.folder}/prefill.sock",
                         signal_prefix=f"kvcache-pd-{uuid.uuid4().hex[:12]}",
-                        decode=f"ipc://{self.folder}/decode.sock")
+                        decode=f"ipc://{self.folder}/decode.sock", model=config, head_wise=head_wise)
         try:
+            for tp in (prefill_tp, decode_tp):  # a geometry the ranks cannot split fails here, not in a worker
+                spec_of(self.cfg, tp)
+            sizing = (["--gpu-memory", memory, "--utilization", "1", "--max-model-len", str(max_model_len),
+                       "--max-num-batched-tokens", str(max_num_batched_tokens)] if memory
+                      else ["--num-blocks", str(num_blocks)])
             for role, tp in (("prefill", prefill_tp), ("decode", decode_tp)):
-                self.daemons[role] = self._serve(role, tp, num_blocks, block_size, timeout)
+                self.daemons[role] = self._serve(role, tp, sizing, block_size, timeout)
             for role, tp in (("prefill", prefill_tp), ("decode", decode_tp)):
                 self._wait_ready(role)
+            self.cfg["layer_blocks"] = {role: self._layer_blocks(role) for role in ("prefill", "decode")}
             self.decode_workers = [Worker(decode_worker, self.cfg, r) for r in range(decode_tp)]
             self.prefill_workers = [Worker(prefill_worker, self.cfg, r) for r in range(prefill_tp)]
         except BaseException:
@@ -455,13 +497,27 @@ class Cluster:
             raise
         self.spec = spec_of(self.cfg, prefill_tp)
 
-    def _serve(self, role: str, tp: int, num_blocks: int, block_size: int, timeout: float) -> subprocess.Popen:
+    def _serve(self, role: str, tp: int, sizing: list[str], block_size: int, timeout: float) -> subprocess.Popen:
+        model = (["--model", self.cfg["model"], *(["--head-wise"] if self.cfg["head_wise"] else [])]
+                 if self.cfg["model"] else ["--rows", self.cfg["rows"]])
         with open(self.folder / f"{role}.log", "wb") as log:
             return subprocess.Popen([sys.executable, "-m", "kvcache", "serve", "--role", role, "--tp", str(tp),
-                                     "--endpoint", self.cfg[role], "--num-blocks", str(num_blocks),
-                                     "--block-size", str(block_size), "--transfer-timeout", str(timeout),
-                                     "--rows", self.cfg["rows"]],
+                                     "--endpoint", self.cfg[role], *sizing,
+                                     "--block-size", str(block_size), "--transfer-timeout", str(timeout), *model],
                                     stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+
+    def _layer_blocks(self, role: str) -> list[int]:
+        """Each layer's blocks on ``role``'s ranks: the pool of the rows holding the layer (as the daemon says)."""
+        from kvcache.client import CacheClient
+
+        with CacheClient(self.cfg[role]) as client:
+            info = client.info()
+        layers = spec_of(self.cfg, 1).num_layers
+        counts = [0] * layers
+        for row in info["rows"]:
+            for layer in row.get("layers", range(layers)):
+                counts[layer] = max(counts[layer], row["num_blocks"])
+        return counts
 
     def _wait_ready(self, role: str, timeout: float = 30.0) -> None:
         deadline = time.monotonic() + timeout
@@ -536,21 +592,21 @@ class Cluster:
     def read(self, workers: list[Worker], table: np.ndarray) -> list[np.ndarray]:
         """The global KV (every head) of ``table``'s blocks on one node, per (layer, tensor), ``[blocks, heads, ...]``.
 
-        ``table`` is a uniform table's row, or a head-wise table ``[heads, blocks]``: then head g of
-        column c is read from block ``table[g, c]`` (zeros where that is -1).
+        ``table`` is a uniform table's row, or a table ``[rows, blocks]`` (head-wise, layer groups): head g of
+        layer l, column c is read from block ``table[cells_of(...)[l, g], c]`` (zeros where that is -1).
         """
-        table = np.asarray(table, dtype=np.int64)
-        if table.ndim == 1:
-            parts = [w.call("read", table) for w in workers]
-            return gather(parts, self.spec.num_kv_heads)
+        table = np.atleast_2d(np.asarray(table, dtype=np.int64))
+        cells = cells_of(self.spec, table)
         ids = np.unique(table[table >= 0])
         whole = gather([w.call("read", ids) for w in workers], self.spec.num_kv_heads)  # [ids, heads, ...]
-        heads = np.arange(table.shape[0])[:, None]
-        where = np.searchsorted(ids, np.maximum(table, 0))
+        heads = np.arange(self.spec.num_kv_heads)[:, None]
         out = []
-        for arr in whole:
-            picked = arr[where, heads] if ids.size else np.zeros((*table.shape, *arr.shape[2:]), arr.dtype)
-            picked[table < 0] = 0
+        for i, arr in enumerate(whole):
+            layer_table = table[cells[i // len(self.spec.tensors())]]  # [heads, blocks]
+            where = np.searchsorted(ids, np.maximum(layer_table, 0))
+            picked = (arr[where, heads] if ids.size else
+                      np.zeros((*layer_table.shape, *arr.shape[2:]), arr.dtype))
+            picked[layer_table < 0] = 0
             out.append(np.swapaxes(picked, 0, 1))  # [blocks, heads, ...]
         return out
 
@@ -596,19 +652,18 @@ def check_request(cluster: Cluster, tokens: np.ndarray, decode_table: np.ndarray
     units the decode table holds are checked, moved ones where the prefill table holds them too.
     """
     problems = []
+    decode_table, prefill_table = np.atleast_2d(decode_table), np.atleast_2d(prefill_table)
     decode = cluster.read(cluster.decode_workers, decode_table)
     prefill = cluster.read(cluster.prefill_workers, prefill_table)
-    n, heads = decode_table.shape[-1], cluster.spec.num_kv_heads
+    n = decode_table.shape[-1]
     want, valid = cluster.expected(tokens, n)
-    held = np.ones((n, heads), bool)  # [block, head] units the decode node holds
-    moved = np.zeros((n, heads), bool)
-    moved[first_block:] = True
-    if decode_table.ndim == 2:
-        held = (decode_table >= 0).T
-        moved &= held & (prefill_table >= 0).T
-        held &= moved | (np.arange(n) < first_block)[:, None]  # the rest was never meant to arrive
+    cells = cells_of(cluster.spec, decode_table)
     for i, (d, p, w) in enumerate(zip(decode, prefill, want)):
         layer, tensor = divmod(i, len(cluster.spec.tensors()))
+        held = (decode_table[cells[layer]] >= 0).T  # [block, head] units the decode node holds in this layer
+        moved = held & (prefill_table[cells[layer]] >= 0).T
+        moved[:first_block] = False
+        held &= moved | (np.arange(n) < first_block)[:, None]  # the rest was never meant to arrive
         if not np.array_equal(d[moved], p[moved]):
             problems.append(f"layer {layer} tensor {tensor}: decode blocks differ from prefill's")
         mask = np.broadcast_to(held[:, :, None, None] & valid[:, None, :, None], d.shape)
@@ -653,8 +708,9 @@ def run_batch(cluster: Cluster, proxy: Any, prompts: dict[Any, np.ndarray], *, l
         reservation, admission = submitted[req]
         first = reservation.num_cached_tokens // bs
         dst, src = np.asarray(reservation.table)[:, first:], np.asarray(admission.table)[:, first:]
-        units = ((dst >= 0) & (src >= 0)).sum() / dst.shape[0]  # blocks' worth of heads moved (all heads: uniform)
-        moved += units * cluster.spec.bytes_per_block_per_layer * cluster.spec.num_layers
+        per_row = ((dst >= 0) & (src >= 0)).sum(axis=1)  # blocks moved of each row
+        heads = cluster.spec.num_kv_heads  # a (layer, head) of a block: one head's share of the layer's block
+        moved += per_row[cells_of(cluster.spec, dst)].sum() * cluster.spec.bytes_per_block_per_layer / heads
         if req in ready:
             problems += [f"{req!r}: {p}" for p in check_request(
                 cluster, tokens, table_of(reservation), table_of(admission), first)]

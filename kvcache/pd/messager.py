@@ -42,7 +42,7 @@ import msgpack
 import numpy as np
 
 from kvcache.allocator.errors import KVCacheError
-from kvcache.allocator.rows import cell_rows
+from kvcache.allocator.rows import table_cells
 from kvcache.transfer.engines import TransferHandle, TransferStatus
 from kvcache.transfer.heads import Route, RouteLayout, head_routes, layout_ranges, rank_heads, route_layout
 from kvcache.transfer.regions import CopyRanges, KVRegion
@@ -361,22 +361,11 @@ class CacheMessager:
         self._cells(rows[0])
 
     def _cells(self, num_rows: int) -> np.ndarray:
-        """int64 [layers, global kv heads]: which table row each layer's head reads, for tables of ``num_rows``
-        rows: one (uniform), the rows the region's spec names (layer groups, heads), or one per kv head."""
+        """int64 [layers, global kv heads]: which row of a table of ``num_rows`` rows each layer's head reads."""
         cells = self._cells_of.get(num_rows)
         if cells is None:
             spec = self.region.spec
-            layers, heads = spec.num_layers, spec.num_kv_heads
-            if num_rows == 1:
-                cells = np.zeros((layers, heads), dtype=np.int64)
-            elif spec.rows is not None and len(spec.rows) == num_rows:
-                cells = cell_rows(spec.rows, layers, heads, 1, 0).astype(np.int64)
-            elif num_rows == heads:
-                cells = np.tile(np.arange(heads, dtype=np.int64), (layers, 1))
-            else:
-                raise KVCacheError(f"tables of {num_rows} rows: need one row, one per kv head ({heads}), or the "
-                                   f"rows the cache's spec names ({len(spec.rows or ())})")
-            self._cells_of[num_rows] = cells
+            cells = self._cells_of[num_rows] = table_cells(spec.rows, num_rows, spec.num_layers, spec.num_kv_heads)
         return cells
 
     def _targets(self, plan: TransferPlan) -> dict[int, tuple[KVRegion, str]]:
