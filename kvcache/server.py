@@ -313,6 +313,8 @@ class CacheServer:
         self.config = config.resolved()
         self.manager = manager
         self.layout = None if layout is None else tuple(layout)
+        # The info reply's row cells at most: a msgpack int of a layer or head takes up to 5 bytes.
+        self._cell_bytes = 5 * sum(len(r.layers) + len(r.kv_heads) for r in self.layout or ())
         self._extra_info = extra_info or {}
         self._ctx = context or zmq.Context.instance()
         self._sockets: list[zmq.Socket] = []
@@ -909,7 +911,7 @@ class CacheServer:
             elif kind == "pd_poll":
                 total += (MAX_ID_CHARS + MAX_ERROR + 32) * self._pd.unread(client)
             elif kind in ("usage", "stats", "info"):
-                total += 4096 + 128 * len(m.rows)
+                total += 4096 + 128 * len(m.rows) + self._cell_bytes
         return total
 
     def _observe(self, force: bool = False) -> None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import zlib
@@ -187,3 +188,35 @@ def test_a_full_disk_refuses_changes_answers_reads_and_recovers_everything_ackno
     with CacheClient(d.endpoint) as client:
         assert client.stats()["num_requests"] == len(tables)
         assert all(client.table(rid).tolist() == table for rid, table in tables.items())
+
+
+def test_layer_group_pools_survive_kill_9_and_a_restart_with_other_pools_is_refused(daemon, tmp_path):
+    """A daemon serving a model's layer groups with pools of their own: after kill -9 the same flags bring back
+    every table and pool; other pool sizes (another --max-model-len) are refused, naming the setting."""
+    import json
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "gemma3_text", "num_hidden_layers": 6, "num_attention_heads": 8,
+                                  "num_key_value_heads": 4, "head_dim": 64, "sliding_window": 64,
+                                  "sliding_window_pattern": 3}))
+    journal = tmp_path / "j"
+    flags = ("--model", str(config), "--block-size", "16", "--gpu-memory", "64MiB", "--utilization", "1",
+             "--max-num-batched-tokens", "256", "--journal", str(journal))
+    d = daemon(*flags, "--max-model-len", "1024")
+    with CacheClient(d.endpoint) as client:
+        before = client.info()["rows"]
+        assert before[0]["num_blocks"] < before[1]["num_blocks"]
+        client.admit("long", np.arange(900))
+        client.extend("long", np.arange(50))
+        table = client.table("long")
+        usage = client.usage.per_row.tolist()
+    assert (table[0] == -1).any()
+    d.kill()
+    d = daemon(*flags, "--max-model-len", "1024", folder=d.folder)
+    with CacheClient(d.endpoint) as client:
+        assert client.info()["rows"] == before
+        assert np.array_equal(client.table("long"), table) and client.usage.per_row.tolist() == usage
+        client.check_integrity()
+    d.stop()
+    assert re.search(r"journal: (num_blocks|row_blocks) is .* in the journal but",
+                     refused(daemon, *flags, "--max-model-len", "2048", folder=d.folder))

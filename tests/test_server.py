@@ -558,3 +558,13 @@ def test_plan_into_a_closed_pipe_exits_quietly():
                             text=True, timeout=60)
     os.close(write)
     assert result.returncode == 141 and result.stderr == ""
+
+
+def test_a_journal_of_other_row_pools_is_refused_naming_row_blocks():
+    """Same id space, rows and block size, but the window row's pool differs: the journal's blocks may not exist."""
+    from kvcache.server import _check_compatible
+
+    journaled = KVCacheManager(8, 4, [Window(8), Full()], row_blocks=[4, 8], hash_seed=b"s")
+    configured = KVCacheManager(8, 4, [Window(8), Full()], row_blocks=[6, 8], hash_seed=b"s")
+    with pytest.raises(KVCacheError, match=r"^journal: row_blocks is \[4, 8\] in the journal but \[6, 8\]"):
+        _check_compatible(journaled, configured, ServeConfig())
