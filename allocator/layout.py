@@ -275,7 +275,7 @@ class CacheSpec:
         heads = spec.num_kv_heads or 1
         rows = derive_rows(layer_policies(cfg, spec.num_layers), heads, head_wise=head_wise,
                            window_heads=head_window_count(cfg, heads))
-        if len(rows) == 1 and not head_wise:
+        if len(rows) == 1 and not head_wise and isinstance(rows[0].policy, Full):
             return spec  # no window: the default row
         return dataclasses.replace(spec, rows=rows)
 

@@ -65,8 +65,12 @@ def test_gpt_oss_alternates_a_128_token_window() -> None:
 
 
 def test_a_sliding_window_alone_windows_every_layer() -> None:
+    """One window row over every cell: the spec keeps it (a lone row is left out only when it is full)."""
+    from kvcache.allocator import CacheSpec
+
     (row,) = rows_of(MISTRAL)
     assert row == Row(W(4096), tuple(range(32)), tuple(range(8)))
+    assert CacheSpec.from_hf_config(MISTRAL, block_size=16).row_layout == (row,)
 
 
 @pytest.mark.parametrize("config", [LLAMA3, DEEPSEEK_V3, QWEN25])

@@ -1,0 +1,154 @@
+"""A small Llama-shaped decoder with seeded weights (no download), in Paddle float32.
+
+The model knows nothing of caches: ``Model.forward`` runs a batch of token
+segments and asks an ``attend(layer, q, k, v)`` callback for each layer's
+attention, so the paged engine and the dense reference share every other
+computation. ``ModelConfig`` declares the sliding windows the way configs do
+(per layer, Gemma style, or on the first kv heads of a layer, FastDeploy
+style) and writes them as ``config.json`` fields for kvcache to read.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import numpy as np
+import paddle
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Geometry, seed and sliding windows of the model."""
+
+    num_layers: int = 4
+    num_q_heads: int = 8
+    num_kv_heads: int = 4
+    head_dim: int = 16
+    hidden: int = 64
+    ffn: int = 128
+    vocab: int = 512
+    seed: int = 0
+    window: int = 0  # sliding window in tokens, the query's own included; 0: every layer attends in full
+    sink: int = 0  # first tokens a windowed query also sees
+    window_layers: tuple[int, ...] | None = None  # layers with the window (None: all of them)
+    window_heads: int | None = None  # only the first this many kv heads of a windowed layer keep it (FastDeploy)
+
+    def windowed(self, layer: int) -> np.ndarray:
+        """bool [kv heads]: which heads of ``layer`` attend through the window."""
+        out = np.zeros(self.num_kv_heads, dtype=bool)
+        if self.window and (self.window_layers is None or layer in self.window_layers):
+            out[: self.num_kv_heads if self.window_heads is None else self.window_heads] = True
+        return out
+
+    def hf_config(self) -> dict[str, Any]:
+        """The model as ``config.json`` fields: what ``CacheSpec.from_hf_config`` reads its rows from."""
+        out: dict[str, Any] = {
+            "model_type": "llama", "num_hidden_layers": self.num_layers, "num_attention_heads": self.num_q_heads,
+            "num_key_value_heads": self.num_kv_heads, "head_dim": self.head_dim, "hidden_size": self.hidden,
+            "intermediate_size": self.ffn, "vocab_size": self.vocab, "torch_dtype": "float32"}
+        if self.window:
+            out["sliding_window"] = self.window
+            if self.sink:
+                out["sink_size"] = self.sink
+            if self.window_layers is not None:
+                out["layer_types"] = ["sliding_attention" if i in self.window_layers else "full_attention"
+                                      for i in range(self.num_layers)]
+            if self.window_heads is not None:
+                out["head_wise_swa_ratio"] = self.window_heads / self.num_kv_heads
+        return out
+
+
+def visible(config: ModelConfig, layer: int, q_pos: np.ndarray, k_pos: np.ndarray) -> np.ndarray:
+    """bool [kv heads, queries, keys]: the keys each head's query sees (causal; a window head also sliding + sink)."""
+    causal = k_pos[None, :] <= q_pos[:, None]
+    near = (q_pos[:, None] - k_pos[None, :] < config.window) | (k_pos[None, :] < config.sink)
+    return np.where(config.windowed(layer)[:, None, None], causal & near, causal)
+
+
+def attention(q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor, mask: np.ndarray) -> paddle.Tensor:
+    """Grouped-query attention in float32: q [n, Hq, d], k and v [Hkv, m, d], mask [Hkv, n, m] -> [n, Hq, d]."""
+    n, hq, d = q.shape
+    hkv = k.shape[0]
+    group = q.reshape([n, hkv, hq // hkv, d]).transpose([1, 2, 0, 3])  # [Hkv, g, n, d]
+    scores = paddle.matmul(group, k.unsqueeze(1), transpose_y=True) / float(np.sqrt(d))  # [Hkv, g, n, m]
+    allowed = paddle.to_tensor(mask[:, None])
+    scores = paddle.where(allowed, scores, paddle.full_like(scores, float("-inf")))
+    out = paddle.matmul(paddle.nn.functional.softmax(scores, axis=-1), v.unsqueeze(1))  # [Hkv, g, n, d]
+    return out.transpose([2, 0, 1, 3]).reshape([n, hq, d])
+
+
+Attend = Callable[[int, paddle.Tensor, paddle.Tensor, paddle.Tensor], paddle.Tensor]
+
+
+class Model:
+    """The decoder: embedding, layers of RMSNorm, GQA attention with RoPE and a SwiGLU MLP, and the LM head."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        self.config = c = config
+        rng = np.random.default_rng(c.seed)
+
+        def weight(*shape: int, scale: float) -> paddle.Tensor:
+            return paddle.to_tensor((rng.standard_normal(shape) * scale).astype(np.float32))
+
+        def norm() -> paddle.Tensor:
+            return paddle.to_tensor((1 + 0.1 * rng.standard_normal(c.hidden)).astype(np.float32))
+
+        self.embed = weight(c.vocab, c.hidden, scale=1.0)
+        self.layers = [dict(
+            attn_norm=norm(), mlp_norm=norm(),
+            wq=weight(c.hidden, c.num_q_heads * c.head_dim, scale=c.hidden ** -0.5),
+            wk=weight(c.hidden, c.num_kv_heads * c.head_dim, scale=c.hidden ** -0.5),
+            wv=weight(c.hidden, c.num_kv_heads * c.head_dim, scale=c.hidden ** -0.5),
+            wo=weight(c.num_q_heads * c.head_dim, c.hidden, scale=(c.num_q_heads * c.head_dim) ** -0.5),
+            gate=weight(c.hidden, c.ffn, scale=c.hidden ** -0.5), up=weight(c.hidden, c.ffn, scale=c.hidden ** -0.5),
+            down=weight(c.ffn, c.hidden, scale=c.ffn ** -0.5)) for _ in range(c.num_layers)]
+        self.final_norm = norm()
+        self.lm_head = weight(c.hidden, c.vocab, scale=c.hidden ** -0.5 * 4)
+        self.inv_freq = 1.0 / (10000.0 ** (np.arange(0, c.head_dim, 2, dtype=np.float64) / c.head_dim))
+
+    def _rope(self, x: paddle.Tensor, positions: np.ndarray) -> paddle.Tensor:
+        angles = positions[:, None].astype(np.float64) * self.inv_freq[None, :]  # [n, d/2]
+        cos = paddle.to_tensor(np.cos(angles).astype(np.float32)).unsqueeze(1)
+        sin = paddle.to_tensor(np.sin(angles).astype(np.float32)).unsqueeze(1)
+        even, odd = x[:, :, 0::2], x[:, :, 1::2]
+        return paddle.stack([even * cos - odd * sin, even * sin + odd * cos], axis=-1).reshape(x.shape)
+
+    @staticmethod
+    def _rms(x: paddle.Tensor, weight: paddle.Tensor) -> paddle.Tensor:
+        return x * paddle.rsqrt((x * x).mean(axis=-1, keepdim=True) + 1e-6) * weight
+
+    def forward(self, tokens: np.ndarray, positions: np.ndarray, attend: Attend, logits_at: np.ndarray) -> np.ndarray:
+        """Run ``tokens`` at ``positions`` (a batch of segments; ``attend`` knows where each starts) and return
+        float32 logits [len(logits_at), vocab] of the rows ``logits_at``."""
+        c = self.config
+        n = len(tokens)
+        x = paddle.gather(self.embed, paddle.to_tensor(np.asarray(tokens, dtype=np.int64)))
+        for layer, w in enumerate(self.layers):
+            h = self._rms(x, w["attn_norm"])
+            q = self._rope(paddle.matmul(h, w["wq"]).reshape([n, c.num_q_heads, c.head_dim]), positions)
+            k = self._rope(paddle.matmul(h, w["wk"]).reshape([n, c.num_kv_heads, c.head_dim]), positions)
+            v = paddle.matmul(h, w["wv"]).reshape([n, c.num_kv_heads, c.head_dim])
+            o = attend(layer, q, k, v)
+            x = x + paddle.matmul(o.reshape([n, c.num_q_heads * c.head_dim]), w["wo"])
+            h = self._rms(x, w["mlp_norm"])
+            x = x + paddle.matmul(paddle.nn.functional.silu(paddle.matmul(h, w["gate"])) * paddle.matmul(h, w["up"]),
+                                  w["down"])
+        last = paddle.gather(x, paddle.to_tensor(np.asarray(logits_at, dtype=np.int64)))
+        return paddle.matmul(self._rms(last, self.final_norm), self.lm_head).numpy()
+
+
+def dense_generate(model: Model, prompt: list[int], max_new_tokens: int) -> tuple[list[int], np.ndarray]:
+    """The reference: greedy tokens, and the logits each was sampled from ([tokens, vocab]), from full attention
+    over the whole sequence at every step, with no cache."""
+    tokens, rows = list(prompt), []
+    for _ in range(max_new_tokens):
+        positions = np.arange(len(tokens))
+
+        def attend(layer: int, q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor) -> paddle.Tensor:
+            mask = visible(model.config, layer, positions, positions)
+            return attention(q, k.transpose([1, 0, 2]), v.transpose([1, 0, 2]), mask)
+
+        logits = model.forward(np.asarray(tokens), positions, attend, np.array([len(tokens) - 1]))
+        rows.append(logits[0])
+        tokens.append(int(np.argmax(logits[0])))
+    return tokens[len(prompt):], np.array(rows)
