@@ -9,9 +9,14 @@ a fault: one step of one request reads a block its table does not name, and its 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import json
+import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +24,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from engine import Engine  # noqa: E402
+from engine import daemon_engine, library_engine  # noqa: E402
 from model import Model, ModelConfig, dense_generate  # noqa: E402
 
 
@@ -36,6 +41,7 @@ class Case:
     row_blocks: tuple[int, ...] | None = None
     prompt_lens: tuple[int, ...] = (21, 34, 9, 40)
     max_new_tokens: int = 10
+    daemon: tuple[str, ...] | None = None  # serve through a real `kvcache serve` with these flags (and --model)
 
 
 LOGIT_TOLERANCE = 1e-3  # float32: what summing in another order may change; a wrong block changes far more
@@ -50,6 +56,13 @@ CASES: dict[str, Case] = {
     "window on every layer, no sink": Case(model=ModelConfig(window=6)),
     "chunked prefill (8 tokens a step)": Case(model=dataclasses.replace(WINDOWED, window_layers=(0, 2)), chunk=8),
     "preemption (blocks for about two requests)": Case(num_blocks=30, prompt_lens=(30, 38, 26, 34), max_new_tokens=16),
+    "daemon: uniform": Case(daemon=("--num-blocks", "96")),
+    "daemon: layer groups x head-wise, chunked, pools sized from memory": Case(
+        model=dataclasses.replace(WINDOWED, window_layers=(0, 1, 3)), head_wise=True, chunk=16,
+        daemon=("--gpu-memory", "768KiB", "--utilization", "1", "--max-model-len", "72",
+                "--max-num-batched-tokens", "16")),
+    "daemon: preemption": Case(num_blocks=30, prompt_lens=(30, 38, 26, 34), max_new_tokens=16,
+                               daemon=("--num-blocks", "30")),
 }
 
 
@@ -64,14 +77,52 @@ def prompts_of(case: Case, seed: int = 7) -> list[dict[str, list[int]]]:
     return [first, second]
 
 
+@contextlib.contextmanager
+def serving(case: Case) -> Iterator[str | None]:
+    """A `kvcache serve` for the case's model and flags (its endpoint), stopped on the way out; None in library
+    mode."""
+    if case.daemon is None:
+        yield None
+        return
+    with tempfile.TemporaryDirectory(prefix="kv-engine-", dir="/tmp") as folder:
+        config = Path(folder) / "config.json"
+        config.write_text(json.dumps(case.model.hf_config()))
+        endpoint = f"ipc://{folder}/k.sock"
+        log = Path(folder) / "log"
+        with open(log, "wb") as out:
+            flags = ["--head-wise"] if case.head_wise else []
+            process = subprocess.Popen([sys.executable, "-m", "kvcache", "serve", "--endpoint", endpoint, "--model",
+                                        str(config), "--block-size", str(case.block_size), "--max-slots", "64",
+                                        *flags, *case.daemon], stdout=out, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 30
+            while b"kvcache serve: ready" not in log.read_bytes():
+                if process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"kvcache serve did not start:\n{log.read_text()}")
+                time.sleep(0.02)
+            yield endpoint
+        finally:
+            process.terminate()
+            process.wait(10)
+
+
 def run(case: Case, corrupt: bool = False) -> dict[str, Any]:
     """Serve the case's waves and compare with the dense model: matches, hits, preemptions, blocks given back."""
+    with serving(case) as endpoint:
+        return _run(case, endpoint, corrupt)
+
+
+def _run(case: Case, endpoint: str | None, corrupt: bool) -> dict[str, Any]:
     model = Model(case.model)
-    engine = Engine(model, num_blocks=case.num_blocks, block_size=case.block_size, chunk=case.chunk,
-                    max_num_seqs=case.max_num_seqs, head_wise=case.head_wise,
-                    row_blocks=list(case.row_blocks) if case.row_blocks else None)
+    options = dict(block_size=case.block_size, head_wise=case.head_wise, chunk=case.chunk,
+                   max_num_seqs=case.max_num_seqs)
+    if endpoint is None:
+        engine = library_engine(model, num_blocks=case.num_blocks, **options,
+                                row_blocks=list(case.row_blocks) if case.row_blocks else None)
+    else:
+        engine = daemon_engine(model, endpoint, **options)
     if corrupt:
-        engine.corrupt = ("a1", engine.manager.num_rows - 1, 1)
+        engine.corrupt = ("a1", 0, 1)
     mismatched, total, worst = [], 0, 0.0
     for wave in prompts_of(case):
         got = engine.generate(wave, case.max_new_tokens)
@@ -83,11 +134,16 @@ def run(case: Case, corrupt: bool = False) -> dict[str, Any]:
             worst = max(worst, diff)
             if got[rid].generated != tokens or diff > LOGIT_TOLERANCE:
                 mismatched.append(rid)
-    engine.manager.check_integrity()
+    engine.cache.check_integrity()
+    stats = engine.cache.stats()
+    recycled = stats["recycled_blocks"] if isinstance(stats, dict) else stats.recycled_blocks
+    if engine.tables is not None:
+        engine.tables.close()
+        engine.cache.close()
     return {"requests": total, "mismatched": mismatched, "max_logit_diff": worst,
-            "hit_tokens": sum(s.hit for s in engine.stats),
-            "preempted": sum(s.preempted for s in engine.stats), "rows": engine.manager.num_rows,
-            "recycled": int(engine.manager.stats().recycled_blocks), "steps": len(engine.stats)}
+            "hit_tokens": sum(s.hit for s in engine.stats), "preempted": sum(s.preempted for s in engine.stats),
+            "rows": len(engine.spec.row_layout), "pools": sorted(set(engine.paged.layer_blocks)),
+            "recycled": int(recycled), "steps": len(engine.stats)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -103,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
         good = not r["mismatched"]
         ok &= good
         print(f"{'ok  ' if good else 'FAIL'} {name}: {r['requests'] - len(r['mismatched'])}/{r['requests']} match; "
-              f"logits within {r['max_logit_diff']:.1e}; rows {r['rows']}, {r['hit_tokens']} prefix-hit tokens, {r['preempted']} preemptions, "
+              f"logits within {r['max_logit_diff']:.1e}; rows {r['rows']} (blocks {'/'.join(map(str, r['pools']))}), "
+              f"{r['hit_tokens']} prefix-hit tokens, {r['preempted']} preemptions, "
               f"{r['recycled']} window blocks given back, {r['steps']} steps ({time.perf_counter() - start:.1f} s)",
               flush=True)
     if not args.only:

@@ -11,6 +11,11 @@ model then writes each new token's K and V into the blocks its table names
 rows say (``table_cells``: uniform, per kv head, per layer group, or both).
 A block a table no longer holds (-1, given back by a sliding window) reads as
 NaN keys, so a block freed too early cannot go unnoticed.
+
+The scheduler talks to a ``KVCacheManager`` in process (``library_engine``)
+or to a ``kvcache serve`` daemon through ``CacheClient`` (``daemon_engine``):
+the same method names. In daemon mode the model reads its tables the way a TP
+worker does, from a ``TableSubscriber`` that follows the daemon's deltas.
 """
 from __future__ import annotations
 
@@ -32,7 +37,7 @@ class PagedCache:
 
     def __init__(self, spec: CacheSpec, layer_blocks: list[int]) -> None:
         self.spec = spec
-        self.heads, self.block_size = spec.kv_heads_per_rank, spec.block_size
+        self.heads, self.block_size, self.layer_blocks = spec.kv_heads_per_rank, spec.block_size, list(layer_blocks)
         (key, value) = spec.tensors()
         assert (key.name, value.name) == ("key", "value") and key.block_shape == (self.heads, self.block_size,
                                                                                   spec.head_dim)
@@ -103,23 +108,19 @@ class StepStats:
 
 
 class Engine:
-    """Greedy generation over a ``KVCacheManager``'s tables with a ``PagedCache``.
+    """Greedy generation over a cache's tables with a ``PagedCache``.
 
-    ``chunk`` is the tokens a step computes at most (``max_num_batched_tokens``); a prompt longer than what is
-    left of it is prefilled over several steps. ``row_blocks`` gives each cache row a pool of its own size.
+    ``cache`` is a ``KVCacheManager`` or a ``CacheClient``; ``tables`` a ``TableSubscriber`` the model reads its
+    tables from (else the cache's own). ``row_blocks`` is each row's pool and ``cells`` the row each (layer,
+    kv head) reads. ``chunk`` is the tokens a step computes at most (``max_num_batched_tokens``); a prompt longer
+    than what is left of it is prefilled over several steps.
     """
 
-    def __init__(self, model: Model, *, num_blocks: int, block_size: int = 4, chunk: int = 64, max_num_seqs: int = 16,
-                 head_wise: bool = False, row_blocks: list[int] | None = None) -> None:
-        self.model = model
-        self.spec = CacheSpec.from_hf_config(model.config.hf_config(), block_size=block_size, head_wise=head_wise,
-                                             dtype="float32")
-        rows = self.spec.row_layout
-        self.manager = KVCacheManager(num_blocks, block_size, [r.policy for r in rows], row_blocks=row_blocks,
-                                      hash_seed=b"engine")
-        self.cells = table_cells(self.spec.rows, len(rows), self.spec.num_layers, self.spec.num_kv_heads)
-        pools = self.manager.row_blocks
-        self.cache = PagedCache(self.spec, [int(pools[self.cells[layer]].max()) for layer in range(model.config.num_layers)])
+    def __init__(self, model: Model, spec: CacheSpec, cache: Any, *, row_blocks: list[int], cells: np.ndarray,
+                 tables: Any = None, chunk: int = 64, max_num_seqs: int = 16) -> None:
+        self.model, self.spec, self.cache, self.tables, self.cells = model, spec, cache, tables, cells
+        pools = np.asarray(row_blocks)
+        self.paged = PagedCache(spec, [int(pools[cells[layer]].max()) for layer in range(spec.num_layers)])
         self.chunk, self.max_num_seqs = chunk, max_num_seqs
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -145,33 +146,33 @@ class Engine:
 
     def step(self) -> StepStats:
         stats = StepStats()
-        work: list[tuple[Sequence, int, int, np.ndarray]] = []  # (sequence, first position, stop, table)
+        work: list[tuple[Sequence, int, int]] = []  # (sequence, first position, stop)
         budget = self.chunk
-        decoding = [s for s in self.running if s.scheduled == len(s.tokens) - 1 and s.computed == s.scheduled]
+        decoding = [s for s in self.running if s.scheduled == len(s.tokens) - 1]
         if decoding:
-            tables = self.manager.extend_many([s.rid for s in decoding], [s.tokens[-1] for s in decoding],
-                                              [1] * len(decoding))
-            for s, table in zip(decoding, tables):
+            grown = self.cache.extend_many([s.rid for s in decoding], [s.tokens[-1] for s in decoding],
+                                           [1] * len(decoding))
+            for s, table in zip(decoding, grown):
                 if table is None:
                     self._preempt(s, stats)
                     continue
-                work.append((s, s.scheduled, s.scheduled + 1, np.array(table)))
+                work.append((s, s.scheduled, s.scheduled + 1))
                 s.scheduled += 1
                 budget -= 1
         for s in [s for s in self.running if s.scheduled < len(s.tokens)]:  # chunked prefills (decodes are ahead)
             n = min(budget, len(s.tokens) - s.scheduled)
             if n <= 0:
                 continue
-            table = self.manager.extend(s.rid, s.tokens[s.scheduled:s.scheduled + n])
-            if table is None:
+            if self.cache.extend(s.rid, s.tokens[s.scheduled:s.scheduled + n]) is None:
                 self._preempt(s, stats)
                 continue
-            work.append((s, s.scheduled, s.scheduled + n, np.array(table)))
+            work.append((s, s.scheduled, s.scheduled + n))
             s.scheduled += n
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             s = self.waiting[0]
-            admission = self.manager.admit(s.rid, s.tokens, num_tokens=min(len(s.tokens), budget))
+            wanted = min(len(s.tokens), budget)
+            admission = self.cache.admit(s.rid, s.tokens, num_tokens=wanted)
             if admission is None:
                 if not self.running and not work:
                     raise RuntimeError(f"request {s.rid!r} of {len(s.tokens)} tokens can never fit the cache")
@@ -179,61 +180,99 @@ class Engine:
             self.waiting.popleft()
             self.running.append(s)
             s.computed = admission.num_cached_tokens
-            s.scheduled = self.manager.num_tokens(s.rid)
+            s.scheduled = min(len(s.tokens), max(wanted, s.computed + 1))  # what the table covers now
             stats.hit += s.computed
-            work.append((s, s.computed, s.scheduled, np.array(admission.table)))
+            work.append((s, s.computed, s.scheduled))
             budget -= s.scheduled - s.computed
         if work:
-            self._run(work)
-            stats.computed = sum(stop - start for _, start, stop, _ in work)
-        stats.usage = float(self.manager.usage.max)
+            self._run(work, self._tables([s.rid for s, _, _ in work]))
+            stats.computed = sum(stop - start for _, start, stop in work)
+        stats.usage = float(self.cache.usage.max)
         self.stats.append(stats)
         return stats
 
+    def _tables(self, rids: list[Any]) -> list[np.ndarray]:
+        """The step's tables as the model sees them: the subscriber's once it holds this step's changes, else the
+        cache's."""
+        if self.tables is None:
+            return [np.array(self.cache.table(rid)) for rid in rids]
+        self.tables.wait_for(self.cache.last_seq, timeout=10)
+        return [np.array(self.tables.table(rid)) for rid in rids]
+
     def _preempt(self, s: Sequence, stats: StepStats) -> None:
         """Out of blocks: free the request (its full blocks stay cached) and queue it to start again first."""
-        self.manager.free(s.rid)
+        self.cache.free(s.rid)
         self.running.remove(s)
         s.computed = s.scheduled = 0
         s.preemptions += 1
         stats.preempted += 1
         self.waiting.appendleft(s)
 
-    def _run(self, work: list[tuple[Sequence, int, int, np.ndarray]]) -> None:
+    def _run(self, work: list[tuple[Sequence, int, int]], tables: list[np.ndarray]) -> None:
         """One forward over every item's new tokens; sample where an item reached the end of its tokens."""
         if self.corrupt is not None:  # once the block holds earlier steps' tokens, this step reads another one
             rid, row, col = self.corrupt
-            for s, start, _, table in work:
+            for (s, start, _), table in zip(work, tables):
                 if s.rid == rid and start >= (col + 1) * self.spec.block_size:
-                    table[row, col] = next(b for b in range(self.manager.num_blocks) if b not in table[row])
+                    table[row, col] = next(b for b in range(min(self.paged.layer_blocks)) if b not in table[row])
                     self.corrupt = None
                     break
-        tokens = np.concatenate([np.asarray(s.tokens[a:b]) for s, a, b, _ in work])
-        positions = np.concatenate([np.arange(a, b) for _, a, b, _ in work])
-        bounds = np.cumsum([0] + [b - a for _, a, b, _ in work])
+        tokens = np.concatenate([np.asarray(s.tokens[a:b]) for s, a, b in work])
+        positions = np.concatenate([np.arange(a, b) for _, a, b in work])
+        bounds = np.cumsum([0] + [b - a for _, a, b in work])
         config = self.model.config
 
         def attend(layer: int, q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor) -> paddle.Tensor:
             outs = []
-            for i, (s, start, stop, table) in enumerate(work):
+            for i, ((_, _, stop), table) in enumerate(zip(work, tables)):
                 lo, hi = int(bounds[i]), int(bounds[i + 1])
-                self.cache.write(layer, table, self.cells, positions[lo:hi], k[lo:hi], v[lo:hi])
-                keys, values = self.cache.gather(layer, table, self.cells, stop)
+                self.paged.write(layer, table, self.cells, positions[lo:hi], k[lo:hi], v[lo:hi])
+                keys, values = self.paged.gather(layer, table, self.cells, stop)
                 mask = visible(config, layer, positions[lo:hi], np.arange(stop))
                 outs.append(attention(q[lo:hi], keys, values, mask))
             return paddle.concat(outs, axis=0)
 
-        ends = [i for i, (s, _, stop, _) in enumerate(work) if stop == len(s.tokens)]
+        ends = [i for i, (s, _, stop) in enumerate(work) if stop == len(s.tokens)]
         logits = self.model.forward(tokens, positions, attend, bounds[1:][ends] - 1)
         if np.isnan(logits).any():
             raise RuntimeError("NaN logits: attention read a block the table no longer holds")
-        for s, _, stop, _ in work:
+        for s, _, stop in work:
             s.computed = stop
         for i, row in zip(ends, logits):
             s = work[i][0]
             s.logits.append(row)
             s.tokens.append(int(np.argmax(row)))
             if len(s.generated) >= s.max_new_tokens:
-                self.manager.free(s.rid)
+                self.cache.free(s.rid)
                 self.running.remove(s)
                 self.finished[s.rid] = s
+
+
+def library_engine(model: Model, *, num_blocks: int, block_size: int = 4, head_wise: bool = False,
+                   row_blocks: list[int] | None = None, **options: Any) -> Engine:
+    """An engine over a ``KVCacheManager`` in this process, its rows from the model's config."""
+    spec = CacheSpec.from_hf_config(model.config.hf_config(), block_size=block_size, head_wise=head_wise,
+                                    dtype="float32")
+    rows = spec.row_layout
+    manager = KVCacheManager(num_blocks, block_size, [r.policy for r in rows], row_blocks=row_blocks,
+                             hash_seed=b"engine")
+    cells = table_cells(spec.rows, len(rows), spec.num_layers, spec.num_kv_heads)
+    return Engine(model, spec, manager, row_blocks=manager.row_blocks.tolist(), cells=cells, **options)
+
+
+def daemon_engine(model: Model, endpoint: str, *, block_size: int = 4, head_wise: bool = False,
+                  **options: Any) -> Engine:
+    """An engine whose scheduler talks to the daemon at ``endpoint`` (serving ``model.config.hf_config()``) and
+    whose model reads the tables a ``TableSubscriber`` follows; its rows are the daemon's."""
+    from kvcache.client import CacheClient
+    from kvcache.worker import TableSubscriber
+
+    spec = CacheSpec.from_hf_config(model.config.hf_config(), block_size=block_size, head_wise=head_wise,
+                                    dtype="float32")
+    client = CacheClient(endpoint, timeout=10)
+    rows = client.info()["rows"]
+    if [(tuple(r["layers"]), tuple(r["kv_heads"])) for r in rows] != [(r.layers, r.kv_heads) for r in spec.row_layout]:
+        raise RuntimeError(f"the daemon's rows {rows} are not the model's {spec.row_layout}")
+    tables = TableSubscriber(endpoint, rank=0, tp_size=1, max_slots=64, max_blocks=512)
+    return Engine(model, spec, client, tables=tables, row_blocks=[r["num_blocks"] for r in rows],
+                  cells=tables.cell_rows, **options)
