@@ -42,6 +42,7 @@ class Case:
     prompt_lens: tuple[int, ...] = (21, 34, 9, 40)
     max_new_tokens: int = 10
     daemon: tuple[str, ...] | None = None  # serve through a real `kvcache serve` with these flags (and --model)
+    host_blocks: int = 0  # a host tier; a wave of other prompts then pushes the first wave's blocks out to it
 
 
 LOGIT_TOLERANCE = 1e-3  # float32: what summing in another order may change; a wrong block changes far more
@@ -56,6 +57,10 @@ CASES: dict[str, Case] = {
     "window on every layer, no sink": Case(model=ModelConfig(window=6)),
     "chunked prefill (8 tokens a step)": Case(model=dataclasses.replace(WINDOWED, window_layers=(0, 2)), chunk=8),
     "preemption (blocks for about two requests)": Case(num_blocks=30, prompt_lens=(30, 38, 26, 34), max_new_tokens=16),
+    "host tier: evicted prefixes come back from host": Case(num_blocks=40, host_blocks=128, max_num_seqs=2),
+    "host tier with layer groups x head-wise": Case(
+        model=dataclasses.replace(WINDOWED, window_layers=(0, 1, 3)), head_wise=True, num_blocks=40,
+        host_blocks=128, max_num_seqs=2),
     "daemon: uniform": Case(daemon=("--num-blocks", "96")),
     "daemon: layer groups x head-wise, chunked, pools sized from memory": Case(
         model=dataclasses.replace(WINDOWED, window_layers=(0, 1, 3)), head_wise=True, chunk=16,
@@ -67,14 +72,18 @@ CASES: dict[str, Case] = {
 
 
 def prompts_of(case: Case, seed: int = 7) -> list[dict[str, list[int]]]:
-    """Two waves: prompts sharing a 12-token head, then the same prompts grown by a few tokens (prefix hits)."""
+    """Two waves: prompts sharing a 12-token head, then the same prompts grown by a few tokens (prefix hits); with
+    a host tier, a wave of other prompts between them moves the first wave's blocks to host."""
     rng = np.random.default_rng(seed)
     vocab = case.model.vocab
     head = rng.integers(0, vocab, 12).tolist()
     first = {f"a{i}": (head if i % 2 == 0 else []) + rng.integers(0, vocab, n).tolist()
              for i, n in enumerate(case.prompt_lens)}
     second = {f"b{i}": p + rng.integers(0, vocab, 5).tolist() for i, p in enumerate(first.values())}
-    return [first, second]
+    if not case.host_blocks:
+        return [first, second]
+    others = {f"x{i}": rng.integers(0, vocab, 36).tolist() for i in range(6)}  # push the first wave out of the cache
+    return [first, others, second]
 
 
 @contextlib.contextmanager
@@ -117,7 +126,7 @@ def _run(case: Case, endpoint: str | None, corrupt: bool) -> dict[str, Any]:
     options = dict(block_size=case.block_size, head_wise=case.head_wise, chunk=case.chunk,
                    max_num_seqs=case.max_num_seqs)
     if endpoint is None:
-        engine = library_engine(model, num_blocks=case.num_blocks, **options,
+        engine = library_engine(model, num_blocks=case.num_blocks, **options, host_blocks=case.host_blocks,
                                 row_blocks=list(case.row_blocks) if case.row_blocks else None)
     else:
         engine = daemon_engine(model, endpoint, **options)
@@ -134,6 +143,12 @@ def _run(case: Case, endpoint: str | None, corrupt: bool) -> dict[str, Any]:
             worst = max(worst, diff)
             if got[rid].generated != tokens or diff > LOGIT_TOLERANCE:
                 mismatched.append(rid)
+    host_tokens = 0
+    if engine.tier is not None:
+        engine.tier.drain(10)
+        engine.tier.check_integrity()
+        host_tokens = engine.tier.stats().hit_tokens
+        engine.tier.close()
     engine.cache.check_integrity()
     stats = engine.cache.stats()
     recycled = stats["recycled_blocks"] if isinstance(stats, dict) else stats.recycled_blocks
@@ -142,7 +157,8 @@ def _run(case: Case, endpoint: str | None, corrupt: bool) -> dict[str, Any]:
         engine.cache.close()
     return {"requests": total, "mismatched": mismatched, "max_logit_diff": worst,
             "hit_tokens": sum(s.hit for s in engine.stats), "preempted": sum(s.preempted for s in engine.stats),
-            "rows": len(engine.spec.row_layout), "pools": sorted(set(engine.paged.layer_blocks)),
+            "host_tokens": int(host_tokens), "rows": len(engine.spec.row_layout),
+            "pools": sorted(set(engine.paged.layer_blocks)),
             "recycled": int(recycled), "steps": len(engine.stats)}
 
 
@@ -160,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         ok &= good
         print(f"{'ok  ' if good else 'FAIL'} {name}: {r['requests'] - len(r['mismatched'])}/{r['requests']} match; "
               f"logits within {r['max_logit_diff']:.1e}; rows {r['rows']} (blocks {'/'.join(map(str, r['pools']))}), "
-              f"{r['hit_tokens']} prefix-hit tokens, {r['preempted']} preemptions, "
+              f"{r['hit_tokens']} prefix-hit tokens ({r['host_tokens']} from host), {r['preempted']} preemptions, "
               f"{r['recycled']} window blocks given back, {r['steps']} steps ({time.perf_counter() - start:.1f} s)",
               flush=True)
     if not args.only:

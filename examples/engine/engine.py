@@ -128,6 +128,7 @@ class Engine:
         self.stats: list[StepStats] = []
         # (request, row, column): a fault for tests; one step reads another block than the table's in that column
         self.corrupt: tuple[Any, int, int] | None = None
+        self.tier: Any = None  # a host tier (TransferManager) under the cache's blocks, in library mode
 
     # ------------------------------------------------------------------ requests
 
@@ -185,6 +186,8 @@ class Engine:
             work.append((s, s.computed, s.scheduled))
             budget -= s.scheduled - s.computed
         if work:
+            if self.tier is not None:
+                self.tier.poll()
             self._run(work, self._tables([s.rid for s, _, _ in work]))
             stats.computed = sum(stop - start for _, start, stop in work)
         stats.usage = float(self.cache.usage.max)
@@ -221,11 +224,15 @@ class Engine:
         positions = np.concatenate([np.arange(a, b) for _, a, b in work])
         bounds = np.cumsum([0] + [b - a for _, a, b in work])
         config = self.model.config
+        # Blocks a host tier is copying back for these requests: each layer waits for its own copy only.
+        loads = [self.tier.load(s.rid) if self.tier is not None else None for s, _, _ in work]
 
         def attend(layer: int, q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor) -> paddle.Tensor:
             outs = []
             for i, ((_, _, stop), table) in enumerate(zip(work, tables)):
                 lo, hi = int(bounds[i]), int(bounds[i + 1])
+                if loads[i] is not None and loads[i].wait(layer, timeout=10).value != "done":
+                    raise RuntimeError(f"layer {layer}: the host tier's copy for {work[i][0].rid!r} did not land")
                 self.paged.write(layer, table, self.cells, positions[lo:hi], k[lo:hi], v[lo:hi])
                 keys, values = self.paged.gather(layer, table, self.cells, stop)
                 mask = visible(config, layer, positions[lo:hi], np.arange(stop))
@@ -249,15 +256,25 @@ class Engine:
 
 
 def library_engine(model: Model, *, num_blocks: int, block_size: int = 4, head_wise: bool = False,
-                   row_blocks: list[int] | None = None, **options: Any) -> Engine:
-    """An engine over a ``KVCacheManager`` in this process, its rows from the model's config."""
+                   row_blocks: list[int] | None = None, host_blocks: int = 0, **options: Any) -> Engine:
+    """An engine over a ``KVCacheManager`` in this process, its rows from the model's config; with
+    ``host_blocks`` a host tier under it offloads freed blocks and copies a later hit back."""
+    from kvcache.transfer import HostTierConfig, KVRegion, TransferManager
+
     spec = CacheSpec.from_hf_config(model.config.hf_config(), block_size=block_size, head_wise=head_wise,
                                     dtype="float32")
     rows = spec.row_layout
     manager = KVCacheManager(num_blocks, block_size, [r.policy for r in rows], row_blocks=row_blocks,
                              hash_seed=b"engine")
     cells = table_cells(spec.rows, len(rows), spec.num_layers, spec.num_kv_heads)
-    return Engine(model, spec, manager, row_blocks=manager.row_blocks.tolist(), cells=cells, **options)
+    engine = Engine(model, spec, manager, row_blocks=manager.row_blocks.tolist(), cells=cells, **options)
+    if host_blocks:
+        paged = engine.paged
+        shape = lambda n: [n, paged.heads, paged.block_size, spec.head_dim]  # noqa: E731
+        region = KVRegion.from_tensors(spec, [{"key": k.reshape(shape(n)), "value": v.reshape(shape(n))}
+                                              for k, v, n in zip(paged.keys, paged.values, paged.layer_blocks)])
+        engine.tier = TransferManager(manager, region, HostTierConfig(host_blocks=host_blocks))
+    return engine
 
 
 def daemon_engine(model: Model, endpoint: str, *, block_size: int = 4, head_wise: bool = False,
