@@ -61,6 +61,10 @@ CASES: dict[str, Case] = {
     "host tier with layer groups x head-wise": Case(
         model=dataclasses.replace(WINDOWED, window_layers=(0, 1, 3)), head_wise=True, num_blocks=40,
         host_blocks=128, max_num_seqs=2),
+    "MLA (DeepSeek-style latent, one cache head)": Case(
+        model=ModelConfig(num_kv_heads=1, kv_lora_rank=32, rope_dim=8)),
+    "MLA with a host tier": Case(model=ModelConfig(num_kv_heads=1, kv_lora_rank=32, rope_dim=8), num_blocks=40,
+                                 host_blocks=128, max_num_seqs=2),
     "daemon: uniform": Case(daemon=("--num-blocks", "96")),
     "daemon: layer groups x head-wise, chunked, pools sized from memory": Case(
         model=dataclasses.replace(WINDOWED, window_layers=(0, 1, 3)), head_wise=True, chunk=16,

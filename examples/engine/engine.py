@@ -29,22 +29,29 @@ import paddle
 from kvcache.allocator import CacheSpec, KVCacheManager
 from kvcache.allocator.rows import table_cells
 
-from model import Model, attention, visible
+from model import Model, visible
 
 
 class PagedCache:
-    """Every layer's K and V as Paddle float32 tensors shaped as ``CacheSpec.tensors()`` says, at the layer's blocks."""
+    """Every layer's cache tensors (K and V, or MLA's latent) as Paddle float32 tensors shaped as
+    ``CacheSpec.tensors()`` says, at the layer's block count."""
 
     def __init__(self, spec: CacheSpec, layer_blocks: list[int]) -> None:
         self.spec = spec
         self.heads, self.block_size, self.layer_blocks = spec.kv_heads_per_rank, spec.block_size, list(layer_blocks)
-        (key, value) = spec.tensors()
-        assert (key.name, value.name) == ("key", "value") and key.block_shape == (self.heads, self.block_size,
-                                                                                  spec.head_dim)
-        # Flat [blocks * heads * block_size, head_dim]: row ((block * heads + head) * block_size + offset).
-        self.keys = [paddle.zeros([n * self.heads * self.block_size, spec.head_dim], dtype="float32")
-                     for n in layer_blocks]
-        self.values = [paddle.zeros_like(k) for k in self.keys]
+        self.names = [t.name for t in spec.tensors()]
+        assert self.names in (["key", "value"], ["latent"]), f"no quantized caches here: {self.names}"
+        self.dims = [t.block_shape[-1] for t in spec.tensors()]
+        assert all(t.block_shape[:2] == (self.heads, self.block_size) for t in spec.tensors())
+        # Per layer, per tensor, flat [blocks * heads * block_size, dim]: row ((block * heads + head) * block_size
+        # + offset); ``views`` gives them shaped as the spec says ([blocks, heads, block_size, dim]).
+        self.tensors = [[paddle.zeros([n * self.heads * self.block_size, d], dtype="float32") for d in self.dims]
+                        for n in layer_blocks]
+
+    def views(self, layer: int) -> dict[str, paddle.Tensor]:
+        n = self.layer_blocks[layer]
+        return {name: t.reshape([n, self.heads, self.block_size, d])
+                for name, t, d in zip(self.names, self.tensors[layer], self.dims)}
 
     def _rows(self, blocks: np.ndarray, offsets: np.ndarray) -> np.ndarray:
         """Flat rows of (block, head, offset): blocks [heads, n], offsets [n] -> [heads, n]."""
@@ -52,31 +59,31 @@ class PagedCache:
         return (blocks * self.heads + heads) * self.block_size + offsets[None, :]
 
     def write(self, layer: int, table: np.ndarray, cells: np.ndarray, positions: np.ndarray,
-              k: paddle.Tensor, v: paddle.Tensor) -> None:
-        """Store K and V ([n, heads, d]) of ``positions`` in the blocks each head's row of ``table`` names."""
+              vectors: tuple[paddle.Tensor, ...]) -> None:
+        """Store each tensor's vectors ([n, heads, dim]) of ``positions`` in the blocks each head's row names."""
         blocks = table[cells[layer]][:, positions // self.block_size]  # [heads, n]
         if (blocks < 0).any():
             raise RuntimeError(f"layer {layer}: a token is written into a block the table does not hold")
         index = paddle.to_tensor(self._rows(blocks, positions % self.block_size).reshape(-1))
-        self.keys[layer][index] = k.transpose([1, 0, 2]).reshape([-1, self.spec.head_dim])
-        self.values[layer][index] = v.transpose([1, 0, 2]).reshape([-1, self.spec.head_dim])
+        for t, x, d in zip(self.tensors[layer], vectors, self.dims):
+            t[index] = x.transpose([1, 0, 2]).reshape([-1, d])
 
-    def gather(self, layer: int, table: np.ndarray, cells: np.ndarray, length: int
-               ) -> tuple[paddle.Tensor, paddle.Tensor]:
-        """K and V [heads, length, d] of tokens ``[0, length)`` by table; keys in blocks the table lacks are NaN."""
+    def gather(self, layer: int, table: np.ndarray, cells: np.ndarray, length: int) -> tuple[paddle.Tensor, ...]:
+        """Each tensor's vectors [heads, length, dim] of tokens ``[0, length)`` by table. In a block the table lacks
+        the first tensor (keys, latent) reads NaN, so a query that needs it comes out NaN; values read 0, since
+        a masked key's weight is 0 and a NaN value would poison it still."""
         cols = -(-length // self.block_size)
         blocks = table[cells[layer]][:, :cols]  # [heads, cols]
-        held = np.repeat(blocks >= 0, self.block_size, axis=1)[:, :length]  # [heads, length]
+        held = paddle.to_tensor(np.repeat(blocks >= 0, self.block_size, axis=1)[:, :length, None])
         offsets = np.tile(np.arange(self.block_size), cols)[:length]
         rows = self._rows(np.repeat(np.maximum(blocks, 0), self.block_size, axis=1)[:, :length], offsets)
         index = paddle.to_tensor(rows.reshape(-1))
-        d = self.spec.head_dim
-        k = paddle.gather(self.keys[layer], index).reshape([self.heads, length, d])
-        v = paddle.gather(self.values[layer], index).reshape([self.heads, length, d])
-        held_t = paddle.to_tensor(held[:, :, None])
-        k = paddle.where(held_t, k, paddle.full_like(k, float("nan")))
-        v = paddle.where(held_t, v, paddle.zeros_like(v))  # masked keys weigh 0; a NaN value would poison them too
-        return k, v
+        out = []
+        for i, (t, d) in enumerate(zip(self.tensors[layer], self.dims)):
+            x = paddle.gather(t, index).reshape([self.heads, length, d])
+            fill = paddle.full_like(x, float("nan")) if i == 0 else paddle.zeros_like(x)
+            out.append(paddle.where(held, x, fill))
+        return tuple(out)
 
 
 @dataclasses.dataclass
@@ -227,16 +234,16 @@ class Engine:
         # Blocks a host tier is copying back for these requests: each layer waits for its own copy only.
         loads = [self.tier.load(s.rid) if self.tier is not None else None for s, _, _ in work]
 
-        def attend(layer: int, q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor) -> paddle.Tensor:
+        def attend(layer: int, q: paddle.Tensor, kv: tuple[paddle.Tensor, ...]) -> paddle.Tensor:
             outs = []
             for i, ((_, _, stop), table) in enumerate(zip(work, tables)):
                 lo, hi = int(bounds[i]), int(bounds[i + 1])
                 if loads[i] is not None and loads[i].wait(layer, timeout=10).value != "done":
                     raise RuntimeError(f"layer {layer}: the host tier's copy for {work[i][0].rid!r} did not land")
-                self.paged.write(layer, table, self.cells, positions[lo:hi], k[lo:hi], v[lo:hi])
-                keys, values = self.paged.gather(layer, table, self.cells, stop)
+                self.paged.write(layer, table, self.cells, positions[lo:hi], tuple(x[lo:hi] for x in kv))
+                cached = self.paged.gather(layer, table, self.cells, stop)
                 mask = visible(config, layer, positions[lo:hi], np.arange(stop))
-                outs.append(attention(q[lo:hi], keys, values, mask))
+                outs.append(self.model.attention(layer, q[lo:hi], cached, mask))
             return paddle.concat(outs, axis=0)
 
         ends = [i for i, (s, _, stop) in enumerate(work) if stop == len(s.tokens)]
@@ -269,10 +276,7 @@ def library_engine(model: Model, *, num_blocks: int, block_size: int = 4, head_w
     cells = table_cells(spec.rows, len(rows), spec.num_layers, spec.num_kv_heads)
     engine = Engine(model, spec, manager, row_blocks=manager.row_blocks.tolist(), cells=cells, **options)
     if host_blocks:
-        paged = engine.paged
-        shape = lambda n: [n, paged.heads, paged.block_size, spec.head_dim]  # noqa: E731
-        region = KVRegion.from_tensors(spec, [{"key": k.reshape(shape(n)), "value": v.reshape(shape(n))}
-                                              for k, v, n in zip(paged.keys, paged.values, paged.layer_blocks)])
+        region = KVRegion.from_tensors(spec, [engine.paged.views(layer) for layer in range(spec.num_layers)])
         engine.tier = TransferManager(manager, region, HostTierConfig(host_blocks=host_blocks))
     return engine
 

@@ -1,11 +1,15 @@
 """A small Llama-shaped decoder with seeded weights (no download), in Paddle float32.
 
 The model knows nothing of caches: ``Model.forward`` runs a batch of token
-segments and asks an ``attend(layer, q, k, v)`` callback for each layer's
-attention, so the paged engine and the dense reference share every other
-computation. ``ModelConfig`` declares the sliding windows the way configs do
-(per layer, Gemma style, or on the first kv heads of a layer, FastDeploy
-style) and writes them as ``config.json`` fields for kvcache to read.
+segments and asks an ``attend(layer, q, kv)`` callback for each layer's
+attention, where ``kv`` is what a cache stores per token (K and V per kv head,
+or one MLA latent), so the paged engine and the dense reference share every
+other computation (``Model.attention`` included). ``ModelConfig`` declares the
+sliding windows the way configs do (per layer, Gemma style, or on the first kv
+heads of a layer, FastDeploy style) and writes them as ``config.json`` fields
+for kvcache to read. With ``kv_lora_rank`` the attention is DeepSeek's MLA:
+the cache holds one latent per token (``kv_lora_rank + rope_dim`` values)
+from which every head's keys and values are projected.
 """
 from __future__ import annotations
 
@@ -32,12 +36,19 @@ class ModelConfig:
     sink: int = 0  # first tokens a windowed query also sees
     window_layers: tuple[int, ...] | None = None  # layers with the window (None: all of them)
     window_heads: int | None = None  # only the first this many kv heads of a windowed layer keep it (FastDeploy)
+    kv_lora_rank: int = 0  # MLA: the latent's width (0: grouped-query attention with num_kv_heads)
+    rope_dim: int = 0  # MLA: the rotary part of each key, shared by every head
+
+    @property
+    def cache_heads(self) -> int:
+        """Heads a cache holds per token: the kv heads, or MLA's one latent."""
+        return 1 if self.kv_lora_rank else self.num_kv_heads
 
     def windowed(self, layer: int) -> np.ndarray:
-        """bool [kv heads]: which heads of ``layer`` attend through the window."""
-        out = np.zeros(self.num_kv_heads, dtype=bool)
+        """bool [cache heads]: which heads of ``layer`` attend through the window."""
+        out = np.zeros(self.cache_heads, dtype=bool)
         if self.window and (self.window_layers is None or layer in self.window_layers):
-            out[: self.num_kv_heads if self.window_heads is None else self.window_heads] = True
+            out[: self.cache_heads if self.window_heads is None else self.window_heads] = True
         return out
 
     def hf_config(self) -> dict[str, Any]:
@@ -46,6 +57,9 @@ class ModelConfig:
             "model_type": "llama", "num_hidden_layers": self.num_layers, "num_attention_heads": self.num_q_heads,
             "num_key_value_heads": self.num_kv_heads, "head_dim": self.head_dim, "hidden_size": self.hidden,
             "intermediate_size": self.ffn, "vocab_size": self.vocab, "torch_dtype": "float32"}
+        if self.kv_lora_rank:
+            out.update(model_type="deepseek_v3", kv_lora_rank=self.kv_lora_rank, qk_rope_head_dim=self.rope_dim,
+                       qk_nope_head_dim=self.head_dim, v_head_dim=self.head_dim)
         if self.window:
             out["sliding_window"] = self.window
             if self.sink:
@@ -59,14 +73,14 @@ class ModelConfig:
 
 
 def visible(config: ModelConfig, layer: int, q_pos: np.ndarray, k_pos: np.ndarray) -> np.ndarray:
-    """bool [kv heads, queries, keys]: the keys each head's query sees (causal; a window head also sliding + sink)."""
+    """bool [cache heads, queries, keys]: the keys each head's query sees (causal; a window head also sliding + sink)."""
     causal = k_pos[None, :] <= q_pos[:, None]
     near = (q_pos[:, None] - k_pos[None, :] < config.window) | (k_pos[None, :] < config.sink)
     return np.where(config.windowed(layer)[:, None, None], causal & near, causal)
 
 
 def attention(q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor, mask: np.ndarray) -> paddle.Tensor:
-    """Grouped-query attention in float32: q [n, Hq, d], k and v [Hkv, m, d], mask [Hkv, n, m] -> [n, Hq, d]."""
+    """Grouped-query attention in float32: q [n, Hq, d], k [Hkv, m, d], v [Hkv, m, dv], mask [Hkv, n, m] -> [n, Hq, dv]."""
     n, hq, d = q.shape
     hkv = k.shape[0]
     group = q.reshape([n, hkv, hq // hkv, d]).transpose([1, 2, 0, 3])  # [Hkv, g, n, d]
@@ -74,10 +88,10 @@ def attention(q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor, mask: np.nda
     allowed = paddle.to_tensor(mask[:, None])
     scores = paddle.where(allowed, scores, paddle.full_like(scores, float("-inf")))
     out = paddle.matmul(paddle.nn.functional.softmax(scores, axis=-1), v.unsqueeze(1))  # [Hkv, g, n, d]
-    return out.transpose([2, 0, 1, 3]).reshape([n, hq, d])
+    return out.transpose([2, 0, 1, 3]).reshape([n, hq, v.shape[-1]])
 
 
-Attend = Callable[[int, paddle.Tensor, paddle.Tensor, paddle.Tensor], paddle.Tensor]
+Attend = Callable[[int, paddle.Tensor, tuple[paddle.Tensor, ...]], paddle.Tensor]
 
 
 class Model:
@@ -94,17 +108,45 @@ class Model:
             return paddle.to_tensor((1 + 0.1 * rng.standard_normal(c.hidden)).astype(np.float32))
 
         self.embed = weight(c.vocab, c.hidden, scale=1.0)
-        self.layers = [dict(
-            attn_norm=norm(), mlp_norm=norm(),
-            wq=weight(c.hidden, c.num_q_heads * c.head_dim, scale=c.hidden ** -0.5),
-            wk=weight(c.hidden, c.num_kv_heads * c.head_dim, scale=c.hidden ** -0.5),
-            wv=weight(c.hidden, c.num_kv_heads * c.head_dim, scale=c.hidden ** -0.5),
-            wo=weight(c.num_q_heads * c.head_dim, c.hidden, scale=(c.num_q_heads * c.head_dim) ** -0.5),
-            gate=weight(c.hidden, c.ffn, scale=c.hidden ** -0.5), up=weight(c.hidden, c.ffn, scale=c.hidden ** -0.5),
-            down=weight(c.ffn, c.hidden, scale=c.ffn ** -0.5)) for _ in range(c.num_layers)]
+        q_dim = c.head_dim + c.rope_dim  # MLA's queries carry the rotary part on top; GQA's rope_dim is 0
+        self.layers = []
+        for _ in range(c.num_layers):
+            w = dict(attn_norm=norm(), mlp_norm=norm(),
+                     wq=weight(c.hidden, c.num_q_heads * q_dim, scale=c.hidden ** -0.5),
+                     wo=weight(c.num_q_heads * c.head_dim, c.hidden, scale=(c.num_q_heads * c.head_dim) ** -0.5),
+                     gate=weight(c.hidden, c.ffn, scale=c.hidden ** -0.5),
+                     up=weight(c.hidden, c.ffn, scale=c.hidden ** -0.5), down=weight(c.ffn, c.hidden, scale=c.ffn ** -0.5))
+            if c.kv_lora_rank:
+                w.update(w_dkv=weight(c.hidden, c.kv_lora_rank, scale=c.hidden ** -0.5),
+                         w_kr=weight(c.hidden, c.rope_dim, scale=c.hidden ** -0.5),
+                         kv_norm=paddle.to_tensor((1 + 0.1 * rng.standard_normal(c.kv_lora_rank)).astype(np.float32)),
+                         w_uk=weight(c.kv_lora_rank, c.num_q_heads * c.head_dim, scale=c.kv_lora_rank ** -0.5),
+                         w_uv=weight(c.kv_lora_rank, c.num_q_heads * c.head_dim, scale=c.kv_lora_rank ** -0.5))
+            else:
+                w.update(wk=weight(c.hidden, c.num_kv_heads * c.head_dim, scale=c.hidden ** -0.5),
+                         wv=weight(c.hidden, c.num_kv_heads * c.head_dim, scale=c.hidden ** -0.5))
+            self.layers.append(w)
         self.final_norm = norm()
         self.lm_head = weight(c.hidden, c.vocab, scale=c.hidden ** -0.5 * 4)
-        self.inv_freq = 1.0 / (10000.0 ** (np.arange(0, c.head_dim, 2, dtype=np.float64) / c.head_dim))
+        rotary = c.rope_dim if c.kv_lora_rank else c.head_dim
+        self.inv_freq = 1.0 / (10000.0 ** (np.arange(0, rotary, 2, dtype=np.float64) / rotary))
+
+    def attention(self, layer: int, q: paddle.Tensor, kv: tuple[paddle.Tensor, ...], mask: np.ndarray
+                  ) -> paddle.Tensor:
+        """``layer``'s attention of queries q [n, Hq, d] over what a cache holds of m tokens (K and V
+        [Hkv, m, d], or MLA's latent [1, m, kv_lora_rank + rope_dim]) under ``mask`` [cache heads, n, m]."""
+        c = self.config
+        if not c.kv_lora_rank:
+            return attention(q, kv[0], kv[1], mask)
+        w = self.layers[layer]
+        latent = kv[0][0]  # [m, rank + rope]
+        m, rank = latent.shape[0], c.kv_lora_rank
+        keys = paddle.matmul(latent[:, :rank], w["w_uk"]).reshape([m, c.num_q_heads, c.head_dim])
+        values = paddle.matmul(latent[:, :rank], w["w_uv"]).reshape([m, c.num_q_heads, c.head_dim])
+        rope = paddle.expand(latent[:, rank:].unsqueeze(1), [m, c.num_q_heads, c.rope_dim])
+        keys = paddle.concat([keys, rope], axis=-1)  # each head's key: its own part, then the shared rotary one
+        heads = np.broadcast_to(mask, (c.num_q_heads, *mask.shape[1:]))
+        return attention(q, keys.transpose([1, 0, 2]), values.transpose([1, 0, 2]), heads)
 
     def _rope(self, x: paddle.Tensor, positions: np.ndarray) -> paddle.Tensor:
         angles = positions[:, None].astype(np.float64) * self.inv_freq[None, :]  # [n, d/2]
@@ -125,10 +167,17 @@ class Model:
         x = paddle.gather(self.embed, paddle.to_tensor(np.asarray(tokens, dtype=np.int64)))
         for layer, w in enumerate(self.layers):
             h = self._rms(x, w["attn_norm"])
-            q = self._rope(paddle.matmul(h, w["wq"]).reshape([n, c.num_q_heads, c.head_dim]), positions)
-            k = self._rope(paddle.matmul(h, w["wk"]).reshape([n, c.num_kv_heads, c.head_dim]), positions)
-            v = paddle.matmul(h, w["wv"]).reshape([n, c.num_kv_heads, c.head_dim])
-            o = attend(layer, q, k, v)
+            if c.kv_lora_rank:  # MLA: the cache keeps the normed latent and the rotary key
+                q = paddle.matmul(h, w["wq"]).reshape([n, c.num_q_heads, c.head_dim + c.rope_dim])
+                q = paddle.concat([q[:, :, :c.head_dim], self._rope(q[:, :, c.head_dim:], positions)], axis=-1)
+                latent = self._rms(paddle.matmul(h, w["w_dkv"]), w["kv_norm"])
+                rotary = self._rope(paddle.matmul(h, w["w_kr"]).unsqueeze(1), positions)[:, 0]
+                kv: tuple[paddle.Tensor, ...] = (paddle.concat([latent, rotary], axis=-1).unsqueeze(1),)
+            else:
+                q = self._rope(paddle.matmul(h, w["wq"]).reshape([n, c.num_q_heads, c.head_dim]), positions)
+                kv = (self._rope(paddle.matmul(h, w["wk"]).reshape([n, c.num_kv_heads, c.head_dim]), positions),
+                      paddle.matmul(h, w["wv"]).reshape([n, c.num_kv_heads, c.head_dim]))
+            o = attend(layer, q, kv)
             x = x + paddle.matmul(o.reshape([n, c.num_q_heads * c.head_dim]), w["wo"])
             h = self._rms(x, w["mlp_norm"])
             x = x + paddle.matmul(paddle.nn.functional.silu(paddle.matmul(h, w["gate"])) * paddle.matmul(h, w["up"]),
@@ -144,9 +193,9 @@ def dense_generate(model: Model, prompt: list[int], max_new_tokens: int) -> tupl
     for _ in range(max_new_tokens):
         positions = np.arange(len(tokens))
 
-        def attend(layer: int, q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor) -> paddle.Tensor:
+        def attend(layer: int, q: paddle.Tensor, kv: tuple[paddle.Tensor, ...]) -> paddle.Tensor:
             mask = visible(model.config, layer, positions, positions)
-            return attention(q, k.transpose([1, 0, 2]), v.transpose([1, 0, 2]), mask)
+            return model.attention(layer, q, tuple(x.transpose([1, 0, 2]) for x in kv), mask)
 
         logits = model.forward(np.asarray(tokens), positions, attend, np.array([len(tokens) - 1]))
         rows.append(logits[0])
