@@ -43,6 +43,7 @@ class Case:
     max_new_tokens: int = 10
     daemon: tuple[str, ...] | None = None  # serve through a real `kvcache serve` with these flags (and --model)
     host_blocks: int = 0  # a host tier; a wave of other prompts then pushes the first wave's blocks out to it
+    quant: str = "none"  # the cache's quant type (block_wise_fp8: the dense model rounds K and V the same way)
 
 
 LOGIT_TOLERANCE = 1e-3  # float32: what summing in another order may change; a wrong block changes far more
@@ -65,6 +66,11 @@ CASES: dict[str, Case] = {
         model=ModelConfig(num_kv_heads=1, kv_lora_rank=32, rope_dim=8)),
     "MLA with a host tier": Case(model=ModelConfig(num_kv_heads=1, kv_lora_rank=32, rope_dim=8), num_blocks=40,
                                  host_blocks=128, max_num_seqs=2),
+    "block_wise_fp8 (float8 K and V, a scale per token and head; float64 model)": Case(
+        model=ModelConfig(dtype="float64"), quant="block_wise_fp8"),
+    "block_wise_fp8 with layer groups x head-wise and preemption": Case(
+        model=dataclasses.replace(WINDOWED, window_layers=(0, 2), dtype="float64"), head_wise=True,
+        quant="block_wise_fp8", num_blocks=30, prompt_lens=(30, 38, 26, 34), max_new_tokens=16),
     "daemon: uniform": Case(daemon=("--num-blocks", "96")),
     "daemon: layer groups x head-wise, chunked, pools sized from memory": Case(
         model=dataclasses.replace(WINDOWED, window_layers=(0, 1, 3)), head_wise=True, chunk=16,
@@ -128,7 +134,7 @@ def run(case: Case, corrupt: bool = False) -> dict[str, Any]:
 def _run(case: Case, endpoint: str | None, corrupt: bool) -> dict[str, Any]:
     model = Model(case.model)
     options = dict(block_size=case.block_size, head_wise=case.head_wise, chunk=case.chunk,
-                   max_num_seqs=case.max_num_seqs)
+                   max_num_seqs=case.max_num_seqs, quant=case.quant)
     if endpoint is None:
         engine = library_engine(model, num_blocks=case.num_blocks, **options, host_blocks=case.host_blocks,
                                 row_blocks=list(case.row_blocks) if case.row_blocks else None)
@@ -141,7 +147,7 @@ def _run(case: Case, endpoint: str | None, corrupt: bool) -> dict[str, Any]:
         got = engine.generate(wave, case.max_new_tokens)
         for rid, prompt in wave.items():
             total += 1
-            tokens, logits = dense_generate(model, prompt, case.max_new_tokens)
+            tokens, logits = dense_generate(model, prompt, case.max_new_tokens, fp8=case.quant == "block_wise_fp8")
             # Logits over the cache may differ from the dense ones in rounding only (float32 sums in another order)
             diff = float(np.abs(np.array(got[rid].logits) - logits).max())
             worst = max(worst, diff)

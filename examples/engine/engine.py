@@ -29,29 +29,35 @@ import paddle
 from kvcache.allocator import CacheSpec, KVCacheManager
 from kvcache.allocator.rows import table_cells
 
-from model import Model, visible
+from model import Model, fp8_dequantize, fp8_round_trip, visible
 
 
 class PagedCache:
-    """Every layer's cache tensors (K and V, or MLA's latent) as Paddle float32 tensors shaped as
-    ``CacheSpec.tensors()`` says, at the layer's block count."""
+    """Every layer's cache tensors (K and V, MLA's latent, or block_wise_fp8's float8 K and V with a scale per
+    token and head) as Paddle tensors shaped as ``CacheSpec.tensors()`` says, at the layer's block count."""
 
-    def __init__(self, spec: CacheSpec, layer_blocks: list[int]) -> None:
-        self.spec = spec
+    def __init__(self, spec: CacheSpec, layer_blocks: list[int], dtype: str = "float32") -> None:
+        """``dtype`` is what the model computes in: writes round to the cache's dtype, reads come back in it."""
+        self.spec, self.dtype = spec, dtype
         self.heads, self.block_size, self.layer_blocks = spec.kv_heads_per_rank, spec.block_size, list(layer_blocks)
-        self.names = [t.name for t in spec.tensors()]
-        assert self.names in (["key", "value"], ["latent"]), f"no quantized caches here: {self.names}"
-        self.dims = [t.block_shape[-1] for t in spec.tensors()]
-        assert all(t.block_shape[:2] == (self.heads, self.block_size) for t in spec.tensors())
+        tensors = spec.tensors()
+        self.names = [t.name for t in tensors]
+        self.fp8 = self.names == ["key", "value", "key_scale", "value_scale"]
+        assert self.fp8 or self.names in (["key", "value"], ["latent"]), f"not a cache this engine writes: {self.names}"
+        assert not self.fp8 or spec.scale_layout.value == "default", "the engine writes per-token scales only"
+        # A scale's block shape is [heads, block_size]: one value per row, kept as a column here.
+        self.dims = [t.block_shape[2] if len(t.block_shape) == 3 else 1 for t in tensors]
+        # float8 values live as their bytes (uint8), as engines keep them; a view turns them back into float8.
+        self.dtypes = ["uint8" if t.dtype == "float8_e4m3fn" else "float32" for t in tensors]
+        assert all(t.block_shape[:2] == (self.heads, self.block_size) for t in tensors)
         # Per layer, per tensor, flat [blocks * heads * block_size, dim]: row ((block * heads + head) * block_size
-        # + offset); ``views`` gives them shaped as the spec says ([blocks, heads, block_size, dim]).
-        self.tensors = [[paddle.zeros([n * self.heads * self.block_size, d], dtype="float32") for d in self.dims]
-                        for n in layer_blocks]
+        # + offset); ``views`` gives them shaped as the spec says.
+        self.tensors = [[paddle.zeros([n * self.heads * self.block_size, d], dtype="float32").astype(dtype)
+                         for d, dtype in zip(self.dims, self.dtypes)] for n in layer_blocks]
 
     def views(self, layer: int) -> dict[str, paddle.Tensor]:
         n = self.layer_blocks[layer]
-        return {name: t.reshape([n, self.heads, self.block_size, d])
-                for name, t, d in zip(self.names, self.tensors[layer], self.dims)}
+        return {t.name: x.reshape([n, *t.block_shape]) for t, x in zip(self.spec.tensors(), self.tensors[layer])}
 
     def _rows(self, blocks: np.ndarray, offsets: np.ndarray) -> np.ndarray:
         """Flat rows of (block, head, offset): blocks [heads, n], offsets [n] -> [heads, n]."""
@@ -60,27 +66,40 @@ class PagedCache:
 
     def write(self, layer: int, table: np.ndarray, cells: np.ndarray, positions: np.ndarray,
               vectors: tuple[paddle.Tensor, ...]) -> None:
-        """Store each tensor's vectors ([n, heads, dim]) of ``positions`` in the blocks each head's row names."""
+        """Store the vectors ([n, heads, dim] each: K and V, or the latent) of ``positions`` in the blocks each
+        head's row names, quantized with their scales for a block_wise_fp8 cache."""
         blocks = table[cells[layer]][:, positions // self.block_size]  # [heads, n]
         if (blocks < 0).any():
             raise RuntimeError(f"layer {layer}: a token is written into a block the table does not hold")
         index = paddle.to_tensor(self._rows(blocks, positions % self.block_size).reshape(-1))
-        for t, x, d in zip(self.tensors[layer], vectors, self.dims):
-            t[index] = x.transpose([1, 0, 2]).reshape([-1, d])
+        rows = [x.transpose([1, 0, 2]).reshape([-1, x.shape[-1]]) for x in vectors]
+        if self.fp8:
+            (k, ks), (v, vs) = (fp8_round_trip(x) for x in rows)
+            rows = [k.view(paddle.uint8), v.view(paddle.uint8), ks, vs]
+        else:
+            rows = [x.astype("float32") for x in rows]
+        for t, x in zip(self.tensors[layer], rows):
+            t[index] = x
 
     def gather(self, layer: int, table: np.ndarray, cells: np.ndarray, length: int) -> tuple[paddle.Tensor, ...]:
-        """Each tensor's vectors [heads, length, dim] of tokens ``[0, length)`` by table. In a block the table lacks
-        the first tensor (keys, latent) reads NaN, so a query that needs it comes out NaN; values read 0, since
-        a masked key's weight is 0 and a NaN value would poison it still."""
+        """The vectors [heads, length, dim] of tokens ``[0, length)`` by table (dequantized). In a block the table
+        lacks, the first (keys, latent) read NaN, so a query that needs it comes out NaN; values read 0, since a
+        masked key's weight is 0 and a NaN value would poison it still."""
         cols = -(-length // self.block_size)
         blocks = table[cells[layer]][:, :cols]  # [heads, cols]
         held = paddle.to_tensor(np.repeat(blocks >= 0, self.block_size, axis=1)[:, :length, None])
         offsets = np.tile(np.arange(self.block_size), cols)[:length]
         rows = self._rows(np.repeat(np.maximum(blocks, 0), self.block_size, axis=1)[:, :length], offsets)
         index = paddle.to_tensor(rows.reshape(-1))
+        read = [paddle.gather(t, index) for t in self.tensors[layer]]
+        if self.fp8:
+            k, v, ks, vs = read
+            read = [fp8_dequantize(x.view(paddle.float8_e4m3fn), scale, self.dtype) for x, scale in ((k, ks), (v, vs))]
+        else:
+            read = [x.astype(self.dtype) for x in read]
         out = []
-        for i, (t, d) in enumerate(zip(self.tensors[layer], self.dims)):
-            x = paddle.gather(t, index).reshape([self.heads, length, d])
+        for i, x in enumerate(read):
+            x = x.reshape([self.heads, length, x.shape[-1]])
             fill = paddle.full_like(x, float("nan")) if i == 0 else paddle.zeros_like(x)
             out.append(paddle.where(held, x, fill))
         return tuple(out)
@@ -127,7 +146,8 @@ class Engine:
                  tables: Any = None, chunk: int = 64, max_num_seqs: int = 16) -> None:
         self.model, self.spec, self.cache, self.tables, self.cells = model, spec, cache, tables, cells
         pools = np.asarray(row_blocks)
-        self.paged = PagedCache(spec, [int(pools[cells[layer]].max()) for layer in range(spec.num_layers)])
+        self.paged = PagedCache(spec, [int(pools[cells[layer]].max()) for layer in range(spec.num_layers)],
+                                model.config.dtype)
         self.chunk, self.max_num_seqs = chunk, max_num_seqs
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -263,13 +283,14 @@ class Engine:
 
 
 def library_engine(model: Model, *, num_blocks: int, block_size: int = 4, head_wise: bool = False,
-                   row_blocks: list[int] | None = None, host_blocks: int = 0, **options: Any) -> Engine:
+                   row_blocks: list[int] | None = None, host_blocks: int = 0, quant: str = "none",
+                   **options: Any) -> Engine:
     """An engine over a ``KVCacheManager`` in this process, its rows from the model's config; with
     ``host_blocks`` a host tier under it offloads freed blocks and copies a later hit back."""
     from kvcache.transfer import HostTierConfig, KVRegion, TransferManager
 
     spec = CacheSpec.from_hf_config(model.config.hf_config(), block_size=block_size, head_wise=head_wise,
-                                    dtype="float32")
+                                    dtype="float32", quant=quant)
     rows = spec.row_layout
     manager = KVCacheManager(num_blocks, block_size, [r.policy for r in rows], row_blocks=row_blocks,
                              hash_seed=b"engine")
@@ -282,14 +303,14 @@ def library_engine(model: Model, *, num_blocks: int, block_size: int = 4, head_w
 
 
 def daemon_engine(model: Model, endpoint: str, *, block_size: int = 4, head_wise: bool = False,
-                  **options: Any) -> Engine:
+                  quant: str = "none", **options: Any) -> Engine:
     """An engine whose scheduler talks to the daemon at ``endpoint`` (serving ``model.config.hf_config()``) and
     whose model reads the tables a ``TableSubscriber`` follows; its rows are the daemon's."""
     from kvcache.client import CacheClient
     from kvcache.worker import TableSubscriber
 
     spec = CacheSpec.from_hf_config(model.config.hf_config(), block_size=block_size, head_wise=head_wise,
-                                    dtype="float32")
+                                    dtype="float32", quant=quant)
     client = CacheClient(endpoint, timeout=10)
     rows = client.info()["rows"]
     if [(tuple(r["layers"]), tuple(r["kv_heads"])) for r in rows] != [(r.layers, r.kv_heads) for r in spec.row_layout]:

@@ -1,4 +1,4 @@
-"""A small Llama-shaped decoder with seeded weights (no download), in Paddle float32.
+"""A small Llama-shaped decoder with seeded weights (no download), in Paddle (float32, or float64).
 
 The model knows nothing of caches: ``Model.forward`` runs a batch of token
 segments and asks an ``attend(layer, q, kv)`` callback for each layer's
@@ -38,6 +38,10 @@ class ModelConfig:
     window_heads: int | None = None  # only the first this many kv heads of a windowed layer keep it (FastDeploy)
     kv_lora_rank: int = 0  # MLA: the latent's width (0: grouped-query attention with num_kv_heads)
     rope_dim: int = 0  # MLA: the rotary part of each key, shared by every head
+    # What the model computes in. A block_wise_fp8 cache rounds K and V to 3-bit mantissas, so a float32 sum done
+    # in another order (the paged engine's batches against the dense model's) can move a value across a rounding
+    # boundary; computing in float64 leaves only the cache's own rounding, which both sides do alike.
+    dtype: str = "float32"
 
     @property
     def cache_heads(self) -> int:
@@ -80,7 +84,7 @@ def visible(config: ModelConfig, layer: int, q_pos: np.ndarray, k_pos: np.ndarra
 
 
 def attention(q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor, mask: np.ndarray) -> paddle.Tensor:
-    """Grouped-query attention in float32: q [n, Hq, d], k [Hkv, m, d], v [Hkv, m, dv], mask [Hkv, n, m] -> [n, Hq, dv]."""
+    """Grouped-query attention: q [n, Hq, d], k [Hkv, m, d], v [Hkv, m, dv], mask [Hkv, n, m] -> [n, Hq, dv]."""
     n, hq, d = q.shape
     hkv = k.shape[0]
     group = q.reshape([n, hkv, hq // hkv, d]).transpose([1, 2, 0, 3])  # [Hkv, g, n, d]
@@ -89,6 +93,21 @@ def attention(q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor, mask: np.nda
     scores = paddle.where(allowed, scores, paddle.full_like(scores, float("-inf")))
     out = paddle.matmul(paddle.nn.functional.softmax(scores, axis=-1), v.unsqueeze(1))  # [Hkv, g, n, d]
     return out.transpose([2, 0, 1, 3]).reshape([n, hq, v.shape[-1]])
+
+
+FP8_MAX = 448.0  # the largest float8_e4m3fn
+
+
+def fp8_round_trip(x: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor]:
+    """``block_wise_fp8`` as a cache stores x [..., d]: float8_e4m3fn values and one float32 scale per vector (its
+    largest magnitude over 448, as FastDeploy's per-token scales); returns (values, scales [..., 1])."""
+    scale = (paddle.abs(x).max(axis=-1, keepdim=True) / FP8_MAX).astype("float32")
+    scale = paddle.where(scale > 0, scale, paddle.ones_like(scale))
+    return (x / scale.astype(x.dtype)).astype(paddle.float8_e4m3fn), scale
+
+
+def fp8_dequantize(values: paddle.Tensor, scale: paddle.Tensor, dtype: str) -> paddle.Tensor:
+    return values.astype(dtype) * scale.astype(dtype)
 
 
 Attend = Callable[[int, paddle.Tensor, tuple[paddle.Tensor, ...]], paddle.Tensor]
@@ -102,10 +121,10 @@ class Model:
         rng = np.random.default_rng(c.seed)
 
         def weight(*shape: int, scale: float) -> paddle.Tensor:
-            return paddle.to_tensor((rng.standard_normal(shape) * scale).astype(np.float32))
+            return paddle.to_tensor((rng.standard_normal(shape) * scale).astype(np.float32).astype(c.dtype))
 
         def norm() -> paddle.Tensor:
-            return paddle.to_tensor((1 + 0.1 * rng.standard_normal(c.hidden)).astype(np.float32))
+            return paddle.to_tensor((1 + 0.1 * rng.standard_normal(c.hidden)).astype(np.float32).astype(c.dtype))
 
         self.embed = weight(c.vocab, c.hidden, scale=1.0)
         q_dim = c.head_dim + c.rope_dim  # MLA's queries carry the rotary part on top; GQA's rope_dim is 0
@@ -119,7 +138,7 @@ class Model:
             if c.kv_lora_rank:
                 w.update(w_dkv=weight(c.hidden, c.kv_lora_rank, scale=c.hidden ** -0.5),
                          w_kr=weight(c.hidden, c.rope_dim, scale=c.hidden ** -0.5),
-                         kv_norm=paddle.to_tensor((1 + 0.1 * rng.standard_normal(c.kv_lora_rank)).astype(np.float32)),
+                         kv_norm=paddle.to_tensor((1 + 0.1 * rng.standard_normal(c.kv_lora_rank)).astype(c.dtype)),
                          w_uk=weight(c.kv_lora_rank, c.num_q_heads * c.head_dim, scale=c.kv_lora_rank ** -0.5),
                          w_uv=weight(c.kv_lora_rank, c.num_q_heads * c.head_dim, scale=c.kv_lora_rank ** -0.5))
             else:
@@ -150,8 +169,8 @@ class Model:
 
     def _rope(self, x: paddle.Tensor, positions: np.ndarray) -> paddle.Tensor:
         angles = positions[:, None].astype(np.float64) * self.inv_freq[None, :]  # [n, d/2]
-        cos = paddle.to_tensor(np.cos(angles).astype(np.float32)).unsqueeze(1)
-        sin = paddle.to_tensor(np.sin(angles).astype(np.float32)).unsqueeze(1)
+        cos = paddle.to_tensor(np.cos(angles).astype(self.config.dtype)).unsqueeze(1)
+        sin = paddle.to_tensor(np.sin(angles).astype(self.config.dtype)).unsqueeze(1)
         even, odd = x[:, :, 0::2], x[:, :, 1::2]
         return paddle.stack([even * cos - odd * sin, even * sin + odd * cos], axis=-1).reshape(x.shape)
 
@@ -161,7 +180,7 @@ class Model:
 
     def forward(self, tokens: np.ndarray, positions: np.ndarray, attend: Attend, logits_at: np.ndarray) -> np.ndarray:
         """Run ``tokens`` at ``positions`` (a batch of segments; ``attend`` knows where each starts) and return
-        float32 logits [len(logits_at), vocab] of the rows ``logits_at``."""
+        logits [len(logits_at), vocab] of the rows ``logits_at`` (in the model's dtype)."""
         c = self.config
         n = len(tokens)
         x = paddle.gather(self.embed, paddle.to_tensor(np.asarray(tokens, dtype=np.int64)))
@@ -186,15 +205,18 @@ class Model:
         return paddle.matmul(self._rms(last, self.final_norm), self.lm_head).numpy()
 
 
-def dense_generate(model: Model, prompt: list[int], max_new_tokens: int) -> tuple[list[int], np.ndarray]:
+def dense_generate(model: Model, prompt: list[int], max_new_tokens: int, *, fp8: bool = False
+                   ) -> tuple[list[int], np.ndarray]:
     """The reference: greedy tokens, and the logits each was sampled from ([tokens, vocab]), from full attention
-    over the whole sequence at every step, with no cache."""
+    over the whole sequence at every step, with no cache; ``fp8`` rounds K and V as a block_wise_fp8 cache does."""
     tokens, rows = list(prompt), []
     for _ in range(max_new_tokens):
         positions = np.arange(len(tokens))
 
         def attend(layer: int, q: paddle.Tensor, kv: tuple[paddle.Tensor, ...]) -> paddle.Tensor:
             mask = visible(model.config, layer, positions, positions)
+            if fp8:
+                kv = tuple(fp8_dequantize(*fp8_round_trip(x), model.config.dtype) for x in kv)
             return model.attention(layer, q, tuple(x.transpose([1, 0, 2]) for x in kv), mask)
 
         logits = model.forward(np.asarray(tokens), positions, attend, np.array([len(tokens) - 1]))
