@@ -44,6 +44,7 @@ class Case:
     daemon: tuple[str, ...] | None = None  # serve through a real `kvcache serve` with these flags (and --model)
     host_blocks: int = 0  # a host tier; a wave of other prompts then pushes the first wave's blocks out to it
     quant: str = "none"  # the cache's quant type (block_wise_fp8: the dense model rounds K and V the same way)
+    tp: int = 1  # TP ranks (daemon mode): each rank's cache and attention in a process of its own
 
 
 LOGIT_TOLERANCE = 1e-3  # float32: what summing in another order may change; a wrong block changes far more
@@ -76,6 +77,11 @@ CASES: dict[str, Case] = {
         model=dataclasses.replace(WINDOWED, window_layers=(0, 1, 3)), head_wise=True, chunk=16,
         daemon=("--gpu-memory", "768KiB", "--utilization", "1", "--max-model-len", "72",
                 "--max-num-batched-tokens", "16")),
+    "daemon, TP 2 (a process per rank): head-wise SWA": Case(
+        model=dataclasses.replace(WINDOWED, window_heads=2), head_wise=True, tp=2, daemon=("--num-blocks", "96")),
+    "daemon, TP 2: layer groups x head-wise, preemption": Case(
+        model=dataclasses.replace(WINDOWED, window_layers=(0, 2)), head_wise=True, tp=2, num_blocks=30,
+        prompt_lens=(30, 38, 26, 34), max_new_tokens=16, daemon=("--num-blocks", "30")),
     "daemon: preemption": Case(num_blocks=30, prompt_lens=(30, 38, 26, 34), max_new_tokens=16,
                                daemon=("--num-blocks", "30")),
 }
@@ -109,7 +115,7 @@ def serving(case: Case) -> Iterator[str | None]:
         endpoint = f"ipc://{folder}/k.sock"
         log = Path(folder) / "log"
         with open(log, "wb") as out:
-            flags = ["--head-wise"] if case.head_wise else []
+            flags = (["--head-wise"] if case.head_wise else []) + ["--tp", str(case.tp)]
             process = subprocess.Popen([sys.executable, "-m", "kvcache", "serve", "--endpoint", endpoint, "--model",
                                         str(config), "--block-size", str(case.block_size), "--max-slots", "64",
                                         *flags, *case.daemon], stdout=out, stderr=subprocess.STDOUT)
@@ -139,7 +145,7 @@ def _run(case: Case, endpoint: str | None, corrupt: bool) -> dict[str, Any]:
         engine = library_engine(model, num_blocks=case.num_blocks, **options, host_blocks=case.host_blocks,
                                 row_blocks=list(case.row_blocks) if case.row_blocks else None)
     else:
-        engine = daemon_engine(model, endpoint, **options)
+        engine = daemon_engine(model, endpoint, tp=case.tp, **options)
     if corrupt:
         engine.corrupt = ("a1", 0, 1)
     mismatched, total, worst = [], 0, 0.0
@@ -158,17 +164,15 @@ def _run(case: Case, endpoint: str | None, corrupt: bool) -> dict[str, Any]:
         engine.tier.drain(10)
         engine.tier.check_integrity()
         host_tokens = engine.tier.stats().hit_tokens
-        engine.tier.close()
     engine.cache.check_integrity()
     stats = engine.cache.stats()
     recycled = stats["recycled_blocks"] if isinstance(stats, dict) else stats.recycled_blocks
-    if engine.tables is not None:
-        engine.tables.close()
-        engine.cache.close()
+    pools = sorted(set(engine.paged.layer_blocks)) if engine.paged is not None else []
+    engine.close()
     return {"requests": total, "mismatched": mismatched, "max_logit_diff": worst,
             "hit_tokens": sum(s.hit for s in engine.stats), "preempted": sum(s.preempted for s in engine.stats),
             "host_tokens": int(host_tokens), "rows": len(engine.spec.row_layout),
-            "pools": sorted(set(engine.paged.layer_blocks)),
+            "pools": pools,
             "recycled": int(recycled), "steps": len(engine.stats)}
 
 
@@ -185,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
         good = not r["mismatched"]
         ok &= good
         print(f"{'ok  ' if good else 'FAIL'} {name}: {r['requests'] - len(r['mismatched'])}/{r['requests']} match; "
-              f"logits within {r['max_logit_diff']:.1e}; rows {r['rows']} (blocks {'/'.join(map(str, r['pools']))}), "
+              f"logits within {r['max_logit_diff']:.1e}; rows {r['rows']} "
+              f"({'blocks ' + '/'.join(map(str, r['pools'])) if r['pools'] else 'a cache per TP rank'}), "
               f"{r['hit_tokens']} prefix-hit tokens ({r['host_tokens']} from host), {r['preempted']} preemptions, "
               f"{r['recycled']} window blocks given back, {r['steps']} steps ({time.perf_counter() - start:.1f} s)",
               flush=True)

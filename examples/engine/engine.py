@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import paddle
@@ -105,6 +105,40 @@ class PagedCache:
         return tuple(out)
 
 
+class Item(NamedTuple):
+    """One request's part of a step, as attention needs it: the request, the positions computed, the tokens the
+    table covers then, its table (None where each TP rank reads its own) and the host tier's copy to wait for."""
+
+    rid: Any
+    positions: np.ndarray
+    stop: int
+    table: np.ndarray | None
+    load: Any = None
+
+
+class RankAttention:
+    """A TP rank's attention: it stores the step's K and V of its kv heads in its ``PagedCache`` and attends its
+    query heads over the blocks each request's table names (one rank holding every head without TP)."""
+
+    def __init__(self, model: Model, paged: PagedCache, cells: np.ndarray, heads: range) -> None:
+        self.model, self.paged, self.cells, self.heads = model, paged, cells, heads
+
+    def __call__(self, layer: int, q: paddle.Tensor, kv: tuple[paddle.Tensor, ...], items: list[Item]
+                 ) -> paddle.Tensor:
+        """q [n, the rank's query heads, d] and kv (the rank's heads) of the step's items, in order."""
+        outs, lo = [], 0
+        for item in items:
+            hi = lo + len(item.positions)
+            if item.load is not None and item.load.wait(layer, timeout=10).value != "done":
+                raise RuntimeError(f"layer {layer}: the host tier's copy did not land")
+            self.paged.write(layer, item.table, self.cells, item.positions, tuple(x[lo:hi] for x in kv))
+            cached = self.paged.gather(layer, item.table, self.cells, item.stop)
+            mask = visible(self.model.config, layer, item.positions, np.arange(item.stop))
+            outs.append(self.model.attention(layer, q[lo:hi], cached, mask[self.heads.start:self.heads.stop]))
+            lo = hi
+        return paddle.concat(outs, axis=0)
+
+
 @dataclasses.dataclass
 class Sequence:
     """A request: its tokens so far (prompt, then sampled ones) and how many of them have K and V in the cache."""
@@ -142,12 +176,18 @@ class Engine:
     than what is left of it is prefilled over several steps.
     """
 
-    def __init__(self, model: Model, spec: CacheSpec, cache: Any, *, row_blocks: list[int], cells: np.ndarray,
-                 tables: Any = None, chunk: int = 64, max_num_seqs: int = 16) -> None:
+    def __init__(self, model: Model, spec: CacheSpec, cache: Any, *, row_blocks: list[int] | None = None,
+                 cells: np.ndarray | None = None, tables: Any = None, chunk: int = 64, max_num_seqs: int = 16,
+                 attention: Any = None) -> None:
+        """``attention`` (``attention(layer, q, kv, items)``) replaces this process's one-rank attention over a
+        ``PagedCache`` of ``row_blocks`` read through ``cells``, e.g. by TP ranks' (``tp.TPAttention``)."""
         self.model, self.spec, self.cache, self.tables, self.cells = model, spec, cache, tables, cells
-        pools = np.asarray(row_blocks)
-        self.paged = PagedCache(spec, [int(pools[cells[layer]].max()) for layer in range(spec.num_layers)],
-                                model.config.dtype)
+        self.paged: PagedCache | None = None
+        if attention is None:
+            assert row_blocks is not None and cells is not None
+            self.paged = PagedCache(spec, layer_blocks(row_blocks, cells), model.config.dtype)
+            attention = RankAttention(model, self.paged, cells, range(model.config.cache_heads))
+        self.attention = attention
         self.chunk, self.max_num_seqs = chunk, max_num_seqs
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -156,6 +196,16 @@ class Engine:
         # (request, row, column): a fault for tests; one step reads another block than the table's in that column
         self.corrupt: tuple[Any, int, int] | None = None
         self.tier: Any = None  # a host tier (TransferManager) under the cache's blocks, in library mode
+
+    def close(self) -> None:
+        """Stop what the engine started: a host tier, TP ranks, the subscriber and the client of a daemon."""
+        if self.tier is not None:
+            self.tier.close()
+        for part in (self.attention, self.tables):
+            if part is not None and hasattr(part, "close"):
+                part.close()
+        if hasattr(self.cache, "close"):
+            self.cache.close()
 
     # ------------------------------------------------------------------ requests
 
@@ -221,9 +271,11 @@ class Engine:
         self.stats.append(stats)
         return stats
 
-    def _tables(self, rids: list[Any]) -> list[np.ndarray]:
+    def _tables(self, rids: list[Any]) -> list[np.ndarray | None]:
         """The step's tables as the model sees them: the subscriber's once it holds this step's changes, else the
-        cache's."""
+        cache's; none where TP ranks read their own."""
+        if not isinstance(self.attention, RankAttention):
+            return [None] * len(rids)
         if self.tables is None:
             return [np.array(self.cache.table(rid)) for rid in rids]
         self.tables.wait_for(self.cache.last_seq, timeout=10)
@@ -240,7 +292,7 @@ class Engine:
 
     def _run(self, work: list[tuple[Sequence, int, int]], tables: list[np.ndarray]) -> None:
         """One forward over every item's new tokens; sample where an item reached the end of its tokens."""
-        if self.corrupt is not None:  # once the block holds earlier steps' tokens, this step reads another one
+        if self.corrupt is not None and tables[0] is not None:  # once the block holds tokens, read another one
             rid, row, col = self.corrupt
             for (s, start, _), table in zip(work, tables):
                 if s.rid == rid and start >= (col + 1) * self.spec.block_size:
@@ -250,21 +302,13 @@ class Engine:
         tokens = np.concatenate([np.asarray(s.tokens[a:b]) for s, a, b in work])
         positions = np.concatenate([np.arange(a, b) for _, a, b in work])
         bounds = np.cumsum([0] + [b - a for _, a, b in work])
-        config = self.model.config
         # Blocks a host tier is copying back for these requests: each layer waits for its own copy only.
         loads = [self.tier.load(s.rid) if self.tier is not None else None for s, _, _ in work]
+        items = [Item(s.rid, positions[bounds[i]:bounds[i + 1]], stop, table, load)
+                 for i, ((s, _, stop), table, load) in enumerate(zip(work, tables, loads))]
 
         def attend(layer: int, q: paddle.Tensor, kv: tuple[paddle.Tensor, ...]) -> paddle.Tensor:
-            outs = []
-            for i, ((_, _, stop), table) in enumerate(zip(work, tables)):
-                lo, hi = int(bounds[i]), int(bounds[i + 1])
-                if loads[i] is not None and loads[i].wait(layer, timeout=10).value != "done":
-                    raise RuntimeError(f"layer {layer}: the host tier's copy for {work[i][0].rid!r} did not land")
-                self.paged.write(layer, table, self.cells, positions[lo:hi], tuple(x[lo:hi] for x in kv))
-                cached = self.paged.gather(layer, table, self.cells, stop)
-                mask = visible(config, layer, positions[lo:hi], np.arange(stop))
-                outs.append(self.model.attention(layer, q[lo:hi], cached, mask))
-            return paddle.concat(outs, axis=0)
+            return self.attention(layer, q, kv, items)
 
         ends = [i for i, (s, _, stop) in enumerate(work) if stop == len(s.tokens)]
         logits = self.model.forward(tokens, positions, attend, bounds[1:][ends] - 1)
@@ -280,6 +324,12 @@ class Engine:
                 self.cache.free(s.rid)
                 self.running.remove(s)
                 self.finished[s.rid] = s
+
+
+def layer_blocks(row_blocks: Any, cells: np.ndarray) -> list[int]:
+    """Each layer's block count: the pool of the rows its heads read."""
+    pools = np.asarray(row_blocks)
+    return [int(pools[row].max()) for row in cells]
 
 
 def library_engine(model: Model, *, num_blocks: int, block_size: int = 4, head_wise: bool = False,
@@ -303,9 +353,10 @@ def library_engine(model: Model, *, num_blocks: int, block_size: int = 4, head_w
 
 
 def daemon_engine(model: Model, endpoint: str, *, block_size: int = 4, head_wise: bool = False,
-                  quant: str = "none", **options: Any) -> Engine:
+                  quant: str = "none", tp: int = 1, **options: Any) -> Engine:
     """An engine whose scheduler talks to the daemon at ``endpoint`` (serving ``model.config.hf_config()``) and
-    whose model reads the tables a ``TableSubscriber`` follows; its rows are the daemon's."""
+    whose model reads the tables a ``TableSubscriber`` follows; its rows are the daemon's. With ``tp`` ranks
+    (the daemon's ``--tp``) each rank's cache and attention run in a process of its own with its own subscriber."""
     from kvcache.client import CacheClient
     from kvcache.worker import TableSubscriber
 
@@ -315,6 +366,12 @@ def daemon_engine(model: Model, endpoint: str, *, block_size: int = 4, head_wise
     rows = client.info()["rows"]
     if [(tuple(r["layers"]), tuple(r["kv_heads"])) for r in rows] != [(r.layers, r.kv_heads) for r in spec.row_layout]:
         raise RuntimeError(f"the daemon's rows {rows} are not the model's {spec.row_layout}")
+    if tp > 1:
+        from tp import TPAttention
+
+        attention = TPAttention(model.config, endpoint, client, tp, block_size=block_size, head_wise=head_wise,
+                                quant=quant)
+        return Engine(model, spec, client, attention=attention, **options)
     tables = TableSubscriber(endpoint, rank=0, tp_size=1, max_slots=64, max_blocks=512)
     return Engine(model, spec, client, tables=tables, row_blocks=[r["num_blocks"] for r in rows],
                   cells=tables.cell_rows, **options)
