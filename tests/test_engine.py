@@ -14,12 +14,16 @@ sys.path.insert(0, str(ENGINE))
 
 import check  # noqa: E402
 
+from kvcache.transfer.nixl import nixl_available  # noqa: E402
+
 
 @pytest.mark.parametrize("name", list(check.CASES))
 def test_the_engine_generates_what_the_dense_model_generates(name: str) -> None:
-    """Every request of every wave matches; the last wave hit the prefix cache (from host where a tier holds it),
-    window rows gave blocks back, and the preemption cases preempted."""
+    """Every request of every wave matches; the last wave hit the prefix cache (from host where a tier holds it,
+    on both nodes with PD), window rows gave blocks back, and the preemption cases preempted."""
     case = check.CASES[name]
+    if case.pd and not nixl_available():
+        pytest.skip("NIXL is not installed (pip install nixl-cu12 --no-deps)")
     r = check.run(case)
     assert r["mismatched"] == [] and r["requests"] == sum(len(wave) for wave in check.prompts_of(case))
     assert r["max_logit_diff"] < check.LOGIT_TOLERANCE and r["hit_tokens"] > 0
@@ -27,6 +31,8 @@ def test_the_engine_generates_what_the_dense_model_generates(name: str) -> None:
         assert r["recycled"] > 0, "a window configuration must give blocks back"
     if "preemption" in name:
         assert r["preempted"] > 0
+    if case.pd:
+        assert r["decode_hit_tokens"] > 0, "the decode node's reservations must hit too"
     if case.host_blocks:
         assert r["host_tokens"] > 0, "the last wave's hits must come back from host"
     if case.row_blocks or "sized from memory" in name:

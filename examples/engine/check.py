@@ -45,6 +45,7 @@ class Case:
     host_blocks: int = 0  # a host tier; a wave of other prompts then pushes the first wave's blocks out to it
     quant: str = "none"  # the cache's quant type (block_wise_fp8: the dense model rounds K and V the same way)
     tp: int = 1  # TP ranks (daemon mode): each rank's cache and attention in a process of its own
+    pd: bool = False  # prefill and decode on two engines and daemons, the KV moved over NIXL (with daemon's flags)
 
 
 LOGIT_TOLERANCE = 1e-3  # float32: what summing in another order may change; a wrong block changes far more
@@ -82,6 +83,11 @@ CASES: dict[str, Case] = {
     "daemon, TP 2: layer groups x head-wise, preemption": Case(
         model=dataclasses.replace(WINDOWED, window_layers=(0, 2)), head_wise=True, tp=2, num_blocks=30,
         prompt_lens=(30, 38, 26, 34), max_new_tokens=16, daemon=("--num-blocks", "30")),
+    "PD: prefill and decode daemons, KV layer by layer over NIXL, head-wise SWA": Case(
+        model=dataclasses.replace(WINDOWED, window_heads=2), head_wise=True, pd=True, daemon=("--num-blocks", "96")),
+    "PD with layer groups x head-wise": Case(
+        model=dataclasses.replace(WINDOWED, window_layers=(0, 1, 3)), head_wise=True, pd=True,
+        daemon=("--num-blocks", "96")),
     "daemon: preemption": Case(num_blocks=30, prompt_lens=(30, 38, 26, 34), max_new_tokens=16,
                                daemon=("--num-blocks", "30")),
 }
@@ -103,38 +109,77 @@ def prompts_of(case: Case, seed: int = 7) -> list[dict[str, list[int]]]:
 
 
 @contextlib.contextmanager
-def serving(case: Case) -> Iterator[str | None]:
-    """A `kvcache serve` for the case's model and flags (its endpoint), stopped on the way out; None in library
-    mode."""
-    if case.daemon is None:
-        yield None
-        return
-    with tempfile.TemporaryDirectory(prefix="kv-engine-", dir="/tmp") as folder:
+def serving(case: Case) -> Iterator[dict[str, str]]:
+    """`kvcache serve` daemons for the case's model and flags, stopped on the way out: their endpoints by role
+    ("both"; "prefill" and "decode" for PD; none in library mode)."""
+    roles = ("prefill", "decode") if case.pd else ("both",) if case.daemon is not None else ()
+    with tempfile.TemporaryDirectory(prefix="kv-engine-", dir="/tmp") as folder, contextlib.ExitStack() as stack:
         config = Path(folder) / "config.json"
         config.write_text(json.dumps(case.model.hf_config()))
-        endpoint = f"ipc://{folder}/k.sock"
-        log = Path(folder) / "log"
-        with open(log, "wb") as out:
-            flags = (["--head-wise"] if case.head_wise else []) + ["--tp", str(case.tp)]
-            process = subprocess.Popen([sys.executable, "-m", "kvcache", "serve", "--endpoint", endpoint, "--model",
-                                        str(config), "--block-size", str(case.block_size), "--max-slots", "64",
-                                        *flags, *case.daemon], stdout=out, stderr=subprocess.STDOUT)
-        try:
+        endpoints = {}
+        for role in roles:
+            endpoints[role] = f"ipc://{folder}/{role}.sock"
+            log = Path(folder) / f"{role}.log"
+            with open(log, "wb") as out:
+                flags = (["--head-wise"] if case.head_wise else []) + ["--tp", str(case.tp), "--role", role]
+                process = subprocess.Popen([sys.executable, "-m", "kvcache", "serve", "--endpoint", endpoints[role],
+                                            "--model", str(config), "--block-size", str(case.block_size),
+                                            "--max-slots", "64", *flags, *(case.daemon or ())],
+                                           stdout=out, stderr=subprocess.STDOUT)
+            stack.callback(process.wait, 10)
+            stack.callback(process.terminate)
             deadline = time.monotonic() + 30
             while b"kvcache serve: ready" not in log.read_bytes():
                 if process.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"kvcache serve did not start:\n{log.read_text()}")
                 time.sleep(0.02)
-            yield endpoint
-        finally:
-            process.terminate()
-            process.wait(10)
+        yield endpoints
 
 
 def run(case: Case, corrupt: bool = False) -> dict[str, Any]:
     """Serve the case's waves and compare with the dense model: matches, hits, preemptions, blocks given back."""
-    with serving(case) as endpoint:
-        return _run(case, endpoint, corrupt)
+    with serving(case) as endpoints:
+        if case.pd:
+            return _run_pd(case, endpoints)
+        return _run(case, endpoints.get("both"), corrupt)
+
+
+def _run_pd(case: Case, endpoints: dict[str, str]) -> dict[str, Any]:
+    """Prefill on one engine and daemon, decode on another, the KV moved layer by layer over NIXL."""
+    from pd import PDPair
+
+    model = Model(case.model)
+    pair = PDPair(model, endpoints["prefill"], endpoints["decode"], block_size=case.block_size,
+                  head_wise=case.head_wise, quant=case.quant)
+    try:
+        mismatched, total, worst = _compare(model, case, pair.generate)
+        prefill_hits, decode_hits = pair.hit_tokens()
+        recycled = 0
+        for side in (pair.prefill, pair.decode):
+            side.cache.check_integrity()
+            recycled += side.cache.stats()["recycled_blocks"]
+        pools = sorted(set(pair.decode.paged.layer_blocks))
+    finally:
+        pair.close()
+    return {"requests": total, "mismatched": mismatched, "max_logit_diff": worst, "hit_tokens": prefill_hits,
+            "decode_hit_tokens": decode_hits, "host_tokens": 0, "preempted": 0, "rows": len(pair.spec.row_layout),
+            "pools": pools, "recycled": int(recycled), "steps": len(pair.prefill.stats) + len(pair.decode.stats)}
+
+
+def _compare(model: Model, case: Case, generate: Any) -> tuple[list[str], int, float]:
+    """Every wave through ``generate``, each request against the dense model: (mismatched, requests, worst logit gap)."""
+    mismatched, total, worst = [], 0, 0.0
+    for wave in prompts_of(case):
+        got = generate(wave, case.max_new_tokens)
+        for rid, prompt in wave.items():
+            total += 1
+            tokens, logits = dense_generate(model, prompt, case.max_new_tokens, fp8=case.quant == "block_wise_fp8")
+            # Logits over the cache may differ from the dense ones in rounding only (sums in another order)
+            diff = float(np.abs(np.array(got[rid].logits) - logits).max())
+            worst = max(worst, diff)
+            if got[rid].generated != tokens or diff > LOGIT_TOLERANCE:
+                mismatched.append(rid)
+    return mismatched, total, worst
 
 
 def _run(case: Case, endpoint: str | None, corrupt: bool) -> dict[str, Any]:
@@ -148,17 +193,7 @@ def _run(case: Case, endpoint: str | None, corrupt: bool) -> dict[str, Any]:
         engine = daemon_engine(model, endpoint, tp=case.tp, **options)
     if corrupt:
         engine.corrupt = ("a1", 0, 1)
-    mismatched, total, worst = [], 0, 0.0
-    for wave in prompts_of(case):
-        got = engine.generate(wave, case.max_new_tokens)
-        for rid, prompt in wave.items():
-            total += 1
-            tokens, logits = dense_generate(model, prompt, case.max_new_tokens, fp8=case.quant == "block_wise_fp8")
-            # Logits over the cache may differ from the dense ones in rounding only (float32 sums in another order)
-            diff = float(np.abs(np.array(got[rid].logits) - logits).max())
-            worst = max(worst, diff)
-            if got[rid].generated != tokens or diff > LOGIT_TOLERANCE:
-                mismatched.append(rid)
+    mismatched, total, worst = _compare(model, case, engine.generate)
     host_tokens = 0
     if engine.tier is not None:
         engine.tier.drain(10)
@@ -191,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'ok  ' if good else 'FAIL'} {name}: {r['requests'] - len(r['mismatched'])}/{r['requests']} match; "
               f"logits within {r['max_logit_diff']:.1e}; rows {r['rows']} "
               f"({'blocks ' + '/'.join(map(str, r['pools'])) if r['pools'] else 'a cache per TP rank'}), "
-              f"{r['hit_tokens']} prefix-hit tokens ({r['host_tokens']} from host), {r['preempted']} preemptions, "
+              f"{r['hit_tokens']} prefix-hit tokens ({r['host_tokens']} from host"
+              f"{', %d on the decode node' % r['decode_hit_tokens'] if 'decode_hit_tokens' in r else ''}), {r['preempted']} preemptions, "
               f"{r['recycled']} window blocks given back, {r['steps']} steps ({time.perf_counter() - start:.1f} s)",
               flush=True)
     if not args.only:

@@ -178,16 +178,24 @@ class Engine:
 
     def __init__(self, model: Model, spec: CacheSpec, cache: Any, *, row_blocks: list[int] | None = None,
                  cells: np.ndarray | None = None, tables: Any = None, chunk: int = 64, max_num_seqs: int = 16,
-                 attention: Any = None) -> None:
+                 attention: Any = None, paged: PagedCache | None = None) -> None:
         """``attention`` (``attention(layer, q, kv, items)``) replaces this process's one-rank attention over a
-        ``PagedCache`` of ``row_blocks`` read through ``cells``, e.g. by TP ranks' (``tp.TPAttention``)."""
+        ``PagedCache`` (``paged``, or one of ``row_blocks`` read through ``cells``), e.g. by TP ranks'
+        (``tp.TPAttention``)."""
         self.model, self.spec, self.cache, self.tables, self.cells = model, spec, cache, tables, cells
-        self.paged: PagedCache | None = None
+        self.paged = paged
         if attention is None:
-            assert row_blocks is not None and cells is not None
-            self.paged = PagedCache(spec, layer_blocks(row_blocks, cells), model.config.dtype)
+            assert cells is not None and (paged is not None or row_blocks is not None)
+            if self.paged is None:
+                self.paged = PagedCache(spec, layer_blocks(row_blocks, cells), model.config.dtype)
             attention = RankAttention(model, self.paged, cells, range(model.config.cache_heads))
         self.attention = attention
+        # PD prefill: ``handoff(sequence)`` takes a request once its prompt is computed and its first token
+        # sampled (its KV goes to the decode node); ``on_step(items)`` runs before a step's layers and
+        # ``on_layer(layer)`` after each layer's K and V are written (the messager's layer signal).
+        self.handoff: Any = None
+        self.on_step: Any = None
+        self.on_layer: Any = None
         self.chunk, self.max_num_seqs = chunk, max_num_seqs
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -308,8 +316,13 @@ class Engine:
                  for i, ((s, _, stop), table, load) in enumerate(zip(work, tables, loads))]
 
         def attend(layer: int, q: paddle.Tensor, kv: tuple[paddle.Tensor, ...]) -> paddle.Tensor:
-            return self.attention(layer, q, kv, items)
+            out = self.attention(layer, q, kv, items)
+            if self.on_layer is not None:
+                self.on_layer(layer)
+            return out
 
+        if self.on_step is not None:
+            self.on_step(items)
         ends = [i for i, (s, _, stop) in enumerate(work) if stop == len(s.tokens)]
         logits = self.model.forward(tokens, positions, attend, bounds[1:][ends] - 1)
         if np.isnan(logits).any():
@@ -320,7 +333,10 @@ class Engine:
             s = work[i][0]
             s.logits.append(row)
             s.tokens.append(int(np.argmax(row)))
-            if len(s.generated) >= s.max_new_tokens:
+            if self.handoff is not None:
+                self.running.remove(s)
+                self.handoff(s)
+            elif len(s.generated) >= s.max_new_tokens:
                 self.cache.free(s.rid)
                 self.running.remove(s)
                 self.finished[s.rid] = s

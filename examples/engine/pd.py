@@ -1,0 +1,133 @@
+"""Prefill/decode disaggregation for the reference engine: two engines, two daemons, KV moved layer by layer.
+
+The prefill engine admits through ``PDProxy`` (a decode reservation, then a
+prefill admit with that destination), computes each prompt and samples its
+first token; after each layer's K and V are written its ``send_cache`` wakes
+the ``CacheMessager`` (``PrefillLink``), which writes that layer's blocks
+into the decode engine's cache over NIXL (``DecodeLink``'s receiver). Once
+the decode daemon reports a request ready, the decode engine takes it over
+with its first token and decodes on, attending over the blocks that arrived.
+"""
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from kvcache.allocator import CacheSpec
+from kvcache.client import CacheClient
+from kvcache.ops import send_cache
+from kvcache.pd import PDProxy
+from kvcache.pd.cluster import wait_outcomes
+from kvcache.pd.links import DecodeLink, PrefillLink
+from kvcache.pd.messager import Chunk
+from kvcache.transfer import KVRegion, LayerSignal
+from kvcache.worker import TableSubscriber
+
+from engine import Engine, PagedCache, Sequence, layer_blocks
+from model import Model
+
+
+class _ProxyCache:
+    """The prefill engine's cache: its daemon's client, but admits go through the PD proxy (decode reservation,
+    then a prefill admit with that destination); each admitted request's transfer plan is kept for its step."""
+
+    def __init__(self, proxy: PDProxy) -> None:
+        self.proxy, self.client = proxy, proxy.prefill
+        self.plans: dict[Any, Any] = {}
+        self.decode_cached: dict[Any, int] = {}
+
+    def admit(self, rid: Any, tokens: list[int], num_tokens: int | None = None) -> Any:
+        if num_tokens is not None and num_tokens < len(tokens):
+            return None  # whole prompts only: a later step has room for all of it
+        placed = self.proxy.submit(rid, tokens)
+        if placed is None:
+            return None
+        reservation, admission = placed
+        self.plans[rid] = admission.plan
+        self.decode_cached[rid] = reservation.num_cached_tokens
+        return admission
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.client, name)
+
+
+class PDPair:
+    """A prefill engine and a decode engine over the daemons at ``prefill`` (``--role prefill``) and ``decode``
+    (``--role decode``), both serving ``model.config.hf_config()``; ``generate`` runs prompts through both."""
+
+    def __init__(self, model: Model, prefill: str, decode: str, *, block_size: int = 4, head_wise: bool = False,
+                 quant: str = "none", chunk: int = 256, timeout: float = 20.0) -> None:
+        self.model, self.timeout = model, timeout
+        self.spec = CacheSpec.from_hf_config(model.config.hf_config(), block_size=block_size, head_wise=head_wise,
+                                             dtype="float32", quant=quant)
+        self.signal = LayerSignal.create(f"kvcache-engine-{uuid.uuid4().hex[:12]}", self.spec.num_layers)
+        self.parts: list[Any] = [self.signal]
+        try:
+            self.prefill = self._engine(prefill, chunk)
+            self.decode = self._engine(decode, chunk)
+            self.link = PrefillLink(prefill, self._region(self.prefill), self.signal, 0)
+            self.parts.append(self.link)
+            self.receiver = DecodeLink(decode, self._region(self.decode), 0)
+            self.parts.append(self.receiver)
+        except BaseException:
+            self.close()
+            raise
+        self.proxy = PDProxy(self.prefill.cache, self.decode.cache)
+        self.prefill.cache = _ProxyCache(self.proxy)
+        self.handed: list[Sequence] = []
+        self.prefill.handoff = self.handed.append
+        self.prefill.on_step = self._send
+        self.prefill.on_layer = lambda layer: send_cache(None, self.signal, layer)
+
+    def _engine(self, endpoint: str, chunk: int) -> Engine:
+        client = CacheClient(endpoint, timeout=10)
+        self.parts.append(client)
+        tables = TableSubscriber(endpoint, rank=0, tp_size=1, max_slots=64, max_blocks=512)
+        self.parts.append(tables)
+        pools = [row["num_blocks"] for row in client.info()["rows"]]
+        paged = PagedCache(self.spec, layer_blocks(pools, tables.cell_rows), self.model.config.dtype)
+        return Engine(self.model, self.spec, client, cells=tables.cell_rows, tables=tables, paged=paged, chunk=chunk)
+
+    def _region(self, engine: Engine) -> KVRegion:
+        assert engine.paged is not None
+        return KVRegion.from_tensors(self.spec, [engine.paged.views(layer) for layer in range(self.spec.num_layers)])
+
+    def _send(self, items: list[Any]) -> None:
+        """Before a prefill step's layers: the messager learns which requests' blocks to send as layers finish."""
+        chunks = [Chunk(item.rid, item.stop, True) for item in items]
+        plans = {item.rid: self.prefill.cache.plans.pop(item.rid) for item in items if item.rid in self.prefill.cache.plans}
+        self.link.run_step(self.signal.begin_step(), chunks, plans)
+
+    def generate(self, prompts: dict[Any, list[int]], max_new_tokens: int) -> dict[Any, Sequence]:
+        """Prefill every prompt on the prefill node, move its KV, decode it to ``max_new_tokens`` on the decode node."""
+        for rid, prompt in prompts.items():
+            self.prefill.add(rid, prompt, max_new_tokens)
+        while self.prefill.waiting or self.prefill.running:
+            self.prefill.step()
+        handed, self.handed[:] = list(self.handed), []
+        ready, failed = wait_outcomes(self.decode.cache, {s.rid for s in handed}, self.timeout)
+        wait_outcomes(self.prefill.cache.client, {s.rid for s in handed}, self.timeout)
+        if failed or len(ready) < len(handed):
+            raise RuntimeError(f"transfers failed: {failed}; ready {sorted(ready)}")
+        for s in handed:  # the decode node holds the prompt's KV: decode from the first sampled token on
+            s.computed = s.scheduled = s.prompt_len
+            if len(s.generated) >= s.max_new_tokens:
+                self.decode.cache.free(s.rid)
+                self.decode.finished[s.rid] = s
+            else:
+                self.decode.running.append(s)
+        while self.decode.running:
+            self.decode.step()
+        return {rid: self.decode.finished.pop(rid) for rid in prompts}
+
+    def hit_tokens(self) -> tuple[int, int]:
+        """Prefix-hit tokens so far on the prefill node and on the decode node."""
+        return (sum(s.hit for s in self.prefill.stats), sum(self.prefill.cache.decode_cached.values()))
+
+    def close(self) -> None:
+        for part in reversed(self.parts):
+            try:
+                part.close()
+            except Exception:  # closing what is left matters more than the first failure
+                pass
+        LayerSignal.remove(self.signal.name)
