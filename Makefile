@@ -22,8 +22,13 @@ $(VENV)/.installed: $(VENV)/.base
 
 install: $(VENV)/.installed
 
-demo: $(VENV)/.base
-	$(VENV)/bin/kvcache plan --example llama-3.1-70b --gpu-memory 80GiB --tp 8 --quant block_wise_fp8 --host-memory 512GiB
+# The demo's model runs on Paddle (CPU).
+$(VENV)/.demo: $(VENV)/.base
+	$(PY) -m pip install -q 'paddlepaddle>=2.6'
+	touch $@
+
+demo: $(VENV)/.demo
+	$(PY) examples/engine/demo.py
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q

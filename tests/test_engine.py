@@ -51,3 +51,10 @@ def test_the_check_script_runs_every_configuration_and_exits_zero() -> None:
     lines = [line for line in out.stdout.splitlines() if line.startswith(("ok", "FAIL"))]
     assert out.returncode == 0, out.stdout + out.stderr
     assert len(lines) == len(check.CASES) + 1 and all(line.startswith("ok") for line in lines)
+
+
+def test_the_demo_generates_through_a_daemon_and_matches_the_dense_model() -> None:
+    out = subprocess.run([sys.executable, str(ENGINE / "demo.py")], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "equal a dense model's with no cache: 12 of 12 requests" in out.stdout
+    assert "wave 2 step" in out.stdout and "found cached" in out.stdout
