@@ -42,6 +42,28 @@ def test_the_demo_moves_head_wise_gpu_caches_byte_for_byte():
     assert "OK: decode KV equals prefill KV byte for byte" in run.stdout
 
 
+def test_layer_group_rows_move_between_gpu_caches_byte_for_byte():
+    """A Gemma-shaped config served with a pool per layer group (the sliding layers' smaller): fresh prompts and
+    prefix hits on either node, prefill TP 2 -> decode TP 1, every decode byte the model's, on GPU caches."""
+    from kvcache.client import CacheClient
+    from kvcache.pd import PDProxy
+    from kvcache.pd.cluster import Cluster, run_batch, scenario
+    import numpy as np
+
+    config = {"model_type": "gemma3_text", "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4,
+              "head_dim": 32, "sliding_window": 32, "sink_size": 16, "sliding_window_pattern": 2}
+    with Cluster(model=config, memory="32MiB", max_model_len=2048, max_num_batched_tokens=1040, prefill_tp=2,
+                 device="cuda:0") as cluster:
+        prefill, decode = CacheClient(cluster.cfg["prefill"]), CacheClient(cluster.cfg["decode"])
+        blocks = cluster.cfg["layer_blocks"]["decode"]
+        assert blocks[0] < blocks[1]
+        proxy = PDProxy(prefill, decode)
+        for name, prompts, clear in scenario(np.random.default_rng(6), cluster.spec.block_size):
+            if clear:
+                (prefill if clear == "prefill" else decode).reset_prefix_cache()
+            assert run_batch(cluster, proxy, prompts)["problems"] == [], name
+
+
 def _child_fills(shared, value: int) -> None:
     """In a process without PyTorch (as a link process): fill each tensor's first block through the opened mapping."""
     from kvcache.transfer.engines import CudaRuntime
