@@ -44,7 +44,7 @@ class Case:
     daemon: tuple[str, ...] | None = None  # serve through a real `kvcache serve` with these flags (and --model)
     host_blocks: int = 0  # a host tier; a wave of other prompts then pushes the first wave's blocks out to it
     quant: str = "none"  # the cache's quant type (block_wise_fp8: the dense model rounds K and V the same way)
-    tp: int = 1  # TP ranks (daemon mode): each rank's cache and attention in a process of its own
+    tp: int = 1  # TP ranks (daemon mode; PD: the prefill node's): each rank's cache and attention in a process
     pd: bool = False  # prefill and decode on two engines and daemons, the KV moved over NIXL (with daemon's flags)
 
 
@@ -88,6 +88,9 @@ CASES: dict[str, Case] = {
     "PD with layer groups x head-wise": Case(
         model=dataclasses.replace(WINDOWED, window_layers=(0, 1, 3)), head_wise=True, pd=True,
         daemon=("--num-blocks", "96")),
+    "PD, prefill TP 2 (a messager per rank) to decode TP 1": Case(
+        model=dataclasses.replace(WINDOWED, window_heads=2), head_wise=True, pd=True, tp=2,
+        daemon=("--num-blocks", "96")),
     "daemon: preemption": Case(num_blocks=30, prompt_lens=(30, 38, 26, 34), max_new_tokens=16,
                                daemon=("--num-blocks", "30")),
 }
@@ -121,7 +124,8 @@ def serving(case: Case) -> Iterator[dict[str, str]]:
             endpoints[role] = f"ipc://{folder}/{role}.sock"
             log = Path(folder) / f"{role}.log"
             with open(log, "wb") as out:
-                flags = (["--head-wise"] if case.head_wise else []) + ["--tp", str(case.tp), "--role", role]
+                tp = 1 if role == "decode" else case.tp  # PD: the prefill node has case.tp ranks, decode one
+                flags = (["--head-wise"] if case.head_wise else []) + ["--tp", str(tp), "--role", role]
                 process = subprocess.Popen([sys.executable, "-m", "kvcache", "serve", "--endpoint", endpoints[role],
                                             "--model", str(config), "--block-size", str(case.block_size),
                                             "--max-slots", "64", *flags, *(case.daemon or ())],
@@ -150,7 +154,7 @@ def _run_pd(case: Case, endpoints: dict[str, str]) -> dict[str, Any]:
 
     model = Model(case.model)
     pair = PDPair(model, endpoints["prefill"], endpoints["decode"], block_size=case.block_size,
-                  head_wise=case.head_wise, quant=case.quant)
+                  head_wise=case.head_wise, quant=case.quant, prefill_tp=case.tp)
     try:
         mismatched, total, worst = _compare(model, case, pair.generate)
         prefill_hits, decode_hits = pair.hit_tokens()

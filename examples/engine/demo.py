@@ -10,7 +10,6 @@ every request with a dense model that recomputes attention with no cache.
 """
 from __future__ import annotations
 
-import dataclasses
 import sys
 import time
 from pathlib import Path

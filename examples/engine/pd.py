@@ -56,17 +56,29 @@ class PDPair:
     (``--role decode``), both serving ``model.config.hf_config()``; ``generate`` runs prompts through both."""
 
     def __init__(self, model: Model, prefill: str, decode: str, *, block_size: int = 4, head_wise: bool = False,
-                 quant: str = "none", chunk: int = 256, timeout: float = 20.0) -> None:
+                 quant: str = "none", chunk: int = 256, timeout: float = 20.0, prefill_tp: int = 1) -> None:
+        """``prefill_tp`` ranks on the prefill node (the prefill daemon's ``--tp``), each a process with its own
+        cache and messager; the decode node has one."""
         self.model, self.timeout = model, timeout
         self.spec = CacheSpec.from_hf_config(model.config.hf_config(), block_size=block_size, head_wise=head_wise,
                                              dtype="float32", quant=quant)
         self.signal = LayerSignal.create(f"kvcache-engine-{uuid.uuid4().hex[:12]}", self.spec.num_layers)
         self.parts: list[Any] = [self.signal]
         try:
-            self.prefill = self._engine(prefill, chunk)
+            if prefill_tp > 1:
+                from tp import TPAttention
+
+                client = CacheClient(prefill, timeout=10)
+                self.parts.append(client)
+                ranks = TPAttention(model.config, prefill, client, prefill_tp, block_size=block_size,
+                                    head_wise=head_wise, quant=quant, prefill=True)
+                self.parts.append(ranks)
+                self.prefill = Engine(model, self.spec, client, attention=ranks, chunk=chunk)
+            else:
+                self.prefill = self._engine(prefill, chunk)
+                self.link = PrefillLink(prefill, self._region(self.prefill), self.signal, 0)
+                self.parts.append(self.link)
             self.decode = self._engine(decode, chunk)
-            self.link = PrefillLink(prefill, self._region(self.prefill), self.signal, 0)
-            self.parts.append(self.link)
             self.receiver = DecodeLink(decode, self._region(self.decode), 0)
             self.parts.append(self.receiver)
         except BaseException:
@@ -77,7 +89,8 @@ class PDPair:
         self.handed: list[Sequence] = []
         self.prefill.handoff = self.handed.append
         self.prefill.on_step = self._send
-        self.prefill.on_layer = lambda layer: send_cache(None, self.signal, layer)
+        if prefill_tp == 1:  # TP ranks signal their own layers
+            self.prefill.on_layer = lambda layer: send_cache(None, self.signal, layer)
 
     def _engine(self, endpoint: str, chunk: int) -> Engine:
         client = CacheClient(endpoint, timeout=10)
@@ -93,10 +106,14 @@ class PDPair:
         return KVRegion.from_tensors(self.spec, [engine.paged.views(layer) for layer in range(self.spec.num_layers)])
 
     def _send(self, items: list[Any]) -> None:
-        """Before a prefill step's layers: the messager learns which requests' blocks to send as layers finish."""
+        """Before a prefill step's layers: the messagers learn which requests' blocks to send as layers finish."""
         chunks = [Chunk(item.rid, item.stop, True) for item in items]
-        plans = {item.rid: self.prefill.cache.plans.pop(item.rid) for item in items if item.rid in self.prefill.cache.plans}
-        self.link.run_step(self.signal.begin_step(), chunks, plans)
+        held = self.prefill.cache.plans
+        plans = {item.rid: held.pop(item.rid) for item in items if item.rid in held}
+        if hasattr(self.prefill.attention, "begin_step"):
+            self.prefill.attention.begin_step(chunks, plans)
+        else:
+            self.link.run_step(self.signal.begin_step(), chunks, plans)
 
     def generate(self, prompts: dict[Any, list[int]], max_new_tokens: int) -> dict[Any, Sequence]:
         """Prefill every prompt on the prefill node, move its KV, decode it to ``max_new_tokens`` on the decode node."""

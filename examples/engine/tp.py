@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import time
+import uuid
 from typing import Any
 
 import numpy as np
@@ -28,7 +29,9 @@ class TPAttention:
     ``endpoint`` as TP rank r (its scheduler is ``client``: the workers wait for its last seq)."""
 
     def __init__(self, config: ModelConfig, endpoint: str, client: Any, tp: int, *, block_size: int,
-                 head_wise: bool = False, quant: str = "none", timeout: float = 60.0) -> None:
+                 head_wise: bool = False, quant: str = "none", timeout: float = 60.0, prefill: bool = False) -> None:
+        """``prefill``: the daemon is a PD prefill node; each rank then sends its heads' KV to the decode node,
+        layer by layer, through a messager of its own (``begin_step`` tells them a step's requests)."""
         if config.kv_lora_rank or config.num_kv_heads % tp:
             raise ValueError(f"tp: {tp} ranks need kv heads they divide (GQA), got {config.num_kv_heads}")
         self.client, self.timeout = client, timeout
@@ -38,8 +41,8 @@ class TPAttention:
         self.conns, self.processes = [], []
         for rank in range(tp):
             conn, child = ctx.Pipe()
-            process = ctx.Process(target=_rank, args=(child, config, endpoint, rank, tp, block_size, head_wise, quant),
-                                  daemon=True)
+            process = ctx.Process(target=_rank, daemon=True,
+                                  args=(child, config, endpoint, rank, tp, block_size, head_wise, quant, prefill))
             process.start()
             self.conns.append(conn)
             self.processes.append(process)
@@ -56,6 +59,13 @@ class TPAttention:
             conn.send(("attend", layer, seq, plain, qs, [x[:, heads.start:heads.stop] for x in kv_np]))
         outs = [self._receive(rank, self.timeout) for rank in range(len(self.conns))]
         return paddle.to_tensor(np.concatenate(outs, axis=1))
+
+    def begin_step(self, chunks: list[Any], plans: dict[Any, Any]) -> None:
+        """A PD prefill step is about to run: every rank's messager learns its requests (and their plans)."""
+        for conn in self.conns:
+            conn.send(("step", chunks, plans))
+        for rank in range(len(self.conns)):
+            self._receive(rank, self.timeout)
 
     def _receive(self, rank: int, timeout: float) -> Any:
         deadline = time.monotonic() + timeout
@@ -79,10 +89,15 @@ class TPAttention:
 
 
 def _rank(conn: Any, config: ModelConfig, endpoint: str, rank: int, tp: int, block_size: int, head_wise: bool,
-          quant: str) -> None:
-    """A TP rank: its subscriber, its cache, its attention; answers one layer at a time until told to stop."""
+          quant: str, prefill: bool) -> None:
+    """A TP rank: its subscriber, its cache, its attention (and on a PD prefill node its messager); answers one
+    message at a time until told to stop."""
+    from kvcache.ops import send_cache
+    from kvcache.pd.links import PrefillLink
+    from kvcache.transfer import KVRegion, LayerSignal
     from kvcache.worker import TableSubscriber
 
+    link = signal = None
     try:
         spec = CacheSpec.from_hf_config(config.hf_config(), block_size=block_size, head_wise=head_wise,
                                         dtype="float32", quant=quant, tp_size=tp)
@@ -90,27 +105,49 @@ def _rank(conn: Any, config: ModelConfig, endpoint: str, rank: int, tp: int, blo
         pools = [policy["num_blocks"] for policy in tables.row_policies]
         paged = PagedCache(spec, layer_blocks(pools, tables.cell_rows), config.dtype)
         attention = RankAttention(Model(config), paged, tables.cell_rows, rank_heads(config.num_kv_heads, tp, rank))
+        if prefill:
+            signal = LayerSignal.create(f"kvcache-engine-{uuid.uuid4().hex[:12]}-r{rank}", spec.num_layers)
+            region = KVRegion.from_tensors(spec, [paged.views(layer) for layer in range(spec.num_layers)])
+            link = PrefillLink(endpoint, region, signal, rank)
     except Exception as exc:
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
         return
     conn.send(("ready", None))
+    try:
+        _serve_rank(conn, tables, attention, link, signal, send_cache)
+    finally:
+        if link is not None:
+            link.close()
+        if signal is not None:
+            signal.close()
+            LayerSignal.remove(signal.name)
+        tables.close()
+
+
+def _serve_rank(conn: Any, tables: Any, attention: RankAttention, link: Any, signal: Any, send_cache: Any) -> None:
+    """A rank's loop: a PD step's requests for its messager, or one layer's attention, until told to stop."""
     seq, held = -1, {}
-    with tables:
-        while True:
-            message = conn.recv()
-            if message[0] == "stop":
-                return
+    while True:
+        message = conn.recv()
+        if message[0] == "stop":
+            return
+        try:
+            if message[0] == "step":
+                link.run_step(signal.begin_step(), message[1], message[2])
+                conn.send(("ok", None))
+                continue
             _, layer, step_seq, plain, q, kv = message
-            try:
-                if step_seq != seq:  # a new step: its deltas first, then the tables as they are now
-                    tables.wait_for(step_seq, timeout=10)
-                    seq, held = step_seq, {}
-                items = []
-                for rid, positions, stop in plain:
-                    if rid not in held:
-                        held[rid] = np.array(tables.table(rid))
-                    items.append(Item(rid, positions, stop, held[rid]))
-                out = attention(layer, paddle.to_tensor(q), tuple(paddle.to_tensor(x) for x in kv), items)
-                conn.send(("out", out.numpy()))
-            except Exception as exc:
-                conn.send(("error", f"{type(exc).__name__}: {exc}"))
+            if step_seq != seq:  # a new step: its deltas first, then the tables as they are now
+                tables.wait_for(step_seq, timeout=10)
+                seq, held = step_seq, {}
+            items = []
+            for rid, positions, stop in plain:
+                if rid not in held:
+                    held[rid] = np.array(tables.table(rid))
+                items.append(Item(rid, positions, stop, held[rid]))
+            out = attention(layer, paddle.to_tensor(q), tuple(paddle.to_tensor(x) for x in kv), items)
+            if signal is not None:  # the layer's K and V are written: the messager may send them
+                send_cache(None, signal, layer)
+            conn.send(("out", out.numpy()))
+        except Exception as exc:
+            conn.send(("error", f"{type(exc).__name__}: {exc}"))
