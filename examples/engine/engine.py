@@ -29,6 +29,7 @@ import paddle
 from kvcache.allocator import CacheSpec, KVCacheManager
 from kvcache.allocator.rows import table_cells
 
+from backend import paddle_backend
 from model import Model, fp8_dequantize, fp8_round_trip, visible
 
 
@@ -38,7 +39,7 @@ class PagedCache:
 
     def __init__(self, spec: CacheSpec, layer_blocks: list[int], dtype: str = "float32") -> None:
         """``dtype`` is what the model computes in: writes round to the cache's dtype, reads come back in it."""
-        self.spec, self.dtype = spec, dtype
+        self.spec, self.dtype, self.ops = spec, dtype, paddle_backend()
         self.heads, self.block_size, self.layer_blocks = spec.kv_heads_per_rank, spec.block_size, list(layer_blocks)
         tensors = spec.tensors()
         self.names = [t.name for t in tensors]
@@ -74,7 +75,7 @@ class PagedCache:
         index = paddle.to_tensor(self._rows(blocks, positions % self.block_size).reshape(-1))
         rows = [x.transpose([1, 0, 2]).reshape([-1, x.shape[-1]]) for x in vectors]
         if self.fp8:
-            (k, ks), (v, vs) = (fp8_round_trip(x) for x in rows)
+            (k, ks), (v, vs) = (fp8_round_trip(self.ops, x) for x in rows)
             rows = [k.view(paddle.uint8), v.view(paddle.uint8), ks, vs]
         else:
             rows = [x.astype("float32") for x in rows]
@@ -94,7 +95,8 @@ class PagedCache:
         read = [paddle.gather(t, index) for t in self.tensors[layer]]
         if self.fp8:
             k, v, ks, vs = read
-            read = [fp8_dequantize(x.view(paddle.float8_e4m3fn), scale, self.dtype) for x, scale in ((k, ks), (v, vs))]
+            read = [fp8_dequantize(self.ops, x.view(paddle.float8_e4m3fn), scale, self.dtype)
+                    for x, scale in ((k, ks), (v, vs))]
         else:
             read = [x.astype(self.dtype) for x in read]
         out = []

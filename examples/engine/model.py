@@ -1,4 +1,4 @@
-"""A small Llama-shaped decoder with seeded weights (no download), in Paddle (float32, or float64).
+"""A small Llama-shaped decoder with seeded weights (no download), in Paddle (CPU) or PyTorch (``backend.py``).
 
 The model knows nothing of caches: ``Model.forward`` runs a batch of token
 segments and asks an ``attend(layer, q, kv)`` callback for each layer's
@@ -17,7 +17,8 @@ import dataclasses
 from typing import Any, Callable
 
 import numpy as np
-import paddle
+
+from backend import paddle_backend
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,48 +84,50 @@ def visible(config: ModelConfig, layer: int, q_pos: np.ndarray, k_pos: np.ndarra
     return np.where(config.windowed(layer)[:, None, None], causal & near, causal)
 
 
-def attention(q: paddle.Tensor, k: paddle.Tensor, v: paddle.Tensor, mask: np.ndarray) -> paddle.Tensor:
+def attention(ops: Any, q: Any, k: Any, v: Any, mask: np.ndarray) -> Any:
     """Grouped-query attention: q [n, Hq, d], k [Hkv, m, d], v [Hkv, m, dv], mask [Hkv, n, m] -> [n, Hq, dv]."""
     n, hq, d = q.shape
     hkv = k.shape[0]
-    group = q.reshape([n, hkv, hq // hkv, d]).transpose([1, 2, 0, 3])  # [Hkv, g, n, d]
-    scores = paddle.matmul(group, k.unsqueeze(1), transpose_y=True) / float(np.sqrt(d))  # [Hkv, g, n, m]
-    allowed = paddle.to_tensor(mask[:, None])
-    scores = paddle.where(allowed, scores, paddle.full_like(scores, float("-inf")))
-    out = paddle.matmul(paddle.nn.functional.softmax(scores, axis=-1), v.unsqueeze(1))  # [Hkv, g, n, d]
-    return out.transpose([2, 0, 1, 3]).reshape([n, hq, v.shape[-1]])
+    group = ops.permute(q.reshape([n, hkv, hq // hkv, d]), [1, 2, 0, 3])  # [Hkv, g, n, d]
+    scores = ops.matmul(group, k.unsqueeze(1), transpose_b=True) / float(np.sqrt(d))  # [Hkv, g, n, m]
+    scores = ops.where(ops.tensor(mask[:, None]), scores, ops.fill_like(scores, float("-inf")))
+    out = ops.matmul(ops.softmax(scores), v.unsqueeze(1))  # [Hkv, g, n, d]
+    return ops.permute(out, [2, 0, 1, 3]).reshape([n, hq, v.shape[-1]])
 
 
 FP8_MAX = 448.0  # the largest float8_e4m3fn
 
 
-def fp8_round_trip(x: paddle.Tensor) -> tuple[paddle.Tensor, paddle.Tensor]:
+def fp8_round_trip(ops: Any, x: Any) -> tuple[Any, Any]:
     """``block_wise_fp8`` as a cache stores x [..., d]: float8_e4m3fn values and one float32 scale per vector (its
     largest magnitude over 448, as FastDeploy's per-token scales); returns (values, scales [..., 1])."""
-    scale = (paddle.abs(x).max(axis=-1, keepdim=True) / FP8_MAX).astype("float32")
-    scale = paddle.where(scale > 0, scale, paddle.ones_like(scale))
-    return (x / scale.astype(x.dtype)).astype(paddle.float8_e4m3fn), scale
+    scale = ops.cast(ops.absmax_last(x) / FP8_MAX, "float32")
+    scale = ops.where(scale > 0, scale, ops.fill_like(scale, 1.0))
+    return ops.cast(x / ops.cast(scale, x.dtype), ops.fp8), scale
 
 
-def fp8_dequantize(values: paddle.Tensor, scale: paddle.Tensor, dtype: str) -> paddle.Tensor:
-    return values.astype(dtype) * scale.astype(dtype)
+def fp8_dequantize(ops: Any, values: Any, scale: Any, dtype: str) -> Any:
+    return ops.cast(values, dtype) * ops.cast(scale, dtype)
 
 
-Attend = Callable[[int, paddle.Tensor, tuple[paddle.Tensor, ...]], paddle.Tensor]
+Attend = Callable[[int, Any, tuple[Any, ...]], Any]
 
 
 class Model:
     """The decoder: embedding, layers of RMSNorm, GQA attention with RoPE and a SwiGLU MLP, and the LM head."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, backend: Any = None) -> None:
+        """``backend``: where it computes (``backend.py``; default Paddle on the CPU). The weights are the same
+        numbers on every backend: drawn from ``config.seed`` in float32."""
         self.config = c = config
+        self.ops = ops = backend or paddle_backend()
         rng = np.random.default_rng(c.seed)
 
-        def weight(*shape: int, scale: float) -> paddle.Tensor:
-            return paddle.to_tensor((rng.standard_normal(shape) * scale).astype(np.float32).astype(c.dtype))
+        def weight(*shape: int, scale: float) -> Any:
+            return ops.tensor((rng.standard_normal(shape) * scale).astype(np.float32).astype(c.dtype))
 
-        def norm() -> paddle.Tensor:
-            return paddle.to_tensor((1 + 0.1 * rng.standard_normal(c.hidden)).astype(np.float32).astype(c.dtype))
+        def norm() -> Any:
+            return ops.tensor((1 + 0.1 * rng.standard_normal(c.hidden)).astype(np.float32).astype(c.dtype))
 
         self.embed = weight(c.vocab, c.hidden, scale=1.0)
         q_dim = c.head_dim + c.rope_dim  # MLA's queries carry the rotary part on top; GQA's rope_dim is 0
@@ -138,7 +141,7 @@ class Model:
             if c.kv_lora_rank:
                 w.update(w_dkv=weight(c.hidden, c.kv_lora_rank, scale=c.hidden ** -0.5),
                          w_kr=weight(c.hidden, c.rope_dim, scale=c.hidden ** -0.5),
-                         kv_norm=paddle.to_tensor((1 + 0.1 * rng.standard_normal(c.kv_lora_rank)).astype(c.dtype)),
+                         kv_norm=ops.tensor((1 + 0.1 * rng.standard_normal(c.kv_lora_rank)).astype(c.dtype)),
                          w_uk=weight(c.kv_lora_rank, c.num_q_heads * c.head_dim, scale=c.kv_lora_rank ** -0.5),
                          w_uv=weight(c.kv_lora_rank, c.num_q_heads * c.head_dim, scale=c.kv_lora_rank ** -0.5))
             else:
@@ -150,59 +153,56 @@ class Model:
         rotary = c.rope_dim if c.kv_lora_rank else c.head_dim
         self.inv_freq = 1.0 / (10000.0 ** (np.arange(0, rotary, 2, dtype=np.float64) / rotary))
 
-    def attention(self, layer: int, q: paddle.Tensor, kv: tuple[paddle.Tensor, ...], mask: np.ndarray
-                  ) -> paddle.Tensor:
+    def attention(self, layer: int, q: Any, kv: tuple[Any, ...], mask: np.ndarray) -> Any:
         """``layer``'s attention of queries q [n, Hq, d] over what a cache holds of m tokens (K and V
         [Hkv, m, d], or MLA's latent [1, m, kv_lora_rank + rope_dim]) under ``mask`` [cache heads, n, m]."""
-        c = self.config
+        c, ops = self.config, self.ops
         if not c.kv_lora_rank:
-            return attention(q, kv[0], kv[1], mask)
+            return attention(ops, q, kv[0], kv[1], mask)
         w = self.layers[layer]
         latent = kv[0][0]  # [m, rank + rope]
         m, rank = latent.shape[0], c.kv_lora_rank
-        keys = paddle.matmul(latent[:, :rank], w["w_uk"]).reshape([m, c.num_q_heads, c.head_dim])
-        values = paddle.matmul(latent[:, :rank], w["w_uv"]).reshape([m, c.num_q_heads, c.head_dim])
-        rope = paddle.expand(latent[:, rank:].unsqueeze(1), [m, c.num_q_heads, c.rope_dim])
-        keys = paddle.concat([keys, rope], axis=-1)  # each head's key: its own part, then the shared rotary one
+        keys = ops.matmul(latent[:, :rank], w["w_uk"]).reshape([m, c.num_q_heads, c.head_dim])
+        values = ops.matmul(latent[:, :rank], w["w_uv"]).reshape([m, c.num_q_heads, c.head_dim])
+        rope = ops.expand(latent[:, rank:].unsqueeze(1), [m, c.num_q_heads, c.rope_dim])
+        keys = ops.cat([keys, rope], axis=-1)  # each head's key: its own part, then the shared rotary one
         heads = np.broadcast_to(mask, (c.num_q_heads, *mask.shape[1:]))
-        return attention(q, keys.transpose([1, 0, 2]), values.transpose([1, 0, 2]), heads)
+        return attention(ops, q, ops.permute(keys, [1, 0, 2]), ops.permute(values, [1, 0, 2]), heads)
 
-    def _rope(self, x: paddle.Tensor, positions: np.ndarray) -> paddle.Tensor:
+    def _rope(self, x: Any, positions: np.ndarray) -> Any:
         angles = positions[:, None].astype(np.float64) * self.inv_freq[None, :]  # [n, d/2]
-        cos = paddle.to_tensor(np.cos(angles).astype(self.config.dtype)).unsqueeze(1)
-        sin = paddle.to_tensor(np.sin(angles).astype(self.config.dtype)).unsqueeze(1)
+        cos = self.ops.tensor(np.cos(angles).astype(self.config.dtype)).unsqueeze(1)
+        sin = self.ops.tensor(np.sin(angles).astype(self.config.dtype)).unsqueeze(1)
         even, odd = x[:, :, 0::2], x[:, :, 1::2]
-        return paddle.stack([even * cos - odd * sin, even * sin + odd * cos], axis=-1).reshape(x.shape)
+        return self.ops.stack([even * cos - odd * sin, even * sin + odd * cos], axis=-1).reshape(list(x.shape))
 
-    @staticmethod
-    def _rms(x: paddle.Tensor, weight: paddle.Tensor) -> paddle.Tensor:
-        return x * paddle.rsqrt((x * x).mean(axis=-1, keepdim=True) + 1e-6) * weight
+    def _rms(self, x: Any, weight: Any) -> Any:
+        return x * self.ops.rsqrt(self.ops.mean_last(x * x) + 1e-6) * weight
 
     def forward(self, tokens: np.ndarray, positions: np.ndarray, attend: Attend, logits_at: np.ndarray) -> np.ndarray:
         """Run ``tokens`` at ``positions`` (a batch of segments; ``attend`` knows where each starts) and return
         logits [len(logits_at), vocab] of the rows ``logits_at`` (in the model's dtype)."""
-        c = self.config
+        c, ops = self.config, self.ops
         n = len(tokens)
-        x = paddle.gather(self.embed, paddle.to_tensor(np.asarray(tokens, dtype=np.int64)))
+        x = ops.rows(self.embed, tokens)
         for layer, w in enumerate(self.layers):
             h = self._rms(x, w["attn_norm"])
             if c.kv_lora_rank:  # MLA: the cache keeps the normed latent and the rotary key
-                q = paddle.matmul(h, w["wq"]).reshape([n, c.num_q_heads, c.head_dim + c.rope_dim])
-                q = paddle.concat([q[:, :, :c.head_dim], self._rope(q[:, :, c.head_dim:], positions)], axis=-1)
-                latent = self._rms(paddle.matmul(h, w["w_dkv"]), w["kv_norm"])
-                rotary = self._rope(paddle.matmul(h, w["w_kr"]).unsqueeze(1), positions)[:, 0]
-                kv: tuple[paddle.Tensor, ...] = (paddle.concat([latent, rotary], axis=-1).unsqueeze(1),)
+                q = ops.matmul(h, w["wq"]).reshape([n, c.num_q_heads, c.head_dim + c.rope_dim])
+                q = ops.cat([q[:, :, :c.head_dim], self._rope(q[:, :, c.head_dim:], positions)], axis=-1)
+                latent = self._rms(ops.matmul(h, w["w_dkv"]), w["kv_norm"])
+                rotary = self._rope(ops.matmul(h, w["w_kr"]).unsqueeze(1), positions)[:, 0]
+                kv: tuple[Any, ...] = (ops.cat([latent, rotary], axis=-1).unsqueeze(1),)
             else:
-                q = self._rope(paddle.matmul(h, w["wq"]).reshape([n, c.num_q_heads, c.head_dim]), positions)
-                kv = (self._rope(paddle.matmul(h, w["wk"]).reshape([n, c.num_kv_heads, c.head_dim]), positions),
-                      paddle.matmul(h, w["wv"]).reshape([n, c.num_kv_heads, c.head_dim]))
+                q = self._rope(ops.matmul(h, w["wq"]).reshape([n, c.num_q_heads, c.head_dim]), positions)
+                kv = (self._rope(ops.matmul(h, w["wk"]).reshape([n, c.num_kv_heads, c.head_dim]), positions),
+                      ops.matmul(h, w["wv"]).reshape([n, c.num_kv_heads, c.head_dim]))
             o = attend(layer, q, kv)
-            x = x + paddle.matmul(o.reshape([n, c.num_q_heads * c.head_dim]), w["wo"])
+            x = x + ops.matmul(o.reshape([n, c.num_q_heads * c.head_dim]), w["wo"])
             h = self._rms(x, w["mlp_norm"])
-            x = x + paddle.matmul(paddle.nn.functional.silu(paddle.matmul(h, w["gate"])) * paddle.matmul(h, w["up"]),
-                                  w["down"])
-        last = paddle.gather(x, paddle.to_tensor(np.asarray(logits_at, dtype=np.int64)))
-        return paddle.matmul(self._rms(last, self.final_norm), self.lm_head).numpy()
+            x = x + ops.matmul(ops.silu(ops.matmul(h, w["gate"])) * ops.matmul(h, w["up"]), w["down"])
+        last = ops.rows(x, logits_at)
+        return ops.numpy(ops.matmul(self._rms(last, self.final_norm), self.lm_head))
 
 
 def dense_generate(model: Model, prompt: list[int], max_new_tokens: int, *, fp8: bool = False
@@ -213,11 +213,11 @@ def dense_generate(model: Model, prompt: list[int], max_new_tokens: int, *, fp8:
     for _ in range(max_new_tokens):
         positions = np.arange(len(tokens))
 
-        def attend(layer: int, q: paddle.Tensor, kv: tuple[paddle.Tensor, ...]) -> paddle.Tensor:
+        def attend(layer: int, q: Any, kv: tuple[Any, ...]) -> Any:
             mask = visible(model.config, layer, positions, positions)
             if fp8:
-                kv = tuple(fp8_dequantize(*fp8_round_trip(x), model.config.dtype) for x in kv)
-            return model.attention(layer, q, tuple(x.transpose([1, 0, 2]) for x in kv), mask)
+                kv = tuple(fp8_dequantize(model.ops, *fp8_round_trip(model.ops, x), model.config.dtype) for x in kv)
+            return model.attention(layer, q, tuple(model.ops.permute(x, [1, 0, 2]) for x in kv), mask)
 
         logits = model.forward(np.asarray(tokens), positions, attend, np.array([len(tokens) - 1]))
         rows.append(logits[0])
