@@ -24,6 +24,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from backend import TorchBackend  # noqa: E402
 from engine import daemon_engine, library_engine  # noqa: E402
 from model import Model, ModelConfig, dense_generate  # noqa: E402
 
@@ -140,12 +141,23 @@ def serving(case: Case) -> Iterator[dict[str, str]]:
         yield endpoints
 
 
-def run(case: Case, corrupt: bool = False) -> dict[str, Any]:
-    """Serve the case's waves and compare with the dense model: matches, hits, preemptions, blocks given back."""
+def on_gpu(case: Case) -> Case | None:
+    """The case for the GPU engine (flex attention reads blocks of 16 tokens or more: the same tokens in a quarter of
+    the blocks), or None where the GPU engine does not serve it (daemons, TP, PD, host tier, MLA, fp8)."""
+    if case.daemon or case.pd or case.host_blocks or case.model.kv_lora_rank or case.quant != "none":
+        return None
+    scale = 16 // case.block_size  # two more blocks: partly filled blocks of 16 leave a request more room unused
+    return dataclasses.replace(case, block_size=16, num_blocks=-(-case.num_blocks // scale) + 2,
+                               row_blocks=tuple(-(-n // scale) + 2 for n in case.row_blocks) if case.row_blocks else None)
+
+
+def run(case: Case, corrupt: bool = False, device: str = "cpu") -> dict[str, Any]:
+    """Serve the case's waves and compare with the dense model: matches, hits, preemptions, blocks given back.
+    ``device`` "cuda:N": the model and its dense reference in PyTorch there, attention by flex attention."""
     with serving(case) as endpoints:
         if case.pd:
             return _run_pd(case, endpoints)
-        return _run(case, endpoints.get("both"), corrupt)
+        return _run(case, endpoints.get("both"), corrupt, device)
 
 
 def _run_pd(case: Case, endpoints: dict[str, str]) -> dict[str, Any]:
@@ -186,8 +198,8 @@ def _compare(model: Model, case: Case, generate: Any) -> tuple[list[str], int, f
     return mismatched, total, worst
 
 
-def _run(case: Case, endpoint: str | None, corrupt: bool) -> dict[str, Any]:
-    model = Model(case.model)
+def _run(case: Case, endpoint: str | None, corrupt: bool, device: str = "cpu") -> dict[str, Any]:
+    model = Model(case.model, TorchBackend(device) if device != "cpu" else None)
     options = dict(block_size=case.block_size, head_wise=case.head_wise, chunk=case.chunk,
                    max_num_seqs=case.max_num_seqs, quant=case.quant)
     if endpoint is None:
@@ -206,7 +218,8 @@ def _run(case: Case, endpoint: str | None, corrupt: bool) -> dict[str, Any]:
     engine.cache.check_integrity()
     stats = engine.cache.stats()
     recycled = stats["recycled_blocks"] if isinstance(stats, dict) else stats.recycled_blocks
-    pools = sorted(set(engine.paged.layer_blocks)) if engine.paged is not None else []
+    pools = sorted(set(engine.paged.layer_blocks if engine.paged is not None else
+                       getattr(engine.attention, "layer_blocks", [])))
     engine.close()
     return {"requests": total, "mismatched": mismatched, "max_logit_diff": worst,
             "hit_tokens": sum(s.hit for s in engine.stats), "preempted": sum(s.preempted for s in engine.stats),
@@ -218,13 +231,21 @@ def _run(case: Case, endpoint: str | None, corrupt: bool) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", help="run the configurations whose name contains this text")
+    parser.add_argument("--device", default="cpu",
+                        help="cpu (Paddle), or cuda / cuda:N: the model in PyTorch there, attention by flex attention "
+                        "over the paged cache (the configurations the GPU engine serves)")
     args = parser.parse_args(argv)
+    device = "cuda:0" if args.device == "cuda" else args.device
     ok = True
     for name, case in CASES.items():
         if args.only and args.only not in name:
             continue
+        if device != "cpu":
+            case = on_gpu(case)
+            if case is None:
+                continue
         start = time.perf_counter()
-        r = run(case)
+        r = run(case, device=device)
         good = not r["mismatched"]
         ok &= good
         print(f"{'ok  ' if good else 'FAIL'} {name}: {r['requests'] - len(r['mismatched'])}/{r['requests']} match; "
@@ -234,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{', %d on the decode node' % r['decode_hit_tokens'] if 'decode_hit_tokens' in r else ''}), {r['preempted']} preemptions, "
               f"{r['recycled']} window blocks given back, {r['steps']} steps ({time.perf_counter() - start:.1f} s)",
               flush=True)
-    if not args.only:
+    if not args.only and device == "cpu":
         r = run(CASES["uniform"], corrupt=True)
         caught = bool(r["mismatched"])
         ok &= caught

@@ -24,7 +24,6 @@ from collections import deque
 from typing import Any, NamedTuple
 
 import numpy as np
-import paddle
 
 from kvcache.allocator import CacheSpec, KVCacheManager
 from kvcache.allocator.rows import table_cells
@@ -40,6 +39,7 @@ class PagedCache:
     def __init__(self, spec: CacheSpec, layer_blocks: list[int], dtype: str = "float32") -> None:
         """``dtype`` is what the model computes in: writes round to the cache's dtype, reads come back in it."""
         self.spec, self.dtype, self.ops = spec, dtype, paddle_backend()
+        paddle = self.ops.paddle
         self.heads, self.block_size, self.layer_blocks = spec.kv_heads_per_rank, spec.block_size, list(layer_blocks)
         tensors = spec.tensors()
         self.names = [t.name for t in tensors]
@@ -56,7 +56,7 @@ class PagedCache:
         self.tensors = [[paddle.zeros([n * self.heads * self.block_size, d], dtype="float32").astype(dtype)
                          for d, dtype in zip(self.dims, self.dtypes)] for n in layer_blocks]
 
-    def views(self, layer: int) -> dict[str, paddle.Tensor]:
+    def views(self, layer: int) -> dict[str, Any]:
         n = self.layer_blocks[layer]
         return {t.name: x.reshape([n, *t.block_shape]) for t, x in zip(self.spec.tensors(), self.tensors[layer])}
 
@@ -66,12 +66,13 @@ class PagedCache:
         return (blocks * self.heads + heads) * self.block_size + offsets[None, :]
 
     def write(self, layer: int, table: np.ndarray, cells: np.ndarray, positions: np.ndarray,
-              vectors: tuple[paddle.Tensor, ...]) -> None:
+              vectors: tuple[Any, ...]) -> None:
         """Store the vectors ([n, heads, dim] each: K and V, or the latent) of ``positions`` in the blocks each
         head's row names, quantized with their scales for a block_wise_fp8 cache."""
         blocks = table[cells[layer]][:, positions // self.block_size]  # [heads, n]
         if (blocks < 0).any():
             raise RuntimeError(f"layer {layer}: a token is written into a block the table does not hold")
+        paddle = self.ops.paddle
         index = paddle.to_tensor(self._rows(blocks, positions % self.block_size).reshape(-1))
         rows = [x.transpose([1, 0, 2]).reshape([-1, x.shape[-1]]) for x in vectors]
         if self.fp8:
@@ -82,10 +83,11 @@ class PagedCache:
         for t, x in zip(self.tensors[layer], rows):
             t[index] = x
 
-    def gather(self, layer: int, table: np.ndarray, cells: np.ndarray, length: int) -> tuple[paddle.Tensor, ...]:
+    def gather(self, layer: int, table: np.ndarray, cells: np.ndarray, length: int) -> tuple[Any, ...]:
         """The vectors [heads, length, dim] of tokens ``[0, length)`` by table (dequantized). In a block the table
         lacks, the first (keys, latent) read NaN, so a query that needs it comes out NaN; values read 0, since a
         masked key's weight is 0 and a NaN value would poison it still."""
+        paddle = self.ops.paddle
         cols = -(-length // self.block_size)
         blocks = table[cells[layer]][:, :cols]  # [heads, cols]
         held = paddle.to_tensor(np.repeat(blocks >= 0, self.block_size, axis=1)[:, :length, None])
@@ -122,11 +124,12 @@ class RankAttention:
     """A TP rank's attention: it stores the step's K and V of its kv heads in its ``PagedCache`` and attends its
     query heads over the blocks each request's table names (one rank holding every head without TP)."""
 
+    reads_tables = True  # the engine hands it each request's table (TP ranks read their own)
+
     def __init__(self, model: Model, paged: PagedCache, cells: np.ndarray, heads: range) -> None:
         self.model, self.paged, self.cells, self.heads = model, paged, cells, heads
 
-    def __call__(self, layer: int, q: paddle.Tensor, kv: tuple[paddle.Tensor, ...], items: list[Item]
-                 ) -> paddle.Tensor:
+    def __call__(self, layer: int, q: Any, kv: tuple[Any, ...], items: list[Item]) -> Any:
         """q [n, the rank's query heads, d] and kv (the rank's heads) of the step's items, in order."""
         outs, lo = [], 0
         for item in items:
@@ -138,7 +141,7 @@ class RankAttention:
             mask = visible(self.model.config, layer, item.positions, np.arange(item.stop))
             outs.append(self.model.attention(layer, q[lo:hi], cached, mask[self.heads.start:self.heads.stop]))
             lo = hi
-        return paddle.concat(outs, axis=0)
+        return self.model.ops.cat(outs, axis=0)
 
 
 @dataclasses.dataclass
@@ -284,7 +287,7 @@ class Engine:
     def _tables(self, rids: list[Any]) -> list[np.ndarray | None]:
         """The step's tables as the model sees them: the subscriber's once it holds this step's changes, else the
         cache's; none where TP ranks read their own."""
-        if not isinstance(self.attention, RankAttention):
+        if not getattr(self.attention, "reads_tables", False):
             return [None] * len(rids)
         if self.tables is None:
             return [np.array(self.cache.table(rid)) for rid in rids]
@@ -302,7 +305,7 @@ class Engine:
 
     def _run(self, work: list[tuple[Sequence, int, int]], tables: list[np.ndarray]) -> None:
         """One forward over every item's new tokens; sample where an item reached the end of its tokens."""
-        if self.corrupt is not None and tables[0] is not None:  # once the block holds tokens, read another one
+        if self.corrupt is not None and self.paged is not None:  # once the block holds tokens, read another one
             rid, row, col = self.corrupt
             for (s, start, _), table in zip(work, tables):
                 if s.rid == rid and start >= (col + 1) * self.spec.block_size:
@@ -317,7 +320,7 @@ class Engine:
         items = [Item(s.rid, positions[bounds[i]:bounds[i + 1]], stop, table, load)
                  for i, ((s, _, stop), table, load) in enumerate(zip(work, tables, loads))]
 
-        def attend(layer: int, q: paddle.Tensor, kv: tuple[paddle.Tensor, ...]) -> paddle.Tensor:
+        def attend(layer: int, q: Any, kv: tuple[Any, ...]) -> Any:
             out = self.attention(layer, q, kv, items)
             if self.on_layer is not None:
                 self.on_layer(layer)
@@ -354,7 +357,8 @@ def library_engine(model: Model, *, num_blocks: int, block_size: int = 4, head_w
                    row_blocks: list[int] | None = None, host_blocks: int = 0, quant: str = "none",
                    **options: Any) -> Engine:
     """An engine over a ``KVCacheManager`` in this process, its rows from the model's config; with
-    ``host_blocks`` a host tier under it offloads freed blocks and copies a later hit back."""
+    ``host_blocks`` a host tier under it offloads freed blocks and copies a later hit back. A model on a PyTorch
+    GPU backend attends with flex attention over its cache (``gpu.FlexAttention``)."""
     from kvcache.transfer import HostTierConfig, KVRegion, TransferManager
 
     spec = CacheSpec.from_hf_config(model.config.hf_config(), block_size=block_size, head_wise=head_wise,
@@ -363,6 +367,14 @@ def library_engine(model: Model, *, num_blocks: int, block_size: int = 4, head_w
     manager = KVCacheManager(num_blocks, block_size, [r.policy for r in rows], row_blocks=row_blocks,
                              hash_seed=b"engine")
     cells = table_cells(spec.rows, len(rows), spec.num_layers, spec.num_kv_heads)
+    if model.ops.name == "torch":
+        from gpu import FlexAttention
+
+        if host_blocks or quant != "none":
+            raise ValueError("on a GPU the engine serves unquantized caches without a host tier")
+        attention = FlexAttention(model, spec, layer_blocks(manager.row_blocks, cells), cells,
+                                  max_batch=options.get("max_num_seqs", 16), max_tokens=options.get("chunk", 64))
+        return Engine(model, spec, manager, attention=attention, **options)
     engine = Engine(model, spec, manager, row_blocks=manager.row_blocks.tolist(), cells=cells, **options)
     if host_blocks:
         region = KVRegion.from_tensors(spec, [engine.paged.views(layer) for layer in range(spec.num_layers)])
