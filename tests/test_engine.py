@@ -88,3 +88,12 @@ def test_any_window_layout_block_size_and_budget_generates_what_the_dense_model_
                       num_blocks=data.draw(st.integers(need, 3 * need), label="blocks a row"))
     r = check.run(case)
     assert r["mismatched"] == [], r
+
+
+def test_caches_the_engine_cannot_write_are_refused_by_name() -> None:
+    from engine import library_engine
+    from model import Model
+
+    with pytest.raises(ValueError, match="^scale_layout: the engine writes block_wise_fp8's per-token scales"):
+        library_engine(Model(check.ModelConfig(dtype="float64")), num_blocks=8, quant="block_wise_fp8",
+                       scale_layout="blackwell")

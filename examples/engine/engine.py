@@ -44,8 +44,11 @@ class PagedCache:
         tensors = spec.tensors()
         self.names = [t.name for t in tensors]
         self.fp8 = self.names == ["key", "value", "key_scale", "value_scale"]
-        assert self.fp8 or self.names in (["key", "value"], ["latent"]), f"not a cache this engine writes: {self.names}"
-        assert not self.fp8 or spec.scale_layout.value == "default", "the engine writes per-token scales only"
+        if not (self.fp8 or self.names in (["key", "value"], ["latent"])):
+            raise ValueError(f"quant: the engine writes none, block_wise_fp8 and MLA caches, not {spec.quant.value}")
+        if self.fp8 and spec.scale_layout.value != "default":
+            raise ValueError("scale_layout: the engine writes block_wise_fp8's per-token scales ([blocks, heads, "
+                             "block]); what the blackwell layout's four values per block and head hold is not defined")
         # A scale's block shape is [heads, block_size]: one value per row, kept as a column here.
         self.dims = [t.block_shape[2] if len(t.block_shape) == 3 else 1 for t in tensors]
         # float8 values live as their bytes (uint8), as engines keep them; a view turns them back into float8.
@@ -355,14 +358,14 @@ def layer_blocks(row_blocks: Any, cells: np.ndarray) -> list[int]:
 
 def library_engine(model: Model, *, num_blocks: int, block_size: int = 4, head_wise: bool = False,
                    row_blocks: list[int] | None = None, host_blocks: int = 0, quant: str = "none",
-                   **options: Any) -> Engine:
+                   scale_layout: str = "default", **options: Any) -> Engine:
     """An engine over a ``KVCacheManager`` in this process, its rows from the model's config; with
     ``host_blocks`` a host tier under it offloads freed blocks and copies a later hit back. A model on a PyTorch
     GPU backend attends with flex attention over its cache (``gpu.FlexAttention``)."""
     from kvcache.transfer import HostTierConfig, KVRegion, TransferManager
 
     spec = CacheSpec.from_hf_config(model.config.hf_config(), block_size=block_size, head_wise=head_wise,
-                                    dtype="float32", quant=quant)
+                                    dtype="float32", quant=quant, scale_layout=scale_layout)
     rows = spec.row_layout
     manager = KVCacheManager(num_blocks, block_size, [r.policy for r in rows], row_blocks=row_blocks,
                              hash_seed=b"engine")
