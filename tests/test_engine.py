@@ -97,3 +97,15 @@ def test_caches_the_engine_cannot_write_are_refused_by_name() -> None:
     with pytest.raises(ValueError, match="^scale_layout: the engine writes block_wise_fp8's per-token scales"):
         library_engine(Model(check.ModelConfig(dtype="float64")), num_blocks=8, quant="block_wise_fp8",
                        scale_layout="blackwell")
+
+
+def test_bench_engine_without_a_gpu_says_what_it_needs() -> None:
+    out = subprocess.run([sys.executable, "-m", "kvcache.cli", "bench", "engine", "--engine-dir", str(ENGINE)],
+                         capture_output=True, text=True, timeout=120)
+    try:
+        import torch
+        if torch.cuda.is_available():
+            pytest.skip("a GPU is here: tests/test_engine_gpu.py runs the benchmark")
+    except ImportError:
+        pass
+    assert out.returncode != 0 and "needs PyTorch with a CUDA device" in out.stderr

@@ -25,3 +25,14 @@ def test_the_gpu_engine_generates_what_the_dense_model_generates() -> None:
     lines = [line for line in out.stdout.splitlines() if line.startswith(("ok", "FAIL"))]
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
     assert len(lines) == expected >= 7 and all(line.startswith("ok") for line in lines)
+
+
+def test_bench_engine_quick_reports_paged_against_contiguous() -> None:
+    import json
+
+    out = subprocess.run([sys.executable, "-m", "kvcache.cli", "bench", "engine", "--engine-dir", str(ENGINE),
+                          "--quick", "--rounds", "1", "--requests", "8", "--prompt-tokens", "64", "--new-tokens", "24",
+                          "--chunk", "64", "--json"], capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout)
+    assert r["paged_tokens_per_s"] > 0 and r["contiguous_tokens_per_s"] > 0 and r["paged_over_contiguous"] > 0

@@ -124,10 +124,10 @@ class Model:
         rng = np.random.default_rng(c.seed)
 
         def weight(*shape: int, scale: float) -> Any:
-            return ops.tensor((rng.standard_normal(shape) * scale).astype(np.float32).astype(c.dtype))
+            return ops.cast(ops.tensor((rng.standard_normal(shape, dtype=np.float32) * scale)), c.dtype)
 
         def norm() -> Any:
-            return ops.tensor((1 + 0.1 * rng.standard_normal(c.hidden)).astype(np.float32).astype(c.dtype))
+            return ops.cast(ops.tensor((1 + 0.1 * rng.standard_normal(c.hidden)).astype(np.float32)), c.dtype)
 
         self.embed = weight(c.vocab, c.hidden, scale=1.0)
         q_dim = c.head_dim + c.rope_dim  # MLA's queries carry the rotary part on top; GQA's rope_dim is 0
@@ -141,7 +141,7 @@ class Model:
             if c.kv_lora_rank:
                 w.update(w_dkv=weight(c.hidden, c.kv_lora_rank, scale=c.hidden ** -0.5),
                          w_kr=weight(c.hidden, c.rope_dim, scale=c.hidden ** -0.5),
-                         kv_norm=ops.tensor((1 + 0.1 * rng.standard_normal(c.kv_lora_rank)).astype(c.dtype)),
+                         kv_norm=ops.cast(ops.tensor(1 + 0.1 * rng.standard_normal(c.kv_lora_rank)), c.dtype),
                          w_uk=weight(c.kv_lora_rank, c.num_q_heads * c.head_dim, scale=c.kv_lora_rank ** -0.5),
                          w_uv=weight(c.kv_lora_rank, c.num_q_heads * c.head_dim, scale=c.kv_lora_rank ** -0.5))
             else:
@@ -171,8 +171,8 @@ class Model:
 
     def _rope(self, x: Any, positions: np.ndarray) -> Any:
         angles = positions[:, None].astype(np.float64) * self.inv_freq[None, :]  # [n, d/2]
-        cos = self.ops.tensor(np.cos(angles).astype(self.config.dtype)).unsqueeze(1)
-        sin = self.ops.tensor(np.sin(angles).astype(self.config.dtype)).unsqueeze(1)
+        cos = self.ops.cast(self.ops.tensor(np.cos(angles)), self.config.dtype).unsqueeze(1)
+        sin = self.ops.cast(self.ops.tensor(np.sin(angles)), self.config.dtype).unsqueeze(1)
         even, odd = x[:, :, 0::2], x[:, :, 1::2]
         return self.ops.stack([even * cos - odd * sin, even * sin + odd * cos], axis=-1).reshape(list(x.shape))
 
