@@ -406,5 +406,11 @@ def daemon_engine(model: Model, endpoint: str, *, block_size: int = 4, head_wise
                                 quant=quant)
         return Engine(model, spec, client, attention=attention, **options)
     tables = TableSubscriber(endpoint, rank=0, tp_size=1, max_slots=64, max_blocks=512)
-    return Engine(model, spec, client, tables=tables, row_blocks=[r["num_blocks"] for r in rows],
-                  cells=tables.cell_rows, **options)
+    pools = [r["num_blocks"] for r in rows]
+    if model.ops.name == "torch":
+        from gpu import FlexAttention
+
+        attention = FlexAttention(model, spec, layer_blocks(pools, tables.cell_rows), tables.cell_rows,
+                                  max_batch=options.get("max_num_seqs", 16), max_tokens=options.get("chunk", 64))
+        return Engine(model, spec, client, tables=tables, attention=attention, **options)
+    return Engine(model, spec, client, tables=tables, row_blocks=pools, cells=tables.cell_rows, **options)

@@ -10,9 +10,11 @@ Needs PyTorch with a GPU and the source checkout's ``examples/engine`` (``--engi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -22,6 +24,7 @@ from kvcache.arguments import positive_int
 from kvcache.bench.common import progress
 
 PAGED_TARGET = 0.95  # paged decode tokens/s over contiguous
+DAEMON_TARGET = 0.95  # through the daemon over in process
 
 
 def _engine_dir(given: str | None) -> Path:
@@ -32,15 +35,18 @@ def _engine_dir(given: str | None) -> Path:
     return folder
 
 
-def _build(mode: str, model: Any, requests: int, prompt: int, new: int, chunk: int) -> Any:
-    """An engine for ``mode``: ``paged`` (flex attention over the tables) or ``contiguous`` (a region per request)."""
-    from engine import Engine, layer_blocks
+def _build(mode: str, model: Any, requests: int, prompt: int, new: int, chunk: int, endpoint: str = "") -> Any:
+    """An engine for ``mode``: ``paged`` (flex attention over the tables), ``contiguous`` (a region per request) or
+    ``daemon`` (paged, scheduling through the `kvcache serve` at ``endpoint``, tables from a subscriber)."""
+    from engine import Engine, daemon_engine, layer_blocks
     from gpu import ContiguousAttention, FlexAttention
 
     from kvcache.allocator import CacheSpec, KVCacheManager
     from kvcache.allocator.rows import table_cells
 
     block_size = 16
+    if mode == "daemon":
+        return daemon_engine(model, endpoint, block_size=block_size, chunk=chunk, max_num_seqs=requests)
     spec = CacheSpec.from_hf_config(model.config.hf_config(), block_size=block_size, dtype="bfloat16")
     per_request = -(-(prompt + new) // block_size)
     manager = KVCacheManager(requests * per_request + 16, block_size, hash_seed=b"bench")
@@ -91,20 +97,46 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     model = Model(config, TorchBackend(args.device))
     rng = np.random.default_rng(0)
     prompts = rng.integers(0, config.vocab, (requests, prompt)).tolist()
-    results: dict[str, list[dict[str, float]]] = {"paged": [], "contiguous": []}
-    for round_ in range(args.rounds):
-        for mode in ("paged", "contiguous"):
-            progress(f"round {round_ + 1}/{args.rounds}: {mode}, {requests} requests of {prompt} tokens, "
-                     f"{new} decode steps")
-            engine = _build(mode, model, requests, prompt, new, args.chunk)
-            results[mode].append(_decode_rate(engine, prompts, new, warmup=4))
-            torch.cuda.empty_cache()
+    modes = ("paged", "contiguous", "daemon") if args.daemon else ("paged", "contiguous")
+    results: dict[str, list[dict[str, float]]] = {mode: [] for mode in modes}
+    with _serving(args, model, requests * -(-(prompt + new) // 16) + 16) as endpoint:
+        for round_ in range(args.rounds):
+            for mode in modes:
+                progress(f"round {round_ + 1}/{args.rounds}: {mode}, {requests} requests of {prompt} tokens, "
+                         f"{new} decode steps")
+                engine = _build(mode, model, requests, prompt, new, args.chunk, endpoint)
+                results[mode].append(_decode_rate(engine, prompts, new, warmup=4))
+                engine.close()
+                torch.cuda.empty_cache()
     best = {mode: max(r["tokens_per_s"] for r in rows) for mode, rows in results.items()}
     ratio = best["paged"] / best["contiguous"]
-    return {"device": torch.cuda.get_device_name(), "layers": config.num_layers, "requests": requests,
-            "prompt_tokens": prompt, "new_tokens": new, "rounds": results, "paged_tokens_per_s": best["paged"],
-            "contiguous_tokens_per_s": best["contiguous"], "paged_over_contiguous": ratio,
-            "target": f"paged/contiguous >= {PAGED_TARGET:g}", "ok": ratio >= PAGED_TARGET}
+    out = {"device": torch.cuda.get_device_name(), "layers": config.num_layers, "requests": requests,
+           "prompt_tokens": prompt, "new_tokens": new, "rounds": results, "paged_tokens_per_s": best["paged"],
+           "contiguous_tokens_per_s": best["contiguous"], "paged_over_contiguous": ratio,
+           "target": f"paged/contiguous >= {PAGED_TARGET:g}", "ok": ratio >= PAGED_TARGET}
+    if args.daemon:
+        out.update(daemon_tokens_per_s=best["daemon"], daemon_over_library=best["daemon"] / best["paged"],
+                   daemon_target=f"daemon/library >= {DAEMON_TARGET:g}",
+                   daemon_ok=best["daemon"] / best["paged"] >= DAEMON_TARGET)
+    return out
+
+
+@contextlib.contextmanager
+def _serving(args: argparse.Namespace, model: Any, num_blocks: int) -> Iterator[str]:
+    """A `kvcache serve` for the model (with --daemon), stopped on the way out; its endpoint ("" without)."""
+    if not args.daemon:
+        yield ""
+        return
+    from check import Case, serving
+
+    with serving(Case(model=model.config, block_size=16, daemon=("--num-blocks", str(num_blocks)))) as endpoints:
+        yield endpoints["both"]
+
+
+def _print_daemon(r: dict[str, Any]) -> None:
+    print(f"  daemon (kvcache serve, tables from a subscriber) {r['daemon_tokens_per_s']:8,.0f} tokens/s")
+    print(f"  daemon / library {r['daemon_over_library']:.3f}   target {r['daemon_target']}: "
+          f"{'ok' if r['daemon_ok'] else 'MISS'}")
 
 
 def _print(r: dict[str, Any]) -> None:
@@ -121,6 +153,8 @@ def _run(args: argparse.Namespace) -> int:
     print(json.dumps(result, indent=2) if args.json else "", end="\n" if args.json else "")
     if not args.json:
         _print(result)
+        if "daemon_tokens_per_s" in result:
+            _print_daemon(result)
     return 0
 
 
@@ -137,6 +171,8 @@ def add_parser(targets: argparse._SubParsersAction) -> None:
     p.add_argument("--chunk", type=positive_int, default=512, help="tokens a step computes at most (default 512)")
     p.add_argument("--rounds", type=positive_int, default=2, help="rounds of each mode, in turns (default 2)")
     p.add_argument("--quick", action="store_true", help="4 layers and a small vocabulary (a smoke run)")
+    p.add_argument("--daemon", action="store_true",
+                   help="also schedule through a real kvcache serve, the model reading a subscriber's tables")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.set_defaults(run=_run)
 
