@@ -186,16 +186,14 @@ class Engine:
 
     def __init__(self, model: Model, spec: CacheSpec, cache: Any, *, row_blocks: list[int] | None = None,
                  cells: np.ndarray | None = None, tables: Any = None, chunk: int = 64, max_num_seqs: int = 16,
-                 attention: Any = None, paged: PagedCache | None = None) -> None:
+                 attention: Any = None) -> None:
         """``attention`` (``attention(layer, q, kv, items)``) replaces this process's one-rank attention over a
-        ``PagedCache`` (``paged``, or one of ``row_blocks`` read through ``cells``), e.g. by TP ranks'
-        (``tp.TPAttention``)."""
+        ``PagedCache`` of ``row_blocks`` read through ``cells``, e.g. by TP ranks' (``tp.TPAttention``)."""
         self.model, self.spec, self.cache, self.tables, self.cells = model, spec, cache, tables, cells
-        self.paged = paged
+        self.paged: PagedCache | None = None
         if attention is None:
-            assert cells is not None and (paged is not None or row_blocks is not None)
-            if self.paged is None:
-                self.paged = PagedCache(spec, layer_blocks(row_blocks, cells), model.config.dtype)
+            assert cells is not None and row_blocks is not None
+            self.paged = PagedCache(spec, layer_blocks(row_blocks, cells), model.config.dtype)
             attention = RankAttention(model, self.paged, cells, range(model.config.cache_heads))
         self.attention = attention
         # PD prefill: ``handoff(sequence)`` takes a request once its prompt is computed and its first token
@@ -350,6 +348,13 @@ class Engine:
                 self.finished[s.rid] = s
 
 
+def cache_spec(config: Any, *, block_size: int, head_wise: bool = False, quant: str = "none",
+               scale_layout: str = "default", tp_size: int = 1) -> CacheSpec:
+    """The cache of ``config`` (a ``ModelConfig``) as kvcache sees it: from its ``config.json`` fields, rows included."""
+    return CacheSpec.from_hf_config(config.hf_config(), block_size=block_size, head_wise=head_wise, dtype="float32",
+                                    quant=quant, scale_layout=scale_layout, tp_size=tp_size)
+
+
 def layer_blocks(row_blocks: Any, cells: np.ndarray) -> list[int]:
     """Each layer's block count: the pool of the rows its heads read."""
     pools = np.asarray(row_blocks)
@@ -358,25 +363,25 @@ def layer_blocks(row_blocks: Any, cells: np.ndarray) -> list[int]:
 
 def library_engine(model: Model, *, num_blocks: int, block_size: int = 4, head_wise: bool = False,
                    row_blocks: list[int] | None = None, host_blocks: int = 0, quant: str = "none",
-                   scale_layout: str = "default", **options: Any) -> Engine:
+                   scale_layout: str = "default", attention: Any = None, **options: Any) -> Engine:
     """An engine over a ``KVCacheManager`` in this process, its rows from the model's config; with
     ``host_blocks`` a host tier under it offloads freed blocks and copies a later hit back. A model on a PyTorch
-    GPU backend attends with flex attention over its cache (``gpu.FlexAttention``)."""
+    GPU backend attends with flex attention over its cache (``gpu.FlexAttention``); ``attention`` replaces it."""
     from kvcache.transfer import HostTierConfig, KVRegion, TransferManager
 
-    spec = CacheSpec.from_hf_config(model.config.hf_config(), block_size=block_size, head_wise=head_wise,
-                                    dtype="float32", quant=quant, scale_layout=scale_layout)
+    spec = cache_spec(model.config, block_size=block_size, head_wise=head_wise, quant=quant, scale_layout=scale_layout)
     rows = spec.row_layout
     manager = KVCacheManager(num_blocks, block_size, [r.policy for r in rows], row_blocks=row_blocks,
                              hash_seed=b"engine")
     cells = table_cells(spec.rows, len(rows), spec.num_layers, spec.num_kv_heads)
-    if model.ops.name == "torch":
+    if attention is None and model.ops.name == "torch":
         from gpu import FlexAttention
 
         if host_blocks or quant != "none":
             raise ValueError("on a GPU the engine serves unquantized caches without a host tier")
         attention = FlexAttention(model, spec, layer_blocks(manager.row_blocks, cells), cells,
                                   max_batch=options.get("max_num_seqs", 16), max_tokens=options.get("chunk", 64))
+    if attention is not None:
         return Engine(model, spec, manager, attention=attention, **options)
     engine = Engine(model, spec, manager, row_blocks=manager.row_blocks.tolist(), cells=cells, **options)
     if host_blocks:
@@ -386,15 +391,15 @@ def library_engine(model: Model, *, num_blocks: int, block_size: int = 4, head_w
 
 
 def daemon_engine(model: Model, endpoint: str, *, block_size: int = 4, head_wise: bool = False,
-                  quant: str = "none", tp: int = 1, **options: Any) -> Engine:
+                  quant: str = "none", tp: int = 1, prefill: bool = False, **options: Any) -> Engine:
     """An engine whose scheduler talks to the daemon at ``endpoint`` (serving ``model.config.hf_config()``) and
     whose model reads the tables a ``TableSubscriber`` follows; its rows are the daemon's. With ``tp`` ranks
-    (the daemon's ``--tp``) each rank's cache and attention run in a process of its own with its own subscriber."""
+    (the daemon's ``--tp``) each rank's cache and attention run in a process of its own with its own subscriber
+    (and with ``prefill``, on a PD prefill node, its own messager)."""
     from kvcache.client import CacheClient
     from kvcache.worker import TableSubscriber
 
-    spec = CacheSpec.from_hf_config(model.config.hf_config(), block_size=block_size, head_wise=head_wise,
-                                    dtype="float32", quant=quant)
+    spec = cache_spec(model.config, block_size=block_size, head_wise=head_wise, quant=quant)
     client = CacheClient(endpoint, timeout=10)
     rows = client.info()["rows"]
     if [(tuple(r["layers"]), tuple(r["kv_heads"])) for r in rows] != [(r.layers, r.kv_heads) for r in spec.row_layout]:
@@ -403,7 +408,7 @@ def daemon_engine(model: Model, endpoint: str, *, block_size: int = 4, head_wise
         from tp import TPAttention
 
         attention = TPAttention(model.config, endpoint, client, tp, block_size=block_size, head_wise=head_wise,
-                                quant=quant)
+                                quant=quant, prefill=prefill)
         return Engine(model, spec, client, attention=attention, **options)
     tables = TableSubscriber(endpoint, rank=0, tp_size=1, max_slots=64, max_blocks=512)
     pools = [r["num_blocks"] for r in rows]

@@ -13,17 +13,14 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from kvcache.allocator import CacheSpec
-from kvcache.client import CacheClient
 from kvcache.ops import send_cache
 from kvcache.pd import PDProxy
 from kvcache.pd.cluster import wait_outcomes
 from kvcache.pd.links import DecodeLink, PrefillLink
 from kvcache.pd.messager import Chunk
 from kvcache.transfer import KVRegion, LayerSignal
-from kvcache.worker import TableSubscriber
 
-from engine import Engine, PagedCache, Sequence, layer_blocks
+from engine import Engine, Sequence, cache_spec, daemon_engine
 from model import Model
 
 
@@ -60,25 +57,18 @@ class PDPair:
         """``prefill_tp`` ranks on the prefill node (the prefill daemon's ``--tp``), each a process with its own
         cache and messager; the decode node has one."""
         self.model, self.timeout = model, timeout
-        self.spec = CacheSpec.from_hf_config(model.config.hf_config(), block_size=block_size, head_wise=head_wise,
-                                             dtype="float32", quant=quant)
+        self.spec = cache_spec(model.config, block_size=block_size, head_wise=head_wise, quant=quant)
         self.signal = LayerSignal.create(f"kvcache-engine-{uuid.uuid4().hex[:12]}", self.spec.num_layers)
         self.parts: list[Any] = [self.signal]
+        options = dict(block_size=block_size, head_wise=head_wise, quant=quant, chunk=chunk)
         try:
-            if prefill_tp > 1:
-                from tp import TPAttention
-
-                client = CacheClient(prefill, timeout=10)
-                self.parts.append(client)
-                ranks = TPAttention(model.config, prefill, client, prefill_tp, block_size=block_size,
-                                    head_wise=head_wise, quant=quant, prefill=True)
-                self.parts.append(ranks)
-                self.prefill = Engine(model, self.spec, client, attention=ranks, chunk=chunk)
-            else:
-                self.prefill = self._engine(prefill, chunk)
+            self.prefill = daemon_engine(model, prefill, tp=prefill_tp, prefill=True, **options)
+            self.parts.append(self.prefill)
+            if prefill_tp == 1:  # TP ranks have a messager each
                 self.link = PrefillLink(prefill, self._region(self.prefill), self.signal, 0)
                 self.parts.append(self.link)
-            self.decode = self._engine(decode, chunk)
+            self.decode = daemon_engine(model, decode, **options)
+            self.parts.append(self.decode)
             self.receiver = DecodeLink(decode, self._region(self.decode), 0)
             self.parts.append(self.receiver)
         except BaseException:
@@ -91,15 +81,6 @@ class PDPair:
         self.prefill.on_step = self._send
         if prefill_tp == 1:  # TP ranks signal their own layers
             self.prefill.on_layer = lambda layer: send_cache(None, self.signal, layer)
-
-    def _engine(self, endpoint: str, chunk: int) -> Engine:
-        client = CacheClient(endpoint, timeout=10)
-        self.parts.append(client)
-        tables = TableSubscriber(endpoint, rank=0, tp_size=1, max_slots=64, max_blocks=512)
-        self.parts.append(tables)
-        pools = [row["num_blocks"] for row in client.info()["rows"]]
-        paged = PagedCache(self.spec, layer_blocks(pools, tables.cell_rows), self.model.config.dtype)
-        return Engine(self.model, self.spec, client, cells=tables.cell_rows, tables=tables, paged=paged, chunk=chunk)
 
     def _region(self, engine: Engine) -> KVRegion:
         assert engine.paged is not None

@@ -17,10 +17,9 @@ from typing import Any
 import numpy as np
 import paddle
 
-from kvcache.allocator import CacheSpec
 from kvcache.transfer.heads import rank_heads
 
-from engine import Item, PagedCache, RankAttention, layer_blocks
+from engine import Item, PagedCache, RankAttention, cache_spec, layer_blocks
 from model import Model, ModelConfig
 
 
@@ -99,8 +98,7 @@ def _rank(conn: Any, config: ModelConfig, endpoint: str, rank: int, tp: int, blo
 
     link = signal = None
     try:
-        spec = CacheSpec.from_hf_config(config.hf_config(), block_size=block_size, head_wise=head_wise,
-                                        dtype="float32", quant=quant, tp_size=tp)
+        spec = cache_spec(config, block_size=block_size, head_wise=head_wise, quant=quant, tp_size=tp)
         tables = TableSubscriber(endpoint, rank=rank, tp_size=tp, max_slots=64, max_blocks=512)
         pools = [policy["num_blocks"] for policy in tables.row_policies]
         paged = PagedCache(spec, layer_blocks(pools, tables.cell_rows), config.dtype)

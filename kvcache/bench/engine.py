@@ -23,6 +23,7 @@ import numpy as np
 from kvcache.arguments import positive_int
 from kvcache.bench.common import progress
 
+BLOCK_SIZE = 16
 PAGED_TARGET = 0.95  # paged decode tokens/s over contiguous
 DAEMON_TARGET = 0.95  # through the daemon over in process
 
@@ -38,26 +39,22 @@ def _engine_dir(given: str | None) -> Path:
 def _build(mode: str, model: Any, requests: int, prompt: int, new: int, chunk: int, endpoint: str = "") -> Any:
     """An engine for ``mode``: ``paged`` (flex attention over the tables), ``contiguous`` (a region per request) or
     ``daemon`` (paged, scheduling through the `kvcache serve` at ``endpoint``, tables from a subscriber)."""
-    from engine import Engine, daemon_engine, layer_blocks
-    from gpu import ContiguousAttention, FlexAttention
+    from engine import daemon_engine, library_engine
+    from gpu import ContiguousAttention
 
-    from kvcache.allocator import CacheSpec, KVCacheManager
-    from kvcache.allocator.rows import table_cells
-
-    block_size = 16
+    options = dict(block_size=BLOCK_SIZE, chunk=chunk, max_num_seqs=requests)
     if mode == "daemon":
-        return daemon_engine(model, endpoint, block_size=block_size, chunk=chunk, max_num_seqs=requests)
-    spec = CacheSpec.from_hf_config(model.config.hf_config(), block_size=block_size, dtype="bfloat16")
-    per_request = -(-(prompt + new) // block_size)
-    manager = KVCacheManager(requests * per_request + 16, block_size, hash_seed=b"bench")
-    cells = table_cells(spec.rows, 1, spec.num_layers, spec.num_kv_heads)
-    if mode == "paged":
-        attention = FlexAttention(model, spec, layer_blocks(manager.row_blocks, cells), cells, max_batch=requests,
-                                  max_tokens=chunk)
-    else:
+        return daemon_engine(model, endpoint, **options)
+    attention = None
+    if mode == "contiguous":  # the same scheduler and manager; the attention reads no table
         attention = ContiguousAttention(model, max_batch=requests, max_len=prompt + new, max_tokens=chunk,
-                                        block_size=block_size)
-    return Engine(model, spec, manager, attention=attention, chunk=chunk, max_num_seqs=requests)
+                                        block_size=BLOCK_SIZE)
+    return library_engine(model, num_blocks=_num_blocks(requests, prompt, new), attention=attention, **options)
+
+
+def _num_blocks(requests: int, prompt: int, new: int) -> int:
+    """Blocks for every request at its longest, and a few spare."""
+    return requests * -(-(prompt + new) // BLOCK_SIZE) + 16
 
 
 def _decode_rate(engine: Any, prompts: list[list[int]], new: int, warmup: int) -> dict[str, float]:
@@ -99,7 +96,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     prompts = rng.integers(0, config.vocab, (requests, prompt)).tolist()
     modes = ("paged", "contiguous", "daemon") if args.daemon else ("paged", "contiguous")
     results: dict[str, list[dict[str, float]]] = {mode: [] for mode in modes}
-    with _serving(args, model, requests * -(-(prompt + new) // 16) + 16) as endpoint:
+    with _serving(args, model, _num_blocks(requests, prompt, new)) as endpoint:
         for round_ in range(args.rounds):
             for mode in modes:
                 progress(f"round {round_ + 1}/{args.rounds}: {mode}, {requests} requests of {prompt} tokens, "
@@ -129,7 +126,7 @@ def _serving(args: argparse.Namespace, model: Any, num_blocks: int) -> Iterator[
         return
     from check import Case, serving
 
-    with serving(Case(model=model.config, block_size=16, daemon=("--num-blocks", str(num_blocks)))) as endpoints:
+    with serving(Case(model=model.config, block_size=BLOCK_SIZE, daemon=("--num-blocks", str(num_blocks)))) as endpoints:
         yield endpoints["both"]
 
 
