@@ -18,7 +18,7 @@ naming the key, never ignored.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -110,6 +110,21 @@ def table_cells(rows: Sequence[Row] | None, num_table_rows: int, num_layers: int
         return np.tile(np.arange(num_kv_heads, dtype=np.int64), (num_layers, 1))
     raise KVCacheError(f"tables of {num_table_rows} rows: need one row, one per kv head ({num_kv_heads}), or the "
                        f"rows the cache's spec names ({len(rows or ())})")
+
+
+def layer_classes(cells: np.ndarray, layers: Iterable[int]) -> dict[tuple[int, ...], list[int]]:
+    """``layers`` grouped by the table rows their heads read (``cells[layer]``, a row per head), in order: layers of
+    one class move the same rows' blocks, so a copy takes them together."""
+    classes: dict[tuple[int, ...], list[int]] = {}
+    for layer in layers:
+        classes.setdefault(tuple(cells[layer].tolist()), []).append(int(layer))
+    return classes
+
+
+def rows_blocks(table: np.ndarray, picks: tuple[int, ...]) -> np.ndarray:
+    """The blocks heads read from ``table`` (``[rows, n]``), one head per entry of ``picks`` (its row): the row
+    itself (whole blocks, 1-D) when every head reads one row, else one row per head (``[heads, n]``)."""
+    return table[picks[0]] if len(set(picks)) == 1 else table[list(picks)]
 
 
 def layer_policies(config: Mapping[str, Any], num_layers: int) -> tuple[AttentionPolicy, ...]:

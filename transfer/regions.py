@@ -29,7 +29,7 @@ import numpy as np
 
 from kvcache.allocator.errors import KVCacheError
 from kvcache.allocator.layout import DTYPE_BYTES, CacheSpec, TensorSpec
-from kvcache.allocator.rows import Row
+from kvcache.allocator.rows import Row, layer_classes, rows_blocks
 
 __all__ = ["ByteRanges", "CopyRanges", "KVRegion", "TensorInfo", "copy_ranges", "describe_tensor"]
 
@@ -513,17 +513,9 @@ def _row_pairs(src: KVRegion, src_blocks: Any, dst: KVRegion, dst_blocks: Any, r
         raise KVCacheError(f"src_blocks {tables[0].shape} and dst_blocks {tables[1].shape}: tables pair up one to one")
     if cells.size and (cells.min() < 0 or cells.max() >= tables[0].shape[0]):
         raise KVCacheError(f"cell_rows: names a row outside the tables' {tables[0].shape[0]} rows")
-    by_rows: dict[tuple[int, ...], list[int]] = {}
-    for layer in selected.tolist():
-        by_rows.setdefault(tuple(cells[layer].tolist()), []).append(layer)
-    out = []
-    for picks, group in by_rows.items():
-        if len(set(picks)) == 1:  # every head of these layers in one row: whole blocks
-            pairs = _copy_pairs(src, tables[0][picks[0]], dst, tables[1][picks[0]], None)
-        else:  # the heads' rows, one per head
-            pairs = _copy_pairs(src, tables[0][list(picks)], dst, tables[1][list(picks)], None)
-        out.append((np.array(group, dtype=np.int64), pairs))
-    return out
+    return [(np.array(group, dtype=np.int64),
+             _copy_pairs(src, rows_blocks(tables[0], picks), dst, rows_blocks(tables[1], picks), None))
+            for picks, group in layer_classes(cells, selected.tolist()).items()]
 
 
 class _Pairs(NamedTuple):

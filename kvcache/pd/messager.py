@@ -42,7 +42,7 @@ import msgpack
 import numpy as np
 
 from kvcache.allocator.errors import KVCacheError
-from kvcache.allocator.rows import table_cells
+from kvcache.allocator.rows import layer_classes, rows_blocks, table_cells
 from kvcache.transfer.engines import TransferHandle, TransferStatus
 from kvcache.transfer.heads import Route, RouteLayout, head_routes, layout_ranges, rank_heads, route_layout
 from kvcache.transfer.regions import CopyRanges, KVRegion
@@ -422,16 +422,10 @@ class CacheMessager:
         parts: list[tuple[CopyRanges, np.ndarray, list[int]]] = []
         for r in self._routes_to(len(plan.receivers))[d]:
             g = rank_heads(spec.num_kv_heads, spec.tp_size, self.rank)[r.src_row]  # the route's first global head
-            classes: dict[tuple[int, ...], list[int]] = {}
-            for layer in selected:
-                classes.setdefault(tuple(cells[layer, g:g + r.count].tolist()), []).append(layer)
-            for picks, group in classes.items():
+            for picks, group in layer_classes(cells[:, g:g + r.count], selected).items():
                 layout = (self._layout(remote, r, tuple(group)) if layers is None
                           else route_layout(self.region, remote, r, group))
-                if len(set(picks)) == 1:  # one row holds every head of the route in these layers: whole blocks
-                    ranges, starts = layout_ranges(layout, src[picks[0]], dst[picks[0]])
-                else:
-                    ranges, starts = layout_ranges(layout, src[list(picks)], dst[list(picks)])
+                ranges, starts = layout_ranges(layout, rows_blocks(src, picks), rows_blocks(dst, picks))
                 parts.append((ranges, starts, group))
         if len(parts) == 1:
             return parts[0][0], parts[0][1]
