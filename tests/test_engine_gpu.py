@@ -14,17 +14,17 @@ ENGINE = Path(__file__).resolve().parents[1] / "examples" / "engine"
 
 
 def test_the_gpu_engine_generates_what_the_dense_model_generates() -> None:
-    """Every configuration the GPU engine serves (uniform, head-wise and layer-group windows, chunked prefill,
-    preemption) matches the dense model computed in PyTorch on the same GPU, token for token."""
+    """Every configuration the GPU engine serves (windows, chunked prefill, preemption, host tier, MLA, fp8, the
+    daemon, bfloat16) matches the dense model computed in PyTorch on the same GPU, token for token."""
     sys.path.insert(0, str(ENGINE))
     import check
 
-    expected = sum(check.on_gpu(case) is not None for case in check.CASES.values())
+    expected = sum(check.on_gpu(case) is not None for case in check.CASES.values()) + len(check.GPU_CASES)
     out = subprocess.run([sys.executable, str(ENGINE / "check.py"), "--device", "cuda"], capture_output=True,
                          text=True, timeout=900)
     lines = [line for line in out.stdout.splitlines() if line.startswith(("ok", "FAIL"))]
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
-    assert len(lines) == expected >= 7 and all(line.startswith("ok") for line in lines)
+    assert len(lines) == expected >= 17 and all(line.startswith("ok") for line in lines)
 
 
 def test_bench_engine_quick_reports_paged_against_contiguous() -> None:

@@ -51,6 +51,9 @@ class PaddleBackend:
     def absmax_last(self, x: Any) -> Any:
         return self.paddle.abs(x).max(axis=-1, keepdim=True)
 
+    def argmax_last(self, x: Any) -> Any:
+        return self.paddle.argmax(x, axis=-1)
+
     def cat(self, xs: list[Any], axis: int) -> Any:
         return self.paddle.concat(xs, axis=axis)
 
@@ -112,6 +115,9 @@ class TorchBackend:
 
     def absmax_last(self, x: Any) -> Any:
         return x.abs().amax(dim=-1, keepdim=True)
+
+    def argmax_last(self, x: Any) -> Any:
+        return x.argmax(dim=-1)
 
     def cat(self, xs: list[Any], axis: int) -> Any:
         return self.torch.cat(xs, dim=axis)

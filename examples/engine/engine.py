@@ -186,9 +186,11 @@ class Engine:
 
     def __init__(self, model: Model, spec: CacheSpec, cache: Any, *, row_blocks: list[int] | None = None,
                  cells: np.ndarray | None = None, tables: Any = None, chunk: int = 64, max_num_seqs: int = 16,
-                 attention: Any = None) -> None:
+                 attention: Any = None, keep_logits: bool = True) -> None:
         """``attention`` (``attention(layer, q, kv, items)``) replaces this process's one-rank attention over a
-        ``PagedCache`` of ``row_blocks`` read through ``cells``, e.g. by TP ranks' (``tp.TPAttention``)."""
+        ``PagedCache`` of ``row_blocks`` read through ``cells``, e.g. by TP ranks' (``tp.TPAttention``).
+        ``keep_logits`` keeps each sampled token's logits on the host (``Sequence.logits``), for comparing;
+        without it only the sampled tokens leave the device."""
         self.model, self.spec, self.cache, self.tables, self.cells = model, spec, cache, tables, cells
         self.paged: PagedCache | None = None
         if attention is None:
@@ -202,7 +204,7 @@ class Engine:
         self.handoff: Any = None
         self.on_step: Any = None
         self.on_layer: Any = None
-        self.chunk, self.max_num_seqs = chunk, max_num_seqs
+        self.chunk, self.max_num_seqs, self.keep_logits = chunk, max_num_seqs, keep_logits
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.finished: dict[Any, Sequence] = {}
@@ -330,15 +332,21 @@ class Engine:
         if self.on_step is not None:
             self.on_step(items)
         ends = [i for i, (s, _, stop) in enumerate(work) if stop == len(s.tokens)]
-        logits = self.model.forward(tokens, positions, attend, bounds[1:][ends] - 1)
-        if np.isnan(logits).any():
-            raise RuntimeError("NaN logits: attention read a block the table no longer holds")
+        rows = bounds[1:][ends] - 1
+        if self.keep_logits:
+            logits = self.model.forward(tokens, positions, attend, rows)
+            if np.isnan(logits).any():
+                raise RuntimeError("NaN logits: attention read a block the table no longer holds")
+            sampled = logits.argmax(axis=-1)
+        else:
+            sampled = self.model.forward(tokens, positions, attend, rows, greedy=True)
         for s, _, stop in work:
             s.computed = stop
-        for i, row in zip(ends, logits):
+        for k, i in enumerate(ends):
             s = work[i][0]
-            s.logits.append(row)
-            s.tokens.append(int(np.argmax(row)))
+            if self.keep_logits:
+                s.logits.append(logits[k])
+            s.tokens.append(int(sampled[k]))
             if self.handoff is not None:
                 self.running.remove(s)
                 self.handoff(s)
@@ -377,15 +385,18 @@ def library_engine(model: Model, *, num_blocks: int, block_size: int = 4, head_w
     if attention is None and model.ops.name == "torch":
         from gpu import FlexAttention
 
-        if host_blocks or quant != "none":
-            raise ValueError("on a GPU the engine serves unquantized caches without a host tier")
         attention = FlexAttention(model, spec, layer_blocks(manager.row_blocks, cells), cells,
                                   max_batch=options.get("max_num_seqs", 16), max_tokens=options.get("chunk", 64))
     if attention is not None:
-        return Engine(model, spec, manager, attention=attention, **options)
-    engine = Engine(model, spec, manager, row_blocks=manager.row_blocks.tolist(), cells=cells, **options)
+        engine = Engine(model, spec, manager, attention=attention, **options)
+        views = getattr(attention, "views", None)
+    else:
+        engine = Engine(model, spec, manager, row_blocks=manager.row_blocks.tolist(), cells=cells, **options)
+        views = engine.paged.views
     if host_blocks:
-        region = KVRegion.from_tensors(spec, [engine.paged.views(layer) for layer in range(spec.num_layers)])
+        if views is None:
+            raise ValueError("host_blocks: the attention given keeps no cache tensors a host tier can copy")
+        region = KVRegion.from_tensors(spec, [views(layer) for layer in range(spec.num_layers)])
         engine.tier = TransferManager(manager, region, HostTierConfig(host_blocks=host_blocks))
     return engine
 

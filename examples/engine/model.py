@@ -169,48 +169,58 @@ class Model:
         heads = np.broadcast_to(mask, (c.num_q_heads, *mask.shape[1:]))
         return attention(ops, q, ops.permute(keys, [1, 0, 2]), ops.permute(values, [1, 0, 2]), heads)
 
-    def _rope(self, x: Any, positions: np.ndarray) -> Any:
+    def _rotary(self, positions: np.ndarray) -> tuple[Any, Any]:
+        """cos and sin [n, 1, d/2] of ``positions``: one copy to the device per forward, every layer uses them."""
         angles = positions[:, None].astype(np.float64) * self.inv_freq[None, :]  # [n, d/2]
-        cos = self.ops.cast(self.ops.tensor(np.cos(angles)), self.config.dtype).unsqueeze(1)
-        sin = self.ops.cast(self.ops.tensor(np.sin(angles)), self.config.dtype).unsqueeze(1)
+        both = self.ops.cast(self.ops.tensor(np.stack([np.cos(angles), np.sin(angles)])), self.config.dtype)
+        return both[0].unsqueeze(1), both[1].unsqueeze(1)
+
+    def _rope(self, x: Any, rotary: tuple[Any, Any]) -> Any:
+        cos, sin = rotary
         even, odd = x[:, :, 0::2], x[:, :, 1::2]
         return self.ops.stack([even * cos - odd * sin, even * sin + odd * cos], axis=-1).reshape(list(x.shape))
 
     def _rms(self, x: Any, weight: Any) -> Any:
         return x * self.ops.rsqrt(self.ops.mean_last(x * x) + 1e-6) * weight
 
-    def forward(self, tokens: np.ndarray, positions: np.ndarray, attend: Attend, logits_at: np.ndarray) -> np.ndarray:
+    def forward(self, tokens: np.ndarray, positions: np.ndarray, attend: Attend, logits_at: np.ndarray, *,
+                greedy: bool = False) -> np.ndarray:
         """Run ``tokens`` at ``positions`` (a batch of segments; ``attend`` knows where each starts) and return
-        logits [len(logits_at), vocab] of the rows ``logits_at`` (in the model's dtype)."""
+        logits [len(logits_at), vocab] of the rows ``logits_at`` (in the model's dtype); with ``greedy`` only each
+        row's most likely token, picked where the model runs (the logits stay there)."""
         c, ops = self.config, self.ops
         n = len(tokens)
+        angles = self._rotary(positions)
         x = ops.rows(self.embed, tokens)
         for layer, w in enumerate(self.layers):
             h = self._rms(x, w["attn_norm"])
             if c.kv_lora_rank:  # MLA: the cache keeps the normed latent and the rotary key
                 q = ops.matmul(h, w["wq"]).reshape([n, c.num_q_heads, c.head_dim + c.rope_dim])
-                q = ops.cat([q[:, :, :c.head_dim], self._rope(q[:, :, c.head_dim:], positions)], axis=-1)
+                q = ops.cat([q[:, :, :c.head_dim], self._rope(q[:, :, c.head_dim:], angles)], axis=-1)
                 latent = self._rms(ops.matmul(h, w["w_dkv"]), w["kv_norm"])
-                rotary = self._rope(ops.matmul(h, w["w_kr"]).unsqueeze(1), positions)[:, 0]
+                rotary = self._rope(ops.matmul(h, w["w_kr"]).unsqueeze(1), angles)[:, 0]
                 kv: tuple[Any, ...] = (ops.cat([latent, rotary], axis=-1).unsqueeze(1),)
             else:
-                q = self._rope(ops.matmul(h, w["wq"]).reshape([n, c.num_q_heads, c.head_dim]), positions)
-                kv = (self._rope(ops.matmul(h, w["wk"]).reshape([n, c.num_kv_heads, c.head_dim]), positions),
+                q = self._rope(ops.matmul(h, w["wq"]).reshape([n, c.num_q_heads, c.head_dim]), angles)
+                kv = (self._rope(ops.matmul(h, w["wk"]).reshape([n, c.num_kv_heads, c.head_dim]), angles),
                       ops.matmul(h, w["wv"]).reshape([n, c.num_kv_heads, c.head_dim]))
             o = attend(layer, q, kv)
             x = x + ops.matmul(o.reshape([n, c.num_q_heads * c.head_dim]), w["wo"])
             h = self._rms(x, w["mlp_norm"])
             x = x + ops.matmul(ops.silu(ops.matmul(h, w["gate"])) * ops.matmul(h, w["up"]), w["down"])
         last = ops.rows(x, logits_at)
-        return ops.numpy(ops.matmul(self._rms(last, self.final_norm), self.lm_head))
+        logits = ops.matmul(self._rms(last, self.final_norm), self.lm_head)
+        return ops.numpy(ops.argmax_last(logits) if greedy else logits)
 
 
-def dense_generate(model: Model, prompt: list[int], max_new_tokens: int, *, fp8: bool = False
-                   ) -> tuple[list[int], np.ndarray]:
+def dense_generate(model: Model, prompt: list[int], max_new_tokens: int, *, fp8: bool = False,
+                   forced: list[int] | None = None) -> tuple[list[int], np.ndarray]:
     """The reference: greedy tokens, and the logits each was sampled from ([tokens, vocab]), from full attention
-    over the whole sequence at every step, with no cache; ``fp8`` rounds K and V as a block_wise_fp8 cache does."""
+    over the whole sequence at every step, with no cache; ``fp8`` rounds K and V as a block_wise_fp8 cache does.
+    With ``forced`` (another run's generated tokens) each step continues from those instead of its own choice,
+    so the logits compare step for step even where a near tie went the other way."""
     tokens, rows = list(prompt), []
-    for _ in range(max_new_tokens):
+    for step in range(max_new_tokens):
         positions = np.arange(len(tokens))
 
         def attend(layer: int, q: Any, kv: tuple[Any, ...]) -> Any:
@@ -221,5 +231,5 @@ def dense_generate(model: Model, prompt: list[int], max_new_tokens: int, *, fp8:
 
         logits = model.forward(np.asarray(tokens), positions, attend, np.array([len(tokens) - 1]))
         rows.append(logits[0])
-        tokens.append(int(np.argmax(logits[0])))
-    return tokens[len(prompt):], np.array(rows)
+        tokens.append(int(np.argmax(logits[0])) if forced is None else forced[step])
+    return tokens[len(prompt):] if forced is None else [int(np.argmax(row)) for row in rows], np.array(rows)

@@ -4,7 +4,9 @@ A Llama-1B-shaped model (seeded random weights, bfloat16) serves concurrent requ
 engine (``examples/engine``) with a ``KVCacheManager``: prompts are prefilled, then every request decodes. The
 same engine runs twice in the same process, in turns: its attention reading the paged cache through the tables
 (flex attention with a block mask from the tables), and reading a contiguous region per request (the same kernel,
-no table: the limit). Reports decode tokens/s of each and their ratio against the target.
+no table: the limit). Reports decode tokens/s of each and their ratio against the target. Then time to first
+token: the same number of prompts arrives at once, first with nothing cached, then sharing a prefix of each
+``--shares`` with a request served before them; the mean time to first token should fall with the cached share.
 Needs PyTorch with a GPU and the source checkout's ``examples/engine`` (``--engine-dir``).
 """
 from __future__ import annotations
@@ -26,6 +28,7 @@ from kvcache.bench.common import progress
 BLOCK_SIZE = 16
 PAGED_TARGET = 0.95  # paged decode tokens/s over contiguous
 DAEMON_TARGET = 0.95  # through the daemon over in process
+TTFT_SLACK = 1.2  # time to first token with a prefix hit over a cold one, at most this times the uncached share
 
 
 def _engine_dir(given: str | None) -> Path:
@@ -42,7 +45,7 @@ def _build(mode: str, model: Any, requests: int, prompt: int, new: int, chunk: i
     from engine import daemon_engine, library_engine
     from gpu import ContiguousAttention
 
-    options = dict(block_size=BLOCK_SIZE, chunk=chunk, max_num_seqs=requests)
+    options = dict(block_size=BLOCK_SIZE, chunk=chunk, max_num_seqs=requests, keep_logits=False)
     if mode == "daemon":
         return daemon_engine(model, endpoint, **options)
     attention = None
@@ -73,6 +76,54 @@ def _decode_rate(engine: Any, prompts: list[list[int]], new: int, warmup: int) -
                 decode_s += took
                 tokens += stats.computed
     return {"tokens": tokens, "seconds": decode_s, "tokens_per_s": tokens / decode_s if decode_s else 0.0}
+
+
+def _mean_ttft(engine: Any, prompts: dict[str, list[int]]) -> float:
+    """Seconds from the prompts' arrival (all at once) to each one's first token, averaged."""
+    for rid, prompt in prompts.items():
+        engine.add(rid, prompt, 1)
+    start, first = time.perf_counter(), {}
+    while engine.waiting or engine.running:
+        engine.step()  # ends by reading the logits back: the GPU is done with the step
+        now = time.perf_counter()
+        for rid in prompts:
+            if rid in engine.finished and rid not in first:
+                first[rid] = now - start
+    for rid in prompts:
+        engine.finished.pop(rid)
+    return float(np.mean(list(first.values())))
+
+
+def _ttft(args: argparse.Namespace, model: Any, shares: list[float]) -> list[dict[str, float]]:
+    """Mean time to first token of ``--requests`` prompts arriving at once: with nothing cached, and sharing
+    each share of their tokens with a request served just before. The first round of each only compiles."""
+    requests, prompt, vocab = args.requests, args.prompt_tokens, model.config.vocab
+    engine = _build("paged", model, requests, prompt, 1, args.chunk)
+    rng = np.random.default_rng(1)
+
+    def fresh(n: int, tag: str) -> dict[str, list[int]]:
+        return {f"{tag}{i}": rng.integers(0, vocab, n).tolist() for i in range(requests)}
+
+    out = []
+    try:
+        for share in shares:
+            hit = int(share * prompt) // BLOCK_SIZE * BLOCK_SIZE  # the cache keeps whole blocks
+            times = {}
+            for round_ in range(2):
+                progress(f"time to first token, {share:.0%} shared: round {round_ + 1}/2")
+                cold = _mean_ttft(engine, fresh(prompt, f"c{share}-{round_}-"))
+                head = rng.integers(0, vocab, hit).tolist()
+                _mean_ttft(engine, {f"w{share}-{round_}": head + rng.integers(0, vocab, prompt - hit).tolist()})
+                warm = _mean_ttft(engine, {rid: head + tail for rid, tail in
+                                           fresh(prompt - hit, f"h{share}-{round_}-").items()})
+                times = {"cold_s": cold, "hit_s": warm}
+            ratio = times["hit_s"] / times["cold_s"]
+            uncached = 1 - hit / prompt
+            out.append({"share": hit / prompt, **times, "ratio": ratio, "uncached": uncached,
+                        "ok": ratio <= TTFT_SLACK * uncached})
+    finally:
+        engine.close()
+    return out
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -111,6 +162,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
            "prompt_tokens": prompt, "new_tokens": new, "rounds": results, "paged_tokens_per_s": best["paged"],
            "contiguous_tokens_per_s": best["contiguous"], "paged_over_contiguous": ratio,
            "target": f"paged/contiguous >= {PAGED_TARGET:g}", "ok": ratio >= PAGED_TARGET}
+    out["ttft"] = _ttft(args, model, args.shares) if args.shares else []
     if args.daemon:
         out.update(daemon_tokens_per_s=best["daemon"], daemon_over_library=best["daemon"] / best["paged"],
                    daemon_target=f"daemon/library >= {DAEMON_TARGET:g}",
@@ -145,6 +197,14 @@ def _print(r: dict[str, Any]) -> None:
           f"{'ok' if r['ok'] else 'MISS'}")
 
 
+def _print_ttft(r: dict[str, Any]) -> None:
+    print(f"time to first token, {r['requests']} prompts of {r['prompt_tokens']} tokens arriving at once (mean)")
+    for t in r["ttft"]:
+        print(f"  {t['share']:4.0%} cached: {t['hit_s'] * 1e3:8.1f} ms against {t['cold_s'] * 1e3:8.1f} ms cold = "
+              f"{t['ratio']:.3f}; uncached share {t['uncached']:.3f}, target <= {TTFT_SLACK:g} x that: "
+              f"{'ok' if t['ok'] else 'MISS'}")
+
+
 def _run(args: argparse.Namespace) -> int:
     result = run(args)
     print(json.dumps(result, indent=2) if args.json else "", end="\n" if args.json else "")
@@ -152,7 +212,19 @@ def _run(args: argparse.Namespace) -> int:
         _print(result)
         if "daemon_tokens_per_s" in result:
             _print_daemon(result)
+        if result["ttft"]:
+            _print_ttft(result)
     return 0
+
+
+def _shares(text: str) -> list[float]:
+    try:
+        shares = [float(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of numbers: {text!r}") from None
+    if any(not 0 <= share < 1 for share in shares):
+        raise argparse.ArgumentTypeError(f"each share must be in [0, 1): {text!r}")
+    return shares
 
 
 def add_parser(targets: argparse._SubParsersAction) -> None:
@@ -170,6 +242,9 @@ def add_parser(targets: argparse._SubParsersAction) -> None:
     p.add_argument("--quick", action="store_true", help="4 layers and a small vocabulary (a smoke run)")
     p.add_argument("--daemon", action="store_true",
                    help="also schedule through a real kvcache serve, the model reading a subscriber's tables")
+    p.add_argument("--shares", type=_shares, default=[0.5, 0.875],
+                   help="prefix shares for time to first token, comma-separated in [0, 1) (default 0.5,0.875; "
+                   "'' skips it)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.set_defaults(run=_run)
 
