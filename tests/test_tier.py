@@ -218,7 +218,7 @@ def test_evicted_blocks_come_back_from_host_byte_for_byte(tiers, name: str, mode
 def test_stored_events_are_the_maximal_runs_of_kept_columns(tiers, data) -> None:
     """Offload events: per row group, its kept columns in order, each event consecutive columns, no two neighbours
     mergeable; the group's window and the columns' extra keys go with them."""
-    from kvcache.transfer.manager import _Offload
+    from kvcache.transfer.manager import stored_events
 
     spec = make_spec("bf16", num_kv_heads=3)
     tier = tiers(spec, num_blocks=8, host_blocks=8, rows=[Full(), Window(8), Window(16, 4)])  # three groups
@@ -234,9 +234,7 @@ def test_stored_events_are_the_maximal_runs_of_kept_columns(tiers, data) -> None
     tokens = np.arange(chain_len * bs, dtype=np.uint32)
     extra = tuple(None if c % 3 else ("lora", c) for c in range(chain_len))
     src = np.where(present, 1, -1).astype(np.int32)
-    off = _Offload([], np.arange(cols.size, dtype=np.int32), src, cols, chain, tokens, "lora", extra,
-                   np.zeros(cols.size, dtype=bool))
-    events = tier.tm._stored_events(off, keep)
+    events = stored_events(tier.manager, chain, tokens, "lora", extra, cols[keep], src[:, keep])
     assert [e.group for e in events] == sorted(e.group for e in events), "groups in order"
     for g, window in enumerate([None, 8, 16]):
         mine = [e for e in events if e.group == g]

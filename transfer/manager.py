@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from kvcache.allocator.layout import CacheSpec
     from kvcache.allocator.manager import KVCacheManager
 
-__all__ = ["HostTierConfig", "Load", "TierStats", "TransferManager"]
+__all__ = ["HostTierConfig", "Load", "TierStats", "TransferManager", "allocate_host", "copy_layers"]
 
 log = logging.getLogger("kvcache.transfer.manager")
 
@@ -200,7 +200,7 @@ class TransferManager:
         self._out = LocalEngine(timeout=config.timeout, cuda_method=config.cuda_method)
         self._in = LocalEngine(timeout=config.timeout, cuda_method=config.cuda_method)  # loads never queue behind offloads
         try:
-            self.host = self._allocate_host(gpu.spec, self.num_blocks, pin=config.pin and gpu.is_cuda)
+            self.host = allocate_host(gpu.spec, self.num_blocks, pin=config.pin and gpu.is_cuda)
             if gpu.is_cuda and not self.host.pinned:
                 self._out.register(self.host)
         except Exception:
@@ -364,7 +364,7 @@ class TransferManager:
             assert ((src >= 0) == (dst >= 0)).all(), "the tier lost a block between held() and admitted()"
             host_ids = np.unique(src[src >= 0]).astype(np.int32)
             self._pool.incref(np.zeros(host_ids.size, dtype=np.intp), host_ids, unique=True)
-            handles = self._copy_layers(self._in, self.host, src, self.gpu, dst)
+            handles = copy_layers(self._in, self.host, src, self.gpu, dst, self._cells)
             job = next(self._ids)
             self._loads[job] = _LoadJob(handles, request_id, host_ids, dst, k)
             r, c = np.nonzero(dst >= 0)
@@ -400,7 +400,7 @@ class TransferManager:
         dst = np.where(src >= 0, host_ids[None, :], -1).astype(np.int32)
         picked = np.frombuffer(hashes, dtype=f"V{_H}")[cols].tobytes()
         self._index.insert(picked, dst.T)
-        handles = self._copy_layers(self._out, self.gpu, src, self.host, dst)
+        handles = copy_layers(self._out, self.gpu, src, self.host, dst, self._cells)
         job = next(self._ids)
         self._offloads[job] = _Offload(handles, host_ids, src, cols, hashes, tokens, lora, extra_keys,
                                        np.zeros(cols.size, dtype=bool))
@@ -439,62 +439,13 @@ class TransferManager:
 
     # ------------------------------------------------------------------ internals
 
-    @staticmethod
-    def _allocate_host(spec: CacheSpec, num_blocks: int, *, pin: bool) -> KVRegion:
-        """Host blocks, layer-major then tensor then block: pinned by PyTorch when asked and present, else page-aligned mmap."""
-        nbytes = spec.cache_bytes(num_blocks)
-        buffer: Any = None
-        addr, pinned = 0, False
-        torch = sys.modules.get("torch")
-        if pin and torch is not None and torch.cuda.is_available():
-            buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-            addr, pinned = buffer.data_ptr(), True
-        else:
-            buffer = mmap.mmap(-1, max(nbytes, 1))
-            addr = np.frombuffer(buffer, dtype=np.uint8).ctypes.data
-        return KVRegion.from_buffer(spec, num_blocks, addr, pinned=pinned, keep=(buffer,))
-
-    def _copy_layers(self, engine: LocalEngine, src: KVRegion, src_ids: np.ndarray, dst: KVRegion,
-                     dst_ids: np.ndarray) -> list[TransferHandle]:
-        """One transfer per layer, in layer order on one engine (so layer l's is done when layer l+1's is).
-
-        Layers go to the engine in groups of doubling size (1, 1, 2, 4, ...): the first layer's
-        copy starts once its own ranges are known, and each later group's ranges are computed
-        while the groups before it copy. Within a group the ranges are split by the layer whose
-        memory each starts in; one merged across a layer boundary goes with the earlier layer,
-        which the engine's in-order queue finishes first.
-        """
-        starts = src.addrs.ravel()
-        order = np.argsort(starts, kind="stable")
-        owner = np.repeat(np.arange(src.num_layers), src.addrs.shape[1])[order]
-        device = self.gpu.device if self.gpu.is_cuda else "cpu"
-        bounds, first = [], 0
-        while first < src.num_layers:
-            bounds.append((first, min(src.num_layers, first + max(1, first))))
-            first = bounds[-1][1]
-        groups = copy_ranges_by_layers(src, src_ids, dst, dst_ids, [np.arange(a, b) for a, b in bounds],
-                                       cell_rows=self._cells)
-        handles: list[TransferHandle] = []
-        for (first, stop), ranges in zip(bounds, groups):
-            layer = owner[np.searchsorted(starts[order], ranges.src, side="right") - 1]
-            if (np.diff(layer) < 0).any():  # not in layer order: group each layer's ranges into one part
-                by_layer = np.argsort(layer, kind="stable")
-                ranges, layer = ranges.select(by_layer), layer[by_layer]
-            cuts = np.searchsorted(layer, np.arange(first, stop + 1))
-            cuts[-1] = ranges.num_ranges
-            handles += engine.submit_parts(ranges, cuts, device=device)
-        return handles
-
     def _evict_host(self, host_ids: np.ndarray) -> None:
         """The host pool reused these findable blocks (LRU): drop their hashes, announce the ones that left."""
         rows = np.repeat(np.arange(self._rows), host_ids.size)
         removed = self._index.remove(rows, np.tile(host_ids, self._rows))
         self._ready[host_ids] = False
         self._counts["evicted"] += int(host_ids.size)
-        leaders = self._group_leaders()  # a group's rows hold the same blocks: its first row speaks for it
-        self.manager.push_events([BlockRemoved(tuple(bytes(h) for h in removed.hashes[removed.rows == row]), group=g,
-                                               medium="CPU")
-                                  for g, row in enumerate(leaders) if (removed.rows == row).any()])
+        self.manager.push_events(removed_events(self.manager, removed))
 
     def _settle_offload(self, job: int) -> bool:
         """If every layer of the offload ended: make its kept blocks findable, free the rest; True when settled."""
@@ -519,7 +470,8 @@ class TransferManager:
             self._ready[kept] = True
             self._pool.mark_cached(zeros[: kept.size], kept)
             self._counts["offloaded"] += int(kept.size)
-            self.manager.push_events(self._stored_events(off, keep))
+            self.manager.push_events(stored_events(self.manager, off.chain, off.tokens, off.lora, off.extra_keys,
+                                                   off.cols[keep], off.src[:, keep]))
         if worst is TransferStatus.TIMEOUT:
             # A copy past its deadline may still be writing: its blocks never serve again.
             self._retired += int(off.host_ids.size)
@@ -562,38 +514,97 @@ class TransferManager:
         for job in [j for j, load in self._loads.items() if load.owner == request_id]:
             self._settle_load(job, wait=True)
 
-    def _stored_events(self, off: _Offload, keep: np.ndarray) -> list[BlockStored]:
-        """Per row group, one BlockStored(medium="CPU") per run of consecutive kept columns the group holds."""
-        bs = self.manager.block_size
-        cols = off.cols[keep]
-        if cols.size == 0:
-            return []
-        windows = self.manager.group_windows
-        events = []
-        for g, row in enumerate(self._group_leaders()):
-            held = off.src[row, keep] >= 0
-            breaks = np.flatnonzero((np.diff(cols) != 1) | (held[1:] != held[:-1])) + 1
-            for start, end in zip([0, *breaks.tolist()], [*breaks.tolist(), cols.size]):
-                if not held[start]:
-                    continue
-                first, last = int(cols[start]), int(cols[end - 1]) + 1
-                events.append(BlockStored(
-                    block_hashes=tuple(off.chain[j * _H:(j + 1) * _H] for j in range(first, last)),
-                    parent_block_hash=off.chain[(first - 1) * _H: first * _H] if first else None,
-                    token_ids=off.tokens[first * bs: last * bs].copy(),
-                    block_size=bs,
-                    group=g,
-                    window=windows[g],
-                    lora=off.lora,
-                    extra_keys=off.extra_keys[first:last],
-                    medium="CPU",
-                ))
-        return events
 
-    def _group_leaders(self) -> list[int]:
-        """Each row group's first row."""
-        groups = self.manager.row_groups
-        return [int(np.argmax(groups == g)) for g in range(int(groups.max()) + 1)]
+def allocate_host(spec: CacheSpec, num_blocks: int, *, pin: bool) -> KVRegion:
+    """Host blocks, layer-major then tensor then block: pinned by PyTorch when asked and present, else page-aligned mmap."""
+    nbytes = spec.cache_bytes(num_blocks)
+    buffer: Any = None
+    addr, pinned = 0, False
+    torch = sys.modules.get("torch")
+    if pin and torch is not None and torch.cuda.is_available():
+        buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        addr, pinned = buffer.data_ptr(), True
+    else:
+        buffer = mmap.mmap(-1, max(nbytes, 1))
+        addr = np.frombuffer(buffer, dtype=np.uint8).ctypes.data
+    return KVRegion.from_buffer(spec, num_blocks, addr, pinned=pinned, keep=(buffer,))
+
+
+def copy_layers(engine: LocalEngine, src: KVRegion, src_ids: np.ndarray, dst: KVRegion, dst_ids: np.ndarray,
+                cells: np.ndarray) -> list[TransferHandle]:
+    """Copy blocks ``src_ids`` of ``src`` to ``dst_ids`` of ``dst`` (int32 ``[rows, m]``, -1 = none; layer l's
+    kv head h reads row ``cells[l, h]``): one transfer per layer, in layer order on one engine (so layer l's is
+    done when layer l+1's is).
+
+    Layers go to the engine in groups of doubling size (1, 1, 2, 4, ...): the first layer's
+    copy starts once its own ranges are known, and each later group's ranges are computed
+    while the groups before it copy. Within a group the ranges are split by the layer whose
+    memory each starts in; one merged across a layer boundary goes with the earlier layer,
+    which the engine's in-order queue finishes first.
+    """
+    starts = src.addrs.ravel()
+    order = np.argsort(starts, kind="stable")
+    owner = np.repeat(np.arange(src.num_layers), src.addrs.shape[1])[order]
+    cuda = src if src.is_cuda else dst
+    device = cuda.device if cuda.is_cuda else "cpu"
+    bounds, first = [], 0
+    while first < src.num_layers:
+        bounds.append((first, min(src.num_layers, first + max(1, first))))
+        first = bounds[-1][1]
+    groups = copy_ranges_by_layers(src, src_ids, dst, dst_ids, [np.arange(a, b) for a, b in bounds],
+                                   cell_rows=cells)
+    handles: list[TransferHandle] = []
+    for (first, stop), ranges in zip(bounds, groups):
+        layer = owner[np.searchsorted(starts[order], ranges.src, side="right") - 1]
+        if (np.diff(layer) < 0).any():  # not in layer order: group each layer's ranges into one part
+            by_layer = np.argsort(layer, kind="stable")
+            ranges, layer = ranges.select(by_layer), layer[by_layer]
+        cuts = np.searchsorted(layer, np.arange(first, stop + 1))
+        cuts[-1] = ranges.num_ranges
+        handles += engine.submit_parts(ranges, cuts, device=device)
+    return handles
+
+
+def group_leaders(manager: KVCacheManager) -> list[int]:
+    """Each row group's first row (a group's rows hold the same blocks: its first row speaks for it)."""
+    groups = manager.row_groups
+    return [int(np.argmax(groups == g)) for g in range(int(groups.max()) + 1)]
+
+
+def removed_events(manager: KVCacheManager, removed: Any) -> list[BlockRemoved]:
+    """``BlockRemoved(medium="CPU")`` per row group for the hashes a host index removed (``PrefixIndex.remove``)."""
+    return [BlockRemoved(tuple(bytes(h) for h in removed.hashes[removed.rows == row]), group=g, medium="CPU")
+            for g, row in enumerate(group_leaders(manager)) if (removed.rows == row).any()]
+
+
+def stored_events(manager: KVCacheManager, chain: bytes, tokens: np.ndarray, lora: Any,
+                  extra_keys: tuple[tuple | None, ...], cols: np.ndarray, src: np.ndarray) -> list[BlockStored]:
+    """Per row group, one ``BlockStored(medium="CPU")`` per run of consecutive chain columns ``cols`` (ascending)
+    that the group's rows held (``src`` ``[rows, len(cols)]`` >= 0) and the host now holds findable."""
+    bs = manager.block_size
+    if cols.size == 0:
+        return []
+    windows = manager.group_windows
+    events = []
+    for g, row in enumerate(group_leaders(manager)):
+        held = src[row] >= 0
+        breaks = np.flatnonzero((np.diff(cols) != 1) | (held[1:] != held[:-1])) + 1
+        for start, end in zip([0, *breaks.tolist()], [*breaks.tolist(), cols.size]):
+            if not held[start]:
+                continue
+            first, last = int(cols[start]), int(cols[end - 1]) + 1
+            events.append(BlockStored(
+                block_hashes=tuple(chain[j * _H:(j + 1) * _H] for j in range(first, last)),
+                parent_block_hash=chain[(first - 1) * _H: first * _H] if first else None,
+                token_ids=tokens[first * bs: last * bs].copy(),
+                block_size=bs,
+                group=g,
+                window=windows[g],
+                lora=lora,
+                extra_keys=extra_keys[first:last],
+                medium="CPU",
+            ))
+    return events
 
 
 def _cell_rows(manager: KVCacheManager, gpu: KVRegion) -> np.ndarray:
