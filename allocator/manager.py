@@ -188,11 +188,13 @@ class KVCacheManager(RequestSlots, DecodeBatch, TierLink):
         self._tier_tokens: dict[int, list[np.ndarray]] = {}
 
     def __getstate__(self) -> dict:
-        """The state a journal snapshot saves: everything but the attached tier (memory and threads, not state)
-        and the events not yet taken (they were published)."""
+        """The state a journal snapshot saves: everything but the events not yet taken (they were published) and
+        an attached tier of this process's memory and threads; a tier that is state (``journaled``, the daemon's)
+        stays, with the tokens it keys releases by."""
         state = self.__dict__.copy()
-        state["tier"] = None
-        state["_tier_tokens"] = {}
+        if not getattr(self.tier, "journaled", False):
+            state["tier"] = None
+            state["_tier_tokens"] = {}
         state["_events"] = []
         return state
 
@@ -402,7 +404,7 @@ class KVCacheManager(RequestSlots, DecodeBatch, TierLink):
         if self.tier is not None:
             self._tier_tokens[slot] = [tokens[:covered].copy()]
             self.tier.admitted(request_id, view, num_hit, hashes[num_hit * _H: num_cached * _H])
-        return Admission(num_cached * bs, view, covered)
+        return Admission(num_cached * bs, view, covered, num_tier * bs)
 
     def _admits_in_one_pass(self) -> bool:
         """Whether an admit's commit is ``_tables.admit_commit``'s: prefix caching, no tier to serve, and with KV

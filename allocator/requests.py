@@ -34,6 +34,7 @@ class Admission(NamedTuple):
     num_cached_tokens: int
     table: np.ndarray
     num_tokens: int
+    num_host_tokens: int = 0  # of the cached tokens, those a lower tier (host memory) copies back
 
 
 @dataclasses.dataclass(slots=True)

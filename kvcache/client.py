@@ -392,6 +392,21 @@ class CacheClient:
         """Either side's workers: the request's transfer failed; the daemon releases it and tells its scheduler."""
         self._single(self.batch().op("transfer_failed", req=request_id, error=error[:4096]))
 
+    # ------------------------------------------------------------------ the host tier (see kvcache.host_tier)
+
+    def tier_failed(self) -> list[Any]:
+        """Requests whose host-tier load failed since the last call (any scheduler's): free them and admit them
+        again; their cached tokens were not all copied back."""
+        return self._single(self.batch().op("tier_failed"))
+
+    def tier_attach(self, rank: int, agent: int) -> dict[str, Any]:
+        """Tier agents: rank ``rank``'s agent (``agent``, its id) is ready; returns the tier's ``num_blocks``."""
+        return self._single(self.batch().op("tier_attach", rank=rank, agent=agent))
+
+    def tier_done(self, job: int, rank: int, *, ok: bool = True, error: str = "") -> None:
+        """Tier agents: rank ``rank`` finished its part of copy ``job`` (or failed it, saying why)."""
+        self._single(self.batch().op("tier_done", job=job, rank=rank, ok=ok, error=error[:4096]))
+
     def extend(self, request_id: Any, tokens: Sequence[int] | np.ndarray, *,
                num_computed_tokens: int | None = None) -> np.ndarray | None:
         return self._single(self.batch().extend(request_id, tokens, num_computed_tokens=num_computed_tokens))
@@ -649,7 +664,7 @@ class CacheClient:
                 return Reservation(raw["cached"], table, raw["num_tokens"], tuple(raw["receivers"]))
             if "plan" in raw:
                 return Sending(raw["cached"], table, raw["num_tokens"], raw["plan"])
-            return Admission(raw["cached"], table, raw["num_tokens"])
+            return Admission(raw["cached"], table, raw["num_tokens"], raw.get("host_cached", 0))
         if kind == "extend":
             if raw is None:
                 return None

@@ -77,6 +77,9 @@ class ServeConfig:
     snapshot_bytes: int = 256 * 2**20
     role: str = "both"
     transfer_timeout: float = 30.0
+    host_memory: str = "0"
+    host_block_budget: int = 0
+    tier_timeout: float = 30.0
 
     def resolved(self) -> ServeConfig:
         """A copy with default endpoints filled in next to ``endpoint``."""
@@ -111,8 +114,12 @@ class ServeConfig:
         for name in ("max_model_len", "max_num_batched_tokens"):
             if getattr(self, name) < 0:
                 raise KVCacheError(f"{name}: must be an integer >= 0 (0 = unset), got {getattr(self, name)}")
-        if not self.transfer_timeout > 0:
-            raise KVCacheError(f"transfer_timeout: must be positive seconds, got {self.transfer_timeout!r}")
+        for name in ("transfer_timeout", "tier_timeout"):
+            if not getattr(self, name) > 0:
+                raise KVCacheError(f"{name}: must be positive seconds, got {getattr(self, name)!r}")
+        if self.host_block_budget < 0:
+            raise KVCacheError(f"host_block_budget: must be an integer >= 0 (0 = from --host-memory), got "
+                               f"{self.host_block_budget}")
 
     def describe(self) -> str:
         """One line per field, for the start-up log."""

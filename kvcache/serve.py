@@ -88,6 +88,12 @@ HELP = {
             "(reserves blocks that prefill writes), or both (default: no PD ops)",
     "transfer_timeout": "seconds a PD reservation or transfer may take before it is released on this daemon and "
                         "reported failed (default 30; an op may give its own timeout)",
+    "host_memory": "host memory of the node for a host tier under the GPU blocks, e.g. 64GiB (needs --model to "
+                   "size a block; every TP rank's agent keeps its kv heads' part): freed cached blocks are copied "
+                   "there and a later prefix hit copies them back (0 = no host tier)",
+    "host_block_budget": "host blocks of the host tier, instead of --host-memory (0 = from --host-memory)",
+    "tier_timeout": "seconds every rank's agent has to report an ordered host-tier copy before it counts as failed "
+                    "(default 30)",
 }
 
 
@@ -154,7 +160,30 @@ def build_manager(cfg: ServeConfig) -> tuple[KVCacheManager, tuple[Row, ...] | N
     manager = KVCacheManager(num_blocks, cfg.block_size, policies, enable_prefix_caching=cfg.enable_prefix_caching,
                              hash_algorithm=cfg.hash_algorithm, hash_seed=cfg.hash_seed or None,
                              enable_events=cfg.events, row_blocks=row_blocks)
+    host_blocks = _host_blocks(cfg, spec)
+    if host_blocks:
+        from kvcache.host_tier import DaemonTier
+
+        manager.attach_tier(DaemonTier(manager, host_blocks, cfg.tp))
     return manager, layout, extra
+
+
+def _host_blocks(cfg: ServeConfig, spec: CacheSpec | None) -> int:
+    """Blocks of the host tier: ``--host-block-budget``, or ``--host-memory`` over a block of every rank (0 = none)."""
+    memory = parse_size(cfg.host_memory, "--host-memory")
+    if cfg.host_block_budget:
+        if memory:
+            raise KVCacheError("host_block_budget: gives the host tier's size, as --host-memory does; drop one")
+        return cfg.host_block_budget
+    if not memory:
+        return 0
+    if spec is None:
+        raise KVCacheError("host_memory: needs --model to know a block's bytes; or give --host-block-budget")
+    blocks = memory // (spec.bytes_per_block * cfg.tp)
+    if blocks < 1:
+        raise KVCacheError(f"host_memory: {memory:,} bytes hold no block of {spec.bytes_per_block * cfg.tp:,} bytes "
+                           f"(every rank's part)")
+    return int(blocks)
 
 
 def _model_layout(spec: CacheSpec, cfg: ServeConfig) -> tuple[Row, ...]:

@@ -46,6 +46,7 @@ from kvcache.allocator.rows import Row
 from kvcache.allocator.swa import Full, Window
 from kvcache.auth import CurveConfig, start_authenticator
 from kvcache.config import LOCAL_OFF, ServeConfig, describe_rows
+from kvcache.host_tier import TIER_OPS, DaemonTier, TierJob
 from kvcache.journal import Journal, JournalFull
 from kvcache.leases import Leases
 from kvcache.listeners import Listeners
@@ -87,7 +88,8 @@ log = logging.getLogger("kvcache.server")
 _SNDMORE, _NOBLOCK = int(zmq.SNDMORE), int(zmq.NOBLOCK)  # plain ints: pyzmq's flag enums combine in Python
 _SNDMORE_NOBLOCK = _SNDMORE | _NOBLOCK
 _REQUEST_OPS = frozenset({"admit", "reserve", "extend", "free", "table"})  # ops that name one request (op["req"])
-_MUTATING = frozenset({"admit", "extend", "extend_many", "free", "reset_prefix_cache", "reclaim"}) | _PD_MUTATING
+_MUTATING = (frozenset({"admit", "extend", "extend_many", "free", "reset_prefix_cache", "reclaim"}) | _PD_MUTATING
+             | TIER_OPS)
 _LEASE_CLIENT = "kvcache-lease-expiry"
 # Settings a journal records: its records are replayed under the first three (the limits they were accepted
 # with); the recovered state must fit the rest (_fit_settings).
@@ -101,6 +103,7 @@ REPLAY_HWM = 4  # replies queued per replay peer
 _OP_ERROR_BYTES = 2 * MAX_ID_CHARS + 512  # an op's {"error": message} result at most (a message names ids)
 METRICS_INTERVAL_S = 0.05  # a busy daemon counts its messages in the metrics at most this often
 _PD_CLIENT = "kvcache-transfer-expiry"
+_TIER_CLIENT = "kvcache-tier-expiry"
 
 
 def _check_compatible(journaled: KVCacheManager, configured: KVCacheManager, cfg: ServeConfig) -> None:
@@ -116,6 +119,10 @@ def _check_compatible(journaled: KVCacheManager, configured: KVCacheManager, cfg
     ):
         if old != new:
             raise KVCacheError(f"journal: {name} is {old!r} in the journal but {new!r} in this configuration")
+    old_tier, new_tier = (m.tier.num_blocks if isinstance(m.tier, DaemonTier) else 0 for m in (journaled, configured))
+    if old_tier != new_tier:
+        raise KVCacheError(f"journal: the host tier holds {old_tier} blocks in the journal but {new_tier} in this "
+                           "configuration (host_memory / host_block_budget); start with the journal's size")
     if cfg.hash_seed and old_hasher is not None and old_hasher.root != new_hasher.root:
         raise KVCacheError("journal: hash_seed differs from the one the journal's cached prefixes were hashed with; "
                            "start with the same --hash-seed, or none to keep the journal's")
@@ -324,8 +331,9 @@ class CacheServer:
         # A new epoch per daemon incarnation: workers that see it change drop their tables and resync.
         self.epoch = int.from_bytes(os.urandom(8), "big") >> 1
         self._last_publish = 0.0
-        # Deltas numbered but not yet encoded or sent (not yet durable, or not yet answered): seq, changes, freed, reset
-        self._staged: list[tuple[int, _Changes, list[Any], bool]] = []
+        # Deltas numbered but not yet encoded or sent (not yet durable, or not yet answered): seq, changes, freed,
+        # reset, host-tier orders
+        self._staged: list[tuple[int, _Changes, list[Any], bool, list[dict[str, Any]]]] = []
         self._staged_events: list[Any] = []
         self._journal: Journal | None = None
         self._leases = Leases(self.config.lease_timeout)
@@ -333,6 +341,8 @@ class CacheServer:
         self._pd = PDState(self.config.role, self.config.tp, manager.num_rows, manager.num_blocks, manager.block_size,
                            self.config.transfer_timeout)
         self._next_pd_check = 0.0
+        self._tier_deadlines: dict[int, float] = {}  # host-tier copies in flight: when each counts as failed
+        self._next_tier_check = 0.0
         self._expired = 0
         self._history: collections.deque[tuple[int, bytearray]] = collections.deque()  # for replay, oldest first
         self._history_bytes = 0
@@ -455,6 +465,8 @@ class CacheServer:
         _check_compatible(state["manager"], self.manager, self.config)
         state["manager"].enable_events = self.manager.enable_events
         self.manager = state["manager"]
+        if isinstance(self.manager.tier, DaemonTier):
+            self.manager.tier.bind(self.manager)
         self._slots, self._seq, self.epoch = state["slots"], state["seq"], state["epoch"]
         self._retries, self._leases, self._pd = state["retries"], state["leases"], state["pd"]
         self._leases.timeout = self.config.lease_timeout
@@ -472,6 +484,11 @@ class CacheServer:
         self._staged_events.clear()
         self.manager.take_events()
         self._pd.forget_timing()
+        tier = self.tier
+        if tier is not None:  # copies in flight get a full deadline from now (the clock restarted with us)
+            tier.take_orders()
+            end = time.monotonic() + self.config.tier_timeout
+            self._tier_deadlines = {job: end for job in tier.pending_jobs()}
         return journaled
 
     def _fit_settings(self, journaled: dict[str, Any]) -> None:
@@ -553,6 +570,8 @@ class CacheServer:
                 self.expire_leases()
             if self._pd.transfers and time.monotonic() >= self._next_pd_check:
                 self.expire_transfers()
+            if self._tier_deadlines and time.monotonic() >= self._next_tier_check:
+                self.expire_tier_copies()
             self._observe()  # what the last interval's messages left uncounted
 
     def request_reload(self) -> None:
@@ -594,6 +613,32 @@ class CacheServer:
             log.error("transfer expiry failed: %s", reply.get("error"))
             return 0
         log.warning("%d transfer(s) timed out and were released", len(late))
+        return len(late)
+
+    @property
+    def tier(self) -> DaemonTier | None:
+        """The host tier (``--host-memory``), or None."""
+        tier = self.manager.tier
+        return tier if isinstance(tier, DaemonTier) else None
+
+    def expire_tier_copies(self, now: float | None = None) -> int:
+        """Fail every host-tier copy whose ranks did not all report it in time (journaled like any message)."""
+        now = time.monotonic() if now is None else now
+        self._next_tier_check = now + 0.05
+        tier = self.tier
+        live = set(tier.pending_jobs()) if tier is not None else set()
+        self._tier_deadlines = {job: end for job, end in self._tier_deadlines.items() if job in live}
+        late = [job for job, end in self._tier_deadlines.items() if end <= now]
+        if not late:
+            return 0
+        payload = pack({"v": PROTOCOL_VERSION, "client": _TIER_CLIENT, "id": int.from_bytes(os.urandom(7), "big"),
+                        "ops": [{"op": "tier_expire", "jobs": late}]})
+        reply = unpack(self.handle(payload), 1 << 30)
+        if not reply.get("ok"):
+            log.error("host-tier expiry failed: %s", reply.get("error"))
+            return 0
+        log.warning("%d host-tier copies were not reported by every rank within %g s: failed", len(late),
+                    self.config.tier_timeout)
         return len(late)
 
     def expire_leases(self, now: float | None = None) -> int:
@@ -850,8 +895,8 @@ class CacheServer:
                 self._count_error("journal")
                 return error_reply(request_id, str(exc))
         results, deltas = self._apply(ops, client)
-        for changes, freed, reset in deltas:
-            self._stage(changes, freed, reset)
+        for changes, freed, reset, orders in deltas:
+            self._stage(changes, freed, reset, orders)
         reply = pack({"v": PROTOCOL_VERSION, "id": request_id, "ok": True, "epoch": self.epoch, "seq": self._seq,
                       "results": results})
         if len(reply) > self.config.max_reply_bytes:
@@ -908,6 +953,8 @@ class CacheServer:
                 total += (MAX_ID_CHARS + 16) * self._leases.count(client)
             elif kind == "reclaim":
                 total += (MAX_ID_CHARS + 16) * len(op.reqs or ())
+            elif kind == "tier_failed" and self.tier is not None:
+                total += (MAX_ID_CHARS + 16) * len(self.tier._failed)
             elif kind == "pd_poll":
                 total += (MAX_ID_CHARS + MAX_ERROR + 32) * self._pd.unread(client)
             elif kind in ("usage", "stats", "info"):
@@ -1073,12 +1120,35 @@ class CacheServer:
             return _Op(kind, reqs=[check_request_id(r, f"{field}.reqs[{j}]") for j, r in enumerate(reqs)])
         if kind in ("usage", "stats", "info", "ping", "reset_prefix_cache", "check_integrity", "owned"):
             return _Op(kind)
+        if kind in TIER_OPS:
+            return _Op(kind, pd=self._tier_fields(kind, op, field))
         if kind in PD_OPS:
             fields = validate_op(self._pd, kind, op, field)
             if "req" in fields and live.get(fields["req"]) is False:
                 raise ProtocolError(f"{field}.req: request {fields['req']!r} is not admitted")
             return _Op(kind, fields.get("req"), pd=fields)
         raise ProtocolError(f"{field}.op: unknown operation {show(kind)}")
+
+    def _tier_fields(self, kind: str, op: dict, field: str) -> dict[str, Any]:
+        """A host-tier op's fields, checked: an agent's rank and id, a report's job and outcome, expired jobs."""
+        if kind == "tier_attach":
+            return {"rank": check_int(op.get("rank"), f"{field}.rank", least=0, most=self.config.tp - 1),
+                    "agent": check_int(op.get("agent"), f"{field}.agent", least=0)}
+        if kind == "tier_done":
+            ok, error = op.get("ok"), op.get("error") or ""
+            if not isinstance(ok, bool):
+                raise ProtocolError(f"{field}.ok: must be a bool, got {show(ok)}")
+            if not isinstance(error, str) or len(error) > MAX_ERROR:
+                raise ProtocolError(f"{field}.error: must be a str of at most {MAX_ERROR} characters")
+            return {"job": check_int(op.get("job"), f"{field}.job", least=0),
+                    "rank": check_int(op.get("rank"), f"{field}.rank", least=0, most=self.config.tp - 1),
+                    "ok": ok, "error": error}
+        if kind == "tier_expire":
+            jobs = op.get("jobs")
+            if not isinstance(jobs, list) or len(jobs) > MAX_OPS:
+                raise ProtocolError(f"{field}.jobs: must be a list of at most {MAX_OPS} job ids")
+            return {"jobs": [check_int(j, f"{field}.jobs[{i}]", least=0) for i, j in enumerate(jobs)]}
+        return {}
 
     def _tokens_before(self, req: Any, ops: list[_Op]) -> int | None:
         """Tokens ``req`` holds after the ops validated so far in this message (None: admitted in it).
@@ -1095,7 +1165,7 @@ class CacheServer:
                 known += sum(int(c) for r, c in zip(op.reqs, op.counts.tolist()) if r == req)
         return known
 
-    def _apply(self, ops: list[_Op], client: str) -> tuple[list[Any], list[tuple[_Changes, list[Any], bool]]]:
+    def _apply(self, ops: list[_Op], client: str) -> tuple[list[Any], list[tuple[_Changes, list[Any], bool, list]]]:
         """Run validated ops in order; an op that still fails gets an error result, the rest go on.
 
         Returns the results and the deltas to publish. A delta lists its frees
@@ -1108,9 +1178,10 @@ class CacheServer:
         reset = False
         deltas: list[tuple[_Changes, list[Any], bool]] = []
         m = self.manager
+        tier = self.tier
         for op in ops:
             if op.kind == "free" and op.req in changes.touched:
-                deltas.append((changes, freed, reset))
+                deltas.append((changes, freed, reset, []))
                 changes, freed, reset = _Changes(), [], False
             try:
                 if op.kind in ("admit", "reserve"):
@@ -1131,6 +1202,8 @@ class CacheServer:
                     changes.add(op.req, slot, table.shape[1], np.arange(table.shape[1], dtype=np.int32), table)
                     result = {"cached": adm.num_cached_tokens, "num_tokens": adm.num_tokens, "table": table,
                               "slot": slot}
+                    if adm.num_host_tokens:
+                        result["host_cached"] = adm.num_host_tokens
                     if op.pd is not None:
                         dest = None if op.kind == "reserve" else op.pd
                         self._pd.start(op.req, client, table, adm.num_cached_tokens, op.pd["timeout"],
@@ -1182,6 +1255,8 @@ class CacheServer:
                     try:
                         self.manager.check_integrity()
                         self._pd.check_integrity(self.manager)
+                        if tier is not None:
+                            tier.check_integrity()
                         results.append(True)
                     except AssertionError as exc:
                         log.error("integrity check failed: %s", exc)
@@ -1189,11 +1264,13 @@ class CacheServer:
                 elif op.kind == "reset_prefix_cache":
                     results.append(m.reset_prefix_cache())
                     reset = True
+                elif op.kind in TIER_OPS:
+                    results.append(self._apply_tier(op))
                 elif op.kind in PD_OPS:
                     result, ends = self._apply_pd(op, client)
                     for req, discard_from in ends:
                         if req in changes.touched:
-                            deltas.append((changes, freed, reset))
+                            deltas.append((changes, freed, reset, []))
                             changes, freed, reset = _Changes(), [], False
                         if discard_from is None:
                             m.free(req)
@@ -1205,9 +1282,31 @@ class CacheServer:
                     results.append(result)
             except KVCacheError as exc:
                 results.append({"error": str(exc)})
-        if changes or freed or reset:
-            deltas.append((changes, freed, reset))
+        orders = tier.take_orders() if tier is not None else []
+        if orders:  # with the message's last delta: workers see the tables and the copies that fill them together
+            end = time.monotonic() + self.config.tier_timeout
+            self._tier_deadlines.update((order["job"], end) for order in orders)
+        if changes or freed or reset or orders:
+            deltas.append((changes, freed, reset, orders))
         return results, deltas
+
+    def _apply_tier(self, op: _Op) -> Any:
+        """One validated host-tier op: an agent attaching or reporting, the expiry, or the failed requests."""
+        tier, fields = self.tier, op.pd or {}
+        if tier is None:
+            raise KVCacheError(f"{op.kind}: this daemon has no host tier (start it with --host-memory)")
+        if op.kind == "tier_attach":
+            tier.attach(fields["rank"], fields["agent"])
+            return {"num_blocks": tier.num_blocks}
+        if op.kind == "tier_done":
+            tier.report(fields["job"], fields["rank"], fields["ok"], fields["error"])
+            if not fields["ok"]:
+                log.warning("host-tier copy %d failed on rank %d: %s", fields["job"], fields["rank"], fields["error"])
+            return True
+        if op.kind == "tier_expire":
+            tier.expire(fields["jobs"])
+            return True
+        return tier.take_failed()
 
     def _apply_pd(self, op: _Op, client: str) -> tuple[Any, list[tuple[Any, int | None]]]:
         """One validated PD op: its result and the requests it ends (discarding from a block, or None to free)."""
@@ -1251,22 +1350,24 @@ class CacheServer:
                              (d.offsets[1:] - d.offsets[:-1]).tolist(), d.cols, d.vals)
         return {"lens": d.lens, "changed": {"index": d.index, "offsets": d.offsets, "cols": d.cols, "vals": d.vals}}
 
-    def _stage(self, changes: _Changes, freed: list[Any], reset: bool) -> None:
+    def _stage(self, changes: _Changes, freed: list[Any], reset: bool, orders: list[dict[str, Any]]) -> None:
         """Number a delta; it is encoded, kept for replay and sent once its message is durable and answered.
 
         Its arrays are copies that nothing changes later (the reply shares them), so encoding it after
         the turn's other messages were applied gives the same bytes.
         """
         self._seq += 1
-        self._staged.append((self._seq, changes, freed, reset))
+        self._staged.append((self._seq, changes, freed, reset, orders))
 
     def _encode_staged(self) -> list[tuple[int, bytearray]]:
         """The staged deltas encoded (with ``"t"`` now) and kept for replay, in seq order; empties the stage."""
         encoded = []
-        for seq, changes, freed, reset in self._staged:
-            payload = pack_delta({"v": PROTOCOL_VERSION, "epoch": self.epoch, "seq": seq,
-                                  "changes": changes.wire(self.manager.num_rows), "freed": freed, "reset": reset},
-                                 time.monotonic_ns())
+        for seq, changes, freed, reset, orders in self._staged:
+            delta = {"v": PROTOCOL_VERSION, "epoch": self.epoch, "seq": seq,
+                     "changes": changes.wire(self.manager.num_rows), "freed": freed, "reset": reset}
+            if orders:
+                delta["tier"] = orders
+            payload = pack_delta(delta, time.monotonic_ns())
             self._remember(seq, payload)
             encoded.append((seq, payload))
             totals = self._delta_totals  # counted in the metrics by _observe
@@ -1359,6 +1460,7 @@ class CacheServer:
             "role": cfg.role,
             "tp": cfg.tp,
             "receivers": list(self._pd.receivers) if cfg.role == "decode" else None,
+            "host_tier": {"num_blocks": self.tier.num_blocks, "timeout": cfg.tier_timeout} if self.tier else None,
             **self._extra_info,
         }
 
@@ -1371,6 +1473,8 @@ class CacheServer:
         out["expired_requests"] = self._expired
         out["in_transfer"] = len(self._pd.transfers)
         out["transfers"] = dict(self._pd.totals)
+        if self.tier is not None:
+            out["host_tier"] = self.tier.stats()._asdict()
         return out
 
     def _count_subscribers(self) -> None:
@@ -1391,7 +1495,7 @@ class CacheServer:
 SNAPSHOT_FORMAT = 1
 STATE_CODEC = StateCodec(  # what journal snapshots may hold
     [KVCacheManager, _Request, BlockPool, PrefixIndex, BlockHasher, Inserted, MMPlaceholder, Full,
-                     Window, _Slots, _RetryCache, Leases, PDState, Transfer])
+                     Window, _Slots, _RetryCache, Leases, PDState, Transfer, DaemonTier, TierJob])
 _STATE_TYPES = {"manager": KVCacheManager, "slots": _Slots, "retries": _RetryCache, "leases": Leases, "pd": PDState,
                 "seq": int, "epoch": int, "settings": dict}
 

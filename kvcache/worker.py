@@ -296,6 +296,8 @@ class TableSubscriber:
         self._length: dict[Any, int] = {}
         self._owner: dict[int, Any] = {}
         self._dirty: set[int] = set()
+        #: Called with each delta (a map) once applied: a host-tier agent takes the copies it orders.
+        self.on_delta: Callable[[dict[str, Any]], None] | None = None
         self.replays = 0  # "D" replies applied after a gap
         self.snapshots = 0  # snapshots loaded
         self._pub_endpoint = _reachable(info["pub_endpoint"], endpoint)
@@ -667,6 +669,8 @@ class TableSubscriber:
             self._place(changes.reqs[i], changes.slots[i], changes.lens[i])
         self._write(changes, survivors)
         self._seq = seq
+        if self.on_delta is not None:
+            self.on_delta(msg)
 
     def _write(self, changes: _Changes, survivors: list[int]) -> None:
         """Set the surviving changes' columns: one scatter when each request has one, else one by one in op order."""

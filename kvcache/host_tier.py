@@ -1,0 +1,344 @@
+"""The daemon's host-memory tier: which host blocks hold which prefix blocks, and the copies it orders workers to make.
+
+The daemon decides and the workers copy. Attached to the daemon's manager as its
+lower tier (``allocator/tiers.py``), ``DaemonTier`` is told inside the
+scheduler's ops which GPU blocks a free releases and which an admit must fill
+from host; it picks host blocks, and each decision becomes an order in the
+op's table delta::
+
+    {"job": 7, "kind": "offload", "src": GPU blocks [rows, m], "dst": host blocks [rows, m]}   (-1 = none)
+    {"job": 8, "kind": "load",    "src": host blocks [rows, m], "dst": GPU blocks [rows, m]}
+
+Each TP rank's ``TierAgent`` (``kvcache.tier_agent``) copies its kv heads' part
+of the named blocks between its GPU cache and its host buffer and reports with
+a ``tier_done`` op. An offloaded block becomes findable once every rank has
+reported it; a rank reporting failure, or none within the deadline
+(``tier_expire``, journaled like any op), drops the job's host blocks; a failed
+load also drops the GPU blocks it was filling from the prefix cache and names
+its requests in ``tier_failed``, so the scheduler frees and admits them again.
+
+Workers keep the order the daemon relies on: a step at ``seq`` runs layer L only
+after every copy ordered in the deltas up to ``seq`` has finished layer L
+(``TierAgent.wait``), and one rank's copies run in order. So a GPU block
+freed and handed to a new owner is read by its offload, or filled by its load,
+before the new owner writes it: the daemon never waits for a copy.
+
+No I/O here: the state (host pool, index, jobs) is the daemon's, journaled with
+its manager, and every change comes from an op.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from kvcache.allocator.errors import KVCacheError
+from kvcache.allocator.manager import KVCacheManager
+from kvcache.allocator.pool import BlockPool
+from kvcache.allocator.prefix import HASH_BYTES, PrefixIndex
+from kvcache.transfer.manager import removed_events, stored_events
+
+_H = HASH_BYTES
+#: The daemon's host-tier ops: an agent attaching (tier_attach) and reporting a copy (tier_done), the daemon's own
+#: expiry of late copies (tier_expire), and a scheduler taking the requests failed loads left invalid (tier_failed).
+TIER_OPS = frozenset({"tier_attach", "tier_done", "tier_expire", "tier_failed"})
+
+
+@dataclasses.dataclass
+class TierJob:
+    """One ordered copy: the ranks that reported it done, and what the daemon does when it ends."""
+
+    kind: str  # "offload" or "load"
+    host_ids: np.ndarray  # int32 [m] host blocks it writes (offload) or reads (load)
+    gpu: np.ndarray  # int32 [rows, m] GPU blocks it reads (offload) or fills (load), -1 = none
+    done: list[int]  # ranks that reported it done
+    # An offload's chain, for the CPU events once it lands; -1 in ``dropped`` after a reset.
+    cols: np.ndarray | None = None
+    chain: bytes = b""
+    tokens: np.ndarray | None = None
+    lora: Any = None
+    extra_keys: tuple = ()
+    dropped: bool = False
+    owner: Any = None  # a load's request
+
+
+class TierStats(NamedTuple):
+    """The daemon's host tier: blocks by state, copies in flight, what moved since start (whole host blocks)."""
+
+    num_blocks: int
+    free_blocks: int
+    cached_blocks: int  # findable copies (including ones a load is reading)
+    pending_offloads: int
+    pending_loads: int
+    offloaded_blocks: int
+    loaded_blocks: int
+    dropped_blocks: int  # copies that failed, timed out or were reset before they landed
+    evicted_blocks: int  # findable copies pushed out by newer ones (LRU)
+    failed_loads: int
+    retired_blocks: int  # host blocks of copies that timed out: a late write may still land, so never reused
+    hit_tokens: int  # tokens admitted as cached thanks to the tier
+    ranks: int  # ranks whose agents are attached
+
+
+class DaemonTier:
+    """A host tier of ``num_blocks`` blocks per rank under ``manager``, copied by ``tp`` ranks' agents.
+
+    Until every rank's agent is attached the tier holds nothing and orders
+    nothing. An agent attaching again (a restarted worker) brings a new host
+    buffer: every host block is forgotten and every copy in flight fails.
+    """
+
+    #: The daemon journals this tier with its manager (an in-process tier is memory, not state).
+    journaled = True
+
+    def __init__(self, manager: KVCacheManager, num_blocks: int, tp: int) -> None:
+        if not manager.enable_prefix_caching:
+            raise KVCacheError("host tier: it keys blocks by prefix hash; enable prefix caching")
+        if num_blocks < 1:
+            raise KVCacheError(f"host_blocks: must be at least 1, got {num_blocks}")
+        self.manager = manager
+        self.num_blocks, self.tp = int(num_blocks), int(tp)
+        self._rows = manager.num_rows
+        self._pool = BlockPool(1, self.num_blocks)
+        self._index = PrefixIndex(self._rows, self.num_blocks)
+        self._ready = np.zeros(self.num_blocks, dtype=bool)
+        self._jobs: dict[int, TierJob] = {}
+        self._next_job = 0
+        self._orders: list[dict[str, Any]] = []
+        self._agents: dict[int, int] = {}  # rank -> its agent's id
+        # The load filling each GPU (row, block), -1 where none: a hit on a block still being filled waits on it.
+        self._filling = np.full((self._rows, manager.num_blocks), -1, dtype=np.int64)
+        self._waits: dict[Any, list[int]] = {}  # a request -> the loads its cached tokens need
+        self._failed: list[Any] = []
+        self._retired = 0
+        self.counts = dict(offloaded=0, loaded=0, dropped=0, evicted=0, failed=0, hit_tokens=0)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A journal snapshot's state: everything but the manager, which holds this tier (``bind`` restores it)."""
+        state = self.__dict__.copy()
+        state["manager"] = None
+        return state
+
+    def bind(self, manager: KVCacheManager) -> None:
+        """After a journal restore: the manager this tier is attached to again."""
+        if manager.tier is not self:
+            raise KVCacheError("host tier: bound to a manager it is not attached to")
+        self.manager = manager
+
+    # ------------------------------------------------------------------ agents and reports
+
+    @property
+    def active(self) -> bool:
+        """Whether every rank's agent is attached (else the tier holds and orders nothing)."""
+        return len(self._agents) == self.tp
+
+    def attach(self, rank: int, agent: int) -> None:
+        """Rank ``rank``'s agent ``agent`` is ready. Another agent than before on that rank lost its host buffer."""
+        if not 0 <= rank < self.tp:
+            raise KVCacheError(f"rank: must be in [0, {self.tp}), got {rank}")
+        known = self._agents.get(rank)
+        if known == agent:
+            return
+        if known is not None:
+            self.forget(f"rank {rank}'s agent restarted")
+        self._agents[rank] = agent
+
+    def report(self, job_id: int, rank: int, ok: bool, error: str = "") -> None:
+        """Rank ``rank`` finished its part of ``job_id`` (``ok``), or failed it; a job no longer known is ignored."""
+        job = self._jobs.get(job_id)
+        if job is None:
+            return
+        if not ok:
+            self._end(job_id, ok=False, timed_out=False)
+            return
+        if rank not in job.done:
+            job.done.append(rank)
+        if len(job.done) == self.tp:
+            self._end(job_id, ok=True, timed_out=False)
+
+    def expire(self, job_ids: list[int]) -> None:
+        """These jobs passed their deadline: their host blocks are retired (a late copy may still write them)."""
+        for job_id in job_ids:
+            if job_id in self._jobs:
+                self._end(job_id, ok=False, timed_out=True)
+
+    def pending_jobs(self) -> list[int]:
+        return list(self._jobs)
+
+    def take_orders(self) -> list[dict[str, Any]]:
+        """The copies ordered since the last call, for the delta that goes out with them."""
+        orders, self._orders = self._orders, []
+        return orders
+
+    def take_failed(self) -> list[Any]:
+        """Requests whose cached tokens a failed load left invalid since the last call: free and admit them again."""
+        failed, self._failed = self._failed, []
+        return failed
+
+    def forget(self, reason: str = "") -> None:
+        """Forget every host block and fail every copy in flight (a rank's host buffer is gone)."""
+        for job_id in list(self._jobs):
+            self._end(job_id, ok=False, timed_out=False)
+        self._index.clear()
+        self._pool.reset_cached()
+        self._ready[:] = False
+
+    def stats(self) -> TierStats:
+        c = self.counts
+        offloads = sum(job.kind == "offload" for job in self._jobs.values())
+        return TierStats(self.num_blocks, int(self._pool.num_free()[0]), int(self._ready.sum()), offloads,
+                         len(self._jobs) - offloads, c["offloaded"], c["loaded"], c["dropped"], c["evicted"],
+                         c["failed"], self._retired, c["hit_tokens"], len(self._agents))
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError if host pool, index, readiness and jobs disagree."""
+        self._pool.check_integrity()
+        self._index.check_integrity()
+        n = self.num_blocks
+        ref = self._pool.refcount(np.zeros(1, dtype=np.intp), np.arange(n))
+        held = np.zeros(n, dtype=np.int64)
+        for job in self._jobs.values():
+            np.add.at(held, job.host_ids, 1)
+        retired = ref - held
+        assert (retired >= 0).all() and int(retired.sum()) == self._retired, \
+            f"host refcounts {int(ref.sum())} disagree with {int(held.sum())} in jobs and {self._retired} retired"
+        cached = self._pool.is_cached(np.zeros(1, dtype=np.intp), np.arange(n))
+        assert np.array_equal(cached, self._ready), "host blocks cached in the pool but not findable, or the reverse"
+        for job_id, job in self._jobs.items():
+            if job.kind == "load":
+                r, c = np.nonzero(job.gpu >= 0)
+                assert ((self._filling[r, job.gpu[r, c]] == job_id) | (self._filling[r, job.gpu[r, c]] == -1)).all()
+
+    # ------------------------------------------------------------------ LowerTier (called by the manager)
+
+    def poll(self) -> None:
+        """Nothing to settle here: copies end by ops (``report``, ``expire``)."""
+
+    def held(self, hashes: bytes) -> np.ndarray:
+        """bool ``[k, rows]``: rows whose copy of each leading hash is findable; stops at the first with none."""
+        blocks = self._index.match(hashes)
+        ok = (blocks >= 0) & self._ready[np.maximum(blocks, 0)]
+        found = ok.any(axis=1)
+        k = found.size if found.all() else int(np.argmin(found))
+        return ok[:k]
+
+    def admitted(self, request_id: object, table: np.ndarray, num_gpu_blocks: int, hashes: bytes) -> None:
+        """Order the load of the tier's part of a hit; note loads in flight that the GPU part of it shares."""
+        deps: list[int] = []
+        if num_gpu_blocks and self._jobs:
+            hit = table[:, :num_gpu_blocks]
+            r, c = np.nonzero(hit >= 0)
+            jobs = self._filling[r, hit[r, c]]
+            deps = np.unique(jobs[jobs >= 0]).tolist()
+        k = len(hashes) // _H
+        if k:
+            dst = np.array(table[:, num_gpu_blocks:num_gpu_blocks + k], dtype=np.int32)
+            src = np.where(dst >= 0, self._index.blocks_of(hashes).T, -1).astype(np.int32)
+            assert ((src >= 0) == (dst >= 0)).all(), "the tier lost a block between held() and admitted()"
+            host_ids = np.unique(src[src >= 0]).astype(np.int32)
+            self._pool.incref(np.zeros(host_ids.size, dtype=np.intp), host_ids, unique=True)
+            job_id = self._order("load", src, dst, TierJob("load", host_ids, dst, [], owner=request_id))
+            r, c = np.nonzero(dst >= 0)
+            self._filling[r, dst[r, c]] = job_id
+            deps.append(job_id)
+            self.counts["hit_tokens"] += k * self.manager.block_size
+        if deps:
+            self._waits[request_id] = deps
+
+    def released(self, request_id: object, hashes: bytes, blocks: np.ndarray, tokens: np.ndarray,
+                 lora: str | tuple[str, str] | None, extra_keys: tuple[tuple | None, ...]) -> None:
+        """Order the offload of released blocks the host lacks, oldest first as far as free host blocks go."""
+        self._waits.pop(request_id, None)
+        n = len(hashes) // _H
+        if n == 0 or not self.active:
+            return
+        blocks = np.array(blocks, dtype=np.int32)
+        r, c = np.nonzero(blocks >= 0)
+        filling = self._filling[r, blocks[r, c]] >= 0  # a block still being filled: nothing certain to copy
+        if filling.any():
+            blocks[:, np.unique(c[filling])] = -1
+        wanted = (blocks >= 0).any(axis=0) & ~(self._index.blocks_of(hashes) >= 0).any(axis=1)
+        cols = np.flatnonzero(wanted)[: int(self._pool.num_free()[0])]
+        if cols.size == 0:
+            return
+        allocation = self._pool.allocate(cols.size, ascending=True)
+        assert allocation is not None, "host allocation failed after the free-block check"
+        if allocation.evicted_blocks.size:
+            self._evict_host(allocation.evicted_blocks)
+        host_ids = allocation.blocks[0].astype(np.int32)
+        src = blocks[:, cols]
+        dst = np.where(src >= 0, host_ids[None, :], -1).astype(np.int32)
+        self._index.insert(np.frombuffer(hashes, dtype=f"V{_H}")[cols].tobytes(), dst.T)
+        self._order("offload", src, dst, TierJob("offload", host_ids, src, [], cols.astype(np.intp), bytes(hashes),
+                                                 np.array(tokens), lora, tuple(extra_keys)))
+
+    def evicting(self, rows: np.ndarray, blocks: np.ndarray) -> None:
+        """GPU pairs get a new owner. Workers finish earlier copies before the owner writes (the module's
+        contract), so nothing waits; a load still filling them no longer stands for their hashes."""
+        if self._jobs:
+            self._filling[np.asarray(rows, dtype=np.intp), np.asarray(blocks, dtype=np.intp)] = -1
+
+    def reset(self) -> None:
+        """``reset_prefix_cache``: forget every host copy; offloads in flight are dropped when they end."""
+        for job in self._jobs.values():
+            job.dropped = job.dropped or job.kind == "offload"
+        self._index.clear()
+        self._pool.reset_cached()
+        self._ready[:] = False
+
+    # ------------------------------------------------------------------ internals
+
+    def _order(self, kind: str, src: np.ndarray, dst: np.ndarray, job: TierJob) -> int:
+        job_id = self._next_job
+        self._next_job += 1
+        self._jobs[job_id] = job
+        self._orders.append({"job": job_id, "kind": kind, "src": src, "dst": dst})
+        return job_id
+
+    def _end(self, job_id: int, *, ok: bool, timed_out: bool) -> None:
+        job = self._jobs.pop(job_id)
+        zeros = np.zeros(job.host_ids.size, dtype=np.intp)
+        if job.kind == "offload":
+            keep = ok and not job.dropped
+            if keep:
+                self._ready[job.host_ids] = True
+                self._pool.mark_cached(zeros, job.host_ids)
+                self.counts["offloaded"] += int(job.host_ids.size)
+                self.manager.push_events(stored_events(self.manager, job.chain, job.tokens, job.lora, job.extra_keys,
+                                                       job.cols, job.gpu))
+            else:
+                rows = np.repeat(np.arange(self._rows), job.host_ids.size)
+                self._index.remove(rows, np.tile(job.host_ids, self._rows))
+                self.counts["dropped"] += int(job.host_ids.size)
+        else:
+            r, c = np.nonzero(job.gpu >= 0)
+            mine = self._filling[r, job.gpu[r, c]] == job_id
+            rows, gpu = r[mine], job.gpu[r, c][mine]
+            self._filling[rows, gpu] = -1
+            if ok:
+                self.counts["loaded"] += int(job.host_ids.size)
+            else:
+                self.counts["failed"] += 1
+                self.manager.drop_cached(rows, gpu)  # those blocks hold nothing their hashes promise
+                for rid, jobs in self._waits.items():
+                    if job_id in jobs and rid not in self._failed:
+                        self._failed.append(rid)
+            for rid in list(self._waits):
+                jobs = self._waits[rid]
+                if job_id in jobs:
+                    jobs.remove(job_id)
+                    if not jobs:
+                        del self._waits[rid]
+        if timed_out and job.kind == "offload":
+            self._retired += int(job.host_ids.size)  # a copy past its deadline may still write them: never reuse
+            return
+        self._pool.decref(zeros, job.host_ids[::-1], unique=True)  # tail first: a prefix's head is evicted last
+
+    def _evict_host(self, host_ids: np.ndarray) -> None:
+        """The host pool reused these findable blocks (LRU): drop their hashes, announce the ones that left."""
+        rows = np.repeat(np.arange(self._rows), host_ids.size)
+        removed = self._index.remove(rows, np.tile(host_ids, self._rows))
+        self._ready[host_ids] = False
+        self.counts["evicted"] += int(host_ids.size)
+        self.manager.push_events(removed_events(self.manager, removed))

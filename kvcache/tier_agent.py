@@ -1,0 +1,209 @@
+"""TierAgent: a TP rank's part of the daemon's host tier (``kvcache serve --host-memory``).
+
+The daemon decides what moves between the GPU blocks and host memory
+(``kvcache.host_tier``); each rank's agent does the copying for its own kv
+heads. It keeps a host buffer of the daemon's ``num_blocks`` host blocks (pinned
+when the cache is on a GPU), takes the copies the daemon orders from the table
+deltas its ``TableSubscriber`` applies, runs them layer by layer on its own
+engine (one queue: copies end in the order they were ordered), and reports each
+to the daemon from a thread of its own::
+
+    sub = TableSubscriber(endpoint, rank=r, tp_size=tp)
+    agent = TierAgent(sub, KVRegion.from_tensors(spec, caches))
+    sub.wait_for(step.seq)              # the step's tables, and the copies ordered with them, submitted
+    for layer in range(num_layers):
+        agent.wait(layer)         # every copy ordered so far has this layer done (before it is read or written)
+        ...attention...
+
+Waiting per layer before a step writes or reads it is the contract the daemon
+relies on: a block freed and handed to a new owner is copied out (or filled)
+before the new owner's step writes it. A copy that fails is reported; the daemon
+then drops its host blocks, or fails the requests a load was filling
+(``CacheClient.tier_failed``).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+from kvcache.allocator.errors import KVCacheError
+from kvcache.allocator.rows import table_cells
+from kvcache.client import CacheClient
+from kvcache.transfer.engines import DEFAULT_TIMEOUT, LocalEngine, TransferHandle, TransferStatus
+from kvcache.transfer.manager import allocate_host, copy_layers
+from kvcache.transfer.regions import KVRegion
+
+log = logging.getLogger("kvcache.tier_agent")
+
+__all__ = ["TierAgent"]
+
+
+class TierAgent:
+    """Rank ``subscriber.rank``'s copies for the daemon's host tier, between ``region`` and a host buffer of its own.
+
+    ``region`` is this rank's cache (its kv heads, every layer), as for
+    ``TransferManager``. The agent hooks ``subscriber`` (``on_delta``): call
+    ``subscriber.wait_for``/``poll`` as usual and the copies ordered in those
+    deltas start. ``timeout`` bounds each copy (default 30 s).
+    """
+
+    def __init__(self, subscriber: Any, region: KVRegion, *, timeout: float = DEFAULT_TIMEOUT,
+                 cuda_method: str = "auto", pin: bool = True) -> None:
+        if region.owner:
+            raise KVCacheError(f"region: belongs to peer {region.owner!r}; the agent copies this process's cache")
+        if subscriber.on_delta is not None:
+            raise KVCacheError("subscriber: another agent already takes its deltas")
+        self.subscriber, self.region, self.rank = subscriber, region, subscriber.rank
+        # Retried (the daemon answers a retry from its kept reply): a report outlives a daemon's restart.
+        self._client = CacheClient(subscriber.endpoint, timeout=max(5.0, subscriber.timeout), retries=3,
+                                   name=f"tier-agent-{self.rank}-{os.getpid()}")
+        try:
+            tier = self._client.info().get("host_tier")
+            if not tier:
+                raise KVCacheError("the daemon has no host tier (start kvcache serve with --host-memory)")
+            self.num_blocks = int(tier["num_blocks"])
+            cells = subscriber.cell_rows
+            if cells is None:  # one row for every head, or one per kv head: as the host tier reads them
+                cells = table_cells(None, len(subscriber.row_ids), region.num_layers, region.heads)
+            if cells.shape != (region.num_layers, region.heads):
+                raise KVCacheError(f"region: {region.num_layers} layers of {region.heads} kv heads, but this rank's "
+                                   f"rows hold {cells.shape[0]} layers of {cells.shape[1]}")
+            self.cells = cells
+            self._rows = np.asarray(subscriber.row_ids, dtype=np.intp)
+            self.host = allocate_host(region.spec, self.num_blocks, pin=pin and region.is_cuda)
+            self._engine = LocalEngine(timeout=timeout, cuda_method=cuda_method)
+            if region.is_cuda and not self.host.pinned:
+                self._engine.register(self.host)
+            self.agent_id = int.from_bytes(os.urandom(7), "big")
+            self._client.tier_attach(self.rank, self.agent_id)
+        except BaseException:
+            self._client.close()
+            raise
+        # Orders in deltas up to the attach came before this agent's host buffer existed: not ours to copy.
+        self._from_seq = self._client.last_seq
+        self._inflight: list[list[TransferHandle]] = []  # this thread's view: what wait() waits on
+        self._reports: queue.Queue[tuple[int, list[TransferHandle]] | None] = queue.Queue()
+        self.copied = 0  # jobs reported done
+        self.failed = 0
+        self._closed = False
+        self._reporter = threading.Thread(target=self._report_loop, name=f"kvcache-tier-agent-{self.rank}",
+                                          daemon=True)
+        self._reporter.start()
+        subscriber.on_delta = self._on_delta
+
+    # ------------------------------------------------------------------ the model runner's side
+
+    def wait(self, layer: int, timeout: float | None = None) -> TransferStatus:
+        """Block until every copy ordered so far has finished ``layer`` (DONE, or its worst other status), or
+        ``timeout`` passes (PENDING). Call it before a step reads or writes the layer."""
+        end = None if timeout is None else time.monotonic() + timeout
+        worst = TransferStatus.DONE
+        for handles in self._inflight:
+            left = None if end is None else max(0.0, end - time.monotonic())
+            status = handles[layer].wait(left)
+            if status is TransferStatus.PENDING:
+                return status
+            if status is not TransferStatus.DONE:
+                worst = status
+        self._inflight = [h for h in self._inflight if h[-1].status() is TransferStatus.PENDING]
+        return worst
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until every copy ordered so far has ended and been reported; False when ``timeout`` passed first."""
+        end = None if timeout is None else time.monotonic() + timeout
+        for layer in range(self.region.num_layers):
+            left = None if end is None else max(0.0, end - time.monotonic())
+            if self.wait(layer, left) is TransferStatus.PENDING:
+                return False
+        while self._reports.unfinished_tasks:
+            if end is not None and time.monotonic() >= end:
+                return False
+            time.sleep(0.001)
+        return True
+
+    def close(self) -> None:
+        """Stop taking orders, let the copies in flight end (bounded by their deadlines), stop the reporter."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.subscriber.on_delta == self._on_delta:
+            self.subscriber.on_delta = None
+        self._reports.put(None)
+        self._reporter.join(timeout=self._engine.timeout + 10)
+        self._engine.close()
+        self._client.close()
+
+    def __enter__(self) -> TierAgent:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ internals
+
+    def _on_delta(self, msg: dict[str, Any]) -> None:
+        """The subscriber applied a delta: start the copies it orders (this rank's rows of each)."""
+        orders = msg.get("tier")
+        if not orders or msg["seq"] <= self._from_seq or self._closed:
+            return
+        for order in orders:
+            job, kind = int(order["job"]), order["kind"]
+            src = np.asarray(order["src"], dtype=np.int32)[self._rows]
+            dst = np.asarray(order["dst"], dtype=np.int32)[self._rows]
+            try:
+                if kind == "offload":
+                    handles = copy_layers(self._engine, self.region, src, self.host, dst, self.cells)
+                elif kind == "load":
+                    handles = copy_layers(self._engine, self.host, src, self.region, dst, self.cells)
+                else:
+                    raise KVCacheError(f"unknown copy kind {kind!r}")
+            except KVCacheError as exc:  # the order does not fit this rank's memory: report it, copy nothing
+                log.error("host-tier copy %d (%s) refused: %s", job, kind, exc)
+                self._reports.put((job, [_Failed(str(exc))]))
+                continue
+            self._inflight.append(handles)
+            self._reports.put((job, handles))
+
+    def _report_loop(self) -> None:
+        """Report each copy once every layer of it ended, in order (the engine ends them in order too)."""
+        while True:
+            item = self._reports.get()
+            try:
+                if item is None:
+                    return
+                job, handles = item
+                for handle in handles:
+                    handle.wait()  # bounded: every handle has the engine's deadline
+                statuses = [h.status() for h in handles]
+                bad = [h for h, s in zip(handles, statuses) if s is not TransferStatus.DONE]
+                error = (bad[0].error or bad[0].status().value) if bad else ""
+                try:
+                    self._client.tier_done(job, self.rank, ok=not bad, error=error)
+                except KVCacheError as exc:  # the daemon will time the copy out
+                    log.warning("host-tier copy %d: report failed: %s", job, exc)
+                if bad:
+                    self.failed += 1
+                    log.warning("host-tier copy %d failed on rank %d: %s", job, self.rank, error)
+                else:
+                    self.copied += 1
+            finally:
+                self._reports.task_done()
+
+
+class _Failed:
+    """A copy refused before it started: a handle that reports FAILED with the reason."""
+
+    def __init__(self, error: str) -> None:
+        self.error = error
+
+    def wait(self, timeout: float | None = None) -> TransferStatus:
+        return TransferStatus.FAILED
+
+    def status(self) -> TransferStatus:
+        return TransferStatus.FAILED

@@ -1,0 +1,249 @@
+"""The host tier in the daemon: a real `kvcache serve --host-block-budget`, its workers' TierAgents copying their
+caches to host and back, byte for byte, with TP ranks, failures, restarts and a full tier."""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import numpy as np
+import pytest
+
+from kvcache.allocator.prefix import BlockHasher
+from kvcache.client import CacheClient, DaemonError
+from kvcache.tier_agent import TierAgent
+from kvcache.transfer import TransferStatus
+from kvcache.worker import TableSubscriber
+
+from test_tier import Memory, make_spec, pattern, read, write
+
+SEED = "host-tier"
+BS = 4
+
+
+class Node:
+    """A daemon with a host tier, a scheduler's client, and per TP rank a cache, a subscriber and an agent."""
+
+    def __init__(self, daemon: Callable[..., Any], *flags: str, tp: int = 1, num_blocks: int = 8,
+                 host_blocks: int = 32, agents: bool = True) -> None:
+        self.daemon = daemon("--num-blocks", str(num_blocks), "--block-size", str(BS), "--host-block-budget",
+                             str(host_blocks), "--hash-seed", SEED, "--tp", str(tp), *flags)
+        self.endpoint = self.daemon.endpoint
+        self.spec = make_spec("bf16", tp_size=tp)
+        self.client = CacheClient(self.endpoint, timeout=5)
+        self.hasher = BlockHasher(BS, "sha256", SEED.encode())
+        self.memory = [Memory(self.spec, num_blocks, seed=rank) for rank in range(tp)]
+        self.subs = [TableSubscriber(self.endpoint, rank=rank, tp_size=tp) for rank in range(tp)]
+        self.agents: list[TierAgent | None] = [TierAgent(s, m.region) if agents else None
+                                               for s, m in zip(self.subs, self.memory)]
+
+    def keys(self, tokens: list[int]) -> list[bytes]:
+        return self.hasher.hash_blocks(np.asarray(tokens, dtype=np.uint32))
+
+    def step(self) -> None:
+        """What a worker does before a step: its tables current, and every copy ordered so far landed."""
+        for sub, agent in zip(self.subs, self.agents):
+            sub.wait_for(self.client.last_seq)
+            if agent is not None:
+                for layer in range(self.spec.num_layers):
+                    assert agent.wait(layer, timeout=10) is TransferStatus.DONE
+
+    def compute(self, table: np.ndarray, tokens: list[int], start: int) -> None:
+        """Write each full block from ``start`` on as its hash's bytes, on every rank (its kv heads' part)."""
+        keys = self.keys(tokens)
+        for col in range(start, len(keys)):
+            for m in self.memory:
+                write(m.region, int(table[0, col]), None, keys[col])
+
+    def holds(self, table: np.ndarray, tokens: list[int], cols: range) -> bool:
+        keys = self.keys(tokens)
+        for col in cols:
+            for m in self.memory:
+                got = read(m.region, int(table[0, col]), None)
+                if got != pattern(keys[col], None, len(got)):
+                    return False
+        return True
+
+    def serve(self, rid: Any, tokens: list[int]) -> Any:
+        """Admit, wait for the step's copies, compute the uncached blocks, free: a request's whole life."""
+        adm = self.client.admit(rid, tokens)
+        assert adm is not None
+        self.step()
+        assert self.holds(adm.table, tokens, range(adm.num_cached_tokens // BS)), f"{rid}: cached blocks differ"
+        self.compute(adm.table, tokens, adm.num_cached_tokens // BS)
+        self.client.free(rid)
+        self.step()
+        return adm
+
+    def settle(self, timeout: float = 10) -> dict[str, Any]:
+        """Every agent's copies reported; the daemon's host-tier stats then."""
+        for agent in self.agents:
+            if agent is not None:
+                assert agent.drain(timeout)
+        return self.client.stats()["host_tier"]
+
+    def evict_gpu(self, base: int) -> None:
+        """Fill every GPU block with another prompt and free it: earlier prefixes survive only on host."""
+        tokens = list(range(base, base + self.daemon_blocks * BS))
+        self.serve(f"filler{base}", tokens)
+
+    @property
+    def daemon_blocks(self) -> int:
+        return self.client.info()["num_blocks"]
+
+    def close(self) -> None:
+        for agent in self.agents:
+            if agent is not None:
+                agent.close()
+        for sub in self.subs:
+            sub.close()
+        self.client.close()
+
+
+@pytest.fixture
+def node(daemon: Callable[..., Any]) -> Any:
+    made: list[Node] = []
+
+    def make(*flags: str, **kw: Any) -> Node:
+        made.append(Node(daemon, *flags, **kw))
+        return made[-1]
+
+    yield make
+    for n in made:
+        n.close()
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_freed_prefix_comes_back_from_host_byte_for_byte(node: Any, tp: int) -> None:
+    """Freed blocks are offloaded by every rank's agent; once the GPU copies are evicted, a later admit hits them
+    on host (the admit says how many tokens), and the agents copy them back before the step reads them."""
+    n = node(tp=tp)
+    prompt = list(range(100, 113))  # three full blocks and one token
+    n.serve("a", prompt)
+    stats = n.settle()
+    assert stats["offloaded_blocks"] == 3 and stats["cached_blocks"] == 3 and stats["ranks"] == tp
+    n.evict_gpu(1000)
+    adm = n.serve("b", prompt + [7, 8, 9])
+    assert (adm.num_cached_tokens, adm.num_host_tokens) == (12, 12), "the GPU copies are gone: all from host"
+    stats = n.settle()
+    assert stats["loaded_blocks"] == 3 and stats["hit_tokens"] == 12 and stats["failed_loads"] == 0
+    assert all(agent.failed == 0 for agent in n.agents)
+    n.client.check_integrity()
+
+
+def test_nothing_goes_to_host_until_every_rank_is_attached(node: Any) -> None:
+    n = node(tp=2, agents=False)
+    n.agents[0] = TierAgent(n.subs[0], n.memory[0].region)
+    n.serve("a", list(range(100, 113)))
+    stats = n.settle()
+    assert stats["ranks"] == 1 and stats["offloaded_blocks"] == 0 and stats["pending_offloads"] == 0
+    n.agents[1] = TierAgent(n.subs[1], n.memory[1].region)
+    n.serve("b", list(range(200, 213)))
+    assert n.settle()["offloaded_blocks"] == 3
+
+
+def test_a_rank_that_never_reports_fails_the_copy_and_its_load_fails_the_request(node: Any) -> None:
+    """Rank 1's agent stops (a worker hung or gone): its copies time out. An offload's blocks are never served; a
+    load's request is named by tier_failed and its blocks leave the prefix cache."""
+    n = node("--tier-timeout", "1", tp=2)
+    prompt = list(range(100, 113))
+    n.serve("a", prompt)
+    assert n.settle()["cached_blocks"] == 3
+    n.evict_gpu(1000)
+    n.agents[1].close()
+    n.agents[1] = None
+    adm = n.client.admit("b", prompt + [1])
+    assert adm.num_host_tokens == 12
+    n.subs[1].wait_for(n.client.last_seq)
+    deadline = time.monotonic() + 10
+    failed: list[Any] = []
+    while not failed and time.monotonic() < deadline:
+        time.sleep(0.05)
+        failed = n.client.tier_failed()
+    assert failed == ["b"]
+    stats = n.client.stats()["host_tier"]
+    assert stats["failed_loads"] == 1 and stats["pending_loads"] == 0
+    n.client.free("b")
+    again = n.client.admit("c", prompt + [2])
+    assert again.num_host_tokens == 12, "the blocks the failed load was filling are not served from the GPU"
+    n.client.check_integrity()
+
+
+def test_an_agent_that_restarts_makes_the_daemon_forget_every_host_block(node: Any) -> None:
+    n = node()
+    n.serve("a", list(range(100, 113)))
+    assert n.settle()["cached_blocks"] == 3
+    n.agents[0].close()
+    n.agents[0] = TierAgent(n.subs[0], n.memory[0].region)  # a new host buffer: the old blocks are gone
+    stats = n.client.stats()["host_tier"]
+    assert stats["cached_blocks"] == 0 and stats["ranks"] == 1
+    n.evict_gpu(1000)
+    assert n.client.admit("b", list(range(100, 114))).num_host_tokens == 0
+
+
+def test_a_full_tier_drops_its_least_recent_blocks_with_cpu_events(node: Any) -> None:
+    """Host blocks announce themselves as vLLM KV events with medium CPU: stored when a copy lands, removed when
+    the full tier reuses the least recent ones."""
+    import msgpack
+    import zmq
+
+    from test_events import decode_event
+
+    n = node("--events", host_blocks=4)
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.connect(n.client.info()["events_endpoint"])
+    try:
+        time.sleep(0.2)  # the subscription reaches the daemon before the events it should see
+        n.serve("a", list(range(100, 113)))  # 3 blocks
+        n.settle()
+        n.serve("b", list(range(200, 213)))  # 3 more: a's two least recent go
+        stats = n.settle()
+        assert stats["cached_blocks"] == 4 and stats["evicted_blocks"] == 2
+        cpu: dict[str, list[bytes]] = {"BlockStored": [], "BlockRemoved": []}
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and (len(cpu["BlockRemoved"]) < 2 or len(cpu["BlockStored"]) < 6):
+            if not sub.poll(100):
+                continue
+            _topic, _seq, payload = sub.recv_multipart()
+            for event in msgpack.unpackb(payload, raw=False)[1]:
+                tag, fields = decode_event(event)
+                if fields.get("medium") == "CPU":
+                    cpu[tag] += fields["block_hashes"]
+        assert len(cpu["BlockStored"]) == 6 and len(set(cpu["BlockRemoved"])) == 2
+        assert set(cpu["BlockRemoved"]) <= set(cpu["BlockStored"][:3]), "the first request's blocks went first"
+    finally:
+        sub.close(0)
+
+
+@pytest.mark.parametrize("snapshots", [False, True])
+def test_a_daemon_killed_and_restarted_from_its_journal_still_serves_its_host_blocks(node: Any, daemon: Any,
+                                                                                  tmp_path: Any, snapshots: bool) -> None:
+    """The host index is journaled with the manager (replayed from the log, or in a snapshot after every message):
+    after kill -9 the agents (same epoch, same buffers) keep their blocks and a later admit still finds them."""
+    journal = str(tmp_path / "journal")
+    n = node("--journal", journal, *(("--snapshot-bytes", "1") if snapshots else ()))
+    prompt = list(range(100, 113))
+    n.serve("a", prompt)
+    assert n.settle()["cached_blocks"] == 3
+    n.evict_gpu(1000)
+    n.daemon.kill()
+    restarted = daemon("--num-blocks", "8", "--block-size", str(BS), "--host-block-budget", "32", "--hash-seed", SEED,
+                       "--journal", journal, folder=n.daemon.folder)
+    assert restarted.endpoint == n.endpoint
+    stats = n.client.stats()["host_tier"]
+    assert stats["cached_blocks"] == 3 and stats["ranks"] == 1
+    adm = n.serve("b", prompt + [5])
+    assert adm.num_host_tokens == 12
+
+
+def test_host_tier_ops_are_refused_by_name(node: Any, daemon: Any) -> None:
+    n = node(tp=2)
+    with pytest.raises(DaemonError, match="rank"):
+        n.client.tier_attach(2, 1)
+    with pytest.raises(DaemonError, match="ok"):
+        n.client._single(n.client.batch().op("tier_done", job=0, rank=0, ok="yes"))
+    plain = daemon("--num-blocks", "8", "--block-size", str(BS))
+    with CacheClient(plain.endpoint, timeout=5) as other:
+        with pytest.raises(DaemonError, match="no host tier"):
+            other.tier_failed()
