@@ -95,6 +95,14 @@ CASES: dict[str, Case] = {
     "PD, prefill TP 2 (a messager per rank) to decode TP 1": Case(
         model=dataclasses.replace(WINDOWED, window_heads=2), head_wise=True, pd=True, tp=2,
         daemon=("--num-blocks", "96")),
+    "daemon with a host tier (kvcache serve --host-block-budget): prefixes come back from host": Case(
+        num_blocks=40, host_blocks=128, max_num_seqs=2, daemon=("--num-blocks", "40", "--host-block-budget", "128")),
+    "daemon with a host tier, layer groups x head-wise": Case(
+        model=dataclasses.replace(WINDOWED, window_layers=(0, 1, 3)), head_wise=True, num_blocks=40, host_blocks=128,
+        max_num_seqs=2, daemon=("--num-blocks", "40", "--host-block-budget", "128")),
+    "daemon, TP 2, with a host tier: each rank's agent copies its kv heads": Case(
+        model=dataclasses.replace(WINDOWED, window_heads=2), head_wise=True, tp=2, num_blocks=40, host_blocks=128,
+        max_num_seqs=2, daemon=("--num-blocks", "40", "--host-block-budget", "128")),
     "daemon: preemption": Case(num_blocks=30, prompt_lens=(30, 38, 26, 34), max_new_tokens=16,
                                daemon=("--num-blocks", "30")),
 }
@@ -169,9 +177,10 @@ def on_gpu(case: Case) -> Case | None:
         return -(-n // scale) + 2
 
     daemon = case.daemon
-    if daemon and "--num-blocks" in daemon:
-        at = daemon.index("--num-blocks") + 1
-        daemon = (*daemon[:at], str(blocks(int(daemon[at]))), *daemon[at + 1:])
+    for flag in ("--num-blocks", "--host-block-budget"):
+        if daemon and flag in daemon:
+            at = daemon.index(flag) + 1
+            daemon = (*daemon[:at], str(blocks(int(daemon[at]))), *daemon[at + 1:])
     model = case.model
     if model.kv_lora_rank:
         model = dataclasses.replace(model, kv_lora_rank=64 - model.rope_dim)
@@ -248,6 +257,10 @@ def _run(case: Case, endpoint: str | None, corrupt: bool, device: str = "cpu") -
         engine.tier.drain(10)
         engine.tier.check_integrity()
         host_tokens = engine.tier.stats().hit_tokens
+    if engine.agent is not None:
+        assert engine.agent.drain(10) and engine.agent.failed == 0
+    if endpoint is not None and engine.cache.stats().get("host_tier"):  # the daemon's tier (TP ranks' agents too)
+        host_tokens = engine.cache.stats()["host_tier"]["hit_tokens"]
     engine.cache.check_integrity()
     stats = engine.cache.stats()
     recycled = stats["recycled_blocks"] if isinstance(stats, dict) else stats.recycled_blocks

@@ -212,11 +212,14 @@ class Engine:
         # (request, row, column): a fault for tests; one step reads another block than the table's in that column
         self.corrupt: tuple[Any, int, int] | None = None
         self.tier: Any = None  # a host tier (TransferManager) under the cache's blocks, in library mode
+        self.agent: Any = None  # the daemon's host tier: this process's TierAgent (daemon mode)
 
     def close(self) -> None:
         """Stop what the engine started: a host tier, TP ranks, the subscriber and the client of a daemon."""
         if self.tier is not None:
             self.tier.close()
+        if self.agent is not None:
+            self.agent.close()
         for part in (self.attention, self.tables):
             if part is not None and hasattr(part, "close"):
                 part.close()
@@ -242,6 +245,11 @@ class Engine:
         stats = StepStats()
         work: list[tuple[Sequence, int, int]] = []  # (sequence, first position, stop)
         budget = self.chunk
+        if self.agent is not None:  # the daemon's host tier could not copy these back: start them again
+            for rid in self.cache.tier_failed():
+                s = next((s for s in self.running if s.rid == rid), None)
+                if s is not None:
+                    self._preempt(s, stats)
         decoding = [s for s in self.running if s.scheduled == len(s.tokens) - 1]
         if decoding:
             grown = self.cache.extend_many([s.rid for s in decoding], [s.tokens[-1] for s in decoding],
@@ -319,7 +327,8 @@ class Engine:
         positions = np.concatenate([np.arange(a, b) for _, a, b in work])
         bounds = np.cumsum([0] + [b - a for _, a, b in work])
         # Blocks a host tier is copying back for these requests: each layer waits for its own copy only.
-        loads = [self.tier.load(s.rid) if self.tier is not None else None for s, _, _ in work]
+        # Through the daemon every copy ordered so far is waited for, per layer (TierAgent.wait).
+        loads = [self.tier.load(s.rid) if self.tier is not None else self.agent for s, _, _ in work]
         items = [Item(s.rid, positions[bounds[i]:bounds[i + 1]], stop, table, load)
                  for i, ((s, _, stop), table, load) in enumerate(zip(work, tables, loads))]
 
@@ -412,7 +421,8 @@ def daemon_engine(model: Model, endpoint: str, *, block_size: int = 4, head_wise
 
     spec = cache_spec(model.config, block_size=block_size, head_wise=head_wise, quant=quant)
     client = CacheClient(endpoint, timeout=10)
-    rows = client.info()["rows"]
+    info = client.info()
+    rows = info["rows"]
     if [(tuple(r["layers"]), tuple(r["kv_heads"])) for r in rows] != [(r.layers, r.kv_heads) for r in spec.row_layout]:
         raise RuntimeError(f"the daemon's rows {rows} are not the model's {spec.row_layout}")
     if tp > 1:
@@ -428,5 +438,15 @@ def daemon_engine(model: Model, endpoint: str, *, block_size: int = 4, head_wise
 
         attention = FlexAttention(model, spec, layer_blocks(pools, tables.cell_rows), tables.cell_rows,
                                   max_batch=options.get("max_num_seqs", 16), max_tokens=options.get("chunk", 64))
-        return Engine(model, spec, client, tables=tables, attention=attention, **options)
-    return Engine(model, spec, client, tables=tables, row_blocks=pools, cells=tables.cell_rows, **options)
+        engine = Engine(model, spec, client, tables=tables, attention=attention, **options)
+        views = attention.views
+    else:
+        engine = Engine(model, spec, client, tables=tables, row_blocks=pools, cells=tables.cell_rows, **options)
+        views = engine.paged.views
+    if info.get("host_tier"):  # the daemon keeps a host tier: this process copies its part of each block
+        from kvcache.tier_agent import TierAgent
+        from kvcache.transfer import KVRegion
+
+        region = KVRegion.from_tensors(spec, [views(layer) for layer in range(spec.num_layers)])
+        engine.agent = TierAgent(tables, region)
+    return engine

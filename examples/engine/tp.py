@@ -94,26 +94,33 @@ def _rank(conn: Any, config: ModelConfig, endpoint: str, rank: int, tp: int, blo
     from kvcache.ops import send_cache
     from kvcache.pd.links import PrefillLink
     from kvcache.transfer import KVRegion, LayerSignal
+    from kvcache.client import CacheClient
+    from kvcache.tier_agent import TierAgent
     from kvcache.worker import TableSubscriber
 
-    link = signal = None
+    link = signal = agent = None
     try:
         spec = cache_spec(config, block_size=block_size, head_wise=head_wise, quant=quant, tp_size=tp)
         tables = TableSubscriber(endpoint, rank=rank, tp_size=tp, max_slots=64, max_blocks=512)
         pools = [policy["num_blocks"] for policy in tables.row_policies]
         paged = PagedCache(spec, layer_blocks(pools, tables.cell_rows), config.dtype)
         attention = RankAttention(Model(config), paged, tables.cell_rows, rank_heads(config.num_kv_heads, tp, rank))
+        region = KVRegion.from_tensors(spec, [paged.views(layer) for layer in range(spec.num_layers)])
         if prefill:
             signal = LayerSignal.create(f"kvcache-engine-{uuid.uuid4().hex[:12]}-r{rank}", spec.num_layers)
-            region = KVRegion.from_tensors(spec, [paged.views(layer) for layer in range(spec.num_layers)])
             link = PrefillLink(endpoint, region, signal, rank)
+        with CacheClient(endpoint, timeout=10) as client:
+            if client.info().get("host_tier"):  # the daemon's host tier: this rank copies its heads' part
+                agent = TierAgent(tables, region)
     except Exception as exc:
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
         return
     conn.send(("ready", None))
     try:
-        _serve_rank(conn, tables, attention, link, signal, send_cache)
+        _serve_rank(conn, tables, attention, link, signal, send_cache, agent)
     finally:
+        if agent is not None:
+            agent.close()
         if link is not None:
             link.close()
         if signal is not None:
@@ -122,8 +129,10 @@ def _rank(conn: Any, config: ModelConfig, endpoint: str, rank: int, tp: int, blo
         tables.close()
 
 
-def _serve_rank(conn: Any, tables: Any, attention: RankAttention, link: Any, signal: Any, send_cache: Any) -> None:
-    """A rank's loop: a PD step's requests for its messager, or one layer's attention, until told to stop."""
+def _serve_rank(conn: Any, tables: Any, attention: RankAttention, link: Any, signal: Any, send_cache: Any,
+                agent: Any) -> None:
+    """A rank's loop: a PD step's requests for its messager, or one layer's attention, until told to stop.
+    With the daemon's host tier, each layer waits for the rank's copies ordered so far (``agent``)."""
     seq, held = -1, {}
     while True:
         message = conn.recv()
@@ -142,7 +151,7 @@ def _serve_rank(conn: Any, tables: Any, attention: RankAttention, link: Any, sig
             for rid, positions, stop in plain:
                 if rid not in held:
                     held[rid] = np.array(tables.table(rid))
-                items.append(Item(rid, positions, stop, held[rid]))
+                items.append(Item(rid, positions, stop, held[rid], agent))
             out = attention(layer, paddle.to_tensor(q), tuple(paddle.to_tensor(x) for x in kv), items)
             if signal is not None:  # the layer's K and V are written: the messager may send them
                 send_cache(None, signal, layer)
