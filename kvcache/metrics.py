@@ -7,7 +7,7 @@ each value), so the one-owner rule for daemon state still holds.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 import zmq
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
@@ -45,7 +45,8 @@ class DaemonMetrics:
     total that goes backwards (a new manager) is taken as a counter reset.
     """
 
-    def __init__(self, num_rows: int, registry: CollectorRegistry | None = None, *, pd: bool = False) -> None:
+    def __init__(self, num_rows: int, registry: CollectorRegistry | None = None, *, pd: bool = False,
+                 tier: bool = False) -> None:
         """``pd``: also the PD transfer metrics (a daemon with ``--role prefill`` or ``decode``)."""
         self.registry = CollectorRegistry() if registry is None else registry
         reg = self.registry
@@ -85,6 +86,20 @@ class DaemonMetrics:
                 Histogram("kvcache_pd_transfer_seconds", "PD transfer time from reserve (decode) or admit (prefill) "
                           "to done", buckets=PD_BUCKETS, registry=reg),
                 Gauge("kvcache_pd_in_transfer", "Requests in PD transfer now", registry=reg),
+            )
+
+        self._tier: tuple[Counter, Gauge, Gauge] | None = None
+        self._tier_last: dict[str, int] = {}
+        if tier:
+            self._tier = (
+                Counter("kvcache_host_tier_blocks", "Host-tier blocks since start, by event: offloaded (findable), "
+                        "loaded (copied back), dropped (a copy failed, timed out or was reset), evicted (LRU), "
+                        "hit_tokens (tokens admitted as cached from host), failed_loads (loads, not blocks)",
+                        ["event"], registry=reg),
+                Gauge("kvcache_host_tier_state_blocks", "Host-tier blocks now: free, findable (cached), retired",
+                      ["state"], registry=reg),
+                Gauge("kvcache_host_tier_copies_in_flight", "Host-tier copies ordered and not yet reported by "
+                      "every rank", ["kind"], registry=reg),
             )
 
     def observe_step(self, ops: Mapping[str, int], seconds: float) -> None:
@@ -144,6 +159,21 @@ class DaemonMetrics:
         while pd.durations:
             seconds.observe(pd.durations.popleft())
         in_transfer.set(len(pd.transfers))
+
+    def update_tier(self, stats: Any) -> None:
+        """Refresh the host-tier metrics from ``DaemonTier.stats()``: totals by difference, gauges as they are."""
+        if self._tier is None:
+            return
+        totals, state, in_flight = self._tier
+        for event, field in (("offloaded", "offloaded_blocks"), ("loaded", "loaded_blocks"),
+                             ("dropped", "dropped_blocks"), ("evicted", "evicted_blocks"),
+                             ("hit_tokens", "hit_tokens"), ("failed_loads", "failed_loads")):
+            _follow(totals.labels(event), self._tier_last, event, getattr(stats, field))
+        state.labels("free").set(stats.free_blocks)
+        state.labels("cached").set(stats.cached_blocks)
+        state.labels("retired").set(stats.retired_blocks)
+        in_flight.labels("offload").set(stats.pending_offloads)
+        in_flight.labels("load").set(stats.pending_loads)
 
     def set_subscribers(self, count: int) -> None:
         """Workers now taking table deltas: PUB peers (from SubscriberCounter) and local-endpoint subscribers."""

@@ -420,7 +420,8 @@ class CacheServer:
         except ImportError:  # metrics are optional: prometheus-client may be absent
             DaemonMetrics = SubscriberCounter = None  # type: ignore[assignment,misc]
         if DaemonMetrics is not None:
-            self._metrics = DaemonMetrics(self.manager.num_rows, pd=self.config.role != "both")
+            self._metrics = DaemonMetrics(self.manager.num_rows, pd=self.config.role != "both",
+                                          tier=self.tier is not None)
             if self.config.metrics_port:
                 self._metrics.serve_http(self.config.metrics_port)
             self._subscribers = SubscriberCounter(self.pub)
@@ -982,6 +983,8 @@ class CacheServer:
         self._metrics.update(self.manager)  # gauges too: this runs at most once an interval already
         if self._pd.role != "both":
             self._metrics.update_pd(self._pd)
+        if self.tier is not None:
+            self._metrics.update_tier(self.tier.stats())
 
     def _validate(self, raw_ops: list) -> list[_Op]:
         """Check every op before any is applied: fields, and request liveness in op order.

@@ -50,6 +50,15 @@ def render(snapshot: dict[str, Any], previous: dict[str, Any] | None = None, int
         t = stats.get("transfers", {})
         lines.append(f"PD {info['role']}: in transfer {stats['in_transfer']:,}   started {t.get('started', 0):,}   "
                      f"done {t.get('done', 0):,}   failed {t.get('failed', 0):,}   cancelled {t.get('cancelled', 0):,}")
+    tier = stats.get("host_tier")
+    if tier:
+        lines.append(f"host tier: {tier['cached_blocks']:,} of {tier['num_blocks']:,} blocks findable, "
+                     f"{tier['pending_offloads']:,} offloads and {tier['pending_loads']:,} loads in flight, "
+                     f"{tier['ranks']} rank(s) attached")
+        lines.append(f"host tier since start: offloaded {tier['offloaded_blocks']:,}   loaded "
+                     f"{tier['loaded_blocks']:,}   hit tokens {tier['hit_tokens']:,}   evicted "
+                     f"{tier['evicted_blocks']:,}   dropped {tier['dropped_blocks']:,}   failed loads "
+                     f"{tier['failed_loads']:,}   retired {tier['retired_blocks']:,}")
     if previous is not None and interval > 0:
         prev = previous["stats"]
         lines.append(f"per second: deltas {(stats['seq'] - prev['seq']) / interval:,.0f}   admits "

@@ -247,3 +247,30 @@ def test_host_tier_ops_are_refused_by_name(node: Any, daemon: Any) -> None:
     with CacheClient(plain.endpoint, timeout=5) as other:
         with pytest.raises(DaemonError, match="no host tier"):
             other.tier_failed()
+
+
+def test_stats_and_metrics_show_the_host_tier(node: Any) -> None:
+    import subprocess
+    import sys
+    import urllib.request
+
+    from test_metrics import free_port, scrape, value
+
+    port = free_port()
+    n = node("--metrics-port", str(port))
+    prompt = list(range(100, 113))
+    n.serve("a", prompt)
+    n.settle()
+    n.evict_gpu(1000)
+    n.serve("b", prompt + [1])
+    n.settle()
+    out = subprocess.run([sys.executable, "-m", "kvcache", "stats", "--endpoint", n.endpoint], capture_output=True,
+                         text=True, timeout=60, check=True).stdout
+    assert "host tier since start: offloaded 11   loaded 3   hit tokens 12" in out, out
+    assert "1 rank(s) attached" in out
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        s = scrape(reply.read())
+    assert value(s, "kvcache_host_tier_blocks_total", event="loaded") == 3
+    assert value(s, "kvcache_host_tier_blocks_total", event="hit_tokens") == 12
+    assert value(s, "kvcache_host_tier_state_blocks", state="cached") == 11
+    assert value(s, "kvcache_host_tier_copies_in_flight", kind="load") == 0
