@@ -274,3 +274,173 @@ def test_stats_and_metrics_show_the_host_tier(node: Any) -> None:
     assert value(s, "kvcache_host_tier_blocks_total", event="hit_tokens") == 12
     assert value(s, "kvcache_host_tier_state_blocks", state="cached") == 11
     assert value(s, "kvcache_host_tier_copies_in_flight", kind="load") == 0
+
+
+# ---------------------------------------------------------------------- the daemon's decisions, as a state machine
+
+from hypothesis import settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule  # noqa: E402
+
+from kvcache.allocator import Full, KVCacheManager, Window  # noqa: E402
+from kvcache.host_tier import DaemonTier  # noqa: E402
+
+
+class DaemonTierMachine(RuleBasedStateMachine):
+    """A manager with a DaemonTier and two ranks that copy when they like, fail, restart or never report.
+
+    Each rank's memory is modelled by what each (row, block) holds: the hash whose KV it is. Copies run in order
+    per rank, and every rank runs what it was ordered before a step writes (the workers' rule). Checked: a
+    request's cached blocks hold their hashes on every rank; a findable host block holds its hash on every rank;
+    the tier's and the manager's books agree.
+    """
+
+    ROWS: list[Any] = [Full()]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.manager = KVCacheManager(10, 2, self.ROWS, hash_seed=b"machine")
+        self.tier = DaemonTier(self.manager, 8, tp=2)
+        self.manager.attach_tier(self.tier)
+        self.hasher = BlockHasher(2, "sha256", b"machine")
+        rows = self.manager.num_rows
+        self.gpu = [np.full((rows, 10), None, dtype=object) for _ in range(2)]
+        self.host = [np.full((rows, 8), None, dtype=object) for _ in range(2)]
+        self.pending: list[list[dict[str, Any]]] = [[], []]
+        self.agents = [1, 2]
+        for rank in range(2):
+            self.tier.attach(rank, self.agents[rank])
+        self.live: dict[str, list[int]] = {}
+        self.count = 0
+
+    def _orders(self) -> None:
+        for order in self.tier.take_orders():
+            for rank in range(2):
+                self.pending[rank].append(order)
+
+    def _run(self, rank: int, order: dict[str, Any]) -> None:
+        src, dst = order["src"], order["dst"]
+        r, c = np.nonzero(src >= 0)
+        source, target = (self.gpu, self.host) if order["kind"] == "offload" else (self.host, self.gpu)
+        target[rank][r, dst[r, c]] = source[rank][r, src[r, c]]
+        self.tier.report(order["job"], rank, True)
+
+    def _catch_up(self) -> None:
+        for rank in range(2):
+            while self.pending[rank]:
+                self._run(rank, self.pending[rank].pop(0))
+
+    def _forget_failed(self) -> None:
+        for rid in self.tier.take_failed():
+            if rid in self.live:
+                del self.live[rid]
+                self.manager.free(rid)
+                self._orders()
+
+    @rule(prefix=st.sampled_from([(), (1, 2), (1, 2, 3, 4), (1, 2, 3, 4, 5, 6), (7, 8, 9)]),
+          tail=st.lists(st.integers(1, 9), min_size=1, max_size=3), fail_load=st.sampled_from([None, 0, 1]))
+    def admit_and_step(self, prefix: tuple[int, ...], tail: list[int], fail_load: int | None) -> None:
+        """Admit, then the step: every copy ordered so far runs first. ``fail_load``: that rank fails the load
+        this admit ordered, if any (the request must then come back from tier_failed, never be stepped)."""
+        tokens = list(prefix) + tail
+        rid = f"r{self.count}"
+        self.count += 1
+        adm = self.manager.admit(rid, tokens)
+        self._orders()
+        if adm is None:
+            return
+        self.live[rid] = tokens
+        if fail_load is not None and adm.num_host_tokens:
+            order = self.pending[fail_load].pop()
+            assert order["kind"] == "load"
+            self.tier.report(order["job"], fail_load, False, "copy failed")
+            assert rid in self.tier._failed
+        self._catch_up()
+        self._forget_failed()
+        if rid not in self.live:
+            return
+        keys = self.hasher.hash_blocks(np.asarray(tokens, dtype=np.uint32))
+        cached = adm.num_cached_tokens // 2
+        table = adm.table
+        for col in range(table.shape[1]):
+            for row in range(table.shape[0]):
+                block = int(table[row, col])
+                if block < 0:
+                    continue
+                for rank in range(2):
+                    if col < cached:
+                        assert self.gpu[rank][row, block] == keys[col], f"{rid} col {col} rank {rank}: stale KV"
+                    else:
+                        self.gpu[rank][row, block] = keys[col] if col < len(keys) else ("partial", rid)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def free(self, data: Any) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.live)))
+        del self.live[rid]
+        self.manager.free(rid)
+        self._orders()
+
+    @precondition(lambda self: any(self.pending))
+    @rule(rank=st.integers(0, 1), data=st.data())
+    def copy_some(self, rank: int, data: Any) -> None:
+        for _ in range(data.draw(st.integers(1, max(1, len(self.pending[rank]))))):
+            if self.pending[rank]:
+                self._run(rank, self.pending[rank].pop(0))
+
+    @precondition(lambda self: any(self.pending))
+    @rule(rank=st.integers(0, 1))
+    def fail_next(self, rank: int) -> None:
+        if self.pending[rank]:
+            order = self.pending[rank].pop(0)
+            self.tier.report(order["job"], rank, False, "copy failed")
+
+    @precondition(lambda self: any(self.pending))
+    @rule(rank=st.integers(0, 1))
+    def expire_next(self, rank: int) -> None:
+        """A rank's oldest copy passes its deadline (the rank never runs it: it hung)."""
+        if self.pending[rank]:
+            order = self.pending[rank].pop(0)
+            self.tier.expire([order["job"]])
+
+    @rule(rank=st.integers(0, 1))
+    def agent_restarts(self, rank: int) -> None:
+        """A new agent: its host buffer is empty and it never runs the old agent's orders."""
+        self.agents[rank] += 2
+        self.host[rank][:] = None
+        self.pending[rank] = []
+        self.tier.attach(rank, self.agents[rank])
+
+    @rule()
+    def reset(self) -> None:
+        self.manager.reset_prefix_cache()
+
+    @rule()
+    def take_failed(self) -> None:
+        self._forget_failed()
+
+    @invariant()
+    def books_agree(self) -> None:
+        self.tier.check_integrity()
+        self.manager.check_integrity()
+
+    @invariant()
+    def findable_host_blocks_hold_their_hash_on_every_rank(self) -> None:
+        rows, blocks = self.tier._index.held_pairs()
+        if not rows.size:
+            return
+        hashes, _ = self.tier._index.hashes_at(rows, blocks)
+        for r, b, h in zip(rows.tolist(), blocks.tolist(), hashes):
+            if self.tier._ready[b]:
+                for rank in range(2):
+                    assert self.host[rank][r, b] == bytes(h), f"host block {b} row {r} rank {rank}: not its hash"
+
+
+class HeadWiseDaemonTierMachine(DaemonTierMachine):
+    ROWS = [Full(), Window(3, 1)]
+
+
+TestDaemonTier = DaemonTierMachine.TestCase
+TestDaemonTier.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+TestHeadWiseDaemonTier = HeadWiseDaemonTierMachine.TestCase
+TestHeadWiseDaemonTier.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
