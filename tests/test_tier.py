@@ -713,19 +713,25 @@ TestHeadWiseTierMachine.settings = _machine_settings
 # --------------------------------------------------------------------------- benchmark
 
 
-def test_bench_tier_quick_reports_offload_and_reload_against_one_memcpy(capsys) -> None:
-    """`kvcache bench tier --quick --json --device cpu` runs end to end and exits 0; no assertion is about speed."""
+@pytest.mark.parametrize("daemon", [False, True])
+def test_bench_tier_quick_reports_offload_and_reload_against_one_memcpy(capsys, daemon: bool) -> None:
+    """`kvcache bench tier --quick --json --device cpu` (in process, or through a real daemon and a TierAgent) runs
+    end to end and exits 0; no assertion is about speed."""
     from kvcache.cli import main
 
-    assert main(["bench", "tier", "--quick", "--json", "--device", "cpu", "--repeat", "1"]) == 0
+    flags = ["--daemon"] if daemon else []
+    assert main(["bench", "tier", "--quick", "--json", "--device", "cpu", "--repeat", "1", *flags]) == 0
     result = json.loads(capsys.readouterr().out)
-    rows = result["rows"]
+    rows = [r for r in result["rows"] if "of_limit" in r]
     assert [(r["path"].split()[0], r["block_size"]) for r in rows] == [
         ("offload", 16), ("reload", 16), ("offload", 64), ("reload", 64)]
     for r in rows:
         assert r["bytes"] == 4096 * 8 * 128 * 2 * 2 * result["config"]["layers"]
         assert r["ms"] > 0 and r["limit_ms"] > 0 and r["of_limit"] > 0 and isinstance(r["ok"], bool)
         assert 0 < r["call_ms"] <= r["ms"]
+    admits = [r for r in result["rows"] if "ratio" in r]
+    assert [r["block_size"] for r in admits] == [16, 64] and all(r["ratio"] > 0 for r in admits)
+    assert ("kvcache serve" in result["info"]["through"]) == daemon
 
 
 # --------------------------------------------------------------------------- loads in flight

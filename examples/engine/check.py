@@ -12,7 +12,6 @@ import argparse
 import contextlib
 import dataclasses
 import json
-import subprocess
 import sys
 import tempfile
 import time
@@ -23,6 +22,8 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from kvcache.launch import start_serve, stop_serve  # noqa: E402
 
 from backend import TorchBackend  # noqa: E402
 from engine import daemon_engine, library_engine  # noqa: E402
@@ -134,21 +135,12 @@ def serving(case: Case) -> Iterator[dict[str, str]]:
         endpoints = {}
         for role in roles:
             endpoints[role] = f"ipc://{folder}/{role}.sock"
-            log = Path(folder) / f"{role}.log"
-            with open(log, "wb") as out:
-                tp = 1 if role == "decode" else case.tp  # PD: the prefill node has case.tp ranks, decode one
-                flags = (["--head-wise"] if case.head_wise else []) + ["--tp", str(tp), "--role", role]
-                process = subprocess.Popen([sys.executable, "-m", "kvcache", "serve", "--endpoint", endpoints[role],
-                                            "--model", str(config), "--block-size", str(case.block_size),
-                                            "--max-slots", "64", *flags, *(case.daemon or ())],
-                                           stdout=out, stderr=subprocess.STDOUT)
-            stack.callback(process.wait, 10)
-            stack.callback(process.terminate)
-            deadline = time.monotonic() + 30
-            while b"kvcache serve: ready" not in log.read_bytes():
-                if process.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"kvcache serve did not start:\n{log.read_text()}")
-                time.sleep(0.02)
+            tp = 1 if role == "decode" else case.tp  # PD: the prefill node has case.tp ranks, decode one
+            flags = (["--head-wise"] if case.head_wise else []) + ["--tp", str(tp), "--role", role]
+            process = start_serve(["--endpoint", endpoints[role], "--model", str(config), "--block-size",
+                                   str(case.block_size), "--max-slots", "64", *flags, *(case.daemon or ())],
+                                  Path(folder) / f"{role}.log")
+            stack.callback(stop_serve, process)
         yield endpoints
 
 

@@ -20,7 +20,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 import uuid
@@ -34,10 +33,10 @@ from kvcache.allocator.errors import KVCacheError
 from kvcache.allocator import CacheSpec
 from kvcache.allocator.layout import DTYPE_BYTES
 from kvcache.allocator.rows import table_cells
+from kvcache.launch import launch_serve, wait_ready
 from kvcache.transfer.heads import rank_heads
 
 RAW = {1: np.uint8, 2: np.uint16, 4: np.uint32}
-READY = b"kvcache serve: ready"
 
 
 # --------------------------------------------------------------------------- the fake model
@@ -500,11 +499,9 @@ class Cluster:
     def _serve(self, role: str, tp: int, sizing: list[str], block_size: int, timeout: float) -> subprocess.Popen:
         model = (["--model", self.cfg["model"], *(["--head-wise"] if self.cfg["head_wise"] else [])]
                  if self.cfg["model"] else ["--rows", self.cfg["rows"]])
-        with open(self.folder / f"{role}.log", "wb") as log:
-            return subprocess.Popen([sys.executable, "-m", "kvcache", "serve", "--role", role, "--tp", str(tp),
-                                     "--endpoint", self.cfg[role], *sizing,
-                                     "--block-size", str(block_size), "--transfer-timeout", str(timeout), *model],
-                                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        return launch_serve(["--role", role, "--tp", str(tp), "--endpoint", self.cfg[role], *sizing,
+                             "--block-size", str(block_size), "--transfer-timeout", str(timeout), *model],
+                            self.folder / f"{role}.log")
 
     def _layer_blocks(self, role: str) -> list[int]:
         """Each layer's blocks on ``role``'s ranks: the pool of the rows holding the layer (as the daemon says)."""
@@ -520,11 +517,10 @@ class Cluster:
         return counts
 
     def _wait_ready(self, role: str, timeout: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout
-        while READY not in (self.folder / f"{role}.log").read_bytes():
-            if self.daemons[role].poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"{role} daemon did not start:\n{self.log(role)}")
-            time.sleep(0.02)
+        try:
+            wait_ready(self.daemons[role], self.folder / f"{role}.log", timeout)
+        except KVCacheError as exc:
+            raise RuntimeError(f"{role} daemon did not start: {exc}") from None
 
     def log(self, role: str) -> str:
         return (self.folder / f"{role}.log").read_text(errors="replace")
