@@ -692,3 +692,41 @@ def test_spread_cuts_host_writes_into_pieces_that_move_the_same_bytes(lengths, p
     def mapping(r: CopyRanges) -> dict[int, int]:
         return {s + k: d + k for s, d, n in zip(r.src.tolist(), r.dst.tolist(), r.length.tolist()) for k in range(n)}
     assert mapping(out) == mapping(ranges)
+
+
+def test_a_handle_looked_at_from_several_threads_is_polled_by_one_at_a_time_and_released_once() -> None:
+    """A worker waits on a layer while the tier's owner settles the same handle: a finished copy's resources (a
+    CUDA event) must be released exactly once and never looked at after."""
+    import threading
+
+    from kvcache.transfer.engines import TransferHandle, TransferStatus
+
+    class Probe(TransferHandle):
+        def __init__(self) -> None:
+            super().__init__(1, 1, time.monotonic() + 30)
+            self.inside = self.most_inside = self.released = self.polls_after_release = 0
+            self.guard = threading.Lock()
+
+        def _poll(self) -> None:
+            with self.guard:
+                self.inside += 1
+                self.most_inside = max(self.most_inside, self.inside)
+            if self.released:
+                self.polls_after_release += 1
+            time.sleep(1e-4)  # a look takes a while: a second thread would come in now
+            if time.monotonic() > self.ready_at:
+                self._finish(TransferStatus.DONE)
+                self.released += 1
+            with self.guard:
+                self.inside -= 1
+
+    for _ in range(20):
+        probe = Probe()
+        probe.ready_at = time.monotonic() + 0.005
+        threads = [threading.Thread(target=probe.wait, args=(5,)) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert probe.status() is TransferStatus.DONE
+        assert (probe.most_inside, probe.released, probe.polls_after_release) == (1, 1, 0)

@@ -86,6 +86,9 @@ class TransferHandle(ABC):
         self.deadline = deadline
         self._status = TransferStatus.PENDING
         self._error: str | None = None
+        # Threads may look at one handle together (a worker waiting on a layer while the tier's owner settles
+        # it): one look at a time, so a finished copy's resources (a CUDA event) are released once, never used after.
+        self._looking = threading.Lock()
 
     @abstractmethod
     def _poll(self) -> None:
@@ -107,13 +110,15 @@ class TransferHandle(ABC):
         return self._error
 
     def status(self) -> TransferStatus:
-        """The current status, without blocking."""
+        """The current status, without blocking; safe from several threads."""
         if self._status is TransferStatus.PENDING:
-            self._poll()
-            if self._status is TransferStatus.PENDING and time.monotonic() >= self.deadline:
-                self._expire()
-                self._finish(TransferStatus.TIMEOUT, f"not finished by its deadline ({self.nbytes:,} bytes in "
-                                                     f"{self.num_ranges:,} ranges)")
+            with self._looking:
+                if self._status is TransferStatus.PENDING:
+                    self._poll()
+                if self._status is TransferStatus.PENDING and time.monotonic() >= self.deadline:
+                    self._expire()
+                    self._finish(TransferStatus.TIMEOUT, f"not finished by its deadline ({self.nbytes:,} bytes in "
+                                                         f"{self.num_ranges:,} ranges)")
         return self._status
 
     def done(self) -> bool:
