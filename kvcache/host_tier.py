@@ -37,7 +37,7 @@ from kvcache.allocator.errors import KVCacheError
 from kvcache.allocator.manager import KVCacheManager
 from kvcache.allocator.pool import BlockPool
 from kvcache.allocator.prefix import HASH_BYTES, PrefixIndex
-from kvcache.transfer.manager import removed_events, stored_events
+from kvcache.transfer.manager import drop_from, first_column, removed_events, stored_events
 
 _H = HASH_BYTES
 #: The daemon's host-tier ops: an agent attaching (tier_attach) and reporting a copy (tier_done), the daemon's own
@@ -111,6 +111,9 @@ class DaemonTier:
         self._filling = np.full((self._rows, manager.num_blocks), -1, dtype=np.int64)
         self._waits: dict[Any, list[int]] = {}  # a request -> the loads its cached tokens need
         self._failed: list[Any] = []
+        # Requests a failed load left wrong from a column on: what they cache from there is dropped now, and
+        # again when they are freed (blocks their later steps computed from the wrong KV).
+        self._tainted: dict[Any, int] = {}
         self._retired = 0
         self.counts = dict(offloaded=0, loaded=0, dropped=0, evicted=0, failed=0, hit_tokens=0)
 
@@ -249,7 +252,15 @@ class DaemonTier:
     def released(self, request_id: object, hashes: bytes, blocks: np.ndarray, tokens: np.ndarray,
                  lora: str | tuple[str, str] | None, extra_keys: tuple[tuple | None, ...]) -> None:
         """Order the offload of released blocks the host lacks, oldest first as far as free host blocks go."""
-        self._waits.pop(request_id, None)
+        first = self._tainted.pop(request_id, None)
+        unreported = [self._jobs[j].gpu for j in self._waits.pop(request_id, ()) if j in self._jobs]
+        if unreported:  # loads it read are not reported yet: what it computed over them is not known good
+            later = first_column(self.manager, request_id, unreported)
+            first = later if first is None else min(first, later)
+        if first is not None:  # from ``first`` on its KV was computed over a failed load's blocks: never kept
+            drop_from(self.manager, request_id, first)
+            blocks = np.array(blocks, dtype=np.int32)
+            blocks[:, first:] = -1
         n = len(hashes) // _H
         if n == 0 or not self.active:
             return
@@ -324,6 +335,7 @@ class DaemonTier:
                 for rid, jobs in self._waits.items():
                     if job_id in jobs and rid not in self._failed:
                         self._failed.append(rid)
+                        self._taint(rid, job.gpu)
             for rid in list(self._waits):
                 jobs = self._waits[rid]
                 if job_id in jobs:
@@ -334,6 +346,15 @@ class DaemonTier:
             self._retired += int(job.host_ids.size)  # a copy past its deadline may still write them: never reuse
             return
         self._pool.decref(zeros, job.host_ids[::-1], unique=True)  # tail first: a prefix's head is evicted last
+
+    def _taint(self, request_id: Any, filled: np.ndarray) -> None:
+        """``request_id`` read blocks of a failed load (``filled`` [rows, m]): from the first column holding one,
+        what it caches is wrong; drop it now and when the request is freed."""
+        if request_id not in self.manager:
+            return
+        first = first_column(self.manager, request_id, [filled])
+        self._tainted[request_id] = min(first, self._tainted.get(request_id, first))
+        drop_from(self.manager, request_id, first)
 
     def _evict_host(self, host_ids: np.ndarray) -> None:
         """The host pool reused these findable blocks (LRU): drop their hashes, announce the ones that left."""

@@ -216,6 +216,7 @@ class TransferManager:
         self._dst_job = np.full((self._rows, manager.num_blocks), -1, dtype=np.int64)
         self._waits: dict[object, set[int]] = {}
         self._failed: list[object] = []
+        self._tainted: dict[object, int] = {}  # requests a failed load left wrong from a column on
         self._ids = itertools.count()
         self._retired = 0
         self._counts = dict(offloaded=0, loaded=0, dropped=0, evicted=0, failed=0, hit_tokens=0)
@@ -379,10 +380,14 @@ class TransferManager:
         """Offload the released blocks the host lacks, oldest first as far as free host blocks go."""
         self._finish_own_loads(request_id)
         self._waits.pop(request_id, None)
+        blocks = np.array(blocks, dtype=np.int32)
+        first = self._tainted.pop(request_id, None)
+        if first is not None:  # computed over a failed load's blocks from ``first`` on: never kept
+            drop_from(self.manager, request_id, first)
+            blocks[:, first:] = -1
         n = len(hashes) // _H
         if n == 0:
             return
-        blocks = np.array(blocks, dtype=np.int32)
         r, c = np.nonzero(blocks >= 0)
         loading = self._dst_job[r, blocks[r, c]] >= 0  # a block still being filled holds nothing to copy yet
         if loading.any():
@@ -502,6 +507,10 @@ class TransferManager:
             for rid, jobs in self._waits.items():
                 if job in jobs and rid not in self._failed:
                     self._failed.append(rid)
+                    if rid in self.manager:
+                        first = first_column(self.manager, rid, [load.dst])
+                        self._tainted[rid] = min(first, self._tainted.get(rid, first))
+                        drop_from(self.manager, rid, first)
         for rid in list(self._waits):
             jobs = self._waits[rid]
             jobs.discard(job)
@@ -563,6 +572,27 @@ def copy_layers(engine: LocalEngine, src: KVRegion, src_ids: np.ndarray, dst: KV
         cuts[-1] = ranges.num_ranges
         handles += engine.submit_parts(ranges, cuts, device=device)
     return handles
+
+
+def first_column(manager: KVCacheManager, request_id: object, filled: list[np.ndarray]) -> int:
+    """The first column of the request's table holding a GPU block of one of ``filled`` ([rows, m] each, -1 =
+    none): where what a failed load left wrong starts (0 when none does: everything is suspect)."""
+    table = manager.table(request_id)
+    n = manager.num_blocks
+    rows = np.arange(table.shape[0])[:, None]
+    pairs = np.concatenate([(rows * n + f)[f >= 0] for f in filled])
+    hit = np.isin(rows * n + table, pairs) & (table >= 0)
+    cols = np.flatnonzero(hit.any(axis=0))
+    return int(cols[0]) if cols.size else 0
+
+
+def drop_from(manager: KVCacheManager, request_id: object, first: int) -> None:
+    """Forget the hashes of the request's blocks from column ``first`` on: their KV was computed over blocks a
+    failed load left wrong (the blocks stay the request's)."""
+    table = manager.table(request_id)[:, first:]
+    r, c = np.nonzero(table >= 0)
+    if r.size:
+        manager.drop_cached(r, table[r, c])
 
 
 def group_leaders(manager: KVCacheManager) -> list[int]:
