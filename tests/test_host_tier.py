@@ -444,3 +444,71 @@ TestDaemonTier = DaemonTierMachine.TestCase
 TestDaemonTier.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 TestHeadWiseDaemonTier = HeadWiseDaemonTierMachine.TestCase
 TestHeadWiseDaemonTier.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
+
+
+WORKER = """
+import sys, time
+sys.path.insert(0, {tests!r})
+from test_tier import Memory, make_spec
+from kvcache.tier_agent import TierAgent
+from kvcache.worker import TableSubscriber
+
+sub = TableSubscriber({endpoint!r}, rank={rank}, tp_size=2)
+agent = TierAgent(sub, Memory(make_spec("bf16", tp_size=2), 8, seed={rank}).region)
+print("attached", flush=True)
+while True:
+    sub.poll(0.05)
+"""
+
+
+def test_a_worker_killed_with_sigkill_fails_its_copies_and_the_daemon_serves_on(node: Any) -> None:
+    """Rank 1 is a worker process of its own; SIGKILL it with copies ordered: they time out, the load's request
+    comes back from tier_failed, and a new worker on that rank (a new host buffer) starts the tier over."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    n = node("--tier-timeout", "1", tp=2, agents=False)
+    n.agents[0] = TierAgent(n.subs[0], n.memory[0].region)
+    tests = str(Path(__file__).resolve().parent)
+
+    def worker() -> subprocess.Popen:
+        code = WORKER.format(tests=tests, endpoint=n.endpoint, rank=1)
+        process = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        assert process.stdout.readline().strip() == "attached"
+        return process
+
+    rank1 = worker()
+    try:
+        prompt = list(range(100, 113))
+        n.memory = n.memory[:1]  # this process computes rank 0's part; the worker's memory is its own
+        n.subs, n.agents = n.subs[:1], n.agents[:1]
+        n.serve("a", prompt)
+        deadline = time.monotonic() + 10
+        while n.client.stats()["host_tier"]["cached_blocks"] < 3 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert n.client.stats()["host_tier"]["cached_blocks"] == 3, "both ranks reported the offload"
+        n.evict_gpu(1000)
+        rank1.kill()
+        rank1.wait(5)
+        adm = n.client.admit("b", prompt + [1])
+        assert adm.num_host_tokens == 12
+        deadline = time.monotonic() + 10
+        failed: list[Any] = []
+        while not failed and time.monotonic() < deadline:
+            time.sleep(0.05)
+            failed = n.client.tier_failed()
+        assert failed == ["b"]
+        n.client.free("b")
+        rank1 = worker()  # a new agent on rank 1: the old host blocks are gone
+        stats = n.client.stats()["host_tier"]
+        assert stats["cached_blocks"] == 0 and stats["ranks"] == 2 and stats["pending_loads"] == 0
+        n.serve("c", list(range(300, 313)))
+        deadline = time.monotonic() + 10
+        while n.client.stats()["host_tier"]["cached_blocks"] < 3 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert n.client.stats()["host_tier"]["cached_blocks"] == 3
+        n.client.check_integrity()
+    finally:
+        rank1.kill()
+        rank1.wait(5)
