@@ -26,6 +26,17 @@ if TYPE_CHECKING:
 _STARTED = time.monotonic()
 
 
+def run_alone(add_parser: Callable[[Any], None], target: str, argv: Sequence[str] | None = None) -> int:
+    """Run one benchmark from its own module (``python -m kvcache.bench.TARGET``, the same flags as
+    ``kvcache bench TARGET``), without importing the CLI's other commands."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="kvcache bench")
+    add_parser(parser.add_subparsers(dest="target", required=True))
+    args = parser.parse_args([target, *(argv if argv is not None else sys.argv[1:])])
+    return args.run(args)
+
+
 def progress(text: str) -> None:
     """Say on stderr what a benchmark measures now, with the seconds since it started (the tables go to stdout)."""
     print(f"kvcache bench: [{time.monotonic() - _STARTED:6.1f} s] {text}", file=sys.stderr, flush=True)

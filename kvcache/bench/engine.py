@@ -18,7 +18,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -249,13 +249,7 @@ def add_parser(targets: argparse._SubParsersAction) -> None:
     p.set_defaults(run=_run)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run as `python -m kvcache.bench.engine` (same flags)."""
-    parser = argparse.ArgumentParser(prog="kvcache bench")
-    add_parser(parser.add_subparsers(dest="target", required=True))
-    args = parser.parse_args(["engine", *(argv if argv is not None else sys.argv[1:])])
-    return args.run(args)
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    from kvcache.bench.common import run_alone
+
+    sys.exit(run_alone(add_parser, "engine"))

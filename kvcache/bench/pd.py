@@ -36,7 +36,6 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -339,13 +338,7 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run as `python -m kvcache.bench.pd` (same flags), without the CLI's other imports."""
-    parser = argparse.ArgumentParser(prog="kvcache bench")
-    add_parser(parser.add_subparsers(dest="target", required=True))
-    args = parser.parse_args(["pd", *(argv if argv is not None else sys.argv[1:])])
-    return args.run(args)
-
-
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from kvcache.bench.common import run_alone
+
+    sys.exit(run_alone(add_parser, "pd"))

@@ -450,13 +450,7 @@ def add_parser(targets: argparse._SubParsersAction) -> None:
     p.set_defaults(run=_run)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Run as `python -m kvcache.bench.transfer` (same flags), without the CLI's other imports."""
-    parser = argparse.ArgumentParser(prog="kvcache bench")
-    add_parser(parser.add_subparsers(dest="target", required=True))
-    args = parser.parse_args(["transfer", *(argv if argv is not None else sys.argv[1:])])
-    return args.run(args)
-
-
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from kvcache.bench.common import run_alone
+
+    sys.exit(run_alone(add_parser, "transfer"))
