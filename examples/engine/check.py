@@ -104,6 +104,9 @@ CASES: dict[str, Case] = {
     "daemon, TP 2, with a host tier: each rank's agent copies its kv heads": Case(
         model=dataclasses.replace(WINDOWED, window_heads=2), head_wise=True, tp=2, num_blocks=40, host_blocks=128,
         max_num_seqs=2, daemon=("--num-blocks", "40", "--host-block-budget", "128")),
+    "PD with a host tier on both nodes (the decode node's hits come back from its host)": Case(
+        model=dataclasses.replace(WINDOWED, window_heads=2), head_wise=True, pd=True, num_blocks=80, host_blocks=128,
+        daemon=("--num-blocks", "80", "--host-block-budget", "128")),
     "daemon: preemption": Case(num_blocks=30, prompt_lens=(30, 38, 26, 34), max_new_tokens=16,
                                daemon=("--num-blocks", "30")),
 }
@@ -205,10 +208,14 @@ def _run_pd(case: Case, endpoints: dict[str, str]) -> dict[str, Any]:
             side.cache.check_integrity()
             recycled += side.cache.stats()["recycled_blocks"]
         pools = sorted(set(pair.decode.paged.layer_blocks))
+        prefill_host, decode_host = (side.cache.stats().get("host_tier", {}).get("hit_tokens", 0)
+                                     for side in (pair.prefill, pair.decode))
     finally:
         pair.close()
     return {"requests": total, "mismatched": mismatched, "max_logit_diff": worst, "hit_tokens": prefill_hits,
-            "decode_hit_tokens": decode_hits, "host_tokens": 0, "preempted": 0, "rows": len(pair.spec.row_layout),
+            "decode_hit_tokens": decode_hits, "host_tokens": prefill_host + decode_host,
+            "decode_host_tokens": decode_host, "preempted": 0,
+            "rows": len(pair.spec.row_layout),
             "pools": pools, "recycled": int(recycled), "steps": len(pair.prefill.stats) + len(pair.decode.stats)}
 
 
