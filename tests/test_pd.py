@@ -321,8 +321,9 @@ def test_bench_pd_quick_reports_the_tail_and_throughput_against_limits_from_the_
     import json
 
     from kvcache.bench import pd as bench
+    from kvcache.bench.common import run_alone
 
-    assert bench.main(["--quick", "--json", "--link", link]) == 0
+    assert run_alone(bench.add_parser, "pd", ["--quick", "--json", "--link", link]) == 0
     r = json.loads(capsys.readouterr().out)
     assert r["workload"]["link"] == link
     assert r["workload"]["layers"] == 4 and r["workload"]["bytes"] == 4096 * 8 * 128 * 2 * 2 * 4

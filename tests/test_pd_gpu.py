@@ -29,8 +29,9 @@ def test_the_demo_moves_gpu_caches_byte_for_byte(tp, link):
 
 def test_bench_pd_quick_runs_on_gpu_caches(capsys):
     from kvcache.bench import pd as bench
+    from kvcache.bench.common import run_alone
 
-    assert bench.main(["--quick", "--json", "--device", "cuda"]) == 0
+    assert run_alone(bench.add_parser, "pd", ["--quick", "--json", "--device", "cuda"]) == 0
     r = json.loads(capsys.readouterr().out)
     assert r["workload"]["device"] == "cuda:0" and r["rate"] > 0 and r["tail_s"]["median"] > 0
 

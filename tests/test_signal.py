@@ -393,8 +393,9 @@ def test_cpu_paddle_tensor_signals_at_once(name):
 def test_bench_signal_runs_and_reports_every_target(capsys):
     """`kvcache bench signal --samples 50 --json`: CPU sections measured, CUDA skipped without a GPU, exit 0."""
     from kvcache.bench import signal as bench
+    from kvcache.bench.common import run_alone
 
-    assert bench.main(["--samples", "50", "--json"]) == 0
+    assert run_alone(bench.add_parser, "signal", ["--samples", "50", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["cpu"]["ours"]["samples"] + result["cpu"]["not_done"] == 50
     assert result["cpu"]["idle_cpu_ms"] is not None

@@ -305,8 +305,10 @@ def test_engines_are_chosen_by_name_and_a_closed_engine_refuses_writes():
 def test_bench_transfer_quick_reports_every_host_row_against_its_limit(capsys):
     """`kvcache bench transfer --quick --json` runs end to end and exits 0; rows carry ratio and target."""
     from kvcache.bench import transfer as bench
+    from kvcache.bench.common import run_alone
 
-    assert bench.main(["--quick", "--json", "--layers", "1", "--repeat", "1", "--sections", "host,nixl"]) == 0
+    flags = ["--quick", "--json", "--layers", "1", "--repeat", "1", "--sections", "host,nixl"]
+    assert run_alone(bench.add_parser, "transfer", flags) == 0
     result = json.loads(capsys.readouterr().out)
     rows = result["host"] + (result["nixl"] if isinstance(result["nixl"], list) else [])
     assert {r["block_size"] for r in rows} == {16, 64}
