@@ -35,9 +35,8 @@ import numpy as np
 
 from kvcache.allocator.errors import KVCacheError
 from kvcache.allocator.manager import KVCacheManager
-from kvcache.allocator.pool import BlockPool
-from kvcache.allocator.prefix import HASH_BYTES, PrefixIndex
-from kvcache.transfer.manager import drop_from, first_column, removed_events, stored_events
+from kvcache.allocator.prefix import HASH_BYTES
+from kvcache.transfer.manager import HostBooks
 
 _H = HASH_BYTES
 #: The daemon's host-tier ops: an agent attaching (tier_attach) and reporting a copy (tier_done), the daemon's own
@@ -81,7 +80,7 @@ class TierStats(NamedTuple):
     ranks: int  # ranks whose agents are attached
 
 
-class DaemonTier:
+class DaemonTier(HostBooks):
     """A host tier of ``num_blocks`` blocks per rank under ``manager``, copied by ``tp`` ranks' agents.
 
     Until every rank's agent is attached the tier holds nothing and orders
@@ -97,12 +96,8 @@ class DaemonTier:
             raise KVCacheError("host tier: it keys blocks by prefix hash; enable prefix caching")
         if num_blocks < 1:
             raise KVCacheError(f"host_blocks: must be at least 1, got {num_blocks}")
-        self.manager = manager
-        self.num_blocks, self.tp = int(num_blocks), int(tp)
-        self._rows = manager.num_rows
-        self._pool = BlockPool(1, self.num_blocks)
-        self._index = PrefixIndex(self._rows, self.num_blocks)
-        self._ready = np.zeros(self.num_blocks, dtype=bool)
+        super().__init__(manager, num_blocks)
+        self.tp = int(tp)
         self._jobs: dict[int, TierJob] = {}
         self._next_job = 0
         self._orders: list[dict[str, Any]] = []
@@ -111,11 +106,6 @@ class DaemonTier:
         self._filling = np.full((self._rows, manager.num_blocks), -1, dtype=np.int64)
         self._waits: dict[Any, list[int]] = {}  # a request -> the loads its cached tokens need
         self._failed: list[Any] = []
-        # Requests a failed load left wrong from a column on: what they cache from there is dropped now, and
-        # again when they are freed (blocks their later steps computed from the wrong KV).
-        self._tainted: dict[Any, int] = {}
-        self._retired = 0
-        self.counts = dict(offloaded=0, loaded=0, dropped=0, evicted=0, failed=0, hit_tokens=0)
 
     def __getstate__(self) -> dict[str, Any]:
         """A journal snapshot's state: everything but the manager, which holds this tier (``bind`` restores it)."""
@@ -183,12 +173,10 @@ class DaemonTier:
         """Forget every host block and fail every copy in flight (a rank's host buffer is gone)."""
         for job_id in list(self._jobs):
             self._end(job_id, ok=False, timed_out=False)
-        self._index.clear()
-        self._pool.reset_cached()
-        self._ready[:] = False
+        self._clear()
 
     def stats(self) -> TierStats:
-        c = self.counts
+        c = self._counts
         offloads = sum(job.kind == "offload" for job in self._jobs.values())
         return TierStats(self.num_blocks, int(self._pool.num_free()[0]), int(self._ready.sum()), offloads,
                          len(self._jobs) - offloads, c["offloaded"], c["loaded"], c["dropped"], c["evicted"],
@@ -218,14 +206,6 @@ class DaemonTier:
     def poll(self) -> None:
         """Nothing to settle here: copies end by ops (``report``, ``expire``)."""
 
-    def held(self, hashes: bytes) -> np.ndarray:
-        """bool ``[k, rows]``: rows whose copy of each leading hash is findable; stops at the first with none."""
-        blocks = self._index.match(hashes)
-        ok = (blocks >= 0) & self._ready[np.maximum(blocks, 0)]
-        found = ok.any(axis=1)
-        k = found.size if found.all() else int(np.argmin(found))
-        return ok[:k]
-
     def admitted(self, request_id: object, table: np.ndarray, num_gpu_blocks: int, hashes: bytes) -> None:
         """Order the load of the tier's part of a hit; note loads in flight that the GPU part of it shares."""
         deps: list[int] = []
@@ -234,53 +214,33 @@ class DaemonTier:
             r, c = np.nonzero(hit >= 0)
             jobs = self._filling[r, hit[r, c]]
             deps = np.unique(jobs[jobs >= 0]).tolist()
-        k = len(hashes) // _H
-        if k:
-            dst = np.array(table[:, num_gpu_blocks:num_gpu_blocks + k], dtype=np.int32)
-            src = np.where(dst >= 0, self._index.blocks_of(hashes).T, -1).astype(np.int32)
-            assert ((src >= 0) == (dst >= 0)).all(), "the tier lost a block between held() and admitted()"
-            host_ids = np.unique(src[src >= 0]).astype(np.int32)
-            self._pool.incref(np.zeros(host_ids.size, dtype=np.intp), host_ids, unique=True)
+        if len(hashes) // _H:
+            src, dst, host_ids = self._load_plan(table, num_gpu_blocks, hashes)
             job_id = self._order("load", src, dst, TierJob("load", host_ids, dst, [], owner=request_id))
             r, c = np.nonzero(dst >= 0)
             self._filling[r, dst[r, c]] = job_id
             deps.append(job_id)
-            self.counts["hit_tokens"] += k * self.manager.block_size
         if deps:
             self._waits[request_id] = deps
 
     def released(self, request_id: object, hashes: bytes, blocks: np.ndarray, tokens: np.ndarray,
                  lora: str | tuple[str, str] | None, extra_keys: tuple[tuple | None, ...]) -> None:
         """Order the offload of released blocks the host lacks, oldest first as far as free host blocks go."""
-        first = self._tainted.pop(request_id, None)
+        # Loads it read and no rank has failed yet, but not every rank reported: what it computed over them is not
+        # known good, so it is not kept.
         unreported = [self._jobs[j].gpu for j in self._waits.pop(request_id, ()) if j in self._jobs]
-        if unreported:  # loads it read are not reported yet: what it computed over them is not known good
-            later = first_column(self.manager, request_id, unreported)
-            first = later if first is None else min(first, later)
-        if first is not None:  # from ``first`` on its KV was computed over a failed load's blocks: never kept
-            drop_from(self.manager, request_id, first)
-            blocks = np.array(blocks, dtype=np.int32)
-            blocks[:, first:] = -1
+        blocks = self._untaint(request_id, np.array(blocks, dtype=np.int32), unreported)
         n = len(hashes) // _H
         if n == 0 or not self.active:
             return
-        blocks = np.array(blocks, dtype=np.int32)
         r, c = np.nonzero(blocks >= 0)
         filling = self._filling[r, blocks[r, c]] >= 0  # a block still being filled: nothing certain to copy
         if filling.any():
             blocks[:, np.unique(c[filling])] = -1
-        wanted = (blocks >= 0).any(axis=0) & ~(self._index.blocks_of(hashes) >= 0).any(axis=1)
-        cols = np.flatnonzero(wanted)[: int(self._pool.num_free()[0])]
-        if cols.size == 0:
+        plan = self._offload_plan(hashes, blocks)
+        if plan is None:
             return
-        allocation = self._pool.allocate(cols.size, ascending=True)
-        assert allocation is not None, "host allocation failed after the free-block check"
-        if allocation.evicted_blocks.size:
-            self._evict_host(allocation.evicted_blocks)
-        host_ids = allocation.blocks[0].astype(np.int32)
-        src = blocks[:, cols]
-        dst = np.where(src >= 0, host_ids[None, :], -1).astype(np.int32)
-        self._index.insert(np.frombuffer(hashes, dtype=f"V{_H}")[cols].tobytes(), dst.T)
+        cols, host_ids, src, dst = plan
         self._order("offload", src, dst, TierJob("offload", host_ids, src, [], cols.astype(np.intp), bytes(hashes),
                                                  np.array(tokens), lora, tuple(extra_keys)))
 
@@ -294,9 +254,7 @@ class DaemonTier:
         """``reset_prefix_cache``: forget every host copy; offloads in flight are dropped when they end."""
         for job in self._jobs.values():
             job.dropped = job.dropped or job.kind == "offload"
-        self._index.clear()
-        self._pool.reset_cached()
-        self._ready[:] = False
+        self._clear()
 
     # ------------------------------------------------------------------ internals
 
@@ -309,57 +267,26 @@ class DaemonTier:
 
     def _end(self, job_id: int, *, ok: bool, timed_out: bool) -> None:
         job = self._jobs.pop(job_id)
-        zeros = np.zeros(job.host_ids.size, dtype=np.intp)
         if job.kind == "offload":
-            keep = ok and not job.dropped
-            if keep:
-                self._ready[job.host_ids] = True
-                self._pool.mark_cached(zeros, job.host_ids)
-                self.counts["offloaded"] += int(job.host_ids.size)
-                self.manager.push_events(stored_events(self.manager, job.chain, job.tokens, job.lora, job.extra_keys,
-                                                       job.cols, job.gpu))
-            else:
-                rows = np.repeat(np.arange(self._rows), job.host_ids.size)
-                self._index.remove(rows, np.tile(job.host_ids, self._rows))
-                self.counts["dropped"] += int(job.host_ids.size)
-        else:
-            r, c = np.nonzero(job.gpu >= 0)
-            mine = self._filling[r, job.gpu[r, c]] == job_id
-            rows, gpu = r[mine], job.gpu[r, c][mine]
-            self._filling[rows, gpu] = -1
-            if ok:
-                self.counts["loaded"] += int(job.host_ids.size)
-            else:
-                self.counts["failed"] += 1
-                self.manager.drop_cached(rows, gpu)  # those blocks hold nothing their hashes promise
-                for rid, jobs in self._waits.items():
-                    if job_id in jobs and rid not in self._failed:
-                        self._failed.append(rid)
-                        self._taint(rid, job.gpu)
-            for rid in list(self._waits):
-                jobs = self._waits[rid]
-                if job_id in jobs:
-                    jobs.remove(job_id)
-                    if not jobs:
-                        del self._waits[rid]
-        if timed_out and job.kind == "offload":
-            self._retired += int(job.host_ids.size)  # a copy past its deadline may still write them: never reuse
+            keep = np.full(job.host_ids.size, ok and not job.dropped)
+            # Timed out: a late copy may still write its host blocks, so they never serve again.
+            self._offload_ended(job.host_ids, keep, retire=timed_out, chain=job.chain, tokens=job.tokens,
+                                lora=job.lora, extra_keys=job.extra_keys, cols=job.cols, src=job.gpu)
             return
-        self._pool.decref(zeros, job.host_ids[::-1], unique=True)  # tail first: a prefix's head is evicted last
-
-    def _taint(self, request_id: Any, filled: np.ndarray) -> None:
-        """``request_id`` read blocks of a failed load (``filled`` [rows, m]): from the first column holding one,
-        what it caches is wrong; drop it now and when the request is freed."""
-        if request_id not in self.manager:
-            return
-        first = first_column(self.manager, request_id, [filled])
-        self._tainted[request_id] = min(first, self._tainted.get(request_id, first))
-        drop_from(self.manager, request_id, first)
-
-    def _evict_host(self, host_ids: np.ndarray) -> None:
-        """The host pool reused these findable blocks (LRU): drop their hashes, announce the ones that left."""
-        rows = np.repeat(np.arange(self._rows), host_ids.size)
-        removed = self._index.remove(rows, np.tile(host_ids, self._rows))
-        self._ready[host_ids] = False
-        self.counts["evicted"] += int(host_ids.size)
-        self.manager.push_events(removed_events(self.manager, removed))
+        r, c = np.nonzero(job.gpu >= 0)
+        mine = self._filling[r, job.gpu[r, c]] == job_id
+        rows, gpu = r[mine], job.gpu[r, c][mine]
+        self._filling[rows, gpu] = -1
+        self._load_ended(job.host_ids, ok)
+        if not ok:
+            self.manager.drop_cached(rows, gpu)  # those blocks hold nothing their hashes promise
+            for rid, jobs in self._waits.items():
+                if job_id in jobs and rid not in self._failed:
+                    self._failed.append(rid)
+                    self._taint(rid, [job.gpu])
+        for rid in list(self._waits):
+            jobs = self._waits[rid]
+            if job_id in jobs:
+                jobs.remove(job_id)
+                if not jobs:
+                    del self._waits[rid]

@@ -74,6 +74,15 @@ class Node:
         self.step()
         return adm
 
+    def failed_loads(self, timeout: float = 10) -> list[Any]:
+        """The requests the daemon names in tier_failed, once it names any (a copy's deadline may pass first)."""
+        deadline = time.monotonic() + timeout
+        failed: list[Any] = []
+        while not failed and time.monotonic() < deadline:
+            time.sleep(0.05)
+            failed = self.client.tier_failed()
+        return failed
+
     def settle(self, timeout: float = 10) -> dict[str, Any]:
         """Every agent's copies reported; the daemon's host-tier stats then."""
         for agent in self.agents:
@@ -154,12 +163,7 @@ def test_a_rank_that_never_reports_fails_the_copy_and_its_load_fails_the_request
     adm = n.client.admit("b", prompt + [1])
     assert adm.num_host_tokens == 12
     n.subs[1].wait_for(n.client.last_seq)
-    deadline = time.monotonic() + 10
-    failed: list[Any] = []
-    while not failed and time.monotonic() < deadline:
-        time.sleep(0.05)
-        failed = n.client.tier_failed()
-    assert failed == ["b"]
+    assert n.failed_loads() == ["b"]
     stats = n.client.stats()["host_tier"]
     assert stats["failed_loads"] == 1 and stats["pending_loads"] == 0
     n.client.free("b")
@@ -493,12 +497,7 @@ def test_a_worker_killed_with_sigkill_fails_its_copies_and_the_daemon_serves_on(
         rank1.wait(5)
         adm = n.client.admit("b", prompt + [1])
         assert adm.num_host_tokens == 12
-        deadline = time.monotonic() + 10
-        failed: list[Any] = []
-        while not failed and time.monotonic() < deadline:
-            time.sleep(0.05)
-            failed = n.client.tier_failed()
-        assert failed == ["b"]
+        assert n.failed_loads() == ["b"]
         n.client.free("b")
         rank1 = worker()  # a new agent on rank 1: the old host blocks are gone
         stats = n.client.stats()["host_tier"]

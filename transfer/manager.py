@@ -173,7 +173,129 @@ class _LoadJob:
     nblocks: int
 
 
-class TransferManager:
+class HostBooks:
+    """The books of a host tier under a manager's GPU blocks, shared by the tier in this process
+    (``TransferManager``) and the daemon's (``kvcache.host_tier.DaemonTier``): host blocks in a ``BlockPool`` (one
+    row; cached free blocks are the LRU), a ``PrefixIndex`` of the hash each row's copy holds, which copies are
+    findable, and what moved. Whoever copies calls in; nothing here copies or waits."""
+
+    def __init__(self, manager: KVCacheManager, num_blocks: int) -> None:
+        self.manager = manager
+        self.num_blocks = int(num_blocks)
+        self._rows = manager.num_rows
+        self._pool = BlockPool(1, self.num_blocks)
+        self._index = PrefixIndex(self._rows, self.num_blocks)
+        self._ready = np.zeros(self.num_blocks, dtype=bool)
+        self._retired = 0  # host blocks of timed-out copies, never reused (a late write may still land)
+        self._counts = dict(offloaded=0, loaded=0, dropped=0, evicted=0, failed=0, hit_tokens=0)
+        # Requests that read a failed load's blocks, from the first column holding one: what they cache from there
+        # was computed over wrong KV.
+        self._tainted: dict[object, int] = {}
+
+    def held(self, hashes: bytes) -> np.ndarray:
+        """bool ``[k, rows]``: rows whose copy of each leading hash is findable; stops at the first with none."""
+        blocks = self._index.match(hashes)
+        ok = (blocks >= 0) & self._ready[np.maximum(blocks, 0)]
+        found = ok.any(axis=1)
+        k = found.size if found.all() else int(np.argmin(found))
+        return ok[:k]
+
+    def _load_plan(self, table: np.ndarray, num_gpu_blocks: int, hashes: bytes) -> tuple[np.ndarray, ...]:
+        """The tier's part of a hit (the ``len(hashes) // 32`` columns after the GPU hit): host blocks ``src`` and
+        GPU blocks ``dst`` [rows, k] (-1 = none), and the host blocks it reads, pinned until ``_load_ended``."""
+        k = len(hashes) // _H
+        dst = np.array(table[:, num_gpu_blocks:num_gpu_blocks + k], dtype=np.int32)
+        src = np.where(dst >= 0, self._index.blocks_of(hashes).T, -1).astype(np.int32)
+        assert ((src >= 0) == (dst >= 0)).all(), "the tier lost a block between held() and admitted()"
+        host_ids = np.unique(src[src >= 0]).astype(np.int32)
+        self._pool.incref(np.zeros(host_ids.size, dtype=np.intp), host_ids, unique=True)
+        self._counts["hit_tokens"] += k * self.manager.block_size
+        return src, dst, host_ids
+
+    def _offload_plan(self, hashes: bytes, blocks: np.ndarray) -> tuple[np.ndarray, ...] | None:
+        """Host blocks for the released ``blocks`` [rows, n] (-1 = nothing to copy) whose hashes the host lacks,
+        oldest first as far as free host blocks go (evicting the least recent findable ones): chain columns
+        ``cols``, ``host_ids``, GPU ``src`` and host ``dst`` [rows, m]; indexed, not yet findable. None: nothing."""
+        wanted = (blocks >= 0).any(axis=0) & ~(self._index.blocks_of(hashes) >= 0).any(axis=1)
+        cols = np.flatnonzero(wanted)[: int(self._pool.num_free()[0])]
+        if cols.size == 0:
+            return None
+        allocation = self._pool.allocate(cols.size, ascending=True)  # neighbours side by side: longer copies
+        assert allocation is not None, "host allocation failed after the free-block check"
+        if allocation.evicted_blocks.size:
+            self._evict_host(allocation.evicted_blocks)
+        host_ids = allocation.blocks[0].astype(np.int32)
+        src = blocks[:, cols]
+        dst = np.where(src >= 0, host_ids[None, :], -1).astype(np.int32)
+        self._index.insert(np.frombuffer(hashes, dtype=f"V{_H}")[cols].tobytes(), dst.T)
+        return cols, host_ids, src, dst
+
+    def _offload_ended(self, host_ids: np.ndarray, keep: np.ndarray, *, retire: bool, chain: bytes,
+                       tokens: np.ndarray, lora: Any, extra_keys: tuple, cols: np.ndarray, src: np.ndarray) -> None:
+        """An offload ended: its ``keep`` blocks become findable (announced), the rest are forgotten; with
+        ``retire`` (it timed out) its host blocks never serve again, else they return to the pool."""
+        gone = host_ids[~keep]
+        if gone.size:
+            self._index.remove(np.repeat(np.arange(self._rows), gone.size), np.tile(gone, self._rows))
+            self._counts["dropped"] += int(gone.size)
+        kept = host_ids[keep]
+        zeros = np.zeros(host_ids.size, dtype=np.intp)
+        if kept.size:
+            self._ready[kept] = True
+            self._pool.mark_cached(zeros[: kept.size], kept)
+            self._counts["offloaded"] += int(kept.size)
+            self.manager.push_events(stored_events(self.manager, chain, tokens, lora, extra_keys, cols[keep],
+                                                   src[:, keep]))
+        if retire:
+            self._retired += int(host_ids.size)
+            return
+        self._pool.decref(zeros, host_ids[::-1], unique=True)  # tail first: a prefix's head is evicted last
+
+    def _load_ended(self, host_ids: np.ndarray, ok: bool) -> None:
+        """A load ended: its host blocks are no longer pinned by it."""
+        self._pool.decref(np.zeros(host_ids.size, dtype=np.intp), host_ids, unique=True)
+        if ok:
+            self._counts["loaded"] += int(host_ids.size)
+        else:
+            self._counts["failed"] += 1
+
+    def _taint(self, request_id: object, filled: list[np.ndarray]) -> None:
+        """``request_id`` read GPU blocks a failed load was filling (``filled``, [rows, m] each): from the first
+        column holding one, forget what it caches, now and when it is freed (``_untaint``)."""
+        if request_id not in self.manager:
+            return
+        first = first_column(self.manager, request_id, filled)
+        self._tainted[request_id] = min(first, self._tainted.get(request_id, first))
+        drop_from(self.manager, request_id, first)
+
+    def _untaint(self, request_id: object, blocks: np.ndarray, unsure: list[np.ndarray] = ()) -> np.ndarray:
+        """At its free: the released ``blocks`` less the columns a failed load (or one not yet known good,
+        ``unsure``) left wrong, whose hashes are forgotten."""
+        first = self._tainted.pop(request_id, None)
+        if unsure:
+            later = first_column(self.manager, request_id, list(unsure))
+            first = later if first is None else min(first, later)
+        if first is not None:
+            drop_from(self.manager, request_id, first)
+            blocks[:, first:] = -1
+        return blocks
+
+    def _clear(self) -> None:
+        """Forget every findable host copy (the prefix cache was reset, or the host memory is gone)."""
+        self._index.clear()
+        self._pool.reset_cached()
+        self._ready[:] = False
+
+    def _evict_host(self, host_ids: np.ndarray) -> None:
+        """The host pool reused these findable blocks (LRU): drop their hashes, announce the ones that left."""
+        rows = np.repeat(np.arange(self._rows), host_ids.size)
+        removed = self._index.remove(rows, np.tile(host_ids, self._rows))
+        self._ready[host_ids] = False
+        self._counts["evicted"] += int(host_ids.size)
+        self.manager.push_events(removed_events(self.manager, removed))
+
+
+class TransferManager(HostBooks):
     """A host-memory tier under ``manager``'s GPU blocks in ``gpu``: offloads released blocks, loads host hits back.
 
     Attaches itself to the manager (``KVCacheManager.attach_tier``); the
@@ -207,19 +329,14 @@ class TransferManager:
             self._in.close()
             self._out.close()
             raise
-        self._pool = BlockPool(1, self.num_blocks)
-        self._index = PrefixIndex(self._rows, self.num_blocks)
-        self._ready = np.zeros(self.num_blocks, dtype=bool)
+        HostBooks.__init__(self, manager, self.num_blocks)
         self._offloads: dict[int, _Offload] = {}
         self._loads: dict[int, _LoadJob] = {}
         self._src_job = np.full((self._rows, manager.num_blocks), -1, dtype=np.int64)
         self._dst_job = np.full((self._rows, manager.num_blocks), -1, dtype=np.int64)
         self._waits: dict[object, set[int]] = {}
         self._failed: list[object] = []
-        self._tainted: dict[object, int] = {}  # requests a failed load left wrong from a column on
         self._ids = itertools.count()
-        self._retired = 0
-        self._counts = dict(offloaded=0, loaded=0, dropped=0, evicted=0, failed=0, hit_tokens=0)
         self._closed = False
         manager.attach_tier(self)
 
@@ -342,14 +459,6 @@ class TransferManager:
 
     # ------------------------------------------------------------------ LowerTier (called by the manager)
 
-    def held(self, hashes: bytes) -> np.ndarray:
-        """bool ``[k, rows]``: rows whose copy of each leading hash is findable; stops at the first with none."""
-        blocks = self._index.match(hashes)
-        ok = (blocks >= 0) & self._ready[np.maximum(blocks, 0)]
-        found = ok.any(axis=1)
-        k = found.size if found.all() else int(np.argmin(found))
-        return ok[:k]
-
     def admitted(self, request_id: object, table: np.ndarray, num_gpu_blocks: int, hashes: bytes) -> None:
         """Start the loads of the tier's part of a hit; note loads in flight that the GPU part shares."""
         deps: set[int] = set()
@@ -360,18 +469,13 @@ class TransferManager:
             deps.update(np.unique(jobs[jobs >= 0]).tolist())
         k = len(hashes) // _H
         if k:
-            dst = np.array(table[:, num_gpu_blocks:num_gpu_blocks + k], dtype=np.int32)
-            src = np.where(dst >= 0, self._index.blocks_of(hashes).T, -1).astype(np.int32)
-            assert ((src >= 0) == (dst >= 0)).all(), "the tier lost a block between held() and admitted()"
-            host_ids = np.unique(src[src >= 0]).astype(np.int32)
-            self._pool.incref(np.zeros(host_ids.size, dtype=np.intp), host_ids, unique=True)
+            src, dst, host_ids = self._load_plan(table, num_gpu_blocks, hashes)
             handles = copy_layers(self._in, self.host, src, self.gpu, dst, self._cells)
             job = next(self._ids)
             self._loads[job] = _LoadJob(handles, request_id, host_ids, dst, k)
             r, c = np.nonzero(dst >= 0)
             self._dst_job[r, dst[r, c]] = job
             deps.add(job)
-            self._counts["hit_tokens"] += k * self.manager.block_size
         if deps:
             self._waits[request_id] = deps
 
@@ -380,11 +484,7 @@ class TransferManager:
         """Offload the released blocks the host lacks, oldest first as far as free host blocks go."""
         self._finish_own_loads(request_id)
         self._waits.pop(request_id, None)
-        blocks = np.array(blocks, dtype=np.int32)
-        first = self._tainted.pop(request_id, None)
-        if first is not None:  # computed over a failed load's blocks from ``first`` on: never kept
-            drop_from(self.manager, request_id, first)
-            blocks[:, first:] = -1
+        blocks = self._untaint(request_id, np.array(blocks, dtype=np.int32))
         n = len(hashes) // _H
         if n == 0:
             return
@@ -392,19 +492,10 @@ class TransferManager:
         loading = self._dst_job[r, blocks[r, c]] >= 0  # a block still being filled holds nothing to copy yet
         if loading.any():
             blocks[:, np.unique(c[loading])] = -1
-        wanted = (blocks >= 0).any(axis=0) & ~(self._index.blocks_of(hashes) >= 0).any(axis=1)
-        cols = np.flatnonzero(wanted)[: int(self._pool.num_free()[0])]
-        if cols.size == 0:
+        plan = self._offload_plan(hashes, blocks)
+        if plan is None:
             return
-        allocation = self._pool.allocate(cols.size, ascending=True)  # neighbours side by side: longer copies
-        assert allocation is not None, "host allocation failed after the free-block check"
-        if allocation.evicted_blocks.size:
-            self._evict_host(allocation.evicted_blocks)
-        host_ids = allocation.blocks[0]
-        src = blocks[:, cols]
-        dst = np.where(src >= 0, host_ids[None, :], -1).astype(np.int32)
-        picked = np.frombuffer(hashes, dtype=f"V{_H}")[cols].tobytes()
-        self._index.insert(picked, dst.T)
+        cols, host_ids, src, dst = plan
         handles = copy_layers(self._out, self.gpu, src, self.host, dst, self._cells)
         job = next(self._ids)
         self._offloads[job] = _Offload(handles, host_ids, src, cols, hashes, tokens, lora, extra_keys,
@@ -438,19 +529,9 @@ class TransferManager:
         """Forget every host copy (the prefix cache was reset); copies in flight are dropped when they end."""
         for off in self._offloads.values():
             off.dropped[:] = True
-        self._index.clear()
-        self._pool.reset_cached()
-        self._ready[:] = False
+        self._clear()
 
     # ------------------------------------------------------------------ internals
-
-    def _evict_host(self, host_ids: np.ndarray) -> None:
-        """The host pool reused these findable blocks (LRU): drop their hashes, announce the ones that left."""
-        rows = np.repeat(np.arange(self._rows), host_ids.size)
-        removed = self._index.remove(rows, np.tile(host_ids, self._rows))
-        self._ready[host_ids] = False
-        self._counts["evicted"] += int(host_ids.size)
-        self.manager.push_events(removed_events(self.manager, removed))
 
     def _settle_offload(self, job: int) -> bool:
         """If every layer of the offload ended: make its kept blocks findable, free the rest; True when settled."""
@@ -465,23 +546,9 @@ class TransferManager:
         if worst is not TransferStatus.DONE:
             log.warning("host tier: offload of %d blocks %s: %s", off.cols.size, worst.value,
                         _first_error(off.handles, worst))
-        gone = off.host_ids[~keep]
-        if gone.size:
-            self._index.remove(np.repeat(np.arange(self._rows), gone.size), np.tile(gone, self._rows))
-            self._counts["dropped"] += int(gone.size)
-        kept = off.host_ids[keep]
-        zeros = np.zeros(off.host_ids.size, dtype=np.intp)
-        if kept.size:
-            self._ready[kept] = True
-            self._pool.mark_cached(zeros[: kept.size], kept)
-            self._counts["offloaded"] += int(kept.size)
-            self.manager.push_events(stored_events(self.manager, off.chain, off.tokens, off.lora, off.extra_keys,
-                                                   off.cols[keep], off.src[:, keep]))
-        if worst is TransferStatus.TIMEOUT:
-            # A copy past its deadline may still be writing: its blocks never serve again.
-            self._retired += int(off.host_ids.size)
-            return True
-        self._pool.decref(zeros, off.host_ids[::-1], unique=True)  # tail first: a prefix's head is evicted last
+        # A copy past its deadline may still be writing: its blocks never serve again.
+        self._offload_ended(off.host_ids, keep, retire=worst is TransferStatus.TIMEOUT, chain=off.chain,
+                            tokens=off.tokens, lora=off.lora, extra_keys=off.extra_keys, cols=off.cols, src=off.src)
         return True
 
     def _settle_load(self, job: int, *, wait: bool = False) -> bool:
@@ -495,22 +562,16 @@ class TransferManager:
             return False
         del self._loads[job]
         rows, dsts = _unmark(self._dst_job, load.dst, job)
-        self._pool.decref(np.zeros(load.host_ids.size, dtype=np.intp), load.host_ids, unique=True)
         worst = _worst(statuses)
-        if worst is TransferStatus.DONE:
-            self._counts["loaded"] += int(load.host_ids.size)
-        else:
+        self._load_ended(load.host_ids, worst is TransferStatus.DONE)
+        if worst is not TransferStatus.DONE:
             log.warning("host tier: load of %d blocks for %r %s: %s", load.nblocks, load.owner, worst.value,
                         _first_error(load.handles, worst))
-            self._counts["failed"] += 1
             self.manager.drop_cached(rows, dsts)
             for rid, jobs in self._waits.items():
                 if job in jobs and rid not in self._failed:
                     self._failed.append(rid)
-                    if rid in self.manager:
-                        first = first_column(self.manager, rid, [load.dst])
-                        self._tainted[rid] = min(first, self._tainted.get(rid, first))
-                        drop_from(self.manager, rid, first)
+                    self._taint(rid, [load.dst])
         for rid in list(self._waits):
             jobs = self._waits[rid]
             jobs.discard(job)
