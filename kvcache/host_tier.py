@@ -52,7 +52,7 @@ class TierJob:
     host_ids: np.ndarray  # int32 [m] host blocks it writes (offload) or reads (load)
     gpu: np.ndarray  # int32 [rows, m] GPU blocks it reads (offload) or fills (load), -1 = none
     done: list[int]  # ranks that reported it done
-    # An offload's chain, for the CPU events once it lands; -1 in ``dropped`` after a reset.
+    # An offload's chain, for the CPU events once it lands; ``dropped`` after a reset (it is never findable).
     cols: np.ndarray | None = None
     chain: bytes = b""
     tokens: np.ndarray | None = None
@@ -104,8 +104,6 @@ class DaemonTier(HostBooks):
         self._agents: dict[int, int] = {}  # rank -> its agent's id
         # The load filling each GPU (row, block), -1 where none: a hit on a block still being filled waits on it.
         self._filling = np.full((self._rows, manager.num_blocks), -1, dtype=np.int64)
-        self._waits: dict[Any, list[int]] = {}  # a request -> the loads its cached tokens need
-        self._failed: list[Any] = []
 
     def __getstate__(self) -> dict[str, Any]:
         """A journal snapshot's state: everything but the manager, which holds this tier (``bind`` restores it)."""
@@ -134,7 +132,7 @@ class DaemonTier(HostBooks):
         if known == agent:
             return
         if known is not None:
-            self.forget(f"rank {rank}'s agent restarted")
+            self.forget()
         self._agents[rank] = agent
 
     def report(self, job_id: int, rank: int, ok: bool, error: str = "") -> None:
@@ -164,12 +162,7 @@ class DaemonTier(HostBooks):
         orders, self._orders = self._orders, []
         return orders
 
-    def take_failed(self) -> list[Any]:
-        """Requests whose cached tokens a failed load left invalid since the last call: free and admit them again."""
-        failed, self._failed = self._failed, []
-        return failed
-
-    def forget(self, reason: str = "") -> None:
+    def forget(self) -> None:
         """Forget every host block and fail every copy in flight (a rank's host buffer is gone)."""
         for job_id in list(self._jobs):
             self._end(job_id, ok=False, timed_out=False)
@@ -208,18 +201,18 @@ class DaemonTier(HostBooks):
 
     def admitted(self, request_id: object, table: np.ndarray, num_gpu_blocks: int, hashes: bytes) -> None:
         """Order the load of the tier's part of a hit; note loads in flight that the GPU part of it shares."""
-        deps: list[int] = []
+        deps: set[int] = set()
         if num_gpu_blocks and self._jobs:
             hit = table[:, :num_gpu_blocks]
             r, c = np.nonzero(hit >= 0)
             jobs = self._filling[r, hit[r, c]]
-            deps = np.unique(jobs[jobs >= 0]).tolist()
+            deps.update(np.unique(jobs[jobs >= 0]).tolist())
         if len(hashes) // _H:
             src, dst, host_ids = self._load_plan(table, num_gpu_blocks, hashes)
             job_id = self._order("load", src, dst, TierJob("load", host_ids, dst, [], owner=request_id))
             r, c = np.nonzero(dst >= 0)
             self._filling[r, dst[r, c]] = job_id
-            deps.append(job_id)
+            deps.add(job_id)
         if deps:
             self._waits[request_id] = deps
 
@@ -277,16 +270,4 @@ class DaemonTier(HostBooks):
         mine = self._filling[r, job.gpu[r, c]] == job_id
         rows, gpu = r[mine], job.gpu[r, c][mine]
         self._filling[rows, gpu] = -1
-        self._load_ended(job.host_ids, ok)
-        if not ok:
-            self.manager.drop_cached(rows, gpu)  # those blocks hold nothing their hashes promise
-            for rid, jobs in self._waits.items():
-                if job_id in jobs and rid not in self._failed:
-                    self._failed.append(rid)
-                    self._taint(rid, [job.gpu])
-        for rid in list(self._waits):
-            jobs = self._waits[rid]
-            if job_id in jobs:
-                jobs.remove(job_id)
-                if not jobs:
-                    del self._waits[rid]
+        self._load_ended(job_id, ok, job.host_ids, rows, gpu, job.gpu)

@@ -607,9 +607,7 @@ class CacheServer:
             return 0
         ops = [{"op": "transfer_failed", "req": r,
                 "error": f"transfer timed out after {self._pd.transfers[r].timeout:g} s"} for r in late]
-        payload = pack({"v": PROTOCOL_VERSION, "client": _PD_CLIENT, "id": int.from_bytes(os.urandom(7), "big"),
-                        "ops": ops})
-        reply = unpack(self.handle(payload), 1 << 30)
+        reply = self._handle_own(_PD_CLIENT, ops)
         if not reply.get("ok"):
             log.error("transfer expiry failed: %s", reply.get("error"))
             return 0
@@ -632,9 +630,7 @@ class CacheServer:
         late = [job for job, end in self._tier_deadlines.items() if end <= now]
         if not late:
             return 0
-        payload = pack({"v": PROTOCOL_VERSION, "client": _TIER_CLIENT, "id": int.from_bytes(os.urandom(7), "big"),
-                        "ops": [{"op": "tier_expire", "jobs": late}]})
-        reply = unpack(self.handle(payload), 1 << 30)
+        reply = self._handle_own(_TIER_CLIENT, [{"op": "tier_expire", "jobs": late}])
         if not reply.get("ok"):
             log.error("host-tier expiry failed: %s", reply.get("error"))
             return 0
@@ -654,9 +650,7 @@ class CacheServer:
         for client, reqs in self._leases.expired(now):
             # A request still in a PD transfer is cancelled instead: its blocks go once the writers stop.
             ops = [{"op": "cancel" if r in self._pd.transfers else "free", "req": r} for r in reqs]
-            payload = pack({"v": PROTOCOL_VERSION, "client": _LEASE_CLIENT, "id": int.from_bytes(os.urandom(7), "big"),
-                            "ops": ops})
-            reply = unpack(self.handle(payload), 1 << 30)
+            reply = self._handle_own(_LEASE_CLIENT, ops)
             self._leases.forget(client)
             self._pd.forget_owner(client)
             if reply.get("ok"):
@@ -667,6 +661,13 @@ class CacheServer:
             else:
                 log.error("lease expiry of %r failed: %s", client, reply.get("error"))
         return freed
+
+    def _handle_own(self, client: str, ops: list[dict[str, Any]]) -> dict[str, Any]:
+        """A message of the daemon's own (an expiry) as ``client``, applied, journaled and published like a
+        scheduler's, so a restart replays it; its reply."""
+        payload = pack({"v": PROTOCOL_VERSION, "client": client, "id": int.from_bytes(os.urandom(7), "big"),
+                        "ops": ops})
+        return unpack(self.handle(payload), 1 << 30)
 
     def _heartbeat(self) -> None:
         """Tell workers the latest seq (empty payload): they catch a lost last delta or a new epoch."""
@@ -955,7 +956,7 @@ class CacheServer:
             elif kind == "reclaim":
                 total += (MAX_ID_CHARS + 16) * len(op.reqs or ())
             elif kind == "tier_failed" and self.tier is not None:
-                total += (MAX_ID_CHARS + 16) * len(self.tier._failed)
+                total += (MAX_ID_CHARS + 16) * self.tier.num_failed
             elif kind == "pd_poll":
                 total += (MAX_ID_CHARS + MAX_ERROR + 32) * self._pd.unread(client)
             elif kind in ("usage", "stats", "info"):

@@ -35,9 +35,9 @@ import numpy as np
 from kvcache.allocator.errors import KVCacheError
 from kvcache.allocator.rows import table_cells
 from kvcache.client import CacheClient
-from kvcache.transfer.engines import DEFAULT_TIMEOUT, LocalEngine, TransferHandle, TransferStatus
-from kvcache.transfer.manager import allocate_host, copy_layers
-from kvcache.transfer.regions import KVRegion
+from kvcache.transfer.engines import DEFAULT_TIMEOUT, LocalEngine, TransferHandle, TransferStatus, _Finished
+from kvcache.transfer.manager import Load, allocate_host, copy_layers, first_error
+from kvcache.transfer.regions import CopyRanges, KVRegion
 
 log = logging.getLogger("kvcache.tier_agent")
 
@@ -102,17 +102,9 @@ class TierAgent:
     def wait(self, layer: int, timeout: float | None = None) -> TransferStatus:
         """Block until every copy ordered so far has finished ``layer`` (DONE, or its worst other status), or
         ``timeout`` passes (PENDING). Call it before a step reads or writes the layer."""
-        end = None if timeout is None else time.monotonic() + timeout
-        worst = TransferStatus.DONE
-        for handles in self._inflight:
-            left = None if end is None else max(0.0, end - time.monotonic())
-            status = handles[layer].wait(left)
-            if status is TransferStatus.PENDING:
-                return status
-            if status is not TransferStatus.DONE:
-                worst = status
+        status = Load(self._inflight).wait(layer, timeout)
         self._inflight = [h for h in self._inflight if h[-1].status() is TransferStatus.PENDING]
-        return worst
+        return status
 
     def drain(self, timeout: float | None = None) -> bool:
         """Wait until every copy ordered so far has ended and been reported; False when ``timeout`` passed first."""
@@ -165,7 +157,8 @@ class TierAgent:
                     raise KVCacheError(f"unknown copy kind {kind!r}")
             except KVCacheError as exc:  # the order does not fit this rank's memory: report it, copy nothing
                 log.error("host-tier copy %d (%s) refused: %s", job, kind, exc)
-                self._reports.put((job, [_Failed(str(exc))]))
+                self._reports.put((job, [_Finished(CopyRanges.concat([]), time.monotonic(), TransferStatus.FAILED,
+                                                   str(exc))]))
                 continue
             self._inflight.append(handles)
             self._reports.put((job, handles))
@@ -178,16 +171,14 @@ class TierAgent:
                 if item is None:
                     return
                 job, handles = item
-                for handle in handles:
-                    handle.wait()  # bounded: every handle has the engine's deadline
-                statuses = [h.status() for h in handles]
-                bad = [h for h, s in zip(handles, statuses) if s is not TransferStatus.DONE]
-                error = (bad[0].error or bad[0].status().value) if bad else ""
+                status = Load([handles]).wait()  # bounded: every handle has the engine's deadline
+                ok = status is TransferStatus.DONE
+                error = "" if ok else first_error(handles, status)
                 try:
-                    self._client.tier_done(job, self.rank, ok=not bad, error=error)
+                    self._client.tier_done(job, self.rank, ok=ok, error=error)
                 except KVCacheError as exc:  # the daemon will time the copy out
                     log.warning("host-tier copy %d: report failed: %s", job, exc)
-                if bad:
+                if not ok:
                     self.failed += 1
                     log.warning("host-tier copy %d failed on rank %d: %s", job, self.rank, error)
                 else:
@@ -195,15 +186,3 @@ class TierAgent:
             finally:
                 self._reports.task_done()
 
-
-class _Failed:
-    """A copy refused before it started: a handle that reports FAILED with the reason."""
-
-    def __init__(self, error: str) -> None:
-        self.error = error
-
-    def wait(self, timeout: float | None = None) -> TransferStatus:
-        return TransferStatus.FAILED
-
-    def status(self) -> TransferStatus:
-        return TransferStatus.FAILED

@@ -191,6 +191,18 @@ class HostBooks:
         # Requests that read a failed load's blocks, from the first column holding one: what they cache from there
         # was computed over wrong KV.
         self._tainted: dict[object, int] = {}
+        self._waits: dict[object, set[int]] = {}  # a request -> the loads in flight its cached tokens need
+        self._failed: list[object] = []
+
+    def take_failed(self) -> list[object]:
+        """Requests whose load failed or timed out since the last call: free them and admit them again."""
+        failed, self._failed = self._failed, []
+        return failed
+
+    @property
+    def num_failed(self) -> int:
+        """Requests ``take_failed`` would return now."""
+        return len(self._failed)
 
     def held(self, hashes: bytes) -> np.ndarray:
         """bool ``[k, rows]``: rows whose copy of each leading hash is findable; stops at the first with none."""
@@ -251,13 +263,26 @@ class HostBooks:
             return
         self._pool.decref(zeros, host_ids[::-1], unique=True)  # tail first: a prefix's head is evicted last
 
-    def _load_ended(self, host_ids: np.ndarray, ok: bool) -> None:
-        """A load ended: its host blocks are no longer pinned by it."""
+    def _load_ended(self, job: int, ok: bool, host_ids: np.ndarray, rows: np.ndarray, gpu: np.ndarray,
+                    filled: np.ndarray) -> None:
+        """Load ``job`` ended: its ``host_ids`` are no longer pinned by it and no request waits on it. Failed, the
+        GPU (``rows``, ``gpu``) pairs it still stood for hold nothing their hashes promise, and the requests that
+        waited on it (reading ``filled`` [rows, m]) fail, with what they computed over it."""
         self._pool.decref(np.zeros(host_ids.size, dtype=np.intp), host_ids, unique=True)
         if ok:
             self._counts["loaded"] += int(host_ids.size)
         else:
             self._counts["failed"] += 1
+            self.manager.drop_cached(rows, gpu)
+            for rid, jobs in self._waits.items():
+                if job in jobs and rid not in self._failed:
+                    self._failed.append(rid)
+                    self._taint(rid, [filled])
+        for rid in list(self._waits):
+            jobs = self._waits[rid]
+            jobs.discard(job)
+            if not jobs:
+                del self._waits[rid]
 
     def _taint(self, request_id: object, filled: list[np.ndarray]) -> None:
         """``request_id`` read GPU blocks a failed load was filling (``filled``, [rows, m] each): from the first
@@ -334,8 +359,6 @@ class TransferManager(HostBooks):
         self._loads: dict[int, _LoadJob] = {}
         self._src_job = np.full((self._rows, manager.num_blocks), -1, dtype=np.int64)
         self._dst_job = np.full((self._rows, manager.num_blocks), -1, dtype=np.int64)
-        self._waits: dict[object, set[int]] = {}
-        self._failed: list[object] = []
         self._ids = itertools.count()
         self._closed = False
         manager.attach_tier(self)
@@ -377,11 +400,6 @@ class TransferManager(HostBooks):
     def pending_loads(self) -> Load:
         """Every load in flight: what a worker running the next batch waits on, layer by layer."""
         return Load([job.handles for job in self._loads.values()])
-
-    def take_failed(self) -> list[object]:
-        """Requests whose load failed or timed out since the last call: free them and admit them again."""
-        failed, self._failed = self._failed, []
-        return failed
 
     def host_blocks_of(self, hashes: bytes) -> np.ndarray:
         """Host block (int32 ``[n, rows]``, -1 = not findable) of each packed hash: where its bytes are."""
@@ -545,7 +563,7 @@ class TransferManager(HostBooks):
         keep = ~off.dropped if worst is TransferStatus.DONE else np.zeros(off.cols.size, dtype=bool)
         if worst is not TransferStatus.DONE:
             log.warning("host tier: offload of %d blocks %s: %s", off.cols.size, worst.value,
-                        _first_error(off.handles, worst))
+                        first_error(off.handles, worst))
         # A copy past its deadline may still be writing: its blocks never serve again.
         self._offload_ended(off.host_ids, keep, retire=worst is TransferStatus.TIMEOUT, chain=off.chain,
                             tokens=off.tokens, lora=off.lora, extra_keys=off.extra_keys, cols=off.cols, src=off.src)
@@ -563,20 +581,10 @@ class TransferManager(HostBooks):
         del self._loads[job]
         rows, dsts = _unmark(self._dst_job, load.dst, job)
         worst = _worst(statuses)
-        self._load_ended(load.host_ids, worst is TransferStatus.DONE)
         if worst is not TransferStatus.DONE:
             log.warning("host tier: load of %d blocks for %r %s: %s", load.nblocks, load.owner, worst.value,
-                        _first_error(load.handles, worst))
-            self.manager.drop_cached(rows, dsts)
-            for rid, jobs in self._waits.items():
-                if job in jobs and rid not in self._failed:
-                    self._failed.append(rid)
-                    self._taint(rid, [load.dst])
-        for rid in list(self._waits):
-            jobs = self._waits[rid]
-            jobs.discard(job)
-            if not jobs:
-                del self._waits[rid]
+                        first_error(load.handles, worst))
+        self._load_ended(job, worst is TransferStatus.DONE, load.host_ids, rows, dsts, load.dst)
         return True
 
     def _finish_own_loads(self, request_id: object) -> None:
@@ -727,7 +735,7 @@ def _worst(statuses: Any) -> TransferStatus:
     return TransferStatus.DONE
 
 
-def _first_error(handles: Any, worst: TransferStatus) -> str:
+def first_error(handles: Any, worst: TransferStatus) -> str:
     """The first error a job's per-layer handles report, else the worst status's name (for the log)."""
     return next((h.error for h in handles if h.error), worst.value)
 

@@ -203,13 +203,12 @@ def _run_pd(case: Case, endpoints: dict[str, str]) -> dict[str, Any]:
     try:
         mismatched, total, worst = _compare(model, case, pair.generate)
         prefill_hits, decode_hits = pair.hit_tokens()
-        recycled = 0
         for side in (pair.prefill, pair.decode):
             side.cache.check_integrity()
-            recycled += side.cache.stats()["recycled_blocks"]
+        stats = [side.cache.stats() for side in (pair.prefill, pair.decode)]
+        recycled = sum(s["recycled_blocks"] for s in stats)
+        prefill_host, decode_host = (s.get("host_tier", {}).get("hit_tokens", 0) for s in stats)
         pools = sorted(set(pair.decode.paged.layer_blocks))
-        prefill_host, decode_host = (side.cache.stats().get("host_tier", {}).get("hit_tokens", 0)
-                                     for side in (pair.prefill, pair.decode))
     finally:
         pair.close()
     return {"requests": total, "mismatched": mismatched, "max_logit_diff": worst, "hit_tokens": prefill_hits,
@@ -258,11 +257,12 @@ def _run(case: Case, endpoint: str | None, corrupt: bool, device: str = "cpu") -
         host_tokens = engine.tier.stats().hit_tokens
     if engine.agent is not None:
         assert engine.agent.drain(10) and engine.agent.failed == 0
-    if endpoint is not None and engine.cache.stats().get("host_tier"):  # the daemon's tier (TP ranks' agents too)
-        host_tokens = engine.cache.stats()["host_tier"]["hit_tokens"]
     engine.cache.check_integrity()
     stats = engine.cache.stats()
-    recycled = stats["recycled_blocks"] if isinstance(stats, dict) else stats.recycled_blocks
+    if isinstance(stats, dict):  # a daemon's, with its host tier's hits (TP ranks' agents too)
+        recycled, host_tokens = stats["recycled_blocks"], stats.get("host_tier", {}).get("hit_tokens", host_tokens)
+    else:
+        recycled = stats.recycled_blocks
     pools = sorted(set(engine.paged.layer_blocks if engine.paged is not None else
                        getattr(engine.attention, "layer_blocks", [])))
     engine.close()
