@@ -612,16 +612,18 @@ class KVCacheManager(RequestSlots, DecodeBatch, TierLink):
         self._refresh(req)
         return changed
 
-    def reset_prefix_cache(self) -> int:
+    def reset_prefix_cache(self, *, keep_lower_tier: bool = False) -> int:
         """Forget every cached prefix (live requests keep their blocks); returns the hashes dropped.
 
         Unlike vLLM 0.33's ``reset_prefix_cache``, which refuses (returns False, changing nothing) while any block
         is in use, this resets with live requests too: their blocks stay theirs but are no longer findable, so no
-        later admit hits KV computed before the reset (after a weight update, say).
+        later admit hits KV computed before the reset (after a weight update, say). ``keep_lower_tier``: forget
+        only what the GPU blocks hold (a worker restarted and lost them); the lower tier's copies stay findable.
         """
         if self.tier is not None:
             self.tier.evicting(*self._expand_pairs(*self._index.held_pairs()))
-            self.tier.reset()
+            if not keep_lower_tier:
+                self.tier.reset()
         dropped = self._index.clear()
         self._pool.reset_cached()
         if self.enable_events:

@@ -399,9 +399,11 @@ class CacheClient:
         again; their cached tokens were not all copied back."""
         return self._single(self.batch().op("tier_failed"))
 
-    def tier_attach(self, rank: int, agent: int) -> dict[str, Any]:
-        """Tier agents: rank ``rank``'s agent (``agent``, its id) is ready; returns the tier's ``num_blocks``."""
-        return self._single(self.batch().op("tier_attach", rank=rank, agent=agent))
+    def tier_attach(self, rank: int, agent: int, buffer: int | None = None) -> dict[str, Any]:
+        """Tier agents: rank ``rank``'s agent (``agent``, its id) is ready with host buffer ``buffer`` (its id;
+        default: a buffer of the agent's own); returns the tier's ``num_blocks``."""
+        fields = {"rank": rank, "agent": agent} if buffer is None else {"rank": rank, "agent": agent, "buffer": buffer}
+        return self._single(self.batch().op("tier_attach", **fields))
 
     def tier_done(self, job: int, rank: int, *, ok: bool = True, error: str = "") -> None:
         """Tier agents: rank ``rank`` finished its part of copy ``job`` (or failed it, saying why)."""

@@ -84,8 +84,12 @@ class DaemonTier(HostBooks):
     """A host tier of ``num_blocks`` blocks per rank under ``manager``, copied by ``tp`` ranks' agents.
 
     Until every rank's agent is attached the tier holds nothing and orders
-    nothing. An agent attaching again (a restarted worker) brings a new host
-    buffer: every host block is forgotten and every copy in flight fails.
+    nothing. A new agent on a rank is taken for a restarted worker: every copy
+    in flight fails (the old agent will not report them) and the GPU blocks'
+    prefixes are forgotten (the worker's cache is new); if it also brings a
+    new host buffer, every host block is forgotten too. An agent whose buffer
+    lives in a shared file (``TierAgent(host_file=...)``) brings the same
+    buffer back, and the host blocks that were ready stay findable.
     """
 
     #: The daemon journals this tier with its manager (an in-process tier is memory, not state).
@@ -102,6 +106,7 @@ class DaemonTier(HostBooks):
         self._next_job = 0
         self._orders: list[dict[str, Any]] = []
         self._agents: dict[int, int] = {}  # rank -> its agent's id
+        self._buffers: dict[int, int] = {}  # rank -> the id of its agent's host buffer
         # The load filling each GPU (row, block), -1 where none: a hit on a block still being filled waits on it.
         self._filling = np.full((self._rows, manager.num_blocks), -1, dtype=np.int64)
 
@@ -110,6 +115,11 @@ class DaemonTier(HostBooks):
         state = self.__dict__.copy()
         state["manager"] = None
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """A journal snapshot's state; one saved before agents named their buffers had each agent's buffer its own."""
+        self.__dict__.update(state)
+        self.__dict__.setdefault("_buffers", dict(self._agents))
 
     def bind(self, manager: KVCacheManager) -> None:
         """After a journal restore: the manager this tier is attached to again."""
@@ -124,16 +134,25 @@ class DaemonTier(HostBooks):
         """Whether every rank's agent is attached (else the tier holds and orders nothing)."""
         return len(self._agents) == self.tp
 
-    def attach(self, rank: int, agent: int) -> None:
-        """Rank ``rank``'s agent ``agent`` is ready. Another agent than before on that rank lost its host buffer."""
+    def attach(self, rank: int, agent: int, buffer: int | None = None) -> None:
+        """Rank ``rank``'s agent ``agent`` is ready with host buffer ``buffer`` (default: one of its own).
+
+        Another agent than before on that rank (a restarted worker) fails every copy in flight and makes
+        the manager forget its GPU blocks' prefixes; another buffer than before also makes the tier forget
+        every host block (their bytes are gone)."""
         if not 0 <= rank < self.tp:
             raise KVCacheError(f"rank: must be in [0, {self.tp}), got {rank}")
+        buffer = agent if buffer is None else buffer
         known = self._agents.get(rank)
         if known == agent:
             return
         if known is not None:
-            self.forget()
+            keep = self._buffers.get(rank) == buffer
+            for job_id in list(self._jobs):
+                self._end(job_id, ok=False, timed_out=False)
+            self.manager.reset_prefix_cache(keep_lower_tier=keep)
         self._agents[rank] = agent
+        self._buffers[rank] = buffer
 
     def report(self, job_id: int, rank: int, ok: bool, error: str = "") -> None:
         """Rank ``rank`` finished its part of ``job_id`` (``ok``), or failed it; a job no longer known is ignored."""
@@ -161,12 +180,6 @@ class DaemonTier(HostBooks):
         """The copies ordered since the last call, for the delta that goes out with them."""
         orders, self._orders = self._orders, []
         return orders
-
-    def forget(self) -> None:
-        """Forget every host block and fail every copy in flight (a rank's host buffer is gone)."""
-        for job_id in list(self._jobs):
-            self._end(job_id, ok=False, timed_out=False)
-        self._clear()
 
     def stats(self) -> TierStats:
         c = self._counts

@@ -1136,8 +1136,11 @@ class CacheServer:
     def _tier_fields(self, kind: str, op: dict, field: str) -> dict[str, Any]:
         """A host-tier op's fields, checked: an agent's rank and id, a report's job and outcome, expired jobs."""
         if kind == "tier_attach":
-            return {"rank": check_int(op.get("rank"), f"{field}.rank", least=0, most=self.config.tp - 1),
-                    "agent": check_int(op.get("agent"), f"{field}.agent", least=0)}
+            fields = {"rank": check_int(op.get("rank"), f"{field}.rank", least=0, most=self.config.tp - 1),
+                      "agent": check_int(op.get("agent"), f"{field}.agent", least=0)}
+            fields["buffer"] = (fields["agent"] if op.get("buffer") is None
+                                else check_int(op.get("buffer"), f"{field}.buffer", least=0))
+            return fields
         if kind == "tier_done":
             ok, error = op.get("ok"), op.get("error") or ""
             if not isinstance(ok, bool):
@@ -1300,7 +1303,7 @@ class CacheServer:
         if tier is None:
             raise KVCacheError(f"{op.kind}: this daemon has no host tier (start it with --host-memory)")
         if op.kind == "tier_attach":
-            tier.attach(fields["rank"], fields["agent"])
+            tier.attach(fields["rank"], fields["agent"], fields.get("buffer"))
             return {"num_blocks": tier.num_blocks}
         if op.kind == "tier_done":
             tier.report(fields["job"], fields["rank"], fields["ok"], fields["error"])

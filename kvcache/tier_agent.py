@@ -36,7 +36,7 @@ from kvcache.allocator.errors import KVCacheError
 from kvcache.allocator.rows import table_cells
 from kvcache.client import CacheClient
 from kvcache.transfer.engines import DEFAULT_TIMEOUT, LocalEngine, TransferHandle, TransferStatus, _Finished
-from kvcache.transfer.manager import Load, allocate_host, copy_layers, first_error
+from kvcache.transfer.manager import Load, allocate_host, copy_layers, first_error, map_host_file
 from kvcache.transfer.regions import CopyRanges, KVRegion
 
 log = logging.getLogger("kvcache.tier_agent")
@@ -51,10 +51,16 @@ class TierAgent:
     ``TransferManager``. The agent hooks ``subscriber`` (``on_delta``): call
     ``subscriber.wait_for``/``poll`` as usual and the copies ordered in those
     deltas start. ``timeout`` bounds each copy (default 30 s).
+
+    ``host_file`` (e.g. ``/dev/shm/kvcache-host-rank0``) keeps the host blocks in
+    a shared file instead of this process's memory: a worker restarted with the
+    same file brings them back, and the daemon keeps serving the blocks that
+    were ready (copies in flight when the old worker stopped fail). The file
+    outlives the process; delete it to drop the blocks.
     """
 
     def __init__(self, subscriber: Any, region: KVRegion, *, timeout: float = DEFAULT_TIMEOUT,
-                 cuda_method: str = "auto", pin: bool = True) -> None:
+                 cuda_method: str = "auto", pin: bool = True, host_file: str | os.PathLike | None = None) -> None:
         if region.owner:
             raise KVCacheError(f"region: belongs to peer {region.owner!r}; the agent copies this process's cache")
         if subscriber.on_delta is not None:
@@ -76,13 +82,19 @@ class TierAgent:
                                    f"rows hold {cells.shape[0]} layers of {cells.shape[1]}")
             self.cells = cells
             self._rows = np.asarray(subscriber.row_ids, dtype=np.intp)
-            self.host = allocate_host(region.spec, self.num_blocks, pin=pin and region.is_cuda)
+            self.agent_id = int.from_bytes(os.urandom(7), "big")
+            if host_file is None:
+                self.host = allocate_host(region.spec, self.num_blocks, pin=pin and region.is_cuda)
+                buffer = None  # the agent's own: gone with it
+            else:
+                self.host, buffer = map_host_file(host_file, region.spec, self.num_blocks)
             self._engine = LocalEngine(timeout=timeout, cuda_method=cuda_method)
             if region.is_cuda and not self.host.pinned:
                 self._engine.register(self.host)
-            self.agent_id = int.from_bytes(os.urandom(7), "big")
-            self._client.tier_attach(self.rank, self.agent_id)
+            self._client.tier_attach(self.rank, self.agent_id, buffer)
         except BaseException:
+            if hasattr(self, "_engine"):
+                self._engine.close()
             self._client.close()
             raise
         # Orders in deltas up to the attach came before this agent's host buffer existed: not ours to copy.

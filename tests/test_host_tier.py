@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from kvcache.allocator.prefix import BlockHasher
+from kvcache.allocator.errors import KVCacheError
 from kvcache.client import CacheClient, DaemonError
 from kvcache.tier_agent import TierAgent
 from kvcache.transfer import TransferStatus
@@ -184,6 +185,50 @@ def test_an_agent_that_restarts_makes_the_daemon_forget_every_host_block(node: A
     assert n.client.admit("b", list(range(100, 114))).num_host_tokens == 0
 
 
+def test_an_agent_restarted_on_its_host_file_brings_the_blocks_back_and_another_file_does_not(node: Any,
+                                                                                             tmp_path: Any) -> None:
+    """Host blocks in a shared file outlive the agent that wrote them: a new agent on the same file attaches
+    with the same buffer, the daemon keeps the ready blocks, and a reload brings their bytes back from the file."""
+    n = node()
+    path = tmp_path / "host-rank0"
+    n.agents[0].close()
+    n.agents[0] = TierAgent(n.subs[0], n.memory[0].region, host_file=path)
+    assert path.stat().st_size > 3 * n.spec.bytes_per_block
+    prompt = list(range(100, 113))
+    n.serve("a", prompt)
+    assert n.settle()["cached_blocks"] == 3
+    n.agents[0].close()
+    n.agents[0] = TierAgent(n.subs[0], n.memory[0].region, host_file=path)  # the worker restarted
+    assert n.client.stats()["host_tier"]["cached_blocks"] == 3
+    n.evict_gpu(1000)
+    assert n.serve("b", prompt + [1]).num_host_tokens == 12  # serve() checks the reloaded bytes
+    n.agents[0].close()
+    n.agents[0] = TierAgent(n.subs[0], n.memory[0].region, host_file=tmp_path / "another")
+    assert n.client.stats()["host_tier"]["cached_blocks"] == 0
+    n.evict_gpu(2000)
+    assert n.client.admit("c", prompt + [2]).num_host_tokens == 0
+
+
+def test_host_files_keep_their_id_for_the_same_geometry_and_start_over_for_another(tmp_path: Any) -> None:
+    from kvcache.transfer.manager import HOST_FILE_DATA_OFFSET, map_host_file
+
+    spec = make_spec("bf16")
+    path = tmp_path / "host"
+    region, first = map_host_file(path, spec, 4)
+    write(region, 2, None, b"kept")
+    assert path.stat().st_size == HOST_FILE_DATA_OFFSET + spec.cache_bytes(4)
+    again, same = map_host_file(path, spec, 4)
+    assert same == first and read(again, 2, None) == pattern(b"kept", None, len(read(again, 2, None)))
+    bigger, other = map_host_file(path, spec, 5)
+    assert other != first and path.stat().st_size == HOST_FILE_DATA_OFFSET + spec.cache_bytes(5)
+    _, after = map_host_file(path, spec, 5)
+    assert after == other
+    path.write_bytes(b"not a host file")
+    assert map_host_file(path, spec, 5)[1] not in (first, other)
+    with pytest.raises(KVCacheError, match="host_file: cannot open '/nonexistent/dir/h'"):
+        map_host_file("/nonexistent/dir/h", spec, 4)
+
+
 def test_a_full_tier_drops_its_least_recent_blocks_with_cpu_events(node: Any) -> None:
     """Host blocks announce themselves as vLLM KV events with medium CPU: stored when a copy lands, removed when
     the full tier reuses the least recent ones."""
@@ -312,8 +357,9 @@ class DaemonTierMachine(RuleBasedStateMachine):
         self.host = [np.full((rows, 8), None, dtype=object) for _ in range(2)]
         self.pending: list[list[dict[str, Any]]] = [[], []]
         self.agents = [1, 2]
+        self.buffers = [1, 2]
         for rank in range(2):
-            self.tier.attach(rank, self.agents[rank])
+            self.tier.attach(rank, self.agents[rank], self.buffers[rank])
         self.live: dict[str, list[int]] = {}
         self.count = 0
 
@@ -407,13 +453,17 @@ class DaemonTierMachine(RuleBasedStateMachine):
             order = self.pending[rank].pop(0)
             self.tier.expire([order["job"]])
 
-    @rule(rank=st.integers(0, 1))
-    def agent_restarts(self, rank: int) -> None:
-        """A new agent: its host buffer is empty and it never runs the old agent's orders."""
+    @rule(rank=st.integers(0, 1), host_file=st.booleans())
+    def worker_restarts(self, rank: int, host_file: bool) -> None:
+        """A restarted worker: its GPU cache holds nothing, it never runs the old agent's orders, and its host
+        buffer is empty, or (``host_file``) the file it shares with the old one, bytes as they were."""
         self.agents[rank] += 2
-        self.host[rank][:] = None
+        self.gpu[rank][:] = None
+        if not host_file:
+            self.host[rank][:] = None
+            self.buffers[rank] = self.agents[rank]
         self.pending[rank] = []
-        self.tier.attach(rank, self.agents[rank])
+        self.tier.attach(rank, self.agents[rank], self.buffers[rank])
 
     @rule()
     def reset(self) -> None:
@@ -458,7 +508,7 @@ from kvcache.tier_agent import TierAgent
 from kvcache.worker import TableSubscriber
 
 sub = TableSubscriber({endpoint!r}, rank={rank}, tp_size=2)
-agent = TierAgent(sub, Memory(make_spec("bf16", tp_size=2), 8, seed={rank}).region)
+agent = TierAgent(sub, Memory(make_spec("bf16", tp_size=2), 8, seed={rank}).region, host_file={host_file!r})
 print("attached", flush=True)
 while True:
     sub.poll(0.05)
@@ -477,7 +527,7 @@ def test_a_worker_killed_with_sigkill_fails_its_copies_and_the_daemon_serves_on(
     tests = str(Path(__file__).resolve().parent)
 
     def worker() -> subprocess.Popen:
-        code = WORKER.format(tests=tests, endpoint=n.endpoint, rank=1)
+        code = WORKER.format(tests=tests, endpoint=n.endpoint, rank=1, host_file=None)
         process = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
         assert process.stdout.readline().strip() == "attached"
         return process
@@ -507,6 +557,66 @@ def test_a_worker_killed_with_sigkill_fails_its_copies_and_the_daemon_serves_on(
         while n.client.stats()["host_tier"]["cached_blocks"] < 3 and time.monotonic() < deadline:
             time.sleep(0.02)
         assert n.client.stats()["host_tier"]["cached_blocks"] == 3
+        n.client.check_integrity()
+    finally:
+        rank1.kill()
+        rank1.wait(5)
+
+
+def test_a_worker_killed_and_restarted_on_its_host_file_fails_the_copies_in_flight_at_once_and_keeps_the_rest(
+        node: Any, tmp_path: Any) -> None:
+    """Rank 1 is a worker process keeping its host blocks in a file; SIGKILL it with a load ordered, start it again
+    on the same file: the load fails at its attach (not at the 60 s deadline), the blocks that were ready stay,
+    and the next hit reloads them on both ranks."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    n = node("--tier-timeout", "60", tp=2, agents=False)
+    n.agents[0] = TierAgent(n.subs[0], n.memory[0].region)
+    tests = str(Path(__file__).resolve().parent)
+    host_file = str(tmp_path / "host-rank1")
+
+    def worker() -> subprocess.Popen:
+        code = WORKER.format(tests=tests, endpoint=n.endpoint, rank=1, host_file=host_file)
+        process = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        assert process.stdout.readline().strip() == "attached"
+        return process
+
+    def cached(count: int) -> dict[str, Any]:
+        """The tier's stats once it holds ``count`` blocks and no copy is in flight (rank 1 reports on its own)."""
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            stats = n.client.stats()["host_tier"]
+            if stats["cached_blocks"] >= count and stats["pending_loads"] == stats["pending_offloads"] == 0:
+                break
+            time.sleep(0.02)
+        return stats
+
+    rank1 = worker()
+    try:
+        prompt = list(range(100, 113))
+        n.memory, n.subs, n.agents = n.memory[:1], n.subs[:1], n.agents[:1]  # rank 1's memory is the worker's
+        n.serve("a", prompt)
+        assert cached(3)["cached_blocks"] == 3
+        n.evict_gpu(1000)
+        before = cached(3 + n.daemon_blocks)
+        rank1.kill()
+        rank1.wait(5)
+        adm = n.client.admit("b", prompt + [1])
+        assert adm.num_host_tokens == 12
+        started = time.monotonic()
+        rank1 = worker()  # the same file: the same buffer
+        assert n.failed_loads(timeout=5) == ["b"] and time.monotonic() - started < 30
+        stats = n.client.stats()["host_tier"]
+        assert stats["cached_blocks"] == before["cached_blocks"] and stats["pending_loads"] == 0
+        n.client.free("b")
+        again = n.serve("c", prompt + [2])  # rank 0's reloaded bytes are checked; rank 1 reports its part
+        assert again.num_host_tokens == 12
+        stats = cached(0)
+        assert stats["loaded_blocks"] == before["loaded_blocks"] + 3
+        assert stats["failed_loads"] == before["failed_loads"] + 1
+        assert n.client.tier_failed() == []
         n.client.check_integrity()
     finally:
         rank1.kill()

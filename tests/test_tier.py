@@ -612,6 +612,21 @@ def test_reset_prefix_cache_empties_the_host_tier_too(tiers) -> None:
     tier.check_host()
 
 
+def test_a_reset_that_keeps_the_lower_tier_forgets_only_the_gpu_blocks(tiers) -> None:
+    spec = make_spec()
+    tier = tiers(spec, num_blocks=8, host_blocks=8)
+    prompt = list(range(1, 10))
+    tier.admit("a", prompt)
+    tier.manager.free("a")
+    tier.tm.drain(10)
+    assert tier.manager.lookup(prompt) == 8
+    tier.manager.reset_prefix_cache(keep_lower_tier=True)
+    assert tier.tm.lookup(prompt) == (0, 8) and tier.tm.stats().cached_blocks == 2
+    again = tier.manager.admit("b", prompt)
+    assert again.num_cached_tokens == again.num_host_tokens == 8  # every cached token from host now
+    tier.check_host()
+
+
 # --------------------------------------------------------------------------- state machine
 
 

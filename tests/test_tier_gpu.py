@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ctypes
+import time
 
 import numpy as np
 import pytest
@@ -123,3 +124,71 @@ def test_offload_of_a_4096_token_request_lands_in_pinned_host_memory_byte_for_by
                 want = saved[layer][k].reshape(blocks, -1)[torch.from_numpy(table[0].astype(np.int64))]
                 got = host[layer][k][torch.from_numpy(ids[:, 0].astype(np.int64))]
                 assert torch.equal(got, want), f"layer {layer} tensor {k}"
+
+
+@pytest.mark.parametrize("host_file", [False, True])
+def test_the_daemons_host_tier_brings_gpu_blocks_back_byte_for_byte(daemon, host_file: bool) -> None:
+    """A real `kvcache serve` with a host tier and a TierAgent over CUDA tensors: free -> offload; every GPU block
+    rewritten by another request; admit -> reload -> the old bytes. With a host file in /dev/shm the agent is
+    restarted on it before the reload (the file's memory registered for the copies, the daemon keeping the blocks)."""
+    import os
+    from pathlib import Path
+
+    from kvcache.client import CacheClient
+    from kvcache.tier_agent import TierAgent
+    from kvcache.worker import TableSubscriber
+
+    spec = make_spec()
+    bs = spec.block_size
+    d = daemon("--num-blocks", str(BLOCKS), "--block-size", str(bs), "--host-block-budget", str(2 * BLOCKS),
+               "--hash-seed", "gpu tier")
+    caches = random_caches(spec, 7)
+    region = KVRegion.from_tensors(spec, caches)
+    shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
+    path = shm / f"kvcache-test-host-{os.getpid()}" if host_file else None
+    client, sub = CacheClient(d.endpoint, timeout=30), TableSubscriber(d.endpoint)
+    agent = TierAgent(sub, region, host_file=path)
+    try:
+        def settled(cached: int) -> dict:
+            sub.wait_for(client.last_seq)
+            assert agent.drain(60)
+            for _ in range(500):
+                stats = client.stats()["host_tier"]
+                if stats["cached_blocks"] >= cached and stats["pending_offloads"] == stats["pending_loads"] == 0:
+                    return stats
+                time.sleep(0.01)
+            return stats
+
+        prompt = list(range(1, 10 * bs + 2))  # 10 full blocks and 2 tokens: a hit takes all 10
+        table = np.asarray(client.admit("a", prompt).table).copy()
+        saved = [[raw(c) for c in row] for row in caches]
+        client.free("a")
+        assert settled(10)["cached_blocks"] == 10
+        if host_file:
+            agent.close()
+            agent = TierAgent(sub, region, host_file=path)  # a restarted worker on the same file
+            assert client.stats()["host_tier"]["cached_blocks"] == 10
+        filler = client.admit("f", list(range(1000, 1000 + BLOCKS * bs)))
+        assert filler is not None
+        for row in caches:  # the new owner writes every GPU block
+            for c in row:
+                c.view(torch.uint8).random_(0, 256)
+        client.free("f")
+        settled(10)
+        again = client.admit("b", prompt)
+        assert again.num_host_tokens == again.num_cached_tokens == 10 * bs
+        sub.wait_for(client.last_seq)
+        for layer in range(spec.num_layers):
+            assert agent.wait(layer, 60) is TransferStatus.DONE
+        now = np.asarray(again.table)
+        for layer, row in enumerate(caches):
+            for t, c in enumerate(row):
+                got = raw(c)
+                for col in range(10):
+                    assert torch.equal(got[int(now[0, col])], saved[layer][t][int(table[0, col])]), (layer, t, col)
+    finally:
+        agent.close()
+        sub.close()
+        client.close()
+        if path is not None:
+            path.unlink(missing_ok=True)

@@ -30,6 +30,8 @@ import dataclasses
 import itertools
 import logging
 import mmap
+import os
+import struct
 import sys
 import time
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -48,7 +50,7 @@ if TYPE_CHECKING:
     from kvcache.allocator.layout import CacheSpec
     from kvcache.allocator.manager import KVCacheManager
 
-__all__ = ["HostTierConfig", "Load", "TierStats", "TransferManager", "allocate_host", "copy_layers"]
+__all__ = ["HostTierConfig", "Load", "TierStats", "TransferManager", "allocate_host", "copy_layers", "map_host_file"]
 
 log = logging.getLogger("kvcache.transfer.manager")
 
@@ -606,6 +608,48 @@ def allocate_host(spec: CacheSpec, num_blocks: int, *, pin: bool) -> KVRegion:
         buffer = mmap.mmap(-1, max(nbytes, 1))
         addr = np.frombuffer(buffer, dtype=np.uint8).ctypes.data
     return KVRegion.from_buffer(spec, num_blocks, addr, pinned=pinned, keep=(buffer,))
+
+
+_HOST_FILE_MAGIC = b"KVCHOST1"
+_HOST_FILE_HEADER = struct.Struct("<8sQQQQ")  # magic, buffer id, bytes per block, blocks, layers
+HOST_FILE_DATA_OFFSET = 4096
+"""Bytes before the blocks in a host file: its header, padded to a page."""
+
+
+def map_host_file(path: str | os.PathLike, spec: CacheSpec, num_blocks: int) -> tuple[KVRegion, int]:
+    """Host blocks in a shared file (``/dev/shm/...``), and the id of the buffer it holds.
+
+    A file already holding blocks of this geometry is mapped as it is and keeps its id, so the
+    blocks survive the process that wrote them; any other file (missing, another geometry, not
+    one of these) is sized and given a new random id (its blocks hold nothing yet). Not pinned:
+    an engine registers it for CUDA copies. The file stays when the process ends; delete it to
+    drop the blocks.
+    """
+    nbytes = spec.cache_bytes(num_blocks)
+    size = HOST_FILE_DATA_OFFSET + nbytes
+    fields = (spec.bytes_per_block, num_blocks, spec.num_layers)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError as exc:
+        raise KVCacheError(f"host_file: cannot open {os.fspath(path)!r}: {exc.strerror}") from None
+    try:
+        header = os.pread(fd, _HOST_FILE_HEADER.size, 0)
+        known = len(header) == _HOST_FILE_HEADER.size and os.fstat(fd).st_size == size
+        magic, buffer_id, *geometry = _HOST_FILE_HEADER.unpack(header) if known else (b"", 0)
+        if not (known and magic == _HOST_FILE_MAGIC and tuple(geometry) == fields and buffer_id):
+            buffer_id = int.from_bytes(os.urandom(7), "big") or 1
+            try:
+                os.ftruncate(fd, 0)
+                os.ftruncate(fd, size)
+            except OSError as exc:
+                raise KVCacheError(f"host_file: cannot size {os.fspath(path)!r} to {size:,} bytes: "
+                                   f"{exc.strerror}") from None
+            os.pwrite(fd, _HOST_FILE_HEADER.pack(_HOST_FILE_MAGIC, buffer_id, *fields), 0)
+        mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    addr = np.frombuffer(mapping, dtype=np.uint8).ctypes.data + HOST_FILE_DATA_OFFSET
+    return KVRegion.from_buffer(spec, num_blocks, addr, keep=(mapping,)), buffer_id
 
 
 def copy_layers(engine: LocalEngine, src: KVRegion, src_ids: np.ndarray, dst: KVRegion, dst_ids: np.ndarray,
