@@ -60,6 +60,7 @@ class TierJob:
     extra_keys: tuple = ()
     dropped: bool = False
     owner: Any = None  # a load's request
+    lost: np.ndarray | None = None  # bool [m]: an offload's source block written by an unordered writer meanwhile
 
 
 class TierStats(NamedTuple):
@@ -95,13 +96,17 @@ class DaemonTier(HostBooks):
     #: The daemon journals this tier with its manager (an in-process tier is memory, not state).
     journaled = True
 
-    def __init__(self, manager: KVCacheManager, num_blocks: int, tp: int) -> None:
+    def __init__(self, manager: KVCacheManager, num_blocks: int, tp: int, *, unordered_writes: bool = False) -> None:
+        """``unordered_writes``: a GPU block's new owner may be written without the workers' order (a PD decode
+        daemon: the prefill node writes reserved blocks over NIXL), so an offload still reading an evicted block
+        keeps nothing of it."""
         if not manager.enable_prefix_caching:
             raise KVCacheError("host tier: it keys blocks by prefix hash; enable prefix caching")
         if num_blocks < 1:
             raise KVCacheError(f"host_blocks: must be at least 1, got {num_blocks}")
         super().__init__(manager, num_blocks)
         self.tp = int(tp)
+        self.unordered_writes = unordered_writes
         self._jobs: dict[int, TierJob] = {}
         self._next_job = 0
         self._orders: list[dict[str, Any]] = []
@@ -120,6 +125,7 @@ class DaemonTier(HostBooks):
         """A journal snapshot's state; one saved before agents named their buffers had each agent's buffer its own."""
         self.__dict__.update(state)
         self.__dict__.setdefault("_buffers", dict(self._agents))
+        self.__dict__.setdefault("unordered_writes", False)
 
     def bind(self, manager: KVCacheManager) -> None:
         """After a journal restore: the manager this tier is attached to again."""
@@ -252,9 +258,20 @@ class DaemonTier(HostBooks):
 
     def evicting(self, rows: np.ndarray, blocks: np.ndarray) -> None:
         """GPU pairs get a new owner. Workers finish earlier copies before the owner writes (the module's
-        contract), so nothing waits; a load still filling them no longer stands for their hashes."""
-        if self._jobs:
-            self._filling[np.asarray(rows, dtype=np.intp), np.asarray(blocks, dtype=np.intp)] = -1
+        contract), so nothing waits; a load still filling them no longer stands for their hashes. With
+        unordered writers (PD decode) an offload still reading them keeps nothing of those blocks."""
+        if not self._jobs:
+            return
+        rows, blocks = np.asarray(rows, dtype=np.intp), np.asarray(blocks, dtype=np.intp)
+        self._filling[rows, blocks] = -1
+        if self.unordered_writes:
+            taken = rows * self.manager.num_blocks + blocks
+            for job in self._jobs.values():
+                if job.kind == "offload":
+                    r = np.arange(job.gpu.shape[0])[:, None]
+                    hit = (np.isin(r * self.manager.num_blocks + job.gpu, taken) & (job.gpu >= 0)).any(axis=0)
+                    if hit.any():
+                        job.lost = hit if job.lost is None else job.lost | hit
 
     def reset(self) -> None:
         """``reset_prefix_cache``: forget every host copy; offloads in flight are dropped when they end."""
@@ -275,6 +292,8 @@ class DaemonTier(HostBooks):
         job = self._jobs.pop(job_id)
         if job.kind == "offload":
             keep = np.full(job.host_ids.size, ok and not job.dropped)
+            if job.lost is not None:
+                keep &= ~job.lost
             # Timed out: a late copy may still write its host blocks, so they never serve again.
             self._offload_ended(job.host_ids, keep, retire=timed_out, chain=job.chain, tokens=job.tokens,
                                 lora=job.lora, extra_keys=job.extra_keys, cols=job.cols, src=job.gpu)

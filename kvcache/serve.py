@@ -164,7 +164,8 @@ def build_manager(cfg: ServeConfig) -> tuple[KVCacheManager, tuple[Row, ...] | N
     if host_blocks:
         from kvcache.host_tier import DaemonTier
 
-        manager.attach_tier(DaemonTier(manager, host_blocks, cfg.tp))
+        # A decode daemon's reserved blocks are written by the prefill node, outside the workers' order.
+        manager.attach_tier(DaemonTier(manager, host_blocks, cfg.tp, unordered_writes=cfg.role == "decode"))
     return manager, layout, extra
 
 

@@ -500,6 +500,28 @@ TestHeadWiseDaemonTier = HeadWiseDaemonTierMachine.TestCase
 TestHeadWiseDaemonTier.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
 
 
+@pytest.mark.parametrize("unordered", [False, True])
+def test_on_a_decode_daemon_an_offload_keeps_nothing_of_a_block_a_reservation_took_before_it_ran(unordered) -> None:
+    """On a PD decode daemon the prefill node writes reserved blocks over NIXL, outside the workers' order: an
+    offload that had not run when its source blocks got a new owner keeps nothing of them. Elsewhere the workers
+    run the offload before the new owner writes, and the copies stay."""
+    manager = KVCacheManager(4, 2, [Full()], hash_seed=b"decode")
+    tier = DaemonTier(manager, 8, tp=1, unordered_writes=unordered)
+    manager.attach_tier(tier)
+    tier.attach(0, 1)
+    manager.admit("a", [1, 2, 3, 4, 5])
+    manager.free("a")
+    (offload,) = tier.take_orders()
+    assert offload["kind"] == "offload" and (offload["src"] >= 0).sum() == 2
+    assert manager.admit("b", [9] * 8) is not None  # every GPU block: the two the offload reads among them
+    tier.report(offload["job"], 0, True)
+    stats = tier.stats()
+    assert (stats.cached_blocks, stats.offloaded_blocks) == ((0, 0) if unordered else (2, 2)), stats
+    manager.free("b")
+    assert manager.lookup_tiers([1, 2, 3, 4, 5]) == (0, 0 if unordered else 4)
+    manager.check_integrity()
+
+
 WORKER = """
 import sys, time
 sys.path.insert(0, {tests!r})

@@ -24,6 +24,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from kvcache.launch import start_serve, stop_serve  # noqa: E402
+from kvcache.transfer.nixl import nixl_available  # noqa: E402
 
 from backend import TorchBackend  # noqa: E402
 from engine import daemon_engine, library_engine  # noqa: E402
@@ -160,11 +161,11 @@ GPU_CASES: dict[str, Case] = {
 
 
 def on_gpu(case: Case) -> Case | None:
-    """The case for the GPU engine, or None where it does not serve it (TP and PD: their ranks' and nodes' caches
-    are the CPU engine's). Flex attention reads blocks of 16 tokens or more: the same tokens in a quarter of the
+    """The case for the GPU engine, or None where it does not serve it (TP: its ranks' caches are the CPU engine's;
+    PD with one prefill rank runs both nodes' engines on the GPU, the KV moved over NIXL). Flex attention reads blocks of 16 tokens or more: the same tokens in a quarter of the
     blocks (two more: partly filled blocks of 16 leave a request more room unused); MLA's latent is read as one
     head of 64 values (its rank widened to ``64 - rope_dim``)."""
-    if case.tp > 1 or case.pd:
+    if case.tp > 1:
         return None
     scale = 16 // case.block_size
 
@@ -189,15 +190,15 @@ def run(case: Case, corrupt: bool = False, device: str = "cpu") -> dict[str, Any
     ``device`` "cuda:N": the model and its dense reference in PyTorch there, attention by flex attention."""
     with serving(case) as endpoints:
         if case.pd:
-            return _run_pd(case, endpoints)
+            return _run_pd(case, endpoints, device)
         return _run(case, endpoints.get("both"), corrupt, device)
 
 
-def _run_pd(case: Case, endpoints: dict[str, str]) -> dict[str, Any]:
+def _run_pd(case: Case, endpoints: dict[str, str], device: str = "cpu") -> dict[str, Any]:
     """Prefill on one engine and daemon, decode on another, the KV moved layer by layer over NIXL."""
     from pd import PDPair
 
-    model = Model(case.model)
+    model = Model(case.model, TorchBackend(device) if device != "cpu" else None)
     pair = PDPair(model, endpoints["prefill"], endpoints["decode"], block_size=case.block_size,
                   head_wise=case.head_wise, quant=case.quant, prefill_tp=case.tp)
     try:
@@ -208,7 +209,8 @@ def _run_pd(case: Case, endpoints: dict[str, str]) -> dict[str, Any]:
         stats = [side.cache.stats() for side in (pair.prefill, pair.decode)]
         recycled = sum(s["recycled_blocks"] for s in stats)
         prefill_host, decode_host = (s.get("host_tier", {}).get("hit_tokens", 0) for s in stats)
-        pools = sorted(set(pair.decode.paged.layer_blocks))
+        decode = pair.decode
+        pools = sorted(set(decode.paged.layer_blocks if decode.paged is not None else decode.attention.layer_blocks))
     finally:
         pair.close()
     return {"requests": total, "mismatched": mismatched, "max_logit_diff": worst, "hit_tokens": prefill_hits,
@@ -290,6 +292,9 @@ def main(argv: list[str] | None = None) -> int:
             case = on_gpu(case)
             if case is None:
                 continue
+        if case.pd and not nixl_available():
+            print(f"skip {name}: NIXL is not installed (pip install nixl-cu12 --no-deps)", flush=True)
+            continue
         start = time.perf_counter()
         r = run(case, device=device)
         good = not r["mismatched"]

@@ -80,11 +80,15 @@ class PDPair:
         self.prefill.handoff = self.handed.append
         self.prefill.on_step = self._send
         if prefill_tp == 1:  # TP ranks signal their own layers
-            self.prefill.on_layer = lambda layer: send_cache(None, self.signal, layer)
+            stream = None  # the CPU engine has written the layer when on_layer runs
+            ops = model.ops
+            if ops.name == "torch" and ops.device.type == "cuda":  # on the GPU: once the stream has written it
+                stream = ops.torch.cuda.current_stream(ops.device)
+            self.prefill.on_layer = lambda layer: send_cache(stream, self.signal, layer)
 
     def _region(self, engine: Engine) -> KVRegion:
-        assert engine.paged is not None
-        return KVRegion.from_tensors(self.spec, [engine.paged.views(layer) for layer in range(self.spec.num_layers)])
+        views = engine.paged.views if engine.paged is not None else engine.attention.views
+        return KVRegion.from_tensors(self.spec, [views(layer) for layer in range(self.spec.num_layers)])
 
     def _send(self, items: list[Any]) -> None:
         """Before a prefill step's layers: the messagers learn which requests' blocks to send as layers finish."""
