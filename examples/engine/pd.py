@@ -120,6 +120,11 @@ class PDPair:
                 self.decode.running.append(s)
         while self.decode.running:
             self.decode.step()
+        if self.decode.agent is not None:
+            # Between steps a decode worker runs the copies its daemon ordered: the frees' offloads land before the
+            # next reservations take their blocks (which the prefill node writes outside the workers' order).
+            self.decode.tables.wait_for(self.decode.cache.last_seq, timeout=self.timeout)
+            self.decode.agent.drain(self.timeout)
         return {rid: self.decode.finished.pop(rid) for rid in prompts}
 
     def hit_tokens(self) -> tuple[int, int]:
