@@ -183,6 +183,7 @@ class KVCacheManager(RequestSlots, DecodeBatch, TierLink):
         self._queries = self._hit_requests = self._queried_tokens = self._hit_tokens = 0
         self._evicted = self._recycled = 0
         self.tier: LowerTier | None = None  # a cache tier under the GPU blocks (attach_tier)
+        self._held = np.zeros((len(groups), num_blocks), dtype=np.int64)  # references a tier holds (hold)
         # With a tier: each request's tokens since admit, by slot (the tier keys and announces what it
         # takes by them; without a tier only the partial last block's tokens are kept).
         self._tier_tokens: dict[int, list[np.ndarray]] = {}
@@ -203,6 +204,8 @@ class KVCacheManager(RequestSlots, DecodeBatch, TierLink):
         self.__dict__.update(state)
         for req in self._requests.values():
             req.view = None
+        if "_held" not in state:  # a snapshot from before tiers could hold blocks
+            self._held = np.zeros((len(self._group_col), self.num_blocks), dtype=np.int64)
 
     @property
     def row_groups(self) -> np.ndarray:
@@ -647,10 +650,11 @@ class KVCacheManager(RequestSlots, DecodeBatch, TierLink):
                 assert (self._last_block[req.slot] == t[:, -1]).all(), "last block out of date"
             if req.heads is not None:
                 assert (req.heads[:, : req.num_blocks] == t[self._row_group]).all(), "rows disagree with their group"
+        refs += self._held
         actual = self._pool.refcount(self._group_col, np.arange(self.num_blocks)[None, :])
         bad = np.argwhere(refs != actual)
         assert bad.size == 0, (
-            f"(row {bad[0][0]}, block {bad[0][1]}) is in {refs[tuple(bad[0])]} live tables "
+            f"(row {bad[0][0]}, block {bad[0][1]}) is in {refs[tuple(bad[0])]} live tables and tier holds "
             f"but has refcount {actual[tuple(bad[0])]}" if bad.size else ""
         )
         rows, blocks = self._index.held_pairs()
@@ -705,6 +709,32 @@ class KVCacheManager(RequestSlots, DecodeBatch, TierLink):
             keep[first_seen[num_hit]:] = True
             blocks[np.ix_(group, np.flatnonzero(~keep))] = -1
         return num_hit, blocks
+
+    @property
+    def held_blocks(self) -> int:
+        """(group, block) pairs a lower tier keeps out of the pool (``hold``)."""
+        return int(np.count_nonzero(self._held))
+
+    def hold(self, rows: np.ndarray, blocks: np.ndarray) -> None:
+        """A lower tier keeps these (row, block) pairs, which a live request holds now, out of the pool until
+        ``let_go``: a copy its workers have not run yet still writes them."""
+        groups, blocks = self._group_pairs(rows, blocks)
+        self._pool.incref(groups, blocks, unique=True)
+        self._held[groups, blocks] += 1
+
+    def let_go(self, rows: np.ndarray, blocks: np.ndarray) -> None:
+        """End a ``hold`` of the same pairs: blocks no one else holds return to the pool."""
+        groups, blocks = self._group_pairs(rows, blocks)
+        if (self._held[groups, blocks] < 1).any():
+            raise KVCacheError("let_go: a pair the tier does not hold")
+        self._held[groups, blocks] -= 1
+        self._pool.decref(groups, blocks, unique=True)
+
+    def _group_pairs(self, rows: np.ndarray, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(row, block) pairs as the distinct (group, block) pairs that hold them."""
+        groups = self._row_group[np.asarray(rows, dtype=np.intp)]
+        pairs = np.unique(groups.astype(np.int64) * self.num_blocks + np.asarray(blocks, dtype=np.int64))
+        return (pairs // self.num_blocks).astype(np.intp), (pairs % self.num_blocks).astype(np.intp)
 
     def _expand_pairs(self, groups: np.ndarray, blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(group, block) pairs as the (row, block) pairs they stand for."""

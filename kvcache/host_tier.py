@@ -61,6 +61,7 @@ class TierJob:
     dropped: bool = False
     owner: Any = None  # a load's request
     lost: np.ndarray | None = None  # bool [m]: an offload's source block written by an unordered writer meanwhile
+    held: bool = False  # a load whose request ended first: the manager holds its GPU blocks until it ends
 
 
 class TierStats(NamedTuple):
@@ -79,6 +80,7 @@ class TierStats(NamedTuple):
     retired_blocks: int  # host blocks of copies that timed out: a late write may still land, so never reused
     hit_tokens: int  # tokens admitted as cached thanks to the tier
     ranks: int  # ranks whose agents are attached
+    held_gpu_blocks: int = 0  # GPU blocks kept out of the pool: a decode daemon's loads a rank may still run
 
 
 class DaemonTier(HostBooks):
@@ -99,7 +101,8 @@ class DaemonTier(HostBooks):
     def __init__(self, manager: KVCacheManager, num_blocks: int, tp: int, *, unordered_writes: bool = False) -> None:
         """``unordered_writes``: a GPU block's new owner may be written without the workers' order (a PD decode
         daemon: the prefill node writes reserved blocks over NIXL), so an offload still reading an evicted block
-        keeps nothing of it."""
+        keeps nothing of it, and the blocks of a load whose request ends first stay out of the pool until the load
+        ends (a late load would overwrite what the new owner was sent)."""
         if not manager.enable_prefix_caching:
             raise KVCacheError("host tier: it keys blocks by prefix hash; enable prefix caching")
         if num_blocks < 1:
@@ -112,6 +115,9 @@ class DaemonTier(HostBooks):
         self._orders: list[dict[str, Any]] = []
         self._agents: dict[int, int] = {}  # rank -> its agent's id
         self._buffers: dict[int, int] = {}  # rank -> the id of its agent's host buffer
+        # Failed loads whose GPU blocks stay held (unordered writes) until every rank is done with them:
+        # job -> (rows, blocks, ranks done).
+        self._lingering: dict[int, tuple[np.ndarray, np.ndarray, list[int]]] = {}
         # The load filling each GPU (row, block), -1 where none: a hit on a block still being filled waits on it.
         self._filling = np.full((self._rows, manager.num_blocks), -1, dtype=np.int64)
 
@@ -126,6 +132,7 @@ class DaemonTier(HostBooks):
         self.__dict__.update(state)
         self.__dict__.setdefault("_buffers", dict(self._agents))
         self.__dict__.setdefault("unordered_writes", False)
+        self.__dict__.setdefault("_lingering", {})
 
     def bind(self, manager: KVCacheManager) -> None:
         """After a journal restore: the manager this tier is attached to again."""
@@ -154,19 +161,24 @@ class DaemonTier(HostBooks):
             return
         if known is not None:
             keep = self._buffers.get(rank) == buffer
-            for job_id in list(self._jobs):
-                self._end(job_id, ok=False, timed_out=False)
+            for job_id in list(self._jobs):  # the old agent will not run them: done with them, as far as it goes
+                self._end(job_id, ok=False, timed_out=False, done=[*self._jobs[job_id].done, rank])
+            for job_id in list(self._lingering):
+                self._linger(job_id, rank)
             self.manager.reset_prefix_cache(keep_lower_tier=keep)
         self._agents[rank] = agent
         self._buffers[rank] = buffer
 
     def report(self, job_id: int, rank: int, ok: bool, error: str = "") -> None:
         """Rank ``rank`` finished its part of ``job_id`` (``ok``), or failed it; a job no longer known is ignored."""
+        if job_id in self._lingering:
+            self._linger(job_id, rank)
+            return
         job = self._jobs.get(job_id)
         if job is None:
             return
         if not ok:
-            self._end(job_id, ok=False, timed_out=False)
+            self._end(job_id, ok=False, timed_out=False, done=[*job.done, rank])
             return
         if rank not in job.done:
             job.done.append(rank)
@@ -178,9 +190,11 @@ class DaemonTier(HostBooks):
         for job_id in job_ids:
             if job_id in self._jobs:
                 self._end(job_id, ok=False, timed_out=True)
+            self._lingering.pop(job_id, None)  # a rank may still write its blocks: they stay held
 
     def pending_jobs(self) -> list[int]:
-        return list(self._jobs)
+        """Copies with a deadline: those in flight, and failed loads whose blocks wait for every rank."""
+        return [*self._jobs, *self._lingering]
 
     def take_orders(self) -> list[dict[str, Any]]:
         """The copies ordered since the last call, for the delta that goes out with them."""
@@ -192,7 +206,7 @@ class DaemonTier(HostBooks):
         offloads = sum(job.kind == "offload" for job in self._jobs.values())
         return TierStats(self.num_blocks, int(self._pool.num_free()[0]), int(self._ready.sum()), offloads,
                          len(self._jobs) - offloads, c["offloaded"], c["loaded"], c["dropped"], c["evicted"],
-                         c["failed"], self._retired, c["hit_tokens"], len(self._agents))
+                         c["failed"], self._retired, c["hit_tokens"], len(self._agents), self.manager.held_blocks)
 
     def check_integrity(self) -> None:
         """Raise AssertionError if host pool, index, readiness and jobs disagree."""
@@ -241,6 +255,12 @@ class DaemonTier(HostBooks):
         # Loads it read and no rank has failed yet, but not every rank reported: what it computed over them is not
         # known good, so it is not kept.
         unreported = [self._jobs[j].gpu for j in self._waits.pop(request_id, ()) if j in self._jobs]
+        if self.unordered_writes:
+            for job in self._jobs.values():
+                if job.kind == "load" and job.owner == request_id and not job.held:
+                    r, c = np.nonzero(job.gpu >= 0)
+                    self.manager.hold(r, job.gpu[r, c])
+                    job.held = True
         blocks = self._untaint(request_id, np.array(blocks, dtype=np.int32), unreported)
         n = len(hashes) // _H
         if n == 0 or not self.active:
@@ -288,7 +308,17 @@ class DaemonTier(HostBooks):
         self._orders.append({"job": job_id, "kind": kind, "src": src, "dst": dst})
         return job_id
 
-    def _end(self, job_id: int, *, ok: bool, timed_out: bool) -> None:
+    def _linger(self, job_id: int, rank: int) -> None:
+        """Rank ``rank`` is done with failed load ``job_id``: once every rank is, its held GPU blocks go back."""
+        rows, blocks, done = self._lingering[job_id]
+        if rank not in done:
+            done.append(rank)
+        if len(done) == self.tp:
+            del self._lingering[job_id]
+            self.manager.let_go(rows, blocks)
+
+    def _end(self, job_id: int, *, ok: bool, timed_out: bool, done: list[int] | None = None) -> None:
+        """Settle a copy: it landed on every rank (``ok``), failed (``done``: the ranks done with it), or timed out."""
         job = self._jobs.pop(job_id)
         if job.kind == "offload":
             keep = np.full(job.host_ids.size, ok and not job.dropped)
@@ -303,3 +333,14 @@ class DaemonTier(HostBooks):
         rows, gpu = r[mine], job.gpu[r, c][mine]
         self._filling[rows, gpu] = -1
         self._load_ended(job_id, ok, job.host_ids, rows, gpu, job.gpu)
+        if self.unordered_writes and not ok and not job.held:  # its request still owns the blocks: keep them
+            self.manager.hold(r, job.gpu[r, c])  # out of the pool while a rank may still run the copy
+            job.held = True
+        if not job.held or timed_out:  # timed out: a late copy may still write them, so they stay held
+            return
+        if ok:
+            self.manager.let_go(r, job.gpu[r, c])
+            return
+        self._lingering[job_id] = (r, job.gpu[r, c], [])
+        for rank in sorted(set(job.done if done is None else done)):
+            self._linger(job_id, rank)

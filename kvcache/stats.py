@@ -58,7 +58,8 @@ def render(snapshot: dict[str, Any], previous: dict[str, Any] | None = None, int
         lines.append(f"host tier since start: offloaded {tier['offloaded_blocks']:,}   loaded "
                      f"{tier['loaded_blocks']:,}   hit tokens {tier['hit_tokens']:,}   evicted "
                      f"{tier['evicted_blocks']:,}   dropped {tier['dropped_blocks']:,}   failed loads "
-                     f"{tier['failed_loads']:,}   retired {tier['retired_blocks']:,}")
+                     f"{tier['failed_loads']:,}   retired {tier['retired_blocks']:,}"
+                     + (f"   GPU blocks held {tier['held_gpu_blocks']:,}" if tier.get("held_gpu_blocks") else ""))
     if previous is not None and interval > 0:
         prev = previous["stats"]
         lines.append(f"per second: deltas {(stats['seq'] - prev['seq']) / interval:,.0f}   admits "

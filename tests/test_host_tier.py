@@ -345,15 +345,17 @@ class DaemonTierMachine(RuleBasedStateMachine):
     """
 
     ROWS: list[Any] = [Full()]
+    UNORDERED = False  # a new request's blocks are written before the workers run earlier copies (PD decode)
+    BLOCKS = 10
 
     def __init__(self) -> None:
         super().__init__()
-        self.manager = KVCacheManager(10, 2, self.ROWS, hash_seed=b"machine")
-        self.tier = DaemonTier(self.manager, 8, tp=2)
+        self.manager = KVCacheManager(self.BLOCKS, 2, self.ROWS, hash_seed=b"machine")
+        self.tier = DaemonTier(self.manager, 8, tp=2, unordered_writes=self.UNORDERED)
         self.manager.attach_tier(self.tier)
         self.hasher = BlockHasher(2, "sha256", b"machine")
         rows = self.manager.num_rows
-        self.gpu = [np.full((rows, 10), None, dtype=object) for _ in range(2)]
+        self.gpu = [np.full((rows, self.BLOCKS), None, dtype=object) for _ in range(2)]
         self.host = [np.full((rows, 8), None, dtype=object) for _ in range(2)]
         self.pending: list[list[dict[str, Any]]] = [[], []]
         self.agents = [1, 2]
@@ -405,23 +407,50 @@ class DaemonTierMachine(RuleBasedStateMachine):
             assert order["kind"] == "load"
             self.tier.report(order["job"], fail_load, False, "copy failed")
             assert rid in self.tier._failed
+        keys = self.hasher.hash_blocks(np.asarray(tokens, dtype=np.uint32))
+        cached = adm.num_cached_tokens // 2
+        table = adm.table
+        if self.UNORDERED:  # the prefill node's KV lands before the workers run what was ordered earlier
+            self._write_new(table, keys, cached, rid)
         self._catch_up()
         self._forget_failed()
         if rid not in self.live:
             return
-        keys = self.hasher.hash_blocks(np.asarray(tokens, dtype=np.uint32))
-        cached = adm.num_cached_tokens // 2
-        table = adm.table
-        for col in range(table.shape[1]):
+        for col in range(cached):
             for row in range(table.shape[0]):
                 block = int(table[row, col])
-                if block < 0:
-                    continue
                 for rank in range(2):
-                    if col < cached:
+                    if block >= 0:
                         assert self.gpu[rank][row, block] == keys[col], f"{rid} col {col} rank {rank}: stale KV"
-                    else:
+        if self.UNORDERED:
+            new = [self.gpu[rank][row, int(table[row, col])] for col in range(cached, table.shape[1])
+                   for row in range(table.shape[0]) if table[row, col] >= 0 for rank in range(2)]
+            self._write_new(table, keys, cached, rid)
+            assert new == [self.gpu[rank][row, int(table[row, col])] for col in range(cached, table.shape[1])
+                           for row in range(table.shape[0]) if table[row, col] >= 0 for rank in range(2)], \
+                f"{rid}: a copy ordered earlier overwrote what the prefill node sent"
+        else:
+            self._write_new(table, keys, cached, rid)
+
+    def _write_new(self, table: np.ndarray, keys: list[bytes], cached: int, rid: str) -> None:
+        """The request's KV from column ``cached`` on, on every rank (a step's writes, or the prefill node's)."""
+        for col in range(cached, table.shape[1]):
+            for row in range(table.shape[0]):
+                block = int(table[row, col])
+                if block >= 0:
+                    for rank in range(2):
                         self.gpu[rank][row, block] = keys[col] if col < len(keys) else ("partial", rid)
+
+    @rule(prefix=st.sampled_from([(1, 2), (1, 2, 3, 4), (7, 8, 9)]), tail=st.lists(st.integers(1, 9), max_size=2))
+    def admit_and_cancel(self, prefix: tuple[int, ...], tail: list[int]) -> None:
+        """A request admitted and dropped before any step (a cancelled reservation: nothing was computed or sent
+        past its hit): its load, if it has one, is still to run when its blocks go back."""
+        rid = f"r{self.count}"
+        self.count += 1
+        adm = self.manager.admit(rid, list(prefix) + tail)
+        if adm is not None:
+            self.manager.discard(rid, adm.num_cached_tokens // 2)
+        self._orders()
 
     @precondition(lambda self: self.live)
     @rule(data=st.data())
@@ -500,6 +529,19 @@ TestHeadWiseDaemonTier = HeadWiseDaemonTierMachine.TestCase
 TestHeadWiseDaemonTier.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
 
 
+class DecodeDaemonTierMachine(DaemonTierMachine):
+    """A PD decode daemon: a reservation's blocks are written over NIXL before its workers run what was ordered
+    earlier, so an offload still reading a block it took keeps nothing of it, and a load whose request ended first
+    keeps its blocks until every rank is done with it."""
+
+    UNORDERED = True
+    BLOCKS = 6  # few: a reservation takes blocks freed a moment ago
+
+
+TestDecodeDaemonTier = DecodeDaemonTierMachine.TestCase
+TestDecodeDaemonTier.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
 @pytest.mark.parametrize("unordered", [False, True])
 def test_on_a_decode_daemon_an_offload_keeps_nothing_of_a_block_a_reservation_took_before_it_ran(unordered) -> None:
     """On a PD decode daemon the prefill node writes reserved blocks over NIXL, outside the workers' order: an
@@ -519,6 +561,77 @@ def test_on_a_decode_daemon_an_offload_keeps_nothing_of_a_block_a_reservation_to
     assert (stats.cached_blocks, stats.offloaded_blocks) == ((0, 0) if unordered else (2, 2)), stats
     manager.free("b")
     assert manager.lookup_tiers([1, 2, 3, 4, 5]) == (0, 0 if unordered else 4)
+    manager.check_integrity()
+
+
+@pytest.mark.parametrize("unordered", [False, True])
+def test_on_a_decode_daemon_a_load_whose_request_ended_first_keeps_its_blocks_until_it_ends(unordered) -> None:
+    """A reservation cancelled before its workers ran its load: on a decode daemon the load's GPU blocks stay out
+    of the pool until the load is reported (the next owner's KV comes over NIXL, and the late load would overwrite
+    it); a load that timed out keeps them for good. Elsewhere the workers' order makes the blocks free at once."""
+    manager = KVCacheManager(4, 2, [Full()], hash_seed=b"decode")
+    tier = DaemonTier(manager, 16, tp=1, unordered_writes=unordered)
+    manager.attach_tier(tier)
+    tier.attach(0, 1)
+    prompt = [1, 2, 3, 4, 5]
+    for rid, tokens in (("a", prompt), ("f", [9] * 8)):  # a's blocks to host, then every GPU block taken over
+        manager.admit(rid, tokens)
+        manager.free(rid)
+        for order in tier.take_orders():
+            tier.report(order["job"], 0, True)
+    assert manager.admit("b", prompt).num_host_tokens == 4
+    (load,) = tier.take_orders()
+    manager.free("b")
+    held = 2 if unordered else 0
+    assert int(manager.num_free_blocks.min()) == 4 - held
+    assert (manager.admit("c", [7] * 8) is None) == unordered
+    manager.check_integrity()
+    if not unordered:
+        manager.free("c")
+        for order in tier.take_orders():
+            tier.report(order["job"], 0, True)
+    tier.report(load["job"], 0, True)
+    assert int(manager.num_free_blocks.min()) == 4
+    manager.check_integrity()
+    assert manager.admit("d", prompt).num_host_tokens == 4  # the host copy still serves
+    (late,) = tier.take_orders()
+    manager.free("d")
+    tier.expire([late["job"]])
+    assert int(manager.num_free_blocks.min()) == 4 - held
+    manager.check_integrity()
+
+
+@pytest.mark.parametrize("then", ["the other rank reports", "the other rank restarts", "its deadline passes"])
+def test_on_a_decode_daemon_a_failed_load_keeps_its_blocks_until_every_rank_is_done_with_it(then: str) -> None:
+    """One rank fails a load the other has not run yet: the request fails at once, but the load's GPU blocks stay
+    out of the pool until the other rank is done with it (reports, or restarts); past the deadline, for good."""
+    manager = KVCacheManager(4, 2, [Full()], hash_seed=b"decode")
+    tier = DaemonTier(manager, 16, tp=2, unordered_writes=True)
+    manager.attach_tier(tier)
+    tier.attach(0, 1)
+    tier.attach(1, 2)
+    prompt = [1, 2, 3, 4, 5]
+    for rid, tokens in (("a", prompt), ("f", [9] * 8)):
+        manager.admit(rid, tokens)
+        manager.free(rid)
+        for order in tier.take_orders():
+            for rank in (0, 1):
+                tier.report(order["job"], rank, True)
+    assert manager.admit("b", prompt).num_host_tokens == 4
+    (load,) = tier.take_orders()
+    tier.report(load["job"], 0, False, "copy failed")
+    assert tier.take_failed() == ["b"]
+    manager.free("b")
+    assert int(manager.num_free_blocks.min()) == 2 and tier.pending_jobs() == [load["job"]]
+    manager.check_integrity()
+    if then == "the other rank reports":
+        tier.report(load["job"], 1, True)
+    elif then == "the other rank restarts":
+        tier.attach(1, 3)
+    else:
+        tier.expire([load["job"]])
+    assert int(manager.num_free_blocks.min()) == (2 if then == "its deadline passes" else 4)
+    assert tier.pending_jobs() == [] and tier.stats().held_gpu_blocks == (2 if then == "its deadline passes" else 0)
     manager.check_integrity()
 
 
