@@ -3,6 +3,7 @@ caches to host and back, byte for byte, with TP ranks, failures, restarts and a 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
@@ -227,6 +228,29 @@ def test_host_files_keep_their_id_for_the_same_geometry_and_start_over_for_anoth
     assert map_host_file(path, spec, 5)[1] not in (first, other)
     with pytest.raises(KVCacheError, match="host_file: cannot open '/nonexistent/dir/h'"):
         map_host_file("/nonexistent/dir/h", spec, 4)
+
+
+def test_a_host_file_that_cannot_get_its_space_is_refused_by_name(tmp_path: Any) -> None:
+    """No room for the file (here a file-size limit; on a full /dev/shm, the space reserved up front): one line
+    naming the file, its size and why, instead of a SIGBUS at the first copy into it."""
+    import subprocess
+    import sys
+
+    code = f"""
+import resource, signal, sys
+sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
+from test_tier import make_spec
+from kvcache.allocator.errors import KVCacheError
+from kvcache.transfer.manager import map_host_file
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 16, 1 << 16))
+try:
+    map_host_file({str(tmp_path / "host")!r}, make_spec("bf16"), 64)
+except KVCacheError as exc:
+    print(exc)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.stdout.startswith(f"host_file: cannot size '{tmp_path / 'host'}' ("), out.stdout + out.stderr
 
 
 def test_a_full_tier_drops_its_least_recent_blocks_with_cpu_events(node: Any) -> None:

@@ -628,24 +628,29 @@ def map_host_file(path: str | os.PathLike, spec: CacheSpec, num_blocks: int) -> 
     nbytes = spec.cache_bytes(num_blocks)
     size = HOST_FILE_DATA_OFFSET + nbytes
     fields = (spec.bytes_per_block, num_blocks, spec.num_layers)
+    name = os.fspath(path)
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     except OSError as exc:
-        raise KVCacheError(f"host_file: cannot open {os.fspath(path)!r}: {exc.strerror}") from None
+        raise KVCacheError(f"host_file: cannot open {name!r}: {exc.strerror}") from None
+    step = "read"
     try:
         header = os.pread(fd, _HOST_FILE_HEADER.size, 0)
         known = len(header) == _HOST_FILE_HEADER.size and os.fstat(fd).st_size == size
         magic, buffer_id, *geometry = _HOST_FILE_HEADER.unpack(header) if known else (b"", 0)
         if not (known and magic == _HOST_FILE_MAGIC and tuple(geometry) == fields and buffer_id):
             buffer_id = int.from_bytes(os.urandom(7), "big") or 1
-            try:
-                os.ftruncate(fd, 0)
-                os.ftruncate(fd, size)
-            except OSError as exc:
-                raise KVCacheError(f"host_file: cannot size {os.fspath(path)!r} to {size:,} bytes: "
-                                   f"{exc.strerror}") from None
+            step = "size"
+            os.ftruncate(fd, 0)
+            os.ftruncate(fd, size)
             os.pwrite(fd, _HOST_FILE_HEADER.pack(_HOST_FILE_MAGIC, buffer_id, *fields), 0)
+        # Reserve every page now: a full /dev/shm then fails here, by name, not later as a SIGBUS mid-copy.
+        step = "reserve the space of"
+        os.posix_fallocate(fd, 0, size)
+        step = "map"
         mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    except OSError as exc:
+        raise KVCacheError(f"host_file: cannot {step} {name!r} ({size:,} bytes): {exc.strerror}") from None
     finally:
         os.close(fd)
     addr = np.frombuffer(mapping, dtype=np.uint8).ctypes.data + HOST_FILE_DATA_OFFSET
