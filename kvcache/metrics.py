@@ -88,7 +88,7 @@ class DaemonMetrics:
                 Gauge("kvcache_pd_in_transfer", "Requests in PD transfer now", registry=reg),
             )
 
-        self._tier: tuple[Counter, Gauge, Gauge] | None = None
+        self._tier: tuple[Counter, Gauge, Gauge, Gauge] | None = None
         self._tier_last: dict[str, int] = {}
         if tier:
             self._tier = (
@@ -100,6 +100,8 @@ class DaemonMetrics:
                       ["state"], registry=reg),
                 Gauge("kvcache_host_tier_copies_in_flight", "Host-tier copies ordered and not yet reported by "
                       "every rank", ["kind"], registry=reg),
+                Gauge("kvcache_host_tier_held_gpu_blocks", "GPU blocks the host tier keeps out of the pool: a decode "
+                      "daemon's loads a rank may still run (for good once timed out)", registry=reg),
             )
 
     def observe_step(self, ops: Mapping[str, int], seconds: float) -> None:
@@ -164,7 +166,7 @@ class DaemonMetrics:
         """Refresh the host-tier metrics from ``DaemonTier.stats()``: totals by difference, gauges as they are."""
         if self._tier is None:
             return
-        totals, state, in_flight = self._tier
+        totals, state, in_flight, held = self._tier
         for event, field in (("offloaded", "offloaded_blocks"), ("loaded", "loaded_blocks"),
                              ("dropped", "dropped_blocks"), ("evicted", "evicted_blocks"),
                              ("hit_tokens", "hit_tokens"), ("failed_loads", "failed_loads")):
@@ -174,6 +176,7 @@ class DaemonMetrics:
         state.labels("retired").set(stats.retired_blocks)
         in_flight.labels("offload").set(stats.pending_offloads)
         in_flight.labels("load").set(stats.pending_loads)
+        held.set(stats.held_gpu_blocks)
 
     def set_subscribers(self, count: int) -> None:
         """Workers now taking table deltas: PUB peers (from SubscriberCounter) and local-endpoint subscribers."""

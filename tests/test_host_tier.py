@@ -347,6 +347,7 @@ def test_stats_and_metrics_show_the_host_tier(node: Any) -> None:
     assert value(s, "kvcache_host_tier_blocks_total", event="hit_tokens") == 12
     assert value(s, "kvcache_host_tier_state_blocks", state="cached") == 11
     assert value(s, "kvcache_host_tier_copies_in_flight", kind="load") == 0
+    assert value(s, "kvcache_host_tier_held_gpu_blocks") == 0
 
 
 # ---------------------------------------------------------------------- the daemon's decisions, as a state machine
