@@ -402,7 +402,9 @@ class CacheClient:
     def tier_attach(self, rank: int, agent: int, buffer: int | None = None) -> dict[str, Any]:
         """Tier agents: rank ``rank``'s agent (``agent``, its id) is ready with host buffer ``buffer`` (its id;
         default: a buffer of the agent's own); returns the tier's ``num_blocks``."""
-        fields = {"rank": rank, "agent": agent} if buffer is None else {"rank": rank, "agent": agent, "buffer": buffer}
+        fields = {"rank": rank, "agent": agent}
+        if buffer is not None:
+            fields["buffer"] = buffer
         return self._single(self.batch().op("tier_attach", **fields))
 
     def tier_done(self, job: int, rank: int, *, ok: bool = True, error: str = "") -> None:

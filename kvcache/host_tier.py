@@ -61,7 +61,7 @@ class TierJob:
     dropped: bool = False
     owner: Any = None  # a load's request
     lost: np.ndarray | None = None  # bool [m]: an offload's source block written by an unordered writer meanwhile
-    held: bool = False  # a load whose request ended first: the manager holds its GPU blocks until it ends
+    held: bool = False  # a load the manager holds the GPU blocks of (its request ended first, or it failed)
 
 
 class TierStats(NamedTuple):
@@ -254,13 +254,14 @@ class DaemonTier(HostBooks):
         """Order the offload of released blocks the host lacks, oldest first as far as free host blocks go."""
         # Loads it read and no rank has failed yet, but not every rank reported: what it computed over them is not
         # known good, so it is not kept.
-        unreported = [self._jobs[j].gpu for j in self._waits.pop(request_id, ()) if j in self._jobs]
-        if self.unordered_writes:
-            for job in self._jobs.values():
-                if job.kind == "load" and job.owner == request_id and not job.held:
+        waited = [self._jobs[j] for j in self._waits.pop(request_id, ()) if j in self._jobs]
+        if self.unordered_writes:  # its own loads among them: a rank may still write their blocks
+            for job in waited:
+                if job.owner == request_id and not job.held:
                     r, c = np.nonzero(job.gpu >= 0)
                     self.manager.hold(r, job.gpu[r, c])
                     job.held = True
+        unreported = [job.gpu for job in waited]
         blocks = self._untaint(request_id, np.array(blocks, dtype=np.int32), unreported)
         n = len(hashes) // _H
         if n == 0 or not self.active:

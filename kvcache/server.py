@@ -1138,8 +1138,8 @@ class CacheServer:
         if kind == "tier_attach":
             fields = {"rank": check_int(op.get("rank"), f"{field}.rank", least=0, most=self.config.tp - 1),
                       "agent": check_int(op.get("agent"), f"{field}.agent", least=0)}
-            fields["buffer"] = (fields["agent"] if op.get("buffer") is None
-                                else check_int(op.get("buffer"), f"{field}.buffer", least=0))
+            if op.get("buffer") is not None:  # absent: a buffer of the agent's own
+                fields["buffer"] = check_int(op.get("buffer"), f"{field}.buffer", least=0)
             return fields
         if kind == "tier_done":
             ok, error = op.get("ok"), op.get("error") or ""

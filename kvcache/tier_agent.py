@@ -97,7 +97,7 @@ class TierAgent:
                 self._engine.close()
             self._client.close()
             raise
-        # Orders in deltas up to the attach came before this agent's host buffer existed: not ours to copy.
+        # Orders in deltas up to the attach were for an earlier agent (the daemon fails any still in flight): not ours.
         self._from_seq = self._client.last_seq
         self._inflight: list[list[TransferHandle]] = []  # this thread's view: what wait() waits on
         self._reports: queue.Queue[tuple[int, list[TransferHandle]] | None] = queue.Queue()
