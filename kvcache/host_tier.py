@@ -222,10 +222,18 @@ class DaemonTier(HostBooks):
             f"host refcounts {int(ref.sum())} disagree with {int(held.sum())} in jobs and {self._retired} retired"
         cached = self._pool.is_cached(np.zeros(1, dtype=np.intp), np.arange(n))
         assert np.array_equal(cached, self._ready), "host blocks cached in the pool but not findable, or the reverse"
+        # A load's GPU pairs are marked by it, by nothing (evicted), or by a later load: a request that ends before
+        # its load is reported frees the blocks uncached, and workers run the next load into them after this one.
         for job_id, job in self._jobs.items():
             if job.kind == "load":
                 r, c = np.nonzero(job.gpu >= 0)
-                assert ((self._filling[r, job.gpu[r, c]] == job_id) | (self._filling[r, job.gpu[r, c]] == -1)).all()
+                marks = self._filling[r, job.gpu[r, c]]
+                assert ((marks == job_id) | (marks == -1) | (marks > job_id)).all(), f"load {job_id}: marked earlier"
+        rows, blocks = np.nonzero(self._filling >= 0)
+        for row, block, job_id in zip(rows.tolist(), blocks.tolist(), self._filling[rows, blocks].tolist()):
+            job = self._jobs.get(job_id)
+            assert job is not None and job.kind == "load" and block in job.gpu[row], \
+                f"GPU pair ({row}, {block}) marked by load {job_id}, which does not fill it"
 
     # ------------------------------------------------------------------ LowerTier (called by the manager)
 

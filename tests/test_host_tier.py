@@ -554,6 +554,40 @@ TestHeadWiseDaemonTier = HeadWiseDaemonTierMachine.TestCase
 TestHeadWiseDaemonTier.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
 
 
+def test_a_host_hit_cancelled_twice_before_the_workers_run_loads_twice_into_the_same_blocks() -> None:
+    """A reservation with a host hit dropped before its load ran frees its blocks uncached; the next admit's load
+    takes the same blocks while the first is still ordered. The books allow it (workers run the loads in order),
+    and the request that finally steps reads the host's KV on every rank."""
+    m = HeadWiseDaemonTierMachine()
+    m.admit_and_step(fail_load=None, prefix=(1, 2, 3, 4), tail=[1])
+    m.free(data=_Draws(["r0"]))
+    m._catch_up()
+    m.worker_restarts(host_file=True, rank=0)  # the GPU prefixes are forgotten, the host blocks stay
+    m.admit_and_cancel(prefix=(1, 2, 3, 4), tail=[])
+    first = set(m.tier._jobs)
+    m.admit_and_cancel(prefix=(1, 2, 3, 4), tail=[])
+    assert len(m.tier._jobs) == len(first) + 1, "the second admit did not order a load of its own"
+    (second,) = set(m.tier._jobs) - first
+    (earlier,) = first
+    assert np.array_equal(m.tier._jobs[earlier].gpu >= 0, m.tier._jobs[second].gpu >= 0)
+    assert (m.tier._jobs[earlier].gpu == m.tier._jobs[second].gpu).any(), "the loads share no GPU block"
+    m.books_agree()
+    m.admit_and_step(fail_load=None, prefix=(1, 2, 3, 4), tail=[5])  # asserts each cached column's KV, per rank
+    m.manager.check_integrity()
+    assert not m.tier._jobs
+    m.findable_host_blocks_hold_their_hash_on_every_rank()
+
+
+class _Draws:
+    """Hypothesis's ``data`` for a rule called by hand: the values to draw, in order."""
+
+    def __init__(self, values: list[Any]) -> None:
+        self.values = list(values)
+
+    def draw(self, strategy: Any) -> Any:
+        return self.values.pop(0)
+
+
 class DecodeDaemonTierMachine(DaemonTierMachine):
     """A PD decode daemon: a reservation's blocks are written over NIXL before its workers run what was ordered
     earlier, so an offload still reading a block it took keeps nothing of it, and a load whose request ended first
