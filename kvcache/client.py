@@ -233,22 +233,26 @@ class Batch(_tables.RunCollector):
 
     def send(self) -> list[Any]:
         """Send every op in one message; returns their results in order."""
+        wire, expands = self._take()
+        return _results(self._client, wire, expands, self._client._call(wire))
+
+    def post(self) -> Posted:
+        """Send every op in one message without waiting for the reply; ``results()`` on what this returns waits
+        for it and gives what ``send()`` would have.
+
+        The daemon applies the ops while the caller works on: a decode step can run its model while the daemon
+        extends its requests (a token that lands in a block the request holds changes no table). The client's
+        next call, of any kind, takes this reply first, so the daemon sees and answers calls in order.
+        """
+        wire, expands = self._take()
+        return self._client._post(wire, expands)
+
+    def _take(self) -> tuple[list[dict[str, Any]], list[bool]]:
+        """The ops on the wire and which are runs of plain extends, leaving the batch empty."""
         self._end_run()
         wire, expands = self._wire, self._expands
         self._wire, self._expands, self._count = [], [], 0
-        client = self._client
-        reply = client._call(wire)
-        results: list[Any] = []
-        for op, expand, raw in zip(wire, expands, reply["results"]):
-            if expand:
-                tables = client._extend_many_results(op["reqs"], raw)
-                results += [tables] * len(op["reqs"]) if isinstance(tables, DaemonError) else tables
-            elif op["op"] == "extend_many":
-                results.append(client._extend_many_results(op["reqs"], raw))
-            else:
-                results.append(client._result(op, raw))
-        return results
-
+        return wire, expands
     def _add(self, op: dict[str, Any]) -> Batch:
         self._end_run()
         self._wire.append(op)
@@ -276,6 +280,55 @@ class Batch(_tables.RunCollector):
             self._wire.append({"op": "extend_many", "reqs": reqs, "tokens": tokens, "counts": counts})
         self._expands.append(len(reqs) > 1)
         self._count += len(reqs)
+
+
+def _results(client: CacheClient, wire: list[dict[str, Any]], expands: list[bool], reply: dict[str, Any]
+             ) -> list[Any]:
+    """A batch's results in op order, in the library's types, keeping the client's table mirror current."""
+    results: list[Any] = []
+    for op, expand, raw in zip(wire, expands, reply["results"]):
+        if expand:
+            tables = client._extend_many_results(op["reqs"], raw)
+            results += [tables] * len(op["reqs"]) if isinstance(tables, DaemonError) else tables
+        elif op["op"] == "extend_many":
+            results.append(client._extend_many_results(op["reqs"], raw))
+        else:
+            results.append(client._result(op, raw))
+    return results
+
+
+class Posted:
+    """A batch on its way to the daemon (``Batch.post``); ``results()`` gives what ``send()`` would have."""
+
+    def __init__(self, client: CacheClient, wire: list[dict[str, Any]], expands: list[bool], request_id: int,
+                 payload: bytes, sent: tuple[str | None, float]) -> None:
+        self._client, self._wire, self._expands = client, wire, expands
+        self._request_id, self._payload, self._sent = request_id, payload, sent
+        self._results: list[Any] | None = None
+        self._error: KVCacheError | None = None
+
+    @property
+    def done(self) -> bool:
+        """Whether the reply was taken (by ``results()`` or by a later call of the client)."""
+        return self._results is not None or self._error is not None
+
+    def results(self) -> list[Any]:
+        """The results in op order, waiting for the reply up to the client's timeout per attempt; raises what
+        ``send()`` would have (DaemonUnavailable, DaemonError)."""
+        if not self.done:
+            self._client._settle()
+        if self._error is not None:
+            raise self._error
+        assert self._results is not None
+        return self._results
+
+    def _settle(self) -> None:
+        """Take the reply (the client's call, once)."""
+        try:
+            reply = self._client._exchange(self._request_id, self._payload, self._sent)
+            self._results = _results(self._client, self._wire, self._expands, reply)
+        except KVCacheError as exc:
+            self._error = exc
 
 
 class CacheClient:
@@ -308,6 +361,7 @@ class CacheClient:
         self._want_local = local  # found on the first call: the daemon names its local endpoint in info
         self._local: socket.socket | None = None
         self.local_endpoint: str | None = None
+        self._posted: Posted | None = None  # a batch sent whose reply is not taken yet (Batch.post)
 
     def _connect(self) -> zmq.Socket:
         sock = self._ctx.socket(zmq.DEALER)
@@ -499,6 +553,26 @@ class CacheClient:
         A retry resends the same request id, which the daemon answers without
         applying it twice (also across a restart from its journal).
         """
+        self._ready()
+        request_id, payload = self._request(ops)
+        return self._exchange(request_id, payload, self._send(payload))
+
+    def _post(self, wire: list[dict[str, Any]], expands: list[bool]) -> Posted:
+        """Send a batch now; its reply is taken by ``Posted.results()`` or before the client's next call."""
+        self._ready()
+        request_id, payload = self._request(wire)
+        self._posted = Posted(self, wire, expands, request_id, payload, self._send(payload))
+        return self._posted
+
+    def _settle(self) -> None:
+        """Take the reply of a batch posted and not yet answered, if any (before anything else goes out)."""
+        posted, self._posted = self._posted, None
+        if posted is not None:
+            posted._settle()
+
+    def _ready(self) -> None:
+        """Before a request goes out: the posted one answered, and the local endpoint looked for once."""
+        self._settle()
         if self._want_local:
             self._want_local = False  # the info call below goes over ZMQ
             try:
@@ -506,19 +580,37 @@ class CacheClient:
             except DaemonUnavailable:
                 self._want_local = True  # look again once the daemon answers
                 raise
-        request_id, payload = self._request(ops)
+
+    def _send(self, payload: bytes) -> tuple[str | None, float]:
+        """Send one attempt: to the local endpoint if it fits there, else over ZMQ. Returns where it went ("local",
+        "zmq", or None: no daemon took it within the timeout) and the attempt's deadline."""
+        deadline = time.monotonic() + self.timeout
+        if self._local is not None and len(payload) <= LOCAL_MAX_BYTES and self._local_send(payload):
+            return "local", deadline
+        try:
+            self._sock.send(payload)
+        except zmq.Again:  # no daemon took it within the timeout (SNDTIMEO)
+            return None, deadline
+        return "zmq", deadline
+
+    def _exchange(self, request_id: int, payload: bytes, sent: tuple[str | None, float]) -> dict[str, Any]:
+        """The reply to a request whose first attempt went out as ``sent`` says (``_send``), sending it again up to
+        ``retries`` times; raises DaemonUnavailable after the last attempt's deadline, DaemonError on a refusal."""
         for attempt in range(self.retries + 1):
-            reply = _OVER_ZMQ
-            if self._local is not None and len(payload) <= LOCAL_MAX_BYTES:
-                reply = self._local_attempt(payload, request_id)
-            if reply is _OVER_ZMQ:
-                deadline = time.monotonic() + self.timeout
-                try:
-                    self._sock.send(payload)
-                except zmq.Again:  # no daemon took it within the timeout (SNDTIMEO)
-                    reply = None
-                else:
-                    reply = self._await(request_id, deadline)
+            if attempt:
+                sent = self._send(payload)
+            where, deadline = sent
+            reply = None
+            if where == "local":
+                reply = self._local_receive(request_id, deadline)
+                if reply is _OVER_ZMQ:  # the local endpoint cannot answer it: the same attempt over ZMQ
+                    where, deadline = "zmq", time.monotonic() + self.timeout
+                    try:
+                        self._sock.send(payload)
+                    except zmq.Again:
+                        where = None
+            if where == "zmq":
+                reply = self._await(request_id, deadline)
             if reply is not None:
                 break
             # A reply may still come later; a fresh socket makes sure it is never taken for another one.
@@ -551,7 +643,8 @@ class CacheClient:
             bind_private(sock, "client")  # where the replies come back
             sock.connect(path)
             self._local, self.local_endpoint = sock, path
-            pong = self._local_attempt(self._request([{"op": "info"}])[1], None)
+            sent = self._local_send(self._request([{"op": "info"}])[1])
+            pong = self._local_receive(None, time.monotonic() + self.timeout) if sent else None
         except OSError as exc:  # another host's path, or a daemon gone since
             log.debug("local endpoint %s not used: %s", path, exc)
             pong = None
@@ -559,14 +652,10 @@ class CacheClient:
             self._local = self.local_endpoint = None  # a path reaching another daemon (or none) is not ours to use
             sock.close()
 
-    def _local_attempt(self, payload: bytes, request_id: int | None) -> Any:
-        """One request over the local endpoint: its reply, None at the deadline, or _OVER_ZMQ to send it there.
-
-        ``request_id`` None takes the first reply (the connection check, before any other request).
-        """
+    def _local_send(self, payload: bytes) -> bool:
+        """Send a request to the local endpoint; False if it cannot take it (gone, or full past the deadline)."""
         sock = self._local
         assert sock is not None
-        deadline = time.monotonic() + self.timeout
         try:
             sock.settimeout(self.timeout)
             try:
@@ -574,8 +663,15 @@ class CacheClient:
             except ConnectionRefusedError:  # the daemon restarted on the same path: reach the new socket
                 sock.connect(self.local_endpoint)
                 sock.send(payload)
-        except OSError:  # gone, or its queue stayed full past the deadline: ZMQ answers or times out
-            return _OVER_ZMQ
+        except OSError:
+            return False
+        return True
+
+    def _local_receive(self, request_id: int | None, deadline: float) -> Any:
+        """The local endpoint's reply to ``request_id``: the reply, None at the ``deadline``, or _OVER_ZMQ to send
+        the request over ZMQ instead. ``request_id`` None takes the first reply (the connection check)."""
+        sock = self._local
+        assert sock is not None
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:

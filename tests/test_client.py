@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import multiprocessing
 import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -68,6 +69,82 @@ def test_a_batch_is_one_round_trip_and_extends_travel_together(daemon):
         assert client.last_seq == seq_before + 2  # 7 changed then freed: two deltas keep that order
         for i in range(7):
             assert np.array_equal(results[i], client.table(i))
+
+
+@pytest.mark.parametrize("local", [False, True])
+def test_posted_batches_give_the_librarys_results_in_the_order_they_were_sent(daemon, local):
+    """Random steps, each posted: its reply is taken by results(), or first by whatever the client calls next
+    (the next post, an admit); every result is the library's, applied in order."""
+    d = daemon("--num-blocks", "40", "--block-size", "4", "--rows", ROWS, "--hash-seed", "s")
+    library = KVCacheManager(40, 4, POLICIES, hash_seed="s")
+    rng = np.random.default_rng(7)
+    live: list[int] = []
+
+    def agree(posted: Any, expected: list[Any]) -> None:
+        got = posted.results()
+        assert len(got) == len(expected)
+        for g, w in zip(got[:-1], expected[:-1]):
+            assert (g is None) == (w is None) and (w is None or np.array_equal(g, w))
+        assert np.allclose(got[-1]["per_row"], expected[-1])
+
+    with CacheClient(d.endpoint, local=local) as client:
+        client.ping()
+        assert (client.local_endpoint is not None) == local
+        previous = None
+        for step in range(120):
+            batch, want = client.batch(), []
+            for rid in live:
+                new = rng.integers(0, 9, rng.integers(1, 3))
+                batch.extend(rid, new)
+                table = library.extend(rid, new)
+                want.append(None if table is None else np.array(table))  # tables are live views: as they are now
+            if rng.random() < 0.3 and live:
+                rid = live.pop(rng.integers(len(live)))
+                batch.free(rid)
+                library.free(rid)
+                want.append(None)
+            batch.op("usage")
+            want.append(library.usage.per_row.copy())
+            posted = batch.post()
+            assert not posted.done  # sent, not answered yet
+            if previous is not None:
+                assert previous[0].done  # the post took its reply first
+                agree(*previous)
+            previous = (posted, want)
+            if rng.random() < 0.5:  # a call of another kind takes the posted reply first
+                prompt = rng.integers(0, 5, rng.integers(1, 9))
+                got, expected = client.admit(step, prompt), library.admit(step, prompt)
+                assert posted.done
+                assert (got is None) == (expected is None)
+                if expected is not None:
+                    assert np.array_equal(got.table, expected.table)
+                    live.append(step)
+            if rng.random() < 0.3:
+                agree(*previous)
+                previous = None
+        for rid in live:
+            assert np.array_equal(client.table(rid), library.table(rid))
+        assert client.num_free_blocks.tolist() == library.num_free_blocks.tolist()
+
+
+def test_a_posted_batch_whose_daemon_is_gone_raises_from_results_within_its_timeout(daemon):
+    """A refused batch raises from results(), not from the call that took its reply; a reply that never comes
+    raises DaemonUnavailable after the timeout."""
+    d = daemon("--num-blocks", "20")
+    with CacheClient(d.endpoint, timeout=0.5) as client:
+        assert client.admit("a", [1, 2, 3]) is not None
+        refused = client.batch().free("nobody").op("ping").post()
+        assert client.ping()  # takes the refusal first, and is not failed by it
+        with pytest.raises(DaemonError, match="'nobody' is not admitted"):
+            refused.results()
+        d.kill()
+        posted = client.batch().extend("a", [4]).post()
+        start = time.monotonic()
+        with pytest.raises(DaemonUnavailable, match="did not answer within 0.5 s"):
+            client.ping()  # takes the posted reply first (none comes), then fails on its own
+        assert posted.done and time.monotonic() - start < 2.0
+        with pytest.raises(DaemonUnavailable):
+            posted.results()
 
 
 def test_extend_many_takes_arrays_and_gives_the_librarys_tables(daemon):

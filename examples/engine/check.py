@@ -273,7 +273,8 @@ def _run(case: Case, endpoint: str | None, corrupt: bool, device: str = "cpu") -
             "hit_tokens": sum(s.hit for s in engine.stats), "preempted": sum(s.preempted for s in engine.stats),
             "host_tokens": int(host_tokens), "rows": len(engine.spec.row_layout),
             "pools": pools,
-            "recycled": int(recycled), "steps": len(engine.stats)}
+            "recycled": int(recycled), "steps": len(engine.stats),
+            "overlapped": sum(s.overlapped for s in engine.stats)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -305,7 +306,9 @@ def main(argv: list[str] | None = None) -> int:
               f"({'blocks ' + '/'.join(map(str, r['pools'])) if r['pools'] else 'a cache per TP rank'}), "
               f"{r['hit_tokens']} prefix-hit tokens ({r['host_tokens']} from host"
               f"{', %d on the decode node' % r['decode_hit_tokens'] if 'decode_hit_tokens' in r else ''}), {r['preempted']} preemptions, "
-              f"{r['recycled']} window blocks given back, {r['steps']} steps ({time.perf_counter() - start:.1f} s)",
+              f"{r['recycled']} window blocks given back, {r['steps']} steps"
+              f"{' (%d overlapping the daemon)' % r['overlapped'] if r.get('overlapped') else ''} "
+              f"({time.perf_counter() - start:.1f} s)",
               flush=True)
     if not args.only and device == "cpu":
         r = run(CASES["uniform"], corrupt=True)

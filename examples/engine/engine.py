@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from kvcache.allocator import CacheSpec, KVCacheManager
+from kvcache.allocator import CacheSpec, KVCacheManager, Window
 from kvcache.allocator.rows import table_cells
 
 from backend import paddle_backend
@@ -167,12 +167,14 @@ class Sequence:
 
 @dataclasses.dataclass
 class StepStats:
-    """What a step did: tokens computed, prefix-hit tokens, preemptions, and the cache's usage after it."""
+    """What a step did: tokens computed, prefix-hit tokens, preemptions, the cache's usage after it, and whether
+    the daemon's round trip overlapped the model."""
 
     computed: int = 0
     hit: int = 0
     preempted: int = 0
     usage: float = 0.0
+    overlapped: bool = False  # the daemon extended the decoding requests while the model ran (``Batch.post``)
 
 
 class Engine:
@@ -213,6 +215,7 @@ class Engine:
         self.corrupt: tuple[Any, int, int] | None = None
         self.tier: Any = None  # a host tier (TransferManager) under the cache's blocks, in library mode
         self.agent: Any = None  # the daemon's host tier: this process's TierAgent (daemon mode)
+        self._windowed = any(isinstance(row.policy, Window) for row in spec.row_layout)
 
     def close(self) -> None:
         """Stop what the engine started: a host tier, TP ranks, the subscriber and the client of a daemon."""
@@ -251,11 +254,17 @@ class Engine:
                 if s is not None:
                     self._preempt(s, stats)
         decoding = [s for s in self.running if s.scheduled == len(s.tokens) - 1]
+        posted = None
         if decoding:
-            grown = self.cache.extend_many([s.rid for s in decoding], [s.tokens[-1] for s in decoding],
-                                           [1] * len(decoding))
-            for s, table in zip(decoding, grown):
-                if table is None:
+            ids, last = [s.rid for s in decoding], [s.tokens[-1] for s in decoding]
+            refused = [False] * len(decoding)
+            if self._tables_stay(decoding):  # the daemon extends while the model runs over the tables as they are
+                posted = self.cache.batch().extend_many(ids, last, [1] * len(decoding)).op("usage").post()
+                stats.overlapped = True
+            else:
+                refused = [table is None for table in self.cache.extend_many(ids, last, [1] * len(decoding))]
+            for s, out_of_blocks in zip(decoding, refused):
+                if out_of_blocks:
                     self._preempt(s, stats)
                     continue
                 work.append((s, s.scheduled, s.scheduled + 1))
@@ -291,9 +300,26 @@ class Engine:
                 self.tier.poll()
             self._run(work, self._tables([s.rid for s, _, _ in work]))
             stats.computed = sum(stop - start for _, start, stop in work)
-        stats.usage = float(self.cache.usage.max)
+        if posted is not None:
+            later_calls = posted.done  # an admit or a prefill's extend took the reply: usage is theirs to give
+            *tables, usage = posted.results()
+            if any(table is None for table in tables):
+                raise RuntimeError("a decode token that lands in a block its request holds was refused")
+            stats.usage = float(self.cache.usage.max if later_calls else usage["max"])
+        else:
+            stats.usage = float(self.cache.usage.max)
         self.stats.append(stats)
         return stats
+
+    def _tables_stay(self, decoding: list[Sequence]) -> bool:
+        """Whether this step's decode tokens change no table: through a daemon (``CacheClient``), no row with a
+        window (a window gives blocks back as it slides) and each token lands in a block its request holds. The
+        step then posts its extends (``Batch.post``) and runs the model over the tables it has; the reply is
+        taken after the forward, so the daemon's round trip overlaps the step."""
+        if not hasattr(self.cache, "batch") or self._windowed:
+            return False
+        bs = self.spec.block_size
+        return all(s.scheduled % bs for s in decoding)
 
     def _tables(self, rids: list[Any]) -> list[np.ndarray | None]:
         """The step's tables as the model sees them: the subscriber's once it holds this step's changes, else the

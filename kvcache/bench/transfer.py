@@ -169,11 +169,12 @@ def _nixl_receiver(conn: Any, block_size: int, layers: int) -> None:
             pass
 
 
-def process_vm_writer(pid: int) -> Callable[[CopyRanges], None] | None:
+def process_vm_writer(pid: int, threads: int = 1) -> Callable[[CopyRanges], None] | None:
     """Copy ranges into process ``pid`` with Linux's process_vm_writev, 1,024 ranges a call; None where unavailable.
 
     UCX moves NIXL writes between processes on one host with this very call (its CMA transport), so
-    scattered ranges against one range here is the kernel's own cost per range, NIXL aside.
+    scattered ranges against one range here is the kernel's own cost per range, NIXL aside. With ``threads``
+    the ranges (a large one cut as the NIXL engine cuts it, ``spread``) are shared out as UCX's workers share them.
     """
     if not sys.platform.startswith("linux"):
         return None
@@ -186,15 +187,30 @@ def process_vm_writer(pid: int) -> Callable[[CopyRanges], None] | None:
     fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_ulong]
     fn.restype = ctypes.c_ssize_t
 
-    def write(r: CopyRanges) -> None:
+    def write_one(r: CopyRanges) -> None:
         local = np.stack([r.src, r.length], axis=1).astype(np.uint64)  # struct iovec: base, length
         remote = np.stack([r.dst, r.length], axis=1).astype(np.uint64)
         for lo in range(0, r.num_ranges, 1024):
             k = min(1024, r.num_ranges - lo)
             want = int(r.length[lo:lo + k].sum())
-            got = fn(pid, local[lo:].ctypes.data, k, remote[lo:].ctypes.data, k, 0)
+            got = fn(pid, local[lo:].ctypes.data, k, remote[lo:].ctypes.data, k, 0)  # ctypes lets the GIL go
             if got != want:
                 raise OSError(ctypes.get_errno(), f"process_vm_writev wrote {got} of {want} bytes")
+
+    if threads <= 1:
+        return write_one
+    from concurrent.futures import ThreadPoolExecutor
+
+    from kvcache.transfer.nixl import SPLIT_DESCRIPTORS, spread
+
+    pool = ThreadPoolExecutor(threads, thread_name_prefix="vm-writev")
+
+    def write(r: CopyRanges) -> None:
+        r = spread(r, SPLIT_DESCRIPTORS * threads)
+        cuts = np.linspace(0, r.num_ranges, threads + 1).astype(int)
+        parts = [CopyRanges(r.src[a:b], r.dst[a:b], r.length[a:b]) for a, b in zip(cuts[:-1], cuts[1:]) if b > a]
+        for done in [pool.submit(write_one, part) for part in parts]:
+            done.result()
 
     return write
 
@@ -227,7 +243,9 @@ def bench_nixl(layers: int, repeat: int, threads: int | None = None) -> list[dic
             limit = one_range(nbytes, src_buf.ctypes.data, int(dst.addrs[0, 0]))
             first = engine.write(src, src_ids, dst, dst_ids)
             _done(first)
-            floor = process_vm_writer(peer.pid) if peer.host == socket.gethostname() else None
+            here = peer.host == socket.gethostname()
+            floor = process_vm_writer(peer.pid) if here else None
+            floors = process_vm_writer(peer.pid, engine.threads) if here and engine.threads > 1 else None
             ours, one_thread, per_layer, raw = best_interleaved([
                 lambda: _done(engine.write(src, src_ids, dst, dst_ids)),
                 lambda: _done(single.write(src, src_ids, dst, dst_ids)),
@@ -252,6 +270,12 @@ def bench_nixl(layers: int, repeat: int, threads: int | None = None) -> list[dic
                 else:
                     rows.append(_row("process_vm_writev, no NIXL", bs, "all layers, 1 thread", first.num_ranges,
                                      nbytes, scattered, whole, "one-range process_vm_writev", None))
+                    if floors is not None:
+                        scattered, whole = best_interleaved([lambda: floors(first.ranges), lambda: floors(limit)],
+                                                            repeat)
+                        rows.append(_row("process_vm_writev, no NIXL", bs, f"all layers, {engine.threads} threads",
+                                         first.num_ranges, nbytes, scattered, whole,
+                                         f"one range cut over {engine.threads} threads", None))
             fleet.stop([conn])
     return rows
 
