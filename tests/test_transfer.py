@@ -7,6 +7,8 @@ import json
 import multiprocessing as mp
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any, NamedTuple
@@ -379,17 +381,19 @@ class Receiver:
 
 
 @needs_nixl
-@pytest.mark.parametrize(("transport", "threads", "progress"), [
-    ("default", 0, "thread"), ("default", 3, "thread"), ("tcp", 3, "thread"), ("default", 0, "poll"),
-    ("default", 3, "poll"), ("tcp", 0, "poll")])
-def test_nixl_writes_scattered_blocks_into_another_process_byte_for_byte(transport, threads, progress, monkeypatch):
-    """UCX's own choice (shared memory on one host) and TCP land exactly the listed units, split over threads or not.
+@pytest.mark.parametrize(("transport", "threads", "progress", "kernel"), [
+    ("default", 0, "thread", True), ("default", 3, "thread", True), ("default", 3, "thread", False),
+    ("tcp", 3, "thread", False), ("default", 0, "poll", False), ("default", 3, "poll", True), ("tcp", 0, "poll", False)])
+def test_nixl_writes_scattered_blocks_into_another_process_byte_for_byte(transport, threads, progress, kernel,
+                                                                         monkeypatch):
+    """The kernel copy into a process on this host, UCX's own choice (shared memory) and TCP land exactly the
+    listed units, split over threads or not, the notification after them.
 
     With progress="poll" neither side runs NIXL's progress thread: the writer's worker progresses
     UCX while its write is in flight, and the receiver's idle worker answers TCP while nobody
     there calls into the engine (its command loop is blocked on the pipe).
     """
-    from kvcache.transfer.nixl import SPLIT_DESCRIPTORS, NixlEngine
+    from kvcache.transfer.nixl import SPLIT_DESCRIPTORS, KernelCopy, NixlEngine
 
     env = {"UCX_TLS": TCP_ONLY} if transport == "tcp" else {}
     for k, v in env.items():
@@ -399,9 +403,10 @@ def test_nixl_writes_scattered_blocks_into_another_process_byte_for_byte(transpo
     peer_proc = Receiver(spec, 48, seed=5, env=env, progress=progress)
     try:
         src = Cache(spec, 40, seed=4)
-        with NixlEngine("prefill", threads=threads, progress=progress) as engine:
+        with NixlEngine("prefill", threads=threads, progress=progress, kernel_copy=kernel) as engine:
             peer = engine.connect(peer_proc.endpoint)
             assert peer.agent == peer_proc.agent and peer.pid == peer_proc.process.pid
+            assert (peer.agent in engine._kernel_peers) == (kernel and KernelCopy.supported())
             remote = peer.regions[0]
             src_ids, dst_ids = scattered(rng, 40, 30), scattered(rng, 48, 30)
             handle = engine.write(src.region, src_ids, remote, dst_ids, notify=b"req-1:done")
@@ -531,7 +536,7 @@ def test_a_peer_killed_mid_transfer_fails_the_write_within_its_deadline(monkeypa
     try:
         src = KVRegion.from_tensors(spec, {t.name: [np.ones(t.shape(blocks), np.uint16) for _ in range(2)]
                                            for t in spec.tensors()})
-        engine = NixlEngine("prefill")
+        engine = NixlEngine("prefill", kernel_copy=False)  # over TCP, not the kernel's copy on this host
         peer = engine.connect(peer_proc.endpoint)
         ids = np.arange(blocks)
         deadline_s = 8.0
@@ -549,6 +554,63 @@ def test_a_peer_killed_mid_transfer_fails_the_write_within_its_deadline(monkeypa
         assert engine.registered == ()
     finally:
         peer_proc.stop()
+
+
+@needs_nixl
+def test_a_kernel_copy_to_a_peer_that_died_fails_at_once_and_naming_it():
+    """The kernel copy into a receiver SIGKILLed after connect: FAILED naming the process, well within the
+    deadline, and the engine writes on to a live peer."""
+    from kvcache.transfer.nixl import KernelCopy, NixlEngine
+
+    if not KernelCopy.supported():
+        pytest.skip("no process_vm_writev here")
+    spec = make_spec("bf16")
+    dead, live = Receiver(spec, 48, seed=5), Receiver(spec, 48, seed=6)
+    try:
+        src = Cache(spec, 40, seed=4)
+        with NixlEngine("prefill", threads=2) as engine:
+            gone, peer = engine.connect(dead.endpoint), engine.connect(live.endpoint)
+            assert {gone.agent, peer.agent} <= set(engine._kernel_peers)
+            dead.process.kill()
+            dead.process.join(5)
+            start = time.monotonic()
+            handle = engine.write(src.region, np.arange(30), gone.regions[0], np.arange(30), timeout=10)
+            assert handle.wait() is TransferStatus.FAILED and f"process {gone.pid}" in handle.error
+            assert time.monotonic() - start < 2
+            ok = engine.write(src.region, np.arange(30), peer.regions[0], np.arange(30)[::-1], notify=b"n")
+            assert ok.wait() is TransferStatus.DONE, ok.error
+            got = np.frombuffer(live.call("dump"), dtype=np.uint8)
+            assert np.array_equal(got, Cache(spec, 48, seed=6).expect_copy(src, np.arange(30), np.arange(30)[::-1]))
+    finally:
+        dead.stop()
+        live.stop()
+
+
+def test_kernel_copy_is_refused_by_a_process_that_is_gone_and_stops_at_its_deadline():
+    """``may_write`` is False for a process that does not exist; a write past its deadline copies nothing."""
+    from kvcache.transfer.nixl import KernelCopy
+    from kvcache.transfer.regions import CopyRanges
+
+    if not KernelCopy.supported():
+        pytest.skip("no process_vm_writev here")
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    copy = KernelCopy(2)
+    try:
+        src, dst = np.arange(4096, dtype=np.uint8), np.zeros(4096, dtype=np.uint8)
+        assert copy.may_write(os.getpid(), dst.ctypes.data)
+        assert not copy.may_write(child.pid, dst.ctypes.data)
+        ranges = CopyRanges(np.array([src.ctypes.data], np.int64), np.array([dst.ctypes.data], np.int64),
+                            np.array([4096], np.int64))
+        with pytest.raises(TimeoutError):
+            copy.write(os.getpid(), ranges, time.monotonic() - 1)
+        assert not dst.any()
+        copy.write(os.getpid(), ranges, time.monotonic() + 5)
+        assert np.array_equal(dst, src)
+        with pytest.raises(OSError):
+            copy.write(child.pid, ranges, time.monotonic() + 5)
+    finally:
+        copy.close()
 
 
 @needs_nixl
