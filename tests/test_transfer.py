@@ -613,6 +613,31 @@ def test_kernel_copy_is_refused_by_a_process_that_is_gone_and_stops_at_its_deadl
         copy.close()
 
 
+def test_kernel_copy_goes_on_where_the_kernel_stopped_a_call_past_two_gib():
+    """process_vm_writev copies at most 2 GiB less a page a call: a range past that lands whole, in pieces,
+    with the scattered small ranges around it."""
+    from kvcache.transfer.nixl import KernelCopy
+    from kvcache.transfer.regions import CopyRanges
+
+    if not KernelCopy.supported():
+        pytest.skip("no process_vm_writev here")
+    big = (2 << 30) + 3 * 4096 + 5
+    src = np.full(big + 64, 7, dtype=np.uint8)
+    src[::4093] = 11  # not one value throughout: a piece landing at the wrong offset shows
+    dst = np.zeros(big + 64, dtype=np.uint8)
+    base_s, base_d = src.ctypes.data, dst.ctypes.data
+    ranges = CopyRanges(np.array([base_s + big, base_s, base_s + big + 32], np.int64),
+                        np.array([base_d, base_d + 32, base_d + big + 32], np.int64),
+                        np.array([32, big, 32], np.int64))
+    copy = KernelCopy(1)
+    try:
+        copy.write(os.getpid(), ranges, time.monotonic() + 60)
+    finally:
+        copy.close()
+    assert np.array_equal(dst[:32], src[big:big + 32]) and np.array_equal(dst[big + 32:], src[big + 32:big + 64])
+    assert np.array_equal(dst[32:big + 32], src[:big])
+
+
 @needs_nixl
 def test_connect_to_a_silent_endpoint_fails_within_its_timeout():
     from kvcache.transfer.nixl import NixlEngine

@@ -754,18 +754,31 @@ class KernelCopy:
                 raise error
 
     def _write_part(self, pid: int, r: CopyRanges, deadline: float) -> None:
+        """One thread's ranges, VM_BATCH a call; a call that copies less (the kernel stops at 2 GiB) goes on
+        from where it stopped."""
         local = np.stack([r.src, r.length], axis=1).astype(np.uint64)  # struct iovec: base, length
         remote = np.stack([r.dst, r.length], axis=1).astype(np.uint64)
-        ends = np.cumsum(r.length)
-        for lo in range(0, r.num_ranges, VM_BATCH):
+        i, n = 0, r.num_ranges
+        while i < n:
             if time.monotonic() >= deadline:
                 raise TimeoutError("deadline passed")
-            k = min(VM_BATCH, r.num_ranges - lo)
-            want = int(ends[lo + k - 1] - (ends[lo - 1] if lo else 0))
-            got = self._writev(pid, local[lo:].ctypes.data, k, remote[lo:].ctypes.data, k, 0)  # the GIL is let go
-            if got != want:
-                errno = self._ctypes.get_errno()
-                raise OSError(errno, os.strerror(errno) if got < 0 else f"wrote {got} of {want} bytes")
+            k = min(VM_BATCH, n - i)
+            lengths = local[i:i + k, 1]
+            want = int(lengths.sum())
+            got = self._writev(pid, local[i:].ctypes.data, k, remote[i:].ctypes.data, k, 0)  # the GIL is let go
+            if got == want:
+                i += k
+                continue
+            if got <= 0:
+                errno = self._ctypes.get_errno() if got < 0 else 0
+                raise OSError(errno, os.strerror(errno) if errno else f"copied nothing of {want} bytes")
+            ends = np.cumsum(lengths)
+            whole = int(np.searchsorted(ends, got, side="right"))  # ranges copied in full
+            part = got - (int(ends[whole - 1]) if whole else 0)
+            i += whole
+            for iov in (local, remote):  # the rest of the range it stopped in
+                iov[i, 0] += np.uint64(part)
+                iov[i, 1] -= np.uint64(part)
 
     def close(self) -> None:
         """Stop the copy threads."""
