@@ -16,7 +16,7 @@ from kvcache.allocator import _tables
 from kvcache.allocator.errors import KVCacheError
 from kvcache.allocator.events import BlockRemoved, CacheEvent
 from kvcache.allocator.prefix import _PACKED, HASH_BYTES, as_token_array
-from kvcache.allocator.requests import _NO_COLUMNS, TableDeltas, _Chunk, _columns, _put_column, _view
+from kvcache.allocator.requests import _NO_COLUMNS, TableDeltas, _check_count, _Chunk, _columns, _put_column, _view
 from kvcache.allocator.swa import window_stop
 
 if TYPE_CHECKING:
@@ -44,7 +44,8 @@ class DecodeBatch:
     """KVCacheManager's batch extends (mixed into it; every attribute used here is the manager's)."""
 
     def extend_many(self, request_ids: Sequence[object], tokens: Tokens, counts: Sequence[int] | np.ndarray,
-                    *, changes: list[np.ndarray] | None = None) -> list[np.ndarray | None]:
+                    *, changes: list[np.ndarray] | None = None, num_lookahead_tokens: int = 0
+                    ) -> list[np.ndarray | None]:
         """``extend`` for many requests at once: request i gets the next ``counts[i]`` of ``tokens``.
 
         A decode step's shape: most requests gain one token that lands in a block
@@ -55,9 +56,11 @@ class DecodeBatch:
         Tables are live read-only views, so a request listed twice shows its
         final table in both places. With ``changes`` (a list), each request's
         changed columns are appended to it in order (what ``changed_columns``
-        gives after each extend).
+        gives after each extend). ``num_lookahead_tokens`` as ``extend``'s, for
+        every request (such a batch goes one request at a time).
         """
-        deltas = self._extend_decode(request_ids, tokens, counts)
+        lookahead = self._lookahead(num_lookahead_tokens)
+        deltas = None if lookahead else self._extend_decode(request_ids, tokens, counts)
         if deltas is not None:  # the ids are a list, every one admitted
             if changes is not None:
                 ends = deltas.offsets.tolist()
@@ -68,7 +71,7 @@ class DecodeBatch:
                     for rid, n in zip(request_ids, deltas.lens.tolist())]
         slots, flat, counts = self._check_many(request_ids, tokens, counts)
         views: list[np.ndarray | None] = []
-        ok, changed, widths = self._extend_slots(slots, flat, counts, views)
+        ok, changed, widths = self._extend_slots(slots, flat, counts, views, lookahead)
         if self.tier is not None:
             self._record_tier_tokens(slots, flat, counts, ok)
         if changes is not None:
@@ -86,7 +89,8 @@ class DecodeBatch:
         return out
 
     def extend_many_deltas(self, request_ids: Sequence[object], tokens: Tokens,
-                           counts: Sequence[int] | np.ndarray, *, slots: np.ndarray | None = None) -> TableDeltas:
+                           counts: Sequence[int] | np.ndarray, *, slots: np.ndarray | None = None,
+                           num_lookahead_tokens: int = 0) -> TableDeltas:
         """``extend_many``, answering with array deltas instead of a table per request (what the daemon sends).
 
         No Python object per request on the way out: a decode step changes
@@ -94,11 +98,12 @@ class DecodeBatch:
         ``slots_of`` gave for these ids, if nothing was admitted or freed since:
         the ids are not looked up again.
         """
-        deltas = self._extend_decode(request_ids, tokens, counts, slots)
+        lookahead = self._lookahead(num_lookahead_tokens)
+        deltas = None if lookahead else self._extend_decode(request_ids, tokens, counts, slots)
         if deltas is not None:
             return deltas
         slots, flat, counts = self._check_many(request_ids, tokens, counts)
-        ok, changed, widths = self._extend_slots(slots, flat, counts, None)
+        ok, changed, widths = self._extend_slots(slots, flat, counts, None, lookahead)
         if self.tier is not None:
             self._record_tier_tokens(slots, flat, counts, ok)
         lens = np.where(ok, self._width[slots] if widths is None else widths, -1).astype(np.int32)
@@ -118,6 +123,21 @@ class DecodeBatch:
         np.cumsum(sizes, out=offsets[1:])
         return TableDeltas(lens, index.astype(np.int32, copy=False), offsets, cols.astype(np.int32, copy=False),
                            vals[0] if len(vals) == 1 else np.concatenate(vals, axis=1))
+
+    def _lookahead(self, num_lookahead_tokens: int) -> int:
+        """``num_lookahead_tokens`` checked; one above 0 makes the batch paths look for blocks reserved ahead."""
+        _check_count(num_lookahead_tokens, "num_lookahead_tokens", least=0)
+        if num_lookahead_tokens:
+            self._lookahead_used = True
+        return int(num_lookahead_tokens)
+
+    def _holds_ahead(self, slots: np.ndarray) -> bool:
+        """Whether a request of ``slots`` holds a block reserved ahead (no token in it yet): the batch paths,
+        which open a block at each block boundary, leave such a batch to ``_extend`` one request at a time."""
+        if not self._lookahead_used:
+            return False
+        bs = self.block_size
+        return bool((self._width[slots].astype(np.int64) * bs - self._ntok[slots] >= bs).any())
 
     def slots_of(self, request_ids: list[object], exclude: dict | None = None) -> np.ndarray | None:
         """Each id's row in the per-request arrays (intp), in one C pass; None if one is not admitted, not an int
@@ -142,6 +162,11 @@ class DecodeBatch:
         hashing = self._decodes_in_one_pass()
         if hashing is None or type(request_ids) is not list:
             return None
+        if self._lookahead_used:
+            if slots is None:
+                slots = self.slots_of(request_ids)
+            if slots is None or self._holds_ahead(slots):
+                return None
         counts = np.asarray(counts)
         if counts.ndim != 1:
             return None
@@ -216,7 +241,8 @@ class DecodeBatch:
         return slots, flat, counts
 
     def _extend_slots(self, slots: np.ndarray, flat: np.ndarray, counts: np.ndarray,
-                      views: list[np.ndarray | None] | None) -> tuple[np.ndarray, list[_Chunk], np.ndarray | None]:
+                      views: list[np.ndarray | None] | None, lookahead: int = 0
+                      ) -> tuple[np.ndarray, list[_Chunk], np.ndarray | None]:
         """Extend request ``slots[i]`` by its ``counts[i]`` tokens of ``flat``, as ``extend`` would in order.
 
         Returns which succeeded (bool ``[n]``), the changed columns as chunks
@@ -228,12 +254,16 @@ class DecodeBatch:
         in one C pass (``_tables.extend_fast``); they touch no shared state, so they
         commute with the others, which go through ``_extend_run`` (decode
         steps, batched) or ``_extend`` one at a time, in order. A slot listed
-        twice sends the whole batch one at a time.
+        twice sends the whole batch one at a time, as do ``lookahead`` and a
+        request holding blocks reserved ahead.
         """
         n = slots.size
         ok = np.ones(n, dtype=bool)
         if n == 0:
             return ok, [], None
+        if lookahead or self._holds_ahead(slots):
+            widths = np.zeros(n, dtype=np.int32)
+            return ok, self._extend_in_order(slots, flat, counts, ok, widths, views, lookahead), widths
         found = _tables.extend_fast(slots, counts, flat, self._ntok, self._fast_limit, self._next_recycle, self._tail,
                                     self._changed_ok, self._stamp, self._keyed, self._salted, self._hasher is not None)
         if found is None:
@@ -469,14 +499,15 @@ class DecodeBatch:
                 changed.append(_Chunk(np.array([i]), np.array([cols.size]), cols, None))
 
     def _extend_in_order(self, slots: np.ndarray, flat: np.ndarray, counts: np.ndarray, ok: np.ndarray,
-                         widths: np.ndarray, views: list[np.ndarray | None] | None) -> list[_Chunk]:
-        """``_extend_slots`` one request at a time (a slot is listed more than once)."""
+                         widths: np.ndarray, views: list[np.ndarray | None] | None, lookahead: int = 0
+                         ) -> list[_Chunk]:
+        """``_extend_slots`` one request at a time (a slot is listed more than once, or blocks go ahead)."""
         by_slot = self._by_slot
         changed: list[_Chunk] = []
         offset = 0
         for i, (s, k) in enumerate(zip(slots.tolist(), counts.tolist())):
             req = by_slot[s]
-            if self._extend(req, flat[offset:offset + k], int(self._ntok[s])) is None:
+            if self._extend(req, flat[offset:offset + k], int(self._ntok[s]), lookahead) is None:
                 ok[i] = False
             else:
                 cols = self._changed_of(req)

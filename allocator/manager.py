@@ -187,6 +187,9 @@ class KVCacheManager(RequestSlots, DecodeBatch, TierLink):
         # With a tier: each request's tokens since admit, by slot (the tier keys and announces what it
         # takes by them; without a tier only the partial last block's tokens are kept).
         self._tier_tokens: dict[int, list[np.ndarray]] = {}
+        # Whether an extend ever reserved blocks ahead (num_lookahead_tokens): then a batch whose requests hold
+        # some goes one request at a time, as the batch paths open a block at each block boundary.
+        self._lookahead_used = False
 
     def __getstate__(self) -> dict:
         """The state a journal snapshot saves: everything but the events not yet taken (they were published) and
@@ -206,6 +209,7 @@ class KVCacheManager(RequestSlots, DecodeBatch, TierLink):
             req.view = None
         if "_held" not in state:  # a snapshot from before tiers could hold blocks
             self._held = np.zeros((len(self._group_col), self.num_blocks), dtype=np.int64)
+        self.__dict__.setdefault("_lookahead_used", False)
 
     @property
     def row_groups(self) -> np.ndarray:
@@ -461,7 +465,8 @@ class KVCacheManager(RequestSlots, DecodeBatch, TierLink):
         self._hit_tokens += num_hit * bs
         return Admission(num_hit * bs, _view(req), covered)
 
-    def extend(self, request_id: object, tokens: Tokens, *, num_computed_tokens: int | None = None) -> np.ndarray | None:
+    def extend(self, request_id: object, tokens: Tokens, *, num_computed_tokens: int | None = None,
+               num_lookahead_tokens: int = 0) -> np.ndarray | None:
         """Append ``tokens`` (a prefill chunk or decoded tokens) and allocate the blocks they need.
 
         Sliding-window rows first give back blocks no query from
@@ -470,26 +475,34 @@ class KVCacheManager(RequestSlots, DecodeBatch, TierLink):
         scheduling so no block a step in flight still reads or writes is
         freed). Newly full blocks enter the prefix index. Returns the table, or
         None, changing nothing, when blocks are short.
+
+        ``num_lookahead_tokens``: the table also covers that many positions after the tokens, whose tokens are
+        not known yet (vLLM's lookahead slots): a scheduler can hand out the next decode step's table while
+        the current step runs, and a later extend fills those positions first (a block is hashed once full).
         """
         req = self._get(request_id)
         new_tokens = as_token_array(tokens)
         num_tokens = int(self._ntok[req.slot])
         done = num_tokens if num_computed_tokens is None else num_computed_tokens
         _check_count(done, "num_computed_tokens", least=0)
+        _check_count(num_lookahead_tokens, "num_lookahead_tokens", least=0)
         if done > num_tokens:
             raise KVCacheError(f"num_computed_tokens: {done} exceeds the request's {num_tokens} tokens")
-        table = self._extend(req, new_tokens, done)
+        if num_lookahead_tokens:
+            self._lookahead_used = True
+        table = self._extend(req, new_tokens, done, num_lookahead_tokens)
         if table is not None and self.tier is not None and req.slot in self._tier_tokens:
             self._tier_tokens[req.slot].append(new_tokens.copy())
         return table
 
-    def _extend(self, req: _Request, new_tokens: np.ndarray, done: int) -> np.ndarray | None:
-        """``extend`` after validation: ``new_tokens`` is uint32, ``done`` within the request's tokens."""
+    def _extend(self, req: _Request, new_tokens: np.ndarray, done: int, lookahead: int = 0) -> np.ndarray | None:
+        """``extend`` after validation: ``new_tokens`` is uint32, ``done`` within the request's tokens; the table
+        to cover ``lookahead`` positions more (blocks reserved ahead stay the request's)."""
         bs = self.block_size
         slot = req.slot
         num_tokens = int(self._ntok[slot])
         total = num_tokens + int(new_tokens.size)
-        num_blocks = -(-total // bs)
+        num_blocks = max(req.num_blocks, -(-(total + lookahead) // bs))
         num_new = num_blocks - req.num_blocks
         rows, blocks, stops = self._recyclable(req, done)
         changed = [range(req.num_blocks, num_blocks)]
@@ -644,7 +657,13 @@ class KVCacheManager(RequestSlots, DecodeBatch, TierLink):
             t = req.table[:, : req.num_blocks]
             r, c = np.nonzero(t >= 0)
             np.add.at(refs, (r, t[r, c]), 1)
-            assert req.num_blocks == -(-int(self._ntok[req.slot]) // self.block_size), "table length disagrees with tokens"
+            filled = -(-int(self._ntok[req.slot]) // self.block_size)
+            assert req.num_blocks >= filled, "table shorter than its tokens"
+            if req.num_blocks > filled:  # blocks reserved ahead: nothing in them yet, so nothing cached
+                ahead = t[:, filled:]
+                rows = np.broadcast_to(self._group_col, ahead.shape)
+                live = ahead >= 0
+                assert not self._pool.is_cached(rows[live], ahead[live]).any(), "a block reserved ahead is cached"
             assert self._by_slot[req.slot] is req, f"slot {req.slot} does not hold its request"
             if self._ntok[req.slot] % self.block_size:
                 assert (self._last_block[req.slot] == t[:, -1]).all(), "last block out of date"

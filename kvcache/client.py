@@ -201,15 +201,20 @@ class Batch(_tables.RunCollector):
     # once per running request each step, is two list appends there; any other call comes here.
 
     def _extend_slow(self, request_id: Any, tokens: Sequence[int] | np.ndarray, *,
-                     num_computed_tokens: int | None = None) -> Batch:
-        """``extend`` called with keywords: an extend with ``num_computed_tokens`` goes alone; others join the run."""
-        if num_computed_tokens is not None:
-            return self._add({"op": "extend", "req": request_id, "tokens": _as_token_array(tokens),
-                              "num_computed": num_computed_tokens})
+                     num_computed_tokens: int | None = None, num_lookahead_tokens: int = 0) -> Batch:
+        """``extend`` called with keywords: one with ``num_computed_tokens`` or ``num_lookahead_tokens`` goes
+        alone; others join the run."""
+        if num_computed_tokens is not None or num_lookahead_tokens:
+            op = {"op": "extend", "req": request_id, "tokens": _as_token_array(tokens)}
+            if num_computed_tokens is not None:
+                op["num_computed"] = num_computed_tokens
+            if num_lookahead_tokens:
+                op["lookahead"] = num_lookahead_tokens
+            return self._add(op)
         return self.extend(request_id, tokens)  # the plain extend's one path (RunCollector's)
 
     def extend_many(self, request_ids: Sequence[Any] | np.ndarray, tokens: Sequence[int] | np.ndarray,
-                    counts: Sequence[int] | np.ndarray) -> Batch:
+                    counts: Sequence[int] | np.ndarray, *, num_lookahead_tokens: int = 0) -> Batch:
         """As KVCacheManager.extend_many, as one op: request i gets the next ``counts[i]`` tokens.
 
         Its result is the list of tables (None where blocks ran short), or a
@@ -221,8 +226,10 @@ class Batch(_tables.RunCollector):
             per_request = per_request.astype(np.int64)
         if per_request.ndim != 1 or per_request.size != len(reqs) or per_request.dtype.kind not in "iu":
             raise KVCacheError(f"counts: need one integer per request ({len(reqs)}), got {per_request.shape}")
-        return self._add({"op": "extend_many", "reqs": reqs, "tokens": _as_token_array(tokens),
-                          "counts": per_request})
+        op = {"op": "extend_many", "reqs": reqs, "tokens": _as_token_array(tokens), "counts": per_request}
+        if num_lookahead_tokens:
+            op["lookahead"] = num_lookahead_tokens
+        return self._add(op)
 
     def free(self, request_id: Any) -> Batch:
         return self._add({"op": "free", "req": request_id})
@@ -466,13 +473,15 @@ class CacheClient:
         self._single(self.batch().op("tier_done", job=job, rank=rank, ok=ok, error=error[:4096]))
 
     def extend(self, request_id: Any, tokens: Sequence[int] | np.ndarray, *,
-               num_computed_tokens: int | None = None) -> np.ndarray | None:
-        return self._single(self.batch().extend(request_id, tokens, num_computed_tokens=num_computed_tokens))
+               num_computed_tokens: int | None = None, num_lookahead_tokens: int = 0) -> np.ndarray | None:
+        return self._single(self.batch().extend(request_id, tokens, num_computed_tokens=num_computed_tokens,
+                                                num_lookahead_tokens=num_lookahead_tokens))
 
     def extend_many(self, request_ids: Sequence[Any] | np.ndarray, tokens: Sequence[int] | np.ndarray,
-                    counts: Sequence[int] | np.ndarray) -> list[np.ndarray | None]:
+                    counts: Sequence[int] | np.ndarray, *, num_lookahead_tokens: int = 0) -> list[np.ndarray | None]:
         """As KVCacheManager.extend_many: request i gets the next ``counts[i]`` of ``tokens``; one round trip."""
-        return self._single(self.batch().extend_many(request_ids, tokens, counts))
+        return self._single(self.batch().extend_many(request_ids, tokens, counts,
+                                                     num_lookahead_tokens=num_lookahead_tokens))
 
     def free(self, request_id: Any) -> None:
         self._single(self.batch().free(request_id))

@@ -144,6 +144,7 @@ class _Op:
     counts: np.ndarray | None = None  # extend_many: tokens per request
     pd: dict[str, Any] | None = None  # PD fields: reserve's timeout, a prefill admit's dest, a PD op's own
     slots: np.ndarray | None = None  # extend_many: the requests' rows in the manager's arrays, when all were found
+    ahead: int = 0  # extend, extend_many: positions the table covers past the tokens (num_lookahead_tokens)
 
 
 class _Changes:
@@ -931,7 +932,7 @@ class CacheServer:
             kind = op.kind
             if kind == "extend_many":
                 n = len(op.reqs)
-                total += 16 * n + column * 2 * (op.tokens.size // bs + n)
+                total += 16 * n + column * 2 * (op.tokens.size // bs + n * (1 + -(-op.ahead // bs)))
                 sent += op.tokens.size
             elif kind in ("admit", "reserve"):
                 blocks = -(-op.tokens.size // bs)
@@ -942,10 +943,13 @@ class CacheServer:
                     total += sum(len(e) + 8 for e in op.pd["receivers"]) + len(op.pd.get("decode") or "") + 256
                 sent += op.tokens.size
             elif kind in ("extend", "table"):
-                held = m.num_tokens(op.req) if op.req in self._slots.of else 0
+                known = op.req in self._slots.of
+                held = m.num_tokens(op.req) if known else 0
                 if kind == "extend":
                     sent += op.tokens.size
-                total += (column if kind == "extend" else 4 * rows) * -(-(held + sent) // bs)
+                # Blocks reserved ahead make a table longer than its tokens fill.
+                width = max(m.table(op.req).shape[1] if known else 0, -(-(held + sent + op.ahead) // bs))
+                total += (column if kind == "extend" else 4 * rows) * width
             elif kind == "plans":
                 reqs = (op.pd or {}).get("reqs", ())
                 held = sum(m.num_tokens(r) for r in reqs if r in self._slots.of)
@@ -1039,7 +1043,7 @@ class CacheServer:
                         if known is not None and number > known:
                             raise ProtocolError(f"ops[{i}].num_computed: {number} exceeds the request's "
                                                 f"{known} tokens")
-                    ops.append(_Op(kind, req, tokens, number=number))
+                    ops.append(_Op(kind, req, tokens, number=number, ahead=self._lookahead_of(op, i)))
                 else:
                     ops.append(_Op(kind, req))
                     if kind == "free":
@@ -1074,12 +1078,18 @@ class CacheServer:
                                                or int(counts.max()) > tokens.size or int(counts.sum()) != tokens.size)
                 if bad:
                     raise ProtocolError(f"{field}.counts: must be non-negative and sum to the {tokens.size} tokens")
-                ops.append(_Op(kind, tokens=tokens, reqs=reqs, counts=counts, slots=slots if rows_stable else None))
+                ops.append(_Op(kind, tokens=tokens, reqs=reqs, counts=counts, slots=slots if rows_stable else None,
+                               ahead=self._lookahead_of(op, i)))
             else:
                 ops.append(self._other_op(op, i, kind, live))
                 if kind in PD_OPS:  # one that ends a transfer frees its request: rows found later may not hold
                     rows_stable = False
         return ops
+
+    def _lookahead_of(self, op: dict, i: int) -> int:
+        """An extend's optional ``lookahead``: positions its table covers past the tokens, at most max_tokens."""
+        ahead = op.get("lookahead")
+        return 0 if ahead is None else check_int(ahead, f"ops[{i}].lookahead", most=self.config.max_tokens)
 
     def _admit_op(self, op: dict, i: int, kind: str, req: Any, tokens: np.ndarray, slots_taken: dict[int, bool]
                   ) -> _Op:
@@ -1221,7 +1231,7 @@ class CacheServer:
                             result["plan"] = self._plans([op.req])[0]
                     results.append(result)
                 elif op.kind == "extend":
-                    table = m.extend(op.req, op.tokens, num_computed_tokens=op.number)
+                    table = m.extend(op.req, op.tokens, num_computed_tokens=op.number, num_lookahead_tokens=op.ahead)
                     if table is None:
                         results.append(None)
                         continue
@@ -1349,7 +1359,8 @@ class CacheServer:
         by the reply and the delta.
         """
         assert op.reqs is not None and op.counts is not None
-        d = self.manager.extend_many_deltas(op.reqs, op.tokens, op.counts, slots=op.slots)
+        d = self.manager.extend_many_deltas(op.reqs, op.tokens, op.counts, slots=op.slots,
+                                            num_lookahead_tokens=op.ahead)
         if d.index.size:
             reqs = [op.reqs[i] for i in d.index.tolist()]
             slot_of = self._slots.of

@@ -166,12 +166,12 @@ class ReferenceManager:
         self._register(req, covered // bs)
         return hit * bs, [list(row) for row in req.table], covered
 
-    def extend(self, rid, tokens: list[int], num_computed=None):
+    def extend(self, rid, tokens: list[int], num_computed=None, lookahead=0):
         req = self.reqs[rid]
         bs = self.bs
         done = len(req.tokens) if num_computed is None else num_computed
         total = len(req.tokens) + len(tokens)
-        num_blocks = -(-total // bs)
+        num_blocks = max(len(req.table[0]), -(-(total + lookahead) // bs))  # blocks ahead stay the request's
         new = num_blocks - len(req.table[0])
         recycle = [
             [j for j in range(len(req.table[row]) - 1, -1, -1) if req.table[row][j] >= 0 and dead(policy, j, bs, done)]

@@ -35,7 +35,9 @@ def test_client_gives_the_same_results_as_the_library(daemon):
             elif action == 1:
                 rid = live[rng.integers(len(live))]
                 new = rng.integers(0, 9, rng.integers(0, 6))
-                got, want = client.extend(rid, new), library.extend(rid, new)
+                ahead = int(rng.choice([0, 0, 1, 6]))  # positions past the tokens, reserved for the next step
+                got = client.extend(rid, new, num_lookahead_tokens=ahead)
+                want = library.extend(rid, new, num_lookahead_tokens=ahead)
                 assert (got is None) == (want is None)
                 if want is not None:
                     assert np.array_equal(got, want)
@@ -161,8 +163,9 @@ def test_extend_many_takes_arrays_and_gives_the_librarys_tables(daemon):
             ids = rng.permutation(4)
             counts = rng.integers(0, 4, ids.size)
             tokens = rng.integers(0, 9, int(counts.sum())).astype(np.int32)
-            got = client.extend_many(ids, tokens, counts)
-            want = library.extend_many(ids.tolist(), tokens, counts)
+            ahead = int(rng.choice([0, 0, 1, 5]))
+            got = client.extend_many(ids, tokens, counts, num_lookahead_tokens=ahead)
+            want = library.extend_many(ids.tolist(), tokens, counts, num_lookahead_tokens=ahead)
             assert [g is None for g in got] == [w is None for w in want]
             for g, w in zip(got, want):
                 assert w is None or np.array_equal(g, w)
@@ -177,6 +180,10 @@ def test_extend_many_takes_arrays_and_gives_the_librarys_tables(daemon):
             client.batch().extend_many([0, 1], [1, 2], [2])
         with pytest.raises(DaemonError, match=r"ops\[0\].reqs\[1\]: request 'zz' is not admitted"):
             client.extend_many([0, "zz"], [1, 2], [1, 1])
+        with pytest.raises(DaemonError, match=r"ops\[0\].lookahead: -1 is outside"):
+            client.batch().op("extend_many", reqs=[0], tokens=np.array([1]), counts=np.array([1]), lookahead=-1).send()
+        for rid in range(4):  # nothing changed
+            assert np.array_equal(client.table(rid), library.table(rid))
 
 
 @pytest.mark.parametrize("rows, policies", [(ROWS, POLICIES), ("full", [Full()])])

@@ -39,8 +39,8 @@ def test_the_engine_generates_what_the_dense_model_generates(name: str) -> None:
         assert r["host_tokens"] > 0, "the last wave's hits must come back from host"
         if case.pd:
             assert r["decode_host_tokens"] > 0, "the decode node's reservations must hit its host tier too"
-    if case.daemon and not case.pd and not case.model.window:
-        assert r["overlapped"] > 0, "decode steps whose tokens land in held blocks overlap the daemon's round trip"
+    if case.daemon and not case.pd and not case.model.window:  # a step's tables were reserved by the one before
+        assert r["overlapped"] * 2 > r["steps"], "most steps should run while the daemon applies their extends"
     if case.row_blocks or "sized from memory" in name:
         assert len(r["pools"]) == 2, "window layers hold fewer blocks than full ones"
 

@@ -54,7 +54,7 @@ def plain(events: list) -> list:
 
 decode = st.tuples(st.just("decode"), st.lists(st.integers(0, 10**6), min_size=1, max_size=12, unique=True),
                    st.lists(st.sampled_from([1, 1, 1, 1, 1, 1, 0, 2]), min_size=12, max_size=12), st.booleans(),
-                   st.integers(0, 3))
+                   st.integers(0, 3), st.sampled_from([0, 0, 0, 0, 1, 5]))
 step = st.one_of(
     decode, decode, decode,
     st.tuples(st.just("admit"), st.integers(0, 2), st.integers(1, 40), st.lists(st.integers(0, 9), max_size=6),
@@ -91,21 +91,22 @@ def test_extend_many_equals_extends_one_at_a_time(shape, num_blocks, caching, al
             single.free(rid)
         elif op[0] in ("decode", "repeat") and live:
             if op[0] == "decode":
-                picks, counts_all, use_deltas, seed = op[1:]
+                picks, counts_all, use_deltas, seed, ahead = op[1:]
                 rids = list(dict.fromkeys(live[p % len(live)] for p in picks))
                 counts = counts_all[: len(rids)]
-            else:
-                rids, counts, use_deltas, seed = [live[p % len(live)] for p in op[1]], [1] * len(op[1]), False, 0
+            else:  # blocks reserved ahead by earlier steps meet the batch paths here
+                rids = [live[p % len(live)] for p in op[1]]
+                counts, use_deltas, seed, ahead = [1] * len(op[1]), False, 0, 0
             # Same-content decodes (token = seed) make equal chains, so inserts meet hashes already indexed.
             flat = np.full(sum(counts), seed, dtype=np.int64) if seed < 2 else np.arange(sum(counts)) % 7
             want = []
             offset = 0
             for rid, k in zip(rids, counts):
-                got = single.extend(rid, flat[offset:offset + k])
+                got = single.extend(rid, flat[offset:offset + k], num_lookahead_tokens=ahead)
                 want.append(None if got is None else (got.shape[1], single.changed_columns(rid).tolist()))
                 offset += k
             if use_deltas:
-                d = batched.extend_many_deltas(rids, flat, counts)
+                d = batched.extend_many_deltas(rids, flat, counts, num_lookahead_tokens=ahead)
                 assert d.lens.tolist() == [-1 if w is None else w[0] for w in want]
                 changed = [i for i, w in enumerate(want) if w is not None and w[1]]
                 assert d.index.tolist() == changed
@@ -115,7 +116,7 @@ def test_extend_many_equals_extends_one_at_a_time(shape, num_blocks, caching, al
                     assert d.vals[:, d.offsets[j]:d.offsets[j + 1]].tolist() == single.table(rids[i])[:, cols].tolist()
             else:
                 changes: list[np.ndarray] = []
-                tables = batched.extend_many(rids, flat, counts, changes=changes)
+                tables = batched.extend_many(rids, flat, counts, changes=changes, num_lookahead_tokens=ahead)
                 assert [t is None for t in tables] == [w is None for w in want]
                 last = {rid: i for i, rid in enumerate(rids)}
                 for i, (rid, w) in enumerate(zip(rids, want)):

@@ -479,9 +479,10 @@ class ManagerMachine(RuleBasedStateMachine):
         new = data.draw(st.lists(st.integers(0, 50), min_size=0, max_size=3 * BS))
         current = self.fast.num_tokens(rid)
         done = data.draw(st.one_of(st.none(), st.integers(max(0, current - 2 * BS), current)))
+        ahead = data.draw(st.sampled_from([0, 0, 0, 1, 2 * BS]))
         before = self.fast.table(rid).copy()
-        got = self.fast.extend(rid, new, num_computed_tokens=done)
-        want = self.ref.extend(rid, new, num_computed=done)
+        got = self.fast.extend(rid, new, num_computed_tokens=done, num_lookahead_tokens=ahead)
+        want = self.ref.extend(rid, new, num_computed=done, lookahead=ahead)
         if want is None:
             assert got is None
         else:
@@ -500,11 +501,12 @@ class ManagerMachine(RuleBasedStateMachine):
         rids = data.draw(st.lists(st.sampled_from(self.live), min_size=1, max_size=5))
         counts = data.draw(st.lists(st.integers(0, 2), min_size=len(rids), max_size=len(rids)))
         flat = data.draw(st.lists(st.integers(0, 50), min_size=sum(counts), max_size=sum(counts)))
-        got = self.fast.extend_many(rids, np.array(flat, dtype=np.int64), counts)
+        ahead = data.draw(st.sampled_from([0, 0, 0, 1]))
+        got = self.fast.extend_many(rids, np.array(flat, dtype=np.int64), counts, num_lookahead_tokens=ahead)
         offset = 0
         last = {rid: i for i, rid in enumerate(rids)}  # tables are live views: compare a request's last one
         for i, (rid, k, table) in enumerate(zip(rids, counts, got)):
-            want = self.ref.extend(rid, flat[offset:offset + k])
+            want = self.ref.extend(rid, flat[offset:offset + k], lookahead=ahead)
             offset += k
             if want is None:
                 assert table is None

@@ -157,7 +157,8 @@ class Sequence:
     max_new_tokens: int
     logits: list[np.ndarray] = dataclasses.field(default_factory=list)  # what each sampled token came from
     computed: int = 0  # tokens whose K and V are written
-    scheduled: int = 0  # tokens the manager's table covers (computed, or being computed this step)
+    scheduled: int = 0  # tokens computed, or being computed this step
+    covered: int = 0  # positions the request's table covers (past ``scheduled`` with blocks reserved ahead)
     preemptions: int = 0
 
     @property
@@ -256,19 +257,25 @@ class Engine:
         decoding = [s for s in self.running if s.scheduled == len(s.tokens) - 1]
         posted = None
         if decoding:
-            ids, last = [s.rid for s in decoding], [s.tokens[-1] for s in decoding]
+            ids, last, ones = [s.rid for s in decoding], [s.tokens[-1] for s in decoding], [1] * len(decoding)
+            # Through a daemon each decode extend also reserves the next step's position, so that step's
+            # tables are known before its tokens are: it posts its extends and runs the model meanwhile.
+            ahead = 1 if hasattr(self.cache, "batch") and not self._windowed else 0
             refused = [False] * len(decoding)
-            if self._tables_stay(decoding):  # the daemon extends while the model runs over the tables as they are
-                posted = self.cache.batch().extend_many(ids, last, [1] * len(decoding)).op("usage").post()
+            if ahead and all(s.scheduled < s.covered for s in decoding):
+                batch = self.cache.batch().extend_many(ids, last, ones, num_lookahead_tokens=ahead)
+                posted = batch.op("usage").post()
                 stats.overlapped = True
             else:
-                refused = [table is None for table in self.cache.extend_many(ids, last, [1] * len(decoding))]
+                grown = self.cache.extend_many(ids, last, ones, num_lookahead_tokens=ahead)
+                refused = [table is None for table in grown]
             for s, out_of_blocks in zip(decoding, refused):
                 if out_of_blocks:
                     self._preempt(s, stats)
                     continue
                 work.append((s, s.scheduled, s.scheduled + 1))
                 s.scheduled += 1
+                s.covered = max(s.covered, s.scheduled + (ahead if posted is None else 0))
                 budget -= 1
         for s in [s for s in self.running if s.scheduled < len(s.tokens)]:  # chunked prefills (decodes are ahead)
             n = min(budget, len(s.tokens) - s.scheduled)
@@ -279,6 +286,7 @@ class Engine:
                 continue
             work.append((s, s.scheduled, s.scheduled + n))
             s.scheduled += n
+            s.covered = max(s.covered, s.scheduled)
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             s = self.waiting[0]
@@ -291,7 +299,7 @@ class Engine:
             self.waiting.popleft()
             self.running.append(s)
             s.computed = admission.num_cached_tokens
-            s.scheduled = min(len(s.tokens), max(wanted, s.computed + 1))  # what the table covers now
+            s.scheduled = s.covered = min(len(s.tokens), max(wanted, s.computed + 1))  # what the table covers now
             stats.hit += s.computed
             work.append((s, s.computed, s.scheduled))
             budget -= s.scheduled - s.computed
@@ -302,24 +310,17 @@ class Engine:
             stats.computed = sum(stop - start for _, start, stop in work)
         if posted is not None:
             later_calls = posted.done  # an admit or a prefill's extend took the reply: usage is theirs to give
-            *tables, usage = posted.results()
-            if any(table is None for table in tables):
-                raise RuntimeError("a decode token that lands in a block its request holds was refused")
-            stats.usage = float(self.cache.usage.max if later_calls else usage["max"])
+            tables, usage = posted.results()  # the extend_many op's tables, the usage op's answer
+            for s, table in zip(decoding, tables):
+                if table is not None:
+                    s.covered = s.scheduled + 1
+                elif s in self.running:  # no block for its next position: the daemon kept nothing of the extend
+                    self._preempt(s, stats)
+            stats.usage = float(self.cache.usage.max if later_calls or stats.preempted else usage["max"])
         else:
             stats.usage = float(self.cache.usage.max)
         self.stats.append(stats)
         return stats
-
-    def _tables_stay(self, decoding: list[Sequence]) -> bool:
-        """Whether this step's decode tokens change no table: through a daemon (``CacheClient``), no row with a
-        window (a window gives blocks back as it slides) and each token lands in a block its request holds. The
-        step then posts its extends (``Batch.post``) and runs the model over the tables it has; the reply is
-        taken after the forward, so the daemon's round trip overlaps the step."""
-        if not hasattr(self.cache, "batch") or self._windowed:
-            return False
-        bs = self.spec.block_size
-        return all(s.scheduled % bs for s in decoding)
 
     def _tables(self, rids: list[Any]) -> list[np.ndarray | None]:
         """The step's tables as the model sees them: the subscriber's once it holds this step's changes, else the
@@ -335,7 +336,7 @@ class Engine:
         """Out of blocks: free the request (its full blocks stay cached) and queue it to start again first."""
         self.cache.free(s.rid)
         self.running.remove(s)
-        s.computed = s.scheduled = 0
+        s.computed = s.scheduled = s.covered = 0
         s.preemptions += 1
         stats.preempted += 1
         self.waiting.appendleft(s)

@@ -7,8 +7,9 @@ same engine runs twice in the same process, in turns: its attention reading the 
 no table: the limit). Reports decode tokens/s of each and their ratio against the target. Then time to first
 token: the same number of prompts arrives at once, first with nothing cached, then sharing a prefix of each
 ``--shares`` with a request served before them; the mean time to first token should fall with the cached share.
-With ``--daemon`` the engine also schedules through a real `kvcache serve`: a decode step whose tokens land in
-blocks their requests hold posts its extends and runs the model while the daemon applies them.
+With ``--daemon`` the engine also schedules through a real `kvcache serve`: each decode extend reserves the next
+step's position (``num_lookahead_tokens=1``), so the next step posts its extends and runs the model while the
+daemon applies them.
 Needs PyTorch with a GPU and the source checkout's ``examples/engine`` (``--engine-dir``).
 """
 from __future__ import annotations
