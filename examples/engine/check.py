@@ -161,12 +161,13 @@ GPU_CASES: dict[str, Case] = {
 
 
 def on_gpu(case: Case) -> Case | None:
-    """The case for the GPU engine, or None where it does not serve it (TP: its ranks' caches are the CPU engine's;
-    PD with one prefill rank runs both nodes' engines on the GPU, the KV moved over NIXL). Flex attention reads
+    """The case for the GPU engine, or None where it does not serve it (PD with TP prefill ranks: their caches are
+    the CPU engine's; PD with one prefill rank runs both nodes' engines on the GPU, the KV moved over NIXL; TP
+    ranks each keep their kv heads' cache on the GPU, in processes of their own). Flex attention reads
     blocks of 16 tokens or more: the same tokens in a quarter of the blocks (two more: partly filled blocks of 16
     leave a request more room unused); MLA's latent is read as one head of 64 values (its rank widened to
     ``64 - rope_dim``)."""
-    if case.tp > 1:
+    if case.tp > 1 and case.pd:
         return None
     scale = 16 // case.block_size
 

@@ -456,7 +456,8 @@ def daemon_engine(model: Model, endpoint: str, *, block_size: int = 4, head_wise
         from tp import TPAttention
 
         attention = TPAttention(model.config, endpoint, client, tp, block_size=block_size, head_wise=head_wise,
-                                quant=quant, prefill=prefill)
+                                quant=quant, prefill=prefill, ops=model.ops,
+                                max_batch=options.get("max_num_seqs", 16), max_tokens=options.get("chunk", 64))
         return Engine(model, spec, client, attention=attention, **options)
     tables = TableSubscriber(endpoint, rank=0, tp_size=1, max_slots=64, max_blocks=512)
     pools = [r["num_blocks"] for r in rows]

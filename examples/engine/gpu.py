@@ -38,14 +38,16 @@ for _name in ("recompile_limit", "cache_size_limit"):
 
 
 class FlexAttention:
-    """A rank's attention over its GPU cache (all of the model's cache heads), as ``RankAttention`` on the CPU."""
+    """A rank's attention over its GPU cache (its kv heads: all of the model's cache heads without TP), as
+    ``RankAttention`` on the CPU."""
 
     reads_tables = True
 
     def __init__(self, model: Any, spec: CacheSpec, layer_blocks: list[int], cells: np.ndarray, *,
-                 max_batch: int, max_tokens: int) -> None:
+                 max_batch: int, max_tokens: int, heads: range | None = None) -> None:
         """Every step's block mask has the same shape (``max_batch`` requests, ``max_tokens`` queries each), so
-        flex attention compiles once per layer size and mask width, not per step."""
+        flex attention compiles once per layer size and mask width, not per step. ``heads``: the model's kv heads
+        this rank holds (a TP rank's; default all), whose query heads ``q`` brings."""
         c = model.config
         tensors = spec.tensors()
         names = [t.name for t in tensors]
@@ -70,14 +72,19 @@ class FlexAttention:
         self.cache = [{t.name: torch.zeros([n, *t.block_shape], device=device,
                                            dtype=stored[t.dtype] if self.fp8 else self.dtype) for t in tensors}
                       for n in layer_blocks]
-        self.windowed = [torch.as_tensor(c.windowed(layer), device=device) for layer in range(c.num_layers)]
+        self.kv_heads = range(c.cache_heads) if heads is None else heads
+        self.windowed = [torch.as_tensor(self._windowed(layer), device=device) for layer in range(c.num_layers)]
         self.window, self.sink = c.window, c.sink
         self.flex = torch.compile(flex_attention, dynamic=False)
         self.max_batch, self.q_len = max_batch, -(-max_tokens // Q_TILE) * Q_TILE
         # Layers whose heads read the same rows, window alike and hold as many blocks share a step's plan.
-        self._plan_keys = [(tuple(cells[layer].tolist()), tuple(c.windowed(layer).tolist()), layer_blocks[layer])
+        self._plan_keys = [(tuple(cells[layer].tolist()), tuple(self._windowed(layer).tolist()), layer_blocks[layer])
                            for layer in range(c.num_layers)]
         self._current: _Step | None = None
+
+    def _windowed(self, layer: int) -> np.ndarray:
+        """bool [the rank's kv heads]: which of them attend through the window in ``layer``."""
+        return self.model.config.windowed(layer)[self.kv_heads.start:self.kv_heads.stop]
 
     def views(self, layer: int) -> dict[str, torch.Tensor]:
         """The layer's cache tensors by name, shaped as ``CacheSpec.tensors()`` says (for a host tier's region)."""
@@ -173,7 +180,7 @@ class FlexAttention:
         key = self._plan_keys[layer]
         if key in step.plans:
             return step.plans[key]
-        rows, windowed = self.cells[layer], self.model.config.windowed(layer)
+        rows, windowed = self.cells[layer], self._windowed(layer)
         units_total = self.layer_blocks[layer] * self.heads
         bs, heads, dev = self.block_size, self.heads, self.device
         by_head = step.tables[:, rows, :]  # [batch, heads, columns]

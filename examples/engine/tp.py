@@ -2,10 +2,12 @@
 
 The scheduler and the dense parts of the model stay in the engine's process;
 per layer, each rank gets the query heads and the K and V of the kv heads it
-owns (``rank_heads``), stores them in its own ``PagedCache`` through the
-tables its own ``TableSubscriber`` follows (the rank's rows: its kv heads'
-rows, each layer group's), attends, and sends its heads' output back. So
-every rank proves that the daemon's deltas give it exactly its rows.
+owns (``rank_heads``), stores them in its own cache through the tables its
+own ``TableSubscriber`` follows (the rank's rows: its kv heads' rows, each
+layer group's), attends, and sends its heads' output back. So every rank
+proves that the daemon's deltas give it exactly its rows. A rank's cache is a
+``PagedCache`` (Paddle, CPU), or with ``torch_device`` its kv heads' cache on
+that device read by flex attention (``gpu.FlexAttention``).
 """
 from __future__ import annotations
 
@@ -15,10 +17,10 @@ import uuid
 from typing import Any
 
 import numpy as np
-import paddle
 
 from kvcache.transfer.heads import rank_heads
 
+from backend import paddle_backend
 from engine import Item, PagedCache, RankAttention, cache_spec, layer_blocks
 from model import Model, ModelConfig
 
@@ -28,11 +30,18 @@ class TPAttention:
     ``endpoint`` as TP rank r (its scheduler is ``client``: the workers wait for its last seq)."""
 
     def __init__(self, config: ModelConfig, endpoint: str, client: Any, tp: int, *, block_size: int,
-                 head_wise: bool = False, quant: str = "none", timeout: float = 60.0, prefill: bool = False) -> None:
+                 head_wise: bool = False, quant: str = "none", timeout: float = 60.0, prefill: bool = False,
+                 ops: Any = None, max_batch: int = 16, max_tokens: int = 64) -> None:
         """``prefill``: the daemon is a PD prefill node; each rank then sends its heads' KV to the decode node,
-        layer by layer, through a messager of its own (``begin_step`` tells them a step's requests)."""
+        layer by layer, through a messager of its own (``begin_step`` tells them a step's requests). ``ops``: the
+        model's backend (default Paddle's); a PyTorch one puts each rank's cache on its device, read by flex
+        attention for steps of at most ``max_batch`` requests and ``max_tokens`` queries each."""
         if config.kv_lora_rank or config.num_kv_heads % tp:
             raise ValueError(f"tp: {tp} ranks need kv heads they divide (GQA), got {config.num_kv_heads}")
+        self.ops = ops if ops is not None else paddle_backend()
+        device = str(self.ops.device) if self.ops.name == "torch" else None
+        if device is not None and prefill:
+            raise ValueError("tp: a PD prefill node's TP ranks keep the CPU engine's caches")
         self.client, self.timeout = client, timeout
         self.heads = [rank_heads(config.num_kv_heads, tp, r) for r in range(tp)]
         self.group = config.num_q_heads // config.num_kv_heads
@@ -41,23 +50,25 @@ class TPAttention:
         for rank in range(tp):
             conn, child = ctx.Pipe()
             process = ctx.Process(target=_rank, daemon=True,
-                                  args=(child, config, endpoint, rank, tp, block_size, head_wise, quant, prefill))
+                                  args=(child, config, endpoint, rank, tp, block_size, head_wise, quant, prefill,
+                                        device, max_batch, max_tokens))
             process.start()
             self.conns.append(conn)
             self.processes.append(process)
         for rank in range(tp):
             self._receive(rank, 120.0)
 
-    def __call__(self, layer: int, q: paddle.Tensor, kv: tuple[paddle.Tensor, ...], items: list[Item]
-                 ) -> paddle.Tensor:
+    def __call__(self, layer: int, q: Any, kv: tuple[Any, ...], items: list[Item]) -> Any:
         seq = self.client.last_seq
         plain = [(item.rid, item.positions, item.stop) for item in items]
-        q_np, kv_np = q.numpy(), [x.numpy() for x in kv]
+        ops = self.ops
+        q_np, kv_np = ops.numpy(q), [ops.numpy(x) for x in kv]
         for conn, heads in zip(self.conns, self.heads):
             qs = q_np[:, heads.start * self.group:heads.stop * self.group]
             conn.send(("attend", layer, seq, plain, qs, [x[:, heads.start:heads.stop] for x in kv_np]))
         outs = [self._receive(rank, self.timeout) for rank in range(len(self.conns))]
-        return paddle.to_tensor(np.concatenate(outs, axis=1))
+        out = ops.tensor(np.concatenate(outs, axis=1))
+        return out if ops.name != "torch" else out.to(q.dtype)
 
     def begin_step(self, chunks: list[Any], plans: dict[Any, Any]) -> None:
         """A PD prefill step is about to run: every rank's messager learns its requests (and their plans)."""
@@ -88,9 +99,9 @@ class TPAttention:
 
 
 def _rank(conn: Any, config: ModelConfig, endpoint: str, rank: int, tp: int, block_size: int, head_wise: bool,
-          quant: str, prefill: bool) -> None:
-    """A TP rank: its subscriber, its cache, its attention (and on a PD prefill node its messager); answers one
-    message at a time until told to stop."""
+          quant: str, prefill: bool, device: str | None = None, max_batch: int = 16, max_tokens: int = 64) -> None:
+    """A TP rank: its subscriber, its cache (on ``device`` with PyTorch, else Paddle's on the CPU), its attention
+    (and on a PD prefill node its messager); answers one message at a time until told to stop."""
     from kvcache.ops import send_cache
     from kvcache.pd.links import PrefillLink
     from kvcache.transfer import KVRegion, LayerSignal
@@ -103,9 +114,21 @@ def _rank(conn: Any, config: ModelConfig, endpoint: str, rank: int, tp: int, blo
         spec = cache_spec(config, block_size=block_size, head_wise=head_wise, quant=quant, tp_size=tp)
         tables = TableSubscriber(endpoint, rank=rank, tp_size=tp, max_slots=64, max_blocks=512)
         pools = [policy["num_blocks"] for policy in tables.row_policies]
-        paged = PagedCache(spec, layer_blocks(pools, tables.cell_rows), config.dtype)
-        attention = RankAttention(Model(config), paged, tables.cell_rows, rank_heads(config.num_kv_heads, tp, rank))
-        region = KVRegion.from_tensors(spec, [paged.views(layer) for layer in range(spec.num_layers)])
+        heads = rank_heads(config.num_kv_heads, tp, rank)
+        if device is None:
+            ops = paddle_backend()
+            paged = PagedCache(spec, layer_blocks(pools, tables.cell_rows), config.dtype)
+            attention = RankAttention(Model(config), paged, tables.cell_rows, heads)
+            views = paged.views
+        else:
+            from backend import TorchBackend
+            from gpu import FlexAttention
+
+            ops = TorchBackend(device)
+            attention = FlexAttention(Model(config, ops), spec, layer_blocks(pools, tables.cell_rows),
+                                      tables.cell_rows, max_batch=max_batch, max_tokens=max_tokens, heads=heads)
+            views = attention.views
+        region = KVRegion.from_tensors(spec, [views(layer) for layer in range(spec.num_layers)])
         if prefill:
             signal = LayerSignal.create(f"kvcache-engine-{uuid.uuid4().hex[:12]}-r{rank}", spec.num_layers)
             link = PrefillLink(endpoint, region, signal, rank)
@@ -117,7 +140,7 @@ def _rank(conn: Any, config: ModelConfig, endpoint: str, rank: int, tp: int, blo
         return
     conn.send(("ready", None))
     try:
-        _serve_rank(conn, tables, attention, link, signal, send_cache, agent)
+        _serve_rank(conn, tables, attention, ops, link, signal, send_cache, agent)
     finally:
         if agent is not None:
             agent.close()
@@ -129,7 +152,7 @@ def _rank(conn: Any, config: ModelConfig, endpoint: str, rank: int, tp: int, blo
         tables.close()
 
 
-def _serve_rank(conn: Any, tables: Any, attention: RankAttention, link: Any, signal: Any, send_cache: Any,
+def _serve_rank(conn: Any, tables: Any, attention: Any, ops: Any, link: Any, signal: Any, send_cache: Any,
                 agent: Any) -> None:
     """A rank's loop: a PD step's requests for its messager, or one layer's attention, until told to stop.
     With the daemon's host tier, each layer waits for the rank's copies ordered so far (``agent``)."""
@@ -152,9 +175,9 @@ def _serve_rank(conn: Any, tables: Any, attention: RankAttention, link: Any, sig
                 if rid not in held:
                     held[rid] = np.array(tables.table(rid))
                 items.append(Item(rid, positions, stop, held[rid], agent))
-            out = attention(layer, paddle.to_tensor(q), tuple(paddle.to_tensor(x) for x in kv), items)
+            out = attention(layer, ops.tensor(q), tuple(ops.tensor(x) for x in kv), items)
             if signal is not None:  # the layer's K and V are written: the messager may send them
                 send_cache(None, signal, layer)
-            conn.send(("out", out.numpy()))
+            conn.send(("out", ops.numpy(out)))
         except Exception as exc:
             conn.send(("error", f"{type(exc).__name__}: {exc}"))
