@@ -587,7 +587,8 @@ def test_a_kernel_copy_to_a_peer_that_died_fails_at_once_and_naming_it():
 
 
 def test_kernel_copy_is_refused_by_a_process_that_is_gone_and_stops_at_its_deadline():
-    """``may_write`` is False for a process that does not exist; a write past its deadline copies nothing."""
+    """``finds`` a token only in the process that holds it (not another one, not one that is gone); a write past
+    its deadline copies nothing."""
     from kvcache.transfer.nixl import KernelCopy
     from kvcache.transfer.regions import CopyRanges
 
@@ -598,8 +599,10 @@ def test_kernel_copy_is_refused_by_a_process_that_is_gone_and_stops_at_its_deadl
     copy = KernelCopy(2)
     try:
         src, dst = np.arange(4096, dtype=np.uint8), np.zeros(4096, dtype=np.uint8)
-        assert copy.may_write(os.getpid(), dst.ctypes.data)
-        assert not copy.may_write(child.pid, dst.ctypes.data)
+        token = np.frombuffer(os.urandom(16), dtype=np.uint8).copy()
+        assert copy.finds(os.getpid(), token.ctypes.data, token.tobytes())
+        assert not copy.finds(os.getpid(), token.ctypes.data, bytes(16))  # another token: not the process named
+        assert not copy.finds(child.pid, token.ctypes.data, token.tobytes())
         ranges = CopyRanges(np.array([src.ctypes.data], np.int64), np.array([dst.ctypes.data], np.int64),
                             np.array([4096], np.int64))
         with pytest.raises(TimeoutError):

@@ -14,11 +14,13 @@ and ``write``s blocks from its own registered regions into them:
 
 A large write is cut into chunks that ``threads`` UCX workers post in parallel (on one host the
 kernel's cost is per range, so one thread moves scattered 32 KiB blocks at about half the speed of
-one big range). Host memory into a peer process on this host that the kernel lets us write (same
-user, ptrace allowed; checked at ``connect``) is copied by the kernel directly, many ranges a call
-(``KernelCopy``), instead of UCX's one call per range; its notification still goes over NIXL, after
-the data. ``kernel_copy=False`` sends every write through NIXL. All NIXL calls that post or poll transfers run on the engine's one worker thread
-(a post over shared memory copies inside the call, so the caller's ``write`` must not make it),
+one big range). Host memory into a peer process on this host that the kernel lets us write is
+copied by the kernel directly, many ranges a call (``KernelCopy``), instead of UCX's one call per
+range; its notification still goes over NIXL, after the data. ``connect`` makes sure of the peer:
+its hello names a random token in its memory, which a read through the kernel must find there (the
+same process, not one with the same pid elsewhere; same user, ptrace allowed). ``kernel_copy=False``
+sends every write through NIXL. All NIXL calls that post or poll transfers run on the engine's one
+worker thread (a post over shared memory copies inside the call, so the caller's ``write`` must not make it),
 except a post its caller asks to make itself (``submit(inline=True)``, when nothing else waits); a
 handle's ``wait`` returns at its deadline even if that thread is stuck inside NIXL. A peer that
 dies makes its transfers FAILED (UCX reports the disconnect) or TIMEOUT, never a hang, and
@@ -154,8 +156,9 @@ class NixlEngine(TransferEngine):
     """One NIXL agent: registers regions, serves and fetches metadata over ZMQ, writes blocks to peers.
 
     ``threads`` (default ``default_threads()``; 0 or 1 for none) UCX workers, each on its own
-    thread, share every write of SPLIT_DESCRIPTORS ranges or more (as many threads share a kernel copy). ``progress`` (one of
-    PROGRESS_MODES) says which thread drives UCX: NIXL's own, or the engine's worker (see the module).
+    thread, share every write of SPLIT_DESCRIPTORS ranges or more (as many threads share a kernel
+    copy). ``progress`` (one of PROGRESS_MODES) says which thread drives UCX: NIXL's own, or the
+    engine's worker (see the module).
     """
 
     def __init__(self, name: str | None = None, *, timeout: float = DEFAULT_TIMEOUT,
@@ -179,6 +182,8 @@ class NixlEngine(TransferEngine):
         # Host memory of a peer process on this host that lets us write it: copied by the kernel (KernelCopy).
         self._kernel = KernelCopy(max(1, self.threads)) if kernel_copy and KernelCopy.supported() else None
         self._kernel_peers: dict[str, int] = {}  # agent -> pid
+        # What a peer's kernel copy reads first: these bytes at this address prove the pid is this process.
+        self._token = np.frombuffer(os.urandom(16), dtype=np.uint8).copy()
         config = nixl.nixl_agent_config(enable_prog_thread=progress == "thread", backends=[],
                                         sync_mode=nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
         try:
@@ -257,7 +262,8 @@ class NixlEngine(TransferEngine):
         """The hello answer peers get: our metadata (it lists registered memory) and region descriptions."""
         body = {"v": PROTOCOL, "agent": self.name, "host": socket.gethostname(), "pid": os.getpid(),
                 "metadata": self.agent.get_agent_metadata(),
-                "regions": [region.describe() for region in self.registered]}
+                "regions": [region.describe() for region in self.registered],
+                "token": [self._token.ctypes.data, self._token.tobytes()]}
         with self._lock:
             self._snapshot = msgpack.packb(body, use_bin_type=True)
 
@@ -328,9 +334,10 @@ class NixlEngine(TransferEngine):
         agent = agent.decode() if isinstance(agent, bytes) else str(agent)
         regions = tuple(KVRegion.from_description(d, owner=agent) for d in reply["regions"])
         peer = Peer(agent, endpoint, reply["host"], int(reply["pid"]), regions)
-        host_regions = [r for r in regions if not r.is_cuda]
-        kernel = (self._kernel is not None and peer.host == socket.gethostname() and peer.pid != os.getpid()
-                  and host_regions and self._kernel.may_write(peer.pid, int(host_regions[0].addrs.flat[0])))
+        token = reply.get("token")
+        kernel = (self._kernel is not None and peer.pid != os.getpid() and isinstance(token, list)
+                  and len(token) == 2 and isinstance(token[0], int) and isinstance(token[1], bytes)
+                  and self._kernel.finds(peer.pid, token[0], token[1]))
         with self._lock:
             self._peers[agent] = peer
             if kernel:
@@ -721,14 +728,17 @@ class KernelCopy:
 
         return hasattr(ctypes.CDLL(None), "process_vm_writev")
 
-    def may_write(self, pid: int, addr: int) -> bool:
-        """Whether the kernel lets this process into ``pid``'s memory: one byte at ``addr`` read (the same check
-        as a write; reading changes nothing there)."""
+    def finds(self, pid: int, addr: int, expected: bytes) -> bool:
+        """Whether process ``pid`` holds ``expected`` at ``addr`` and the kernel lets this process read it (the
+        same check as a write): a peer's token found there proves ``pid`` is that peer on this host."""
+        if not 0 < len(expected) <= 4096 or addr <= 0:
+            return False
         ctypes = self._ctypes
-        byte = ctypes.create_string_buffer(1)
-        local = (ctypes.c_uint64 * 2)(ctypes.addressof(byte), 1)
-        remote = (ctypes.c_uint64 * 2)(addr, 1)
-        return self._readv(pid, ctypes.addressof(local), 1, ctypes.addressof(remote), 1, 0) == 1
+        found = ctypes.create_string_buffer(len(expected))
+        local = (ctypes.c_uint64 * 2)(ctypes.addressof(found), len(expected))
+        remote = (ctypes.c_uint64 * 2)(addr, len(expected))
+        got = self._readv(pid, ctypes.addressof(local), 1, ctypes.addressof(remote), 1, 0)
+        return got == len(expected) and found.raw == expected
 
     def write(self, pid: int, ranges: CopyRanges, deadline: float) -> None:
         """Copy ``ranges`` (src here, dst in ``pid``); OSError if the kernel refuses (the process is gone),
