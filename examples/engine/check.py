@@ -160,15 +160,11 @@ GPU_CASES: dict[str, Case] = {
 }
 
 
-def on_gpu(case: Case) -> Case | None:
-    """The case for the GPU engine, or None where it does not serve it (PD with TP prefill ranks: their caches are
-    the CPU engine's; PD with one prefill rank runs both nodes' engines on the GPU, the KV moved over NIXL; TP
-    ranks each keep their kv heads' cache on the GPU, in processes of their own). Flex attention reads
-    blocks of 16 tokens or more: the same tokens in a quarter of the blocks (two more: partly filled blocks of 16
-    leave a request more room unused); MLA's latent is read as one head of 64 values (its rank widened to
-    ``64 - rope_dim``)."""
-    if case.tp > 1 and case.pd:
-        return None
+def on_gpu(case: Case) -> Case:
+    """The case for the GPU engine (PD runs both nodes' engines on the GPU, the KV moved over NIXL; TP ranks each
+    keep their kv heads' cache on the GPU in a process of their own). Flex attention reads blocks of 16 tokens or
+    more: the same tokens in a quarter of the blocks (two more: partly filled blocks of 16 leave a request more
+    room unused); MLA's latent is read as one head of 64 values (its rank widened to ``64 - rope_dim``)."""
     scale = 16 // case.block_size
 
     def blocks(n: int) -> int:
@@ -293,8 +289,6 @@ def main(argv: list[str] | None = None) -> int:
             continue
         if device != "cpu" and name in CASES:
             case = on_gpu(case)
-            if case is None:
-                continue
         if case.pd and not nixl_available():
             print(f"skip {name}: NIXL is not installed (pip install nixl-cu12 --no-deps)", flush=True)
             continue

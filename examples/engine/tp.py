@@ -40,8 +40,6 @@ class TPAttention:
             raise ValueError(f"tp: {tp} ranks need kv heads they divide (GQA), got {config.num_kv_heads}")
         self.ops = ops if ops is not None else paddle_backend()
         device = str(self.ops.device) if self.ops.name == "torch" else None
-        if device is not None and prefill:
-            raise ValueError("tp: a PD prefill node's TP ranks keep the CPU engine's caches")
         self.client, self.timeout = client, timeout
         self.heads = [rank_heads(config.num_kv_heads, tp, r) for r in range(tp)]
         self.group = config.num_q_heads // config.num_kv_heads
@@ -109,7 +107,7 @@ def _rank(conn: Any, config: ModelConfig, endpoint: str, rank: int, tp: int, blo
     from kvcache.tier_agent import TierAgent
     from kvcache.worker import TableSubscriber
 
-    link = signal = agent = None
+    link = signal = agent = stream = None
     try:
         spec = cache_spec(config, block_size=block_size, head_wise=head_wise, quant=quant, tp_size=tp)
         tables = TableSubscriber(endpoint, rank=rank, tp_size=tp, max_slots=64, max_blocks=512)
@@ -128,6 +126,8 @@ def _rank(conn: Any, config: ModelConfig, endpoint: str, rank: int, tp: int, blo
             attention = FlexAttention(Model(config, ops), spec, layer_blocks(pools, tables.cell_rows),
                                       tables.cell_rows, max_batch=max_batch, max_tokens=max_tokens, heads=heads)
             views = attention.views
+            if ops.device.type == "cuda":  # a layer is written once the stream has run it: signal it there
+                stream = ops.torch.cuda.current_stream(ops.device)
         region = KVRegion.from_tensors(spec, [views(layer) for layer in range(spec.num_layers)])
         if prefill:
             signal = LayerSignal.create(f"kvcache-engine-{uuid.uuid4().hex[:12]}-r{rank}", spec.num_layers)
@@ -140,7 +140,7 @@ def _rank(conn: Any, config: ModelConfig, endpoint: str, rank: int, tp: int, blo
         return
     conn.send(("ready", None))
     try:
-        _serve_rank(conn, tables, attention, ops, link, signal, send_cache, agent)
+        _serve_rank(conn, tables, attention, ops, link, signal, lambda layer: send_cache(stream, signal, layer), agent)
     finally:
         if agent is not None:
             agent.close()
@@ -152,7 +152,7 @@ def _rank(conn: Any, config: ModelConfig, endpoint: str, rank: int, tp: int, blo
         tables.close()
 
 
-def _serve_rank(conn: Any, tables: Any, attention: Any, ops: Any, link: Any, signal: Any, send_cache: Any,
+def _serve_rank(conn: Any, tables: Any, attention: Any, ops: Any, link: Any, signal: Any, layer_written: Any,
                 agent: Any) -> None:
     """A rank's loop: a PD step's requests for its messager, or one layer's attention, until told to stop.
     With the daemon's host tier, each layer waits for the rank's copies ordered so far (``agent``)."""
@@ -177,7 +177,7 @@ def _serve_rank(conn: Any, tables: Any, attention: Any, ops: Any, link: Any, sig
                 items.append(Item(rid, positions, stop, held[rid], agent))
             out = attention(layer, ops.tensor(q), tuple(ops.tensor(x) for x in kv), items)
             if signal is not None:  # the layer's K and V are written: the messager may send them
-                send_cache(None, signal, layer)
+                layer_written(layer)
             conn.send(("out", ops.numpy(out)))
         except Exception as exc:
             conn.send(("error", f"{type(exc).__name__}: {exc}"))
