@@ -485,12 +485,9 @@ class KVCacheManager(RequestSlots, DecodeBatch, TierLink):
         num_tokens = int(self._ntok[req.slot])
         done = num_tokens if num_computed_tokens is None else num_computed_tokens
         _check_count(done, "num_computed_tokens", least=0)
-        _check_count(num_lookahead_tokens, "num_lookahead_tokens", least=0)
         if done > num_tokens:
             raise KVCacheError(f"num_computed_tokens: {done} exceeds the request's {num_tokens} tokens")
-        if num_lookahead_tokens:
-            self._lookahead_used = True
-        table = self._extend(req, new_tokens, done, num_lookahead_tokens)
+        table = self._extend(req, new_tokens, done, self._lookahead(num_lookahead_tokens))
         if table is not None and self.tier is not None and req.slot in self._tier_tokens:
             self._tier_tokens[req.slot].append(new_tokens.copy())
         return table

@@ -248,7 +248,7 @@ class Batch(_tables.RunCollector):
         for it and gives what ``send()`` would have.
 
         The daemon applies the ops while the caller works on: a decode step can run its model while the daemon
-        extends its requests (a token that lands in a block the request holds changes no table). The client's
+        extends its requests, over tables the step before reserved (``num_lookahead_tokens``). The client's
         next call, of any kind, takes this reply first, so the daemon sees and answers calls in order.
         """
         wire, expands = self._take()
@@ -260,6 +260,7 @@ class Batch(_tables.RunCollector):
         wire, expands = self._wire, self._expands
         self._wire, self._expands, self._count = [], [], 0
         return wire, expands
+
     def _add(self, op: dict[str, Any]) -> Batch:
         self._end_run()
         self._wire.append(op)
@@ -593,9 +594,13 @@ class CacheClient:
     def _send(self, payload: bytes) -> tuple[str | None, float]:
         """Send one attempt: to the local endpoint if it fits there, else over ZMQ. Returns where it went ("local",
         "zmq", or None: no daemon took it within the timeout) and the attempt's deadline."""
-        deadline = time.monotonic() + self.timeout
         if self._local is not None and len(payload) <= LOCAL_MAX_BYTES and self._local_send(payload):
-            return "local", deadline
+            return "local", time.monotonic() + self.timeout
+        return self._send_zmq(payload)
+
+    def _send_zmq(self, payload: bytes) -> tuple[str | None, float]:
+        """``_send`` over ZMQ alone."""
+        deadline = time.monotonic() + self.timeout
         try:
             self._sock.send(payload)
         except zmq.Again:  # no daemon took it within the timeout (SNDTIMEO)
@@ -613,11 +618,7 @@ class CacheClient:
             if where == "local":
                 reply = self._local_receive(request_id, deadline)
                 if reply is _OVER_ZMQ:  # the local endpoint cannot answer it: the same attempt over ZMQ
-                    where, deadline = "zmq", time.monotonic() + self.timeout
-                    try:
-                        self._sock.send(payload)
-                    except zmq.Again:
-                        where = None
+                    where, deadline = self._send_zmq(payload)
             if where == "zmq":
                 reply = self._await(request_id, deadline)
             if reply is not None:

@@ -266,9 +266,7 @@ class DaemonTier(HostBooks):
         if self.unordered_writes:  # its own loads among them: a rank may still write their blocks
             for job in waited:
                 if job.owner == request_id and not job.held:
-                    r, c = np.nonzero(job.gpu >= 0)
-                    self.manager.hold(r, job.gpu[r, c])
-                    job.held = True
+                    self._hold(job)
         unreported = [job.gpu for job in waited]
         blocks = self._untaint(request_id, np.array(blocks, dtype=np.int32), unreported)
         n = len(hashes) // _H
@@ -317,6 +315,12 @@ class DaemonTier(HostBooks):
         self._orders.append({"job": job_id, "kind": kind, "src": src, "dst": dst})
         return job_id
 
+    def _hold(self, job: TierJob) -> None:
+        """Keep a load's GPU blocks out of the pool (``KVCacheManager.hold``) until the load is done with them."""
+        r, c = np.nonzero(job.gpu >= 0)
+        self.manager.hold(r, job.gpu[r, c])
+        job.held = True
+
     def _linger(self, job_id: int, rank: int) -> None:
         """Rank ``rank`` is done with failed load ``job_id``: once every rank is, its held GPU blocks go back."""
         rows, blocks, done = self._lingering[job_id]
@@ -343,8 +347,7 @@ class DaemonTier(HostBooks):
         self._filling[rows, gpu] = -1
         self._load_ended(job_id, ok, job.host_ids, rows, gpu, job.gpu)
         if self.unordered_writes and not ok and not job.held:  # its request still owns the blocks: keep them
-            self.manager.hold(r, job.gpu[r, c])  # out of the pool while a rank may still run the copy
-            job.held = True
+            self._hold(job)  # out of the pool while a rank may still run the copy
         if not job.held or timed_out:  # timed out: a late copy may still write them, so they stay held
             return
         if ok:

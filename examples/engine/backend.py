@@ -72,6 +72,10 @@ class PaddleBackend:
     def numpy(self, x: Any) -> np.ndarray:
         return x.numpy()
 
+    def write_stream(self) -> None:
+        """Where ``send_cache`` waits for a layer's writes: nowhere, they are done when the call returns."""
+        return None
+
 
 class TorchBackend:
     """PyTorch on ``device`` (a GPU, or the CPU)."""
@@ -136,6 +140,11 @@ class TorchBackend:
 
     def numpy(self, x: Any) -> np.ndarray:
         return x.detach().float().cpu().numpy() if x.dtype == self.torch.bfloat16 else x.detach().cpu().numpy()
+
+    def write_stream(self) -> Any:
+        """Where ``send_cache`` waits for a layer's writes: the device's current CUDA stream (None on the CPU,
+        where they are done when the call returns)."""
+        return self.torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
 
 
 _PADDLE: PaddleBackend | None = None

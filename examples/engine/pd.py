@@ -80,10 +80,7 @@ class PDPair:
         self.prefill.handoff = self.handed.append
         self.prefill.on_step = self._send
         if prefill_tp == 1:  # TP ranks signal their own layers
-            stream = None  # the CPU engine has written the layer when on_layer runs
-            ops = model.ops
-            if ops.name == "torch" and ops.device.type == "cuda":  # on the GPU: once the stream has written it
-                stream = ops.torch.cuda.current_stream(ops.device)
+            stream = model.ops.write_stream()
             self.prefill.on_layer = lambda layer: send_cache(stream, self.signal, layer)
 
     def _region(self, engine: Engine) -> KVRegion:

@@ -6,8 +6,8 @@ owns (``rank_heads``), stores them in its own cache through the tables its
 own ``TableSubscriber`` follows (the rank's rows: its kv heads' rows, each
 layer group's), attends, and sends its heads' output back. So every rank
 proves that the daemon's deltas give it exactly its rows. A rank's cache is a
-``PagedCache`` (Paddle, CPU), or with ``torch_device`` its kv heads' cache on
-that device read by flex attention (``gpu.FlexAttention``).
+``PagedCache`` (Paddle, CPU), or with a PyTorch model its kv heads' cache on
+the model's device, read by flex attention (``gpu.FlexAttention``).
 """
 from __future__ import annotations
 
@@ -107,7 +107,7 @@ def _rank(conn: Any, config: ModelConfig, endpoint: str, rank: int, tp: int, blo
     from kvcache.tier_agent import TierAgent
     from kvcache.worker import TableSubscriber
 
-    link = signal = agent = stream = None
+    link = signal = agent = None
     try:
         spec = cache_spec(config, block_size=block_size, head_wise=head_wise, quant=quant, tp_size=tp)
         tables = TableSubscriber(endpoint, rank=rank, tp_size=tp, max_slots=64, max_blocks=512)
@@ -126,8 +126,7 @@ def _rank(conn: Any, config: ModelConfig, endpoint: str, rank: int, tp: int, blo
             attention = FlexAttention(Model(config, ops), spec, layer_blocks(pools, tables.cell_rows),
                                       tables.cell_rows, max_batch=max_batch, max_tokens=max_tokens, heads=heads)
             views = attention.views
-            if ops.device.type == "cuda":  # a layer is written once the stream has run it: signal it there
-                stream = ops.torch.cuda.current_stream(ops.device)
+        stream = ops.write_stream()
         region = KVRegion.from_tensors(spec, [views(layer) for layer in range(spec.num_layers)])
         if prefill:
             signal = LayerSignal.create(f"kvcache-engine-{uuid.uuid4().hex[:12]}-r{rank}", spec.num_layers)
