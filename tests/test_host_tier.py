@@ -300,12 +300,13 @@ def test_a_daemon_killed_and_restarted_from_its_journal_still_serves_its_host_bl
     n.serve("a", prompt)
     assert n.settle()["cached_blocks"] == 3
     n.evict_gpu(1000)
+    assert n.settle()["cached_blocks"] == 3 + 8, "the filler's eight blocks are on host too"
     n.daemon.kill()
     restarted = daemon("--num-blocks", "8", "--block-size", str(BS), "--host-block-budget", "32", "--hash-seed", SEED,
                        "--journal", journal, folder=n.daemon.folder)
     assert restarted.endpoint == n.endpoint
     stats = n.client.stats()["host_tier"]
-    assert stats["cached_blocks"] == 3 and stats["ranks"] == 1
+    assert stats["cached_blocks"] == 3 + 8 and stats["ranks"] == 1
     adm = n.serve("b", prompt + [5])
     assert adm.num_host_tokens == 12
 
