@@ -179,16 +179,21 @@ static inline int plain_decode(int64_t k, int64_t t, Py_ssize_t bs, uint8_t keye
 }
 
 /* A decode run's write of its one token at t: num_tokens t + 1, changed (the one column it opens) exactly when
- * it opens a block, and fast_limit as KVCacheManager._refresh leaves it (with hashing a block's last token
- * fills it, so the fast path stops one short). */
-static inline void write_run_token(uint32_t *tail_row, int64_t *ntok, uint8_t *changed, int64_t *limit, int64_t t,
-                                   uint32_t token, Py_ssize_t bs, int hashing)
+ * it opens a block. */
+static inline void write_run_token(uint32_t *tail_row, int64_t *ntok, uint8_t *changed, int64_t t, uint32_t token,
+                                   Py_ssize_t bs, int opens)
 {
-    const int64_t pos = t % bs;
-    tail_row[pos] = token;
+    tail_row[t % bs] = token;
     *ntok = t + 1;
-    *changed = pos == 0;
-    *limit = !hashing ? t + bs : pos == bs - 1 ? t + 1 : t + bs - 1;
+    *changed = (uint8_t)opens;
+}
+
+/* fast_limit as KVCacheManager._refresh leaves it for a table of width blocks holding ntok tokens: the table's
+ * end, and with hashing one short of the next block's filling token. */
+static inline int64_t refreshed_limit(int64_t ntok, int64_t width, Py_ssize_t bs, int hashing)
+{
+    const int64_t end = width * bs, filling = (ntok / bs + 1) * bs - 1;
+    return hashing && filling < end ? filling : end;
 }
 
 PyDoc_STRVAR(extend_fast_doc,
@@ -1091,7 +1096,8 @@ PyDoc_STRVAR(extend_decode_doc,
 "              tail, changed_ok,\n"
 "              stamp, keyed, salted, last_hash, last_block, width, lens,\n"
 "              ref, cached, stack, top, ring, lru_pos, head, tail_pos, lru_count,\n"
-"              slots, seed, hash_of, entry_blocks, entry_at, holders, spare, num_spare, num_entries, events=False)\n"
+"              slots, seed, hash_of, entry_blocks, entry_at, holders, spare, num_spare, num_entries, events=False,\n"
+"              lookahead=0)\n"
 "    -> (index, cols, vals, widen, evicted, num_spare, num_entries, keys_removed, keys_added[, removed, stored])\n"
 "       | None\n\n"
 "KVCacheManager.extend_many_deltas in one pass, for a one-row manager (one group, no window, no tier):\n"
@@ -1099,8 +1105,10 @@ PyDoc_STRVAR(extend_decode_doc,
 "next counts[i] (int64, or int32) of tokens (uint32). Extends inside the\n"
 "last block are extend_fast's; every other one must be a plain decode extend (one token, no extra hash keys),\n"
 "and those go as\n"
-"one run: blocks for the ones at a block boundary (BlockPool.allocate, in request order, evictions dropped\n"
-"from the index), the filled blocks hashed (hashing: -1 none, 0 sha256, 1 sha256_cbor) and indexed, every\n"
+"one run: blocks for the ones whose table does not cover the new token and lookahead positions more (at most\n"
+"one block each; BlockPool.allocate, in request order, evictions dropped\n"
+"from the index), the filled blocks (the last, or one behind it where blocks were reserved ahead) hashed\n"
+"(hashing: -1 none, 0 sha256, 1 sha256_cbor) and indexed, every\n"
 "slot array, table column and request record as KVCacheManager._extend_run writes them. lens (int32 [n]) gets each table's\n"
 "width; index/cols/vals (bytes of int32) list the opened requests' positions, old widths and new blocks;\n"
 "widen the positions in index whose table had no room (the caller widens and writes them). Returns None,\n"
@@ -1125,13 +1133,13 @@ static PyObject *extend_decode(PyObject *self, PyObject *args)
     PyObject *slot_of, *ids, *by_slot;
     int hashing;
     unsigned long long seed;
-    Py_ssize_t num_spare, num_entries;
+    Py_ssize_t num_spare, num_entries, lookahead = 0;
     /* b[0] tokens, b[1] counts, b[2] ntok, b[3] fast_limit, b[4] next_recycle, b[5] tail, b[6] changed_ok,
      * b[7] stamp, b[8] keyed, b[9] salted, b[10] last_hash, b[11] last_block, b[12] width, b[13] lens;
      * b[14..22] the pool; b[23] slots, b[24] hash_of, b[25] entry_blocks, b[26] entry_at, b[27] holders,
      * b[28] spare. */
     int events = 0;
-    if (!PyArg_ParseTuple(args, "OO!O&O&O!iO&O&O&O&O&O&O&O&O&O&O&O&O&O&O&O&O&O&O&O&O&O&KO&O&O&O&O&nn|p", &slot_of,
+    if (!PyArg_ParseTuple(args, "OO!O&O&O!iO&O&O&O&O&O&O&O&O&O&O&O&O&O&O&O&O&O&O&O&O&O&KO&O&O&O&O&nn|pn", &slot_of,
                           &PyList_Type, &ids, read_array, &b[0], read_array, &b[1], &PyList_Type, &by_slot, &hashing,
                           write_array, &b[2], write_array, &b[3], read_array, &b[4], write_array, &b[5], write_array,
                           &b[6], write_array, &b[7], read_array, &b[8], read_array, &b[9], write_array, &b[10],
@@ -1139,8 +1147,13 @@ static PyObject *extend_decode(PyObject *self, PyObject *args)
                           write_array, &b[15], write_array, &b[16], write_array, &b[17], write_array, &b[18],
                           write_array, &b[19], write_array, &b[20], write_array, &b[21], write_array, &b[22],
                           write_array, &b[23], &seed, write_array, &b[24], write_array, &b[25], write_array, &b[26],
-                          write_array, &b[27], write_array, &b[28], &num_spare, &num_entries, &events))
+                          write_array, &b[27], write_array, &b[28], &num_spare, &num_entries, &events,
+                          &lookahead))
         return NULL;
+    if (lookahead < 0) {
+        PyErr_SetString(PyExc_ValueError, "extend_decode: lookahead must not be negative");
+        return NULL;
+    }
     PyObject *result = NULL, *index_obj = NULL, *cols_obj = NULL, *vals_obj = NULL, *widen = NULL, *removed = NULL,
              *stored = NULL;
     Py_ssize_t *slot = NULL, *slow = NULL, *need = NULL, *fill = NULL;
@@ -1240,13 +1253,18 @@ static PyObject *extend_decode(PyObject *self, PyObject *args)
         if (st[slot[i]] != i) /* listed twice */
             goto fallback;
         const Py_ssize_t s = slot[i];
-        const int64_t t = nt[s];
-        if (in_last_block(t, count[i], rec[s], lim[s]))
+        const int64_t t = nt[s], covered = (int64_t)wd[s] * bs;
+        /* The fast path's table must also cover the lookahead positions. */
+        if (in_last_block(t, count[i], rec[s], covered - lookahead < lim[s] ? covered - lookahead : lim[s]))
             continue;
         if (!plain_decode(count[i], t, bs, key[s], salt[s], hashing >= 0) || t >= rec[s])
             goto fallback; /* not a plain decode extend: the one-by-one order matters */
+        /* Blocks the table lacks for the new token and the lookahead; below 0 with blocks reserved ahead. */
+        const int64_t opens = (t + 1 + lookahead + bs - 1) / bs - wd[s];
+        if (opens > 1)
+            goto fallback; /* a lookahead that grew since the request's last extend */
         is_slow[i] = 1;
-        if (t % bs == 0)
+        if (opens == 1)
             need[num_need++] = m;
         if (hashing >= 0 && t % bs == bs - 1)
             fill[num_fill++] = m;
@@ -1298,6 +1316,28 @@ static PyObject *extend_decode(PyObject *self, PyObject *args)
     }
     if (num_fill && each_blocks(hashing, blocks_tok, num_fill, bs, parents, hashes) < 0)
         goto done;
+    /* A filled block behind the table's last column (blocks reserved ahead) is read from the table now; the run
+     * writes only columns past the old width. -1: the block the table ends with after the run (last_block). */
+    for (Py_ssize_t f = 0, q = 0; f < num_fill; f++) {
+        const Py_ssize_t i = slow[fill[f]], s = slot[i];
+        while (q < num_need && need[q] < fill[f])
+            q++;
+        const int64_t col = nt[s] / bs, width = wd[s] + (q < num_need && need[q] == fill[f]);
+        filled[f] = -1;
+        if (col < width - 1) {
+            PyObject *req = s < PyList_GET_SIZE(by_slot) ? PyList_GET_ITEM(by_slot, s) : Py_None;
+            int32_t *data;
+            const Py_ssize_t columns = req == Py_None ? 0 : request_table(req, 1, &data);
+            if (columns < 0)
+                goto done;
+            if (col >= columns) {
+                PyErr_Format(PyExc_ValueError, "extend_decode: slot %zd's table has no column %lld", s,
+                             (long long)col);
+                goto done;
+            }
+            filled[f] = data[col];
+        }
+    }
     if (!keys_new_and_distinct(&x.t, hashes, num_fill))
         goto fallback; /* a repeated or indexed hash: the one-by-one path merges it */
     index_obj = PyBytes_FromStringAndSize(NULL, num_need * (Py_ssize_t)sizeof(int32_t));
@@ -1335,7 +1375,8 @@ static PyObject *extend_decode(PyObject *self, PyObject *args)
             if (!is_slow[i])
                 write_in_block(tl + s * bs, &nt[s], &ch[s], t, k, tok + offset, bs);
             else
-                write_run_token(tl + s * bs, &nt[s], &ch[s], &lim[s], t, tok[offset], bs, hashing >= 0);
+                write_run_token(tl + s * bs, &nt[s], &ch[s], t, tok[offset], bs,
+                                (t + 1 + lookahead + bs - 1) / bs > wd[s]);
             offset += k;
         }
     }
@@ -1354,9 +1395,14 @@ static PyObject *extend_decode(PyObject *self, PyObject *args)
         cols_out[q] = col;
         wd[s] = col + 1;
     }
+    for (Py_ssize_t j = 0; j < m; j++) { /* the run's fast-path limits, with the widths it leaves */
+        const Py_ssize_t s = slot[slow[j]];
+        lim[s] = refreshed_limit(nt[s], wd[s], bs, hashing >= 0);
+    }
     for (Py_ssize_t f = 0; f < num_fill; f++) { /* the filled blocks: their hash, and the block that holds it */
         const Py_ssize_t s = slot[slow[fill[f]]];
-        filled[f] = lb[s];
+        if (filled[f] < 0)
+            filled[f] = lb[s];
         memcpy(lh + s * KEY_BYTES, hashes + f * KEY_BYTES, KEY_BYTES);
     }
     const Py_ssize_t added = insert_and_cache(&x, &p, hashes, num_fill, filled, entries, b[28].buf, &num_spare,

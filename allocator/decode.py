@@ -60,7 +60,7 @@ class DecodeBatch:
         every request (such a batch goes one request at a time).
         """
         lookahead = self._lookahead(num_lookahead_tokens)
-        deltas = None if lookahead else self._extend_decode(request_ids, tokens, counts)
+        deltas = self._extend_decode(request_ids, tokens, counts, lookahead=lookahead)
         if deltas is not None:  # the ids are a list, every one admitted
             if changes is not None:
                 ends = deltas.offsets.tolist()
@@ -99,7 +99,7 @@ class DecodeBatch:
         the ids are not looked up again.
         """
         lookahead = self._lookahead(num_lookahead_tokens)
-        deltas = None if lookahead else self._extend_decode(request_ids, tokens, counts, slots)
+        deltas = self._extend_decode(request_ids, tokens, counts, slots, lookahead)
         if deltas is not None:
             return deltas
         slots, flat, counts = self._check_many(request_ids, tokens, counts)
@@ -125,19 +125,9 @@ class DecodeBatch:
                            vals[0] if len(vals) == 1 else np.concatenate(vals, axis=1))
 
     def _lookahead(self, num_lookahead_tokens: int) -> int:
-        """``num_lookahead_tokens`` checked; one above 0 makes the batch paths look for blocks reserved ahead."""
+        """``num_lookahead_tokens`` checked, as an int."""
         _check_count(num_lookahead_tokens, "num_lookahead_tokens", least=0)
-        if num_lookahead_tokens:
-            self._lookahead_used = True
         return int(num_lookahead_tokens)
-
-    def _holds_ahead(self, slots: np.ndarray) -> bool:
-        """Whether a request of ``slots`` holds a block reserved ahead (no token in it yet): the batch paths,
-        which open a block at each block boundary, leave such a batch to ``_extend`` one request at a time."""
-        if not self._lookahead_used:
-            return False
-        bs = self.block_size
-        return bool((self._width[slots].astype(np.int64) * bs - self._ntok[slots] >= bs).any())
 
     def slots_of(self, request_ids: list[object], exclude: dict | None = None) -> np.ndarray | None:
         """Each id's row in the per-request arrays (intp), in one C pass; None if one is not admitted, not an int
@@ -156,17 +146,12 @@ class DecodeBatch:
         return (self._hasher.algorithm != "sha256") if self._hasher.native else None
 
     def _extend_decode(self, request_ids: Sequence[object], tokens: Tokens, counts: Sequence[int] | np.ndarray,
-                       slots: np.ndarray | None = None) -> TableDeltas | None:
+                       slots: np.ndarray | None = None, lookahead: int = 0) -> TableDeltas | None:
         """``extend_many_deltas`` in one C pass (a decode step on a one-row manager), or None, changing nothing,
         where ``_tables.extend_decode`` leaves the batch to the general path (which also names any bad input)."""
         hashing = self._decodes_in_one_pass()
         if hashing is None or type(request_ids) is not list:
             return None
-        if self._lookahead_used:
-            if slots is None:
-                slots = self.slots_of(request_ids)
-            if slots is None or self._holds_ahead(slots):
-                return None
         counts = np.asarray(counts)
         if counts.ndim != 1:
             return None
@@ -186,7 +171,8 @@ class DecodeBatch:
                                      self._by_slot, hashing, self._ntok, self._fast_limit, self._next_recycle,
                                      self._tail, self._changed_ok, self._stamp, self._keyed, self._salted,
                                      self._last_hash, self._last_block, self._width, lens,
-                                     *pool._c_arrays(), *prefix._c_arrays(), prefix._num_entries, self.enable_events)
+                                     *pool._c_arrays(), *prefix._c_arrays(), prefix._num_entries, self.enable_events,
+                                     lookahead)
         if done is None:
             return None
         index, cols, vals, widen, evicted, prefix._num_spare, prefix._num_entries, gone, added = done[:9]
@@ -254,21 +240,22 @@ class DecodeBatch:
         in one C pass (``_tables.extend_fast``); they touch no shared state, so they
         commute with the others, which go through ``_extend_run`` (decode
         steps, batched) or ``_extend`` one at a time, in order. A slot listed
-        twice sends the whole batch one at a time, as do ``lookahead`` and a
-        request holding blocks reserved ahead.
+        twice sends the whole batch one at a time. With ``lookahead``, the fast
+        ones' tables also cover the positions ahead.
         """
         n = slots.size
         ok = np.ones(n, dtype=bool)
         if n == 0:
             return ok, [], None
-        if lookahead or self._holds_ahead(slots):
-            widths = np.zeros(n, dtype=np.int32)
-            return ok, self._extend_in_order(slots, flat, counts, ok, widths, views, lookahead), widths
-        found = _tables.extend_fast(slots, counts, flat, self._ntok, self._fast_limit, self._next_recycle, self._tail,
+        limit = self._fast_limit
+        if lookahead:  # fast only while the table also covers the lookahead positions
+            limit = limit.copy()
+            limit[slots] = np.minimum(limit[slots], self._width[slots].astype(np.int64) * self.block_size - lookahead)
+        found = _tables.extend_fast(slots, counts, flat, self._ntok, limit, self._next_recycle, self._tail,
                                     self._changed_ok, self._stamp, self._keyed, self._salted, self._hasher is not None)
         if found is None:
             widths = np.zeros(n, dtype=np.int32)
-            return ok, self._extend_in_order(slots, flat, counts, ok, widths, views), widths
+            return ok, self._extend_in_order(slots, flat, counts, ok, widths, views, lookahead), widths
         changed: list[_Chunk] = []
         if found[0]:
             slow = np.frombuffer(found[0], dtype=np.intp)
@@ -280,14 +267,15 @@ class DecodeBatch:
             start = 0
             for j in [*(i for i, plain in enumerate(found[1]) if not plain), slow.size]:
                 if j > start:
-                    self._extend_run(slow[start:j], slots, flat, counts, offsets, t, ok, changed)
+                    self._extend_run(slow[start:j], slots, flat, counts, offsets, t, ok, changed, lookahead)
                 if j < slow.size:
-                    self._extend_each(slow[j:j + 1], slots, flat, counts, offsets, t, ok, changed)
+                    self._extend_each(slow[j:j + 1], slots, flat, counts, offsets, t, ok, changed, lookahead)
                 start = j + 1
         return ok, changed, None
 
     def _extend_run(self, index: np.ndarray, slots: np.ndarray, flat: np.ndarray, counts: np.ndarray,
-                    offsets: np.ndarray, t: np.ndarray, ok: np.ndarray, changed: list[_Chunk]) -> None:
+                    offsets: np.ndarray, t: np.ndarray, ok: np.ndarray, changed: list[_Chunk],
+                    lookahead: int = 0) -> None:
         """One-token extends (``index``, ascending) that open a block, fill one, or free window blocks; batched.
 
         A decode step's slow path: one pool allocation for every request that
@@ -303,6 +291,11 @@ class DecodeBatch:
         every released block is cached (an uncached one would go on the free
         stack, which the allocations pop). Otherwise the run goes one by one. Events keep the
         one-by-one order: each open's evictions, then each fill's store.
+
+        A request opens a block when its table does not cover its new token and
+        ``lookahead`` positions more (at most one: else the run goes one by one);
+        the block its token fills may then be behind its last one (blocks reserved
+        ahead).
         """
         bs = self.block_size
         s = slots[index]
@@ -310,11 +303,15 @@ class DecodeBatch:
         tok = flat[offsets[index]]
         width = self._width[s]
         pos = tt % bs
-        need = pos == 0  # at a block boundary: opens a block (a request holds >= 1 token)
+        opens = -(-(tt + 1 + lookahead) // bs) - width  # blocks to open; below 0 with blocks reserved ahead
+        if int(opens.max()) > 1:  # a lookahead that grew since the last extend: blocks to catch up
+            self._extend_each(index, slots, flat, counts, offsets, t, ok, changed, lookahead)
+            return
+        need = opens > 0
         num_need = int(np.count_nonzero(need))
         pool = self._pool
         if num_need and pool.min_free() < num_need:
-            self._extend_each(index, slots, flat, counts, offsets, t, ok, changed)
+            self._extend_each(index, slots, flat, counts, offsets, t, ok, changed, lookahead)
             return
         by_slot = self._by_slot
         recycle = np.flatnonzero(tt >= self._next_recycle[s])  # only with hashing: see extend_fast's plain
@@ -327,7 +324,7 @@ class DecodeBatch:
                 rec_rows = np.concatenate([r for r, _, _ in returns])
                 rec_blocks = np.concatenate([b for _, b, _ in returns])
             if rec_rows.size and not pool.is_cached(rec_rows, rec_blocks).all():
-                self._extend_each(index, slots, flat, counts, offsets, t, ok, changed)
+                self._extend_each(index, slots, flat, counts, offsets, t, ok, changed, lookahead)
                 return
         hashes = b""
         if self._hasher is not None:
@@ -338,7 +335,7 @@ class DecodeBatch:
                 blocks_tok[:, bs - 1] = tok[fill]
                 hashes = self._hasher.hash_each(blocks_tok, self._last_hash[s[fill]].tobytes())
                 if not self._fills_new(hashes, fill.size):
-                    self._extend_each(index, slots, flat, counts, offsets, t, ok, changed)
+                    self._extend_each(index, slots, flat, counts, offsets, t, ok, changed, lookahead)
                     return
         # Commit: nothing below can fail.
         self._tail[s, pos] = tok
@@ -394,6 +391,9 @@ class DecodeBatch:
         if hashes:
             filled = s[fill]
             blocks = self._last_block[filled]
+            filled_col = tt[fill] // bs
+            for q in np.flatnonzero(filled_col != self._width[filled] - 1).tolist():  # behind blocks reserved ahead
+                blocks[q] = by_slot[filled[q]].table[:, filled_col[q]]
             self._index.insert_new(hashes, blocks)
             pool.mark_cached_columns(blocks)
         if self.enable_events and hashes:
@@ -408,12 +408,11 @@ class DecodeBatch:
             self._events += [e for _, _, e in tagged]
         if hashes:
             self._last_hash[filled] = np.frombuffer(hashes, dtype=np.uint8).reshape(-1, _H)
-        # _refresh's limits: an opened block takes bs tokens (with hashing bs - 1: its last one fills
-        # it), a filled one none (the next extend opens a block).
-        if self._hasher is None:
-            self._fast_limit[s] = tt + bs
-        else:
-            self._fast_limit[s] = np.where(fills, tt + 1, tt + bs - 1)
+        # _refresh's limits: up to the table's end, with hashing short of the next block's filling token.
+        limit = self._width[s].astype(np.int64) * bs
+        if self._hasher is not None:
+            limit = np.minimum(limit, ((tt + 1) // bs + 1) * bs - 1)
+        self._fast_limit[s] = limit
         for j in recycled:
             self._refresh(by_slot[s[j]])  # the next recycling point moved on
         if gives is not None and gives.positions.size:  # _refresh's limits for the givers, at once
@@ -486,13 +485,14 @@ class DecodeBatch:
         return _Chunk(index[order], sizes, cols32, vals)
 
     def _extend_each(self, index: np.ndarray, slots: np.ndarray, flat: np.ndarray, counts: np.ndarray,
-                     offsets: np.ndarray, t: np.ndarray, ok: np.ndarray, changed: list[_Chunk]) -> None:
+                     offsets: np.ndarray, t: np.ndarray, ok: np.ndarray, changed: list[_Chunk],
+                     lookahead: int = 0) -> None:
         """``_extend`` of requests ``index`` (no slot repeated) one by one, in order."""
         by_slot = self._by_slot
         for i in index.tolist():
             req = by_slot[slots[i]]
             o = int(offsets[i])
-            if self._extend(req, flat[o:o + int(counts[i])], int(t[i])) is None:
+            if self._extend(req, flat[o:o + int(counts[i])], int(t[i]), lookahead) is None:
                 ok[i] = False
             elif len(req.changed):
                 cols = self._changed_of(req)

@@ -187,9 +187,6 @@ class KVCacheManager(RequestSlots, DecodeBatch, TierLink):
         # With a tier: each request's tokens since admit, by slot (the tier keys and announces what it
         # takes by them; without a tier only the partial last block's tokens are kept).
         self._tier_tokens: dict[int, list[np.ndarray]] = {}
-        # Whether an extend ever reserved blocks ahead (num_lookahead_tokens): then a batch whose requests hold
-        # some goes one request at a time, as the batch paths open a block at each block boundary.
-        self._lookahead_used = False
 
     def __getstate__(self) -> dict:
         """The state a journal snapshot saves: everything but the events not yet taken (they were published) and
@@ -209,7 +206,6 @@ class KVCacheManager(RequestSlots, DecodeBatch, TierLink):
             req.view = None
         if "_held" not in state:  # a snapshot from before tiers could hold blocks
             self._held = np.zeros((len(self._group_col), self.num_blocks), dtype=np.int64)
-        self.__dict__.setdefault("_lookahead_used", False)
 
     @property
     def row_groups(self) -> np.ndarray:

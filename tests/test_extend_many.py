@@ -365,3 +365,69 @@ def test_extend_decode_refuses_inconsistent_arrays_and_changes_nothing():
     assert m.slots_of([0, 1, 5]) is None and m.slots_of([0, 1, 2], {2: True}) is None
     assert _tables.extend_decode(*given(m.slots_of(ids))) is not None
     assert [m.num_tokens(r) for r in range(3)] == [4, 4, 4]
+
+
+@pytest.mark.parametrize("block_size", [1, 4])
+@pytest.mark.parametrize("events", [False, True])
+def test_decode_steps_with_lookahead_match_extends_one_at_a_time_on_both_batch_paths(monkeypatch, block_size, events):
+    """Decode steps whose tables also cover positions ahead (num_lookahead_tokens, changing from step to step):
+    the one C pass and the numpy run (a twin held off the pass) each equal ``extend`` one request at a time. A
+    request's token then fills a block behind the one it opens, or one of the blocks it reserved; a lookahead
+    that grew needs several blocks at once (the pass declines it, the run hands it to ``extend``). A finished
+    request's tokens, admitted again, hit the same blocks on all three."""
+    from kvcache.allocator import _tables
+
+    passes: list[tuple[int, bool, int]] = []  # (lookahead, declined, blocks filled)
+    real = _tables.extend_decode
+
+    def spy(*args):
+        got = real(*args)
+        passes.append((args[-1], got is None, 0 if got is None else got[8]))
+        return got
+
+    monkeypatch.setattr(_tables, "extend_decode", spy)
+    num_blocks = 240 // block_size  # room for the live requests, with freed blocks evicted as it fills
+    make = lambda: KVCacheManager(num_blocks, block_size, enable_prefix_caching=True, hash_seed=b"ahead",
+                                  enable_events=events)
+    one_pass, numpy_run, single = make(), make(), make()
+    monkeypatch.setattr(numpy_run, "_decodes_in_one_pass", lambda: None)
+    managers = (one_pass, numpy_run, single)
+    rng = np.random.default_rng(11)
+    tokens_of: dict[int, list[int]] = {}
+
+    def admit(rid: int, prompt: list[int]) -> int:
+        got = {m.admit(rid, prompt).num_cached_tokens for m in managers}
+        assert len(got) == 1, got
+        tokens_of[rid] = list(prompt)
+        return got.pop()
+
+    live = list(range(5))
+    for rid in live:
+        admit(rid, rng.integers(0, 1000, 3 + 2 * rid).tolist())
+    aheads = [1] * 9 + [2, 2, 0, 0, 1, 5, 1, 1, 3, 0, 1] * 2
+    for step, ahead in enumerate(aheads):
+        tokens = rng.integers(0, 1000, len(live))
+        want = [single.extend(rid, [int(t)], num_lookahead_tokens=ahead) for rid, t in zip(live, tokens)]
+        d = one_pass.extend_many_deltas(live, tokens, np.ones(len(live), np.int32), num_lookahead_tokens=ahead)
+        tables = numpy_run.extend_many(live, tokens, [1] * len(live), num_lookahead_tokens=ahead)
+        assert d.lens.tolist() == [-1 if w is None else w.shape[1] for w in want], step
+        assert [t is None for t in tables] == [w is None for w in want], step
+        events_single = plain(single.take_events())
+        for rid, t in zip(live, tokens.tolist()):
+            tokens_of[rid].append(t)
+        for m in (one_pass, numpy_run):
+            m.check_integrity()
+            for rid in live:
+                assert m.table(rid).tolist() == single.table(rid).tolist(), (step, rid)
+            assert m.num_free_blocks.tolist() == single.num_free_blocks.tolist(), step
+            assert m.stats() == single.stats(), step
+            assert plain(m.take_events()) == events_single, step
+        if step % 7 == 6:  # one ends; its tokens come back as a new request and hit its filled blocks
+            rid = live.pop(0)
+            for m in managers:
+                m.free(rid)
+            new = max(live) + 1
+            assert admit(new, tokens_of[rid] + [7]) >= len(tokens_of[rid]) // block_size * block_size - block_size
+            live.append(new)
+    assert any(ahead and not declined and filled for ahead, declined, filled in passes), "a pass filled behind"
+    assert any(ahead and declined for ahead, declined, _ in passes), "a grown lookahead was declined"

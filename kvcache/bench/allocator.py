@@ -11,7 +11,8 @@ spell of a shared machine does not fall on one side only:
   4. admit + free of a fresh prompt of 16 to 32,768 tokens (the fixed cost of a call and of
      list input), from an array and from a list;
   5. a scheduler step: 256 decoding requests (2,048-token prompts) each gain a token, the two
-     oldest end and two fresh prompts are admitted (p50 of steps after the pool started evicting).
+     oldest end and two fresh prompts are admitted (p50 of steps after the pool started evicting);
+     also with a lookahead slot, against vLLM given the same num_lookahead_tokens.
 Times are the best of N (sections 1-4) or the median (5). Each of our rows carries the peer's
 time over ours; rows with a target are marked ok / MISS. The exit code is 0 whatever the
 numbers: a benchmark reports, it does not fail.
@@ -82,6 +83,7 @@ E2E_MS_TARGET = 0.7  # block 16, uniform, ndarray input
 HEAD_WISE_TARGET = 2.0
 SWEEP_TARGET = 3.0
 STEP_TARGET = 15.0
+STEP_LOOKAHEAD = 1  # the scheduler step's third mode: each extend also covers the next step's position
 
 
 def _peer_ratio(peer: float | None, ours: float) -> float | None:
@@ -445,11 +447,12 @@ def hybrid_capacity(peer: bool) -> list[dict[str, Any]]:
 class _OursStep(TimedSteps):
     """The step workload of kvcache.bench.vllm.SchedulerStep on our KVCacheManager, in this process."""
 
-    def __init__(self, num_blocks: int, rows: tuple[AttentionPolicy, ...]) -> None:
+    def __init__(self, num_blocks: int, rows: tuple[AttentionPolicy, ...], lookahead: int = 0) -> None:
         self.manager = KVCacheManager(num_blocks, BLOCK_SIZES[0], rows, hash_seed=SEED)
         self.live: collections.deque[int] = collections.deque()
         self.next_id = 0
         self.ones = np.ones(STEP_REQUESTS, dtype=np.int32)
+        self.lookahead = lookahead
 
     def setup(self, rng: np.random.Generator) -> None:
         for prompt in rng.integers(0, VOCAB, size=(STEP_REQUESTS + STEP_ADMITS, STEP_PROMPT_TOKENS)).tolist():
@@ -465,7 +468,7 @@ class _OursStep(TimedSteps):
         manager = self.manager
         for _ in inp.prompts:
             manager.free(self.live.popleft())
-        tables = manager.extend_many(list(self.live), inp.decode, self.ones)
+        tables = manager.extend_many(list(self.live), inp.decode, self.ones, num_lookahead_tokens=self.lookahead)
         if any(t is None for t in tables):
             raise RuntimeError("the pool is too small for the step workload")
         for prompt in inp.prompts:
@@ -473,13 +476,16 @@ class _OursStep(TimedSteps):
 
 
 def bench_step(repeat: int, peer: bool) -> list[dict[str, Any]]:
-    """p50/p99 of a scheduler step, ours (uniform, head-wise) and vLLM's, after STEP_WARMUP steps, in turns."""
+    """p50/p99 of a scheduler step, ours (uniform, head-wise, uniform with a lookahead slot) and vLLM's (without
+    and with the same lookahead), after STEP_WARMUP steps, in turns."""
     rng = np.random.default_rng(2)
-    modes = [("uniform", (Full(),)), ("head-wise 8", STEP_HEAD_WISE_ROWS)]
-    contenders: list[Any] = [_OursStep(STEP_POOL_BLOCKS, rows) for _, rows in modes]
+    modes = [("uniform", (Full(),), 0), ("head-wise 8", STEP_HEAD_WISE_ROWS, 0),
+             (f"uniform, lookahead {STEP_LOOKAHEAD}", (Full(),), STEP_LOOKAHEAD)]
+    contenders: list[Any] = [_OursStep(STEP_POOL_BLOCKS, rows, ahead) for _, rows, ahead in modes]
+    peer_of = {0: 0, STEP_LOOKAHEAD: 1}  # a mode's lookahead -> its vLLM contender, after ours
     if peer:
-        contenders.append(vllm.SchedulerStep(STEP_REQUESTS, STEP_PROMPT_TOKENS, STEP_ADMITS, BLOCK_SIZES[0],
-                                             STEP_POOL_BLOCKS + 1))
+        contenders += [vllm.SchedulerStep(STEP_REQUESTS, STEP_PROMPT_TOKENS, STEP_ADMITS, BLOCK_SIZES[0],
+                                          STEP_POOL_BLOCKS + 1, lookahead=ahead) for ahead in peer_of]
     rounds, per_round = PASSES * 2, max(4, repeat)
     inputs = vllm.step_inputs(rng, STEP_WARMUP + rounds * per_round, STEP_REQUESTS, STEP_ADMITS, STEP_PROMPT_TOKENS,
                               VOCAB)
@@ -492,18 +498,19 @@ def bench_step(repeat: int, peer: bool) -> list[dict[str, Any]]:
         for k, c in enumerate(contenders):
             times[k].append(c.run(chunk))
     p50, p99 = ([float(np.percentile(np.concatenate(t), q)) / 1e3 for t in times] for q in (50, 99))
-    peer_p50 = p50[-1] if peer else None
     out = []
-    for k, (mode, rows) in enumerate(modes):
+    for k, (mode, rows, ahead) in enumerate(modes):
+        theirs = len(modes) + peer_of[ahead] if peer else None
+        peer_p50 = None if theirs is None else p50[theirs]
         ratio = _peer_ratio(peer_p50, p50[k])
         row = {
-            "mode": mode, "rows": len(rows), "requests": STEP_REQUESTS, "prompt_tokens": STEP_PROMPT_TOKENS,
-            "admits": STEP_ADMITS, "frees": STEP_ADMITS, "block_size": BLOCK_SIZES[0],
-            "pool_blocks": STEP_POOL_BLOCKS, "steps": rounds * per_round, "input": "list[int]",
-            "ours_p50_us": p50[k], "ours_p99_us": p99[k],
-            "peer_p50_us": peer_p50, "peer_p99_us": p99[-1] if peer else None, "peer_over_ours": ratio,
+            "mode": mode, "rows": len(rows), "lookahead": ahead, "requests": STEP_REQUESTS,
+            "prompt_tokens": STEP_PROMPT_TOKENS, "admits": STEP_ADMITS, "frees": STEP_ADMITS,
+            "block_size": BLOCK_SIZES[0], "pool_blocks": STEP_POOL_BLOCKS, "steps": rounds * per_round,
+            "input": "list[int]", "ours_p50_us": p50[k], "ours_p99_us": p99[k],
+            "peer_p50_us": peer_p50, "peer_p99_us": None if theirs is None else p99[theirs], "peer_over_ours": ratio,
         }
-        if mode == "uniform":
+        if len(rows) == 1:
             row.update(target=f"vllm/ours >= {STEP_TARGET:g}x (p50)", ok=_check_target(ratio, STEP_TARGET))
         else:
             row["head_wise_over_uniform"] = p50[k] / p50[0]
@@ -574,7 +581,8 @@ def render(result: dict[str, Any]) -> str:
         f"5. scheduler step, in process: {STEP_REQUESTS} decoding requests ({STEP_PROMPT_TOKENS:,}-token "
         f"prompts) gain a token, {STEP_ADMITS} end, {STEP_ADMITS} fresh prompts are admitted; lists in; pool "
         f"{STEP_POOL_BLOCKS:,} blocks a row, evicting; head-wise: 6 rows with a 1,024-token window (64 sink) "
-        "giving blocks back, 2 full",
+        f"giving blocks back, 2 full; lookahead: each table also covers the next step's position (vLLM's "
+        f"num_lookahead_tokens, compared with vLLM given the same)",
         _table(
             ["mode", "p50 us", "p99 us", "vllm p50 us", "vllm/ours (p50)", "hw/uniform", "target", ""],
             [[r["mode"], f"{r['ours_p50_us']:.1f}", f"{r['ours_p99_us']:.1f}", _ms(r["peer_p50_us"], 1),
@@ -631,7 +639,7 @@ def _targets(hashing: list[dict[str, Any]], e2e: list[dict[str, Any]], lengths: 
                         "value": f"{r['us']:.1f} us, {_x(r['peer_over_ours'])}", "target": r["target"],
                         "ok": r["ok"]})
     for r in step:
-        value = _x(r["peer_over_ours"]) if r["mode"] == "uniform" else _x(r["head_wise_over_uniform"])
+        value = _x(r["peer_over_ours"]) if r["rows"] == 1 else _x(r["head_wise_over_uniform"])
         out.append({"name": f"scheduler step {r['mode']}", "value": f"{r['ours_p50_us']:.1f} us, {value}",
                     "target": r["target"], "ok": r["ok"]})
     return [t for t in out if t["ok"] is not None]

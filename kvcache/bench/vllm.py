@@ -76,10 +76,11 @@ class Allocator:
         request.num_computed_tokens = request.num_tokens
         return hit
 
-    def decode(self, request: Any, token: int) -> bool:
-        """One generated token: appended (its block hashed once full) and its slot allocated; False without room."""
+    def decode(self, request: Any, token: int, lookahead: int = 0) -> bool:
+        """One generated token: appended (its block hashed once full) and its slot allocated, with ``lookahead``
+        slots more; False without room."""
         request.append_output_token_ids(token)
-        if self.manager.allocate_slots(request, 1) is None:
+        if self.manager.allocate_slots(request, 1, num_lookahead_tokens=lookahead) is None:
             return False
         request.num_computed_tokens += 1
         return True
@@ -140,14 +141,16 @@ class SchedulerStep(TimedSteps):
     """vLLM's scheduler step on a steady set of decoding requests, in this process.
 
     A step frees the oldest ``admits`` requests, decodes one token for each of the
-    ``requests`` running ones (append, then `allocate_slots` for it), and admits as many
+    ``requests`` running ones (append, then `allocate_slots` for it, ``lookahead`` slots more), and admits as many
     fresh prompts (a `Request`, hashed as it is built, then `get_computed_blocks` +
     `allocate_slots`): the work vLLM's scheduler asks of its KV cache manager in such a step.
     """
 
-    def __init__(self, requests: int, prompt_tokens: int, admits: int, block_size: int, num_blocks: int) -> None:
+    def __init__(self, requests: int, prompt_tokens: int, admits: int, block_size: int, num_blocks: int,
+                 lookahead: int = 0) -> None:
         self.allocator = Allocator(num_blocks, block_size)
         self.requests, self.prompt_tokens, self.admits = requests, prompt_tokens, admits
+        self.lookahead = lookahead
         self.live: collections.deque[Any] = collections.deque()
 
     def setup(self, rng: np.random.Generator) -> None:
@@ -165,7 +168,7 @@ class SchedulerStep(TimedSteps):
         for _ in inp.prompts:
             self.allocator.free(self.live.popleft())
         for request, token in zip(self.live, inp.decode):
-            if not self.allocator.decode(request, token):
+            if not self.allocator.decode(request, token, self.lookahead):
                 raise RuntimeError("vLLM's pool is too small for the step workload")
         for prompt in inp.prompts:
             self._admit(prompt)
