@@ -118,8 +118,6 @@ class DaemonTier(HostBooks):
         # Failed loads whose GPU blocks stay held (unordered writes) until every rank is done with them:
         # job -> (rows, blocks, ranks done).
         self._lingering: dict[int, tuple[np.ndarray, np.ndarray, list[int]]] = {}
-        # The load filling each GPU (row, block), -1 where none: a hit on a block still being filled waits on it.
-        self._filling = np.full((self._rows, manager.num_blocks), -1, dtype=np.int64)
 
     def __getstate__(self) -> dict[str, Any]:
         """A journal snapshot's state: everything but the manager, which holds this tier (``bind`` restores it)."""
@@ -242,17 +240,11 @@ class DaemonTier(HostBooks):
 
     def admitted(self, request_id: object, table: np.ndarray, num_gpu_blocks: int, hashes: bytes) -> None:
         """Order the load of the tier's part of a hit; note loads in flight that the GPU part of it shares."""
-        deps: set[int] = set()
-        if num_gpu_blocks and self._jobs:
-            hit = table[:, :num_gpu_blocks]
-            r, c = np.nonzero(hit >= 0)
-            jobs = self._filling[r, hit[r, c]]
-            deps.update(np.unique(jobs[jobs >= 0]).tolist())
+        deps = self._loads_filling(table[:, :num_gpu_blocks]) if num_gpu_blocks and self._jobs else set()
         if len(hashes) // _H:
             src, dst, host_ids = self._load_plan(table, num_gpu_blocks, hashes)
             job_id = self._order("load", src, dst, TierJob("load", host_ids, dst, [], owner=request_id))
-            r, c = np.nonzero(dst >= 0)
-            self._filling[r, dst[r, c]] = job_id
+            self._mark_filling(dst, job_id)
             deps.add(job_id)
         if deps:
             self._waits[request_id] = deps
@@ -272,11 +264,7 @@ class DaemonTier(HostBooks):
         n = len(hashes) // _H
         if n == 0 or not self.active:
             return
-        r, c = np.nonzero(blocks >= 0)
-        filling = self._filling[r, blocks[r, c]] >= 0  # a block still being filled: nothing certain to copy
-        if filling.any():
-            blocks[:, np.unique(c[filling])] = -1
-        plan = self._offload_plan(hashes, blocks)
+        plan = self._offload_plan(hashes, self._not_filling(blocks))
         if plan is None:
             return
         cols, host_ids, src, dst = plan
@@ -342,9 +330,7 @@ class DaemonTier(HostBooks):
                                 lora=job.lora, extra_keys=job.extra_keys, cols=job.cols, src=job.gpu)
             return
         r, c = np.nonzero(job.gpu >= 0)
-        mine = self._filling[r, job.gpu[r, c]] == job_id
-        rows, gpu = r[mine], job.gpu[r, c][mine]
-        self._filling[rows, gpu] = -1
+        rows, gpu = self._unmark_filling(job.gpu, job_id)
         self._load_ended(job_id, ok, job.host_ids, rows, gpu, job.gpu)
         if self.unordered_writes and not ok and not job.held:  # its request still owns the blocks: keep them
             self._hold(job)  # out of the pool while a rank may still run the copy

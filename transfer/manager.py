@@ -195,6 +195,8 @@ class HostBooks:
         self._tainted: dict[object, int] = {}
         self._waits: dict[object, set[int]] = {}  # a request -> the loads in flight its cached tokens need
         self._failed: list[object] = []
+        # The load filling each GPU (row, block), -1 where none: a hit on a block still being filled waits on it.
+        self._filling = np.full((self._rows, manager.num_blocks), -1, dtype=np.int64)
 
     def take_failed(self) -> list[object]:
         """Requests whose load failed or timed out since the last call: free them and admit them again."""
@@ -205,6 +207,34 @@ class HostBooks:
     def num_failed(self) -> int:
         """Requests ``take_failed`` would return now."""
         return len(self._failed)
+
+    def _loads_filling(self, blocks: np.ndarray) -> set[int]:
+        """The loads still filling GPU ``blocks`` [rows, k] (-1 = none): what a request reading them waits on."""
+        r, c = np.nonzero(blocks >= 0)
+        jobs = self._filling[r, blocks[r, c]]
+        return set(np.unique(jobs[jobs >= 0]).tolist())
+
+    def _mark_filling(self, dst: np.ndarray, job: int) -> None:
+        """Load ``job`` fills GPU ``dst`` [rows, k] (-1 = none): a hit on those blocks waits on it until it ends."""
+        r, c = np.nonzero(dst >= 0)
+        self._filling[r, dst[r, c]] = job
+
+    def _not_filling(self, blocks: np.ndarray) -> np.ndarray:
+        """Released ``blocks`` [rows, n] less the columns a load is still filling (nothing certain to copy)."""
+        r, c = np.nonzero(blocks >= 0)
+        filling = self._filling[r, blocks[r, c]] >= 0
+        if filling.any():
+            blocks[:, np.unique(c[filling])] = -1
+        return blocks
+
+    def _unmark_filling(self, dst: np.ndarray, job: int) -> tuple[np.ndarray, np.ndarray]:
+        """The GPU (rows, blocks) of load ``job``'s ``dst`` [rows, k] that it still fills, no longer marked: a
+        pair evicted meanwhile, or taken by a later load, is not its any more."""
+        r, c = np.nonzero(dst >= 0)
+        mine = self._filling[r, dst[r, c]] == job
+        rows, blocks = r[mine], dst[r, c][mine]
+        self._filling[rows, blocks] = -1
+        return rows, blocks
 
     def held(self, hashes: bytes) -> np.ndarray:
         """bool ``[k, rows]``: rows whose copy of each leading hash is findable; stops at the first with none."""
@@ -360,7 +390,6 @@ class TransferManager(HostBooks):
         self._offloads: dict[int, _Offload] = {}
         self._loads: dict[int, _LoadJob] = {}
         self._src_job = np.full((self._rows, manager.num_blocks), -1, dtype=np.int64)
-        self._dst_job = np.full((self._rows, manager.num_blocks), -1, dtype=np.int64)
         self._ids = itertools.count()
         self._closed = False
         manager.attach_tier(self)
@@ -481,20 +510,14 @@ class TransferManager(HostBooks):
 
     def admitted(self, request_id: object, table: np.ndarray, num_gpu_blocks: int, hashes: bytes) -> None:
         """Start the loads of the tier's part of a hit; note loads in flight that the GPU part shares."""
-        deps: set[int] = set()
-        if self._loads and num_gpu_blocks:
-            hit = table[:, :num_gpu_blocks]
-            r, c = np.nonzero(hit >= 0)
-            jobs = self._dst_job[r, hit[r, c]]
-            deps.update(np.unique(jobs[jobs >= 0]).tolist())
+        deps = self._loads_filling(table[:, :num_gpu_blocks]) if self._loads and num_gpu_blocks else set()
         k = len(hashes) // _H
         if k:
             src, dst, host_ids = self._load_plan(table, num_gpu_blocks, hashes)
             handles = copy_layers(self._in, self.host, src, self.gpu, dst, self._cells)
             job = next(self._ids)
             self._loads[job] = _LoadJob(handles, request_id, host_ids, dst, k)
-            r, c = np.nonzero(dst >= 0)
-            self._dst_job[r, dst[r, c]] = job
+            self._mark_filling(dst, job)
             deps.add(job)
         if deps:
             self._waits[request_id] = deps
@@ -508,11 +531,7 @@ class TransferManager(HostBooks):
         n = len(hashes) // _H
         if n == 0:
             return
-        r, c = np.nonzero(blocks >= 0)
-        loading = self._dst_job[r, blocks[r, c]] >= 0  # a block still being filled holds nothing to copy yet
-        if loading.any():
-            blocks[:, np.unique(c[loading])] = -1
-        plan = self._offload_plan(hashes, blocks)
+        plan = self._offload_plan(hashes, self._not_filling(blocks))
         if plan is None:
             return
         cols, host_ids, src, dst = plan
@@ -529,7 +548,7 @@ class TransferManager(HostBooks):
             return
         rows = np.asarray(rows, dtype=np.intp)
         blocks = np.asarray(blocks, dtype=np.intp)
-        for job in np.unique(self._dst_job[rows, blocks]).tolist():
+        for job in np.unique(self._filling[rows, blocks]).tolist():
             if job >= 0:
                 self._settle_load(job, wait=True)
         jobs = self._src_job[rows, blocks]
@@ -581,7 +600,7 @@ class TransferManager(HostBooks):
         if any(s is TransferStatus.PENDING for s in statuses):
             return False
         del self._loads[job]
-        rows, dsts = _unmark(self._dst_job, load.dst, job)
+        rows, dsts = self._unmark_filling(load.dst, job)
         worst = _worst(statuses)
         if worst is not TransferStatus.DONE:
             log.warning("host tier: load of %d blocks for %r %s: %s", load.nblocks, load.owner, worst.value,
@@ -789,10 +808,9 @@ def first_error(handles: Any, worst: TransferStatus) -> str:
     return next((h.error for h in handles if h.error), worst.value)
 
 
-def _unmark(marks: np.ndarray, table: np.ndarray, job: int) -> tuple[np.ndarray, np.ndarray]:
-    """Clear the (row, block) pairs of ``table`` (-1 = none) that ``marks`` still gives to ``job``; returns all its pairs."""
+def _unmark(marks: np.ndarray, table: np.ndarray, job: int) -> None:
+    """Clear the (row, block) pairs of ``table`` (-1 = none) that ``marks`` still gives to ``job``."""
     r, c = np.nonzero(table >= 0)
     ids = table[r, c]
     mine = marks[r, ids] == job
     marks[r[mine], ids[mine]] = -1
-    return r, ids
