@@ -217,6 +217,8 @@ class Engine:
         self.tier: Any = None  # a host tier (TransferManager) under the cache's blocks, in library mode
         self.agent: Any = None  # the daemon's host tier: this process's TierAgent (daemon mode)
         self._windowed = any(isinstance(row.policy, Window) for row in spec.row_layout)
+        # What the daemon's host tier failed, taken with the last step's posted extends (None: ask it this step).
+        self._tier_failed: list[Any] | None = None
 
     def close(self) -> None:
         """Stop what the engine started: a host tier, TP ranks, the subscriber and the client of a daemon."""
@@ -250,7 +252,9 @@ class Engine:
         work: list[tuple[Sequence, int, int]] = []  # (sequence, first position, stop)
         budget = self.chunk
         if self.agent is not None:  # the daemon's host tier could not copy these back: start them again
-            for rid in self.cache.tier_failed():
+            failed = self.cache.tier_failed() if self._tier_failed is None else self._tier_failed
+            self._tier_failed = None
+            for rid in failed:
                 s = next((s for s in self.running if s.rid == rid), None)
                 if s is not None:
                     self._preempt(s, stats)
@@ -263,8 +267,10 @@ class Engine:
             ahead = 1 if hasattr(self.cache, "batch") and not self._windowed else 0
             refused = [False] * len(decoding)
             if ahead and all(s.scheduled < s.covered for s in decoding):
-                batch = self.cache.batch().extend_many(ids, last, ones, num_lookahead_tokens=ahead)
-                posted = batch.op("usage").post()
+                batch = self.cache.batch().extend_many(ids, last, ones, num_lookahead_tokens=ahead).op("usage")
+                if self.agent is not None:  # the next step's failed loads, without a round trip of their own
+                    batch.op("tier_failed")
+                posted = batch.post()
                 stats.overlapped = True
             else:
                 grown = self.cache.extend_many(ids, last, ones, num_lookahead_tokens=ahead)
@@ -310,7 +316,9 @@ class Engine:
             stats.computed = sum(stop - start for _, start, stop in work)
         if posted is not None:
             later_calls = posted.done  # an admit or a prefill's extend took the reply: usage is theirs to give
-            tables, usage = posted.results()  # the extend_many op's tables, the usage op's answer
+            tables, usage, *failed = posted.results()  # extend_many's tables, usage's answer, tier_failed's ids
+            if failed:
+                self._tier_failed = failed[0]
             for s, table in zip(decoding, tables):
                 if table is not None:
                     s.covered = s.scheduled + 1
