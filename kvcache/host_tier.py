@@ -131,6 +131,11 @@ class DaemonTier(HostBooks):
         self.__dict__.setdefault("_buffers", dict(self._agents))
         self.__dict__.setdefault("unordered_writes", False)
         self.__dict__.setdefault("_lingering", {})
+        if "_reading" not in state:  # a snapshot from before the tier kept which offload reads each GPU block
+            self._reading = np.full_like(self._filling, -1)
+            for job_id, job in self._jobs.items():
+                if job.kind == "offload":
+                    self._mark_reading(job.gpu, job_id)
 
     def bind(self, manager: KVCacheManager) -> None:
         """After a journal restore: the manager this tier is attached to again."""
@@ -232,6 +237,11 @@ class DaemonTier(HostBooks):
             job = self._jobs.get(job_id)
             assert job is not None and job.kind == "load" and block in job.gpu[row], \
                 f"GPU pair ({row}, {block}) marked by load {job_id}, which does not fill it"
+        rows, blocks = np.nonzero(self._reading >= 0)
+        for row, block, job_id in zip(rows.tolist(), blocks.tolist(), self._reading[rows, blocks].tolist()):
+            job = self._jobs.get(job_id)
+            assert job is not None and job.kind == "offload" and block in job.gpu[row], \
+                f"GPU pair ({row}, {block}) marked by offload {job_id}, which does not read it"
 
     # ------------------------------------------------------------------ LowerTier (called by the manager)
 
@@ -268,8 +278,9 @@ class DaemonTier(HostBooks):
         if plan is None:
             return
         cols, host_ids, src, dst = plan
-        self._order("offload", src, dst, TierJob("offload", host_ids, src, [], cols.astype(np.intp), bytes(hashes),
-                                                 np.array(tokens), lora, tuple(extra_keys)))
+        job_id = self._order("offload", src, dst, TierJob("offload", host_ids, src, [], cols.astype(np.intp),
+                                                          bytes(hashes), np.array(tokens), lora, tuple(extra_keys)))
+        self._mark_reading(src, job_id)
 
     def evicting(self, rows: np.ndarray, blocks: np.ndarray) -> None:
         """GPU pairs get a new owner. Workers finish earlier copies before the owner writes (the module's
@@ -280,13 +291,10 @@ class DaemonTier(HostBooks):
         rows, blocks = np.asarray(rows, dtype=np.intp), np.asarray(blocks, dtype=np.intp)
         self._filling[rows, blocks] = -1
         if self.unordered_writes:
-            taken = rows * self.manager.num_blocks + blocks
-            for job in self._jobs.values():
-                if job.kind == "offload":
-                    r = np.arange(job.gpu.shape[0])[:, None]
-                    hit = (np.isin(r * self.manager.num_blocks + job.gpu, taken) & (job.gpu >= 0)).any(axis=0)
-                    if hit.any():
-                        job.lost = hit if job.lost is None else job.lost | hit
+            for job_id in self._offloads_reading(rows, blocks):
+                job = self._jobs[job_id]
+                hit = self._columns_taken(job.gpu, rows, blocks)
+                job.lost = hit if job.lost is None else job.lost | hit
 
     def reset(self) -> None:
         """``reset_prefix_cache``: forget every host copy; offloads in flight are dropped when they end."""
@@ -322,6 +330,7 @@ class DaemonTier(HostBooks):
         """Settle a copy: it landed on every rank (``ok``), failed (``done``: the ranks done with it), or timed out."""
         job = self._jobs.pop(job_id)
         if job.kind == "offload":
+            self._unmark_reading(job.gpu, job_id)
             keep = np.full(job.host_ids.size, ok and not job.dropped)
             if job.lost is not None:
                 keep &= ~job.lost

@@ -615,6 +615,11 @@ def test_on_a_decode_daemon_an_offload_keeps_nothing_of_a_block_a_reservation_to
     manager.free("a")
     (offload,) = tier.take_orders()
     assert offload["kind"] == "offload" and (offload["src"] >= 0).sum() == 2
+    state = tier.__getstate__()
+    del state["_reading"]  # a journal snapshot from before the tier kept it: rebuilt from the offloads in flight
+    older = DaemonTier.__new__(DaemonTier)
+    older.__setstate__(state)
+    assert np.array_equal(older._reading, tier._reading) and (tier._reading >= 0).sum() == 2
     assert manager.admit("b", [9] * 8) is not None  # every GPU block: the two the offload reads among them
     tier.report(offload["job"], 0, True)
     stats = tier.stats()

@@ -197,6 +197,8 @@ class HostBooks:
         self._failed: list[object] = []
         # The load filling each GPU (row, block), -1 where none: a hit on a block still being filled waits on it.
         self._filling = np.full((self._rows, manager.num_blocks), -1, dtype=np.int64)
+        # The offload reading each GPU (row, block), -1 where none: a new owner's write spoils what it has not copied.
+        self._reading = np.full((self._rows, manager.num_blocks), -1, dtype=np.int64)
 
     def take_failed(self) -> list[object]:
         """Requests whose load failed or timed out since the last call: free them and admit them again."""
@@ -218,6 +220,28 @@ class HostBooks:
         """Load ``job`` fills GPU ``dst`` [rows, k] (-1 = none): a hit on those blocks waits on it until it ends."""
         r, c = np.nonzero(dst >= 0)
         self._filling[r, dst[r, c]] = job
+
+    def _mark_reading(self, src: np.ndarray, job: int) -> None:
+        """Offload ``job`` reads GPU ``src`` [rows, k] (-1 = none): a new owner of those blocks concerns it."""
+        r, c = np.nonzero(src >= 0)
+        self._reading[r, src[r, c]] = job
+
+    def _offloads_reading(self, rows: np.ndarray, blocks: np.ndarray) -> list[int]:
+        """The offloads still reading any of the GPU (``rows``, ``blocks``) pairs."""
+        jobs = self._reading[rows, blocks]
+        return np.unique(jobs[jobs >= 0]).tolist()
+
+    def _columns_taken(self, src: np.ndarray, rows: np.ndarray, blocks: np.ndarray) -> np.ndarray:
+        """bool [k]: the columns of an offload's ``src`` [rows, k] that read one of the (``rows``, ``blocks``) pairs."""
+        n = self.manager.num_blocks
+        keys = rows.astype(np.int64) * n + blocks
+        return (np.isin(np.arange(src.shape[0])[:, None] * n + src, keys) & (src >= 0)).any(axis=0)
+
+    def _unmark_reading(self, src: np.ndarray, job: int) -> None:
+        """Offload ``job`` ended: the pairs of its ``src`` it still reads are read by nothing."""
+        r, c = np.nonzero(src >= 0)
+        mine = self._reading[r, src[r, c]] == job
+        self._reading[r[mine], src[r, c][mine]] = -1
 
     def _not_filling(self, blocks: np.ndarray) -> np.ndarray:
         """Released ``blocks`` [rows, n] less the columns a load is still filling (nothing certain to copy)."""
@@ -389,7 +413,6 @@ class TransferManager(HostBooks):
         HostBooks.__init__(self, manager, self.num_blocks)
         self._offloads: dict[int, _Offload] = {}
         self._loads: dict[int, _LoadJob] = {}
-        self._src_job = np.full((self._rows, manager.num_blocks), -1, dtype=np.int64)
         self._ids = itertools.count()
         self._closed = False
         manager.attach_tier(self)
@@ -539,8 +562,7 @@ class TransferManager(HostBooks):
         job = next(self._ids)
         self._offloads[job] = _Offload(handles, host_ids, src, cols, hashes, tokens, lora, extra_keys,
                                        np.zeros(cols.size, dtype=bool))
-        r, c = np.nonzero(src >= 0)
-        self._src_job[r, src[r, c]] = job
+        self._mark_reading(src, job)
 
     def evicting(self, rows: np.ndarray, blocks: np.ndarray) -> None:
         """GPU pairs get a new owner: keep finished copies of them, drop unfinished ones, finish loads into them."""
@@ -551,18 +573,10 @@ class TransferManager(HostBooks):
         for job in np.unique(self._filling[rows, blocks]).tolist():
             if job >= 0:
                 self._settle_load(job, wait=True)
-        jobs = self._src_job[rows, blocks]
-        touched = np.unique(jobs[jobs >= 0]).tolist()
-        if not touched:
-            return
-        keys = np.unique(rows * self.manager.num_blocks + blocks)
-        for job in touched:
-            if self._settle_offload(job):
-                continue
-            off = self._offloads[job]
-            r = np.arange(self._rows)[:, None]
-            hit = np.isin(r * self.manager.num_blocks + off.src, keys) & (off.src >= 0)
-            off.dropped |= hit.any(axis=0)
+        for job in self._offloads_reading(rows, blocks):
+            if not self._settle_offload(job):
+                off = self._offloads[job]
+                off.dropped |= self._columns_taken(off.src, rows, blocks)
 
     def reset(self) -> None:
         """Forget every host copy (the prefix cache was reset); copies in flight are dropped when they end."""
@@ -579,7 +593,7 @@ class TransferManager(HostBooks):
         if any(s is TransferStatus.PENDING for s in statuses):
             return False
         del self._offloads[job]
-        _unmark(self._src_job, off.src, job)
+        self._unmark_reading(off.src, job)
         worst = _worst(statuses)
         keep = ~off.dropped if worst is TransferStatus.DONE else np.zeros(off.cols.size, dtype=bool)
         if worst is not TransferStatus.DONE:
@@ -807,10 +821,3 @@ def first_error(handles: Any, worst: TransferStatus) -> str:
     """The first error a job's per-layer handles report, else the worst status's name (for the log)."""
     return next((h.error for h in handles if h.error), worst.value)
 
-
-def _unmark(marks: np.ndarray, table: np.ndarray, job: int) -> None:
-    """Clear the (row, block) pairs of ``table`` (-1 = none) that ``marks`` still gives to ``job``."""
-    r, c = np.nonzero(table >= 0)
-    ids = table[r, c]
-    mine = marks[r, ids] == job
-    marks[r[mine], ids[mine]] = -1
