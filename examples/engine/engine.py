@@ -147,9 +147,10 @@ class RankAttention:
         return self.model.ops.cat(outs, axis=0)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class Sequence:
-    """A request: its tokens so far (prompt, then sampled ones) and how many of them have K and V in the cache."""
+    """A request: its tokens so far (prompt, then sampled ones) and how many of them have K and V in the cache.
+    Compared by identity: the engine's queues find and remove one request, never an equal one."""
 
     rid: Any
     tokens: list[int]
