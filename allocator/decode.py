@@ -57,7 +57,7 @@ class DecodeBatch:
         final table in both places. With ``changes`` (a list), each request's
         changed columns are appended to it in order (what ``changed_columns``
         gives after each extend). ``num_lookahead_tokens`` as ``extend``'s, for
-        every request (such a batch goes one request at a time).
+        every request: a decode step with one takes the same batch paths.
         """
         lookahead = self._lookahead(num_lookahead_tokens)
         deltas = self._extend_decode(request_ids, tokens, counts, lookahead=lookahead)
