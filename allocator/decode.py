@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
 _H = HASH_BYTES
 _NO_HASH = bytes(HASH_BYTES)  # extend_decode's mark of an eviction that dropped no hash
+_MAX_LOOKAHEAD = 2**31 - 1  # num_lookahead_tokens' bound: position arithmetic stays in int64
 
 
 class _WindowSteps(NamedTuple):
@@ -127,6 +128,8 @@ class DecodeBatch:
     def _lookahead(self, num_lookahead_tokens: int) -> int:
         """``num_lookahead_tokens`` checked, as an int."""
         _check_count(num_lookahead_tokens, "num_lookahead_tokens", least=0)
+        if num_lookahead_tokens > _MAX_LOOKAHEAD:
+            raise KVCacheError(f"num_lookahead_tokens: must be at most {_MAX_LOOKAHEAD}, got {num_lookahead_tokens}")
         return int(num_lookahead_tokens)
 
     def slots_of(self, request_ids: list[object], exclude: dict | None = None) -> np.ndarray | None:

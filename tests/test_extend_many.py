@@ -200,6 +200,13 @@ def test_extend_many_deltas_refuses_bad_input_before_any_change():
         with pytest.raises(KVCacheError, match=field):
             m.extend_many_deltas(*args)
         assert m.num_tokens("a") == 3
+    for ahead in (-1, 2**31, 2**63 - 1, 1.5):  # past 2**31 - 1, position arithmetic could wrap
+        for call in (m.extend_many_deltas, m.extend_many):
+            with pytest.raises(KVCacheError, match="num_lookahead_tokens"):
+                call(["a"], [1], [1], num_lookahead_tokens=ahead)
+        with pytest.raises(KVCacheError, match="num_lookahead_tokens"):
+            m.extend("a", [1], num_lookahead_tokens=ahead)
+        assert m.num_tokens("a") == 3 and m.table("a").shape[1] == 1
 
 
 def test_extend_many_takes_strided_counts_and_any_integer_tokens():
