@@ -188,6 +188,13 @@ static inline void write_run_token(uint32_t *tail_row, int64_t *ntok, uint8_t *c
     *changed = (uint8_t)opens;
 }
 
+/* The blocks a table of width blocks lacks once a token at t is written and lookahead positions after it are
+ * covered: 1 when the decode step opens one, 0 or below with blocks reserved ahead. */
+static inline int64_t blocks_short(int64_t t, int64_t lookahead, Py_ssize_t bs, int64_t width)
+{
+    return (t + 1 + lookahead + bs - 1) / bs - width;
+}
+
 /* fast_limit as KVCacheManager._refresh leaves it for a table of width blocks holding ntok tokens: the table's
  * end, and with hashing one short of the next block's filling token. */
 static inline int64_t refreshed_limit(int64_t ntok, int64_t width, Py_ssize_t bs, int hashing)
@@ -1259,8 +1266,7 @@ static PyObject *extend_decode(PyObject *self, PyObject *args)
             continue;
         if (!plain_decode(count[i], t, bs, key[s], salt[s], hashing >= 0) || t >= rec[s])
             goto fallback; /* not a plain decode extend: the one-by-one order matters */
-        /* Blocks the table lacks for the new token and the lookahead; below 0 with blocks reserved ahead. */
-        const int64_t opens = (t + 1 + lookahead + bs - 1) / bs - wd[s];
+        const int64_t opens = blocks_short(t, lookahead, bs, wd[s]);
         if (opens > 1)
             goto fallback; /* a lookahead that grew since the request's last extend */
         is_slow[i] = 1;
@@ -1376,7 +1382,7 @@ static PyObject *extend_decode(PyObject *self, PyObject *args)
                 write_in_block(tl + s * bs, &nt[s], &ch[s], t, k, tok + offset, bs);
             else
                 write_run_token(tl + s * bs, &nt[s], &ch[s], t, tok[offset], bs,
-                                (t + 1 + lookahead + bs - 1) / bs > wd[s]);
+                                blocks_short(t, lookahead, bs, wd[s]) > 0);
             offset += k;
         }
     }

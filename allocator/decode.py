@@ -411,11 +411,7 @@ class DecodeBatch:
             self._events += [e for _, _, e in tagged]
         if hashes:
             self._last_hash[filled] = np.frombuffer(hashes, dtype=np.uint8).reshape(-1, _H)
-        # _refresh's limits: up to the table's end, with hashing short of the next block's filling token.
-        limit = self._width[s].astype(np.int64) * bs
-        if self._hasher is not None:
-            limit = np.minimum(limit, ((tt + 1) // bs + 1) * bs - 1)
-        self._fast_limit[s] = limit
+        self._set_limits(s, self._width[s].astype(np.int64), self._next_recycle[s])  # _refresh's, at once
         for j in recycled:
             self._refresh(by_slot[s[j]])  # the next recycling point moved on
         if gives is not None and gives.positions.size:  # _refresh's limits for the givers, at once
@@ -504,7 +500,7 @@ class DecodeBatch:
     def _extend_in_order(self, slots: np.ndarray, flat: np.ndarray, counts: np.ndarray, ok: np.ndarray,
                          widths: np.ndarray, views: list[np.ndarray | None] | None, lookahead: int = 0
                          ) -> list[_Chunk]:
-        """``_extend_slots`` one request at a time (a slot is listed more than once, or blocks go ahead)."""
+        """``_extend_slots`` one request at a time (a slot is listed more than once)."""
         by_slot = self._by_slot
         changed: list[_Chunk] = []
         offset = 0

@@ -135,7 +135,7 @@ class DaemonTier(HostBooks):
             self._reading = np.full_like(self._filling, -1)
             for job_id, job in self._jobs.items():
                 if job.kind == "offload":
-                    self._mark_reading(job.gpu, job_id)
+                    self._mark(self._reading, job.gpu, job_id)
 
     def bind(self, manager: KVCacheManager) -> None:
         """After a journal restore: the manager this tier is attached to again."""
@@ -254,7 +254,7 @@ class DaemonTier(HostBooks):
         if len(hashes) // _H:
             src, dst, host_ids = self._load_plan(table, num_gpu_blocks, hashes)
             job_id = self._order("load", src, dst, TierJob("load", host_ids, dst, [], owner=request_id))
-            self._mark_filling(dst, job_id)
+            self._mark(self._filling, dst, job_id)
             deps.add(job_id)
         if deps:
             self._waits[request_id] = deps
@@ -280,7 +280,7 @@ class DaemonTier(HostBooks):
         cols, host_ids, src, dst = plan
         job_id = self._order("offload", src, dst, TierJob("offload", host_ids, src, [], cols.astype(np.intp),
                                                           bytes(hashes), np.array(tokens), lora, tuple(extra_keys)))
-        self._mark_reading(src, job_id)
+        self._mark(self._reading, src, job_id)
 
     def evicting(self, rows: np.ndarray, blocks: np.ndarray) -> None:
         """GPU pairs get a new owner. Workers finish earlier copies before the owner writes (the module's
@@ -330,7 +330,7 @@ class DaemonTier(HostBooks):
         """Settle a copy: it landed on every rank (``ok``), failed (``done``: the ranks done with it), or timed out."""
         job = self._jobs.pop(job_id)
         if job.kind == "offload":
-            self._unmark_reading(job.gpu, job_id)
+            self._unmark(self._reading, job.gpu, job_id)
             keep = np.full(job.host_ids.size, ok and not job.dropped)
             if job.lost is not None:
                 keep &= ~job.lost
@@ -339,7 +339,7 @@ class DaemonTier(HostBooks):
                                 lora=job.lora, extra_keys=job.extra_keys, cols=job.cols, src=job.gpu)
             return
         r, c = np.nonzero(job.gpu >= 0)
-        rows, gpu = self._unmark_filling(job.gpu, job_id)
+        rows, gpu = self._unmark(self._filling, job.gpu, job_id)
         self._load_ended(job_id, ok, job.host_ids, rows, gpu, job.gpu)
         if self.unordered_writes and not ok and not job.held:  # its request still owns the blocks: keep them
             self._hold(job)  # out of the pool while a rank may still run the copy

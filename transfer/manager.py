@@ -216,15 +216,22 @@ class HostBooks:
         jobs = self._filling[r, blocks[r, c]]
         return set(np.unique(jobs[jobs >= 0]).tolist())
 
-    def _mark_filling(self, dst: np.ndarray, job: int) -> None:
-        """Load ``job`` fills GPU ``dst`` [rows, k] (-1 = none): a hit on those blocks waits on it until it ends."""
-        r, c = np.nonzero(dst >= 0)
-        self._filling[r, dst[r, c]] = job
+    @staticmethod
+    def _mark(marks: np.ndarray, table: np.ndarray, job: int) -> None:
+        """Give the GPU pairs of ``table`` [rows, k] (-1 = none) to copy ``job`` in ``marks`` (``_filling`` for a
+        load's blocks, ``_reading`` for an offload's)."""
+        r, c = np.nonzero(table >= 0)
+        marks[r, table[r, c]] = job
 
-    def _mark_reading(self, src: np.ndarray, job: int) -> None:
-        """Offload ``job`` reads GPU ``src`` [rows, k] (-1 = none): a new owner of those blocks concerns it."""
-        r, c = np.nonzero(src >= 0)
-        self._reading[r, src[r, c]] = job
+    @staticmethod
+    def _unmark(marks: np.ndarray, table: np.ndarray, job: int) -> tuple[np.ndarray, np.ndarray]:
+        """Copy ``job`` ended: the GPU (rows, blocks) of its ``table`` [rows, k] that ``marks`` still gives it,
+        now given to none; a pair evicted meanwhile, or taken by a later copy, is not its any more."""
+        r, c = np.nonzero(table >= 0)
+        mine = marks[r, table[r, c]] == job
+        rows, blocks = r[mine], table[r, c][mine]
+        marks[rows, blocks] = -1
+        return rows, blocks
 
     def _offloads_reading(self, rows: np.ndarray, blocks: np.ndarray) -> list[int]:
         """The offloads still reading any of the GPU (``rows``, ``blocks``) pairs."""
@@ -237,12 +244,6 @@ class HostBooks:
         keys = rows.astype(np.int64) * n + blocks
         return (np.isin(np.arange(src.shape[0])[:, None] * n + src, keys) & (src >= 0)).any(axis=0)
 
-    def _unmark_reading(self, src: np.ndarray, job: int) -> None:
-        """Offload ``job`` ended: the pairs of its ``src`` it still reads are read by nothing."""
-        r, c = np.nonzero(src >= 0)
-        mine = self._reading[r, src[r, c]] == job
-        self._reading[r[mine], src[r, c][mine]] = -1
-
     def _not_filling(self, blocks: np.ndarray) -> np.ndarray:
         """Released ``blocks`` [rows, n] less the columns a load is still filling (nothing certain to copy)."""
         r, c = np.nonzero(blocks >= 0)
@@ -250,15 +251,6 @@ class HostBooks:
         if filling.any():
             blocks[:, np.unique(c[filling])] = -1
         return blocks
-
-    def _unmark_filling(self, dst: np.ndarray, job: int) -> tuple[np.ndarray, np.ndarray]:
-        """The GPU (rows, blocks) of load ``job``'s ``dst`` [rows, k] that it still fills, no longer marked: a
-        pair evicted meanwhile, or taken by a later load, is not its any more."""
-        r, c = np.nonzero(dst >= 0)
-        mine = self._filling[r, dst[r, c]] == job
-        rows, blocks = r[mine], dst[r, c][mine]
-        self._filling[rows, blocks] = -1
-        return rows, blocks
 
     def held(self, hashes: bytes) -> np.ndarray:
         """bool ``[k, rows]``: rows whose copy of each leading hash is findable; stops at the first with none."""
@@ -540,7 +532,7 @@ class TransferManager(HostBooks):
             handles = copy_layers(self._in, self.host, src, self.gpu, dst, self._cells)
             job = next(self._ids)
             self._loads[job] = _LoadJob(handles, request_id, host_ids, dst, k)
-            self._mark_filling(dst, job)
+            self._mark(self._filling, dst, job)
             deps.add(job)
         if deps:
             self._waits[request_id] = deps
@@ -562,7 +554,7 @@ class TransferManager(HostBooks):
         job = next(self._ids)
         self._offloads[job] = _Offload(handles, host_ids, src, cols, hashes, tokens, lora, extra_keys,
                                        np.zeros(cols.size, dtype=bool))
-        self._mark_reading(src, job)
+        self._mark(self._reading, src, job)
 
     def evicting(self, rows: np.ndarray, blocks: np.ndarray) -> None:
         """GPU pairs get a new owner: keep finished copies of them, drop unfinished ones, finish loads into them."""
@@ -593,7 +585,7 @@ class TransferManager(HostBooks):
         if any(s is TransferStatus.PENDING for s in statuses):
             return False
         del self._offloads[job]
-        self._unmark_reading(off.src, job)
+        self._unmark(self._reading, off.src, job)
         worst = _worst(statuses)
         keep = ~off.dropped if worst is TransferStatus.DONE else np.zeros(off.cols.size, dtype=bool)
         if worst is not TransferStatus.DONE:
@@ -614,7 +606,7 @@ class TransferManager(HostBooks):
         if any(s is TransferStatus.PENDING for s in statuses):
             return False
         del self._loads[job]
-        rows, dsts = self._unmark_filling(load.dst, job)
+        rows, dsts = self._unmark(self._filling, load.dst, job)
         worst = _worst(statuses)
         if worst is not TransferStatus.DONE:
             log.warning("host tier: load of %d blocks for %r %s: %s", load.nblocks, load.owner, worst.value,
