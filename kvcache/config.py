@@ -58,6 +58,9 @@ class ServeConfig:
     hash_seed: str = ""
     events: bool = False
     events_format: str = "map"
+    events_hashes: str = ""
+    events_topic: str = ""
+    data_parallel_rank: int = 0
     metrics_port: int = 0
     max_message_bytes: int = 64 * 2**20
     max_tokens: int = 1 << 22
@@ -99,6 +102,10 @@ class ServeConfig:
                 raise KVCacheError(f"{f.name}: must be {_TYPE_NAMES[kind]}, got {value!r}")
         if self.events_format not in ("array", "map"):
             raise KVCacheError(f"events_format: {self.events_format!r} is neither 'array' nor 'map'")
+        if self.events_hashes not in ("", "int", "bytes"):
+            raise KVCacheError(f"events_hashes: {self.events_hashes!r} is none of int, bytes (empty = the format's own)")
+        if not 0 <= self.data_parallel_rank < 2**31:
+            raise KVCacheError(f"data_parallel_rank: must be an integer in [0, 2**31), got {self.data_parallel_rank}")
         if self.role not in ("both", "prefill", "decode"):
             raise KVCacheError(f"role: {self.role!r} is not one of both, prefill, decode")
         if isinstance(self.io_threads, bool) or not isinstance(self.io_threads, int) or not 1 <= self.io_threads <= 64:

@@ -58,6 +58,12 @@ HELP = {
     "events_format": "KV event encoding: map (vLLM 0.33: events as maps with group_idx, the group's spec kind and "
                      "sliding window and extra_keys, 64-bit int hashes, topic frame in replay) or array (vLLM before "
                      "mid-2026, msgspec array_like structs, 32-byte hashes) (default map)",
+    "events_hashes": "block hashes in KV events: int (64-bit, as vLLM's VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES) or bytes "
+                     "(32-byte digests) (default: int for map, bytes for array)",
+    "events_topic": "topic frame of every KV event message (default empty, as vLLM; llm-d's indexer reads "
+                    "kv@POD@MODEL)",
+    "data_parallel_rank": "this daemon's data-parallel rank, sent in every KV event batch, so a router credits "
+                          "each rank's blocks to it (default 0)",
     "metrics_port": "serve Prometheus metrics over HTTP on this port of 127.0.0.1 (0 = off)",
     "max_message_bytes": "largest scheduler message accepted, refused by size before decoding (default 64 MiB)",
     "max_tokens": "most tokens in one operation (default 4,194,304)",
