@@ -1,4 +1,11 @@
-"""The model configs shipped with the package (Hugging Face ``config.json`` files), for ``--example NAME``."""
+"""The model configs shipped with the package, for ``--example NAME`` and ``load_example``.
+
+Each file is the model's published Hugging Face ``config.json`` (``_name_or_path`` names the model id), so
+``kvcache plan --example NAME`` sizes the cache as ``--model`` on a download of that model would. Where the
+published file leaves an attention field to transformers' defaults (Gemma 3's ``sliding_window_pattern``, and the
+4B's heads and head size), the file carries the default transformers fills in, and
+``_filled_from_transformers_defaults`` lists those keys.
+"""
 from __future__ import annotations
 
 import json
