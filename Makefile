@@ -33,12 +33,10 @@ demo: $(VENV)/.demo
 test: $(VENV)/.installed
 	$(PY) -m pytest -q
 
-# The API reference, from the docstrings, into build/api/.
+# The API reference, from the docstrings, into build/api/ (fails on any warning).
 docs: $(VENV)/.base
 	$(PY) -m pip install -q pdoc
-	mkdir -p build && cd build && $(abspath $(PY)) -m pdoc --docformat markdown -t $(abspath docs/api-template) -o api $$($(abspath $(PY)) -c \
-	  "import kvcache, pkgutil; print(*[m.name for m in pkgutil.walk_packages(kvcache.__path__, 'kvcache.') \
-	  if not m.name.rpartition('.')[2].startswith('_')], 'kvcache')")  # run outside the checkout, whose folders would shadow the package
+	$(PY) docs/build_api.py build/api
 	@echo "API reference: build/api/index.html"
 
 clean:

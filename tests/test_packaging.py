@@ -107,3 +107,27 @@ def test_a_checkout_that_is_not_installed_names_the_install_command(tmp_path):
     assert result.returncode != 0
     assert f"kvcache: {ROOT} is a source checkout that is not installed; install it with `pip install -e {ROOT}`" \
         in result.stderr.strip().splitlines()[-1]
+
+
+API_PAGES = {"allocator.html": ("KVCacheManager", "CacheSpec"), "transfer.html": ("TransferManager",),
+             "ops.html": ("send_cache",)}
+
+
+@pytest.mark.parametrize("install", ["editable", "wheel"])
+def test_make_docs_has_the_mapped_packages_pages_and_no_warning(install, wheel_site, tmp_path):
+    """The API reference documents kvcache.allocator, .transfer and .ops whichever way kvcache is installed."""
+    pytest.importorskip("pdoc")
+    command = [sys.executable, str(ROOT / "docs" / "build_api.py"), str(tmp_path / "api")]
+    env = dict(os.environ)
+    if install == "wheel":
+        command.insert(1, "-S")
+        env = installed_env(wheel_site[1])
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+    for page, names in API_PAGES.items():
+        text = (tmp_path / "api" / "kvcache" / page).read_text()
+        for name in names:
+            assert f'id="{name}"' in text, f"{name} missing from {page}"
+    assert (tmp_path / "api" / "kvcache" / "allocator" / "manager.html").exists()
+    assert (tmp_path / "api" / "kvcache" / "client.html").exists()
