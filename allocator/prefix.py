@@ -36,7 +36,7 @@ BlockHash = NewType("BlockHash", bytes)
 ALGORITHMS = ("sha256", "sha256_cbor")
 HASH_BYTES = 32
 _RAW_ROOT_TAG = b"kvcache-sha256-v1"
-VLLM_NONE_HASH_SEED = "vllm-none-hash"  # vLLM's root seed for sha256_cbor when PYTHONHASHSEED is unset
+VLLM_NONE_HASH_SEED = "vllm-none-hash"  # vLLM's root seed when PYTHONHASHSEED is unset; both algorithms' default
 LoRA = Union[str, Tuple[str, str]]  # a LoRA adapter as hashes key it: its name, or (name, path)
 _UINT32_LIMIT = 2**32
 
@@ -170,9 +170,9 @@ class BlockHasher:
     algorithm "sha256" (default, fast): h_i = SHA256(h_{i-1} || block_i as uint32 LE || extra_i),
     extra_i being the canonical CBOR of [salt, lora, [[mm_id, mm_offset - block_start], ...]]
     when the block has any of them, else nothing (lora: its name, or [name, path]). root =
-    SHA256(b"kvcache-sha256-v1" || block_size as uint32 LE || seed); seed None draws a random
-    root per hasher, so its hashes are only comparable with those of the same hasher: pass a
-    seed for hashes that are stable across processes and restarts.
+    SHA256(b"kvcache-sha256-v1" || block_size as uint32 LE || seed), seed None standing for
+    vLLM's default seed "vllm-none-hash" as under sha256_cbor: hashers (and daemons) of one
+    block size agree on a prompt's hashes unless given different seeds.
 
     algorithm "sha256_cbor": byte-identical to what vLLM 0.33 computes with ``sha256_cbor``:
     h_i = SHA256(cbor2.dumps((h_{i-1}, tuple(block_i), extra_keys_i), canonical=True)) with
@@ -317,12 +317,17 @@ def _pick_chain(algorithm: str, native: bool) -> Callable[..., bytes | list[byte
 
 
 def _make_root(block_size: int, algorithm: str, seed: bytes | str | None) -> BlockHash:
-    """The hash standing in for block 0's parent (vLLM's NONE_HASH for sha256_cbor)."""
+    """The hash standing in for block 0's parent (vLLM's NONE_HASH for sha256_cbor).
+
+    Without a seed both algorithms take vLLM 0.33's default seed, as vLLM's init_none_hash does:
+    hash_fn(PYTHONHASHSEED) where it is set, else (for a cryptographic hash) hash_fn("vllm-none-hash"),
+    so processes serving one model agree on its hashes and a router indexing several finds them equal.
+    """
+    if seed is None:
+        seed = VLLM_NONE_HASH_SEED
     if algorithm == "sha256_cbor":
-        # vLLM 0.33 init_none_hash: hash_fn(PYTHONHASHSEED) where it is set, else (for a cryptographic hash
-        # such as sha256_cbor) hash_fn("vllm-none-hash"), so processes agree without a seed.
-        return BlockHash(hashlib.sha256(cbor_encode(VLLM_NONE_HASH_SEED if seed is None else seed)).digest())
-    seed_bytes = os.urandom(16) if seed is None else seed.encode("utf-8") if isinstance(seed, str) else seed
+        return BlockHash(hashlib.sha256(cbor_encode(seed)).digest())
+    seed_bytes = seed.encode("utf-8") if isinstance(seed, str) else seed
     return BlockHash(hashlib.sha256(_RAW_ROOT_TAG + block_size.to_bytes(4, "little") + seed_bytes).digest())
 
 

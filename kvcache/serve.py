@@ -52,8 +52,9 @@ HELP = {
                               "one chunk (0 = the whole request in one chunk)",
     "enable_prefix_caching": "reuse cached prefixes (default on; --no-enable-prefix-caching turns it off)",
     "hash_algorithm": "prefix hash: sha256 (fast default) or sha256_cbor (byte-identical to vLLM's)",
-    "hash_seed": "seed of the prefix hashes (sha256_cbor: vLLM's PYTHONHASHSEED); empty = vLLM's default "
-                 "root for sha256_cbor, a random one per daemon for sha256 (a journal keeps it across restarts)",
+    "hash_seed": "seed of the prefix hashes (sha256_cbor: vLLM's PYTHONHASHSEED); empty = vLLM's default seed "
+                 "for both algorithms, so daemons of one model hash its prompts alike; a secret seed shared by a "
+                 "deployment keeps its hashes apart from others' (a journal keeps its root across restarts)",
     "events": "publish KV events in vLLM's format on --events-endpoint",
     "events_format": "KV event encoding: map (vLLM 0.33: events as maps with group_idx, the group's spec kind and "
                      "sliding window and extra_keys, 64-bit int hashes, topic frame in replay) or array (vLLM before "

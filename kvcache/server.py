@@ -123,9 +123,15 @@ def _check_compatible(journaled: KVCacheManager, configured: KVCacheManager, cfg
     if old_tier != new_tier:
         raise KVCacheError(f"journal: the host tier holds {old_tier} blocks in the journal but {new_tier} in this "
                            "configuration (host_memory / host_block_budget); start with the journal's size")
-    if cfg.hash_seed and old_hasher is not None and old_hasher.root != new_hasher.root:
-        raise KVCacheError("journal: hash_seed differs from the one the journal's cached prefixes were hashed with; "
-                           "start with the same --hash-seed, or none to keep the journal's")
+    if old_hasher is not None and old_hasher.root != new_hasher.root:
+        if cfg.hash_seed:
+            raise KVCacheError("journal: hash_seed differs from the one the journal's cached prefixes were hashed "
+                               "with; start with the same --hash-seed, or none to keep the journal's")
+        # A journal from a daemon with another seed, or from before the default root was fixed: its prefixes
+        # keep their hashes, so they still hit here, but a router indexing several daemons sees them apart.
+        log.warning("journal: keeps the hash root its cached prefixes were hashed with, not the default one; "
+                    "a router sees this daemon's block hashes differ from other daemons' until it starts with a "
+                    "new journal")
 
 
 @dataclass(slots=True)

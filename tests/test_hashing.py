@@ -627,14 +627,15 @@ def test_same_seed_gives_same_hashes_and_different_seeds_differ(algorithm: str) 
     assert BlockHasher(16, algorithm, seed=b"alpha").root != BlockHasher(16, algorithm, seed=b"beta").root
 
 
-def test_unseeded_sha256_hashers_draw_different_roots() -> None:
-    """seed=None gives a random root per "sha256" hasher, so two hashers' hashes are not comparable (a tenant
-    cannot predict another daemon's hashes); "sha256_cbor" takes vLLM's fixed default instead."""
+def test_unseeded_sha256_hashers_take_vllms_default_seed() -> None:
+    """seed=None stands for vLLM's default seed "vllm-none-hash" under "sha256" too, as under "sha256_cbor": two
+    unseeded hashers (two daemons) give a prompt the same hashes, which a router indexing both needs; the root
+    follows the framing with that seed, so a seeded hasher's hashes are what they were."""
     prompt = list(range(32))
     first, second = BlockHasher(16), BlockHasher(16)
-    assert first.root != second.root and len(first.root) == 32
-    assert first.hash_blocks(prompt) != second.hash_blocks(prompt)
-    assert first.hash_blocks(prompt) == first.hash_blocks(prompt)
+    assert first.root == second.root == BlockHasher(16, seed="vllm-none-hash").root
+    assert first.hash_blocks(prompt) == second.hash_blocks(prompt) == raw_block_hashes(prompt, 16, b"vllm-none-hash")
+    assert BlockHasher(16, seed="tenant-a").hash_blocks(prompt) != first.hash_blocks(prompt)
 
 
 def test_raw_root_depends_on_block_size() -> None:
