@@ -23,6 +23,10 @@ struct ``array_like``), as its example subscribers decode it. We write the bytes
     replay reply     [b"", (topic,) seq, payload] per buffered batch with seq >= start, then
                      [b"", (b"",) END_SEQ, b""]; the topic frame only with ``replay_topic``
 
+The topic (``--events-topic``) is empty by default, as vLLM's; llm-d's indexer subscribes to ``kv@`` and reads
+the pod and model from ``kv@POD@MODEL``. ``data_parallel_rank`` (``--data-parallel-rank``) is the rank a router
+credits the batch's blocks to: each daemon of a data-parallel engine names its own.
+
 Events are per row group (vLLM's ``group_idx``: rows sharing one policy, see
 kvcache.allocator.events); a store names its group's kind (``full_attention`` or
 ``sliding_window``) and window, so a router tells a window group's blocks from a

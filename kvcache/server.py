@@ -435,10 +435,14 @@ class CacheServer:
         if self.config.events:
             from kvcache.events import OLDER_ARRAY_WIRE, EventWire, KVEventPublisher
 
-            wire = EventWire() if self.config.events_format == "map" else OLDER_ARRAY_WIRE
-            self._events = KVEventPublisher(self._ctx, self.config.events_endpoint,
-                                            self.config.events_replay_endpoint, wire=wire, listeners=self._listeners,
-                                            buffer_bytes=self.config.replay_bytes, send_bytes=self.config.pub_bytes)
+            cfg = self.config
+            wire = EventWire() if cfg.events_format == "map" else OLDER_ARRAY_WIRE
+            if cfg.events_hashes:
+                wire = dataclasses.replace(wire, int_hashes=cfg.events_hashes == "int")
+            self._events = KVEventPublisher(self._ctx, cfg.events_endpoint, cfg.events_replay_endpoint,
+                                            topic=cfg.events_topic, dp_rank=cfg.data_parallel_rank, wire=wire,
+                                            listeners=self._listeners, buffer_bytes=cfg.replay_bytes,
+                                            send_bytes=cfg.pub_bytes)
             self.manager.enable_events = True
 
     def _recover(self) -> None:

@@ -9,6 +9,7 @@ one hash set per ``group_idx``. The encoding itself is checked against batches v
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import random
@@ -671,3 +672,105 @@ def test_a_daemons_stream_decodes_as_vllm_0_33_events_with_the_hashers_hashes(da
         assert e["block_hashes"] == want and e["parent_block_hash"] is None and e["lora_name"] == "sql"
         assert e["token_ids"] == prompt[:12] and e["block_size"] == 4 and e["medium"] == "GPU"
         assert e["extra_keys"] == [["sql", "tenant"], ["sql", ["img-1", 1]], ["sql", ["img-1", -3]]]
+
+
+# -- a daemon's events, as a router across several daemons reads them --------------------------------------------
+
+def events_subscriber(client, topic: bytes = b"") -> zmq.Socket:
+    """A SUB on the daemon's events endpoint that has joined: prompts of fresh tokens are admitted until one's batch
+    arrives (a subscription joins asynchronously; a repeated prompt would hit the cache and store nothing)."""
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, topic)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.connect(client.info()["events_endpoint"])
+    deadline = time.monotonic() + TIMEOUT_S
+    for n in itertools.count():
+        assert time.monotonic() < deadline, "no event batch arrived"
+        client.admit(f"probe-{n}", [10_000_000 + 8 * n + i for i in range(8)])
+        if sub.poll(100):
+            return sub
+    raise AssertionError("unreachable")
+
+
+def stored_batch(client, sub: zmq.Socket, prompt: list[int]) -> tuple[bytes, list, int]:
+    """Admit ``prompt`` and return the (topic, events, data_parallel_rank) of the batch storing its blocks."""
+    client.admit(f"req-{prompt[0]}-{len(prompt)}", prompt)
+    deadline = time.monotonic() + TIMEOUT_S
+    while True:
+        assert sub.poll(max(0, int(1000 * (deadline - time.monotonic())))), "the prompt's batch never arrived"
+        topic, _, payload = sub.recv_multipart()
+        _, events, dp_rank = msgpack.unpackb(payload, raw=False)
+        stored = [fields for tag, fields in map(decode_event, events) if tag == "BlockStored"]
+        if any(fields["token_ids"] == prompt[start:start + len(fields["token_ids"])]
+               for fields in stored for start in range(0, len(prompt), BS)):
+            return topic, events, dp_rank
+
+
+def test_two_default_daemons_publish_the_same_block_hashes_for_a_prompt(daemon):
+    """Daemons started without --hash-seed share vLLM's default root, so a router indexing both finds a prompt's
+    blocks under the same hashes on either (one hash per tree position: a second root would cut one daemon off)."""
+    from kvcache.client import CacheClient
+
+    prompt = list(range(500, 521))
+    hashes = []
+    for _ in range(2):
+        d = daemon("--num-blocks", "64", "--block-size", str(BS), "--events")
+        with CacheClient(d.endpoint) as client:
+            sub = events_subscriber(client)
+            try:
+                _, events, _ = stored_batch(client, sub, prompt)
+            finally:
+                sub.close()
+        hashes.append([h for tag, fields in map(decode_event, events) if tag == "BlockStored"
+                       for h in fields["block_hashes"]])
+    assert hashes[0] == hashes[1] == [low64(h) for h in BlockHasher(BS).hash_blocks(prompt)]
+
+
+def test_events_carry_the_configured_topic_and_data_parallel_rank(daemon):
+    """--events-topic is every message's topic frame (llm-d's indexer subscribes to "kv@" and reads the pod and
+    model from kv@POD@MODEL) and --data-parallel-rank the batch's rank, live and in replay."""
+    from kvcache.client import CacheClient
+
+    d = daemon("--num-blocks", "64", "--block-size", str(BS), "--events", "--events-topic", "kv@pod-3@llama-8b",
+               "--data-parallel-rank", "3")
+    with CacheClient(d.endpoint) as client:
+        sub = events_subscriber(client, topic=b"kv@")
+        try:
+            topic, _, dp_rank = stored_batch(client, sub, list(range(700, 712)))
+        finally:
+            sub.close()
+        assert (topic, dp_rank) == (b"kv@pod-3@llama-8b", 3)
+        replay = zmq.Context.instance().socket(zmq.DEALER)
+        replay.setsockopt(zmq.LINGER, 0)
+        replay.connect(client.info()["events_replay_endpoint"])
+        try:
+            replay.send_multipart([b"", (0).to_bytes(8, "big")])
+            assert replay.poll(int(TIMEOUT_S * 1000)), "no replay"
+            empty, topic, seq, payload = replay.recv_multipart()
+        finally:
+            replay.close()
+    assert (empty, topic, seq) == (b"", b"kv@pod-3@llama-8b", (0).to_bytes(8, "big"))
+    assert msgpack.unpackb(payload, raw=False)[2] == 3
+
+
+def test_array_format_with_int_hashes_sends_64_bit_hashes(daemon):
+    """--events-format array --events-hashes int: the array layout with vLLM's 64-bit int hashes (what routers
+    decode), the parent's too; --events-hashes bytes keeps the 32-byte digests in the map layout."""
+    from kvcache.client import CacheClient
+
+    prompt = list(range(900, 913))
+    want = BlockHasher(BS).hash_blocks(prompt)
+    for flags, hashes in ((("--events-format", "array", "--events-hashes", "int"), [low64(h) for h in want]),
+                          (("--events-hashes", "bytes"), want)):
+        d = daemon("--num-blocks", "64", "--block-size", str(BS), "--events", *flags)
+        with CacheClient(d.endpoint) as client:
+            sub = events_subscriber(client)
+            try:
+                stored_batch(client, sub, prompt[:8])
+                _, events, _ = stored_batch(client, sub, prompt)
+            finally:
+                sub.close()
+        (tag, fields), = map(decode_event, events)
+        assert isinstance(events[0], list) == (flags[0] == "--events-format")
+        assert tag == "BlockStored" and fields["token_ids"] == prompt[8:12]
+        assert (fields["parent_block_hash"], fields["block_hashes"]) == (hashes[1], [hashes[2]])
