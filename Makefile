@@ -41,3 +41,9 @@ docs: $(VENV)/.base
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info
+
+# NVIDIA Dynamo's KV router (its runtime wheel: pydantic and uvloop besides), for tests/test_dynamo.py: Dynamo's own
+# indexer subscribed to several daemons' KV events.
+.PHONY: dynamo
+dynamo: $(VENV)/.installed
+	$(PY) -m pip install -q ai-dynamo-runtime==1.6.1
