@@ -18,8 +18,11 @@ import pytest
 
 from kvcache.client import CacheClient
 
-_core = pytest.importorskip("dynamo._core", reason="Dynamo's indexer is not installed (`make dynamo` installs "
-                                                   "ai-dynamo-runtime==1.6.1)")
+try:
+    from dynamo import _core
+except ImportError as exc:  # not installed, or a wheel that does not load here
+    pytest.skip(f"Dynamo's indexer is not importable ({exc}); `make dynamo` installs ai-dynamo-runtime==1.6.1",
+                allow_module_level=True)
 
 BS = 4
 TIMEOUT_S = 20.0
