@@ -5,7 +5,14 @@ arrays of plain dtypes (never ``object``) and instances of the classes the
 codec was given. Those are restored from their state as pickle would (the
 class's ``__setstate__``, else attribute by attribute), so a class keeps one
 description of what it saves (``__getstate__``/``__setstate__``). An unknown
-class name, an object dtype or a malformed value is a ``KVCacheError``.
+class name, a dtype the codec does not write or a malformed value is a
+``KVCacheError``, and every size an encoding declares is checked against the
+bytes present before anything of that size is built: a damaged snapshot costs
+no more memory than its own size.
+
+Array dtypes are plain numbers (``bool``, ints and floats of either byte
+order), fixed-size bytes (``|V<n>``) and records of plain numbers; a dtype
+descr is looked up in that list, never parsed.
 
 Values::
 
@@ -29,6 +36,8 @@ error, not two lists.
 from __future__ import annotations
 
 import collections
+import math
+import re
 import struct
 from typing import Any, Iterable
 
@@ -44,6 +53,14 @@ _TUPLE, _SET, _FROZENSET, _RANGE, _BYTEARRAY, _ORDERED, _DEQUE, _BIGINT, _OBJECT
 _LENGTH = struct.Struct("<Q")  # the msgpack part's length, first
 _ALIGN = 64  # each array's bytes start on a multiple of this, from the start of the encoding
 _OBJECT_HEAD = struct.Struct("<BI")  # tag, instance index; the class name follows
+_MAX_DIMS = 32  # numpy's own limit is 64; the daemon's arrays have at most 2
+_MAX_VOID = 1 << 16  # bytes in one |V item at most (the daemon's hashes are 32)
+_MAX_FIELDS = 16  # fields of a record dtype at most
+# The dtypes the codec writes and reads: plain numbers of either byte order, by their descr.
+_PLAIN = {np.lib.format.dtype_to_descr(d): d for d in (np.dtype(t).newbyteorder(o) for o in "<>" for t in (
+    np.bool_, np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32, np.int64, np.uint64, np.float16, np.float32,
+    np.float64))}
+_VOID = re.compile(r"\|V([1-9][0-9]{0,5})")
 
 
 class _Tag:
@@ -89,14 +106,48 @@ def _restore(cls: type, state: Any) -> Any:
 def _dtype_head(array: np.ndarray) -> list[Any]:
     if array.dtype.hasobject:
         raise KVCacheError(f"snapshot: an array of dtype {array.dtype} holds Python objects; it cannot be saved")
-    return [np.lib.format.dtype_to_descr(array.dtype), list(array.shape)]
+    descr = np.lib.format.dtype_to_descr(array.dtype)
+    if _known_dtype(descr) != array.dtype:
+        raise KVCacheError(f"snapshot: an array of dtype {array.dtype} cannot be saved (only plain numbers, "
+                           "fixed-size bytes and records of plain numbers)")
+    return [descr, list(array.shape)]
+
+
+def _known_dtype(descr: Any) -> np.dtype | None:
+    """The dtype of a descr the codec writes, or None: a plain number, ``|V<n>``, or a record of plain numbers."""
+    if isinstance(descr, str):
+        if descr in _PLAIN:
+            return _PLAIN[descr]
+        void = _VOID.fullmatch(descr)
+        return np.dtype((np.void, int(void[1]))) if void and int(void[1]) <= _MAX_VOID else None
+    if not isinstance(descr, (list, tuple)) or not 0 < len(descr) <= _MAX_FIELDS:
+        return None
+    fields = []
+    for field in descr:
+        if (not isinstance(field, (list, tuple)) or len(field) != 2 or not isinstance(field[0], str)
+                or not 0 < len(field[0]) <= 64 or not isinstance(field[1], str) or field[1] not in _PLAIN):
+            return None
+        fields.append((field[0], _PLAIN[field[1]]))
+    if len({name for name, _ in fields}) != len(fields):
+        return None
+    return np.dtype(fields)
 
 
 def _dtype_of(descr: Any) -> np.dtype:
-    dtype = np.lib.format.descr_to_dtype(descr if isinstance(descr, str) else [tuple(f) for f in descr])
-    if dtype.hasobject:
-        raise KVCacheError(f"snapshot: an array of dtype {dtype} would hold Python objects; refused")
+    dtype = _known_dtype(descr)
+    if dtype is None:
+        shown = repr(descr) if len(repr(descr)) <= 80 else repr(descr)[:77] + "..."
+        raise KVCacheError(f"snapshot: an array's dtype {shown} is not one the codec writes "
+                           "(plain numbers, fixed-size bytes, records of plain numbers)")
     return dtype
+
+
+def _count(shape: Any) -> int:
+    """The number of items of a declared ``shape`` (a list of sizes), or a ``KVCacheError``."""
+    if (not isinstance(shape, list) or len(shape) > _MAX_DIMS
+            or not all(type(n) is int and n >= 0 for n in shape)):
+        raise KVCacheError("snapshot: an array's shape is not a list of sizes")
+    return math.prod(shape)
 
 
 def _scalar_ext(value: np.generic) -> msgpack.ExtType:
@@ -224,32 +275,46 @@ class StateCodec:
             raise KVCacheError("snapshot: its state is cut short")
         writable = not buffer.readonly
 
-        def array_at(descr: Any, shape: list[int], offset: int, nbytes: int) -> np.ndarray:
+        def head(data: bytes, what: str, size: int) -> list[Any]:
+            items = msgpack.unpackb(data)
+            if not isinstance(items, list) or len(items) != size:
+                raise KVCacheError(f"snapshot: {what} is not a list of {size} items")
+            return items
+
+        def array_at(descr: Any, shape: Any, offset: Any, nbytes: Any) -> np.ndarray:
             dtype = _dtype_of(descr)
-            count = int(np.prod(shape, dtype=np.int64))
-            if count * dtype.itemsize != nbytes or offset < 0 or base + offset + nbytes > len(buffer):
+            count = _count(shape)
+            if (type(offset) is not int or type(nbytes) is not int or count * dtype.itemsize != nbytes
+                    or offset < 0 or base + offset + nbytes > len(buffer)):
                 raise KVCacheError(f"snapshot: an array of shape {shape} and dtype {dtype} does not match its bytes")
             array = np.frombuffer(buffer, dtype=dtype, count=count, offset=base + offset).reshape(shape)
             return array if writable else array.copy()
 
         def ext_hook(code: int, data: bytes) -> Any:
             if code == _ARRAY:
-                return array_at(*msgpack.unpackb(data))
+                return array_at(*head(data, "an array's head", 4))
             if code == _SCALAR:
-                descr, shape, raw = msgpack.unpackb(data)
-                if shape != []:
-                    raise KVCacheError("snapshot: a scalar with a shape")
-                return np.frombuffer(raw, dtype=_dtype_of(descr), count=1)[0]
+                descr, shape, raw = head(data, "a scalar", 3)
+                dtype = _dtype_of(descr)
+                if shape != [] or not isinstance(raw, bytes) or len(raw) != dtype.itemsize:
+                    raise KVCacheError(f"snapshot: a scalar of dtype {dtype} does not match its bytes")
+                return np.frombuffer(raw, dtype=dtype, count=1)[0]
             if code != _TAG or not data:
                 raise KVCacheError(f"snapshot: unknown extension type {code}")
             kind = data[0]
             if kind in (_OBJECT, _REF):
+                if len(data) < _OBJECT_HEAD.size or (kind == _REF and len(data) != _OBJECT_HEAD.size):
+                    raise KVCacheError(f"snapshot: an object tag of {len(data)} bytes")
                 _, index = _OBJECT_HEAD.unpack_from(data)
                 if kind == _REF:
                     if index not in built:
                         raise KVCacheError(f"snapshot: a reference to object {index} before it is complete")
                     return built[index]
-                return _Tag(kind, index, data[_OBJECT_HEAD.size:].decode())
+                try:
+                    name = data[_OBJECT_HEAD.size:].decode()
+                except UnicodeDecodeError:
+                    raise KVCacheError("snapshot: a class name that is not UTF-8") from None
+                return _Tag(kind, index, name)
             if kind > _BIGINT or len(data) != 1:
                 raise KVCacheError(f"snapshot: unknown tag {kind}")
             return _Tag(kind)
@@ -288,20 +353,28 @@ class StateCodec:
                 if kind == _FROZENSET:
                     return frozenset(rest)
                 if kind == _RANGE:
+                    if len(rest) != 3 or not all(type(n) is int for n in rest):
+                        raise KVCacheError("snapshot: a range is not three integers")
                     return range(*rest)
-                if kind == _BYTEARRAY:
-                    return bytearray(*rest)
+                if kind == _BYTEARRAY:  # its bytes, never a size: bytearray(n) would allocate n bytes
+                    if len(rest) != 1 or not isinstance(rest[0], bytes):
+                        raise KVCacheError("snapshot: a bytearray entry does not hold bytes")
+                    return bytearray(rest[0])
                 if kind == _ORDERED:
                     return collections.OrderedDict((k, v) for k, v in rest)
                 if kind == _DEQUE:
                     maxlen, values = rest
+                    if not (maxlen is None or type(maxlen) is int and 0 <= maxlen < 2**63) or type(values) is not list:
+                        raise KVCacheError("snapshot: a deque entry is not a length and a list")
                     return collections.deque(values, maxlen)
                 if kind == _BIGINT:
                     (text,) = rest
+                    if not isinstance(text, str):
+                        raise KVCacheError("snapshot: a big integer that is not text")
                     return int(text)
             except KVCacheError:
                 raise
-            except (TypeError, ValueError) as exc:
+            except (TypeError, ValueError, OverflowError) as exc:
                 raise KVCacheError(f"snapshot: a malformed entry ({exc})") from None
             raise KVCacheError(f"snapshot: unknown tag {kind}")
 
@@ -310,5 +383,5 @@ class StateCodec:
                                    strict_map_key=False, raw=False, use_list=True)
         except KVCacheError:
             raise
-        except (ValueError, TypeError, msgpack.UnpackException) as exc:
+        except (ValueError, TypeError, OverflowError, msgpack.UnpackException) as exc:
             raise KVCacheError(f"snapshot: not a valid state encoding: {exc}") from None

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import random
+import tracemalloc
+import zlib
 
 import msgpack
 import numpy as np
@@ -142,10 +145,24 @@ def crafted(meta: bytes) -> bytes:
     (msgpack.packb([msgpack.ExtType(3, bytes([8]) + bytes(4) + b"Plain"), "not a map"]), "not a map"),
     (msgpack.packb([msgpack.ExtType(3, bytes([8]) + bytes(4) + b"Custom"), {"m": 1}]), "a malformed Custom"),
     (msgpack.packb([msgpack.ExtType(3, bytes([9]) + (5).to_bytes(4, "little"))]), "before it is complete"),
-    (msgpack.packb(msgpack.ExtType(1, msgpack.packb(["|O", [1], 0, 8]))), "Python objects"),
+    (msgpack.packb(msgpack.ExtType(1, msgpack.packb(["|O", [1], 0, 8]))), "not one the codec writes"),
     (msgpack.packb(msgpack.ExtType(1, msgpack.packb(["<i4", [4], 0, 16]))), "does not match its bytes"),
     (msgpack.packb(msgpack.ExtType(9, b"")), "unknown extension"),
     (msgpack.packb([msgpack.ExtType(3, bytes([77]))]), "unknown tag"),
+    (msgpack.packb([msgpack.ExtType(3, bytes([8])), {}]), "an object tag of 1 bytes"),
+    (msgpack.packb([msgpack.ExtType(3, bytes([9, 0]))]), "an object tag of 2 bytes"),
+    (msgpack.packb([msgpack.ExtType(3, bytes([8]) + bytes(4) + b"\xff"), {}]), "not UTF-8"),
+    (msgpack.packb(msgpack.ExtType(1, msgpack.packb(["(,)i4", [1], 0, 4]))), "not one the codec writes"),
+    (msgpack.packb(msgpack.ExtType(1, msgpack.packb(["<M8[s]", [1], 0, 8]))), "not one the codec writes"),
+    (msgpack.packb(msgpack.ExtType(1, msgpack.packb(["|V9999999", [0], 0, 0]))), "not one the codec writes"),
+    (msgpack.packb(msgpack.ExtType(1, msgpack.packb(["<i4", [-1, -1], 0, 4]))), "shape is not a list of sizes"),
+    (msgpack.packb(msgpack.ExtType(1, msgpack.packb(["<i4", [2**40, 2**40], 0, 0]))), "does not match its bytes"),
+    (msgpack.packb(msgpack.ExtType(1, msgpack.packb(["<i4", [1], 0]))), "not a list of 4 items"),
+    (msgpack.packb(msgpack.ExtType(2, msgpack.packb(["<i8", [], b"\0"]))), "does not match its bytes"),
+    (msgpack.packb([msgpack.ExtType(3, bytes([4])), 2**45]), "does not hold bytes"),  # bytearray(2**45)
+    (msgpack.packb([msgpack.ExtType(3, bytes([4])), 1 << 30]), "does not hold bytes"),
+    (msgpack.packb([msgpack.ExtType(3, bytes([6])), 2**64 - 1, []]), "not a length and a list"),
+    (msgpack.packb([msgpack.ExtType(3, bytes([3])), 0, "9", 1]), "not three integers"),
 ])
 def test_crafted_input_is_refused_naming_why(meta, reason):
     with pytest.raises(KVCacheError, match=reason):
@@ -165,3 +182,121 @@ def test_damaged_encodings_raise_only_the_codec_error(value, data):
         CODEC.loads(bytes(raw[:cut]))
     except KVCacheError:
         pass
+
+
+# ---------------------------------------------------------------- a real daemon's snapshot, damaged on purpose
+
+class Pairs(list):
+    """A map's [key, value] items, as ``unpack_tree`` gives them (so that keys can be damaged too)."""
+
+
+def unpack_tree(meta: bytes):
+    """The msgpack part as plain lists, ``Pairs`` and ``ExtType``s: what the codec reads, before it reads it."""
+    return msgpack.unpackb(meta, ext_hook=msgpack.ExtType, object_pairs_hook=lambda p: Pairs([k, v] for k, v in p),
+                           strict_map_key=False, raw=False)
+
+
+def pack_tree(value) -> bytes:
+    if type(value) is Pairs:
+        return b"\xdf" + len(value).to_bytes(4, "big") + b"".join(pack_tree(k) + pack_tree(v) for k, v in value)
+    if type(value) is list:
+        return b"\xdd" + len(value).to_bytes(4, "big") + b"".join(pack_tree(v) for v in value)
+    return msgpack.packb(value, use_bin_type=True)
+
+
+# What a hostile or damaged snapshot might put in place of any value: sizes past any buffer, dtypes numpy would
+# have to parse, tags of every kind with the wrong contents.
+HOSTILE = [-1, 0, 7, 2**31, 2**45, 2**63 - 1, -(2**63), 1.5, None, True, "", "(,)i4", "|O", "<M8[s]", "|V99999",
+           "<i4", "O", b"", bytes(5), [], Pairs(), [[1]], *([msgpack.ExtType(3, bytes([k])), 2**30] for k in range(11)),
+           *(msgpack.ExtType(3, bytes([k])) for k in range(11)), msgpack.ExtType(3, bytes([8, 1])),
+           msgpack.ExtType(1, b""), msgpack.ExtType(2, msgpack.packb(["<i8", [], b"\0"]))]
+
+
+def damage_tree(tree, rng: random.Random):
+    """``tree`` with one value (possibly inside an array's or a scalar's head) replaced by a hostile one."""
+    slots = []
+
+    def walk(value) -> None:
+        if type(value) is Pairs:  # a map's items stay pairs; their keys and values are damaged
+            for pair in value:
+                walk(pair)
+        elif isinstance(value, list):
+            for i, item in enumerate(value):
+                slots.append((value, i))
+                walk(item)
+
+    walk(tree)
+    container, i = rng.choice(slots)
+    old = container[i]
+    if isinstance(old, msgpack.ExtType) and old.code in (1, 2) and rng.random() < 0.8:
+        head = unpack_tree(old.data)
+        container[i] = msgpack.ExtType(old.code, pack_tree(damage_tree([head], rng)[0]))
+    elif isinstance(old, msgpack.ExtType) and old.code == 3 and rng.random() < 0.5:
+        data = bytearray(old.data)
+        data[rng.randrange(len(data))] = rng.choice([0, 1, 4, 8, 9, 10, 255])
+        container[i] = msgpack.ExtType(3, bytes(data[:rng.randrange(len(data) + 1)]))
+    else:
+        container[i] = rng.choice(HOSTILE)
+    return tree
+
+
+def damage_bytes(meta: bytearray, rng: random.Random) -> bytearray:
+    """``meta`` with a few bytes flipped or set to msgpack's type markers."""
+    for _ in range(rng.randint(1, 3)):
+        i = rng.randrange(len(meta))
+        meta[i] = meta[i] ^ (1 << rng.randrange(8)) if rng.random() < 0.5 else rng.choice(
+            [0x00, 0x7F, 0xFF, 0xC4, 0xC7, 0xCE, 0xCF, 0xD4, 0xD5, 0xD6, 0xDD, 0xDF, 0x91, 0x93, 0x03, 0x04, 0x08])
+    return meta
+
+
+def test_a_damaged_real_snapshot_is_refused_with_one_error_and_bounded_memory(daemon, tmp_path):
+    """2,500 damaged copies of a real daemon's snapshot, each sealed with a valid checksum: every one loads or raises
+    KVCacheError (never another exception), and none makes the loader allocate more than a few times its size."""
+    from kvcache.journal import read_snapshot
+    from kvcache.server import load_state
+
+    journal = tmp_path / "j"
+    d = daemon("--num-blocks", "64", "--block-size", "16", "--journal", str(journal), "--snapshot-bytes", "1")
+    from kvcache.client import CacheClient
+
+    with CacheClient(d.endpoint) as client:
+        for i in range(6):
+            client.admit(f"r{i}" if i % 2 else i, np.arange(i * 1000, i * 1000 + 40))
+        client.free(2)
+    d.stop()
+    original = (journal / "snapshot").read_bytes()
+    head, state = original[:6 + 8], original[6 + 12:]  # magic and lsn, then the state after the crc
+    size = int.from_bytes(state[:8], "little")
+    meta, arrays = state[8:8 + size], state[-(-(8 + size) // 64) * 64:]
+    assert load_state(bytearray(state))["manager"].num_blocks == 64
+    folder = tmp_path / "damaged"
+    folder.mkdir()
+    rng = random.Random(20261128)
+    failures: list[str] = []
+    refused = 0
+    bound = 8 * len(original) + (4 << 20)
+    tracemalloc.start()
+    try:
+        for _ in range(2500):
+            if rng.random() < 0.5:
+                new_meta = bytes(damage_bytes(bytearray(meta), rng))
+            else:
+                new_meta = pack_tree(damage_tree([unpack_tree(meta)], rng)[0])
+            pad = -(8 + len(new_meta)) % 64
+            damaged = len(new_meta).to_bytes(8, "little") + new_meta + bytes(pad) + arrays
+            (folder / "snapshot").write_bytes(head + zlib.crc32(damaged).to_bytes(4, "little") + damaged)
+            tracemalloc.reset_peak()
+            before = tracemalloc.get_traced_memory()[0]
+            try:
+                load_state(read_snapshot(folder)[0])
+            except KVCacheError:
+                refused += 1
+            except Exception as exc:  # noqa: BLE001 - what the test looks for
+                failures.append(f"{type(exc).__name__}: {exc}"[:200])
+            peak = tracemalloc.get_traced_memory()[1] - before
+            if peak > bound:
+                failures.append(f"allocated {peak:,} bytes for a snapshot of {len(damaged):,}")
+    finally:
+        tracemalloc.stop()
+    assert not failures, f"{len(failures)} of 2500: {sorted(set(failures))[:10]}"
+    assert refused > 800
