@@ -27,7 +27,7 @@ from kvcache.pd.cluster import Cluster, run_batch, scenario
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--device", default="cpu", help="cpu (numpy caches) or cuda[:N] (PyTorch caches)")
     parser.add_argument("--prefill-tp", type=int, default=1)
     parser.add_argument("--decode-tp", type=int, default=1)

@@ -13,6 +13,7 @@ from kvcache.allocator.errors import KVCacheError
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvcache",
+        allow_abbrev=False,
         description="Paged KV-cache allocation, prefix caching and KV transfer for LLM inference engines.",
     )
     parser.add_argument("--version", action="version", version=f"kvcache {__version__}")

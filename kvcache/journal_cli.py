@@ -20,15 +20,16 @@ from kvcache.journal import examine, repair
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register `kvcache journal` with its check and repair commands."""
-    p = sub.add_parser("journal", help="check or repair a daemon's journal folder",
+    p = sub.add_parser("journal", allow_abbrev=False, help="check or repair a daemon's journal folder",
                        description="Check what a restart would recover from a `kvcache serve --journal` folder, or "
                        "cut a damaged log. Run them while the daemon is stopped (check also works while it runs).")
     tools = p.add_subparsers(dest="journal_command", metavar="ACTION", required=True)
-    check = tools.add_parser("check", help="report what a restart would recover, and any damage (changes nothing)")
+    check = tools.add_parser("check", help="report what a restart would recover, and any damage (changes nothing)",
+                             allow_abbrev=False)
     check.add_argument("folder", metavar="DIR", help="the journal folder (--journal of kvcache serve)")
     check.add_argument("--json", action="store_true", help="print one JSON object")
     check.set_defaults(run=_run_check)
-    fix = tools.add_parser("repair", help="cut the log at a record boundary, keeping a backup of it")
+    fix = tools.add_parser("repair", help="cut the log at a record boundary, keeping a backup of it", allow_abbrev=False)
     fix.add_argument("folder", metavar="DIR", help="the journal folder (--journal of kvcache serve)")
     fix.add_argument("--truncate-at", type=int, required=True, metavar="OFFSET",
                      help="where to cut: the offset `kvcache journal check` names; every record from it on is dropped")

@@ -128,7 +128,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        "permissions, and print how to use them. With `revoke`: delete client NAME's public key "
                        "(DIR/clients/NAME.key) and its secret certificate (DIR/NAME.key_secret), and with --pid "
                        "send that daemon SIGHUP, so it refuses the client from now on, on the connections it has "
-                       "open too.")
+                       "open too.", allow_abbrev=False)
     p.add_argument("folder", metavar="DIR", help="folder for the keys (created with mode 0700)")
     p.add_argument("revoke_folder", nargs="?", help=argparse.SUPPRESS)  # `keys revoke DIR`: DIR lands here
     p.add_argument("--name", help="the client's name, one per scheduler or worker host (default client; "

@@ -312,6 +312,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register `kvcache plan`."""
     p = sub.add_parser(
         "plan",
+        allow_abbrev=False,
         help="size a paged KV cache: tensors, bytes per block, blocks and tokens that fit",
         description="Print the per-layer cache tensors of one rank, bytes per block, and how many blocks "
         "and tokens fit a GPU (and optionally host) memory budget.",

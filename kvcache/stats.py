@@ -13,7 +13,7 @@ from kvcache.client import CacheClient
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("stats", help="print a running daemon's usage, prefix hits and traffic",
+    p = sub.add_parser("stats", allow_abbrev=False, help="print a running daemon's usage, prefix hits and traffic",
                        description="Ask a running `kvcache serve` for its geometry, usage and counters.")
     add_daemon_arguments(p)
     p.add_argument("--watch", type=float, metavar="SECONDS", help="refresh every SECONDS until interrupted")

@@ -27,7 +27,7 @@ def main() -> int:
     from kvcache.transfer.engines import TransferStatus
     from kvcache.transfer.nixl import NixlEngine
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0], allow_abbrev=False)
     parser.add_argument("--writes", type=int, default=20_000)
     parser.add_argument("--threads", type=int, default=2, help="the writer's UCX thread pool (0: none)")
     parser.add_argument("--blocks", type=int, default=1, help="scattered blocks per write")

@@ -275,7 +275,7 @@ def _run(case: Case, endpoint: str | None, corrupt: bool, device: str = "cpu") -
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--only", help="run the configurations whose name contains this text")
     parser.add_argument("--device", default="cpu",
                         help="cpu (Paddle), or cuda / cuda:N: the model in PyTorch there, attention by flex attention "

@@ -6,7 +6,8 @@ import argparse
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register `kvcache bench` and its targets on the top-level subparsers."""
-    bench = sub.add_parser("bench", help="run a benchmark and print ratios against limits measured in the same run")
+    bench = sub.add_parser("bench", help="run a benchmark and print ratios against limits measured in the same run",
+                           allow_abbrev=False)
     targets = bench.add_subparsers(dest="target", metavar="TARGET", required=True)
     from kvcache.bench import allocator, daemon, engine, pd, signal, tier, transfer
 

@@ -694,6 +694,7 @@ def add_parser(targets: argparse._SubParsersAction) -> None:
     """Register `kvcache bench allocator`."""
     p = targets.add_parser(
         "allocator",
+        allow_abbrev=False,
         help="block pool, prefix hashing, admit + free and a scheduler step, against vLLM's own allocator",
         description="Time, in this process, (1) block allocate + free per block, (2) hashing a 32,768-token "
         "prompt, (3) admit + free of a 32,768-token prompt with half of it cached, uniform and head-wise "

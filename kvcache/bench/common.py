@@ -31,7 +31,7 @@ def run_alone(add_parser: Callable[[Any], None], target: str, argv: Sequence[str
     ``kvcache bench TARGET``), without importing the CLI's other commands."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog="kvcache bench")
+    parser = argparse.ArgumentParser(prog="kvcache bench", allow_abbrev=False)
     add_parser(parser.add_subparsers(dest="target", required=True))
     args = parser.parse_args([target, *(argv if argv is not None else sys.argv[1:])])
     return args.run(args)

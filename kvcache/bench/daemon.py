@@ -1669,6 +1669,7 @@ def add_parser(targets: argparse._SubParsersAction) -> None:
     q = BenchConfig(**BenchConfig.quick_defaults())
     p = targets.add_parser(
         "daemon",
+        allow_abbrev=False,
         help="a real kvcache serve against a raw ZMQ echo: step latency, extend throughput, delta lag, profile",
         description="Start a raw pyzmq echo server and a real `kvcache serve` (block 16, uniform rows, prefix "
         f"caching) on one transport and measure: (1) echo round trips at a real step's request/reply sizes, "

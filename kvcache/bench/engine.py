@@ -238,7 +238,7 @@ def _shares(text: str) -> list[float]:
 def add_parser(targets: argparse._SubParsersAction) -> None:
     """Register `kvcache bench engine`."""
     p = targets.add_parser("engine", help="the reference engine's decode tokens/s over paged tables vs a contiguous "
-                           "cache (GPU)", description=__doc__.split("\n\n")[0])
+                           "cache (GPU)", description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--device", default="cuda:0", help="the GPU (default cuda:0)")
     p.add_argument("--engine-dir", help="the source checkout's examples/engine (default: next to this package)")
     p.add_argument("--requests", type=positive_int, default=64, help="concurrent requests (default 64)")

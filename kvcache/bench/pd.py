@@ -286,7 +286,7 @@ def add_parser(targets: argparse._SubParsersAction) -> None:
         "<= one layer + 1 ms, paced so each layer's fake compute outlasts its transfer), and bytes/s with layers back "
         "to back against one write of the same bytes as one range through the same engine, for one request, for a "
         "prefill batch of --inflight requests, and for --steps such batches back to back (target: the steps >= 80%), "
-        "all measured in the same run. Always exits 0.")
+        "all measured in the same run. Always exits 0.", allow_abbrev=False)
     p.add_argument("--layers", type=positive_int, default=LAYERS, help=f"model layers (default {LAYERS})")
     p.add_argument("--tokens", type=positive_int, default=TOKENS,
                    help=f"prompt tokens (default {TOKENS}); few tokens make small layers, whose time is the per-layer "

@@ -373,6 +373,7 @@ def add_parser(targets: argparse._SubParsersAction) -> None:
     """Register `kvcache bench signal`."""
     p = targets.add_parser(
         "signal",
+        allow_abbrev=False,
         help="layer signal latency across processes (CPU path, and CUDA against a bare host function)",
         description="Time (1) send_cache's CPU path to a LayerSignal.wait returning in another process, against "
         "a multiprocessing Pipe, (2) the CPU an idle waiter uses, (3) with PyTorch and a GPU: kernel end to the "

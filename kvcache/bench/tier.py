@@ -362,6 +362,7 @@ def add_parser(targets: argparse._SubParsersAction) -> None:
     """Register `kvcache bench tier`."""
     p = targets.add_parser(
         "tier",
+        allow_abbrev=False,
         help="host tier: offload and reload of one request against one memcpy of the same bytes",
         description="Time the host tier (TransferManager) moving one 4,096-token request (32 layers, 8 kv heads "
         "x 128, bf16, block 16 and 64, scattered ids) to host on free and back on a host hit, against one copy of "

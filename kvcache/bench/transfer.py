@@ -397,6 +397,7 @@ def add_parser(targets: argparse._SubParsersAction) -> None:
     """Register `kvcache bench transfer`."""
     p = targets.add_parser(
         "transfer",
+        allow_abbrev=False,
         help="move one request's KV blocks: host copies, NIXL, CUDA swaps, each against its raw limit",
         description="Time moving one 4,096-token request (32 layers, 8 kv heads x 128, bf16, block 16 and 64, "
         "scattered ids): host to host against the fastest copy of the same bytes as one range; NIXL into another "
