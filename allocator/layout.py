@@ -54,6 +54,19 @@ _DTYPE_ALIASES = {
     "float": "float32",
 }
 MLA_FP8_GROUP = 128  # latent values per float32 scale in the mla_fp8 format
+# Bounds on a model's geometry, far past any real model's, checked before anything is built from it: rows and
+# tables hold one entry per layer, kv head or (layer, kv head) cell, and a block's bytes follow from the rest.
+MAX_BOUNDS: dict[str, int] = {
+    "num_layers": 4096,
+    "num_kv_heads": 4096,
+    "head_dim": 65_536,
+    "head_dim_v": 65_536,
+    "kv_lora_rank": 65_536,
+    "qk_rope_head_dim": 65_536,
+    "block_size": 2**20,
+    "tp_size": 1024,
+}
+MAX_CELLS = 2**18  # (layer, kv head) cells of a model: num_layers x num_kv_heads
 
 
 class QuantType(str, Enum):
@@ -269,6 +282,7 @@ class CacheSpec:
             fields["quant"] = quant
         rows_given = "rows" in overrides
         fields.update(overrides)
+        check_bounds(fields)
         spec = cls(**fields)
         if rows_given:
             return spec
@@ -395,6 +409,21 @@ class CacheSpec:
         out["kv_heads_per_rank"] = self.kv_heads_per_rank
         out["rows"] = None if self.rows is None else [r.describe() for r in self.rows]
         return out
+
+
+def check_bounds(fields: Mapping[str, Any]) -> None:
+    """Raise KVCacheError naming the first geometry field past its bound (``MAX_BOUNDS``, ``MAX_CELLS``).
+
+    Fields that are not integers are left to ``CacheSpec`` to refuse.
+    """
+    for name, most in MAX_BOUNDS.items():
+        value = fields.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value > most:
+            raise KVCacheError(f"{name}: must be at most {most}, got {value}")
+    layers, heads = fields.get("num_layers"), fields.get("num_kv_heads")
+    if isinstance(layers, int) and isinstance(heads, int) and layers * heads > MAX_CELLS:
+        raise KVCacheError(f"num_kv_heads: {layers} layers x {heads} kv heads make {layers * heads} (layer, kv head) "
+                           f"cells, more than the {MAX_CELLS} a cache may have")
 
 
 class _ConfigReader:

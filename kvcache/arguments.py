@@ -5,7 +5,7 @@ import argparse
 from typing import TYPE_CHECKING, Any
 
 from kvcache.allocator.errors import KVCacheError
-from kvcache.allocator.layout import MODEL_DTYPES, CacheSpec, QuantType, ScaleLayout
+from kvcache.allocator.layout import MODEL_DTYPES, CacheSpec, QuantType, ScaleLayout, check_bounds
 from kvcache.examples import DEFAULT_EXAMPLE, example_models, load_example
 
 if TYPE_CHECKING:
@@ -114,6 +114,7 @@ def spec_from_args(args: argparse.Namespace) -> tuple[CacheSpec, str]:
         raise KVCacheError("--layers: needed with explicit geometry (or use --model/--example)")
     if args.head_wise:
         raise KVCacheError("--head-wise: needs --model or --example (the rows come from the model's config)")
+    check_bounds({**common, **given})  # before the rows and tables a spec's layers and heads make
     return CacheSpec(**common, **given), "custom"
 
 

@@ -9,12 +9,64 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from kvcache.allocator.errors import KVCacheError
+from kvcache.allocator.layout import MAX_BOUNDS, QuantType, ScaleLayout, normalize_dtype
+from kvcache.allocator.prefix import ALGORITHMS
 from kvcache.allocator.rows import Row
 from kvcache.allocator.swa import AttentionPolicy, Full, Window
+from kvcache.units import parse_size
 
+# A --rows item: full or window:W[:S], then *N (numbers of at most 18 digits: int() refuses too long ones)
+_ROW_ITEM = re.compile(r"(?:full|window:(?P<window>[0-9]{1,18})(?::(?P<sink>[0-9]{1,18}))?)"
+                       r"(?:\*(?P<count>[0-9]{1,18}))?")
 LOCAL_OFF = "off"  # local_endpoint's value for no local endpoint
+_ENDPOINTS = ("endpoint", "pub_endpoint", "replay_endpoint", "events_endpoint", "events_replay_endpoint")
+UNIX_PATH_MAX = 107  # bytes of a Unix socket's path (sockaddr_un.sun_path, less its NUL)
 _TYPES = {"str": str, "int": int, "float": (int, float), "bool": bool}  # ServeConfig's field types, as accepted
 _TYPE_NAMES = {str: "a string", int: "an integer", (int, float): "a number", bool: "true or false"}
+INT32_MAX = 2**31 - 1
+MAX_BLOCKS = 2**28  # (row pool, block) pairs of a manager, and blocks of a host tier: ~20 bytes each up front
+MAX_ROWS = 4096  # row policies --rows may give
+MAX_BYTES = 2**40  # byte budgets and limits (1 TiB)
+MAX_MEMORY = 2**50  # memory sizes: gpu_memory, reserve, host_memory (1 PiB)
+MAX_SECONDS = 7 * 86_400  # timeouts: a week
+# Every integer setting's range, and what its ends mean where that needs saying; __post_init__ checks them all.
+_INT_RANGES: dict[str, tuple[int, int, str]] = {
+    "num_blocks": (0, MAX_BLOCKS, " (0 = size from --model and --gpu-memory)"),
+    "block_size": (1, MAX_BOUNDS["block_size"], " tokens"),
+    "tp": (1, MAX_BOUNDS["tp_size"], " ranks"),
+    "max_model_len": (0, INT32_MAX, " tokens (0 = unset)"),
+    "max_num_batched_tokens": (0, INT32_MAX, " tokens (0 = unset)"),
+    "data_parallel_rank": (0, INT32_MAX, ""),
+    "metrics_port": (0, 65_535, " (0 = off)"),
+    "max_message_bytes": (1, MAX_BYTES, ""),
+    "max_tokens": (1, INT32_MAX, ""),
+    "max_slots": (1, INT32_MAX, ""),
+    "max_reply_bytes": (1, MAX_BYTES, ""),
+    "replay_buffer": (1, INT32_MAX, " deltas"),
+    "replay_bytes": (1, MAX_BYTES, ""),
+    "dedupe_window": (1, INT32_MAX, " replies per client"),
+    "dedupe_bytes": (1, MAX_BYTES, ""),
+    "pub_bytes": (1, MAX_BYTES, ""),
+    "io_threads": (1, 64, ""),
+    "heartbeat_ms": (10, 60_000, " (a shorter heartbeat keeps an idle daemon busy)"),
+    "snapshot_bytes": (1, MAX_BYTES, ""),
+    "host_block_budget": (0, MAX_BLOCKS, " (0 = from --host-memory)"),
+}
+# Every number setting's range in seconds (or a fraction): (least, most, least allowed, note).
+_FLOAT_RANGES: dict[str, tuple[float, float, bool, str]] = {
+    "utilization": (0.0, 1.0, False, " (a fraction of --gpu-memory)"),
+    "lease_timeout": (0.0, MAX_SECONDS, True, " seconds (0 = never)"),
+    "transfer_timeout": (0.0, MAX_SECONDS, False, " seconds"),
+    "tier_timeout": (0.0, MAX_SECONDS, False, " seconds"),
+}
+_CHOICES: dict[str, tuple[str, ...]] = {
+    "quant": tuple(q.value for q in QuantType),
+    "scale_layout": tuple(s.value for s in ScaleLayout),
+    "hash_algorithm": ALGORITHMS,
+    "events_format": ("array", "map"),
+    "events_hashes": ("", "int", "bytes"),
+    "role": ("both", "prefill", "decode"),
+}
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -92,41 +144,50 @@ class ServeConfig:
         derived = derive_endpoints(cfg.endpoint)
         for name, value in derived.items():
             if not getattr(cfg, name):
+                port = re.fullmatch(r"tcp://.+:(\d+)", value)
+                if port and int(port.group(1)) > 65_535:
+                    raise KVCacheError(f"{name}: its default, a port after {cfg.endpoint}'s, is past 65535; give "
+                                       f"--{name.replace('_', '-')}")
                 setattr(cfg, name, value)
+        paths = {n: getattr(cfg, n)[len("ipc://"):] for n in _ENDPOINTS if getattr(cfg, n).startswith("ipc://")}
+        if cfg.local_endpoint != LOCAL_OFF:
+            paths["local_endpoint"] = cfg.local_endpoint
+        for name, path in paths.items():
+            if len(path.encode()) > UNIX_PATH_MAX:
+                raise KVCacheError(f"{name}: {path!r} is {len(path.encode())} bytes, longer than the {UNIX_PATH_MAX} "
+                                   f"a Unix socket's path takes")
         return cfg
 
     def __post_init__(self) -> None:
+        """Check every field's type and range, naming the first bad one: flags and a TOML file alike end here."""
         for f in dataclasses.fields(self):  # a TOML file can give any type: name the field, not a traceback later
             value, kind = getattr(self, f.name), _TYPES[str(f.type)]
             if isinstance(value, bool) is not (kind is bool) or not isinstance(value, kind):
                 raise KVCacheError(f"{f.name}: must be {_TYPE_NAMES[kind]}, got {value!r}")
-        if self.events_format not in ("array", "map"):
-            raise KVCacheError(f"events_format: {self.events_format!r} is neither 'array' nor 'map'")
-        if self.events_hashes not in ("", "int", "bytes"):
-            raise KVCacheError(f"events_hashes: {self.events_hashes!r} is none of int, bytes (empty = the format's own)")
-        if not 0 <= self.data_parallel_rank < 2**31:
-            raise KVCacheError(f"data_parallel_rank: must be an integer in [0, 2**31), got {self.data_parallel_rank}")
-        if self.role not in ("both", "prefill", "decode"):
-            raise KVCacheError(f"role: {self.role!r} is not one of both, prefill, decode")
-        if isinstance(self.io_threads, bool) or not isinstance(self.io_threads, int) or not 1 <= self.io_threads <= 64:
-            raise KVCacheError(f"io_threads: must be an integer in [1, 64], got {self.io_threads!r}")
-        for name in ("max_message_bytes", "max_reply_bytes", "max_tokens", "max_slots", "replay_buffer", "replay_bytes",
-                     "dedupe_bytes", "pub_bytes", "snapshot_bytes"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise KVCacheError(f"{name}: must be a positive integer, got {value!r}")
-        if isinstance(self.dedupe_window, bool) or not isinstance(self.dedupe_window, int) or self.dedupe_window < 1:
+        if self.dedupe_window < 1:
             raise KVCacheError(f"dedupe_window: must be a positive integer (retries and the local endpoint's resend "
-                               f"are answered from kept replies), got {self.dedupe_window!r}")
-        for name in ("max_model_len", "max_num_batched_tokens"):
-            if getattr(self, name) < 0:
-                raise KVCacheError(f"{name}: must be an integer >= 0 (0 = unset), got {getattr(self, name)}")
-        for name in ("transfer_timeout", "tier_timeout"):
-            if not getattr(self, name) > 0:
-                raise KVCacheError(f"{name}: must be positive seconds, got {getattr(self, name)!r}")
-        if self.host_block_budget < 0:
-            raise KVCacheError(f"host_block_budget: must be an integer >= 0 (0 = from --host-memory), got "
-                               f"{self.host_block_budget}")
+                               f"are answered from kept replies), got {self.dedupe_window}")
+        for name, (least, most, note) in _INT_RANGES.items():
+            value = getattr(self, name)
+            if not least <= value <= most:
+                raise KVCacheError(f"{name}: must be an integer in [{least}, {most}]{note}, got {value}")
+        for name, (low, high, low_ok, note) in _FLOAT_RANGES.items():
+            value = getattr(self, name)
+            if not (low <= value if low_ok else low < value) or not value <= high:  # NaN fails both
+                interval = f"{'[' if low_ok else '('}{low:g}, {high:g}]"
+                raise KVCacheError(f"{name}: must be a number in {interval}{note}, got {value!r}")
+        for name, choices in _CHOICES.items():
+            if getattr(self, name) not in choices:
+                shown = ", ".join(repr(c) for c in choices)
+                raise KVCacheError(f"{name}: {getattr(self, name)!r} is not one of {shown}")
+        if self.dtype:
+            normalize_dtype(self.dtype)
+        for name in ("gpu_memory", "reserve", "host_memory"):
+            if parse_size(getattr(self, name), name) > MAX_MEMORY:
+                raise KVCacheError(f"{name}: {getattr(self, name)!r} is over the limit of 1 PiB ({MAX_MEMORY} bytes)")
+        parse_rows(self.rows)
+        if self.endpoint:
+            derive_endpoints(self.endpoint)
 
     def describe(self) -> str:
         """One line per field, for the start-up log."""
@@ -144,9 +205,11 @@ def derive_endpoints(endpoint: str) -> dict[str, str]:
         stem = base[:-5] if base.endswith(".sock") else base
         suffixes = ("-pub.sock", "-replay.sock", "-events.sock", "-events-replay.sock")
         return {**{n: f"ipc://{stem}{s}" for n, s in zip(names, suffixes)}, "local_endpoint": f"{stem}-local.sock"}
-    match = re.fullmatch(r"tcp://(.+):(\d+)", endpoint)
+    match = re.fullmatch(r"tcp://(.+):([0-9]{1,5})", endpoint)
     if match:  # a tcp daemon may serve other hosts: no local endpoint unless asked for
         host, port = match.group(1), int(match.group(2))
+        if port > 65_535:
+            raise KVCacheError(f"endpoint: port {port} of {endpoint!r} is past 65535")
         return {**{n: f"tcp://{host}:{port + i + 1}" for i, n in enumerate(names)}, "local_endpoint": LOCAL_OFF}
     raise KVCacheError(f"endpoint: {endpoint!r} is neither ipc://PATH nor tcp://HOST:PORT")
 
@@ -154,12 +217,16 @@ def derive_endpoints(endpoint: str) -> dict[str, str]:
 def load_toml(path: str | Path) -> dict[str, Any]:
     """Fields from a TOML file (top level or a [serve] table), checked against ServeConfig's names."""
     try:
-        data = tomllib.loads(Path(path).read_text())
+        data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
     except OSError as exc:
         raise KVCacheError(f"--config: cannot read {path}: {exc.strerror}") from None
-    except tomllib.TOMLDecodeError as exc:
+    except UnicodeDecodeError as exc:
+        raise KVCacheError(f"--config: {path} is not UTF-8 text (byte {exc.start}); TOML files are UTF-8") from None
+    except (tomllib.TOMLDecodeError, ValueError) as exc:  # ValueError: an integer of over 4300 digits
         raise KVCacheError(f"--config: {path} is not valid TOML: {exc}") from None
     data = data.get("serve", data)
+    if not isinstance(data, dict):
+        raise KVCacheError(f"--config: serve must be a table of settings, got {data!r}")
     known = {f.name: f for f in dataclasses.fields(ServeConfig)}
     out: dict[str, Any] = {}
     for key, value in data.items():
@@ -174,23 +241,27 @@ def parse_rows(spec: str, num_rows: int | None = None) -> list[AttentionPolicy]:
     """Row policies from ``full``, ``window:W[:S]`` items, each optionally ``*N``, comma-separated.
 
     ``"window:4096:64*6,full*2"`` is six sliding-window heads and two full ones.
-    A single item with ``num_rows`` given is repeated to that many rows.
+    A single item with ``num_rows`` given is repeated to that many rows. At most ``MAX_ROWS`` rows, counted before
+    any is built; window and sink tokens at most 2**31 - 1.
     """
     rows: list[AttentionPolicy] = []
     for item in (s.strip() for s in spec.split(",")):
-        body, _, count = item.partition("*")
-        times = 1
-        if count:
-            if not count.isdigit() or int(count) < 1:
-                raise KVCacheError(f"rows: bad repeat count in {item!r}")
-            times = int(count)
-        parts = body.split(":")
-        if parts == ["full"]:
-            policy: AttentionPolicy = Full()
-        elif parts[0] == "window" and len(parts) in (2, 3) and all(p.isdigit() for p in parts[1:]):
-            policy = Window(int(parts[1]), int(parts[2]) if len(parts) == 3 else 0)
-        else:
+        match = _ROW_ITEM.fullmatch(item)
+        if match is None:
             raise KVCacheError(f"rows: cannot read {item!r}; write full or window:W[:S], optionally *N")
+        window, sink, count = (None if g is None else int(g) for g in match.group("window", "sink", "count"))
+        times = 1 if count is None else count
+        if times < 1:
+            raise KVCacheError(f"rows: bad repeat count in {item!r}")
+        if len(rows) + times > MAX_ROWS:
+            raise KVCacheError(f"rows: {spec[:80]!r} gives more than {MAX_ROWS} rows")
+        if window is None:
+            policy: AttentionPolicy = Full()
+        elif not 1 <= window <= INT32_MAX or (sink or 0) > INT32_MAX:
+            raise KVCacheError(f"rows: a window needs 1 to {INT32_MAX} tokens and a sink at most {INT32_MAX}, got "
+                               f"{item!r}")
+        else:
+            policy = Window(window, sink or 0)
         rows.extend([policy] * times)
     if num_rows is not None and len(rows) != num_rows:
         if len(rows) == 1:

@@ -16,7 +16,7 @@ from kvcache.allocator.errors import KVCacheError
 from kvcache.allocator.layout import CacheSpec
 from kvcache.allocator.manager import KVCacheManager
 from kvcache.allocator.rows import Row, rows_of_rank
-from kvcache.config import ServeConfig, load_toml, parse_rows
+from kvcache.config import MAX_BLOCKS, ServeConfig, load_toml, parse_rows
 from kvcache.plan import Load, make_plan
 from kvcache.units import parse_size
 
@@ -107,7 +107,7 @@ HELP = {
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register `kvcache serve` with one flag per ServeConfig field."""
     p = sub.add_parser("serve", help="run the cache daemon", description="Run the KV cache daemon: schedulers "
-                       "send steps of operations, workers subscribe to block-table deltas.")
+                       "send steps of operations, workers subscribe to block-table deltas.", allow_abbrev=False)
     p.add_argument("--config", metavar="TOML", help="read settings from a TOML file (flags given here win)")
     for f in dataclasses.fields(ServeConfig):
         flag = "--" + f.name.replace("_", "-")
@@ -160,6 +160,12 @@ def build_manager(cfg: ServeConfig) -> tuple[KVCacheManager, tuple[Row, ...] | N
     layout = None if spec is None else _model_layout(spec, cfg)
     policies = [r.policy for r in layout] if layout is not None else parse_rows(cfg.rows)
     num_blocks, row_blocks = _pool_sizes(cfg, spec, layout)
+    pools = len(set(policies))  # rows of equal policies share a pool
+    if num_blocks * pools > MAX_BLOCKS:  # before the manager allocates ~20 bytes per pair
+        source = "num_blocks" if cfg.num_blocks else "gpu_memory"
+        raise KVCacheError(f"{source}: {num_blocks} blocks in each of {pools} row pool(s) make {num_blocks * pools} "
+                           f"(pool, block) pairs, more than the {MAX_BLOCKS} a daemon holds"
+                           + ("" if cfg.num_blocks else "; lower --gpu-memory or raise --block-size"))
     if spec is not None and layout is not None:
         blocks = row_blocks or [num_blocks] * len(layout)
         mine = rows_of_rank(layout, spec.num_kv_heads or 1, spec.tp_size, 0)
@@ -182,7 +188,7 @@ def _host_blocks(cfg: ServeConfig, spec: CacheSpec | None) -> int:
     if cfg.host_block_budget:
         if memory:
             raise KVCacheError("host_block_budget: gives the host tier's size, as --host-memory does; drop one")
-        return cfg.host_block_budget
+        return cfg.host_block_budget  # at most MAX_BLOCKS (ServeConfig)
     if not memory:
         return 0
     if spec is None:
@@ -191,6 +197,9 @@ def _host_blocks(cfg: ServeConfig, spec: CacheSpec | None) -> int:
     if blocks < 1:
         raise KVCacheError(f"host_memory: {memory:,} bytes hold no block of {spec.bytes_per_block * cfg.tp:,} bytes "
                            f"(every rank's part)")
+    if blocks > MAX_BLOCKS:
+        raise KVCacheError(f"host_memory: {memory:,} bytes hold {blocks} blocks, more than the {MAX_BLOCKS} a host "
+                           f"tier holds")
     return int(blocks)
 
 
