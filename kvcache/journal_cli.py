@@ -52,17 +52,20 @@ def check_journal(folder: str | Path) -> dict[str, Any]:
         return report
     if recovered.damage is not None:
         report["damage"] = recovered.damage._asdict()
-    state = load_state(recovered.snapshot)
+    state = load_state(bytearray(recovered.snapshot))  # the journal's own geometry and settings, to start as
     manager = state["manager"]
     settings = state["settings"]
     with tempfile.TemporaryDirectory(prefix="kvcache-check-") as scratch:  # the replay's sockets, never used
-        cfg = ServeConfig(endpoint=f"ipc://{scratch}/k.sock", local_endpoint=LOCAL_OFF, num_blocks=manager.num_blocks,
-                          block_size=manager.block_size, role=settings["role"], tp=settings["tp"],
-                          max_slots=settings["max_slots"], max_tokens=settings["max_tokens"],
-                          max_message_bytes=settings["max_message_bytes"])
-        server = CacheServer(cfg, manager)
         try:
-            server._restore(state, recovered.records, recovered.snapshot_lsn)
+            cfg = ServeConfig(endpoint=f"ipc://{scratch}/k.sock", local_endpoint=LOCAL_OFF,
+                              num_blocks=manager.num_blocks, block_size=manager.block_size, role=settings["role"],
+                              tp=settings["tp"], max_slots=settings["max_slots"], max_tokens=settings["max_tokens"],
+                              max_message_bytes=settings["max_message_bytes"])
+            server = CacheServer(cfg, manager)
+        except (AttributeError, TypeError, ValueError) as exc:
+            raise KVCacheError(f"journal: the snapshot's geometry or settings are malformed ({exc})") from None
+        try:
+            server.restore_journal(recovered)  # what a restart runs
             hasher = server.manager.hasher
             report["state"] = {
                 "requests": len(server.manager), "seq": server._seq, "epoch": server.epoch,

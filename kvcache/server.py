@@ -47,7 +47,7 @@ from kvcache.allocator.swa import Full, Window
 from kvcache.auth import CurveConfig, start_authenticator
 from kvcache.config import LOCAL_OFF, ServeConfig, describe_rows
 from kvcache.host_tier import TIER_OPS, DaemonTier, TierJob
-from kvcache.journal import Journal, JournalFull
+from kvcache.journal import Journal, JournalFull, Recovered
 from kvcache.leases import Leases
 from kvcache.listeners import Listeners
 from kvcache.state_codec import StateCodec
@@ -460,8 +460,7 @@ class CacheServer:
             self._journal.write_snapshot(self._state())
             log.info("journal %s: new", self.config.journal)
             return
-        journaled = self._restore(load_state(recovered.snapshot), recovered.records, recovered.snapshot_lsn)
-        self._fit_settings(journaled)
+        journaled = self.restore_journal(recovered)
         if any(journaled[name] != getattr(self.config, name) for name in _JOURNALED_SETTINGS):
             self._journal.write_snapshot(self._state())  # later records follow this configuration's limits
         if recovered.truncated_bytes:
@@ -469,6 +468,48 @@ class CacheServer:
                         "acknowledged)", self.config.journal, recovered.truncated_bytes, recovered.records_end)
         log.info("journal %s: recovered %d requests at seq %d (%d messages replayed)", self.config.journal,
                  len(self.manager), self._seq, len(recovered.records))
+
+    def restore_journal(self, recovered: Recovered) -> dict[str, Any]:
+        """Take a journal's snapshot and replay its records as a restart does, checking that the state is whole
+        and fits this configuration; returns the settings the journal was written with.
+
+        ``kvcache journal check`` runs this same path, so what it calls recoverable is what a restart
+        recovers. A snapshot whose parts disagree (damaged, or edited by hand) is refused, naming what, before
+        its records are replayed over it.
+        """
+        assert recovered.snapshot is not None, "no snapshot to restore"
+        try:
+            journaled = self._restore(load_state(recovered.snapshot), recovered.records, recovered.snapshot_lsn)
+            self._fit_settings(journaled)
+            self._check_recovered("after its log is replayed")
+        except KVCacheError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a snapshot's values reach code that trusts its own state
+            raise KVCacheError(f"journal: the snapshot's state is malformed ({type(exc).__name__}: {exc}); the "
+                               "journal is damaged or was edited") from None
+        return journaled
+
+    def _check_recovered(self, when: str) -> None:
+        """Refuse a recovered state whose parts disagree, naming the first disagreement (the integrity checks)."""
+        slots, manager = self._slots, self.manager
+        try:
+            assert type(slots.of) is dict and type(slots.owner) is dict, "slots: not maps"
+            assert all(type(slot) is int and slot >= 0 for slot in slots.owner), \
+                "slots: a batch slot that is not an integer >= 0"
+            assert len(slots.of) == len(slots.owner) and all(slots.of.get(req) == slot
+                                                              for slot, req in slots.owner.items()), \
+                "slots: the requests' slots and the slots' requests disagree"
+            assert type(slots._next) is int and type(slots._free) is list and all(
+                type(slot) is int and slot >= 0 for slot in slots._free), "slots: a free slot that is not an integer"
+            assert len(slots.of) == len(manager) and all(req in manager for req in slots.of), \
+                f"slots: {len(slots.of)} requests hold batch slots but the manager holds {len(manager)}"
+            manager.check_integrity()
+            self._pd.check_integrity(manager)
+            if self.tier is not None:
+                self.tier.check_integrity()
+        except AssertionError as exc:
+            raise KVCacheError(f"journal: the recovered state is inconsistent {when} ({exc}); the journal is "
+                               "damaged or was edited; nothing was changed") from None
 
     def _restore(self, state: dict[str, Any], records: list[bytes], snapshot_lsn: int) -> dict[str, Any]:
         """Take a snapshot's state and replay the records after it, under the limits they were accepted with;
@@ -482,6 +523,7 @@ class CacheServer:
         self._slots, self._seq, self.epoch = state["slots"], state["seq"], state["epoch"]
         self._retries, self._leases, self._pd = state["retries"], state["leases"], state["pd"]
         self._leases.timeout = self.config.lease_timeout
+        self._check_recovered("in its snapshot")  # before any record runs over it
         configured = self.config
         self.config = dataclasses.replace(configured, **{name: journaled[name] for name in _REPLAY_SETTINGS})
         try:

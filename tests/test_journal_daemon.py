@@ -220,3 +220,41 @@ def test_layer_group_pools_survive_kill_9_and_a_restart_with_other_pools_is_refu
     d.stop()
     assert re.search(r"journal: (num_blocks|row_blocks) is .* in the journal but",
                      refused(daemon, *flags, "--max-model-len", "2048", folder=d.folder))
+
+
+def rewrite_snapshot(journal, change) -> None:
+    """Decode the journal's snapshot, let ``change(state)`` edit it, and write it back with a valid checksum (what a
+    damaged disk or a hand edit could leave, past every check of the file itself)."""
+    from kvcache.server import dump_state, load_state
+
+    path = journal / "snapshot"
+    raw = path.read_bytes()
+    state = load_state(bytearray(raw[6 + 12:]))
+    change(state)
+    state = b"".join(dump_state({k: v for k, v in state.items() if k not in ("format", "kvcache")}))
+    path.write_bytes(raw[:6 + 8] + zlib.crc32(state).to_bytes(4, "little") + state)
+
+
+@pytest.mark.parametrize("change, reason", [
+    (lambda s: setattr(s["slots"], "owner", {str(k): v for k, v in s["slots"].owner.items()}),
+     "slots: a batch slot that is not an integer >= 0"),
+    (lambda s: s["manager"]._pool._stack2d.__setitem__((0, 0), s["manager"]._pool._stack2d[0, 1]),
+     "has duplicates"),
+])
+def test_a_snapshot_whose_parts_disagree_is_refused_by_restart_and_check_alike(daemon, tmp_path, change, reason):
+    """A snapshot that decodes but whose state is inconsistent (a slot map keyed by text, a free stack naming a
+    block twice): the restart refuses with one line naming it, and `kvcache journal check` says the same, never
+    "ok"."""
+    journal = tmp_path / "j"
+    d = daemon(*FLAGS, "--journal", str(journal), "--snapshot-bytes", "1")
+    admit_many(d.endpoint, 3)
+    d.stop()
+    rewrite_snapshot(journal, change)
+    before = {name: (journal / name).read_bytes() for name in ("snapshot", "wal")}
+    message = refused(daemon, *FLAGS, "--journal", str(journal))
+    assert "Traceback" not in message and f"journal: the recovered state is inconsistent in its snapshot" in message
+    assert reason in message
+    check = journal_tool("check", str(journal))
+    assert check.returncode != 0 and "ok: a restart recovers" not in check.stdout
+    assert "Traceback" not in check.stderr and reason in check.stderr and len(check.stderr.splitlines()) == 1
+    assert {name: (journal / name).read_bytes() for name in ("snapshot", "wal")} == before
