@@ -11,6 +11,8 @@ from kvcache.examples import DEFAULT_EXAMPLE, example_models, load_example
 if TYPE_CHECKING:
     from kvcache.client import CacheClient
 
+MAX_TIMEOUT = 86_400  # seconds a tool waits for each answer of a daemon, at most (a day)
+
 
 def add_spec_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags that describe a model's KV cache: a config file, an example, or explicit geometry."""
@@ -80,8 +82,8 @@ def client_from_args(args: argparse.Namespace) -> CacheClient:
     curve = None
     if args.curve_client_cert is not None:
         curve = CurveConfig.for_client(args.curve_client_cert, args.curve_server_public)
-    if not args.timeout > 0:
-        raise KVCacheError(f"--timeout: must be positive seconds, got {args.timeout:g}")
+    if not 0 < args.timeout <= MAX_TIMEOUT:  # NaN too; the socket takes whole milliseconds in a C int
+        raise KVCacheError(f"--timeout: must be positive seconds, at most {MAX_TIMEOUT}, got {args.timeout:g}")
     return CacheClient(args.endpoint or ServeConfig().resolved().endpoint, timeout=args.timeout, curve=curve)
 
 

@@ -13,6 +13,7 @@ import zmq
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
 from zmq.utils.monitor import recv_monitor_message
 
+from kvcache.allocator.errors import KVCacheError
 from kvcache.allocator.pool import usage
 
 if TYPE_CHECKING:
@@ -194,7 +195,10 @@ class DaemonMetrics:
 
     def serve_http(self, port: int, addr: str = "127.0.0.1") -> int:
         """Serve ``/metrics`` from a background thread; returns the bound port (``port`` 0 picks a free one)."""
-        server, _ = start_http_server(port, addr, registry=self.registry)
+        try:
+            server, _ = start_http_server(port, addr, registry=self.registry)
+        except OSError as exc:  # in use, or a port this user may not bind
+            raise KVCacheError(f"metrics_port: cannot serve on {addr}:{port}: {exc.strerror}") from None
         self._http = server
         return int(server.server_port)
 

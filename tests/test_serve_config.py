@@ -8,6 +8,7 @@ import dataclasses
 import json
 import math
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -86,6 +87,17 @@ def test_a_bad_setting_is_one_line_naming_it_from_a_flag_and_from_toml(tmp_path,
     assert list(sockets.iterdir()) == []
 
 
+def test_a_metrics_port_in_use_is_one_line_and_leaves_no_socket_behind(sockets):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = run_kvcache("serve", "--endpoint", f"ipc://{sockets}/k.sock", "--num-blocks", "8",
+                             "--metrics-port", str(port), timeout=30)
+    assert_one_line(result, "serve", f"metrics_port: cannot serve on 127.0.0.1:{port}: Address already in use")
+    assert list(sockets.iterdir()) == []
+
+
 def test_a_config_file_that_is_not_utf8_is_one_line(tmp_path):
     config = tmp_path / "kvcache.toml"
     config.write_bytes(b"num_blocks = 5\n# \xff\xfe\n")
@@ -126,6 +138,13 @@ def test_a_model_of_a_billion_layers_is_refused_before_its_rows_are_built(tmp_pa
 ])
 def test_plan_refuses_absurd_geometry_in_one_line(flags, message):
     assert_one_line(run_kvcache("plan", *flags, timeout=20), "plan", message)
+
+
+@pytest.mark.parametrize("timeout", ["inf", "nan", "0", "86401"])
+def test_a_tools_timeout_is_finite_seconds_in_one_line(sockets, timeout):
+    """A daemon tool's --timeout becomes a socket's milliseconds: infinity was a traceback, not an error."""
+    result = run_kvcache("stats", "--endpoint", f"ipc://{sockets}/k.sock", "--timeout", timeout, timeout=20)
+    assert_one_line(result, "stats", "--timeout: must be positive seconds, at most 86400, got ")
 
 
 def test_an_abbreviated_flag_is_refused_not_taken_for_the_long_one(sockets):
