@@ -30,11 +30,12 @@ HELP = {
     "local_endpoint": "Unix datagram socket (a path) for same-host clients: a round trip skips ZMQ's I/O threads, "
                       "about 10x faster (default: PATH-local.sock next to an ipc:// --endpoint; none for tcp://; "
                       "'off' disables)",
-    "num_blocks": "blocks of every row's pool; 0 = size from --model and --gpu-memory",
-    "block_size": "tokens per block (default 64)",
-    "rows": "row policies: full (uniform), or comma-separated full / window:W[:S] items with *N repeats, "
-            "e.g. 'window:4096:64*6,full*2'; with --head-wise a single item applies to every kv head (default: "
-            "the --model config's sliding windows, one row per layer group, else one full row)",
+    "num_blocks": "blocks of every row's pool; 0 = size from --model and --gpu-memory (the row pools' blocks "
+                  "together at most 2**28)",
+    "block_size": "tokens per block (default 64, at most 2**20)",
+    "rows": "row policies: full (uniform), or comma-separated full / window:W[:S] items with *N repeats (at most "
+            "4096 rows), e.g. 'window:4096:64*6,full*2'; with --head-wise a single item applies to every kv head "
+            "(default: the --model config's sliding windows, one row per layer group, else one full row)",
     "model": "HF config.json (or its folder, or a built-in example name) to size the cache from",
     "gpu_memory": "GPU memory per rank for sizing with --model (default 80GiB)",
     "utilization": "fraction of --gpu-memory for the cache (default 0.9)",
@@ -42,7 +43,7 @@ HELP = {
     "dtype": "model dtype for sizing (default: the config's)",
     "quant": "KV quant type for sizing (none, int8, fp8, int8_zp, int4_zp, block_wise_fp8, mla, mla_fp8)",
     "scale_layout": "block_wise_fp8 scale layout for sizing (default, blackwell)",
-    "tp": "tensor-parallel ranks for sizing and worker row slicing (default 1)",
+    "tp": "tensor-parallel ranks for sizing and worker row slicing (default 1, at most 1024)",
     "head_wise": "one row per kv head of the model, within each layer group (needs --model); default one row "
                  "for all heads of a layer group",
     "max_model_len": "tokens of the longest request: sizes each row's pool from --gpu-memory for what such a "
@@ -80,7 +81,7 @@ HELP = {
                  "worker catches up by replay (default 64 MiB)",
     "io_threads": "ZMQ I/O threads: more spread the table-delta fan-out to many subscribers over cores (default 1)",
     "heartbeat_ms": "publish the latest seq after this much silence, so workers notice lost deltas and restarts "
-                    "(default 100)",
+                    "(default 100; 10 to 60000)",
     "journal": "folder of a write-ahead journal: every acknowledged operation survives kill -9 and restart "
                "(empty = none: a restart loses every allocation)",
     "lease_timeout": "seconds a scheduler may stay silent before its requests are freed and reported "
