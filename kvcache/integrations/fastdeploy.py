@@ -42,6 +42,7 @@ Checked against FastDeploy develop at commit c1b7c083 (2026-05-20).
 """
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -111,6 +112,7 @@ class FastDeployCacheManager:
         self.num_cpu_blocks = 0
         self.cpu_free_block_list: list[int] = []
         self._executor: Executor | None = None
+        self.metrics = _hit_metrics()  # FastDeploy's CacheMetrics (its hit-rate gauges), None without FastDeploy
         self._build(self.cache_config)
 
     # ------------------------------------------------------------------ setup
@@ -120,15 +122,21 @@ class FastDeployCacheManager:
         _refuse_unsupported(cache_config)
         num_blocks = _gpu_block_count(cache_config)
         block_size = getattr(cache_config, "block_size", None)
-        if not isinstance(block_size, int) or block_size < 1:
-            raise KVCacheError(f"cache_config.block_size: must be an integer >= 1, got {block_size!r}")
+        if block_size is not None:
+            _check_count(block_size, "cache_config.block_size", least=1)
         self.num_gpu_blocks = num_blocks
-        self.block_size = block_size
+        # FastDeploy passes the block size with every prefix call; a config without one takes the first call's.
+        self.block_size: int | None = block_size
+        self._hasher = BlockHasher(block_size) if block_size is not None else None
         self._pool = BlockPool(1, num_blocks)
         self._index = PrefixIndex(1, num_blocks)
-        self._hasher = BlockHasher(block_size)
         self._requests: dict[object, _Request] = {}
         self._queries = self._hit_requests = self._queried_tokens = self._hit_tokens = 0
+        metrics = _fastdeploy_metrics()
+        if metrics is not None:
+            metrics.max_gpu_block_num.set(num_blocks)
+            metrics.max_cpu_block_num.set(0)
+        self._report()
 
     def update_cache_config(self, cache_config: Any) -> None:
         """Take FastDeploy's final cache config (its block count after profiling) and start empty.
@@ -206,6 +214,7 @@ class FastDeployCacheManager:
                                    f"{int(self._pool.num_free()[0])} allocatable")
             if allocation.evicted_blocks.size:
                 self._index.remove_gone(allocation.evicted_rows, allocation.evicted_blocks)
+            self._report()
             return allocation.blocks[0].tolist()
 
     def recycle_gpu_blocks(self, gpu_block_ids: int | Sequence[int], req_id: object = None) -> None:
@@ -219,6 +228,7 @@ class FastDeployCacheManager:
         with self.request_release_lock:
             blocks = self._held_blocks(ids, "gpu_block_ids", req_id)
             self._pool.decref(np.zeros(blocks.size, dtype=np.intp), blocks)
+            self._report()
 
     def _held_blocks(self, ids: Sequence[object], field: str, req_id: object) -> np.ndarray:
         """``ids`` as an intp array after checking each is a block id with a reference per listing."""
@@ -262,6 +272,7 @@ class FastDeployCacheManager:
             self._hit_requests += matched > 0
             self._queried_tokens += int(tokens.size)
             self._hit_tokens += matched
+            self._report_hit(req_id, matched, int(tokens.size))
             task.num_cached_blocks = len(block_ids)
             metrics = {
                 "gpu_match_token_num": matched,
@@ -337,6 +348,7 @@ class FastDeployCacheManager:
             if req.blocks:
                 blocks = np.asarray(req.blocks[::-1], dtype=np.intp)
                 self._pool.decref(np.zeros(blocks.size, dtype=np.intp), blocks, unique=True)
+            self._report()
 
     def release_block_ids_async(self, task: Any) -> Future:
         """``release_block_ids`` on a worker thread, as FastDeploy's v0 scheduler calls it."""
@@ -393,6 +405,18 @@ class FastDeployCacheManager:
                 return i, keys
         return len(items) - 1, keys
 
+    def is_chunked_mm_input(self, mm_inputs: dict | None, matched_token_num: int) -> tuple[bool, int]:
+        """Whether ``matched_token_num`` falls inside a multimodal item (not at its edges), and which item."""
+        positions = (mm_inputs or {}).get("mm_positions") or []
+        for i, pos in enumerate(positions):
+            offset = pos["offset"] if isinstance(pos, dict) else pos.offset
+            length = pos["length"] if isinstance(pos, dict) else pos.length
+            if offset < matched_token_num < offset + length:
+                return True, i
+            if matched_token_num < offset:
+                break
+        return False, 0
+
     # ------------------------------------------------------------------ resets
 
     def reset(self, wait_for_tasks_done: bool = False) -> None:
@@ -400,6 +424,8 @@ class FastDeployCacheManager:
         workers dropped the KV cache). ``wait_for_tasks_done``: there are no swap tasks to wait for."""
         with self.request_release_lock:
             self._build(self.cache_config)
+            if self.metrics is not None:
+                self.metrics.reset_metrics()
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix; live requests keep their blocks. Returns the hashes dropped."""
@@ -456,6 +482,26 @@ class FastDeployCacheManager:
 
     # ------------------------------------------------------------------ internals
 
+    def _report_hit(self, req_id: object, matched: int, queried: int) -> None:
+        """Feed FastDeploy's hit-rate gauges the way its manager does (counters restart every 10,000 requests)."""
+        metrics = self.metrics
+        if metrics is None:
+            return
+        metrics.req_count += 1
+        metrics.hit_req_count += matched > 0
+        metrics.calculate_hit_metrics(req_id, 0, matched, 0, queried)
+        metrics._update_history_hit_metrics()
+        if metrics.req_count % 10000 == 0:
+            metrics.reset_metrics()
+
+    def _report(self) -> None:
+        """Set FastDeploy's block gauges (``free_gpu_block_num``, ``available_gpu_resource``) as its manager does."""
+        metrics = _fastdeploy_metrics()
+        if metrics is not None:
+            free = self.num_free_gpu_blocks
+            metrics.free_gpu_block_num.set(free)
+            metrics.available_gpu_resource.set(free / self.num_gpu_blocks)
+
     def _get(self, req_id: object) -> _Request:
         req = self._requests.get(req_id)
         if req is None:
@@ -463,7 +509,12 @@ class FastDeployCacheManager:
         return req
 
     def _check_block_size(self, block_size: int) -> None:
-        if block_size != self.block_size:
+        if self.block_size is None:
+            _check_count(block_size, "block_size", least=1)
+            with self.request_release_lock:
+                self._hasher = BlockHasher(block_size)
+                self.block_size = block_size
+        elif block_size != self.block_size:
             raise KVCacheError(f"block_size: {block_size!r} differs from cache_config.block_size {self.block_size}")
 
 
@@ -532,9 +583,24 @@ def _gpu_block_count(cache_config: Any) -> int:
     return int(count)
 
 
-def _check_count(value: object, field: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
-        raise KVCacheError(f"{field}: must be an integer >= 0, got {value!r}")
+def _check_count(value: object, field: str, least: int = 0) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < least:
+        raise KVCacheError(f"{field}: must be an integer >= {least}, got {value!r}")
+
+
+def _hit_metrics() -> Any:
+    """A FastDeploy ``CacheMetrics`` (it sets FastDeploy's prefix hit-rate gauges), or None without FastDeploy."""
+    if "fastdeploy" not in sys.modules:
+        return None
+    from fastdeploy.cache_manager.cache_metrics import CacheMetrics
+
+    return CacheMetrics()
+
+
+def _fastdeploy_metrics() -> Any:
+    """FastDeploy's ``main_process_metrics`` as its cache manager module names it, or None without FastDeploy."""
+    module = sys.modules.get("fastdeploy.cache_manager.prefix_cache_manager")
+    return getattr(module, "main_process_metrics", None)
 
 
 def _task_tokens(task: Any) -> np.ndarray:
