@@ -42,6 +42,7 @@ from zmq.utils import z85
 from zmq.utils.monitor import recv_monitor_message
 
 from kvcache.allocator.errors import KVCacheError
+from kvcache.paths import check_socket_path
 
 log = logging.getLogger("kvcache.auth")
 ZAP_DOMAIN = "kvcache"
@@ -325,8 +326,8 @@ def _describe_zap(request: list[bytes] | None, clients_dir: Path, status: bytes)
 def check_ipc_permissions(path: str | os.PathLike) -> None:
     """Raise unless the ipc socket (a path or ``ipc://PATH``) belongs to this user and only this user may use it.
 
-    Group or other bits on the socket, or a folder others may write without
-    the sticky bit (they could replace the socket), let other users in.
+    Group or other bits on the socket let other users in; a folder above it that
+    kvcache.paths refuses lets them replace it.
     """
     text = os.fspath(path)
     target = Path(text[len("ipc://"):] if text.startswith("ipc://") else text)
@@ -341,8 +342,5 @@ def check_ipc_permissions(path: str | os.PathLike) -> None:
     mode = stat.S_IMODE(info.st_mode)
     if mode & 0o077:
         raise KVCacheError(f"ipc: {target} has mode {mode:04o}; other users can connect (want 0600 or 0700)")
-    folder = target.parent.stat()
-    if folder.st_mode & 0o022 and not folder.st_mode & stat.S_ISVTX:
-        raise KVCacheError(f"ipc: {target.parent} is writable by other users (mode "
-                           f"{stat.S_IMODE(folder.st_mode):04o}), who could replace the socket")
+    check_socket_path(target, "ipc")  # and its folders: this user's or root's, writable by their owner alone
 

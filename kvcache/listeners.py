@@ -1,11 +1,12 @@
 """The daemon's bound sockets: ipc files owner-only and locked against a second daemon, CURVE on every other one.
 
 An ipc:// socket (and the local endpoint's datagram socket) is created under
-umask 077, beside a lock file ``PATH.lock`` that holds the daemon's pid and
-that the daemon keeps locked (``flock``) while it runs. A second daemon on the
-same path is refused, naming the first, instead of replacing its socket; the
-lock of a daemon that died (kill -9) is free again, and the next start replaces
-its stale files. ``close`` removes every socket and lock file.
+umask 077, in a folder that only this user (or root) owns and may write
+(kvcache.paths: one another user made or may write is refused), beside a
+lock file ``PATH.lock`` that holds the daemon's pid and that it keeps locked
+(``flock``) while it runs. A second daemon on the same path is refused, naming
+the first, instead of replacing its socket; the lock of a daemon that died
+(kill -9) is free again, and the next start replaces its stale files. ``close`` removes every socket and lock file.
 
 With CURVE, every other socket (tcp://) uses the daemon's key and lets in only
 the allowed clients; a ROUTER's messages from a client revoked since it
@@ -27,6 +28,7 @@ import zmq
 
 from kvcache.allocator.errors import KVCacheError
 from kvcache.auth import secure_server_socket
+from kvcache.paths import make_socket_folder
 
 if TYPE_CHECKING:
     from kvcache.auth import CurveConfig, KeyAuthenticator
@@ -132,11 +134,9 @@ class Listeners:
         self._publishers.clear()
 
     def _claim(self, path: Path, field: str, endpoint: str) -> None:
-        """Lock ``path``'s lock file (refused while a live daemon holds it), then remove a stale socket file."""
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        except OSError as exc:
-            raise KVCacheError(f"{field}: cannot create the folder {path.parent}: {exc.strerror}") from None
+        """Check ``path``'s folder (kvcache.paths), lock its lock file (refused while a live daemon holds it), then
+        remove a stale socket file."""
+        make_socket_folder(path.parent, field)  # refuses a folder another user made or may write
         lock = path.with_name(path.name + ".lock")
         if any(lock == held for held, _ in self._locks):
             raise KVCacheError(f"{field}: {endpoint} is already one of this daemon's sockets; give each its own path")

@@ -43,6 +43,10 @@ instead of the PUB: each delta is one datagram sent straight to this worker's
 socket, with no ZMQ I/O thread on either side. The same seq checks, replay and
 epochs apply. Where the daemon has no local endpoint, or this host cannot reach
 it, the worker takes the PUB as before (``local`` says which it uses).
+
+Before it connects to an ipc:// socket or the local endpoint, a worker checks
+that only its user or root can have put the socket there (kvcache.paths), as
+CacheClient does.
 """
 from __future__ import annotations
 
@@ -63,6 +67,7 @@ from kvcache.auth import CurveConfig, secure_client_socket
 from kvcache.allocator.rows import Row, cell_rows, rows_of_rank
 from kvcache.allocator.table import EMPTY, rank_rows
 from kvcache.client import CacheClient, DaemonUnavailable
+from kvcache.paths import check_socket_path
 from kvcache.protocol import (
     DELTA_HEAD_BYTES,
     DELTA_TOPIC,
@@ -217,6 +222,12 @@ def _reachable(bound: str, via: str) -> str:
     return bound
 
 
+def _check_ipc(endpoint: str, field: str) -> None:
+    """``check_socket_path`` for an ipc:// endpoint; tcp:// ones are CURVE's to secure."""
+    if endpoint.startswith("ipc://"):
+        check_socket_path(endpoint, field)
+
+
 def _ms(seconds: float) -> int:
     return max(0, int(seconds * 1000) + 1)
 
@@ -302,6 +313,8 @@ class TableSubscriber:
         self.snapshots = 0  # snapshots loaded
         self._pub_endpoint = _reachable(info["pub_endpoint"], endpoint)
         self._replay_endpoint = _reachable(info["replay_endpoint"], endpoint)
+        _check_ipc(self._pub_endpoint, "pub_endpoint")  # before any socket: a refusal leaves none open
+        _check_ipc(self._replay_endpoint, "replay_endpoint")
         self._sub: zmq.Socket | None = None
         self._local: socket.socket | None = None
         self._local_path: str | None = info.get("local_endpoint") if local else None
@@ -351,6 +364,7 @@ class TableSubscriber:
             secure_client_socket(sock, self._curve)
 
     def _connect_replay(self) -> zmq.Socket:
+        _check_ipc(self._replay_endpoint, "replay_endpoint")
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
@@ -381,6 +395,7 @@ class TableSubscriber:
         The socket is connected to the endpoint, so the kernel delivers it nothing from anyone else; the
         daemon's answer must carry the epoch ``info`` gave, or the path leads to another daemon.
         """
+        check_socket_path(self._local_path, "local_endpoint")
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         try:
             bind_private(sock, "worker")
@@ -412,6 +427,7 @@ class TableSubscriber:
             try:
                 self._local.send(LOCAL_SUBSCRIBE)
             except OSError:  # the daemon we were connected to is gone: reach a new one on the same path
+                check_socket_path(self._local_path, "local_endpoint")
                 self._local.connect(self._local_path)
                 self._local.send(LOCAL_SUBSCRIBE)
         except OSError:
