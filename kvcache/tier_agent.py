@@ -56,7 +56,9 @@ class TierAgent:
     a shared file instead of this process's memory: a worker restarted with the
     same file brings them back, and the daemon keeps serving the blocks that
     were ready (copies in flight when the old worker stopped fail). The file
-    outlives the process; delete it to drop the blocks.
+    outlives the process; delete it to drop the blocks. Only this user's
+    processes share it: it is created 0600, and a file of another user, one
+    that others may read or write, or a symbolic link is refused.
     """
 
     def __init__(self, subscriber: Any, region: KVRegion, *, timeout: float = DEFAULT_TIMEOUT,

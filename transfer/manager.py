@@ -27,10 +27,13 @@ Threads: every method belongs to the manager's owner thread except
 from __future__ import annotations
 
 import dataclasses
+import errno
 import itertools
 import logging
 import mmap
 import os
+import pwd
+import stat
 import struct
 import sys
 import time
@@ -649,15 +652,16 @@ def map_host_file(path: str | os.PathLike, spec: CacheSpec, num_blocks: int) -> 
     one of these) is sized and given a new random id (its blocks hold nothing yet). Not pinned:
     an engine registers it for CUDA copies. The file stays when the process ends; delete it to
     drop the blocks.
+
+    Only this user's processes may share it (a restarted worker maps the file its previous run
+    made): a missing file is created 0600, and an existing one is refused unless it is a regular
+    file of this user that no other user may read or write; a symbolic link is never followed.
     """
     nbytes = spec.cache_bytes(num_blocks)
     size = HOST_FILE_DATA_OFFSET + nbytes
     fields = (spec.bytes_per_block, num_blocks, spec.num_layers)
     name = os.fspath(path)
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-    except OSError as exc:
-        raise KVCacheError(f"host_file: cannot open {name!r}: {exc.strerror}") from None
+    fd = _open_host_file(name)
     step = "read"
     try:
         header = os.pread(fd, _HOST_FILE_HEADER.size, 0)
@@ -680,6 +684,34 @@ def map_host_file(path: str | os.PathLike, spec: CacheSpec, num_blocks: int) -> 
         os.close(fd)
     addr = np.frombuffer(mapping, dtype=np.uint8).ctypes.data + HOST_FILE_DATA_OFFSET
     return KVRegion.from_buffer(spec, num_blocks, addr, keep=(mapping,)), buffer_id
+
+
+def _open_host_file(name: str) -> int:
+    """An fd of ``name`` read-write: created 0600 if missing, else only this user's file, private and not a link."""
+    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK  # O_NONBLOCK: a FIFO put there never blocks us
+    try:
+        try:
+            return os.open(name, flags | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            fd = os.open(name, flags)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise KVCacheError(f"host_file: {name!r} is a symbolic link, which is never followed (another user could "
+                               f"point it at a file of ours); give the path of a file of your own") from None
+        raise KVCacheError(f"host_file: cannot open {name!r}: {exc.strerror}") from None
+    info = os.fstat(fd)
+    mode = stat.S_IMODE(info.st_mode)
+    if stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid() and not mode & 0o077:
+        return fd
+    os.close(fd)
+    try:
+        owner = f"{pwd.getpwuid(info.st_uid).pw_name} (uid {info.st_uid})"
+    except KeyError:
+        owner = f"uid {info.st_uid}"
+    kind = "" if stat.S_ISREG(info.st_mode) else "not a regular file, "
+    raise KVCacheError(f"host_file: refusing {name!r} ({kind}owned by {owner}, mode {mode:04o}): another user could "
+                       f"read the offloaded KV or write into its blocks; a host file must be a regular file of uid "
+                       f"{os.geteuid()} with mode 0600: remove it (a new one is created 0600) or choose another path")
 
 
 def copy_layers(engine: LocalEngine, src: KVRegion, src_ids: np.ndarray, dst: KVRegion, dst_ids: np.ndarray,
