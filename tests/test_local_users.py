@@ -21,6 +21,7 @@ from kvcache.allocator.errors import KVCacheError
 from kvcache.client import CacheClient
 from kvcache.transfer.manager import map_host_file
 from kvcache.worker import TableSubscriber
+from test_tier import make_spec
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="playing another user (nobody) needs root")
 
@@ -217,12 +218,6 @@ def test_a_socket_folder_that_is_a_symbolic_link_is_refused(shared_tmp: Path, tm
 # ---------------------------------------------------------------------------------------------- host files
 
 
-def make_spec():
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from test_tier import make_spec as spec_of
-    return spec_of("bf16")
-
-
 def test_a_host_file_that_is_a_symbolic_link_is_refused_and_its_target_untouched(shared_tmp: Path,
                                                                                   tmp_path: Path) -> None:
     """nobody links the host file's path to a file of root's: the link is not followed, the file keeps its bytes."""
@@ -232,7 +227,7 @@ def test_a_host_file_that_is_a_symbolic_link_is_refused_and_its_target_untouched
     path = shared_tmp / "kvcache-host-rank0"
     nobody_runs(f"ln -s {target} {path}")
     with pytest.raises(KVCacheError) as refused:
-        map_host_file(path, make_spec(), 4)
+        map_host_file(path, make_spec("bf16"), 4)
     assert str(refused.value) == (f"host_file: {str(path)!r} is a symbolic link, which is never followed (another "
                                   f"user could point it at a file of ours); give the path of a file of your own")
     assert target.read_bytes() == b"root's data"
@@ -244,7 +239,7 @@ def test_a_host_file_another_user_made_is_refused(shared_tmp: Path) -> None:
     path = shared_tmp / "kvcache-host-rank0"
     nobody_runs(f"printf bait > {path} && chmod 666 {path}")
     with pytest.raises(KVCacheError) as refused:
-        map_host_file(path, make_spec(), 4)
+        map_host_file(path, make_spec("bf16"), 4)
     assert str(refused.value) == (
         f"host_file: refusing {str(path)!r} (owned by {NOBODYS}, mode 0666): another user could read the offloaded KV "
         f"or write into its blocks; a host file must be a regular file of uid 0 with mode 0600: remove it (a new "
@@ -257,9 +252,9 @@ def test_a_host_file_of_ours_that_others_may_read_is_refused(tmp_path: Path) -> 
     path.write_bytes(b"")
     os.chmod(path, 0o640)
     with pytest.raises(KVCacheError, match=r"\(owned by root \(uid 0\), mode 0640\)"):
-        map_host_file(path, make_spec(), 4)
+        map_host_file(path, make_spec("bf16"), 4)
     os.chmod(path, 0o600)
-    map_host_file(path, make_spec(), 4)
+    map_host_file(path, make_spec("bf16"), 4)
 
 
 def test_a_new_host_file_is_created_0600_and_mapped_again_by_a_restarted_worker(shared_tmp: Path) -> None:
@@ -267,8 +262,8 @@ def test_a_new_host_file_is_created_0600_and_mapped_again_by_a_restarted_worker(
     path = shared_tmp / "kvcache-host-rank0"
     old = os.umask(0)
     try:
-        _, first = map_host_file(path, make_spec(), 4)
+        _, first = map_host_file(path, make_spec("bf16"), 4)
     finally:
         os.umask(old)
     assert stat.S_IMODE(path.stat().st_mode) == 0o600 and path.stat().st_uid == 0
-    assert map_host_file(path, make_spec(), 4)[1] == first
+    assert map_host_file(path, make_spec("bf16"), 4)[1] == first
