@@ -56,10 +56,12 @@ _OBJECT_HEAD = struct.Struct("<BI")  # tag, instance index; the class name follo
 _MAX_DIMS = 32  # numpy's own limit is 64; the daemon's arrays have at most 2
 _MAX_VOID = 1 << 16  # bytes in one |V item at most (the daemon's hashes are 32)
 _MAX_FIELDS = 16  # fields of a record dtype at most
-# The dtypes the codec writes and reads: plain numbers of either byte order, by their descr.
-_PLAIN = {np.lib.format.dtype_to_descr(d): d for d in (np.dtype(t).newbyteorder(o) for o in "<>" for t in (
-    np.bool_, np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32, np.int64, np.uint64, np.float16, np.float32,
-    np.float64))}
+# The dtypes the codec writes and reads: plain numbers of either byte order, by their descr. Each is built from
+# its descr, so this machine's order comes back native ('=', a buffer format of "i", not "<i", as C code expects).
+_PLAIN = {descr: np.dtype(descr) for descr in (np.lib.format.dtype_to_descr(np.dtype(t).newbyteorder(o)) for o in "<>"
+                                               for t in (np.bool_, np.int8, np.uint8, np.int16, np.uint16, np.int32,
+                                                         np.uint32, np.int64, np.uint64, np.float16, np.float32,
+                                                         np.float64))}
 _VOID = re.compile(r"\|V([1-9][0-9]{0,5})")
 
 

@@ -114,6 +114,13 @@ def test_arrays_load_as_writable_views_of_a_bytearray_and_as_copies_of_bytes():
     assert CODEC.loads(data)[0].tolist() == [0, 1, 2, 3, 4]
 
 
+def test_arrays_come_back_in_this_machines_byte_order_as_native_code_reads_them():
+    """A saved int32 array decodes to a buffer of format "i" (not "<i"): the allocator's C code takes only that."""
+    for dtype, fmt in [(np.int32, "i"), (np.int64, "l"), (np.uint8, "B"), (np.bool_, "?")]:
+        (back,) = CODEC.loads(bytearray(CODEC.dumps([np.zeros((2, 3), dtype=dtype)])))
+        assert back.dtype.isnative and memoryview(back).format == fmt
+
+
 def test_shared_instances_and_arrays_stay_shared_and_custom_state_is_rebuilt():
     array = np.zeros(3)
     item = Plain(array)
