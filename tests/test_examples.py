@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -63,3 +65,18 @@ def test_plan_example_cli_sizes_each_row(name):
     plan = json.loads(result.stdout)
     assert plan["num_blocks"] > 0
     assert len(plan["rows"]) == len(EXPECTED[name][4])
+
+
+def test_examples_the_docs_name_are_shipped():
+    """Every ``--example NAME``, ``load_example("NAME")`` and ``--model NAME`` (a name, not a path) in the README
+    and docs/ names a shipped config, and the README lists every shipped one."""
+    root = Path(__file__).resolve().parents[1]
+    shipped = set(example_models())
+    pattern = re.compile(r"--example[ =]([\w.-]+)|load_example\(\"([^\"]+)\"\)|--model[ =]([\w.-]+)(?=[\s`])")
+    for doc in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+        for match in pattern.finditer(doc.read_text()):
+            name = next(g for g in match.groups() if g)
+            if name not in ("NAME", "...") and not name.endswith(".json"):  # a path is the reader's own
+                assert name in shipped, f"{doc.name} names example {name!r}; shipped: {', '.join(sorted(shipped))}"
+    readme = (root / "README.md").read_text()
+    assert not [n for n in shipped if f"`{n}`" not in readme], "README.md's list of examples misses one"
