@@ -4,7 +4,11 @@ A journal is a folder, owned by the daemon's user and writable by nobody else, h
 
     snapshot   the whole state after record ``lsn`` (atomically replaced: temp file, fsync, rename, fsync dir)
     wal        records after the snapshot: [u32 length | u32 crc32 | u64 lsn | payload] each
-    lock       held (flock) by the daemon using the journal; names its pid
+    lock       names the pid of the daemon using the journal
+
+The daemon holds an flock on the folder itself (and on ``lock``) for its
+life, so deleting or replacing ``lock`` lets no second daemon, and no
+``repair``, in while it runs.
 
 ``commit()`` makes every appended record durable with one fdatasync (group
 commit): the daemon sends a reply only after the record of its message is
@@ -35,8 +39,8 @@ snapshot, or a snapshot without a WAL, means a file was lost: refused.
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
-import shutil
 import stat
 import struct
 import time
@@ -57,6 +61,9 @@ _SNAPSHOT_MAGIC = b"KVCJ2\n"
 _PICKLE_MAGIC = b"KVCJ1\n"  # snapshots of older versions: pickles, never loaded
 _SNAPSHOT_HEAD = struct.Struct("<QI")  # lsn, crc32 of the state
 MAX_RECORD_BYTES = 1 << 30
+# A log is read whole to recover it: one holding more data than this (a damaged file, not a daemon's log) is
+# refused rather than read. Holes in a sparse file count as the zeros they read as, past the last data.
+MAX_WAL_BYTES = 16 << 30
 PREALLOCATE_BYTES = 4 << 20  # zero-filled ahead of the writes, this much at a time
 _ZEROS = memoryview(bytes(1 << 20))
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
@@ -144,16 +151,45 @@ def _later_commit(data: bytes, start: int, expected_lsn: int) -> Damage | None:
     return None
 
 
+def _data_end(fd: int, size: int) -> int:
+    """Where the last stretch of data of a file of ``size`` bytes ends (its size where holes cannot be found)."""
+    end = position = 0
+    try:
+        while position < size and end <= MAX_WAL_BYTES:
+            start = os.lseek(fd, position, os.SEEK_DATA)
+            end = position = os.lseek(fd, start, os.SEEK_HOLE)
+    except OSError as exc:
+        if exc.errno != errno.ENXIO:  # ENXIO: no data past ``position``
+            return size
+    return min(end, size)
+
+
+def read_wal(wal: str | Path) -> bytes:
+    """A WAL's bytes up to the end of its data (b"" for a missing file), or a one-line ``KVCacheError`` for a file
+    past ``MAX_WAL_BYTES`` or one that cannot be read: memory stays bounded whatever its size claims."""
+    wal = Path(wal)
+    try:
+        fd = os.open(wal, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return b""
+    except OSError as exc:
+        raise KVCacheError(f"journal: cannot read {wal}: {exc.strerror}") from None
+    with os.fdopen(fd, "rb") as f:
+        end = _data_end(fd, os.fstat(fd).st_size)
+        if end > MAX_WAL_BYTES:
+            raise KVCacheError(f"journal: {wal} holds data past {MAX_WAL_BYTES:,} bytes, more than a log is read "
+                               "into memory to recover; it is not a daemon's log (damaged or replaced): move it away")
+        f.seek(0)  # finding the data moved the file's offset
+        return f.read(end)
+
+
 def records_end(wal: str | Path) -> int:
     """Where a WAL's whole records end (its preallocated zeros start); 0 for a missing file.
 
     For observers such as a benchmark measuring bytes journaled: the file's
     size says nothing once it is preallocated.
     """
-    try:
-        data = Path(wal).read_bytes()
-    except FileNotFoundError:
-        return 0
+    data = read_wal(wal)
     end = 0
     for end, _, _, _ in _whole_records(data):
         pass
@@ -186,6 +222,43 @@ def check_private(path: Path, what: str) -> None:
         raise KVCacheError(f"journal: {path} is writable by other users (mode {mode:04o}); chmod {fix} {path}")
 
 
+def _holder(lock: Path) -> str:
+    """The pid a lock file names, for a refusal ("unknown" where it is gone or unreadable)."""
+    try:
+        fd = os.open(lock, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return "unknown (its lock file was removed)"
+    try:
+        return os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+    finally:
+        os.close(fd)
+
+
+def lock_folder(folder: Path) -> tuple[int, int]:
+    """Hold ``folder``'s lock: an flock on the folder itself, then on its ``lock`` file (which names this pid);
+    returns both descriptors (closing them releases it). ``LockHeld`` names the holder while another process has it.
+
+    The folder's own lock is what keeps a second writer out: deleting or replacing the lock file cannot void it.
+    The file's keeps out older versions of kvcache, which lock only the file.
+    """
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        raise KVCacheError(f"journal: cannot open the folder {folder}: {exc.strerror}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return fd, pid_lock(folder / "lock")
+    except BlockingIOError:
+        os.close(fd)
+        raise LockHeld(folder / "lock", _holder(folder / "lock")) from None
+    except LockHeld:
+        os.close(fd)
+        raise
+    except OSError as exc:
+        os.close(fd)
+        raise KVCacheError(f"journal: cannot use the lock file {folder / 'lock'}: {exc.strerror}") from None
+
+
 def _no_space(path: Path) -> JournalFull:
     return JournalFull(f"journal: no space left on device ({path}); state-changing operations are refused until "
                        "there is room again")
@@ -203,7 +276,8 @@ class Journal:
         self._wal_bytes = 0  # the records' end: where the next commit writes
         self._allocated = 0  # the WAL file's size; zeros from _wal_bytes to here
         self._fd: int | None = None
-        self._lock: int | None = None
+        self._lock: int | None = None  # the folder's flock
+        self._lock_file: int | None = None  # the lock file's
 
     @property
     def wal_bytes(self) -> int:
@@ -228,7 +302,7 @@ class Journal:
                     f"{d.records_after} valid record(s) of later commits follow from offset {d.resumes_at} (up to "
                     f"record {d.last_lsn}); nothing was changed. See `kvcache journal check {self.folder}`; "
                     f"`kvcache journal repair {self.folder} --truncate-at {d.offset}` drops them, keeping a backup")
-            if recovered.snapshot is None and self.wal.exists() and self.wal.read_bytes().strip(b"\0"):
+            if recovered.snapshot is None and (recovered.records or recovered.truncated_bytes):
                 raise KVCacheError(f"journal: {self.wal} holds records but {self.folder / 'snapshot'} is missing; "
                                    "restore the snapshot, or move the folder away to start with no allocations")
             if recovered.snapshot is not None and not self.wal.exists():
@@ -256,7 +330,7 @@ class Journal:
         for name, what in (("snapshot", "snapshot"), ("wal", "log"), ("lock", "lock file")):
             check_private(self.folder / name, what)
         try:
-            self._lock = pid_lock(self.folder / "lock")
+            self._lock, self._lock_file = lock_folder(self.folder)
         except LockHeld as exc:
             raise KVCacheError(f"journal: {self.folder} is in use by process {exc.holder} (another kvcache serve); "
                                "stop it, or give this daemon another --journal") from None
@@ -364,9 +438,10 @@ class Journal:
             finally:
                 os.close(self._fd)
                 self._fd = None
-        if self._lock is not None:
-            os.close(self._lock)  # releases the flock
-            self._lock = None
+        for fd in (self._lock_file, self._lock):  # closing releases the flocks
+            if fd is not None:
+                os.close(fd)
+        self._lock = self._lock_file = None
 
 
 def read_snapshot(folder: str | Path) -> tuple[bytearray | None, int]:
@@ -404,11 +479,10 @@ def examine(folder: str | Path, *, locked: bool = False) -> Recovered:
         if not folder.is_dir():
             raise KVCacheError(f"journal: {folder} is not a folder")
         check_private(folder, "journal folder")
-        for name, what in (("snapshot", "snapshot"), ("wal", "log")):
+        for name, what in (("snapshot", "snapshot"), ("wal", "log"), ("lock", "lock file")):
             check_private(folder / name, what)
     snapshot, snapshot_lsn = read_snapshot(folder)
-    wal = folder / "wal"
-    data = wal.read_bytes() if wal.exists() else b""
+    data = read_wal(folder / "wal")
     records: list[bytes] = []
     offset = 0
     lsn = snapshot_lsn
@@ -436,24 +510,43 @@ def repair(folder: str | Path, truncate_at: int) -> Path:
     check_private(folder, "journal folder")
     wal = folder / "wal"
     check_private(wal, "log")
+    check_private(folder / "lock", "lock file")
     try:
-        fd = pid_lock(folder / "lock")
+        fds = lock_folder(folder)
     except LockHeld as exc:
         raise KVCacheError(f"journal: {folder} is in use by process {exc.holder}; stop it before repairing") from None
     try:
-        data = wal.read_bytes()
+        data = read_wal(wal)
         ends = {0, *(end for end, _, _, _ in _whole_records(data))}
         if truncate_at not in ends:
             raise KVCacheError(f"--truncate-at: {truncate_at} is not where a whole record of {wal} ends "
                                f"(the last whole record ends at {max(ends)}); use the offset `kvcache journal check` "
                                "names")
-        backup = folder / f"wal.backup-{time.strftime('%Y%m%d-%H%M%S')}"
-        shutil.copyfile(wal, backup)
-        os.chmod(backup, 0o600)
-        with open(wal, "r+b") as f:
+        backup = _write_backup(folder, data)
+        with open(wal, "r+b", opener=lambda p, f: os.open(p, f | os.O_NOFOLLOW)) as f:
             f.truncate(truncate_at)
             f.flush()
             os.fsync(f.fileno())
         return backup
     finally:
-        os.close(fd)
+        for fd in reversed(fds):
+            os.close(fd)
+
+
+def _write_backup(folder: Path, data: bytes) -> Path:
+    """Write ``data`` (a log about to be cut) to a new ``wal.backup-<time>[-<n>]`` file, durably; never overwrites
+    one: an earlier backup may be the only copy of acknowledged records."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for n in range(1, 1000):
+        backup = folder / (f"wal.backup-{stamp}" if n == 1 else f"wal.backup-{stamp}-{n}")
+        try:
+            fd = os.open(backup, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except FileExistsError:
+            continue
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(folder)  # the backup is on disk before the log is cut
+        return backup
+    raise KVCacheError(f"journal: {folder} already holds 999 backups of the log stamped {stamp}; move some away")

@@ -22,9 +22,9 @@ def reopen(folder):
 
 def crash(journal):
     """What a kill does to an open journal: its files close (and its lock goes) without a commit."""
-    os.close(journal._fd)
-    os.close(journal._lock)
-    journal._fd = journal._lock = None
+    for fd in (journal._fd, journal._lock, journal._lock_file):
+        os.close(fd)
+    journal._fd = journal._lock = journal._lock_file = None
 
 
 def test_committed_records_come_back_in_order(tmp_path):
@@ -331,3 +331,25 @@ def test_a_full_disk_is_found_by_reserve_before_anything_is_written(small_disk):
     journal.close()
     _, rec = reopen(small_disk.path / "j")
     assert rec.snapshot == b"S" * (2 << 20) and rec.records == []
+
+
+def test_repairs_never_overwrite_a_backup(tmp_path):
+    """Each repair keeps its own backup, even two within one second or beside a backup of that name already there."""
+    import time
+
+    journal, _ = reopen(tmp_path)
+    commits(journal, [b"a" * 10], [b"b" * 10])
+    journal.close()
+    wal = tmp_path / "wal"
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(time.time() + 1))
+    placed = tmp_path / f"wal.backup-{stamp}"  # where a repair in the next second would write
+    placed.write_bytes(b"an earlier backup")
+    first_log = wal.read_bytes()
+    first = repair(tmp_path, 26)
+    second_log = wal.read_bytes()
+    second = repair(tmp_path, 0)
+    third = repair(tmp_path, 0)
+    assert len({first, second, third, placed}) == 4
+    assert [first.read_bytes(), second.read_bytes(), third.read_bytes()] == [first_log, second_log, b""]
+    assert placed.read_bytes() == b"an earlier backup"
+    assert all(oct(p.stat().st_mode & 0o777) == "0o600" for p in (first, second, third))

@@ -258,3 +258,62 @@ def test_a_snapshot_whose_parts_disagree_is_refused_by_restart_and_check_alike(d
     assert check.returncode != 0 and "ok: a restart recovers" not in check.stdout
     assert "Traceback" not in check.stderr and reason in check.stderr and len(check.stderr.splitlines()) == 1
     assert {name: (journal / name).read_bytes() for name in ("snapshot", "wal")} == before
+
+
+def test_a_deleted_lock_file_lets_no_second_daemon_or_repair_in(daemon, tmp_path):
+    """The daemon locks the journal folder itself: with its lock file deleted, a second daemon and a repair are
+    still refused (one line each) while it runs, and the log is untouched."""
+    journal = tmp_path / "j"
+    first = daemon("--num-blocks", "16", "--journal", str(journal))
+    admit_many(first.endpoint, 1, tokens=20)
+    (journal / "lock").unlink()
+    message = refused(daemon, "--num-blocks", "16", "--journal", str(journal))
+    assert "is in use by process" in message and "Traceback" not in message
+    log = (journal / "wal").read_bytes()
+    cut = journal_tool("repair", str(journal), "--truncate-at", "0")
+    assert cut.returncode == 2 and "is in use by process" in cut.stderr and len(cut.stderr.splitlines()) == 1
+    assert (journal / "wal").read_bytes() == log and not list(journal.glob("wal.backup-*"))
+    (journal / "lock").write_text("1\n")  # a lock file put back by hand, naming someone else, changes nothing
+    assert "is in use by process" in refused(daemon, "--num-blocks", "16", "--journal", str(journal))
+    assert admit_many(first.endpoint, 1, tokens=20, start=1)  # the first still serves
+    first.stop()
+    assert journal_tool("repair", str(journal), "--truncate-at", "0").returncode == 0  # once it stopped
+
+
+def limited(*args: str) -> subprocess.CompletedProcess:
+    """``kvcache journal ARGS`` in an address space of 4 GiB: a log of 64 GiB read whole would not fit."""
+    import resource
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (4 << 30, resource.RLIM_INFINITY))
+
+    return subprocess.run([sys.executable, "-m", "kvcache", "journal", *args], capture_output=True, text=True,
+                          timeout=60, preexec_fn=limit)
+
+
+def test_check_and_repair_of_a_symlinked_lock_or_a_huge_sparse_log_say_one_line_in_bounded_memory(daemon, tmp_path):
+    journal = tmp_path / "j"
+    d = daemon(*FLAGS, "--journal", str(journal))
+    admit_many(d.endpoint, 2)
+    d.stop()
+    wal = journal / "wal"
+    (journal / "lock").unlink()
+    (journal / "lock").symlink_to(tmp_path / "elsewhere")
+    for result in (journal_tool("check", str(journal)), journal_tool("repair", str(journal), "--truncate-at", "0")):
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+        assert f"{journal / 'lock'} is a symbolic link" in result.stderr and len(result.stderr.splitlines()) == 1
+    (journal / "lock").unlink()
+    os.truncate(wal, 64 << 30)  # a hole of 64 GiB after the records: zeros, as preallocation leaves
+    check = limited("check", str(journal))
+    assert check.returncode == 0 and "a restart recovers: 2 request(s)" in check.stdout, check.stderr
+    d = daemon(*FLAGS, "--journal", str(journal), folder=d.folder)  # the restart reads no more than the check
+    with CacheClient(d.endpoint) as client:
+        assert client.stats()["num_requests"] == 2
+    d.stop()
+    with open(wal, "r+b") as f:  # data 64 GiB in: past what a log may hold
+        f.seek(64 << 30)
+        f.write(b"\1")
+    for result in (limited("check", str(journal)), limited("repair", str(journal), "--truncate-at", "0")):
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+        assert "holds data past 17,179,869,184 bytes" in result.stderr and len(result.stderr.splitlines()) == 1
+    assert "holds data past" in refused(daemon, *FLAGS, "--journal", str(journal), folder=d.folder)
