@@ -152,7 +152,8 @@ class Reader:
         elif argv[0] == "python":
             argv = [sys.executable, *argv[1:]]
         result = subprocess.run(argv, cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=300)
-        assert result.returncode == 0, f"{where}: exit {result.returncode}\n{result.stdout[-2000:]}{result.stderr[-4000:]}"
+        assert result.returncode == 0, (f"{where}: exit {result.returncode}\n"
+                                        f"{result.stdout[-2000:]}{result.stderr[-4000:]}")
         return result.stdout
 
     @staticmethod
@@ -242,8 +243,8 @@ class Reader:
         from kvcache.client import CacheClient
 
         with CacheClient(self.endpoint) as client:
-            for rid in [*GIVENS["decoded"], "done"]:
-                assert client.admit(rid, [rid.__hash__() % 1000 + 1] * 40) is not None
+            for i, rid in enumerate([*GIVENS["decoded"], "done"]):
+                assert client.admit(rid, [i + 1] * 40) is not None
 
     def host_tier_daemon(self) -> None:
         """A daemon with a host tier serving the namespace's ``spec``, and ``cache``, its scheduler after a step."""
