@@ -45,7 +45,8 @@ def test_wheel_installs_and_runs_outside_the_source_tree(wheel_site, tmp_path):
     wheel, site = wheel_site
     names = zipfile.ZipFile(wheel).namelist()
     for expected in ("kvcache/allocator/layout.py", "kvcache/transfer/__init__.py", "kvcache/ops/__init__.py",
-                     "kvcache/examples/llama-3.1-70b.json", "kvcache/cli.py", "kvcache/bench/allocator.py"):
+                     "kvcache/examples/llama-3.1-70b.json", "kvcache/examples/gemma-3-4b.json",
+                     "kvcache/examples/gpt-oss-20b.json", "kvcache/cli.py", "kvcache/bench/allocator.py"):
         assert expected in names
     for extension in ("kvcache/allocator/_chainhash", "kvcache/allocator/_hashtable", "kvcache/allocator/_tables",
                       "kvcache/allocator/_pool",
