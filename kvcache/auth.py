@@ -33,7 +33,7 @@ import stat
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import zmq
 import zmq.auth
@@ -47,8 +47,8 @@ from kvcache.paths import check_socket_path
 log = logging.getLogger("kvcache.auth")
 ZAP_DOMAIN = "kvcache"
 REPEAT_S = 10.0  # the same peer refused for the same reason is logged at WARNING at most this often
-_HANDSHAKE_EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-                     | zmq.EVENT_MONITOR_STOPPED)
+HANDSHAKE_FAILURES = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+WATCH_JOIN_S = 1.0  # how long stopping waits for a socket watcher (each polls its monitor every 100 ms)
 _PROTOCOL_REASONS = {
     zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH: "its handshake offered no CURVE keys (NULL or PLAIN mechanism)",
     zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC: "its handshake did not decrypt: it holds a wrong server public key",
@@ -184,6 +184,28 @@ class _Refusals:
         log.log(level, "refused %s: %s%s", peer, reason, note)
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Watcher:
+    """A thread logging one socket's failed handshakes from its monitor."""
+
+    sock: zmq.Socket
+    thread: threading.Thread
+    stop: threading.Event
+
+    def end(self) -> None:
+        """End the socket's monitor and wait for the thread (at most WATCH_JOIN_S), which then closes its end.
+
+        The monitor's last event (MONITOR_STOPPED) ends the thread. Its end is
+        closed only after that: libzmq blocks on an event for a closed one.
+        """
+        if not self.sock.closed:  # closing a socket ends its monitor too
+            self.sock.disable_monitor()
+        self.thread.join(WATCH_JOIN_S)
+        if self.thread.is_alive():
+            self.stop.set()
+            log.warning("curve: a socket watcher missed its monitor's end within %.1f s; stopped it", WATCH_JOIN_S)
+
+
 class KeyAuthenticator(ThreadAuthenticator):
     """The ZAP handler of one context: allows the CURVE public keys in ``clients_dir`` and logs every refusal.
 
@@ -198,8 +220,7 @@ class KeyAuthenticator(ThreadAuthenticator):
         self.allowed: frozenset[str] = frozenset()  # the allowed public keys, z85 (as the User-Id of their messages)
         self._refusals = _Refusals(repeat_s)
         self._request: list[bytes] | None = None
-        self._stop_watching = threading.Event()
-        self._watchers: list[threading.Thread] = []
+        self._watchers: dict[int, _Watcher] = {}  # id(socket) -> its watcher
 
     @property
     def refused(self) -> int:
@@ -261,39 +282,72 @@ class KeyAuthenticator(ThreadAuthenticator):
         return None
 
     def watch(self, sock: zmq.Socket) -> None:
-        """Log handshake failures of ``sock`` (no keys, wrong server key), which never reach the ZAP handler."""
-        monitor = sock.get_monitor_socket(_HANDSHAKE_EVENTS)
-        watcher = threading.Thread(target=self._watch, args=(monitor,), name="kvcache-auth-watch", daemon=True)
-        self._watchers.append(watcher)
+        """Log handshake failures of ``sock`` (no keys, wrong server key), which never reach the ZAP handler.
+
+        A thread reads the socket's monitor. libzmq gives a socket one monitor,
+        so a caller that needs the socket's events takes it over with ``hand_over``.
+        """
+        monitor = sock.get_monitor_socket(HANDSHAKE_FAILURES | zmq.EVENT_MONITOR_STOPPED)
+        stop = threading.Event()
+        watcher = threading.Thread(target=self._watch, args=(monitor, stop), name="kvcache-auth-watch", daemon=True)
+        self._watchers[id(sock)] = _Watcher(sock, watcher, stop)
         watcher.start()
 
+    def hand_over(self, sock: zmq.Socket) -> Callable[[dict[str, Any]], bool] | None:
+        """Stop watching ``sock`` so the caller can monitor it; None if it was not watched.
+
+        The caller's monitor must include ``HANDSHAKE_FAILURES`` and pass every
+        event to the returned ``report_handshake``, which logs the refusals.
+        Call it from the thread that owns ``sock``.
+        """
+        watcher = self._watchers.pop(id(sock), None)
+        if watcher is None:
+            return None
+        watcher.end()
+        return self.report_handshake
+
+    def report_handshake(self, event: dict[str, Any]) -> bool:
+        """Log a monitor event of a CURVE server socket if it is a failed handshake; says whether it was one."""
+        kind = event["event"]
+        if not kind & HANDSHAKE_FAILURES:
+            return False
+        endpoint = event["endpoint"].decode(errors="replace")
+        if kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+            reason = _PROTOCOL_REASONS.get(event["value"], f"ZMTP protocol error {event['value']:#x}")
+        else:
+            reason = _BROKEN_OFF
+        self._refusals.report(f"a client of {endpoint}", reason)
+        return True
+
     def stop(self) -> None:
-        """Stop the ZAP thread and the socket watchers (each within a second)."""
+        """Stop the socket watchers (each within WATCH_JOIN_S), then the ZAP thread.
+
+        Call it from the thread that owns the watched sockets, before closing
+        them or after: each watcher ends on its monitor's last event and only
+        then closes its monitor socket, which nobody else closes.
+        """
         with _running_lock:
             if _running.get(id(self.context)) is self:
                 del _running[id(self.context)]
-        self._stop_watching.set()
-        for watcher in self._watchers:
-            watcher.join(1.0)
-        self._watchers.clear()
+        watchers, self._watchers = self._watchers, {}
+        for watcher in watchers.values():
+            watcher.end()
         super().stop()
 
-    def _watch(self, monitor: zmq.Socket) -> None:
+    def _watch(self, monitor: zmq.Socket, stop: threading.Event) -> None:
         try:
-            while not self._stop_watching.is_set():
+            while not stop.is_set():
                 if not monitor.poll(100):
                     continue
                 event = recv_monitor_message(monitor)
                 if event["event"] == zmq.EVENT_MONITOR_STOPPED:
                     return
-                endpoint = event["endpoint"].decode(errors="replace")
-                if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
-                    reason = _PROTOCOL_REASONS.get(event["value"], f"ZMTP protocol error {event['value']:#x}")
-                else:
-                    reason = _BROKEN_OFF
-                self._refusals.report(f"a client of {endpoint}", reason)
+                self.report_handshake(event)
+        except zmq.ContextTerminated:
+            pass  # the context ended under a watcher whose stop did not wait for it
         finally:
             monitor.close(0)
+
 
     async def handle_zap_message(self, msg: list[bytes]) -> None:
         """Answer one ZAP request (pyzmq decides); the request is kept so a refusal can name the peer."""

@@ -7,7 +7,7 @@ each value), so the one-owner rule for daemon state still holds.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
 import zmq
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
@@ -234,21 +234,30 @@ class SubscriberCounter:
     it is readable. A connection counts from EVENT_ACCEPTED (or EVENT_CONNECTED
     for a socket that connects out) until EVENT_DISCONNECTED; a peer that
     fails the handshake is counted in and out again.
+
+    libzmq gives a socket one monitor. Whoever else needs the socket's events
+    (the CURVE handshake watcher of ``KeyAuthenticator.hand_over``) passes
+    them as ``also`` and gets each event through ``on_event``.
     """
 
-    def __init__(self, socket: zmq.Socket) -> None:
+    def __init__(self, socket: zmq.Socket, also: int = 0,
+                 on_event: Callable[[dict[str, Any]], object] | None = None) -> None:
         self.socket = socket
         self.monitor_socket = socket.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_CONNECTED
-                                                        | zmq.EVENT_DISCONNECTED)
+                                                        | zmq.EVENT_DISCONNECTED | also)
+        self._on_event = on_event
         self.count = 0
 
     def handle(self) -> None:
         """Apply every pending monitor event."""
         while True:
             try:
-                event = recv_monitor_message(self.monitor_socket, zmq.NOBLOCK)["event"]
+                message = recv_monitor_message(self.monitor_socket, zmq.NOBLOCK)
             except zmq.Again:
                 return
+            event = message["event"]
+            if self._on_event is not None:
+                self._on_event(message)
             if event in (zmq.EVENT_ACCEPTED, zmq.EVENT_CONNECTED):
                 self.count += 1
             elif event == zmq.EVENT_DISCONNECTED:

@@ -44,7 +44,7 @@ from kvcache.allocator.pool import BlockPool
 from kvcache.allocator.prefix import BlockHasher, Inserted, MMPlaceholder, PrefixIndex
 from kvcache.allocator.rows import Row
 from kvcache.allocator.swa import Full, Window
-from kvcache.auth import CurveConfig, start_authenticator
+from kvcache.auth import HANDSHAKE_FAILURES, CurveConfig, start_authenticator
 from kvcache.config import LOCAL_OFF, ServeConfig, describe_rows
 from kvcache.host_tier import TIER_OPS, DaemonTier, TierJob
 from kvcache.journal import Journal, JournalFull, Recovered
@@ -431,7 +431,10 @@ class CacheServer:
                                           tier=self.tier is not None)
             if self.config.metrics_port:
                 self._metrics.serve_http(self.config.metrics_port)
-            self._subscribers = SubscriberCounter(self.pub)
+            # A CURVE PUB's one monitor then serves both: the count here, its handshake refusals to the log.
+            report = self._auth.hand_over(self.pub) if self._auth is not None else None
+            self._subscribers = SubscriberCounter(self.pub, also=HANDSHAKE_FAILURES if report else 0,
+                                                  on_event=report)
         if self.config.events:
             from kvcache.events import OLDER_ARRAY_WIRE, EventWire, KVEventPublisher
 
@@ -576,6 +579,9 @@ class CacheServer:
 
     def close(self) -> None:
         """Close every socket, remove the socket and lock files this daemon created, and release its locks."""
+        if self._auth is not None:  # first: its threads read the sockets' monitors, which closing would pull away
+            self._auth.stop()
+            self._auth = None
         if self._journal is not None:
             self._journal.close()
             self._journal = None
@@ -591,9 +597,6 @@ class CacheServer:
         self._sockets.clear()
         if self.local is not None:
             self.local.close()
-        if self._auth is not None:
-            self._auth.stop()
-            self._auth = None
         self._listeners.close()
 
     def serve(self, should_stop: Callable[[], bool] = lambda: False, poll_ms: int = 100) -> None:

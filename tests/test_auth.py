@@ -537,3 +537,44 @@ def test_stats_reaches_a_curve_daemon_with_key_flags_and_fails_in_one_line_witho
                                                    "within 1 s"), err
     assert main(keyed[:5]) == 2  # a client certificate without the daemon's public one
     assert "--curve-client-cert and --curve-server-public: give both" in capsys.readouterr().err
+
+
+def test_a_curve_daemon_stops_on_sigterm_cleanly(daemon, tmp_path, tcp_endpoint):
+    """SIGTERM stops a CURVE daemon with exit status 0 and nothing on stderr but its log: its handshake watchers end
+    before their sockets close, also after peers with and without keys came and went."""
+    c = start_curve_daemon(daemon, tmp_path, tcp_endpoint, "sched")
+    with zmq.Context() as ctx, CacheClient(tcp_endpoint, timeout=5, curve=c.allowed["sched"]) as client:
+        probes = [Probe(ctx, c.endpoints, c.allowed["sched"]), Probe(ctx, c.endpoints, None)]
+        try:
+            exchange(client, probes, 0.5, lambda: len(probes[0].reached()) == 5)
+        finally:
+            for probe in probes:
+                probe.close()
+    c.daemon.stop()
+    assert c.daemon.process.returncode == 0, c.daemon.log()
+    err = (c.daemon.folder / "stderr").read_text()
+    assert "stopped (signal 15)" in err
+    assert "Exception in thread" not in err and "Traceback" not in err, err
+
+
+def test_a_curve_daemon_counts_its_keyed_subscribers_and_logs_keyless_ones(daemon, tmp_path, tcp_endpoint):
+    """The deltas PUB's one monitor serves the subscriber count and the handshake log: an allowed worker counts as
+    a subscriber (stats and the kvcache_subscribers gauge), and a keyless one is refused and named in the log."""
+    c = start_curve_daemon(daemon, tmp_path, tcp_endpoint, "sched")
+    pub = c.endpoints["pub_endpoint"]
+    with zmq.Context() as ctx, CacheClient(tcp_endpoint, timeout=5, curve=c.allowed["sched"]) as client:
+        keyed, keyless = ctx.socket(zmq.SUB), ctx.socket(zmq.SUB)
+        try:
+            secure_client_socket(keyed, c.allowed["sched"])
+            for sock in (keyed, keyless):
+                sock.linger = 0
+                sock.subscribe(b"")
+                sock.connect(pub)
+            deadline = time.monotonic() + 5.0
+            while client.stats()["subscribers"] != 1:
+                assert time.monotonic() < deadline, f"subscribers: {client.stats()['subscribers']}\n{c.daemon.log()}"
+                time.sleep(0.05)
+            wait_for_line(c.daemon, f"refused a client of {pub}")
+        finally:
+            keyed.close(0)
+            keyless.close(0)
