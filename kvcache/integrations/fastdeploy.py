@@ -70,12 +70,14 @@ _BORROWED = ("launch_cache_manager", "launch_cache_messager", "_get_kv_cache_sha
 
 
 class CacheStats(NamedTuple):
-    """Prefix-cache counters since start or ``reset``: matches asked, matches that hit, tokens asked and hit."""
+    """Prefix-cache counters since start or ``reset``: matches asked, matches that hit, tokens asked and hit, and
+    cached blocks evicted (reused for other tokens)."""
 
     queries: int
     hit_requests: int
     queried_tokens: int
     hit_tokens: int
+    evicted_blocks: int
 
 
 @dataclass(slots=True)
@@ -131,7 +133,7 @@ class FastDeployCacheManager:
         self._pool = BlockPool(1, num_blocks)
         self._index = PrefixIndex(1, num_blocks)
         self._requests: dict[object, _Request] = {}
-        self._queries = self._hit_requests = self._queried_tokens = self._hit_tokens = 0
+        self._queries = self._hit_requests = self._queried_tokens = self._hit_tokens = self._evicted = 0
         metrics = _fastdeploy_metrics()
         if metrics is not None:
             metrics.max_gpu_block_num.set(num_blocks)
@@ -185,7 +187,7 @@ class FastDeployCacheManager:
     def stats(self) -> CacheStats:
         """Prefix-cache counters since start or the last ``reset``."""
         with self.request_release_lock:
-            return CacheStats(self._queries, self._hit_requests, self._queried_tokens, self._hit_tokens)
+            return CacheStats(self._queries, self._hit_requests, self._queried_tokens, self._hit_tokens, self._evicted)
 
     # ------------------------------------------------------------------ blank blocks
 
@@ -214,6 +216,7 @@ class FastDeployCacheManager:
                                    f"{int(self._pool.num_free()[0])} allocatable")
             if allocation.evicted_blocks.size:
                 self._index.remove_gone(allocation.evicted_rows, allocation.evicted_blocks)
+                self._evicted += int(allocation.evicted_blocks.size)
             self._report()
             return allocation.blocks[0].tolist()
 
@@ -371,6 +374,7 @@ class FastDeployCacheManager:
             allocation = self._pool.allocate(uncached + count)
             assert allocation is not None, "allocation failed after the free-block count"
             self._index.remove_gone(allocation.evicted_rows, allocation.evicted_blocks)
+            self._evicted += count
             taken = allocation.blocks[0][::-1].astype(np.intp)
             self._pool.decref(np.zeros(taken.size, dtype=np.intp), taken, unique=True)
             return count
@@ -378,6 +382,13 @@ class FastDeployCacheManager:
     def free_block_ids_async(self, need_block_num: int) -> None:
         """``free_block_ids``; it runs at once (nothing is copied off the GPU)."""
         self.free_block_ids(need_block_num)
+
+    def write_cache_to_storage(self, request: Any) -> None:
+        """Nothing to write: no storage backend is configured (one is refused at construction). FastDeploy's
+        scheduler calls this for every finished request."""
+
+    def write_cache_to_storage_decode(self, request: Any) -> None:
+        """Nothing to write, as ``write_cache_to_storage`` (a decode instance's finished request)."""
 
     def request_block_ids(self, task: Any, block_size: int, dec_token_num: int, *args: object) -> None:
         """Refused: FastDeploy's v0 scheduler reserves a request's blocks in one call, which this adapter does not

@@ -1,0 +1,349 @@
+"""FastDeploy's own scheduler (``ResourceManagerV1``) on kvcache's cache manager, against FastDeploy's own manager.
+
+A trace of a few hundred requests sharing system prompts arrives a few per step; each step the scheduler
+schedules, a stand-in model turns every finished prefill and every decode task into one output token, requests
+that reach their length finish, and preempted requests are put back as FastDeploy's token processor does. After
+every step kvcache's ``check_integrity`` checks pool, index and every live ``block_tables`` (each block's
+references equal the times it is listed). The same trace runs on FastDeploy's ``PrefixCacheManager``; per step
+the scheduled work, the prefix hits and the blocks the live requests hold must be the same, until the first
+step where a cached block is evicted: FastDeploy then evicts ``n`` blocks as soon as its free list is short of
+``n``, kvcache only the blocks an allocation takes, so from there the two may keep different prefixes.
+
+Needs FastDeploy importable (``make test-fastdeploy`` builds such an environment); skipped otherwise.
+"""
+from __future__ import annotations
+
+import os
+import random
+import tempfile
+from dataclasses import asdict, dataclass
+from types import SimpleNamespace
+
+import pytest
+
+os.environ.setdefault("FD_LOG_DIR", os.path.join(tempfile.gettempdir(), "kvcache-fastdeploy-log"))  # not ./log
+pytest.importorskip("fastdeploy", reason="FastDeploy is not importable here; `make test-fastdeploy` builds an "
+                                         "environment with FastDeploy's sources and runs this file there")
+pytest.importorskip("paddle", reason="FastDeploy needs paddlepaddle")
+
+from fastdeploy.cache_manager import prefix_cache_manager  # noqa: E402
+from fastdeploy.config import CacheConfig, FDConfig, ParallelConfig, SchedulerConfig  # noqa: E402
+from fastdeploy.engine.args_utils import EngineArgs  # noqa: E402
+from fastdeploy.engine.request import Request, RequestMetrics, RequestStatus  # noqa: E402
+from fastdeploy.engine.sched.resource_manager_v1 import (  # noqa: E402
+    ResourceManagerV1,
+    ScheduledDecodeTask,
+    ScheduledPreemptTask,
+)
+
+from kvcache.allocator.errors import KVCacheError  # noqa: E402
+from kvcache.integrations import fastdeploy as adapter  # noqa: E402
+
+FASTDEPLOY_MANAGER = prefix_cache_manager.PrefixCacheManager
+if FASTDEPLOY_MANAGER is adapter.FastDeployCacheManager:  # installed by the pytest plugin in this process
+    FASTDEPLOY_MANAGER = adapter.FastDeployCacheManager._fastdeploy_class
+
+BLOCK = 4
+
+
+@pytest.fixture(autouse=True, scope="module")
+def v1_scheduler():
+    """FastDeploy's platform reports CUDA while these tests build schedulers: on other platforms its engine args
+    turn off the v1 scheduler and chunked prefill this file exercises."""
+    from fastdeploy import envs
+    from fastdeploy.platforms import current_platform
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(current_platform, "is_cuda", lambda: True)
+        mp.setattr(envs, "ENABLE_V1_KVCACHE_SCHEDULER", 1)
+        yield
+
+
+@dataclass(frozen=True, slots=True)
+class Spec:
+    """One request of a trace: when it arrives, its prompt, how many tokens it generates."""
+
+    request_id: str
+    arrival: int
+    prompt: tuple[int, ...]
+    max_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """What one step did, as both managers must agree: work scheduled, prefix hits, blocks held."""
+
+    scheduled: tuple[tuple[str, str, int], ...]  # (request, "prefill" / "blocks" / "preempt", tokens or blocks)
+    hits: tuple[tuple[str, int], ...]  # (request, cached tokens) of requests starting a prefill
+    blocks_in_use: int  # distinct blocks the live requests' block_tables list
+
+
+def make_trace(num_requests: int, *, seed: int = 0, per_step: int = 3) -> list[Spec]:
+    """Requests over a few shared system prompts (2 to 6 blocks) with their own tails, ``per_step`` a step."""
+    rng = random.Random(seed)
+    systems = [tuple(rng.randrange(1, 30000) for _ in range(BLOCK * rng.randint(2, 6))) for _ in range(5)]
+    specs = []
+    for i in range(num_requests):
+        prefix = rng.choice(systems) if rng.random() < 0.8 else ()
+        tail = tuple(rng.randrange(1, 30000) for _ in range(rng.randint(1, 14)))
+        specs.append(Spec(f"r{i}", i // per_step, prefix + tail, rng.randint(1, 16)))
+    return specs
+
+
+def make_scheduler(manager_class: type, *, num_blocks: int, max_num_seqs: int = 8,
+                   max_num_batched_tokens: int = 64, output_caching: bool = False) -> ResourceManagerV1:
+    """FastDeploy's ResourceManagerV1 whose cache manager is ``manager_class`` (block size 4)."""
+    engine_args = EngineArgs(max_num_seqs=max_num_seqs, num_gpu_blocks_override=num_blocks,
+                             max_num_batched_tokens=max_num_batched_tokens)
+    args = asdict(engine_args)
+    cache = CacheConfig(args)
+    cache.block_size = BLOCK
+    cache.max_block_num_per_seq = 64
+    cache.enc_dec_block_num = 1
+    cache.enable_prefix_caching = True
+    cache.enable_output_caching = output_caching
+    cache.bytes_per_token_per_layer = 1
+    cache.kv_cache_ratio = 1.0
+    model = SimpleNamespace(enable_mm=False, max_model_len=64, architectures=["test_model"],
+                            mm_max_tokens_per_item=None, version=None, print=print)
+    config = FDConfig(model_config=model, cache_config=cache, parallel_config=ParallelConfig(args),
+                      graph_opt_config=engine_args.create_graph_optimization_config(),
+                      speculative_config=SimpleNamespace(method=None, num_speculative_tokens=0),
+                      scheduler_config=SchedulerConfig(args))
+    saved = prefix_cache_manager.PrefixCacheManager
+    prefix_cache_manager.PrefixCacheManager = manager_class
+    try:
+        return ResourceManagerV1(max_num_seqs=max_num_seqs, config=config, tensor_parallel_size=1,
+                                 splitwise_role="mixed")
+    finally:
+        prefix_cache_manager.PrefixCacheManager = saved
+
+
+def make_request(spec: Spec) -> Request:
+    request = Request.from_dict({"request_id": spec.request_id, "multimodal_inputs": {}})
+    request.prompt_token_ids = list(spec.prompt)
+    request.prompt_token_ids_len = len(spec.prompt)
+    request.need_prefill_tokens = len(spec.prompt)
+    request.output_token_ids = []
+    request.disaggregate_info = {}
+    request.metrics = RequestMetrics()
+    return request
+
+
+def next_token(request_id: str, position: int) -> int:
+    """The stand-in model's output: a fixed token per (request, position)."""
+    return (hash((request_id, position)) & 0x7FFF) + 1
+
+
+def check(rm: ResourceManagerV1) -> None:
+    """kvcache's invariants with every block list the scheduler holds."""
+    if isinstance(rm.cache_manager, adapter.FastDeployCacheManager):
+        rm.cache_manager.check_integrity(tables=[r.block_tables for r in rm.requests.values()])
+
+
+def run(rm: ResourceManagerV1, trace: list[Spec], *, max_steps: int = 3000) -> list[Step]:
+    """Drive ``rm`` through ``trace`` until every request finished; one ``Step`` per schedule call.
+
+    As FastDeploy's workers do, every running request in decode makes one token a step whether or not the
+    scheduler listed it (it lists a decode only to give it blocks), and a prefill's last chunk makes the first.
+    """
+    pending = sorted(trace, key=lambda s: s.arrival)
+    specs = {s.request_id: s for s in trace}
+    started: set[str] = set()
+    finished: set[str] = set()
+    steps: list[Step] = []
+    for step in range(max_steps):
+        while pending and pending[0].arrival <= step:
+            request = make_request(pending.pop(0))
+            rm.add_request(request)
+            for future in request.async_process_futures:  # its preprocessing (nothing to download) done first,
+                future.result(timeout=30)  # so scheduling never depends on a thread's timing
+        decoding = [r for r in rm.running if r.status == RequestStatus.RUNNING_DECODE]
+        batch, errors = rm.schedule()
+        assert errors == [], errors
+        scheduled, hits, preempted = [], [], []
+        for task in batch.requests:
+            if isinstance(task, ScheduledPreemptTask):
+                scheduled.append((task.request_id, "preempt", 0))
+                preempted.append(task.request_id)
+                started.discard(task.request_id)
+            elif isinstance(task, ScheduledDecodeTask):
+                scheduled.append((task.request_id, "blocks", len(rm.requests[task.request_id].block_tables)))
+            else:
+                scheduled.append((task.request_id, "prefill", task.prefill_end_index - task.prefill_start_index))
+                if task.request_id not in started:
+                    started.add(task.request_id)
+                    hits.append((task.request_id, task.num_cached_tokens))
+                if task.prefill_end_index >= task.need_prefill_tokens:
+                    decoding.append(task)
+        running = set(map(id, rm.running))
+        for request in decoding:
+            if id(request) in running:
+                request.output_token_ids.append(next_token(request.request_id, request.num_total_tokens))
+                request.status = RequestStatus.RUNNING_DECODE
+        for request_id in preempted:
+            rm.reschedule_preempt_task(request_id)
+        done = [r for r in list(rm.running) if len(r.output_token_ids) >= specs[r.request_id].max_tokens]
+        for request in done:
+            rm.cache_output_tokens(request)
+            rm.finish_requests(request.request_id)
+            finished.add(request.request_id)
+        check(rm)
+        in_use = set()
+        for request in rm.requests.values():
+            in_use.update(request.block_tables)
+        steps.append(Step(tuple(scheduled), tuple(hits), len(in_use)))
+        if len(finished) == len(trace):
+            return steps
+    raise AssertionError(f"{len(trace) - len(finished)} requests unfinished after {max_steps} steps")
+
+
+def close(rm: ResourceManagerV1) -> None:
+    rm.need_block_num_signal.clear()
+    rm.finish_execution_pool.shutdown(wait=True)
+    rm.async_preprocess_pool.shutdown(wait=True)
+
+
+def run_both(trace: list[Spec], **options: object) -> tuple[list[Step], list[Step], ResourceManagerV1]:
+    """The trace on kvcache's manager, then on FastDeploy's own; returns both step lists and kvcache's scheduler."""
+    ours = make_scheduler(adapter.FastDeployCacheManager, **options)
+    try:
+        kv_steps = run(ours, trace)
+    finally:
+        close(ours)
+    theirs = make_scheduler(FASTDEPLOY_MANAGER, **options)
+    try:
+        fd_steps = run(theirs, trace)
+    finally:
+        close(theirs)
+    return kv_steps, fd_steps, ours
+
+
+@pytest.mark.parametrize("output_caching", [False, True], ids=["prompt-caching", "output-caching"])
+def test_same_schedule_as_fastdeploy_when_nothing_is_evicted(output_caching: bool) -> None:
+    """With room for every prefix, kvcache's manager gives FastDeploy's scheduler the same steps as FastDeploy's
+    own: the same work scheduled, the same prefix hits, the same number of blocks held after every step."""
+    trace = make_trace(300, seed=1)
+    kv_steps, fd_steps, ours = run_both(trace, num_blocks=4000, output_caching=output_caching)
+    assert ours.cache_manager.stats().evicted_blocks == 0
+    assert len(kv_steps) == len(fd_steps)
+    for i, (kv, fd) in enumerate(zip(kv_steps, fd_steps)):
+        assert kv == fd, f"step {i} differs"
+    hit_tokens = sum(tokens for step in kv_steps for _, tokens in step.hits)
+    assert hit_tokens > 1000, "the shared system prompts should hit"
+    assert ours.cache_manager.num_allocatable_gpu_blocks == 4000
+
+
+def test_chunked_prefill_preemption_and_eviction_under_pressure() -> None:
+    """A pool too small for the load: prompts are prefilled in chunks, decodes preempt others, cached blocks are
+    evicted; every step keeps kvcache's invariants, every request finishes, and the steps equal FastDeploy's
+    up to the first eviction (after it, each manager keeps the prefixes its eviction rule leaves)."""
+    trace = make_trace(300, seed=2, per_step=4)
+    kv_steps, fd_steps, ours = run_both(trace, num_blocks=48, max_num_seqs=12, max_num_batched_tokens=24)
+    kinds = {kind for step in kv_steps for _, kind, _ in step.scheduled}
+    assert "preempt" in kinds
+    chunked = [n for step in kv_steps for _, kind, n in step.scheduled if kind == "prefill" and n < 24]
+    assert chunked
+    stats = ours.cache_manager.stats()
+    assert stats.evicted_blocks > 0 and stats.hit_tokens > 0
+    first_eviction = _first_eviction_step(trace)
+    assert first_eviction > 0
+    for i in range(first_eviction):
+        assert kv_steps[i] == fd_steps[i], f"step {i} differs before any eviction"
+    assert ours.cache_manager.num_allocatable_gpu_blocks == 48  # everything released at the end
+
+
+def _first_eviction_step(trace: list[Spec]) -> int:
+    """The first step (0-based) in which either manager evicted a cached block, on a fresh run of both."""
+    ours = make_scheduler(adapter.FastDeployCacheManager, num_blocks=48, max_num_seqs=12, max_num_batched_tokens=24)
+    theirs = make_scheduler(FASTDEPLOY_MANAGER, num_blocks=48, max_num_seqs=12, max_num_batched_tokens=24)
+    try:
+        first = []
+        for rm, evicted in ((ours, lambda m: m.stats().evicted_blocks), (theirs, _fastdeploy_evictions)):
+            seen = {"n": 0, "step": None}
+            original = rm.schedule
+
+            def schedule(rm=rm, original=original, evicted=evicted, seen=seen):
+                out = original()
+                if seen["step"] is None and evicted(rm.cache_manager) > 0:
+                    seen["step"] = seen["n"]
+                seen["n"] += 1
+                return out
+
+            rm.schedule = schedule
+            run(rm, trace)
+            first.append(seen["step"] if seen["step"] is not None else seen["n"])
+        return min(first)
+    finally:
+        close(ours)
+        close(theirs)
+
+
+def _fastdeploy_evictions(manager: object) -> int:
+    """Tree nodes FastDeploy's manager has freed: node ids it returned to its pool beyond those never used."""
+    return len(manager.node_id_pool) + len(manager.node_map) - manager.num_gpu_blocks
+
+
+def test_install_patches_the_module_attribute_and_refuses_what_it_does_not_serve(monkeypatch) -> None:
+    """install() makes FastDeploy's ResourceManager build kvcache's manager; CPU swap and storage backends are
+    refused by name, and so is the v0 scheduler's one-call reservation."""
+    adapter.install()
+    try:
+        assert prefix_cache_manager.PrefixCacheManager is adapter.FastDeployCacheManager
+        rm = make_scheduler(prefix_cache_manager.PrefixCacheManager, num_blocks=64)
+        close(rm)
+        assert isinstance(rm.cache_manager, adapter.FastDeployCacheManager)
+        config = rm.config
+        for field, value, name in (("num_cpu_blocks", 4, "num_cpu_blocks"),
+                                   ("kvcache_storage_backend", "mooncake", "kvcache_storage_backend")):
+            monkeypatch.setattr(config.cache_config, field, value)
+            with pytest.raises(KVCacheError, match=name):
+                adapter.FastDeployCacheManager(config, 1, "mixed")
+            monkeypatch.undo()
+        with pytest.raises(KVCacheError, match="request_block_ids"):
+            rm.cache_manager.request_block_ids(make_request(Spec("x", 0, (1, 2, 3), 1)), BLOCK, 0)
+    finally:
+        adapter.uninstall()
+    assert prefix_cache_manager.PrefixCacheManager is FASTDEPLOY_MANAGER
+
+
+def test_bad_calls_change_nothing() -> None:
+    """A block the caller does not hold, too many blocks, or a wrong block size: one KVCacheError, no change."""
+    rm = make_scheduler(adapter.FastDeployCacheManager, num_blocks=32)
+    close(rm)
+    manager = rm.cache_manager
+    blocks = manager.allocate_gpu_blocks(3, "a")
+    with pytest.raises(KVCacheError, match="gpu_block_ids"):
+        manager.recycle_gpu_blocks([blocks[0], blocks[0]], "a")
+    with pytest.raises(KVCacheError, match="num_blocks"):
+        manager.allocate_gpu_blocks(30, "b")
+    with pytest.raises(KVCacheError, match="block_size"):
+        manager.request_match_blocks(make_request(Spec("c", 0, (1, 2, 3, 4, 5), 1)), 8)
+    assert manager.num_allocatable_gpu_blocks == 29
+    manager.check_integrity(tables=[blocks])
+    manager.recycle_gpu_blocks(blocks, "a")
+    manager.check_integrity(tables=[])
+
+
+def test_thread_safe_release_from_executor_threads() -> None:
+    """Releases from several threads while the scheduler thread matches and allocates keep the invariants."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    rm = make_scheduler(adapter.FastDeployCacheManager, num_blocks=512)
+    close(rm)
+    manager = rm.cache_manager
+    shared = tuple(range(1, 17))
+
+    def one(i: int) -> None:
+        request = make_request(Spec(f"t{i}", 0, shared + (1000 + i, 7, 8), 1))
+        ids, matched, _ = manager.request_match_blocks(request, BLOCK)
+        request.block_tables = ids + manager.allocate_gpu_blocks(5 - len(ids), request.request_id)
+        manager.update_cache_blocks(request, BLOCK, len(request.prompt_token_ids))
+        manager.release_block_ids(request)
+        manager.recycle_gpu_blocks(request.block_tables[request.num_cached_blocks:], request.request_id)
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        list(pool.map(one, range(200)))
+    manager.check_integrity(tables=[])
+    assert manager.num_allocatable_gpu_blocks == 512
+    assert manager.stats().hit_tokens >= 199 * 16 - 16 * 4  # the shared 16 tokens hit once they are cached
