@@ -14,6 +14,9 @@ reserves on decode and admits on prefill; messagers move each layer as its signa
 end every request's KV on the decode node is checked, byte for byte, against the prefill node's
 and against the formula. Batches: fresh prompts, then prefix hits on both nodes, on the prefill
 node only, on the decode node only. Prints timings; exits 1 on any mismatch.
+
+Needs NIXL with its UCX plugins (`make install`, or `pip install --no-deps nixl-cu12`), which
+move KV between the nodes' processes; on a CPU too.
 """
 from __future__ import annotations
 
@@ -24,6 +27,10 @@ import numpy as np
 
 from kvcache.allocator.errors import KVCacheError
 from kvcache.pd.cluster import Cluster, run_batch, scenario
+from kvcache.transfer.nixl import nixl_available
+
+NO_NIXL = ("NIXL is not installed, and the PD demo moves KV between its nodes over NIXL (UCX, on a CPU too): "
+           "pip install --no-deps nixl-cu12 (nixl-cu13 for CUDA 13), or make install")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,6 +49,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="run each messager and receiver in its worker's process (default) or in a process of "
                         "its own (MessagerProcess; ReceiverProcess with CPU caches only)")
     args = parser.parse_args(argv)
+    if not nixl_available():  # checked before any daemon or worker starts, each of which would fail on it
+        print(f"pd_demo: error: {NO_NIXL}", file=sys.stderr)
+        return 2
     try:
         return run(args)
     except KVCacheError as exc:

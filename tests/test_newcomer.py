@@ -1,0 +1,34 @@
+"""What a first run of the examples and commands shows: one clear line where something is missing, nothing else."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RUN_S = 120.0  # a subprocess that hangs fails the test instead of the suite
+
+
+def hide_modules(folder: Path, *names: str) -> dict[str, str]:
+    """An environment whose Python cannot import ``names``: each is a module in ``folder`` that raises ImportError."""
+    folder.mkdir(exist_ok=True)
+    for name in names:
+        (folder / f"{name}.py").write_text(f"raise ImportError('{name} is hidden for this test')\n")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(folder), env.get("PYTHONPATH", "")]))
+    return env
+
+
+def test_pd_demo_without_nixl_says_what_to_install_in_one_line(tmp_path):
+    """Without NIXL, examples/pd_demo.py starts nothing: it prints one line naming NIXL and the command that
+    installs it, and exits 2 (not a worker's traceback and then the demo's)."""
+    env = hide_modules(tmp_path / "hidden", "nixl_cu12", "nixl_cu13", "nixl")
+    done = subprocess.run([sys.executable, str(ROOT / "examples" / "pd_demo.py")], env=env, capture_output=True,
+                          text=True, timeout=RUN_S, cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    assert done.stdout == ""
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1, done.stderr
+    assert lines[0].startswith("pd_demo: error: NIXL is not installed")
+    assert "pip install --no-deps nixl-cu12" in lines[0] and "make install" in lines[0]
