@@ -47,3 +47,41 @@ clean:
 .PHONY: dynamo
 dynamo: $(VENV)/.installed
 	$(PY) -m pip install -q ai-dynamo-runtime==1.6.1
+
+# FastDeploy's own tests with kvcache's PrefixCacheManager swapped in (tests/fastdeploy_plugin.py), then
+# tests/test_fastdeploy.py: FastDeploy's scheduler on kvcache. FastDeploy's sources come from the shared tarball
+# (FD_TARBALL), unpacked under build/; the environment is a venv of its own (CPU Paddle and FastDeploy's
+# pure-Python requirements), apart from $(VENV). docs/integrations.md says what passes and what is out of scope.
+FD_TARBALL ?= $(firstword $(wildcard ../shared/peers/fastdeploy-*.tgz shared/peers/fastdeploy-*.tgz))
+FD_SRC ?= build/fastdeploy-src
+FD_VENV ?= build/fastdeploy-venv
+FD_PY = $(FD_VENV)/bin/python
+FD_TESTS = tests/v1/cache_manager/test_prefix_cache.py tests/v1/test_resource_manager_v1.py \
+	tests/engine/test_resource_manager.py tests/cache_manager/test_prefix_cache_manager.py
+FD_LOG_DIR ?= $(CURDIR)/build/fastdeploy-log
+FD_PYTEST = cd $(FD_SRC) && FD_LOG_DIR=$(FD_LOG_DIR) PYTHONPATH=$(CURDIR)/$(FD_SRC):$(CURDIR)/tests \
+	$(CURDIR)/$(FD_PY) -m pytest -p fastdeploy_plugin --fd-platform-cuda -q
+
+$(FD_SRC)/.unpacked:
+	@test -n "$(FD_TARBALL)" || { echo "FD_TARBALL: no fastdeploy-*.tgz in ../shared/peers/; set FD_TARBALL"; exit 1; }
+	rm -rf $(FD_SRC) && mkdir -p $(FD_SRC) && tar xzf $(FD_TARBALL) -C $(FD_SRC)
+	touch $@
+
+$(FD_VENV)/.installed:
+	$(PYTHON) -m venv $(FD_VENV)
+	$(FD_PY) -m pip install -q 'paddlepaddle==3.3.1' 'paddleformers==1.1.1' 'transformers==4.57.*' aistudio-sdk \
+		setuptools zmq aiozmq 'openai>=1.93.0' tqdm pynvml uvicorn fastapi redis httpx tabulate prometheus-client \
+		msgpack safetensors opentelemetry-api opentelemetry-sdk opentelemetry-distro opentelemetry-exporter-otlp \
+		opentelemetry-instrumentation-fastapi opentelemetry-instrumentation-logging \
+		opentelemetry-instrumentation-redis opentelemetry-instrumentation-mysql partial_json_parser msgspec einops \
+		setproctitle py-cpuinfo pytest numpy pyzmq crcmod ruamel.yaml pybind11 gunicorn
+	$(FD_PY) -m pip install -q --no-deps -e .
+	touch $@
+
+.PHONY: test-fastdeploy
+test-fastdeploy: $(FD_SRC)/.unpacked $(FD_VENV)/.installed
+	$(FD_PYTEST) $(FD_TESTS)
+	@echo "test_prefix_cache.py with every prefix forgotten before each match (two of its tests judge hits):"
+	$(FD_PYTEST) --fd-kvcache-no-hits tests/v1/cache_manager/test_prefix_cache.py | tee $(CURDIR)/build/fd-no-hits.log; \
+		grep -q "2 failed, 2 passed" $(CURDIR)/build/fd-no-hits.log
+	FD_LOG_DIR=$(FD_LOG_DIR) PYTHONPATH=$(CURDIR)/$(FD_SRC) $(FD_PY) -m pytest -q tests/test_fastdeploy.py

@@ -496,7 +496,7 @@ class FastDeployCacheManager:
     def _report_hit(self, req_id: object, matched: int, queried: int) -> None:
         """Feed FastDeploy's hit-rate gauges the way its manager does (counters restart every 10,000 requests)."""
         metrics = self.metrics
-        if metrics is None:
+        if metrics is None or queried == 0:
             return
         metrics.req_count += 1
         metrics.hit_req_count += matched > 0
