@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 RUN_S = 120.0  # a subprocess that hangs fails the test instead of the suite
 
@@ -32,3 +34,25 @@ def test_pd_demo_without_nixl_says_what_to_install_in_one_line(tmp_path):
     assert len(lines) == 1, done.stderr
     assert lines[0].startswith("pd_demo: error: NIXL is not installed")
     assert "pip install --no-deps nixl-cu12" in lines[0] and "make install" in lines[0]
+
+
+def test_the_engine_backend_imports_paddle_without_the_ccache_warning(tmp_path):
+    """The reference engine's Paddle backend (every process of examples/engine/demo.py and check.py) imports
+    Paddle without its "No ccache found" warning and keeps every other warning filter: other warnings, Paddle's
+    included, still show."""
+    pytest.importorskip("paddle")
+    code = """
+import sys, warnings
+sys.path.insert(0, sys.argv[1])
+from backend import paddle_backend
+before = list(warnings.filters)
+backend = paddle_backend()
+assert backend.name == "paddle" and all(f in warnings.filters for f in before)
+warnings.warn_explicit("another warning", UserWarning, "extension_utils.py", 1,
+                       module="paddle.utils.cpp_extension.extension_utils")
+"""
+    done = subprocess.run([sys.executable, "-c", code, str(ROOT / "examples" / "engine")], capture_output=True,
+                          text=True, timeout=RUN_S, cwd=tmp_path, env={**os.environ, "PATH": "/usr/bin:/bin"})
+    assert done.returncode == 0, done.stderr
+    assert "ccache" not in done.stdout + done.stderr
+    assert "UserWarning: another warning" in done.stderr

@@ -5,6 +5,7 @@ on either (``Model(config, backend=torch_backend("cuda:0"))``).
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import numpy as np
@@ -16,6 +17,10 @@ class PaddleBackend:
     name = "paddle"
 
     def __init__(self) -> None:
+        # Paddle warns at import when ccache, which only its C++ extension builds use, is not on PATH. This one
+        # warning only: catch_warnings() would also drop the filters Paddle sets as it imports.
+        warnings.filterwarnings("ignore", message="No ccache found", category=UserWarning,
+                                module=r"paddle\.utils\.cpp_extension")
         import paddle
 
         self.paddle, self.F = paddle, paddle.nn.functional
