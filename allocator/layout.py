@@ -442,6 +442,14 @@ class _ConfigReader:
         raise KVCacheError(f"config: missing key {keys[0]!r}" + (f" (or {', '.join(keys[1:])})" if keys[1:] else ""))
 
 
+# What transformers' config classes fill in where a published config.json leaves a key out (Google's Gemma 3
+# files omit the attention geometry and the window pattern, which Gemma3TextConfig defaults).
+MODEL_DEFAULTS: dict[str, dict[str, Any]] = {
+    "gemma3_text": {"num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "sliding_window": 4096,
+                    "sliding_window_pattern": 6},
+}
+
+
 def _load_config(config: str | Path | Mapping[str, Any]) -> Mapping[str, Any]:
     if isinstance(config, Mapping):
         cfg = config
@@ -461,8 +469,9 @@ def _load_config(config: str | Path | Mapping[str, Any]) -> Mapping[str, Any]:
     if isinstance(text, Mapping) and "num_hidden_layers" not in cfg:
         merged = dict(cfg)
         merged.update(text)
-        return merged
-    return cfg
+        cfg = merged
+    defaults = MODEL_DEFAULTS.get(str(cfg.get("model_type", "")))
+    return {**defaults, **cfg} if defaults else cfg  # layer_types, where given, win over the default pattern
 
 
 @functools.lru_cache(maxsize=1024)

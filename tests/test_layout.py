@@ -8,6 +8,7 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from kvcache.allocator import CacheSpec, KVCacheError, QuantType, ScaleLayout
+from kvcache.allocator.swa import Window
 
 
 def make_spec(**overrides) -> CacheSpec:
@@ -295,3 +296,19 @@ def _fields(spec: CacheSpec) -> dict:
     import dataclasses
 
     return {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)}
+
+
+def test_a_published_gemma_3_config_gets_transformers_defaults_for_what_it_leaves_out():
+    """Google's Gemma 3 4B config.json has no heads, head size or window pattern: transformers' Gemma3TextConfig
+    defaults (8 heads, 4 kv heads of 256, every 6th layer full) apply, not a window on every layer."""
+    published = {"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"],
+                 "text_config": {"model_type": "gemma3_text", "hidden_size": 2560, "num_hidden_layers": 34,
+                                 "sliding_window": 1024}}
+    spec = CacheSpec.from_hf_config(published)
+    assert (spec.num_kv_heads, spec.head_dim) == (4, 256)
+    windowed = [i for i in range(34) if any(i in r.layers for r in spec.rows if isinstance(r.policy, Window))]
+    assert [i for i in range(34) if i not in windowed] == [5, 11, 17, 23, 29]
+    explicit = CacheSpec.from_hf_config({**published["text_config"], "num_key_value_heads": 8, "head_dim": 128,
+                                         "layer_types": ["full_attention"] * 2 + ["sliding_attention"] * 32})
+    assert (explicit.num_kv_heads, explicit.head_dim) == (8, 128)
+    assert sorted(len(r.layers) for r in explicit.rows) == [2, 32]

@@ -1,10 +1,8 @@
 """The model configs shipped with the package, for ``--example NAME`` and ``load_example``.
 
 Each file is the model's published Hugging Face ``config.json`` (``_name_or_path`` names the model id), so
-``kvcache plan --example NAME`` sizes the cache as ``--model`` on a download of that model would. Gemma 3's
-published files leave attention fields to transformers (the 4B its heads and head size, and the window pattern):
-these files carry the values transformers' ``Gemma3TextConfig`` gives them, and ``_filled_from_transformers_defaults``
-lists those keys.
+``kvcache plan --example NAME`` sizes the cache as ``--model`` on a download of that model would (Gemma 3's
+files leave attention fields to transformers' defaults, which ``CacheSpec.from_hf_config`` fills in the same way).
 """
 from __future__ import annotations
 
