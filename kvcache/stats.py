@@ -22,9 +22,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def collect(client: CacheClient) -> dict[str, Any]:
-    """Info, stats and usage in one round trip."""
+    """Info, stats and usage in one round trip, and the scheduler endpoint they came from."""
     info, stats, usage = client.batch().op("info").op("stats").op("usage").send()
-    return {"info": info, "stats": stats, "usage": usage}
+    return {"endpoint": client.endpoint, "info": info, "stats": stats, "usage": usage}
 
 
 def render(snapshot: dict[str, Any], previous: dict[str, Any] | None = None, interval: float = 0.0) -> str:
@@ -33,7 +33,7 @@ def render(snapshot: dict[str, Any], previous: dict[str, Any] | None = None, int
     per_row = np.asarray(usage["per_row"])
     queried = stats["prefix_queried_tokens"]
     lines = [
-        f"kvcache {info['version']} at {info.get('pub_endpoint', '')}: {info['num_blocks']:,} blocks x "
+        f"kvcache {info['version']} at {snapshot['endpoint']}: {info['num_blocks']:,} blocks x "
         f"{info['num_rows']} row(s), block_size {info['block_size']}, prefix caching "
         f"{'on (' + info['hash_algorithm'] + ')' if info['prefix_caching'] else 'off'}",
         f"requests {stats['num_requests']:,}   cached hashes {stats['num_cached_hashes']:,}   "

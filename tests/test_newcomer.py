@@ -1,6 +1,7 @@
 """What a first run of the examples and commands shows: one clear line where something is missing, nothing else."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -56,3 +57,17 @@ warnings.warn_explicit("another warning", UserWarning, "extension_utils.py", 1,
     assert done.returncode == 0, done.stderr
     assert "ccache" not in done.stdout + done.stderr
     assert "UserWarning: another warning" in done.stderr
+
+
+def test_stats_names_the_scheduler_endpoint_it_asked(daemon, capsys):
+    """`kvcache stats --endpoint E` heads its summary with E, the socket it queried, not the daemon's PUB socket;
+    --json carries it too."""
+    from kvcache.cli import main
+
+    d = daemon("--num-blocks", "32", "--block-size", "4")
+    assert main(["stats", "--endpoint", d.endpoint]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith("kvcache ") and f" at {d.endpoint}: 32 blocks x 1 row(s)" in first, first
+    assert "pub" not in first
+    assert main(["stats", "--endpoint", d.endpoint, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["endpoint"] == d.endpoint
