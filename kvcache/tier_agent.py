@@ -10,7 +10,7 @@ to the daemon from a thread of its own::
 
     sub = TableSubscriber(endpoint, rank=r, tp_size=tp)
     agent = TierAgent(sub, KVRegion.from_tensors(spec, caches))
-    sub.wait_for(step.seq)              # the step's tables, and the copies ordered with them, submitted
+    sub.wait_for(cache.last_seq, epoch=cache.last_epoch)  # the step's tables and the copies ordered with them
     for layer in range(num_layers):
         agent.wait(layer)         # every copy ordered so far has this layer done (before it is read or written)
         ...attention...

@@ -41,6 +41,7 @@ from kvcache.bench.common import progress as _progress
 from kvcache.bench.common import ratio as _x
 from kvcache.bench.common import TimedSteps
 from kvcache.bench.common import table as _table
+from kvcache.examples import load_example
 from kvcache.bench.hashing import bench_hashing
 from kvcache.plan import Load, make_plan
 
@@ -61,8 +62,7 @@ STEP_POOL_BLOCKS = 65536  # the steady set holds about 34,000: the pool starts e
 STEP_WARMUP = 160
 STEP_HEAD_WISE_ROWS: tuple[AttentionPolicy, ...] = (Window(1024, 64),) * 6 + (Full(),) * 2  # windows recycle
 # A Gemma 3 4B-shaped model (its config.json's attention fields): its rows come from the config.
-HYBRID_CONFIG = {"model_type": "gemma3_text", "num_hidden_layers": 34, "num_attention_heads": 8,
-                 "num_key_value_heads": 4, "head_dim": 256, "sliding_window": 1024, "sliding_window_pattern": 6}
+HYBRID_EXAMPLE = "gemma-3-4b"  # its published config: 34 layers, 29 with a 1,024-token window
 HYBRID_MEMORY = int(80 * 2**30 * 0.9)  # 72 GiB of an 80 GiB GPU
 HYBRID_BATCHED_TOKENS = 8192
 HYBRID_TARGET = 2.0  # admit + free with the config's rows, over uniform
@@ -401,7 +401,7 @@ def bench_prompt_lengths(repeat: int, peer: bool) -> list[dict[str, Any]]:
 
 
 def _hybrid_spec(block_size: int) -> CacheSpec:
-    return CacheSpec.from_hf_config(HYBRID_CONFIG, block_size=block_size)
+    return CacheSpec.from_hf_config(load_example(HYBRID_EXAMPLE), block_size=block_size)
 
 
 def _hybrid_policies(block_size: int) -> tuple[AttentionPolicy, ...]:
