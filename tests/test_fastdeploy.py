@@ -1,52 +1,232 @@
-"""FastDeploy's own scheduler (``ResourceManagerV1``) on kvcache's cache manager, against FastDeploy's own manager.
+"""kvcache's FastDeploy cache manager: its contract alone, and under FastDeploy's own scheduler.
 
-A trace of a few hundred requests sharing system prompts arrives a few per step; each step the scheduler
-schedules, a stand-in model turns every finished prefill and every decode task into one output token, requests
-that reach their length finish, and preempted requests are put back as FastDeploy's token processor does. After
-every step kvcache's ``check_integrity`` checks pool, index and every live ``block_tables`` (each block's
-references equal the times it is listed). The same trace runs on FastDeploy's ``PrefixCacheManager``; per step
-the scheduled work, the prefix hits and the blocks the live requests hold must be the same, until the first
-step where a cached block is evicted: FastDeploy then evicts ``n`` blocks as soon as its free list is short of
-``n``, kvcache only the blocks an allocation takes, so from there the two may keep different prefixes.
+The first tests call ``FastDeployCacheManager`` as FastDeploy's ``ResourceManagerV1`` does, with plain request
+records; they need nothing of FastDeploy and run everywhere.
 
-Needs FastDeploy importable (``make test-fastdeploy`` builds such an environment); skipped otherwise.
+The rest need FastDeploy importable (``make test-fastdeploy`` builds such an environment; elsewhere they are
+skipped). A trace of a few hundred requests sharing system prompts arrives a few per step; each step
+FastDeploy's scheduler schedules, a stand-in model gives every running decode one token and every finished
+prefill its first, requests that reach their length finish, and preempted requests are put back as FastDeploy's
+token processor does. After every step kvcache's ``check_integrity`` checks pool, index and every live
+``block_tables`` (each block's references equal the times it is listed). The same trace runs on FastDeploy's
+``PrefixCacheManager``; per step the scheduled work, the prefix hits and the blocks the live requests hold must
+be the same, until the first step where a cached block is evicted: FastDeploy then evicts ``n`` blocks as soon
+as its free list is short of ``n``, kvcache only the blocks an allocation takes, so from there the two may keep
+different prefixes.
 """
 from __future__ import annotations
 
 import os
 import random
 import tempfile
+import threading
 from dataclasses import asdict, dataclass
 from types import SimpleNamespace
 
 import pytest
 
+from kvcache.allocator.errors import KVCacheError
+from kvcache.integrations import fastdeploy as adapter
+
 os.environ.setdefault("FD_LOG_DIR", os.path.join(tempfile.gettempdir(), "kvcache-fastdeploy-log"))  # not ./log
-pytest.importorskip("fastdeploy", reason="FastDeploy is not importable here; `make test-fastdeploy` builds an "
-                                         "environment with FastDeploy's sources and runs this file there")
-pytest.importorskip("paddle", reason="FastDeploy needs paddlepaddle")
+try:
+    from fastdeploy.cache_manager import prefix_cache_manager
+    from fastdeploy.config import CacheConfig, FDConfig, ParallelConfig, SchedulerConfig
+    from fastdeploy.engine.args_utils import EngineArgs
+    from fastdeploy.engine.request import Request, RequestMetrics, RequestStatus
+    from fastdeploy.engine.sched.resource_manager_v1 import (
+        ResourceManagerV1,
+        ScheduledDecodeTask,
+        ScheduledPreemptTask,
+    )
+except ImportError:
+    prefix_cache_manager = None
 
-from fastdeploy.cache_manager import prefix_cache_manager  # noqa: E402
-from fastdeploy.config import CacheConfig, FDConfig, ParallelConfig, SchedulerConfig  # noqa: E402
-from fastdeploy.engine.args_utils import EngineArgs  # noqa: E402
-from fastdeploy.engine.request import Request, RequestMetrics, RequestStatus  # noqa: E402
-from fastdeploy.engine.sched.resource_manager_v1 import (  # noqa: E402
-    ResourceManagerV1,
-    ScheduledDecodeTask,
-    ScheduledPreemptTask,
-)
-
-from kvcache.allocator.errors import KVCacheError  # noqa: E402
-from kvcache.integrations import fastdeploy as adapter  # noqa: E402
-
-FASTDEPLOY_MANAGER = prefix_cache_manager.PrefixCacheManager
-if FASTDEPLOY_MANAGER is adapter.FastDeployCacheManager:  # installed by the pytest plugin in this process
-    FASTDEPLOY_MANAGER = adapter.FastDeployCacheManager._fastdeploy_class
+needs_fastdeploy = pytest.mark.skipif(
+    prefix_cache_manager is None,
+    reason="FastDeploy is not importable here; `make test-fastdeploy` builds an environment with FastDeploy's "
+           "sources and runs this file there")
 
 BLOCK = 4
 
 
-@pytest.fixture(autouse=True, scope="module")
+# ---------------------------------------------------------------------- the contract alone
+
+
+def make_manager(num_blocks: int = 16, **cache: object) -> adapter.FastDeployCacheManager:
+    """A manager over ``num_blocks`` blocks of 4 tokens, built as FastDeploy builds it (config, TP, role)."""
+    fields = dict(total_block_num=num_blocks, prefill_kvcache_block_num=num_blocks, block_size=BLOCK,
+                  num_cpu_blocks=0, kvcache_storage_backend=None)
+    fields.update(cache)
+    return adapter.FastDeployCacheManager(SimpleNamespace(cache_config=SimpleNamespace(**fields)), 1, "mixed")
+
+
+def make_task(request_id: str, prompt: list[int], output: list[int] | None = None, mm: dict | None = None):
+    """A request record with the fields FastDeploy's manager reads and writes."""
+    return SimpleNamespace(request_id=request_id, prompt_token_ids=prompt, output_token_ids=output or [],
+                           block_tables=[], num_cached_blocks=0, multimodal_inputs=mm)
+
+
+def schedule_prefill(manager: adapter.FastDeployCacheManager, task, computed: int | None = None) -> tuple[int, int]:
+    """What ResourceManagerV1 does for a new request: match, allocate the rest, cache what is computed.
+    Returns (matched tokens, blocks allocated)."""
+    ids, matched, _ = manager.request_match_blocks(task, BLOCK)
+    task.block_tables = list(ids)
+    total = len(task.prompt_token_ids) + len(task.output_token_ids)
+    computed = total if computed is None else computed
+    need = -(-computed // BLOCK) - len(ids)
+    task.block_tables += manager.allocate_gpu_blocks(max(need, 0), task.request_id)
+    manager.update_cache_blocks(task, BLOCK, computed)
+    return matched, max(need, 0)
+
+
+def finish(manager: adapter.FastDeployCacheManager, task) -> None:
+    """ResourceManagerV1's ``_free_blocks`` with prefix caching on."""
+    manager.release_block_ids(task)
+    manager.recycle_gpu_blocks(task.block_tables[task.num_cached_blocks:], task.request_id)
+    task.block_tables = []
+
+
+def test_prefix_hit_shares_blocks_and_release_keeps_them_findable() -> None:
+    """A second request with the same first 8 tokens gets the first request's 2 blocks (a reference each);
+    after both finish the blocks are free but cached: out of ``gpu_free_block_list``, still allocatable."""
+    manager = make_manager(16)
+    a = make_task("a", list(range(1, 11)))  # 10 tokens: 2 full blocks and a partial one
+    assert schedule_prefill(manager, a) == (0, 3)
+    assert a.block_tables == [0, 1, 2] and a.num_cached_blocks == 2
+    b = make_task("b", list(range(1, 9)) + [99, 98, 97])
+    assert schedule_prefill(manager, b) == (8, 1)
+    assert b.block_tables[:2] == [0, 1]
+    manager.check_integrity(tables=[a.block_tables, b.block_tables])
+    finish(manager, a)
+    finish(manager, b)
+    manager.check_integrity(tables=[])
+    assert manager.num_free_gpu_blocks == 14 and len(manager.gpu_free_block_list) == 14
+    assert 0 not in manager.gpu_free_block_list and 1 not in manager.gpu_free_block_list
+    assert manager.can_allocate_gpu_blocks(16) and not manager.can_allocate_gpu_blocks(16, try_free_gpu_blocks=False)
+    assert manager.stats()[:4] == (2, 1, 21, 8)
+
+
+def test_whole_prompt_hit_is_returned_whole() -> None:
+    """A prompt of whole blocks, all cached, matches all of them, as FastDeploy's manager does (its scheduler
+    then recomputes the last block in place)."""
+    manager = make_manager()
+    a = make_task("a", list(range(1, 9)))
+    schedule_prefill(manager, a)
+    finish(manager, a)
+    b = make_task("b", list(range(1, 9)))
+    ids, matched, metrics = manager.request_match_blocks(b, BLOCK)
+    assert (ids, matched, b.num_cached_blocks) == ([0, 1], 8, 2)
+    assert metrics["gpu_match_token_num"] == 8 and metrics["match_gpu_block_ids"] == [0, 1]
+    assert metrics["cpu_match_token_num"] == metrics["storage_match_token_num"] == 0
+
+
+def test_eviction_takes_the_oldest_released_prefix_tail_first() -> None:
+    """With no uncached block left, an allocation evicts cached free blocks, the oldest released first and a
+    prefix's last block before its first; the evicted prefix no longer hits, the other still does."""
+    manager = make_manager(6)
+    old = make_task("old", [1] * 4 + [2] * 4 + [3])
+    schedule_prefill(manager, old)  # blocks 0, 1 cached, 2 partial
+    finish(manager, old)
+    new = make_task("new", [5] * 4 + [6] * 4 + [7])
+    schedule_prefill(manager, new)
+    finish(manager, new)
+    taken = manager.allocate_gpu_blocks(3, "x")  # the free blocks first, then one eviction
+    assert manager.stats().evicted_blocks == 1
+    assert manager.request_match_blocks(make_task("p", [1] * 4 + [2] * 4 + [3]), BLOCK)[1] == 4  # lost its tail
+    assert manager.request_match_blocks(make_task("q", [5] * 4 + [6] * 4 + [7]), BLOCK)[1] == 8
+    manager.check_integrity()
+    assert len(taken) == 3
+
+
+def test_images_key_blocks_by_their_hash() -> None:
+    """FastDeploy's image placeholders are token -1: blocks holding the same placeholders hit only when the
+    image's hash and place agree."""
+    def task(request_id: str, image: str):
+        mm = {"mm_positions": [SimpleNamespace(offset=4, length=8)], "mm_hashes": [image]}
+        return make_task(request_id, [1, 2, 3, 4] + [-1] * 8 + [5, 6], mm=mm)
+
+    manager = make_manager()
+    first = task("a", "cat")
+    schedule_prefill(manager, first)
+    assert manager.request_match_blocks(task("b", "dog"), BLOCK)[1] == 4  # only the text block before the image
+    assert manager.request_match_blocks(task("c", "cat"), BLOCK)[1] == 12
+
+
+def test_output_blocks_are_cached_for_later_requests() -> None:
+    """``cache_output_blocks`` indexes the full blocks of prompt and output, so a follow-up turn hits them."""
+    manager = make_manager()
+    a = make_task("a", [1, 2, 3, 4, 5, 6])
+    schedule_prefill(manager, a)
+    a.output_token_ids = [7, 8, 9]
+    a.block_tables += manager.allocate_gpu_blocks(1, "a")
+    manager.cache_output_blocks(a, BLOCK)
+    assert a.num_cached_blocks == 2
+    finish(manager, a)
+    assert manager.request_match_blocks(make_task("b", [1, 2, 3, 4, 5, 6, 7, 8, 10]), BLOCK)[1] == 8
+
+
+def test_refuses_what_it_does_not_serve() -> None:
+    """CPU swap space, storage backends and the v0 one-call reservation are refused by name."""
+    with pytest.raises(KVCacheError, match="num_cpu_blocks"):
+        make_manager(num_cpu_blocks=8)
+    with pytest.raises(KVCacheError, match="kvcache_storage_backend"):
+        make_manager(kvcache_storage_backend="mooncake")
+    with pytest.raises(KVCacheError, match="request_block_ids"):
+        make_manager().request_block_ids(make_task("a", [1, 2, 3]), BLOCK, 0)
+    manager = make_manager()
+    manager.allocate_gpu_blocks(1, "a")
+    with pytest.raises(KVCacheError, match="update_cache_config"):
+        manager.update_cache_config(manager.cache_config)
+
+
+def test_bad_calls_change_nothing() -> None:
+    """A block the caller does not hold, too many blocks, or a wrong block size: one KVCacheError, no change."""
+    manager = make_manager(32)
+    blocks = manager.allocate_gpu_blocks(3, "a")
+    with pytest.raises(KVCacheError, match="gpu_block_ids"):
+        manager.recycle_gpu_blocks([blocks[0], blocks[0]], "a")
+    with pytest.raises(KVCacheError, match="gpu_block_ids"):
+        manager.recycle_gpu_blocks([40], "a")
+    with pytest.raises(KVCacheError, match="num_blocks"):
+        manager.allocate_gpu_blocks(30, "b")
+    with pytest.raises(KVCacheError, match="block_size"):
+        manager.request_match_blocks(make_task("c", [1, 2, 3, 4, 5]), 8)
+    with pytest.raises(KVCacheError, match="request_id"):
+        manager.release_block_ids(make_task("never", [1]))
+    assert manager.num_allocatable_gpu_blocks == 29
+    manager.check_integrity(tables=[blocks])
+    manager.recycle_gpu_blocks(blocks, "a")
+    manager.check_integrity(tables=[])
+
+
+def test_thread_safe_release_from_executor_threads() -> None:
+    """Requests matched, allocated, cached and released from several threads at once keep the invariants."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    manager = make_manager(512)
+    shared = list(range(1, 17))
+    barrier = threading.Barrier(4)
+
+    def one(i: int) -> None:
+        if i < 4:
+            barrier.wait(timeout=30)  # the first four start together
+        task = make_task(f"t{i}", shared + [1000 + i, 7, 8])
+        schedule_prefill(manager, task)
+        manager.release_block_ids_async(task).result(timeout=30)
+        manager.recycle_gpu_blocks(task.block_tables[task.num_cached_blocks:], task.request_id)
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        list(pool.map(one, range(200)))
+    manager.check_integrity(tables=[])
+    assert manager.num_allocatable_gpu_blocks == 512
+    assert manager.stats().hit_tokens >= 196 * 16  # the shared 16 tokens hit once some request cached them
+
+
+# ---------------------------------------------------------------------- under FastDeploy's scheduler
+
+
+@pytest.fixture(scope="module")
 def v1_scheduler():
     """FastDeploy's platform reports CUDA while these tests build schedulers: on other platforms its engine args
     turn off the v1 scheduler and chunked prefill this file exercises."""
@@ -57,6 +237,17 @@ def v1_scheduler():
         mp.setattr(current_platform, "is_cuda", lambda: True)
         mp.setattr(envs, "ENABLE_V1_KVCACHE_SCHEDULER", 1)
         yield
+
+
+def fastdeploy_test(test):
+    """A test that drives FastDeploy's scheduler: skipped without FastDeploy, run with its v1 scheduler on."""
+    return needs_fastdeploy(pytest.mark.usefixtures("v1_scheduler")(test))
+
+
+def fastdeploy_manager() -> type:
+    """FastDeploy's own PrefixCacheManager, also where the plugin has installed kvcache's in its place."""
+    cls = prefix_cache_manager.PrefixCacheManager
+    return getattr(cls, "_fastdeploy_class", cls) if cls is adapter.FastDeployCacheManager else cls
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,7 +402,7 @@ def run_both(trace: list[Spec], **options: object) -> tuple[list[Step], list[Ste
         kv_steps = run(ours, trace)
     finally:
         close(ours)
-    theirs = make_scheduler(FASTDEPLOY_MANAGER, **options)
+    theirs = make_scheduler(fastdeploy_manager(), **options)
     try:
         fd_steps = run(theirs, trace)
     finally:
@@ -219,6 +410,7 @@ def run_both(trace: list[Spec], **options: object) -> tuple[list[Step], list[Ste
     return kv_steps, fd_steps, ours
 
 
+@fastdeploy_test
 @pytest.mark.parametrize("output_caching", [False, True], ids=["prompt-caching", "output-caching"])
 def test_same_schedule_as_fastdeploy_when_nothing_is_evicted(output_caching: bool) -> None:
     """With room for every prefix, kvcache's manager gives FastDeploy's scheduler the same steps as FastDeploy's
@@ -234,6 +426,7 @@ def test_same_schedule_as_fastdeploy_when_nothing_is_evicted(output_caching: boo
     assert ours.cache_manager.num_allocatable_gpu_blocks == 4000
 
 
+@fastdeploy_test
 def test_chunked_prefill_preemption_and_eviction_under_pressure() -> None:
     """A pool too small for the load: prompts are prefilled in chunks, decodes preempt others, cached blocks are
     evicted; every step keeps kvcache's invariants, every request finishes, and the steps equal FastDeploy's
@@ -256,7 +449,7 @@ def test_chunked_prefill_preemption_and_eviction_under_pressure() -> None:
 def _first_eviction_step(trace: list[Spec]) -> int:
     """The first step (0-based) in which either manager evicted a cached block, on a fresh run of both."""
     ours = make_scheduler(adapter.FastDeployCacheManager, num_blocks=48, max_num_seqs=12, max_num_batched_tokens=24)
-    theirs = make_scheduler(FASTDEPLOY_MANAGER, num_blocks=48, max_num_seqs=12, max_num_batched_tokens=24)
+    theirs = make_scheduler(fastdeploy_manager(), num_blocks=48, max_num_seqs=12, max_num_batched_tokens=24)
     try:
         first = []
         for rm, evicted in ((ours, lambda m: m.stats().evicted_blocks), (theirs, _fastdeploy_evictions)):
@@ -284,66 +477,26 @@ def _fastdeploy_evictions(manager: object) -> int:
     return len(manager.node_id_pool) + len(manager.node_map) - manager.num_gpu_blocks
 
 
-def test_install_patches_the_module_attribute_and_refuses_what_it_does_not_serve(monkeypatch) -> None:
-    """install() makes FastDeploy's ResourceManager build kvcache's manager; CPU swap and storage backends are
-    refused by name, and so is the v0 scheduler's one-call reservation."""
+@fastdeploy_test
+def test_install_patches_the_module_attribute(monkeypatch) -> None:
+    """install() makes FastDeploy's ResourceManager build kvcache's manager, uninstall() puts FastDeploy's back,
+    and install() refuses FastDeploy's v1 cache manager, which it could not replace."""
+    from fastdeploy import envs
+
+    original = fastdeploy_manager()
     adapter.install()
     try:
         assert prefix_cache_manager.PrefixCacheManager is adapter.FastDeployCacheManager
         rm = make_scheduler(prefix_cache_manager.PrefixCacheManager, num_blocks=64)
         close(rm)
         assert isinstance(rm.cache_manager, adapter.FastDeployCacheManager)
-        config = rm.config
-        for field, value, name in (("num_cpu_blocks", 4, "num_cpu_blocks"),
-                                   ("kvcache_storage_backend", "mooncake", "kvcache_storage_backend")):
-            monkeypatch.setattr(config.cache_config, field, value)
-            with pytest.raises(KVCacheError, match=name):
-                adapter.FastDeployCacheManager(config, 1, "mixed")
-            monkeypatch.undo()
+        assert rm.cache_manager.num_gpu_blocks == rm.total_block_number() == 64
         with pytest.raises(KVCacheError, match="request_block_ids"):
             rm.cache_manager.request_block_ids(make_request(Spec("x", 0, (1, 2, 3), 1)), BLOCK, 0)
     finally:
         adapter.uninstall()
-    assert prefix_cache_manager.PrefixCacheManager is FASTDEPLOY_MANAGER
-
-
-def test_bad_calls_change_nothing() -> None:
-    """A block the caller does not hold, too many blocks, or a wrong block size: one KVCacheError, no change."""
-    rm = make_scheduler(adapter.FastDeployCacheManager, num_blocks=32)
-    close(rm)
-    manager = rm.cache_manager
-    blocks = manager.allocate_gpu_blocks(3, "a")
-    with pytest.raises(KVCacheError, match="gpu_block_ids"):
-        manager.recycle_gpu_blocks([blocks[0], blocks[0]], "a")
-    with pytest.raises(KVCacheError, match="num_blocks"):
-        manager.allocate_gpu_blocks(30, "b")
-    with pytest.raises(KVCacheError, match="block_size"):
-        manager.request_match_blocks(make_request(Spec("c", 0, (1, 2, 3, 4, 5), 1)), 8)
-    assert manager.num_allocatable_gpu_blocks == 29
-    manager.check_integrity(tables=[blocks])
-    manager.recycle_gpu_blocks(blocks, "a")
-    manager.check_integrity(tables=[])
-
-
-def test_thread_safe_release_from_executor_threads() -> None:
-    """Releases from several threads while the scheduler thread matches and allocates keep the invariants."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    rm = make_scheduler(adapter.FastDeployCacheManager, num_blocks=512)
-    close(rm)
-    manager = rm.cache_manager
-    shared = tuple(range(1, 17))
-
-    def one(i: int) -> None:
-        request = make_request(Spec(f"t{i}", 0, shared + (1000 + i, 7, 8), 1))
-        ids, matched, _ = manager.request_match_blocks(request, BLOCK)
-        request.block_tables = ids + manager.allocate_gpu_blocks(5 - len(ids), request.request_id)
-        manager.update_cache_blocks(request, BLOCK, len(request.prompt_token_ids))
-        manager.release_block_ids(request)
-        manager.recycle_gpu_blocks(request.block_tables[request.num_cached_blocks:], request.request_id)
-
-    with ThreadPoolExecutor(max_workers=4) as pool:
-        list(pool.map(one, range(200)))
-    manager.check_integrity(tables=[])
-    assert manager.num_allocatable_gpu_blocks == 512
-    assert manager.stats().hit_tokens >= 199 * 16 - 16 * 4  # the shared 16 tokens hit once they are cached
+    assert prefix_cache_manager.PrefixCacheManager is original
+    monkeypatch.setattr(envs, "ENABLE_V1_KVCACHE_MANAGER", 1)
+    with pytest.raises(KVCacheError, match="ENABLE_V1_KVCACHE_MANAGER"):
+        adapter.install()
+    assert prefix_cache_manager.PrefixCacheManager is original
