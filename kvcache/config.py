@@ -190,8 +190,10 @@ class ServeConfig:
             derive_endpoints(self.endpoint)
 
     def describe(self) -> str:
-        """One line per field, for the start-up log."""
-        return "\n".join(f"  {f.name} = {getattr(self, f.name)!r}" for f in dataclasses.fields(self))
+        """One line per field, for the start-up log; a hash seed shows only whether one is set (it is a secret)."""
+        shown = {"hash_seed": "'(set)'" if self.hash_seed else "''"}
+        return "\n".join(f"  {f.name} = {shown.get(f.name, repr(getattr(self, f.name)))}"
+                         for f in dataclasses.fields(self))
 
 
 def derive_endpoints(endpoint: str) -> dict[str, str]:

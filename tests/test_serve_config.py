@@ -294,3 +294,11 @@ def test_settings_within_their_ranges_still_start_a_daemon(tmp_path, daemon):
                       'utilization = 1.0\nrows = "window:2147483647:0,full*4095"\nmetrics_port = 0\n')
     d = daemon("--config", str(config))
     assert Path(d.endpoint.removeprefix("ipc://")).exists()
+
+
+def test_the_start_up_log_never_shows_the_hash_seed():
+    """A secret root only isolates tenants while it stays secret: describe() says whether one is set, not what."""
+    described = ServeConfig(num_blocks=8, hash_seed="tenant-secret-41").describe()
+    assert "tenant-secret-41" not in described
+    assert "  hash_seed = '(set)'" in described.splitlines()
+    assert "  hash_seed = ''" in ServeConfig(num_blocks=8).describe().splitlines()
