@@ -446,6 +446,36 @@ def test_chunked_prefill_preemption_and_eviction_under_pressure() -> None:
     assert ours.cache_manager.num_allocatable_gpu_blocks == 48  # everything released at the end
 
 
+@fastdeploy_test
+def test_with_fastdeploys_eviction_rule_the_pressured_trace_is_identical() -> None:
+    """Evicting as FastDeploy does (``n`` cached blocks as soon as fewer than ``n`` free ones are left, through
+    the manager's ``free_block_ids``), kvcache gives the pressured trace exactly FastDeploy's steps, preemptions
+    and hits included: the eviction rule is the whole difference."""
+
+    class EagerEviction(adapter.FastDeployCacheManager):
+        def can_allocate_gpu_blocks(self, num_blocks: int, try_free_gpu_blocks: bool = True) -> bool:
+            if try_free_gpu_blocks and self.num_free_gpu_blocks < num_blocks:
+                self.free_block_ids(num_blocks)
+            return self.num_free_gpu_blocks >= num_blocks
+
+    trace = make_trace(300, seed=2, per_step=4)
+    options = dict(num_blocks=48, max_num_seqs=12, max_num_batched_tokens=24)
+    ours = make_scheduler(EagerEviction, **options)
+    try:
+        kv_steps = run(ours, trace)
+    finally:
+        close(ours)
+    theirs = make_scheduler(fastdeploy_manager(), **options)
+    try:
+        fd_steps = run(theirs, trace)
+    finally:
+        close(theirs)
+    assert ours.cache_manager.stats().evicted_blocks > 0
+    assert len(kv_steps) == len(fd_steps)
+    for i, (kv, fd) in enumerate(zip(kv_steps, fd_steps)):
+        assert kv == fd, f"step {i} differs"
+
+
 def _first_eviction_step(trace: list[Spec]) -> int:
     """The first step (0-based) in which either manager evicted a cached block, on a fresh run of both."""
     ours = make_scheduler(adapter.FastDeployCacheManager, num_blocks=48, max_num_seqs=12, max_num_batched_tokens=24)
