@@ -13,6 +13,7 @@ from kvcache.allocator.layout import MAX_BOUNDS, QuantType, ScaleLayout, normali
 from kvcache.allocator.prefix import ALGORITHMS
 from kvcache.allocator.rows import Row
 from kvcache.allocator.swa import AttentionPolicy, Full, Window
+from kvcache.journal import MAX_WAL_BYTES
 from kvcache.units import parse_size
 
 # A --rows item: full or window:W[:S], then *N (numbers of at most 18 digits: int() refuses too long ones)
@@ -38,7 +39,7 @@ _INT_RANGES: dict[str, tuple[int, int, str]] = {
     "max_num_batched_tokens": (0, INT32_MAX, " tokens (0 = unset)"),
     "data_parallel_rank": (0, INT32_MAX, ""),
     "metrics_port": (0, 65_535, " (0 = off)"),
-    "max_message_bytes": (1, MAX_BYTES, ""),
+    "max_message_bytes": (1, MAX_WAL_BYTES // 4, " (each is a record of the journal's log)"),
     "max_tokens": (1, INT32_MAX, ""),
     "max_slots": (1, INT32_MAX, ""),
     "max_reply_bytes": (1, MAX_BYTES, ""),
@@ -49,7 +50,7 @@ _INT_RANGES: dict[str, tuple[int, int, str]] = {
     "pub_bytes": (1, MAX_BYTES, ""),
     "io_threads": (1, 64, ""),
     "heartbeat_ms": (10, 60_000, " (a shorter heartbeat keeps an idle daemon busy)"),
-    "snapshot_bytes": (1, MAX_BYTES, ""),
+    "snapshot_bytes": (1, MAX_WAL_BYTES // 2, " (a restart reads at most 16 GiB of log)"),
     "host_block_budget": (0, MAX_BLOCKS, " (0 = from --host-memory)"),
 }
 # Every number setting's range in seconds (or a fraction): (least, most, least allowed, note).
