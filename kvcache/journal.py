@@ -516,6 +516,8 @@ def repair(folder: str | Path, truncate_at: int) -> Path:
     except LockHeld as exc:
         raise KVCacheError(f"journal: {folder} is in use by process {exc.holder}; stop it before repairing") from None
     try:
+        if not wal.exists():
+            raise KVCacheError(f"journal: {folder} has no log ({wal}): nothing to repair")
         data = read_wal(wal)
         ends = {0, *(end for end, _, _, _ in _whole_records(data))}
         if truncate_at not in ends:

@@ -307,6 +307,13 @@ def test_repair_cuts_at_a_record_boundary_and_keeps_a_backup(tmp_path):
     assert rec.records == [b"a" * 10] and rec.truncated_bytes == 0
 
 
+def test_repair_of_a_folder_without_a_log_is_one_line_and_writes_nothing(tmp_path):
+    tmp_path.chmod(0o700)
+    with pytest.raises(KVCacheError, match=r"has no log \(.*wal\): nothing to repair"):
+        repair(tmp_path, 0)
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("lock")) == []
+
+
 def test_repair_refuses_a_journal_in_use(tmp_path):
     journal, _ = reopen(tmp_path)
     with pytest.raises(KVCacheError, match=f"in use by process {os.getpid()}; stop it before repairing"):
