@@ -385,6 +385,10 @@ class CacheServer:
             self._setup_optional()
             if self.config.journal:
                 self._recover()
+            if self._metrics is not None:  # served once they show this daemon's state, not a fresh one's zeros
+                self._observe(force=True)
+                if self.config.metrics_port:
+                    self._metrics.serve_http(self.config.metrics_port)
         except BaseException:
             self.close()
             raise
@@ -429,8 +433,6 @@ class CacheServer:
         if DaemonMetrics is not None:
             self._metrics = DaemonMetrics(self.manager.num_rows, pd=self.config.role != "both",
                                           tier=self.tier is not None)
-            if self.config.metrics_port:
-                self._metrics.serve_http(self.config.metrics_port)
             # A CURVE PUB's one monitor then serves both: the count here, its handshake refusals to the log.
             report = self._auth.hand_over(self.pub) if self._auth is not None else None
             self._subscribers = SubscriberCounter(self.pub, also=HANDSHAKE_FAILURES if report else 0,
@@ -1024,10 +1026,11 @@ class CacheServer:
 
     def _observe(self, force: bool = False) -> None:
         """Count the answered messages and published deltas in the metrics, at most every ``METRICS_INTERVAL_S``
-        (or now, with ``force``): after the replies went out, as metrics only observe, and in one go, so a
-        busy daemon pays once per interval for the manager's totals and the Prometheus calls, not per message.
-        The serve loop calls it at least every ``poll_ms``, so an idle daemon's metrics catch up."""
-        if self._metrics is None or not (self._observed or self._delta_totals[0]):
+        (or now, with ``force``, gauges too when nothing came): after the replies went out, as metrics only
+        observe, and in one go, so a busy daemon pays once per interval for the manager's totals and the
+        Prometheus calls, not per message. The serve loop calls it at least every ``poll_ms``, so an idle
+        daemon's metrics catch up."""
+        if self._metrics is None or not (force or self._observed or self._delta_totals[0]):
             return
         now = time.monotonic()
         if not force and now < self._next_observe:

@@ -299,3 +299,48 @@ def test_a_decode_daemon_serves_its_transfers_on_metrics_and_in_stats(daemon):
     assert "PD decode: in transfer 0   started 3   done 1   failed 1   cancelled 1" in out
     assert "32 blocks x 1 row(s), block_size 16" in out
     assert "on the PUB, 0 on the local endpoint" in out
+
+
+# -- from the start ------------------------------------------------------------------------------
+
+def scrape_daemon(port: int) -> dict:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=TIMEOUT_S) as reply:
+        return scrape(reply.read())
+
+
+def test_a_daemons_metrics_show_its_state_before_any_message(daemon):
+    """Scraped before anything talks to the daemon, the gauges hold its state, not zeros: every block of every
+    row free, the host tier's blocks free, nothing in flight."""
+    port = free_port()
+    daemon("--num-blocks", "24", "--block-size", str(BS), "--rows", "window:8:4,full", "--host-block-budget", "16",
+           "--metrics-port", str(port))
+    s = scrape_daemon(port)
+    for row in ("0", "1"):
+        assert value(s, "kvcache_free_blocks", row=row) == 24, row
+        assert value(s, "kvcache_block_usage_ratio", row=row) == 0, row
+    assert value(s, "kvcache_live_requests") == 0 and value(s, "kvcache_cached_hashes") == 0
+    assert value(s, "kvcache_subscribers") == 0
+    assert value(s, "kvcache_host_tier_state_blocks", state="free") == 16
+    assert value(s, "kvcache_host_tier_state_blocks", state="cached") == 0
+    assert value(s, "kvcache_host_tier_state_blocks", state="retired") == 0
+    assert value(s, "kvcache_host_tier_copies_in_flight", kind="offload") == 0
+    assert value(s, "kvcache_host_tier_copies_in_flight", kind="load") == 0
+    assert value(s, "kvcache_host_tier_held_gpu_blocks") == 0
+
+
+def test_a_restarted_daemons_metrics_show_its_recovered_state_before_any_message(daemon, tmp_path):
+    """A daemon restarted from its journal serves, from the start, the usage and transfers it recovered."""
+    port = free_port()
+    flags = ("--num-blocks", "32", "--block-size", "16", "--role", "decode", "--journal", str(tmp_path / "j"))
+    first = daemon(*flags)
+    with CacheClient(first.endpoint, name="sched") as c:
+        c.attach(0, "tcp://127.0.0.1:1")
+        c.admit("held", np.arange(40))  # 3 blocks
+        c.reserve("moving", np.arange(40) + 1000)  # 3 blocks, in transfer
+    first.stop()
+    daemon(*flags, "--metrics-port", str(port), folder=first.folder)
+    s = scrape_daemon(port)
+    assert value(s, "kvcache_free_blocks", row="0") == 26
+    assert value(s, "kvcache_live_requests") == 2
+    assert value(s, "kvcache_pd_in_transfer") == 1
+    assert value(s, "kvcache_pd_transfers_total", outcome="started") == 1
