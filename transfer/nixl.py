@@ -16,10 +16,14 @@ A large write is cut into chunks that ``threads`` UCX workers post in parallel (
 kernel's cost is per range, so one thread moves scattered 32 KiB blocks at about half the speed of
 one big range). Host memory into a peer process on this host that the kernel lets us write is
 copied by the kernel directly, many ranges a call (``KernelCopy``), instead of UCX's one call per
-range; its notification still goes over NIXL, after the data. ``connect`` makes sure of the peer:
-its hello names a random token in its memory, which a read through the kernel must find there (the
-same process, not one with the same pid elsewhere; same user, ptrace allowed). ``kernel_copy=False``
-sends every write through NIXL. All NIXL calls that post or poll transfers run on the engine's one
+range; its notification still goes over NIXL, after the data. ``connect`` makes sure of the peer
+before it lets the kernel write (``_proven``): the hello says the same host as ours (boot id and pid
+namespace) and came from an address of this host; the peer answered our fresh nonce with an HMAC, over
+the nonce and the very hello we got, keyed by a secret the peer holds in a memfd that we read through
+``/proc/<pid>/fd`` (so the key is that process's own, not bytes someone planted in its memory, and a
+relayed or replayed hello fails); and the kernel lets us read that process. Every kernel write then lies
+inside the memory that hello says the peer registered (the check NIXL makes), or none of it is written.
+Any other peer is written through NIXL alone. ``kernel_copy=False`` sends every write through NIXL. All NIXL calls that post or poll transfers run on the engine's one
 worker thread (a post over shared memory copies inside the call, so the caller's ``write`` must not make it),
 except a post its caller asks to make itself (``submit(inline=True)``, when nothing else waits); a
 handle's ``wait`` returns at its deadline even if that thread is stuck inside NIXL. A peer that
@@ -35,10 +39,13 @@ caller's ``notifications()`` progresses it too. Idle, both cost a wake-up per mi
 """
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
 import os
 import queue
 import socket
+import stat
 import sys
 import threading
 import time
@@ -52,13 +59,18 @@ import zmq
 
 from kvcache.allocator.errors import KVCacheError
 from kvcache.transfer.engines import DEFAULT_TIMEOUT, TransferEngine, TransferHandle, TransferStatus
-from kvcache.transfer.regions import CopyRanges, KVRegion, copy_ranges
+from kvcache.transfer.regions import ByteRanges, CopyRanges, KVRegion, copy_ranges
 
 log = logging.getLogger("kvcache.nixl")
 
-__all__ = ["PROGRESS_MODES", "KernelCopy", "NixlEngine", "Peer", "default_threads", "nixl_available", "spread"]
+__all__ = ["PROGRESS_MODES", "KernelCopy", "NixlEngine", "Peer", "default_threads", "host_identity",
+           "is_local_endpoint", "nixl_available", "spread"]
 
-PROTOCOL = 1
+PROTOCOL = 2
+KEY_NAME = "kvcache-transfer-key"
+"""The memfd an engine keeps its hello key in; a peer reads it through /proc/<pid>/fd to check our answers."""
+KEY_BYTES = 32
+NONCE_BYTES = 32
 PROGRESS_DELAY_US = 1000
 """NIXL's progress thread waits for UCX events in poll() with this timeout (µs, rounded up to ms).
 NIXL's Python API fixes it at 0, which makes the thread spin: 80% of a core per idle agent here,
@@ -111,6 +123,13 @@ class Peer(NamedTuple):
     host: str
     pid: int
     regions: tuple[KVRegion, ...]
+
+
+class _KernelPeer(NamedTuple):
+    """A peer the kernel may write (``connect`` proved it): its process and the host memory it registered."""
+
+    pid: int
+    extents: ByteRanges
 
 
 class _NixlHandle(TransferHandle):
@@ -181,9 +200,7 @@ class NixlEngine(TransferEngine):
         self.threads = threads if threads > 1 else 0
         # Host memory of a peer process on this host that lets us write it: copied by the kernel (KernelCopy).
         self._kernel = KernelCopy(max(1, self.threads)) if kernel_copy and KernelCopy.supported() else None
-        self._kernel_peers: dict[str, int] = {}  # agent -> pid
-        # What a peer's kernel copy reads first: these bytes at this address prove the pid is this process.
-        self._token = np.frombuffer(os.urandom(16), dtype=np.uint8).copy()
+        self._kernel_peers: dict[str, _KernelPeer] = {}
         config = nixl.nixl_agent_config(enable_prog_thread=progress == "thread", backends=[],
                                         sync_mode=nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
         try:
@@ -196,6 +213,11 @@ class NixlEngine(TransferEngine):
         missing = [b for b in backends if b not in self.agent.backends]
         if missing:
             raise KVCacheError(f"NIXL backends {missing} are not available (plugins: {self.agent.get_plugin_list()})")
+        # The key our hello answers are signed with, kept where only this process can have put it (a memfd
+        # a peer reads through /proc) and in memory at a known address (a peer's read of it through the
+        # kernel shows the kernel lets it write here).
+        self._key = np.frombuffer(os.urandom(KEY_BYTES), dtype=np.uint8).copy()
+        self._key_fd = _key_file(self._key.tobytes())
         self._lock = threading.Lock()
         self._registered: dict[int, tuple[KVRegion, Any]] = {}
         self._peers: dict[str, Peer] = {}
@@ -260,10 +282,10 @@ class NixlEngine(TransferEngine):
 
     def _refresh_snapshot(self) -> None:
         """The hello answer peers get: our metadata (it lists registered memory) and region descriptions."""
-        body = {"v": PROTOCOL, "agent": self.name, "host": socket.gethostname(), "pid": os.getpid(),
-                "metadata": self.agent.get_agent_metadata(),
+        body = {"v": PROTOCOL, "agent": self.name, "host": socket.gethostname(), "host_id": host_identity(),
+                "pid": os.getpid(), "metadata": self.agent.get_agent_metadata(),
                 "regions": [region.describe() for region in self.registered],
-                "token": [self._token.ctypes.data, self._token.tobytes()]}
+                "key": [self._key_fd, self._key.ctypes.data] if self._key_fd >= 0 else None}
         with self._lock:
             self._snapshot = msgpack.packb(body, use_bin_type=True)
 
@@ -299,8 +321,15 @@ class NixlEngine(TransferEngine):
                     request = msgpack.unpackb(frames[-1], raw=False)
                     if not isinstance(request, dict) or request.get("op") != "hello":
                         raise ValueError(f"unknown request {request!r:.80}")
+                    if request.get("v") != PROTOCOL:
+                        raise ValueError(f"v: protocol {request.get('v')!r} is not ours ({PROTOCOL})")
+                    nonce = request.get("nonce")
+                    if not isinstance(nonce, bytes) or len(nonce) != NONCE_BYTES:
+                        raise ValueError(f"nonce: must be {NONCE_BYTES} bytes")
                     with self._lock:
-                        reply = self._snapshot
+                        body = self._snapshot
+                    reply = msgpack.packb({"v": PROTOCOL, "body": body, "proof": _proof(self._key, nonce, body)},
+                                          use_bin_type=True)
                 except Exception as exc:
                     reply = msgpack.packb({"v": PROTOCOL, "error": str(exc)}, use_bin_type=True)
                 sock.send_multipart([*frames[:-1], reply])
@@ -308,16 +337,22 @@ class NixlEngine(TransferEngine):
             sock.close()
 
     def connect(self, endpoint: str, timeout: float | None = None) -> Peer:
-        """Fetch a receiver's metadata and regions over ZMQ (within ``timeout``) and load them into our agent."""
+        """Fetch a receiver's metadata and regions over ZMQ (within ``timeout``) and load them into our agent.
+
+        Host memory of a peer that proves it is a process on this host (see the module) is written by the
+        kernel from then on, inside the memory it registered; any other peer through NIXL alone.
+        """
         self._check_open()
         seconds = self.connect_timeout if timeout is None else timeout
+        nonce = os.urandom(NONCE_BYTES)
         sock = self._ctx.socket(zmq.REQ)
         sock.linger = 0
         sock.sndtimeo = max(1, int(seconds * 1000))  # a REQ with no peer blocks in send
         try:
             sock.connect(endpoint)
             try:
-                sock.send(msgpack.packb({"v": PROTOCOL, "op": "hello", "agent": self.name}, use_bin_type=True))
+                sock.send(msgpack.packb({"v": PROTOCOL, "op": "hello", "agent": self.name, "nonce": nonce},
+                                        use_bin_type=True))
             except zmq.Again:
                 raise KVCacheError(f"no peer at {endpoint} took the hello within {seconds:g} s") from None
             if not sock.poll(int(seconds * 1000)):
@@ -327,24 +362,66 @@ class NixlEngine(TransferEngine):
             sock.close()
         if not isinstance(reply, dict) or reply.get("v") != PROTOCOL or "error" in reply:
             raise KVCacheError(f"{endpoint} refused hello: {reply.get('error') if isinstance(reply, dict) else reply!r}")
+        body, proof = reply.get("body"), reply.get("proof")
         try:
-            agent = self.agent.add_remote_agent(reply["metadata"])
+            hello = msgpack.unpackb(body, raw=False)
+            if not isinstance(hello, dict) or hello.get("v") != PROTOCOL:
+                raise ValueError(f"v: protocol {hello.get('v') if isinstance(hello, dict) else None!r}")
+            metadata, descriptions = hello["metadata"], hello["regions"]
+            pid, host = hello["pid"], hello["host"]
+            if not isinstance(pid, int) or isinstance(pid, bool) or not isinstance(descriptions, list):
+                raise TypeError("pid must be a whole number and regions a list")
         except Exception as exc:
-            raise KVCacheError(f"could not load the metadata of {reply.get('agent')!r}: {exc}") from None
+            raise KVCacheError(f"{endpoint} sent a malformed hello: {exc}") from None
+        try:
+            agent = self.agent.add_remote_agent(metadata)
+        except Exception as exc:
+            raise KVCacheError(f"could not load the metadata of {hello.get('agent')!r}: {exc}") from None
         agent = agent.decode() if isinstance(agent, bytes) else str(agent)
-        regions = tuple(KVRegion.from_description(d, owner=agent) for d in reply["regions"])
-        peer = Peer(agent, endpoint, reply["host"], int(reply["pid"]), regions)
-        token = reply.get("token")
-        kernel = (self._kernel is not None and peer.pid != os.getpid() and isinstance(token, list)
-                  and len(token) == 2 and isinstance(token[0], int) and isinstance(token[1], bytes)
-                  and self._kernel.finds(peer.pid, token[0], token[1]))
+        regions = tuple(KVRegion.from_description(d, owner=agent) for d in descriptions)
+        peer = Peer(agent, endpoint, str(host), pid, regions)
+        kernel = None
+        if self._kernel is not None and pid != os.getpid():
+            why = self._unproven(endpoint, hello, body, nonce, proof)
+            if why:
+                log.info("NIXL engine %s: %s (process %d at %s) is written through NIXL, not the kernel: %s",
+                         self.name, agent, pid, endpoint, why)
+            else:
+                kernel = _KernelPeer(pid, ByteRanges.union(r.extents() for r in regions if not r.is_cuda))
         with self._lock:
             self._peers[agent] = peer
-            if kernel:
-                self._kernel_peers[agent] = peer.pid
+            if kernel is not None:
+                self._kernel_peers[agent] = kernel
             else:
                 self._kernel_peers.pop(agent, None)
         return peer
+
+    def _unproven(self, endpoint: str, hello: dict, body: bytes, nonce: bytes, proof: Any) -> str:
+        """Why the kernel may not write the process a hello names ("" when it may): the hello must come from
+        this host (its identity and the address we reached), signed for our ``nonce`` by that process."""
+        ours = host_identity()
+        if not ours or hello.get("host_id") != ours:
+            return f"its host {hello.get('host_id')!r} is not this one ({ours!r})"
+        if not is_local_endpoint(endpoint):
+            return "its address is not one of this host's"
+        key_at = hello.get("key")
+        if not (isinstance(key_at, list) and len(key_at) == 2 and all(
+                isinstance(v, int) and not isinstance(v, bool) for v in key_at)):
+            return "it names no key"
+        key = _peer_key(hello["pid"], key_at[0])
+        if key is None:
+            return f"no key of process {hello['pid']} could be read here"
+        if not isinstance(proof, bytes) or not hmac.compare_digest(proof, _proof(key, nonce, body)):
+            return "its answer to our nonce does not match that process's key (relayed, replayed or forged)"
+        assert self._kernel is not None
+        if not self._kernel.finds(hello["pid"], key_at[1], key):
+            return "the kernel does not let this process read (so write) it"
+        return ""
+
+    def uses_kernel_copy(self, peer: Peer | str) -> bool:
+        """Whether writes of host memory to ``peer`` go through the kernel (KernelCopy), not NIXL."""
+        with self._lock:
+            return (peer.agent if isinstance(peer, Peer) else peer) in self._kernel_peers
 
     def disconnect(self, peer: Peer | str) -> None:
         """Forget a peer: NIXL drops its metadata and connection; later writes to its regions are refused."""
@@ -552,9 +629,9 @@ class NixlEngine(TransferEngine):
         if notify and any(a.status() is not TransferStatus.DONE for a in handle.after):
             handle.held, notify = notify, b""  # earlier writes still in flight: send it once they land
         r = handle.ranges
-        pid = self._kernel_peers.get(handle.peer) if handle.local_mem == handle.remote_mem == "DRAM" else None
-        if pid is not None:
-            self._post_kernel(handle, pid, notify)
+        kernel = self._kernel_peers.get(handle.peer) if handle.local_mem == handle.remote_mem == "DRAM" else None
+        if kernel is not None:
+            self._post_kernel(handle, kernel, notify)
             return
         if self.threads and handle.local_mem == handle.remote_mem == "DRAM":
             r = spread(r, SPLIT_DESCRIPTORS * self.threads)  # enough for every worker, however NIXL cuts
@@ -576,10 +653,20 @@ class NixlEngine(TransferEngine):
         elif state == "ERR":
             self._end(handle, TransferStatus.FAILED, f"NIXL write to {handle.peer!r} failed when posted")
 
-    def _post_kernel(self, handle: _NixlHandle, pid: int, notify: bytes) -> None:
+    def _post_kernel(self, handle: _NixlHandle, peer: _KernelPeer, notify: bytes) -> None:
         """Host memory into a peer process on this host: the kernel copies (KernelCopy), then ``notify`` goes
-        out over NIXL, after the data as NIXL would send it."""
+        out over NIXL, after the data as NIXL would send it. A range outside the memory the peer registered
+        fails the whole write before any byte moves (NIXL refuses such a write the same way)."""
         assert self._kernel is not None
+        pid, r = peer.pid, handle.ranges
+        outside = np.flatnonzero(~peer.extents.covers(r.dst, r.length))
+        if outside.size:
+            i = int(outside[0])
+            self._end(handle, TransferStatus.FAILED,
+                      f"write to {handle.peer!r}: {outside.size} of its {r.num_ranges} ranges (the first "
+                      f"{int(r.length[i]):,} bytes at {int(r.dst[i]):#x}) lie outside the memory it registered; "
+                      "nothing written")
+            return
         try:
             self._kernel.write(pid, handle.ranges, handle.deadline)
         except TimeoutError:
@@ -689,6 +776,9 @@ class NixlEngine(TransferEngine):
         self._ctx.term()
         if self._kernel is not None:
             self._kernel.close()
+        if self._key_fd >= 0:
+            os.close(self._key_fd)
+            self._key_fd = -1
         self.agent = None  # the last reference: NIXL stops its progress and UCX worker threads now, not at GC
 
     def __repr__(self) -> str:
@@ -730,7 +820,7 @@ class KernelCopy:
 
     def finds(self, pid: int, addr: int, expected: bytes) -> bool:
         """Whether process ``pid`` holds ``expected`` at ``addr`` and the kernel lets this process read it (the
-        same check as a write): a peer's token found there proves ``pid`` is that peer on this host."""
+        same permission check as a write)."""
         if not 0 < len(expected) <= 4096 or addr <= 0:
             return False
         ctypes = self._ctypes
@@ -795,6 +885,92 @@ class KernelCopy:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+
+
+def host_identity() -> str:
+    """This host as a peer on it sees it: the kernel's boot id and our pid namespace ("" where unreadable).
+
+    Two processes with the same identity share one kernel and one pid numbering, so a pid one names is the
+    process the other reaches through the kernel.
+    """
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        ns = os.stat("/proc/self/ns/pid")
+    except OSError:
+        return ""
+    return f"{boot}/pidns:{ns.st_dev}:{ns.st_ino}" if boot else ""
+
+
+def is_local_endpoint(endpoint: str) -> bool:
+    """Whether a ZMQ endpoint reaches this host: ipc:// and inproc://, or tcp:// to addresses bound here."""
+    scheme, _, where = endpoint.partition("://")
+    if scheme in ("ipc", "inproc"):
+        return True
+    if scheme != "tcp" or ":" not in where:
+        return False
+    host = where.rsplit(":", 1)[0].strip("[]")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET  # ZMQ resolves names to IPv4 unless told otherwise
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(host, None, family, proto=socket.IPPROTO_TCP)}
+    except (OSError, UnicodeError):
+        return False
+    for address in addresses:
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as probe:
+                probe.bind((address, 0))  # only an address of this host's interfaces can be bound
+        except OSError:
+            return False
+    return bool(addresses)
+
+
+def _key_file(key: bytes) -> int:
+    """A memfd holding ``key`` (KEY_NAME), its descriptor; -1 where memfds cannot be made (no kernel copy to us)."""
+    try:
+        fd = os.memfd_create(KEY_NAME, os.MFD_CLOEXEC)
+    except (AttributeError, OSError):
+        return -1
+    try:
+        os.write(fd, key)
+    except OSError:
+        os.close(fd)
+        return -1
+    return fd
+
+
+def _peer_key(pid: int, fd: int) -> bytes | None:
+    """The key process ``pid`` keeps in its memfd ``fd`` (``_key_file``), read through /proc; None if it holds none.
+
+    Only that process can have made a memfd of that name among its descriptors: bytes others wrote into its
+    memory (its registered regions, say) cannot stand in for it. The name is checked before the open (no
+    device or pipe of it is opened) and after (the file opened is that memfd).
+    """
+    if not (0 < pid and 0 <= fd < 1 << 31):
+        return None
+    name = f"/memfd:{KEY_NAME} (deleted)"
+    path = f"/proc/{pid}/fd/{fd}"
+    try:
+        if os.readlink(path) != name:
+            return None
+        opened = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        info = os.fstat(opened)
+        if os.readlink(f"/proc/self/fd/{opened}") != name or not stat.S_ISREG(info.st_mode) or (
+                info.st_size != KEY_BYTES):
+            return None
+        key = os.pread(opened, KEY_BYTES, 0)
+    except OSError:
+        return None
+    finally:
+        os.close(opened)
+    return key if len(key) == KEY_BYTES else None
+
+
+def _proof(key: Any, nonce: bytes, body: bytes) -> bytes:
+    """A hello's answer to ``nonce``: HMAC-SHA256 under ``key`` of the nonce and the hello's exact bytes."""
+    return hmac.new(bytes(key), nonce + body, hashlib.sha256).digest()
 
 
 def _add_notifs(into: dict[str, list[bytes]], new: dict) -> None:

@@ -51,6 +51,33 @@ class ByteRanges(NamedTuple):
     def nbytes(self) -> int:
         return int(self.length.sum())
 
+    @classmethod
+    def union(cls, parts: Iterable[ByteRanges]) -> ByteRanges:
+        """The bytes any of ``parts`` holds, as ascending disjoint ranges (overlapping or touching ones merged)."""
+        parts = list(parts)
+        if not parts:
+            return cls(np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64))
+        lo = np.concatenate([p.addr for p in parts]).astype(np.int64)
+        hi = lo + np.concatenate([p.length for p in parts]).astype(np.int64)
+        order = np.argsort(lo, kind="stable")
+        lo, hi = lo[order], np.maximum.accumulate(hi[order])
+        start = np.flatnonzero(np.concatenate(([True], lo[1:] > hi[:-1])))
+        ends = np.append(hi[start[1:] - 1], hi[-1])
+        return cls(lo[start], ends - lo[start])
+
+    def covers(self, addr: np.ndarray, length: np.ndarray) -> np.ndarray:
+        """bool [n]: whether each range ``[addr, addr + length)`` lies whole inside one of these ranges.
+
+        These ranges must be ascending and disjoint (``union`` makes them so); a negative length is never covered.
+        """
+        addr, length = np.asarray(addr, dtype=np.int64), np.asarray(length, dtype=np.int64)
+        i = np.searchsorted(self.addr, addr, side="right") - 1  # the last range starting at or before each addr
+        if not self.addr.size:
+            return np.zeros(addr.shape, dtype=bool)
+        j = np.maximum(i, 0)
+        end = self.addr[j] + self.length[j]
+        return (i >= 0) & (length >= 0) & (addr >= self.addr[j]) & (length <= end - addr)
+
 
 class CopyRanges(NamedTuple):
     """Paired ranges of a copy: ``length[i]`` bytes from ``src[i]`` to ``dst[i]``; destinations never overlap."""
