@@ -47,6 +47,12 @@ class PaddleBackend:
     def silu(self, x: Any) -> Any:
         return self.F.silu(x)
 
+    def gelu_tanh(self, x: Any) -> Any:
+        return self.F.gelu(x, approximate=True)
+
+    def tanh(self, x: Any) -> Any:
+        return self.paddle.tanh(x)
+
     def rsqrt(self, x: Any) -> Any:
         return self.paddle.rsqrt(x)
 
@@ -115,6 +121,12 @@ class TorchBackend:
 
     def silu(self, x: Any) -> Any:
         return self.torch.nn.functional.silu(x)
+
+    def gelu_tanh(self, x: Any) -> Any:
+        return self.torch.nn.functional.gelu(x, approximate="tanh")
+
+    def tanh(self, x: Any) -> Any:
+        return self.torch.tanh(x)
 
     def rsqrt(self, x: Any) -> Any:
         return self.torch.rsqrt(x)

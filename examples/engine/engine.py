@@ -156,6 +156,7 @@ class Sequence:
     tokens: list[int]
     prompt_len: int
     max_new_tokens: int
+    eos: int | None = None  # a token that ends the request when sampled (None: it runs to max_new_tokens)
     logits: list[np.ndarray] = dataclasses.field(default_factory=list)  # what each sampled token came from
     computed: int = 0  # tokens whose K and V are written
     scheduled: int = 0  # tokens computed, or being computed this step
@@ -235,13 +236,15 @@ class Engine:
 
     # ------------------------------------------------------------------ requests
 
-    def add(self, rid: Any, prompt: list[int], max_new_tokens: int) -> None:
-        self.waiting.append(Sequence(rid, list(prompt), len(prompt), max_new_tokens))
+    def add(self, rid: Any, prompt: list[int], max_new_tokens: int, eos: int | None = None) -> None:
+        self.waiting.append(Sequence(rid, list(prompt), len(prompt), max_new_tokens, eos))
 
-    def generate(self, prompts: dict[Any, list[int]], max_new_tokens: int) -> dict[Any, Sequence]:
-        """Run ``prompts`` to ``max_new_tokens`` sampled tokens each; the cache keeps their prefixes for later calls."""
+    def generate(self, prompts: dict[Any, list[int]], max_new_tokens: int,
+                 eos: int | None = None) -> dict[Any, Sequence]:
+        """Run ``prompts`` to ``max_new_tokens`` sampled tokens each (or to ``eos``, where given); the cache keeps
+        their prefixes for later calls."""
         for rid, prompt in prompts.items():
-            self.add(rid, prompt, max_new_tokens)
+            self.add(rid, prompt, max_new_tokens, eos)
         while self.waiting or self.running:
             self.step()
         return {rid: self.finished.pop(rid) for rid in prompts}
@@ -395,7 +398,7 @@ class Engine:
             if self.handoff is not None:
                 self.running.remove(s)
                 self.handoff(s)
-            elif len(s.generated) >= s.max_new_tokens:
+            elif len(s.generated) >= s.max_new_tokens or s.tokens[-1] == s.eos:
                 self.cache.free(s.rid)
                 self.running.remove(s)
                 self.finished[s.rid] = s
