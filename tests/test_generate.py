@@ -62,16 +62,19 @@ def test_the_cases_split_blocks_and_outgrow_windows() -> None:
 @pytest.mark.parametrize("name", list(checkpoints.CONFIGS))
 def test_the_engine_generates_what_transformers_generates(folders: dict[str, Path], name: str, daemon: bool) -> None:
     """Greedy tokens over paged tables (a KVCacheManager, or a real `kvcache serve`) equal transformers' stored
-    ones; the second wave found the first wave's prefixes cached."""
+    ones, their logits within 1e-3; the second wave found the first wave's prefixes cached."""
     case = EXPECTED[name]
     hits = [0, 0]
 
     def count(wave: int, engine: object, stats: object) -> None:
         hits[wave] += stats.hit  # type: ignore[attr-defined]
 
-    got = generate.generate(folders[name], case["prompts"], case["max_new_tokens"], daemon=daemon,
-                            block_size=BLOCK_SIZE, num_blocks=64, on_step=count)
-    assert got == case["tokens"]
+    got = generate.serve(folders[name], case["prompts"], case["max_new_tokens"], daemon=daemon,
+                         block_size=BLOCK_SIZE, num_blocks=64, keep_logits=True, on_step=count)
+    assert [s.generated for s in got] == case["tokens"]
+    # Each chosen token's logit as transformers computed it (Gemma's soft-capped ones too), to float32 rounding.
+    chosen = [[float(row[t]) for row, t in zip(s.logits, s.generated)] for s in got]
+    assert np.abs(np.array(chosen) - np.array(case["logits"])).max() < 1e-3
     assert hits[1] >= 40, f"the second wave found {hits[1]} tokens cached"
 
 
@@ -205,6 +208,6 @@ def test_transformers_live(folders: dict[str, Path]) -> None:
 
     for name, folder in folders.items():
         case = EXPECTED[name]
-        want, _ = make_expected.transformers_tokens(folder, case["prompts"], case["max_new_tokens"])
+        want, _, _ = make_expected.transformers_tokens(folder, case["prompts"], case["max_new_tokens"])
         assert generate.generate(folder, case["prompts"], case["max_new_tokens"], block_size=BLOCK_SIZE,
                                  num_blocks=64) == want, name

@@ -6,7 +6,8 @@
 Llama (Llama 3's ``rope_scaling`` type ``llama3`` included), Mistral (a window
 on every layer), Qwen3 (q/k norms) and Gemma 3 text (sliding and full layers
 from ``layer_types``, a local RoPE base, four norms with ``1 + w``, embedding
-scale, ``query_pre_attn_scalar``, soft-capping). The weights come from
+scale, ``query_pre_attn_scalar``, the logits' soft-capping; like transformers' Gemma 3, it leaves
+``attn_logit_softcapping`` unused: QK norms took its place). The weights come from
 ``model.safetensors`` or the shards ``model.safetensors.index.json`` names,
 through safetensors' numpy API; bfloat16 tensors, which numpy lacks, are read
 as their bits and widened to float32. The model's windows are the ones
@@ -92,7 +93,6 @@ def model_config(hf: Mapping[str, Any], dtype: str = "float32") -> ModelConfig:
         qk_norm=kind in ("qwen3", "gemma3_text"), sandwich_norm=gemma, act=ACTIVATIONS[act],
         embed_scale=float(hidden ** 0.5) if gemma else 1.0,
         attn_scale=float(scalar) ** -0.5 if scalar else 0.0,
-        attn_softcap=float(hf.get("attn_logit_softcapping") or 0.0) if gemma else 0.0,
         final_softcap=float(hf.get("final_logit_softcapping") or 0.0) if gemma else 0.0,
         hf=dict(hf, tie_word_embeddings=_tied(hf, gemma)))
 

@@ -10,7 +10,7 @@ Qwen3's q/k norms, a ``head_dim`` apart from ``hidden / heads``, tied
 embeddings and two shards with an index; Mistral's window on every layer;
 Gemma 3's sliding and full layers, local and global RoPE bases (linear
 scaling on the global one), its four ``1 + w`` norms, GeLU-tanh,
-``query_pre_attn_scalar``, both soft-caps, in bfloat16. Windows are smaller
+``query_pre_attn_scalar``, the logits' soft-cap, in bfloat16. Windows are smaller
 than the test prompts.
 """
 from __future__ import annotations
@@ -50,7 +50,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
                "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "query_pre_attn_scalar": 24,
                "sliding_window": 12, "layer_types": ["sliding_attention", "sliding_attention", "full_attention",
                                                       "sliding_attention"],
-               "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, "attention_bias": False,
+               "attn_logit_softcapping": None, "final_logit_softcapping": 30.0, "attention_bias": False,
                "tie_word_embeddings": True, "torch_dtype": "bfloat16"},
 }
 GAIN = 4.0

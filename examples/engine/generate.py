@@ -30,7 +30,7 @@ from kvcache.allocator import Window  # noqa: E402
 from kvcache.allocator.errors import KVCacheError  # noqa: E402
 
 import checkpoint  # noqa: E402
-from engine import Engine, StepStats, daemon_engine, library_engine  # noqa: E402
+from engine import Engine, Sequence, StepStats, daemon_engine, library_engine  # noqa: E402
 from model import Model  # noqa: E402
 
 
@@ -51,11 +51,17 @@ def read_prompts(path: str | Path, vocab: int) -> list[list[int]]:
     return prompts
 
 
-def generate(folder: str | Path, prompts: list[list[int]], max_new_tokens: int, *, daemon: bool = False,
-             device: str = "cpu", eos: int | None = None, block_size: int = 16, num_blocks: int = 256,
-             chunk: int = 256, on_step: Callable[[int, Engine, StepStats], None] | None = None) -> list[list[int]]:
-    """Each prompt's new tokens, greedy, from the checkpoint in ``folder``: the first half of ``prompts`` as one
-    wave, then the rest. ``on_step(wave, engine, stats)`` sees every step."""
+def generate(folder: str | Path, prompts: list[list[int]], max_new_tokens: int, **options: Any) -> list[list[int]]:
+    """Each prompt's new tokens, greedy, from the checkpoint in ``folder`` (``serve``'s options)."""
+    return [s.generated for s in serve(folder, prompts, max_new_tokens, **options)]
+
+
+def serve(folder: str | Path, prompts: list[list[int]], max_new_tokens: int, *, daemon: bool = False,
+          device: str = "cpu", eos: int | None = None, block_size: int = 16, num_blocks: int = 256, chunk: int = 256,
+          keep_logits: bool = False, on_step: Callable[[int, Engine, StepStats], None] | None = None) -> list[Sequence]:
+    """Each prompt's request, run to the end, from the checkpoint in ``folder``: the first half of ``prompts`` as
+    one wave, then the rest. ``keep_logits`` keeps what each token was sampled from (``Sequence.logits``);
+    ``on_step(wave, engine, stats)`` sees every step."""
     config, weights = checkpoint.load(folder)
     backend = None
     if device != "cpu":
@@ -66,7 +72,7 @@ def generate(folder: str | Path, prompts: list[list[int]], max_new_tokens: int, 
     half = len(prompts) // 2
     waves = [w for w in ({i: p for i, p in enumerate(prompts) if i < half},
                          {i: p for i, p in enumerate(prompts) if i >= half}) if w]
-    options = dict(block_size=block_size, chunk=chunk, keep_logits=False)
+    options = dict(block_size=block_size, chunk=chunk, keep_logits=keep_logits)
     with contextlib.ExitStack() as stack:
         if daemon:
             from check import Case, serving
@@ -76,7 +82,7 @@ def generate(folder: str | Path, prompts: list[list[int]], max_new_tokens: int, 
         else:
             engine = library_engine(model, num_blocks=num_blocks, **options)
         stack.callback(engine.close)
-        out: dict[int, list[int]] = {}
+        out: dict[int, Sequence] = {}
         for w, wave in enumerate(waves):
             for rid, prompt in wave.items():
                 engine.add(rid, prompt, max_new_tokens, eos)
@@ -84,7 +90,7 @@ def generate(folder: str | Path, prompts: list[list[int]], max_new_tokens: int, 
                 stats = engine.step()
                 if on_step is not None:
                     on_step(w, engine, stats)
-            out.update({rid: engine.finished.pop(rid).generated for rid in wave})
+            out.update({rid: engine.finished.pop(rid) for rid in wave})
     return [out[i] for i in range(len(prompts))]
 
 

@@ -76,8 +76,6 @@ class FlexAttention:
         self.windowed = [torch.as_tensor(self._windowed(layer), device=device) for layer in range(c.num_layers)]
         self.window, self.sink = c.window, c.sink
         self.flex = torch.compile(flex_attention, dynamic=False)
-        cap = model.config.attn_softcap  # Gemma's soft-capped scores, where its config sets them
-        self._softcap = (lambda score, b, h, q_idx, kv_idx: torch.tanh(score / cap) * cap) if cap else None
         self.max_batch, self.q_len = max_batch, -(-max_tokens // Q_TILE) * Q_TILE
         # Layers whose heads read the same rows, window alike and hold as many blocks share a step's plan.
         self._plan_keys = [(tuple(cells[layer].tolist()), tuple(self._windowed(layer).tolist()), layer_blocks[layer])
@@ -106,8 +104,8 @@ class FlexAttention:
         tokens = self.layer_blocks[layer] * self.heads * self.block_size
         keys = keys.view(1, 1, tokens, -1).expand(self.max_batch, 1, tokens, -1)
         values = values.view(1, 1, tokens, -1).expand(self.max_batch, 1, tokens, -1)
-        out = self.flex(queries, keys, values, score_mod=self._softcap, block_mask=plan.mask,
-                        scale=self.model.softmax_scale(q.shape[-1]), enable_gqa=True, kernel_options={"BLOCK_M": Q_TILE, "BLOCK_N": self.block_size})
+        out = self.flex(queries, keys, values, block_mask=plan.mask, scale=self.model.softmax_scale(q.shape[-1]),
+                        enable_gqa=True, kernel_options={"BLOCK_M": Q_TILE, "BLOCK_N": self.block_size})
         return self._project(layer, out[step.batch, :, step.row]).to(q.dtype)
 
     def _write(self, layer: int, rows: torch.Tensor, kv: tuple[torch.Tensor, ...]) -> None:

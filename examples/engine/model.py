@@ -3,7 +3,7 @@
 Llama, Mistral, Qwen3 and Gemma 3 text are one decoder whose ``ModelConfig``
 says what differs: RoPE's base and scaling (Llama 3's ``llama3``, Gemma 3's
 local base on its sliding layers), q/k norms, Gemma's norms around attention
-and MLP, its GeLU-tanh MLP, embedding scale, query scale and soft-capping. It
+and MLP, its GeLU-tanh MLP, embedding scale, query scale and final soft-capping. It
 computes in Paddle (CPU) or PyTorch (``backend.py``).
 
 The model knows nothing of caches: ``Model.forward`` runs a batch of token
@@ -89,8 +89,7 @@ class ModelConfig:
     act: str = "silu"  # the MLP's gate: silu (SwiGLU) or gelu_tanh (Gemma)
     embed_scale: float = 1.0  # embeddings times this (Gemma: sqrt(hidden))
     attn_scale: float = 0.0  # scores' scale (0: 1/sqrt(head dim); Gemma 3: query_pre_attn_scalar ** -0.5)
-    attn_softcap: float = 0.0  # scores -> cap * tanh(scores / cap) where set
-    final_softcap: float = 0.0  # the same on the logits
+    final_softcap: float = 0.0  # logits -> cap * tanh(logits / cap) where set (Gemma's final_logit_softcapping)
     hf: Mapping[str, Any] | None = None  # a checkpoint's config.json, given to kvcache as it is (``hf_config``)
 
     @property
@@ -136,15 +135,13 @@ def visible(config: ModelConfig, layer: int, q_pos: np.ndarray, k_pos: np.ndarra
     return np.where(config.windowed(layer)[:, None, None], causal & near, causal)
 
 
-def attention(ops: Any, q: Any, k: Any, v: Any, mask: np.ndarray, scale: float = 0.0, softcap: float = 0.0) -> Any:
+def attention(ops: Any, q: Any, k: Any, v: Any, mask: np.ndarray, scale: float = 0.0) -> Any:
     """Grouped-query attention: q [n, Hq, d], k [Hkv, m, d], v [Hkv, m, dv], mask [Hkv, n, m] -> [n, Hq, dv];
-    scores scaled by ``scale`` (0: 1/sqrt(d)) and soft-capped where ``softcap`` is set."""
+    scores scaled by ``scale`` (0: 1/sqrt(d))."""
     n, hq, d = q.shape
     hkv = k.shape[0]
     group = ops.permute(q.reshape([n, hkv, hq // hkv, d]), [1, 2, 0, 3])  # [Hkv, g, n, d]
     scores = ops.matmul(group, k.unsqueeze(1), transpose_b=True) * (scale or float(d) ** -0.5)  # [Hkv, g, n, m]
-    if softcap:
-        scores = ops.tanh(scores / softcap) * softcap
     scores = ops.where(ops.tensor(mask[:, None]), scores, ops.fill_like(scores, float("-inf")))
     out = ops.matmul(ops.softmax(scores), v.unsqueeze(1))  # [Hkv, g, n, d]
     return ops.permute(out, [2, 0, 1, 3]).reshape([n, hq, v.shape[-1]])
@@ -242,7 +239,7 @@ class Model:
         c, ops = self.config, self.ops
         scale = self.softmax_scale(q.shape[-1])
         if not c.kv_lora_rank:
-            return attention(ops, q, kv[0], kv[1], mask, scale, c.attn_softcap)
+            return attention(ops, q, kv[0], kv[1], mask, scale)
         w = self.layers[layer]
         latent = kv[0][0]  # [m, rank + rope]
         m, rank = latent.shape[0], c.kv_lora_rank
@@ -251,8 +248,7 @@ class Model:
         rope = ops.expand(latent[:, rank:].unsqueeze(1), [m, c.num_q_heads, c.rope_dim])
         keys = ops.cat([keys, rope], axis=-1)  # each head's key: its own part, then the shared rotary one
         heads = np.broadcast_to(mask, (c.num_q_heads, *mask.shape[1:]))
-        return attention(ops, q, ops.permute(keys, [1, 0, 2]), ops.permute(values, [1, 0, 2]), heads, scale,
-                         c.attn_softcap)
+        return attention(ops, q, ops.permute(keys, [1, 0, 2]), ops.permute(values, [1, 0, 2]), heads, scale)
 
     def _rotary(self, positions: np.ndarray) -> dict[str, tuple[Any, Any]]:
         """cos and sin [n, 1, d/2] of ``positions`` per RoPE (global, local): one copy to the device per forward,

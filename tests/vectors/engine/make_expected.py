@@ -8,7 +8,7 @@ checkpoint it records the files' sha256 (the tests check they write the same
 bytes), the prompts (two waves: the second grows the first's prompts, so it
 hits the prefix cache), and transformers' greedy tokens: each step a forward
 over the whole sequence in float32 with eager attention, no cache, the
-argmax of the last logits. ``min_margin`` is the smallest gap between a
+argmax of the last logits (``logits``: the chosen token's logit, each step). ``min_margin`` is the smallest gap between a
 chosen token's logit and the runner-up's over every step: how far from a
 tie the comparison stands.
 """
@@ -45,24 +45,28 @@ def digests(folder: Path) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
 
 
-def transformers_tokens(folder: Path, prompt_list: list[list[int]], max_new_tokens: int) -> tuple[list[list[int]], float]:
-    """Greedy tokens of each prompt by transformers, and the smallest margin of a choice over the runner-up."""
+def transformers_tokens(folder: Path, prompt_list: list[list[int]],
+                        max_new_tokens: int) -> tuple[list[list[int]], list[list[float]], float]:
+    """Greedy tokens of each prompt by transformers, each one's logit, and the smallest margin of a choice over
+    the runner-up."""
     import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
     model.eval()
-    out, margin = [], float("inf")
+    out, chosen, margin = [], [], float("inf")
     with torch.no_grad():
         for prompt in prompt_list:
-            tokens = list(prompt)
+            tokens, values = list(prompt), []
             for _ in range(max_new_tokens):
                 logits = model(torch.tensor([tokens]), use_cache=False).logits[0, -1].double()
                 top = torch.topk(logits, 2).values
                 margin = min(margin, float(top[0] - top[1]))
                 tokens.append(int(logits.argmax()))
+                values.append(round(float(top[0]), 5))
             out.append(tokens[len(prompt):])
-    return out, margin
+            chosen.append(values)
+    return out, chosen, margin
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,9 +81,9 @@ def main(argv: list[str] | None = None) -> int:
         for name, cfg in checkpoints.CONFIGS.items():
             folder = checkpoints.write(name, Path(tmp) / name)
             prompt_list = prompts(cfg["vocab_size"])
-            tokens, margin = transformers_tokens(folder, prompt_list, MAX_NEW_TOKENS)
+            tokens, logits, margin = transformers_tokens(folder, prompt_list, MAX_NEW_TOKENS)
             models[name] = {"files": digests(folder), "prompts": prompt_list, "max_new_tokens": MAX_NEW_TOKENS,
-                            "tokens": tokens, "min_margin": round(margin, 4)}
+                            "tokens": tokens, "logits": logits, "min_margin": round(margin, 4)}
             print(f"{name}: {tokens} (smallest margin {margin:.3f})")
     provenance = {"command": "python tests/vectors/engine/make_expected.py",
                   "transformers": transformers.__version__, "torch": torch.__version__, "numpy": np.__version__,
