@@ -17,18 +17,19 @@ kernel's cost is per range, so one thread moves scattered 32 KiB blocks at about
 one big range). Host memory into a peer process on this host that the kernel lets us write is
 copied by the kernel directly, many ranges a call (``KernelCopy``), instead of UCX's one call per
 range; its notification still goes over NIXL, after the data. ``connect`` makes sure of the peer
-before it lets the kernel write (``_proven``): the hello says the same host as ours (boot id and pid
+before it lets the kernel write (``_unproven``): the hello says the same host as ours (boot id and pid
 namespace) and came from an address of this host; the peer answered our fresh nonce with an HMAC, over
 the nonce and the very hello we got, keyed by a secret the peer holds in a memfd that we read through
 ``/proc/<pid>/fd`` (so the key is that process's own, not bytes someone planted in its memory, and a
 relayed or replayed hello fails); and the kernel lets us read that process. Every kernel write then lies
 inside the memory that hello says the peer registered (the check NIXL makes), or none of it is written.
-Any other peer is written through NIXL alone. ``kernel_copy=False`` sends every write through NIXL. All NIXL calls that post or poll transfers run on the engine's one
-worker thread (a post over shared memory copies inside the call, so the caller's ``write`` must not make it),
-except a post its caller asks to make itself (``submit(inline=True)``, when nothing else waits); a
-handle's ``wait`` returns at its deadline even if that thread is stuck inside NIXL. A peer that
-dies makes its transfers FAILED (UCX reports the disconnect) or TIMEOUT, never a hang, and
-``close`` releases every transfer, remote agent and registration the engine made.
+Any other peer is written through NIXL alone. ``kernel_copy=False`` sends every write through NIXL.
+All NIXL calls that post or poll transfers run on the engine's one worker thread (a post over shared
+memory copies inside the call, so the caller's ``write`` must not make it), except a post its caller
+asks to make itself (``submit(inline=True)``, when nothing else waits); a handle's ``wait`` returns
+at its deadline even if that thread is stuck inside NIXL. A peer that dies makes its transfers FAILED
+(UCX reports the disconnect) or TIMEOUT, never a hang, and ``close`` releases every transfer, remote
+agent and registration the engine made.
 
 Who drives UCX (``progress``): ``thread`` (the default), NIXL's progress thread, which sleeps in
 poll() between events for up to PROGRESS_DELAY_US (whole milliseconds: poll()'s unit), so a
@@ -925,14 +926,19 @@ def is_local_endpoint(endpoint: str) -> bool:
 
 
 def _key_file(key: bytes) -> int:
-    """A memfd holding ``key`` (KEY_NAME), its descriptor; -1 where memfds cannot be made (no kernel copy to us)."""
+    """A memfd holding ``key`` (KEY_NAME), sealed against change; its descriptor, -1 where memfds cannot be made
+    (then no peer's kernel copy writes to us)."""
+    import fcntl
+
     try:
-        fd = os.memfd_create(KEY_NAME, os.MFD_CLOEXEC)
+        fd = os.memfd_create(KEY_NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     except (AttributeError, OSError):
         return -1
     try:
         os.write(fd, key)
-    except OSError:
+        seals = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+    except (AttributeError, OSError):
         os.close(fd)
         return -1
     return fd
