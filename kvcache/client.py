@@ -24,6 +24,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import secrets
 import socket
 import time
 import uuid
@@ -362,6 +363,7 @@ class CacheClient:
         self.retries = retries
         self.curve = curve  # CURVE keys for a tcp:// daemon started with --curve-server-cert
         self.name = name or f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        self._attach_key = secrets.randbits(63)  # claims the decode ranks this client attaches (``attach``)
         self.last_seq = -1
         self.last_epoch: int | None = None
         self._ctx = context or zmq.Context.instance()
@@ -445,9 +447,13 @@ class CacheClient:
         """Prefill messagers: where each request's blocks go (None: not being sent)."""
         return self._single(self.batch().op("plans", reqs=list(request_ids)))
 
-    def attach(self, rank: int, endpoint: str) -> None:
-        """Decode receivers: announce rank ``rank``'s NIXL metadata endpoint to the decode daemon."""
-        self._single(self.batch().op("attach", rank=rank, endpoint=endpoint))
+    def attach(self, rank: int, endpoint: str, *, key: int | None = None) -> None:
+        """Decode receivers: announce rank ``rank``'s NIXL metadata endpoint to the decode daemon.
+
+        The first attach of a rank claims it with ``key`` (default: a random key of this client's); the daemon
+        changes the rank's endpoint later only for the same key."""
+        key = self._attach_key if key is None else key
+        self._single(self.batch().op("attach", rank=rank, endpoint=endpoint, key=key))
 
     def received(self, request_id: Any, rank: int) -> None:
         """Decode receivers: every prefill rank's writes to ``rank`` for the request have landed."""
@@ -476,9 +482,10 @@ class CacheClient:
             fields["buffer"] = buffer
         return self._single(self.batch().op("tier_attach", **fields))
 
-    def tier_done(self, job: int, rank: int, *, ok: bool = True, error: str = "") -> None:
-        """Tier agents: rank ``rank`` finished its part of copy ``job`` (or failed it, saying why)."""
-        self._single(self.batch().op("tier_done", job=job, rank=rank, ok=ok, error=error[:4096]))
+    def tier_done(self, job: int, rank: int, agent: int, *, ok: bool = True, error: str = "") -> None:
+        """Tier agents: rank ``rank`` finished its part of copy ``job`` (or failed it, saying why). ``agent`` is the
+        id the agent attached with: the daemon counts a report only from the agent attached as that rank now."""
+        self._single(self.batch().op("tier_done", job=job, rank=rank, agent=agent, ok=ok, error=error[:4096]))
 
     def extend(self, request_id: Any, tokens: Sequence[int] | np.ndarray, *,
                num_computed_tokens: int | None = None, num_lookahead_tokens: int = 0) -> np.ndarray | None:

@@ -13,9 +13,15 @@ Each TP rank's ``TierAgent`` (``kvcache.tier_agent``) copies its kv heads' part
 of the named blocks between its GPU cache and its host buffer and reports with
 a ``tier_done`` op. An offloaded block becomes findable once every rank has
 reported it; a rank reporting failure, or none within the deadline
-(``tier_expire``, journaled like any op), drops the job's host blocks; a failed
+(``tier_expire``, the daemon's own op, journaled like any op), drops the job's host blocks; a failed
 load also drops the GPU blocks it was filling from the prefix cache and names
 its requests in ``tier_failed``, so the scheduler frees and admits them again.
+A report counts only from the agent attached as its rank now (the server checks
+the key it attached with, ``agent_of``). A timed-out copy's blocks stay out of
+use while a late copy may still write them: until every rank that had not
+reported it reports it late or is attached anew (its worker restarted); then
+they come back (host blocks to the free pool, GPU blocks a decode daemon held
+to the GPU pool).
 
 Workers keep the order the daemon relies on: a step at ``seq`` runs layer L only
 after every copy ordered in the deltas up to ``seq`` has finished layer L
@@ -118,6 +124,9 @@ class DaemonTier(HostBooks):
         # Failed loads whose GPU blocks stay held (unordered writes) until every rank is done with them:
         # job -> (rows, blocks, ranks done).
         self._lingering: dict[int, tuple[np.ndarray, np.ndarray, list[int]]] = {}
+        # Timed-out copies whose blocks a late copy may still write: job -> (host blocks retired, GPU rows and blocks
+        # held, ranks that may still write them). They come back once no rank may (``_settle_retired``).
+        self._retiring: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray, list[int]]] = {}
 
     def __getstate__(self) -> dict[str, Any]:
         """A journal snapshot's state: everything but the manager, which holds this tier (``bind`` restores it)."""
@@ -131,6 +140,7 @@ class DaemonTier(HostBooks):
         self.__dict__.setdefault("_buffers", dict(self._agents))
         self.__dict__.setdefault("unordered_writes", False)
         self.__dict__.setdefault("_lingering", {})
+        self.__dict__.setdefault("_retiring", {})  # before: a timed-out copy's blocks stayed retired for good
         if "_reading" not in state:  # a snapshot from before the tier kept which offload reads each GPU block
             self._reading = np.full_like(self._filling, -1)
             for job_id, job in self._jobs.items():
@@ -144,6 +154,10 @@ class DaemonTier(HostBooks):
         self.manager = manager
 
     # ------------------------------------------------------------------ agents and reports
+
+    def agent_of(self, rank: int) -> int | None:
+        """The id (key) of the agent attached as ``rank`` now, or None: the only one whose reports count."""
+        return self._agents.get(rank)
 
     @property
     def active(self) -> bool:
@@ -168,12 +182,19 @@ class DaemonTier(HostBooks):
                 self._end(job_id, ok=False, timed_out=False, done=[*self._jobs[job_id].done, rank])
             for job_id in list(self._lingering):
                 self._linger(job_id, rank)
+            for job_id in list(self._retiring):  # the old agent is gone: it writes none of them late
+                self._settle_retired(job_id, rank)
             self.manager.reset_prefix_cache(keep_lower_tier=keep)
         self._agents[rank] = agent
         self._buffers[rank] = buffer
 
     def report(self, job_id: int, rank: int, ok: bool, error: str = "") -> None:
-        """Rank ``rank`` finished its part of ``job_id`` (``ok``), or failed it; a job no longer known is ignored."""
+        """Rank ``rank`` finished its part of ``job_id`` (``ok``), or failed it; a job no longer known is ignored.
+
+        A timed-out job's late report says that rank writes its blocks no more."""
+        if job_id in self._retiring:
+            self._settle_retired(job_id, rank)
+            return
         if job_id in self._lingering:
             self._linger(job_id, rank)
             return
@@ -189,11 +210,22 @@ class DaemonTier(HostBooks):
             self._end(job_id, ok=True, timed_out=False)
 
     def expire(self, job_ids: list[int]) -> None:
-        """These jobs passed their deadline: their host blocks are retired (a late copy may still write them)."""
+        """These jobs passed their deadline: their host blocks are retired, and GPU blocks held for them stay held,
+        until every rank that had not reported them reports late or attaches anew (a late copy may still write)."""
+        none = np.zeros(0, dtype=np.int32)
         for job_id in job_ids:
-            if job_id in self._jobs:
+            job = self._jobs.get(job_id)
+            if job is not None:
                 self._end(job_id, ok=False, timed_out=True)
-            self._lingering.pop(job_id, None)  # a rank may still write its blocks: they stay held
+                host = job.host_ids if job.kind == "offload" else none
+                r, c = np.nonzero(job.gpu >= 0) if job.kind == "load" and job.held else (none, none)
+                if host.size or r.size:
+                    self._retiring[job_id] = (host, r, job.gpu[r, c],
+                                              [rank for rank in range(self.tp) if rank not in job.done])
+            lingering = self._lingering.pop(job_id, None)
+            if lingering is not None:
+                rows, blocks, done = lingering
+                self._retiring[job_id] = (none, rows, blocks, [rank for rank in range(self.tp) if rank not in done])
 
     def pending_jobs(self) -> list[int]:
         """Copies with a deadline: those in flight, and failed loads whose blocks wait for every rank."""
@@ -316,6 +348,20 @@ class DaemonTier(HostBooks):
         r, c = np.nonzero(job.gpu >= 0)
         self.manager.hold(r, job.gpu[r, c])
         job.held = True
+
+    def _settle_retired(self, job_id: int, rank: int) -> None:
+        """Rank ``rank`` writes timed-out ``job_id``'s blocks no more: once no rank may, they come back."""
+        host, rows, blocks, waiting = self._retiring[job_id]
+        if rank in waiting:
+            waiting.remove(rank)
+        if waiting:
+            return
+        del self._retiring[job_id]
+        if host.size:
+            self._retired -= int(host.size)
+            self._pool.decref(np.zeros(host.size, dtype=np.intp), host[::-1], unique=True)
+        if rows.size:
+            self.manager.let_go(rows, blocks)
 
     def _linger(self, job_id: int, rank: int) -> None:
         """Rank ``rank`` is done with failed load ``job_id``: once every rank is, its held GPU blocks go back."""

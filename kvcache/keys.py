@@ -12,13 +12,26 @@ Revoking a client is deleting its ``clients/NAME.key`` and sending the daemon
 SIGHUP (``kvcache keys revoke DIR --name NAME --pid PID`` does both): the daemon
 reads the folder again, drops the client's messages on its open connections,
 reconnects its subscribers, and refuses its new connections.
+
+After every reading of the folder (at start and on each SIGHUP) the daemon writes
+its outcome to ``clients/reload-status.json`` (not a ``*.key`` file, so never read
+as one)::
+
+    {"pid": int, "reloads": int (0 at start, +1 per SIGHUP), "ok": bool, "error": str, "allowed": [z85 public keys]}
+
+``revoke --pid`` waits for the reload its SIGHUP caused (``REVOKE_WAIT_S`` at most)
+and fails, naming the reason, when the daemon refused the folder, did not answer, or
+still allows the key.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import signal
+import tempfile
+import time
 from pathlib import Path
 from typing import NamedTuple
 
@@ -30,6 +43,34 @@ from kvcache.allocator.errors import KVCacheError
 SERVER = "server"
 CLIENTS = "clients"
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
+RELOAD_STATUS = "reload-status.json"
+REVOKE_WAIT_S = 10.0  # how long `revoke --pid` waits for the daemon to report reading the folder again
+
+
+def write_reload_status(clients_dir: str | os.PathLike, reloads: int, error: str | None,
+                        allowed: frozenset[str]) -> None:
+    """The daemon's side: the outcome of its ``reloads``-th reading of ``clients_dir`` (``error``: it refused the
+    folder and keeps ``allowed``), replaced atomically; OSError when it cannot be written."""
+    folder = Path(clients_dir)
+    status = {"pid": os.getpid(), "reloads": reloads, "ok": error is None, "error": error or "",
+              "allowed": sorted(allowed)}
+    fd, tmp = tempfile.mkstemp(prefix=".reload-status-", dir=folder)
+    try:
+        with os.fdopen(fd, "w") as out:
+            json.dump(status, out)
+        os.replace(tmp, folder / RELOAD_STATUS)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def read_reload_status(clients_dir: str | os.PathLike) -> dict | None:
+    """The last reload status a daemon wrote in ``clients_dir``, or None (none, or not readable as one)."""
+    try:
+        status = json.loads((Path(clients_dir) / RELOAD_STATUS).read_text())
+    except (OSError, ValueError):
+        return None
+    return status if isinstance(status, dict) else None
 
 
 class KeyFiles(NamedTuple):
@@ -175,8 +216,17 @@ def _run(args: argparse.Namespace) -> int:
 def _revoke(folder: str, name: str | None, pid: int | None) -> int:
     if not name:
         raise KVCacheError("--name: revoke needs the client's name (kvcache keys revoke DIR --name NAME)")
+    clients = Path(folder) / CLIENTS
+    key, before = None, -1
     if pid is not None:
         check_daemon_pid(pid)  # before deleting anything: a wrong pid changes nothing
+        try:
+            key = zmq.auth.load_certificate(clients / f"{name}.key")[0].decode()
+        except (OSError, ValueError):  # revoke_key names a missing file; a broken one is deleted all the same
+            key = None
+        status = read_reload_status(clients)
+        if status is not None and status.get("pid") == pid:
+            before = status.get("reloads", -1)
     for path in revoke_key(folder, name):
         print(f"kvcache keys: deleted {path}")
     if pid is None:
@@ -188,5 +238,29 @@ def _revoke(folder: str, name: str | None, pid: int | None) -> int:
     except OSError as exc:
         raise KVCacheError(f"--pid: cannot signal {pid}: {exc.strerror}; the key is deleted, send SIGHUP to the "
                            "daemon yourself") from None
-    print(f"kvcache keys: sent SIGHUP to kvcache serve pid {pid}: it refuses client {name!r} from now on")
+    _await_reload(clients, pid, before, name, key)
+    print(f"kvcache keys: kvcache serve pid {pid} read {clients} again: it refuses client {name!r} from now on")
     return 0
+
+
+def _await_reload(clients: Path, pid: int, before: int, name: str, key: str | None) -> None:
+    """Wait (``REVOKE_WAIT_S`` at most) for daemon ``pid`` to report a reload after ``before``; raise naming the
+    reason unless it took the folder and no longer allows ``key``."""
+    deadline = time.monotonic() + REVOKE_WAIT_S
+    while True:
+        status = read_reload_status(clients)
+        if status is not None and status.get("pid") == pid and status.get("reloads", -1) > before:
+            break
+        if time.monotonic() > deadline:
+            raise KVCacheError(f"--pid: kvcache serve pid {pid} did not report reading {clients} again within "
+                               f"{REVOKE_WAIT_S:g} s (no {clients / RELOAD_STATUS} from it: is it serving "
+                               f"--curve-clients-dir {clients}?); the key file is deleted, but client {name!r} may "
+                               "still be allowed")
+        time.sleep(0.05)
+    if not status.get("ok"):
+        raise KVCacheError(f"--pid: kvcache serve pid {pid} refused to read {clients} again: {status.get('error')}; "
+                           f"client {name!r} stays allowed until a reload succeeds (fix the folder, then kill -HUP "
+                           f"{pid})")
+    if key is not None and key in status.get("allowed", ()):
+        raise KVCacheError(f"--pid: kvcache serve pid {pid} still allows client {name!r}'s key: another *.key file in "
+                           f"{clients} holds the same public key; delete it and kill -HUP {pid}")

@@ -31,7 +31,7 @@ PD disaggregation (``kvcache serve --role prefill|decode``; see kvcache/pd/state
 
     decode:  {"op": "reserve", "req": ID, "tokens": TOKENS, "salt"?, "lora"?, "mm"?, "slot"?, "timeout"?: seconds}
                → admit's result + "receivers": [endpoint per decode rank]
-             {"op": "attach", "rank": int, "endpoint": str}     (a decode rank's CacheReceiver)
+             {"op": "attach", "rank": int, "endpoint": str, "key"?: int}   (a decode rank's CacheReceiver)
              {"op": "received", "req": ID, "rank": int}         (every writer to that rank has finished)
     prefill: admit with "dest": {"receivers": [str], "table": int32[rows, blocks], "cached": int,
                                  "decode": str, "timeout"?: seconds}
@@ -104,6 +104,22 @@ worker's queue full is not sent (the worker sees the gap). The daemon forgets an
 longer reach, and one that sends ``LOCAL_UNSUBSCRIBE``; a worker renews its subscription when deltas
 stop coming. At most ``MAX_LOCAL_SUBSCRIBERS`` addresses are kept.
 
+Who may send which op (``OP_CALLERS``, checked once where a message enters, before any op applies; a refused
+op refuses its whole message with one line naming the op and who may send it)::
+
+    scheduler  admit extend extend_many free table lookup can_admit owned reclaim reserve cancel
+               transfer_failed pd_poll tier_failed                      any client
+    admin      usage stats info ping check_integrity reset_prefix_cache  any client
+    worker     plans sent received                                      any client (a PD worker's reports)
+    rank       tier_attach                                              any client: it claims the rank (a new agent
+                                                                        on a rank is taken for a restarted worker)
+               tier_done "agent": int                                   only the agent attached as that rank now,
+                                                                        proving it with the key it attached with
+               attach "key"?: int                                       a rank with no receiver: any client (its key
+                                                                        claims the rank); else only that key
+    daemon     tier_expire                                              the daemon itself (its host-tier deadline);
+                                                                        never a client
+
 Arrays: msgpack ExtType 1 whose data is ``dtype code (u8) | ndim (u8) |
 shape (ndim × u32 LE) | C-order little-endian bytes``.
 
@@ -162,6 +178,26 @@ _LITTLE_HOST = np.dtype("=i4") == np.dtype("<i4")
 
 class ProtocolError(KVCacheError):
     """A message that cannot be decoded or violates the protocol; the message names the field."""
+
+
+#: Who may send each op: "scheduler" and "admin" ops any client; "worker" ops any client (a PD worker's reports);
+#: "rank" ops a TP rank's worker, proving the rank with its key (the daemon checks the key); "daemon" ops only the
+#: daemon itself (an expiry it journals like a message), never a client.
+OP_CALLERS: dict[str, str] = {
+    **dict.fromkeys(("admit", "extend", "extend_many", "free", "table", "lookup", "can_admit", "owned", "reclaim",
+                     "reserve", "cancel", "transfer_failed", "pd_poll", "tier_failed"), "scheduler"),
+    **dict.fromkeys(("usage", "stats", "info", "ping", "check_integrity", "reset_prefix_cache"), "admin"),
+    **dict.fromkeys(("plans", "sent", "received"), "worker"),
+    **dict.fromkeys(("tier_attach", "tier_done", "attach"), "rank"),
+    "tier_expire": "daemon",
+}
+
+
+def check_caller(kind: str, field: str, *, own: bool) -> None:
+    """Refuse op ``kind`` from a client when only the daemon may send it (``own``: the daemon's own message)."""
+    if OP_CALLERS.get(kind) == "daemon" and not own:
+        raise ProtocolError(f"{field}.op: {kind} is the daemon's own op (who may send it: the daemon itself, "
+                            "never a client)")
 
 
 _SHOW = reprlib.Repr()

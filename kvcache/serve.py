@@ -245,6 +245,19 @@ def _pool_sizes(cfg: ServeConfig, spec: CacheSpec | None,
 
 
 def _run(args: argparse.Namespace) -> int:
+    # SIGHUP (read the clients' keys again) first, before anything that takes time: its default action ends the
+    # process, and a start takes seconds (a journal's recovery). One during the start is kept for the first turn of
+    # the loop; the start reads the folder anyway.
+    reload_asked: list[int] = []
+    server: Any = None
+
+    def reload(_signum: int, _frame: Any) -> None:
+        if server is None:
+            reload_asked.append(1)
+        else:
+            server.request_reload()
+
+    signal.signal(signal.SIGHUP, reload)
     import zmq
 
     from kvcache.server import CacheServer
@@ -266,7 +279,8 @@ def _run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    signal.signal(signal.SIGHUP, lambda _signum, _frame: server.request_reload())
+    if reload_asked:
+        server.request_reload()
     log.info("configuration:\n%s", cfg.describe())
     endpoints = (cfg.endpoint, cfg.pub_endpoint, cfg.replay_endpoint, cfg.events_endpoint, cfg.events_replay_endpoint)
     if any(e.startswith("tcp://") for e in endpoints) and not cfg.curve_server_cert:

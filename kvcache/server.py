@@ -48,6 +48,7 @@ from kvcache.auth import HANDSHAKE_FAILURES, CurveConfig, start_authenticator
 from kvcache.config import LOCAL_OFF, ServeConfig, describe_rows
 from kvcache.host_tier import TIER_OPS, DaemonTier, TierJob
 from kvcache.journal import Journal, JournalFull, Recovered
+from kvcache.keys import RELOAD_STATUS, write_reload_status
 from kvcache.leases import Leases
 from kvcache.listeners import Listeners
 from kvcache.state_codec import StateCodec
@@ -67,6 +68,7 @@ from kvcache.protocol import (
     MAX_OPS,
     PROTOCOL_VERSION,
     ProtocolError,
+    check_caller,
     check_int,
     check_lora,
     check_mm,
@@ -369,6 +371,8 @@ class CacheServer:
                 raise KVCacheError("curve_clients_dir: needed with curve_server_cert (the allowed clients' keys)")
             curve = CurveConfig.for_server(self.config.curve_server_cert, self.config.curve_clients_dir)
             self._auth = start_authenticator(self._ctx, curve.clients_dir)
+            self._reloads = 0
+            self._report_reload(None)
         self._listeners = Listeners(curve)
         self.local: socket.socket | None = None
         try:  # a socket that cannot bind (or a journal that cannot load) leaves nothing open behind
@@ -647,14 +651,25 @@ class CacheServer:
         if self._auth is None:
             log.warning("reload: this daemon has no --curve-clients-dir; nothing to read again")
             return
+        self._reloads += 1
         try:
             revoked = self._auth.reload()
         except (KVCacheError, OSError) as exc:  # OSError: the folder changed while it was read
             log.error("reload refused, the %d client key(s) allowed so far stay allowed: %s",
                       len(self._auth.allowed), exc)
+            self._report_reload(str(exc))
             return
+        self._report_reload(None)
         if revoked:
             self._listeners.drop_subscribers()
+
+    def _report_reload(self, error: str | None) -> None:
+        """Write the outcome of the last reading of the clients folder there, for `kvcache keys revoke` to wait on."""
+        try:
+            write_reload_status(self._auth.clients_dir, self._reloads, error, self._auth.allowed)
+        except OSError as exc:
+            log.warning("reload: cannot write %s in %s (%s); `kvcache keys revoke --pid` cannot confirm it",
+                        RELOAD_STATUS, self._auth.clients_dir, exc.strerror)
 
     def expire_transfers(self, now: float | None = None) -> int:
         """Fail every PD transfer past its deadline (journaled like any message); returns how many."""
@@ -725,7 +740,7 @@ class CacheServer:
         scheduler's, so a restart replays it; its reply."""
         payload = pack({"v": PROTOCOL_VERSION, "client": client, "id": int.from_bytes(os.urandom(7), "big"),
                         "ops": ops})
-        return unpack(self.handle(payload), 1 << 30)
+        return unpack(self.handle(payload, own=True), 1 << 30)
 
     def _heartbeat(self) -> None:
         """Tell workers the latest seq (empty payload): they catch a lost last delta or a new epoch."""
@@ -855,9 +870,11 @@ class CacheServer:
         self._publish_staged()
         self._observe()
 
-    def handle(self, payload: bytes) -> bytes:
-        """Apply one scheduler message, make it durable, publish its deltas; returns the reply. Never raises."""
-        reply = self._process(payload)
+    def handle(self, payload: bytes, *, own: bool = False) -> bytes:
+        """Apply one scheduler message, make it durable, publish its deltas; returns the reply. Never raises.
+
+        ``own``: a message of the daemon's own (``_handle_own``), which alone may hold the daemon's ops."""
+        reply = self._process(payload, own=own)
         self._commit()
         self._publish_staged()
         self._observe()
@@ -893,14 +910,14 @@ class CacheServer:
                 log.warning("journal %s: snapshot not written (%s); it is tried again in %g s, the log grows "
                             "meanwhile", self.config.journal, exc, SNAPSHOT_RETRY_S)
 
-    def _process(self, payload: bytes, *, replaying: bool = False) -> bytes:
+    def _process(self, payload: bytes, *, replaying: bool = False, own: bool = False) -> bytes:
         """Apply one scheduler message, journal it and stage its deltas; returns the reply. Never raises.
 
         An unexpected exception (a bug) is logged and answered as an internal
         error; the daemon goes on serving.
         """
         try:
-            return self._process_checked(payload, replaying)
+            return self._process_checked(payload, replaying, own)
         except Exception as exc:  # the daemon must outlive its own bugs
             log.exception("internal error while handling a message")
             self._count_error("internal")
@@ -910,7 +927,7 @@ class CacheServer:
                 request_id = None
             return error_reply(request_id, f"internal error: {type(exc).__name__}: {exc}")
 
-    def _process_checked(self, payload: bytes, replaying: bool) -> bytes:
+    def _process_checked(self, payload: bytes, replaying: bool, own: bool = False) -> bytes:
         start = time.perf_counter()
         request_id: Any = None
         try:
@@ -937,7 +954,9 @@ class CacheServer:
                                            "and its reply is no longer kept (the retry window passed); it was not "
                                            "applied again")
         try:
-            ops = self._validate(raw_ops)
+            # Who may send each op is checked here, once for every socket; a journal holds only messages already let
+            # in (by the rules of their day), so a replay applies them as they were.
+            ops = self._validate(raw_ops, trusted=own or replaying)
             bound = self._reply_bound(ops, client)
             if bound > self.config.max_reply_bytes:
                 raise ProtocolError(f"reply: could take up to {bound:,} bytes, over the {self.config.max_reply_bytes:,} "
@@ -1049,8 +1068,9 @@ class CacheServer:
         if self.tier is not None:
             self._metrics.update_tier(self.tier.stats())
 
-    def _validate(self, raw_ops: list) -> list[_Op]:
-        """Check every op before any is applied: fields, and request liveness in op order.
+    def _validate(self, raw_ops: list, *, trusted: bool = False) -> list[_Op]:
+        """Check every op before any is applied: who may send it (``protocol.OP_CALLERS``; ``trusted``: the daemon's
+        own message or a journal's), fields, and request liveness in op order.
 
         The usual values (an int or short str id, an admit with no optional field) pass inline checks; anything
         else goes to the protocol's checks, which name the field.
@@ -1139,7 +1159,7 @@ class CacheServer:
                 ops.append(_Op(kind, tokens=tokens, reqs=reqs, counts=counts, slots=slots if rows_stable else None,
                                ahead=self._lookahead_of(op, i)))
             else:
-                ops.append(self._other_op(op, i, kind, live))
+                ops.append(self._other_op(op, i, kind, live, trusted))
                 if kind in PD_OPS:  # one that ends a transfer frees its request: rows found later may not hold
                     rows_stable = False
         return ops
@@ -1176,7 +1196,7 @@ class CacheServer:
         return _Op(kind, req, tokens, check_optional_str(op, "salt", field), check_lora(op, field),
                    check_mm(op.get("mm"), f"{field}.mm"), number, slot, pd=pd)
 
-    def _other_op(self, op: dict, i: int, kind: str, live: dict[Any, bool]) -> _Op:
+    def _other_op(self, op: dict, i: int, kind: str, live: dict[Any, bool], trusted: bool = False) -> _Op:
         """An op that names no single admitted request (lookup, can_admit, reclaim, the admin and PD ops)."""
         cfg, field = self.config, f"ops[{i}]"
         if kind == "lookup":
@@ -1192,17 +1212,22 @@ class CacheServer:
             return _Op(kind, reqs=[check_request_id(r, f"{field}.reqs[{j}]") for j, r in enumerate(reqs)])
         if kind in ("usage", "stats", "info", "ping", "reset_prefix_cache", "check_integrity", "owned"):
             return _Op(kind)
+        check_caller(kind, field, own=trusted)  # the ops above are any client's
         if kind in TIER_OPS:
-            return _Op(kind, pd=self._tier_fields(kind, op, field))
+            return _Op(kind, pd=self._tier_fields(kind, op, field, trusted))
         if kind in PD_OPS:
-            fields = validate_op(self._pd, kind, op, field)
+            fields = validate_op(self._pd, kind, op, field, trusted=trusted)
             if "req" in fields and live.get(fields["req"]) is False:
                 raise ProtocolError(f"{field}.req: request {fields['req']!r} is not admitted")
             return _Op(kind, fields.get("req"), pd=fields)
         raise ProtocolError(f"{field}.op: unknown operation {show(kind)}")
 
-    def _tier_fields(self, kind: str, op: dict, field: str) -> dict[str, Any]:
-        """A host-tier op's fields, checked: an agent's rank and id, a report's job and outcome, expired jobs."""
+    def _tier_fields(self, kind: str, op: dict, field: str, trusted: bool = False) -> dict[str, Any]:
+        """A host-tier op's fields, checked: an agent's rank and id, a report's job and outcome, expired jobs.
+
+        A report counts only from the agent attached as its rank now: it names the key that agent attached with
+        (``agent``), which no other client learns, so another rank's agent, a replaced one or a client that never
+        attached is refused (``trusted``: a journal's message, let in before)."""
         if kind == "tier_attach":
             fields = {"rank": check_int(op.get("rank"), f"{field}.rank", least=0, most=self.config.tp - 1),
                       "agent": check_int(op.get("agent"), f"{field}.agent", least=0)}
@@ -1215,9 +1240,13 @@ class CacheServer:
                 raise ProtocolError(f"{field}.ok: must be a bool, got {show(ok)}")
             if not isinstance(error, str) or len(error) > MAX_ERROR:
                 raise ProtocolError(f"{field}.error: must be a str of at most {MAX_ERROR} characters")
-            return {"job": check_int(op.get("job"), f"{field}.job", least=0),
-                    "rank": check_int(op.get("rank"), f"{field}.rank", least=0, most=self.config.tp - 1),
-                    "ok": ok, "error": error}
+            rank = check_int(op.get("rank"), f"{field}.rank", least=0, most=self.config.tp - 1)
+            agent = op.get("agent")
+            if not trusted and self.tier is not None and (type(agent) is not int or self.tier.agent_of(rank) != agent):
+                raise ProtocolError(f"{field}.agent: tier_done for rank {rank} counts only from the agent attached as "
+                                    f"rank {rank} now (who may send it: that agent, naming the key it attached "
+                                    "with); this sender is not it")
+            return {"job": check_int(op.get("job"), f"{field}.job", least=0), "rank": rank, "ok": ok, "error": error}
         if kind == "tier_expire":
             jobs = op.get("jobs")
             if not isinstance(jobs, list) or len(jobs) > MAX_OPS:
@@ -1387,7 +1416,7 @@ class CacheServer:
         """One validated PD op: its result and the requests it ends (discarding from a block, or None to free)."""
         pd, fields = self._pd, op.pd or {}
         if op.kind == "attach":
-            return pd.attach(fields["rank"], fields["endpoint"]), []
+            return pd.attach(fields["rank"], fields["endpoint"], fields.get("key")), []
         if op.kind == "pd_poll":
             return pd.poll(client), []
         if op.kind == "plans":

@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import secrets
 import threading
 import time
 from typing import Any
@@ -84,7 +85,8 @@ class TierAgent:
                                    f"rows hold {cells.shape[0]} layers of {cells.shape[1]}")
             self.cells = cells
             self._rows = np.asarray(subscriber.row_ids, dtype=np.intp)
-            self.agent_id = int.from_bytes(os.urandom(7), "big")
+            # Its key: the daemon counts a report only from the agent that attached with it (no other client sees it).
+            self.agent_id = secrets.randbits(63)
             if host_file is None:
                 self.host = allocate_host(region.spec, self.num_blocks, pin=pin and region.is_cuda)
                 buffer = None  # the agent's own: gone with it
@@ -189,7 +191,7 @@ class TierAgent:
                 ok = status is TransferStatus.DONE
                 error = "" if ok else first_error(handles, status)
                 try:
-                    self._client.tier_done(job, self.rank, ok=ok, error=error)
+                    self._client.tier_done(job, self.rank, self.agent_id, ok=ok, error=error)
                 except KVCacheError as exc:  # the daemon will time the copy out
                     log.warning("host-tier copy %d: report failed: %s", job, exc)
                 if not ok:

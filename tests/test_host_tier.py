@@ -633,7 +633,8 @@ def test_on_a_decode_daemon_an_offload_keeps_nothing_of_a_block_a_reservation_to
 def test_on_a_decode_daemon_a_load_whose_request_ended_first_keeps_its_blocks_until_it_ends(unordered) -> None:
     """A reservation cancelled before its workers ran its load: on a decode daemon the load's GPU blocks stay out
     of the pool until the load is reported (the next owner's KV comes over NIXL, and the late load would overwrite
-    it); a load that timed out keeps them for good. Elsewhere the workers' order makes the blocks free at once."""
+    it); a load that timed out keeps them while its rank may still run it. Elsewhere the workers' order makes the
+    blocks free at once."""
     manager = KVCacheManager(4, 2, [Full()], hash_seed=b"decode")
     tier = DaemonTier(manager, 16, tp=1, unordered_writes=unordered)
     manager.attach_tier(tier)
@@ -669,7 +670,7 @@ def test_on_a_decode_daemon_a_load_whose_request_ended_first_keeps_its_blocks_un
 @pytest.mark.parametrize("then", ["the other rank reports", "the other rank restarts", "its deadline passes"])
 def test_on_a_decode_daemon_a_failed_load_keeps_its_blocks_until_every_rank_is_done_with_it(then: str) -> None:
     """One rank fails a load the other has not run yet: the request fails at once, but the load's GPU blocks stay
-    out of the pool until the other rank is done with it (reports, or restarts); past the deadline, for good."""
+    out of the pool until the other rank is done with it (reports, or restarts); past the deadline too."""
     manager = KVCacheManager(4, 2, [Full()], hash_seed=b"decode")
     tier = DaemonTier(manager, 16, tp=2, unordered_writes=True)
     manager.attach_tier(tier)
@@ -698,6 +699,49 @@ def test_on_a_decode_daemon_a_failed_load_keeps_its_blocks_until_every_rank_is_d
     assert int(manager.num_free_blocks.min()) == (2 if then == "its deadline passes" else 4)
     assert tier.pending_jobs() == [] and tier.stats().held_gpu_blocks == (2 if then == "its deadline passes" else 0)
     manager.check_integrity()
+
+
+@pytest.mark.parametrize("then", ["reports late", "restarts"])
+def test_a_timed_out_copys_blocks_come_back_once_the_rank_that_hung_is_done_with_it(then: str) -> None:
+    """A decode daemon's load and an offload pass their deadline while rank 1 hangs: the load's GPU blocks stay held
+    and the offload's host blocks retired while rank 1 may still write them. Once it reports them late, or restarts
+    (a new agent), they come back: both pools whole, the books agree."""
+    manager = KVCacheManager(4, 2, [Full()], hash_seed=b"decode")
+    tier = DaemonTier(manager, 16, tp=2, unordered_writes=True)
+    manager.attach_tier(tier)
+    tier.attach(0, 1)
+    tier.attach(1, 2)
+    prompt = [1, 2, 3, 4, 5]
+    for rid, tokens in (("a", prompt), ("f", [9] * 8)):
+        manager.admit(rid, tokens)
+        manager.free(rid)
+        for order in tier.take_orders():
+            for rank in (0, 1):
+                tier.report(order["job"], rank, True)
+    assert manager.admit("b", prompt).num_host_tokens == 4
+    manager.free("b")
+    jobs = [order["job"] for order in tier.take_orders()]  # the load, and nothing new to offload
+    assert manager.admit("c", [6] * 4) is not None
+    manager.free("c")
+    jobs += [order["job"] for order in tier.take_orders()]  # c's offload: what was not on host yet
+    before = tier.stats()
+    for job in jobs:
+        tier.report(job, 0, True)
+    tier.expire(jobs)
+    stats = tier.stats()
+    assert stats.held_gpu_blocks == 2 and stats.retired_blocks == 2 and int(manager.num_free_blocks.min()) == 2
+    manager.check_integrity()
+    tier.check_integrity()
+    for job in jobs:
+        if then == "reports late":
+            tier.report(job, 1, True)
+    if then == "restarts":
+        tier.attach(1, 3, 2)  # the same buffer: its ready blocks stay
+    stats = tier.stats()
+    assert (stats.held_gpu_blocks, stats.retired_blocks, int(manager.num_free_blocks.min())) == (0, 0, 4)
+    assert stats.free_blocks == 16 and stats.cached_blocks == before.cached_blocks  # cached ones count as free
+    manager.check_integrity()
+    tier.check_integrity()
 
 
 WORKER = """

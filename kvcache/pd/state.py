@@ -110,6 +110,8 @@ class PDState:
         self.block_size = block_size
         self.timeout = timeout
         self.receivers: list[str | None] = [None] * tp  # decode: each rank's NIXL metadata endpoint
+        # decode: the key each rank was attached with (None: none given); only that key changes the rank's endpoint
+        self.owners: list[int | None] = [None] * tp
         self.transfers: dict[Any, Transfer] = {}
         self._by_serial: dict[int, Any] = {}
         self._serial = 0
@@ -123,6 +125,8 @@ class PDState:
         """After a restart (journal snapshot) every deadline starts afresh; durations count only what this process saw."""
         for key, value in state.items():
             setattr(self, key, value)
+        if "owners" not in state:  # a snapshot from before ranks had owners: an attached rank keeps its endpoint
+            self.owners = [None] * self.tp
         self.forget_timing()
         now = time.monotonic()
         for t in self.transfers.values():
@@ -130,7 +134,7 @@ class PDState:
 
     def __getstate__(self) -> dict[str, Any]:
         """What a journal snapshot saves: no clock readings."""
-        return {name: getattr(self, name) for name in ("role", "tp", "block_size", "timeout", "receivers", "transfers",
+        return {name: getattr(self, name) for name in ("role", "tp", "block_size", "timeout", "receivers", "owners", "transfers",
                                                        "_by_serial", "_serial", "_pending", "_outbox", "totals")}
 
     def forget_timing(self) -> None:
@@ -211,8 +215,16 @@ class PDState:
 
     # ------------------------------------------------------------------ apply (the server runs these in op order)
 
-    def attach(self, rank: int, endpoint: str) -> bool:
+    def check_attach(self, rank: int, key: int | None, field: str) -> None:
+        """Refuse to change the endpoint of an attached rank but for the key it was attached with."""
+        if self.receivers[rank] is not None and (self.owners[rank] is None or key != self.owners[rank]):
+            raise ProtocolError(f"{field}: decode rank {rank} is attached already; who may change its endpoint: the "
+                                "worker that attached it (the key it attached with), never another client")
+
+    def attach(self, rank: int, endpoint: str, key: int | None = None) -> bool:
+        """Decode rank ``rank``'s receiver is at ``endpoint``; ``key`` claims the rank (``check_attach``)."""
         self.receivers[rank] = endpoint
+        self.owners[rank] = key
         return True
 
     def start(self, req: Any, owner: str, table: np.ndarray, cached_tokens: int, timeout: float, now: float,
@@ -369,12 +381,20 @@ class PDState:
         self._outbox.setdefault(owner, []).append((kind, req, detail))
 
 
-def validate_op(pd: PDState, kind: str, op: dict, field: str) -> dict[str, Any]:
-    """A PD op's fields (reserve's are an admit's, checked by the server), checked; ProtocolError names the field."""
+def validate_op(pd: PDState, kind: str, op: dict, field: str, *, trusted: bool = False) -> dict[str, Any]:
+    """A PD op's fields (reserve's are an admit's, checked by the server), checked; ProtocolError names the field.
+
+    ``trusted``: a journal's message, let in before (an attach is not checked against the rank's owner again)."""
     pd.check_role(kind, field)
     if kind == "attach":
-        return {"rank": pd.check_rank(op.get("rank"), f"{field}.rank"),
-                "endpoint": _check_str(op.get("endpoint"), f"{field}.endpoint", MAX_ENDPOINT)}
+        rank = pd.check_rank(op.get("rank"), f"{field}.rank")
+        key = op.get("key")
+        if key is not None:
+            key = check_int(key, f"{field}.key")
+        if not trusted:
+            pd.check_attach(rank, key, field)
+        return {"rank": rank, "endpoint": _check_str(op.get("endpoint"), f"{field}.endpoint", MAX_ENDPOINT),
+                "key": key}
     if kind == "pd_poll":
         return {}
     if kind == "plans":
