@@ -356,6 +356,17 @@ def collect(sock: zmq.Socket) -> list[tuple[int, bytes]]:
         out.append((int.from_bytes(seq_bytes, "big"), payload))
 
 
+def replay_from(replay_endpoint: str, start: int) -> list[tuple[int, bytes]]:
+    """A daemon's buffered batches from ``start`` on, asked of its events replay socket: unlike a SUB, which joins
+    asynchronously and misses what is published before it has, this gets every batch published so far."""
+    client = replay_client(zmq.Context.instance(), replay_endpoint)
+    try:
+        client.send_multipart([b"", start.to_bytes(8, "big")])
+        return collect(client)
+    finally:
+        client.close(linger=0)
+
+
 def test_replay_sends_missed_batches_then_end_marker(ctx, tmp_path):
     """A subscriber that missed batches 2.. asks from 2 and gets 2, 3, 4 with their payloads, then seq -1."""
     endpoint, replay = endpoints(tmp_path)
@@ -643,28 +654,15 @@ def test_a_daemons_stream_decodes_as_vllm_0_33_events_with_the_hashers_hashes(da
 
     d = daemon("--num-blocks", "64", "--block-size", "4", "--rows", "window:8,full", "--events",
                "--hash-algorithm", "sha256_cbor")
+    prompt = list(range(1000, 1013))
+    request = {"lora": ("sql", "/adapters/sql"), "cache_salt": "tenant", "mm": [("img-1", 5, 4)]}
     with CacheClient(d.endpoint) as client:
-        events_endpoint = client.info()["events_endpoint"]
-        sub = zmq.Context.instance().socket(zmq.SUB)
-        sub.setsockopt(zmq.SUBSCRIBE, b"")
-        sub.setsockopt(zmq.LINGER, 0)
-        sub.connect(events_endpoint)
-        try:
-            prompt = list(range(1000, 1013))
-            request = {"lora": ("sql", "/adapters/sql"), "cache_salt": "tenant", "mm": [("img-1", 5, 4)]}
-            deadline = time.monotonic() + TIMEOUT_S
-            stored: list[dict] = []
-            n = 0
-            while not stored:  # the subscription joins asynchronously: admit until a batch arrives
-                assert time.monotonic() < deadline, "no event batch arrived"
-                client.admit(f"r{n}", prompt, **request)
-                n += 1
-                if sub.poll(100):
-                    _, _, payload = sub.recv_multipart()
-                    _, events, _ = msgpack.unpackb(payload, raw=False)
-                    stored = [dict(decode_event(e)[1], type=decode_event(e)[0]) for e in events]
-        finally:
-            sub.close(0)
+        client.admit("r0", prompt, **request)
+        # Replayed from seq 0 rather than read live: a SUB joins asynchronously and would miss the only batch.
+        replayed = replay_from(client.info()["events_replay_endpoint"], 0)
+    assert [seq for seq, _ in replayed] == [0], "one batch: the admit's"
+    _, events, _ = msgpack.unpackb(replayed[0][1], raw=False)
+    stored = [dict(decode_event(e)[1], type=decode_event(e)[0]) for e in events]
     want = [low64(h) for h in BlockHasher(4, "sha256_cbor").hash_blocks(prompt, **request)]
     assert [(e["type"], e["group_idx"], e["kv_cache_spec_kind"], e.get("kv_cache_spec_sliding_window"))
             for e in stored] == [("BlockStored", 0, "sliding_window", 8), ("BlockStored", 1, "full_attention", None)]
