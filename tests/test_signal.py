@@ -39,8 +39,12 @@ def shm_exists(name: str) -> bool:
 # --------------------------------------------------------------------------- helpers run in child processes
 
 
-def signal_layers(name: str, steps: int, num_layers: int, gap_s: float, go: mp.Event) -> None:
-    """Writer: claim the record, then from a thread signal every layer of `steps` steps on the CPU path."""
+def signal_layers(name: str, steps: int, num_layers: int, gap_s: float, go: mp.Event, seen: mp.Semaphore) -> None:
+    """Writer: claim the record, then from a thread signal every layer of `steps` steps on the CPU path.
+
+    After each layer it waits until the waiter has seen it (``seen``): a waiter still behind when the layer
+    completes a later step would get STALE, however fast it is meant to be.
+    """
     sig = LayerSignal.open(name)
     sig.claim_writer()
     go.wait(30)
@@ -51,6 +55,7 @@ def signal_layers(name: str, steps: int, num_layers: int, gap_s: float, go: mp.E
             for layer in range(num_layers):
                 time.sleep(gap_s)
                 send_cache(None, sig, layer)
+                assert seen.acquire(timeout=60), "the waiter did not see the layer"
 
     t = threading.Thread(target=run)
     t.start()
@@ -59,7 +64,7 @@ def signal_layers(name: str, steps: int, num_layers: int, gap_s: float, go: mp.E
 
 
 def wait_layers(name: str, first_step: int, steps: int, num_layers: int, timeout: float,
-                ready: mp.Queue, results: mp.Queue) -> None:
+                ready: mp.Queue, results: mp.Queue, seen: mp.Semaphore | None) -> None:
     """Waiter: wait for every layer of steps first_step.., reporting (step, layer, status, woke_ns, done_ns)."""
     sig = LayerSignal.open(name)
     ready.put(os.getpid())
@@ -70,6 +75,8 @@ def wait_layers(name: str, first_step: int, steps: int, num_layers: int, timeout
             woke = time.monotonic_ns()
             done_step, done_ns = sig.record.layer(layer)
             out.append((step, layer, int(status), woke, done_step, done_ns))
+            if seen is not None:
+                seen.release()
     results.put(out)
     sig.close()
 
@@ -83,11 +90,12 @@ def create_then_hang(name: str, ready: mp.Event) -> None:
     time.sleep(600)
 
 
-def start_waiters(name: str, count: int, first_step: int, steps: int, num_layers: int, timeout: float
-                  ) -> tuple[list[mp.Process], mp.Queue]:
-    """`count` waiter processes, returned once each has opened the record."""
+def start_waiters(name: str, count: int, first_step: int, steps: int, num_layers: int, timeout: float,
+                  seen: mp.Semaphore | None = None) -> tuple[list[mp.Process], mp.Queue]:
+    """`count` waiter processes, returned once each has opened the record; each releases ``seen`` per wait."""
     ready, results = SPAWN.Queue(), SPAWN.Queue()
-    procs = [SPAWN.Process(target=wait_layers, args=(name, first_step, steps, num_layers, timeout, ready, results))
+    procs = [SPAWN.Process(target=wait_layers,
+                           args=(name, first_step, steps, num_layers, timeout, ready, results, seen))
              for _ in range(count)]
     for p in procs:
         p.start()
@@ -111,9 +119,10 @@ def test_waiter_in_another_process_wakes_for_every_layer_in_order_never_early(na
     """Each wait returns DONE after the layer was signalled, in (step, layer) order, within milliseconds."""
     steps, num_layers = 3, 8
     with LayerSignal.create(name, num_layers):
-        waiters, results = start_waiters(name, 1, 1, steps, num_layers, timeout=10)
+        seen = SPAWN.Semaphore(0)
+        waiters, results = start_waiters(name, 1, 1, steps, num_layers, timeout=10, seen=seen)
         go = SPAWN.Event()
-        writer = SPAWN.Process(target=signal_layers, args=(name, steps, num_layers, 0.002, go))
+        writer = SPAWN.Process(target=signal_layers, args=(name, steps, num_layers, 0.002, go, seen))
         writer.start()
         go.set()
         (out,) = collect(waiters, results)
@@ -147,9 +156,10 @@ def test_step_counter_wraps_past_2_32(name):
     """Starting 3 steps below 2**32, steps keep comparing right as the counter wraps to 0 (ints are taken mod 2**32)."""
     steps, num_layers = 6, 2
     with LayerSignal.create(name, num_layers, start_step=NEAR_WRAP) as sig:
-        waiters, results = start_waiters(name, 1, NEAR_WRAP + 1, steps, num_layers, timeout=10)
+        seen = SPAWN.Semaphore(0)
+        waiters, results = start_waiters(name, 1, NEAR_WRAP + 1, steps, num_layers, timeout=10, seen=seen)
         go = SPAWN.Event()
-        writer = SPAWN.Process(target=signal_layers, args=(name, steps, num_layers, 0.002, go))
+        writer = SPAWN.Process(target=signal_layers, args=(name, steps, num_layers, 0.002, go, seen))
         writer.start()
         go.set()
         (out,) = collect(waiters, results)
