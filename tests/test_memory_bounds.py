@@ -3,7 +3,6 @@ that never reads. Retries are answered once, told from reused ids, and refused o
 from __future__ import annotations
 
 import itertools
-import time
 from pathlib import Path
 
 import numpy as np
@@ -69,7 +68,10 @@ def test_table_replies_are_bounded_and_kept_replies_stay_within_dedupe_bytes(dae
         for _ in range(40):  # 40 x 25 MB of replies: 1 GB if every one were kept
             assert len(raw.call([{"op": "table", "req": "big"}] * 100)["results"]) == 100
         grown = rss(d.process.pid) - before
-        assert grown < 16 * MiB + ALLOWANCE, f"the daemon grew by {grown / MiB:.0f} MiB"
+        # Each reply also exists as the socket's copy, freed by ZMQ's I/O thread whenever it is scheduled: in
+        # whichever order the two are freed, glibc may keep up to two replies at the top of its heap, untrimmed.
+        in_flight = 2 * 100 * 62_500 * 4
+        assert grown < 16 * MiB + in_flight + ALLOWANCE, f"the daemon grew by {grown / MiB:.0f} MiB"
     finally:
         raw.close()
 
@@ -111,7 +113,9 @@ def test_a_subscriber_that_never_reads_costs_at_most_pub_bytes(daemon):
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.connect(info["pub_endpoint"])
     try:
-        time.sleep(0.5)  # the subscription reaches the PUB
+        # The subscription has reached the PUB once a heartbeat (sent after --heartbeat-ms of silence) arrives.
+        assert sub.poll(30_000), "no heartbeat reached the subscriber"
+        sub.recv_multipart()
         tokens = np.arange(7_000, dtype=np.uint32)  # a delta of its columns and blocks: 56 KB
         for i in range(50):
             raw.call([{"op": "admit", "req": i, "tokens": tokens}, {"op": "free", "req": i}])
