@@ -21,6 +21,7 @@ refuses in one line otherwise: another user could answer in the daemon's place.
 """
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
 import os
@@ -35,7 +36,7 @@ import zmq
 
 from kvcache.allocator import _tables
 from kvcache.allocator.errors import KVCacheError
-from kvcache.auth import CurveConfig, secure_client_socket
+from kvcache.auth import CurveConfig, load_secret_cert, secure_client_socket
 from kvcache.allocator.manager import Admission
 from kvcache.allocator.pool import Usage
 from kvcache.paths import check_socket_path
@@ -58,6 +59,15 @@ class DaemonError(KVCacheError):
 def _refusal(raw: Any) -> DaemonError | None:
     """An op's result as the DaemonError it is when the daemon refused the op (``{"error": reason}``), else None."""
     return DaemonError(raw["error"]) if type(raw) is dict and len(raw) == 1 and "error" in raw else None
+
+
+def _attach_key(curve: CurveConfig | None) -> int:
+    """A key for claiming decode ranks: a keyed hash of the CURVE client secret, else random (63 bits)."""
+    if curve is None or curve.client_secret is None:
+        return secrets.randbits(63)
+    secret = load_secret_cert(curve.client_secret, "curve_client_cert")[1]
+    digest = hashlib.blake2b(b"kvcache decode rank owner", digest_size=8, key=secret).digest()
+    return int.from_bytes(digest, "big") >> 1
 
 
 def _as_token_array(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
@@ -363,7 +373,7 @@ class CacheClient:
         self.retries = retries
         self.curve = curve  # CURVE keys for a tcp:// daemon started with --curve-server-cert
         self.name = name or f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
-        self._attach_key = secrets.randbits(63)  # claims the decode ranks this client attaches (``attach``)
+        self._attach_key: int | None = None  # claims the decode ranks this client attaches (``attach``)
         self.last_seq = -1
         self.last_epoch: int | None = None
         self._ctx = context or zmq.Context.instance()
@@ -450,9 +460,14 @@ class CacheClient:
     def attach(self, rank: int, endpoint: str, *, key: int | None = None) -> None:
         """Decode receivers: announce rank ``rank``'s NIXL metadata endpoint to the decode daemon.
 
-        The first attach of a rank claims it with ``key`` (default: a random key of this client's); the daemon
-        changes the rank's endpoint later only for the same key."""
-        key = self._attach_key if key is None else key
+        The first attach of a rank claims it with ``key``; the daemon changes the rank's endpoint later only for
+        the same key. The default is derived from this client's CURVE secret certificate, so a worker restarted
+        with the same certificate attaches its rank again and a client of another certificate cannot; without
+        CURVE it is a random key of this client's."""
+        if key is None:
+            if self._attach_key is None:
+                self._attach_key = _attach_key(self.curve)
+            key = self._attach_key
         self._single(self.batch().op("attach", rank=rank, endpoint=endpoint, key=key))
 
     def received(self, request_id: Any, rank: int) -> None:

@@ -173,6 +173,31 @@ def test_a_decode_ranks_endpoint_changes_only_for_the_worker_that_attached_it(da
         assert worker.reserve("s", list(range(9))).receivers[0] == "tcp://127.0.0.1:3"
 
 
+def test_with_curve_a_decode_rank_is_owned_by_the_certificate_that_attached_it(daemon, tmp_path,
+                                                                               tcp_endpoint) -> None:
+    """A CURVE client claims a decode rank with a key derived from its secret certificate: a worker restarted with
+    the same certificate (a new client) changes its rank's endpoint; a client of another allowed certificate
+    cannot."""
+    from kvcache.auth import CurveConfig
+    from kvcache.keys import create_keys
+
+    keys = tmp_path / "keys"
+    for name in ("worker", "other"):
+        create_keys(keys, name)
+    d = daemon("--endpoint", tcp_endpoint, "--num-blocks", "32", "--block-size", "4", "--role", "decode",
+               "--curve-server-cert", str(keys / "server.key_secret"), "--curve-clients-dir", str(keys / "clients"))
+    curve = {name: CurveConfig.for_client(keys / f"{name}.key_secret", keys / "server.key")
+             for name in ("worker", "other")}
+    with CacheClient(tcp_endpoint, timeout=5, curve=curve["worker"]) as first:
+        first.attach(0, "tcp://127.0.0.1:1")
+    with CacheClient(tcp_endpoint, timeout=5, curve=curve["worker"]) as restarted:
+        restarted.attach(0, "tcp://127.0.0.1:2")
+    with CacheClient(tcp_endpoint, timeout=5, curve=curve["other"]) as other:
+        with pytest.raises(DaemonError, match="decode rank 0 is attached already"):
+            other.attach(0, "tcp://10.0.0.66:1")
+        assert list(other.reserve("r", list(range(9))).receivers) == ["tcp://127.0.0.1:2"]
+
+
 def test_keys_revoke_fails_naming_the_reason_when_the_daemon_does_not_take_the_folder(daemon, tmp_path, tcp_endpoint,
                                                                                    capsys) -> None:
     """A stray file that is no certificate in clients/ makes the daemon refuse to read the folder again: revoke
