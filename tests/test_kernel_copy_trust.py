@@ -274,6 +274,78 @@ def test_a_kernel_write_with_a_range_outside_the_registered_memory_is_refused_wh
     assert sender.uses_kernel_copy(peer)  # the refusals were the kernel path's own check
 
 
+def pd_receiver(conn: Any) -> None:
+    """A decode rank's CacheReceiver in its own process, over the victim's cache; reports what landed."""
+    import queue
+
+    from kvcache.pd.messager import CacheReceiver
+    from kvcache.transfer.nixl import NixlEngine
+
+    buffer, region = make_cache(seed=1)
+    landed: queue.SimpleQueue = queue.SimpleQueue()
+    with NixlEngine(f"decode-{os.getpid()}", threads=0) as engine:
+        receiver = CacheReceiver(engine, region, 0, on_received=lambda reqs: [landed.put(r) for r in reqs])
+        conn.send(receiver.endpoint)
+        while conn.recv() == "landed":
+            conn.send((landed.get(timeout=20), buffer.tobytes()))
+        receiver.close()
+
+
+def test_the_pd_messager_writes_a_decode_process_on_this_host_by_the_kernel_byte_for_byte(tmp_path):
+    """The normal PD path: a messager sending to a decode rank's receiver in another process on this host proves it
+    and writes through the kernel; the receiver hears of the request once its blocks landed, exactly."""
+    import queue
+    import time
+
+    from kvcache.ops import send_cache
+    from kvcache.pd.messager import CacheMessager, TransferPlan
+    from kvcache.transfer import LayerSignal
+    from kvcache.transfer.nixl import NixlEngine
+
+    ctx = mp.get_context("spawn")
+    conn, child = ctx.Pipe()
+    process = ctx.Process(target=pd_receiver, args=(child,), daemon=True)
+    process.start()
+    try:
+        assert conn.poll(60), "the receiver did not start"
+        endpoint = conn.recv()
+        src_bytes, src = make_cache(seed=7)
+        sent: queue.SimpleQueue = queue.SimpleQueue()
+        src_ids, dst_ids = np.array([[3, 0, 5, 9]]), np.array([[1, 2, 14, 7]])
+        plan = TransferPlan("req-1", src_ids, dst_ids, 0, (endpoint,), time.monotonic() + 20)
+        with LayerSignal.create(f"kvcache-kc-{tmp_path.name}", SPEC.num_layers, replace=True) as sig, \
+                NixlEngine("prefill", threads=0) as engine:
+            messager = CacheMessager(engine, src, sig, 0, fetch_plans=lambda reqs: [plan for _ in reqs],
+                                     on_sent=sent.put, on_failed=lambda req, error, plan: sent.put(error))
+            try:
+                messager.run_step(sig.begin_step(), ["req-1"], {"req-1": plan})
+                for layer in range(SPEC.num_layers):
+                    send_cache(None, sig, layer)
+                assert sent.get(timeout=20) == "req-1"
+                conn.send("landed")
+                assert conn.poll(30), "the receiver did not answer"
+                req, cache = conn.recv()
+                assert engine.uses_kernel_copy(f"decode-{process.pid}")
+            finally:
+                messager.close()
+        assert req == "req-1"
+        want = make_cache(seed=1)[0].copy()
+        per_layer = SPEC.bytes_per_block_per_layer * BLOCKS
+        for layer in range(SPEC.num_layers):
+            offset = layer * per_layer
+            for t in SPEC.tensors():
+                size = t.bytes_per_block
+                for s, d in zip(src_ids[0], dst_ids[0]):
+                    want[offset + d * size:][:size] = src_bytes[offset + s * size:][:size]
+                offset += size * BLOCKS
+        assert np.array_equal(np.frombuffer(cache, dtype=np.uint8), want)
+    finally:
+        conn.send("stop")
+        process.join(10)
+        if process.is_alive():
+            process.kill()
+
+
 def test_only_this_hosts_addresses_count_as_local_and_the_host_identity_names_kernel_and_pid_namespace():
     """The kernel copy needs a peer reached at an address of this host, whose hello names this kernel's boot and
     pid namespace."""
