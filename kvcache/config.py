@@ -106,6 +106,7 @@ class ServeConfig:
     head_wise: bool = False
     max_model_len: int = 0
     max_num_batched_tokens: int = 0
+    per_request_chunks: bool = False
     enable_prefix_caching: bool = True
     hash_algorithm: str = "sha256"
     hash_seed: str = ""

@@ -1,4 +1,39 @@
-"""`kvcache plan`: how many KV blocks and tokens fit a GPU (and host) memory budget."""
+"""`kvcache plan`: how many KV blocks and tokens fit a GPU (and host) memory budget, and each row's pool.
+
+A full row holds every block of every request. A sliding-window row ``Window(W, S)`` holds far less, and how much
+follows from when ``allocator/swa.py`` gives blocks back. A step gives request r a chunk of ``c`` tokens from
+``T`` on (``T`` computed). First its window row gives back every block wholly below token ``T - W + 1`` past the
+sink (``recyclable_blocks``: no query from ``T`` on reads them); then it takes blocks through token ``T + c - 1``.
+So after the step r holds its ``cdiv(S, B)`` sink blocks and blocks ``[(T - W + 1) // B, cdiv(T + c, B))``, the
+most where ``T - W + 1`` is a block's last slot (B = 4, W = 6, c = 3, T = 8; ``w`` read, ``c`` written)::
+
+    token   0 1 2 3 | 4 5 6 7 | 8 9 10 11
+    block   0       | 1       | 2
+            . . . w | w w w w | c c  c  .       held: 3 blocks = 1 + cdiv(W - 2 + c, B)
+
+    held(c) = cdiv(S, B) + 1 + cdiv(W - 2 + c, B), at most whole = cdiv(max_model_len, B)
+
+``held(0)`` is a request's window plus one partly filled block. One step runs at most ``N =
+max_num_batched_tokens`` tokens across all requests (decodes count too), so the chunks add up to at most ``N``.
+A request's first block past ``held(0)`` costs ``d`` tokens (those that carry ``W - 2`` over a block boundary, 1 to
+``B``), each further one ``B`` more, so ``n`` requests hold at most::
+
+    n * held(0)  +  k + min((N - k * d) // B, k * (whole - held(0) - 1)),   k = min(n, N // d)
+    |per request |  |one budget's worth of blocks, shared by all requests|
+
+and a schedule reaches it: every request at such a ``T``, ``k`` of them given ``d`` tokens, one the rest. Gemma 3
+27B (W = 1,024, B = 16, N = 8,192): 65 blocks a request plus 530 shared by 23 requests, where sizing every
+request for a whole chunk (577 blocks each) fits 11.
+
+The bound holds while the chunks the requests were last extended by add up to one budget: a step gives back
+before it takes. A scheduler meets that by extending every running request every step in one fixed order, tokens
+handed out first come, first served (vLLM's order; ``extend(req, [])`` for a request given none only gives back):
+a request takes more than last step only where the budget ran out at it last step, and then no later request took
+any. Or it gives every running request's dead blocks back (``extend(req, [])``) before the step's first new block.
+A scheduler that keeps a step in flight (``num_computed_tokens`` a step behind) holds two steps' chunks: plan it
+with twice the budget. ``Load.per_request_chunks`` (``--per-request-chunks``) sizes for a scheduler with no global
+budget: every request may hold ``held(chunk)`` at once.
+"""
 from __future__ import annotations
 
 import argparse
@@ -9,29 +44,41 @@ from typing import Any
 from kvcache.allocator.errors import KVCacheError
 from kvcache.allocator.layout import CacheSpec
 from kvcache.allocator.rows import Row, rows_of_rank
-from kvcache.allocator.swa import Full, Window
+from kvcache.allocator.swa import AttentionPolicy, Full, Window
 from kvcache.arguments import add_spec_arguments, positive_int, spec_from_args
 from kvcache.units import format_bytes, parse_size
+
+_MOST_REQUESTS = 1 << 40  # where the concurrency search stops (a row of one-token windows at block 1 costs nothing)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class RowPlan:
-    """One row's pool: what a block of it takes, what one request holds of it at most, and its blocks."""
+    """One row's pool: what a block of it takes, what one request holds of it at most, and its blocks.
+
+    ``blocks_per_step``: what the planned requests hold of it beyond ``blocks_per_request`` each, together (a
+    window row's share of one step's chunks; 0 for a full row and with ``per_request_chunks``).
+    """
 
     row: Row
     bytes_per_block: int
     blocks_per_request: int
     num_blocks: int
+    blocks_per_step: int = 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Load:
-    """The concurrent load a plan is sized for, as vLLM names it: requests of ``max_model_len`` tokens, prefilled
-    ``max_num_batched_tokens`` at a time, ``max_num_seqs`` of them at once."""
+    """The concurrent load a plan is sized for, as vLLM names it: requests of ``max_model_len`` tokens, steps of at
+    most ``max_num_batched_tokens`` tokens across all of them (decodes count), ``max_num_seqs`` of them at once.
+
+    ``per_request_chunks``: the scheduler keeps no budget across requests, so each may prefill a chunk of
+    ``max_num_batched_tokens`` in the same step (the module docstring says what each holds either way).
+    """
 
     max_model_len: int
     max_num_seqs: int
     max_num_batched_tokens: int
+    per_request_chunks: bool = False
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -82,47 +129,85 @@ def make_plan(
     return plan if load is None else size_rows(plan, load)
 
 
-def blocks_per_request(row: Row, block_size: int, load: Load) -> int:
-    """The most blocks of ``row`` one request of ``load.max_model_len`` tokens holds at once.
+def _cdiv(a: int, b: int) -> int:
+    """Ceiling of ``a / b`` for ``b >= 1`` (``a`` may be negative: a window of one token needs no earlier key)."""
+    return -(-a // b)
 
-    A full row holds every block of the request. A window row ``Window(W, S)`` holds its sink blocks
-    and the blocks its queries still read: a prefill chunk of ``max_num_batched_tokens`` reads the
-    ``W - 1`` keys before it, so ``cdiv(S, B) + cdiv(W - 1 + chunk, B) + 1`` (one block of slack for a
-    boundary), never more than the whole request.
-    """
-    whole = -(-load.max_model_len // block_size)
-    policy = row.policy
+
+def window_blocks(policy: Window, block_size: int, max_model_len: int, chunk: int) -> int:
+    """``held(chunk)`` of the module docstring: the most blocks of a ``policy`` row one request holds right after a
+    step gives it ``chunk`` tokens (its sink, the window before the chunk, the chunk, one block where the window
+    starts mid-block), never more than the whole request."""
+    sink = _cdiv(policy.sink_tokens, block_size)
+    return min(_cdiv(max_model_len, block_size), sink + 1 + _cdiv(policy.window_tokens - 2 + chunk, block_size))
+
+
+def blocks_per_request(policy: AttentionPolicy, block_size: int, load: Load) -> int:
+    """The most blocks of a ``policy`` row one request of ``load`` holds by itself: all of them for a full row; for a
+    window row ``held(0)``, or ``held(chunk)`` with ``load.per_request_chunks``."""
     if not isinstance(policy, Window):
-        return whole
-    chunk = min(load.max_num_batched_tokens, load.max_model_len)
-    live = -(-policy.sink_tokens // block_size) + -(-(policy.window_tokens - 1 + chunk) // block_size) + 1
-    return min(whole, live)
+        return _cdiv(load.max_model_len, block_size)
+    chunk = min(load.max_num_batched_tokens, load.max_model_len) if load.per_request_chunks else 0
+    return window_blocks(policy, block_size, load.max_model_len, chunk)
+
+
+def row_blocks(policy: AttentionPolicy, block_size: int, load: Load, num_requests: int) -> int:
+    """The most blocks of a ``policy`` row that ``num_requests`` requests of ``load`` hold at once: the module
+    docstring's bound, exact (a schedule within the budget reaches it)."""
+    each = blocks_per_request(policy, block_size, load)
+    whole = _cdiv(load.max_model_len, block_size)
+    if not isinstance(policy, Window) or load.per_request_chunks or each >= whole or num_requests == 0:
+        return num_requests * each
+    lead = policy.window_tokens - 2
+    first = _cdiv(lead, block_size) * block_size - lead + 1  # d: the tokens that open a request's next block
+    budget = load.max_num_batched_tokens
+    opened = min(num_requests, budget // first)  # k: requests given their first block past held(0)
+    return num_requests * each + opened + min((budget - opened * first) // block_size, opened * (whole - each - 1))
 
 
 def size_rows(plan: Plan, load: Load) -> Plan:
-    """Give each row a pool in proportion to what a request holds of it, filling the budget: the concurrency
-    the rows reach, against one full row over every layer (the uniform layout) in the same budget.
+    """Give each row the pool the most requests that fit the budget need of it (``row_blocks``), and the budget
+    left over in proportion to what one request more would add: the concurrency the rows reach, against one full
+    row over every layer (the uniform layout) in the same budget.
 
     A layer's cache tensors have one block count, so rows that share a layer (a layer's window heads and its
-    full heads) get one pool size: the most any of them holds per request.
+    full heads) get one pool size: the most any of them needs.
     """
     spec = plan.spec
-    layout = spec.row_layout
-    held = [blocks_per_request(row, spec.block_size, load) for row in layout]
-    for members in _sharing_layers(layout):
-        most = max(held[i] for i in members)
-        for i in members:
-            held[i] = most
-    per_row = [(row, spec.row_bytes_per_block(row), n) for row, n in zip(layout, held)]
+    layout, bs = spec.row_layout, spec.block_size
+    shared = _sharing_layers(layout)
+    per_block = [spec.row_bytes_per_block(row) for row in layout]
     # The budget is one rank's: count the rows rank 0 holds (head-wise rows of other ranks' heads live there).
     assert spec.num_kv_heads is not None
-    mine = rows_of_rank(spec.row_layout, spec.num_kv_heads, spec.tp_size, 0)
-    per_request = sum(per_row[i][1] * per_row[i][2] for i in mine)
-    concurrency = plan.budget_bytes // per_request
-    scale = plan.budget_bytes / per_request
-    rows = tuple(RowPlan(row, b, n, int(n * scale)) for row, b, n in per_row)
-    uniform = plan.budget_bytes // (-(-load.max_model_len // spec.block_size) * spec.bytes_per_block)
-    return dataclasses.replace(plan, load=load, rows=rows, max_concurrency=concurrency, uniform_concurrency=uniform)
+    mine = rows_of_rank(layout, spec.num_kv_heads, spec.tp_size, 0)
+
+    def needs(n: int) -> list[tuple[int, int]]:
+        """(blocks per request, blocks) each row's pool needs for ``n`` requests, shared-layer rows at their most."""
+        out = [(blocks_per_request(row.policy, bs, load), row_blocks(row.policy, bs, load, n)) for row in layout]
+        for members in shared:
+            most = max((out[i] for i in members), key=lambda need: need[1])
+            for i in members:
+                out[i] = most
+        return out
+
+    def cost(n: int) -> int:
+        held = needs(n)
+        return sum(per_block[i] * held[i][1] for i in mine)
+
+    low, high = 0, 1  # cost(low) fits the budget; find a high that does not, then halve
+    while cost(high) <= plan.budget_bytes and high < _MOST_REQUESTS:
+        low, high = high, 2 * high
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if cost(mid) <= plan.budget_bytes else (low, mid)
+    now, then = needs(low), needs(low + 1)
+    more = cost(low + 1) - cost(low)
+    spare = (plan.budget_bytes - cost(low)) / more if more else 0.0  # < 1: a part of one request more
+    rows = tuple(RowPlan(row, per_block[i], now[i][0], held + int(spare * (then[i][1] - held)),
+                         held - low * now[i][0])
+                 for i, (row, (_, held)) in enumerate(zip(layout, now)))
+    uniform = plan.budget_bytes // (_cdiv(load.max_model_len, bs) * spec.bytes_per_block)
+    return dataclasses.replace(plan, load=load, rows=rows, max_concurrency=low, uniform_concurrency=uniform)
 
 
 def _sharing_layers(rows: tuple[Row, ...]) -> list[list[int]]:
@@ -176,7 +261,8 @@ def plan_json(plan: Plan) -> dict[str, Any]:
         out["host_num_blocks"] = plan.host_num_blocks
         out["host_max_tokens"] = plan.host_num_blocks * spec.block_size
     out["rows"] = [{**rp.row.describe(), "bytes_per_block": rp.bytes_per_block,
-                    "blocks_per_request": rp.blocks_per_request, "blocks": rp.num_blocks,
+                    "blocks_per_request": rp.blocks_per_request, "blocks_per_step": rp.blocks_per_step,
+                    "blocks": rp.num_blocks,
                     "bytes": rp.num_blocks * rp.bytes_per_block,
                     "tensors": [{"name": t.name, "shape": list(t.shape(rp.num_blocks)), "dtype": t.dtype}
                                 for t in spec.row_tensors(rp.row)]} for rp in plan.rows] or [
@@ -250,7 +336,7 @@ def render_rows(plan: Plan) -> list[str]:
     spec = plan.spec
     head = ["row", "policy", "layers", "kv heads", "bytes/block"]
     if plan.rows:
-        head += ["blocks/request", "blocks", "bytes"]
+        head += ["blocks/request", "blocks/step", "blocks", "bytes"]
     table = [head]
     for i, row in enumerate(spec.row_layout):
         policy = ("full" if isinstance(row.policy, Full) else
@@ -259,7 +345,8 @@ def render_rows(plan: Plan) -> list[str]:
         cells = [str(i), policy, _ranges(row.layers), _ranges(row.kv_heads), f"{spec.row_bytes_per_block(row):,}"]
         if plan.rows:
             rp = plan.rows[i]
-            cells += [f"{rp.blocks_per_request:,}", f"{rp.num_blocks:,}", format_bytes(rp.num_blocks * rp.bytes_per_block)]
+            cells += [f"{rp.blocks_per_request:,}", f"{rp.blocks_per_step:,}", f"{rp.num_blocks:,}",
+                      format_bytes(rp.num_blocks * rp.bytes_per_block)]
         table.append(cells)
     tensors = []
     if plan.rows:  # each row's layers hold tensors of its own pool size
@@ -269,9 +356,13 @@ def render_rows(plan: Plan) -> list[str]:
                                for t in spec.row_tensors(rp.row))
             tensors.append(f"  row {i}, each of its {len(rp.row.layers)} layers: {shapes}")
     widths = [max(len(r[i]) for r in table) for i in range(len(head))]
-    title = (f"rows ({len(spec.row_layout)}; pools sized for requests of {plan.load.max_model_len:,} tokens, "
-             f"prefill chunks of {plan.load.max_num_batched_tokens:,}):" if plan.load else
-             f"rows ({len(spec.row_layout)}; give --max-model-len to size a pool per row):")
+    load = plan.load
+    title = (f"rows ({len(spec.row_layout)}; give --max-model-len to size a pool per row):" if load is None else
+             f"rows ({len(spec.row_layout)}; pools sized for {plan.max_concurrency:,} requests of "
+             f"{load.max_model_len:,} tokens, "
+             + (f"each prefilling up to {load.max_num_batched_tokens:,} at once):" if load.per_request_chunks else
+                f"{load.max_num_batched_tokens:,} tokens a step across them; blocks/step: the rows' share of "
+                f"a step, held by all of them together):"))
     return [title, *("  " + "  ".join(c.ljust(w) if j < 4 else c.rjust(w) for j, (c, w) in enumerate(zip(r, widths)))
                      for r in table), *tensors]
 
@@ -294,7 +385,10 @@ def _run_plan(args: argparse.Namespace) -> int:
     spec, name = spec_from_args(args)
     load = None
     if args.max_model_len is not None:
-        load = Load(args.max_model_len, args.max_num_seqs, args.max_num_batched_tokens or args.max_model_len)
+        load = Load(args.max_model_len, args.max_num_seqs, args.max_num_batched_tokens or args.max_model_len,
+                    args.per_request_chunks)
+    elif args.per_request_chunks:
+        raise KVCacheError("--per-request-chunks: sizes the rows' pools for a load; give --max-model-len too")
     plan = make_plan(
         spec,
         gpu_memory=parse_size(args.gpu_memory, "--gpu-memory"),
@@ -336,7 +430,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     load.add_argument("--max-num-seqs", type=positive_int, default=256, metavar="N",
                       help="requests the engine runs at once (default 256): the plan says when fewer fit")
     load.add_argument("--max-num-batched-tokens", type=positive_int, metavar="TOKENS",
-                      help="prefill chunk: a window row holds the window plus one chunk (default: the whole "
-                      "request in one chunk)")
+                      help="tokens a step runs across all requests, decodes included: a window row holds each "
+                      "request's window plus one block, and one such budget shared by them all (default: "
+                      "--max-model-len)")
+    load.add_argument("--per-request-chunks", action="store_true",
+                      help="for a scheduler without one budget across requests: a window row holds each request's "
+                      "window plus a whole --max-num-batched-tokens chunk")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.set_defaults(run=_run_plan)

@@ -49,8 +49,12 @@ HELP = {
     "max_model_len": "tokens of the longest request: sizes each row's pool from --gpu-memory for what such a "
                      "request holds of it, so sliding-window rows take fewer blocks (as `kvcache plan "
                      "--max-model-len` shows; 0 = every row the same blocks)",
-    "max_num_batched_tokens": "prefill chunk for sizing with --max-model-len: a window row holds the window plus "
-                              "one chunk (0 = the whole request in one chunk)",
+    "max_num_batched_tokens": "tokens a step runs across all requests (decodes included), for sizing with "
+                              "--max-model-len: a window row holds each request's window plus one block, and one "
+                              "such budget shared by them all (0 = --max-model-len)",
+    "per_request_chunks": "size window rows for a scheduler without one budget across requests: each request's "
+                          "window plus a whole --max-num-batched-tokens chunk (as `kvcache plan "
+                          "--per-request-chunks`)",
     "enable_prefix_caching": "reuse cached prefixes (default on; --no-enable-prefix-caching turns it off)",
     "hash_algorithm": "prefix hash: sha256 (fast default) or sha256_cbor (byte-identical to vLLM's)",
     "hash_seed": "seed of the prefix hashes (sha256_cbor: vLLM's PYTHONHASHSEED); empty = vLLM's default seed "
@@ -233,7 +237,9 @@ def _pool_sizes(cfg: ServeConfig, spec: CacheSpec | None,
     reserve = parse_size(cfg.reserve, "--reserve")
     load = None
     if cfg.max_model_len:
-        load = Load(cfg.max_model_len, 1, cfg.max_num_batched_tokens or cfg.max_model_len)
+        load = Load(cfg.max_model_len, 1, cfg.max_num_batched_tokens or cfg.max_model_len, cfg.per_request_chunks)
+    elif cfg.per_request_chunks:
+        raise KVCacheError("per_request_chunks: sizes the rows' pools for --max-model-len; give it too")
     plan = make_plan(dataclasses.replace(spec, rows=layout), gpu_memory=gpu_memory, utilization=cfg.utilization,
                      reserve=reserve, load=load)
     if load is None:

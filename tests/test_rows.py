@@ -209,26 +209,30 @@ def test_a_spec_refuses_rows_that_miss_or_repeat_a_cell() -> None:
 
 
 def test_plan_sizes_a_pool_per_row_and_reports_concurrency_against_uniform() -> None:
-    """Gemma 3 4B, block 16, 72 GiB (80 GiB × 0.9), requests of 32,768 tokens prefilled 8,192 at a time: a window
-    row holds cdiv(1023 + 8192, 16) + 1 = 577 blocks of a request, the full row 2,048; a request costs
-    577 × 1,900,544 + 2,048 × 327,680 = 1,767,702,528 B, so 43 fit, against 16 with every layer full
-    (2,048 × 2,228,224 B each)."""
+    """Gemma 3 4B, block 16, 72 GiB (80 GiB × 0.9), requests of 32,768 tokens, 8,192 tokens a step across them: a
+    window row holds 1 + cdiv(1022, 16) = 65 blocks of each request and 95 + (8192 − 3 × 95) // 16 = 589 shared
+    by 95 of them, the full row 2,048 of each: 95 × (65 × 1,900,544 + 2,048 × 327,680) + 589 × 1,900,544 =
+    76,608,700,416 B fit, 96 do not, against 16 with every layer full (2,048 × 2,228,224 B each). Sized for a
+    whole chunk per request (577 blocks each), 43 fit."""
     from kvcache.allocator import CacheSpec
     from kvcache.plan import Load, make_plan, plan_json
 
     spec = CacheSpec.from_hf_config(GEMMA3, block_size=16)
     plan = make_plan(spec, gpu_memory=80 << 30, load=Load(32_768, 256, 8_192))
     window, full = plan.rows
-    assert (window.blocks_per_request, full.blocks_per_request) == (577, 2_048)
-    assert plan.max_concurrency == plan.budget_bytes // 1_767_702_528 == 43
+    assert (window.blocks_per_request, window.blocks_per_step, full.blocks_per_request) == (65, 589, 2_048)
+    assert 95 * 794_624_000 + 589 * 1_900_544 == 76_608_700_416 <= plan.budget_bytes
+    assert 96 * 794_624_000 + 590 * 1_900_544 > plan.budget_bytes and plan.max_concurrency == 95
     assert plan.uniform_concurrency == plan.budget_bytes // (2_048 * 2_228_224) == 16
     assert window.num_blocks * window.bytes_per_block + full.num_blocks * full.bytes_per_block <= plan.budget_bytes
-    assert window.num_blocks >= 43 * 577 and full.num_blocks >= 43 * 2_048
+    assert window.num_blocks >= 95 * 65 + 589 and full.num_blocks >= 95 * 2_048
     out = plan_json(plan)
-    assert out["max_concurrency"] == 43 and out["uniform_concurrency"] == 16
-    assert [(r["kind"], r["blocks_per_request"]) for r in out["rows"]] == [("window", 577), ("full", 2_048)]
-    # A whole-request prefill keeps every block of a 4,096-token request in the window row too.
-    short = make_plan(spec, gpu_memory=80 << 30, load=Load(4_096, 256, 4_096))
+    assert out["max_concurrency"] == 95 and out["uniform_concurrency"] == 16
+    assert [(r["kind"], r["blocks_per_request"]) for r in out["rows"]] == [("window", 65), ("full", 2_048)]
+    per_request = make_plan(spec, gpu_memory=80 << 30, load=Load(32_768, 256, 8_192, per_request_chunks=True))
+    assert [r.blocks_per_request for r in per_request.rows] == [577, 2_048] and per_request.max_concurrency == 43
+    # A whole-request chunk per request keeps every block of a 4,096-token request in the window row too.
+    short = make_plan(spec, gpu_memory=80 << 30, load=Load(4_096, 256, 4_096, per_request_chunks=True))
     assert [r.blocks_per_request for r in short.rows] == [256, 256]
 
 
@@ -246,7 +250,7 @@ def test_rows_that_share_a_layer_share_one_pool_size() -> None:
     gemma = make_plan(CacheSpec.from_hf_config(GEMMA3, block_size=16, head_wise=True), gpu_memory=80 << 30, load=load)
     counts = [(r.row.policy, r.num_blocks) for r in gemma.rows]
     assert len(set(counts)) == 2 and counts[0][1] < counts[-1][1]
-    assert [r.blocks_per_request for r in gemma.rows] == [577] * 4 + [2_048] * 4
+    assert [r.blocks_per_request for r in gemma.rows] == [65] * 4 + [2_048] * 4
 
 
 def test_serve_takes_its_rows_from_the_config(tmp_path) -> None:
@@ -278,9 +282,10 @@ def test_serve_takes_its_rows_from_the_config(tmp_path) -> None:
 
 
 def test_serve_sizes_each_rows_pool_as_the_plan_does(tmp_path) -> None:
-    """Sized from --gpu-memory with --max-model-len, each row's pool is what a request holds of it times the
-    requests the budget fits (hand arithmetic for Gemma 3 4B, 72 GiB, 32k requests, 8k chunks); without
-    --max-model-len every row gets the uniform count; --max-model-len with --num-blocks is refused."""
+    """Sized from --gpu-memory with --max-model-len, each row's pool is what the requests the budget fits hold of
+    it, plus the leftover budget's share of one request more (hand arithmetic for Gemma 3 4B, 72 GiB, 32k
+    requests, 8k tokens a step); without --max-model-len every row gets the uniform count; --max-model-len with
+    --num-blocks is refused."""
     import json
 
     from kvcache.config import ServeConfig
@@ -294,13 +299,18 @@ def test_serve_sizes_each_rows_pool_as_the_plan_does(tmp_path) -> None:
     budget = int((80 << 30) * 0.9)
     cell = 256 * 2 * 2 * 16  # K and V of one kv head, bf16, 16 tokens
     window_bytes, full_bytes = 29 * 4 * cell, 5 * 4 * cell
-    window_blocks, full_blocks = 0 + -(-(1023 + 8192) // 16) + 1, 32_768 // 16  # 577, 2,048
-    per_request = window_bytes * window_blocks + full_bytes * full_blocks
-    assert manager.row_blocks.tolist() == [int(window_blocks * budget / per_request),
-                                           int(full_blocks * budget / per_request)]
+    window_blocks, full_blocks = 1 + -(-1022 // 16), 32_768 // 16  # 65, 2,048 of each request
+
+    def pools(n: int) -> tuple[int, int]:  # 95 requests: 95 + (8192 - 3 × 95) // 16 window blocks shared
+        return n * window_blocks + n + (8_192 - 3 * n) // 16, n * full_blocks
+
+    def cost(n: int) -> int:
+        return window_bytes * pools(n)[0] + full_bytes * pools(n)[1]
+
+    assert cost(95) <= budget < cost(96)  # requests of 32k at once: each pool holds them
+    spare = (budget - cost(95)) / (cost(96) - cost(95))
+    assert manager.row_blocks.tolist() == [now + int(spare * (then - now)) for now, then in zip(pools(95), pools(96))]
     assert budget - window_bytes - full_bytes < extra["cache_bytes_per_rank"] <= budget
-    assert budget // per_request == 43  # requests of 32k at once: each pool holds them
-    assert manager.row_blocks[0] >= 43 * window_blocks and manager.row_blocks[1] >= 43 * full_blocks
     uniform, _, _ = build_manager(ServeConfig(**base).resolved())
     assert uniform.row_blocks.tolist() == [budget // (34 * 4 * cell)] * 2
     with pytest.raises(KVCacheError, match=r"^max_model_len: sizes each row's pool from --gpu-memory"):
@@ -311,7 +321,8 @@ def test_serve_sizes_each_rows_pool_as_the_plan_does(tmp_path) -> None:
                     reason="vllm is not importable")
 def test_plan_concurrency_matches_vllms_hybrid_planner() -> None:
     """vLLM 0.33's own hybrid planner on Gemma 3 4B's layers (72 GiB, requests of 32,768 tokens): our plan, given
-    the tokens vLLM keeps in flight, fits the requests vLLM fits, up to vLLM's padding of its layer groups."""
+    the tokens vLLM keeps in flight and sized per request as vLLM sizes it, fits the requests vLLM fits, up to
+    vLLM's padding of its layer groups."""
     from kvcache.allocator import CacheSpec
     from kvcache.bench import vllm
     from kvcache.plan import Load, make_plan
@@ -320,7 +331,8 @@ def test_plan_concurrency_matches_vllms_hybrid_planner() -> None:
     windows = [None if isinstance(p, Full) else p.window_tokens for p in layer_policies(GEMMA3, 34)]
     budget = int((80 << 30) * 0.9)
     theirs = vllm.hybrid_concurrency(windows, 4, 256, 16, 32_768, 8_192, budget)
-    plan = make_plan(spec, gpu_memory=80 << 30, load=Load(32_768, 256, theirs["max_in_flight_tokens"]))
+    plan = make_plan(spec, gpu_memory=80 << 30, load=Load(32_768, 256, theirs["max_in_flight_tokens"],
+                                                          per_request_chunks=True))
     assert theirs["max_concurrency"] <= plan.budget_bytes / sum(r.bytes_per_block * r.blocks_per_request
                                                                 for r in plan.rows) <= theirs["max_concurrency"] * 1.05
     assert plan.uniform_concurrency < plan.max_concurrency
@@ -416,8 +428,10 @@ def test_head_wise_rows_over_ranks_fit_what_layer_group_rows_fit() -> None:
     plans = {(tp, hw): make_plan(CacheSpec.from_hf_config(GEMMA3, block_size=16, tp_size=tp, head_wise=hw),
                                  gpu_memory=80 << 30, load=load) for tp in (1, 2) for hw in (False, True)}
     assert plans[(2, True)].max_concurrency == plans[(2, False)].max_concurrency
-    assert plans[(1, True)].max_concurrency == plans[(1, False)].max_concurrency == 43
-    assert plans[(2, False)].max_concurrency == plans[(2, False)].budget_bytes // (1_767_702_528 // 2)
+    assert plans[(1, True)].max_concurrency == plans[(1, False)].max_concurrency == 95
+    # At tp 2 a block costs half: 192 × 397,312,000 + (192 + (8192 − 576) // 16) × 950,272 B fit, 193 do not.
+    assert 192 * 397_312_000 + 668 * 950_272 <= plans[(2, False)].budget_bytes < 193 * 397_312_000 + 667 * 950_272
+    assert plans[(2, False)].max_concurrency == 192
 
 
 def test_the_readmes_layer_group_snippet_runs(tmp_path) -> None:
@@ -433,7 +447,7 @@ def test_the_readmes_layer_group_snippet_runs(tmp_path) -> None:
                                                           max_num_batched_tokens=8_192))
     cache = KVCacheManager(max(r.num_blocks for r in plan.rows), 16, [r.row.policy for r in plan.rows],
                            row_blocks=[r.num_blocks for r in plan.rows])
-    assert cache.row_blocks.tolist() == [r.num_blocks for r in plan.rows] and plan.max_concurrency == 43
+    assert cache.row_blocks.tolist() == [r.num_blocks for r in plan.rows] and plan.max_concurrency == 95
     adm = cache.admit("req-1", list(range(40_000)))  # past the window: the window row still holds it all (prefill)
     assert adm is not None and adm.table.shape[0] == 2
     cache.extend("req-1", [7])

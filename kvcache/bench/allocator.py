@@ -592,8 +592,8 @@ def render(result: dict[str, Any]) -> str:
         "",
         "6. a Gemma 3 4B-shaped model's rows from its config (29 layers with a 1,024-token window, 5 full): "
         f"requests of {PROMPT_TOKENS:,} tokens that fit {HYBRID_MEMORY / 2**30:.0f} GiB with a pool per row "
-        f"(kvcache plan, prefill chunks of {HYBRID_BATCHED_TOKENS:,}) against every layer full; their admit + "
-        "free is section 3's 'gemma-3 rows'",
+        f"(kvcache plan, {HYBRID_BATCHED_TOKENS:,} tokens a step across requests) against every layer full; "
+        "their admit + free is section 3's 'gemma-3 rows'",
         _table(
             ["block", "rows", "requests", "tokens", "uniform requests", "uniform tokens", "gain",
              "vllm in flight", "vllm requests", "ours then"],
