@@ -121,6 +121,9 @@ def main(argv: list[str] | None = None) -> int:
                 raise KVCacheError(f"--{flag.replace('_', '-')}: must be at least 1, got {getattr(args, flag)}")
         if args.device != "cpu" and not args.device.startswith("cuda"):
             raise KVCacheError(f"--device: cpu or cuda[:N], got {args.device!r}")
+        if args.device != "cpu" and (args.block_size < 16 or args.block_size & (args.block_size - 1)):
+            raise KVCacheError(f"--block-size: flex attention on a GPU reads blocks of a power of two >= 16, "
+                               f"got {args.block_size}")
         config = checkpoint.model_config(_read_config(args.model))
         if args.eos is not None and not 0 <= args.eos < config.vocab:
             raise KVCacheError(f"--eos: must be a token id in [0, {config.vocab}), got {args.eos}")
@@ -135,6 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     except KVCacheError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except RuntimeError as e:  # e.g. a prompt longer than the cache's blocks can ever hold
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     if args.json:
         print(json.dumps(tokens))
     else:
