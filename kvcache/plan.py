@@ -27,9 +27,10 @@ request for a whole chunk (577 blocks each) fits 11.
 
 The bound holds while the chunks the requests were last extended by add up to one budget: a step gives back
 before it takes. A scheduler meets that by extending every running request every step in one fixed order, tokens
-handed out first come, first served (vLLM's order; ``extend(req, [])`` for a request given none only gives back):
-a request takes more than last step only where the budget ran out at it last step, and then no later request took
-any. Or it gives every running request's dead blocks back (``extend(req, [])``) before the step's first new block.
+handed out first come, first served and new requests last (vLLM's order; ``extend(req, [])`` for a request given
+none only gives back): a running request takes more than last step only where the budget ran out at it last step,
+and then no later one took any. Or it gives every running request's dead blocks back (``extend(req, [])``) before
+the step's first new block.
 A scheduler that keeps a step in flight (``num_computed_tokens`` a step behind) holds two steps' chunks: plan it
 with twice the budget. ``Load.per_request_chunks`` (``--per-request-chunks``) sizes for a scheduler with no global
 budget: every request may hold ``held(chunk)`` at once.
