@@ -131,7 +131,8 @@ def test_help_explains_every_plan_flag():
     assert result.returncode == 0
     for flag in ("--model", "--example", "--layers", "--kv-heads", "--head-dim", "--head-dim-v", "--kv-lora-rank",
                  "--rope-dim", "--block-size", "--dtype", "--quant", "--scale-layout", "--tp", "--gpu-memory",
-                 "--utilization", "--reserve", "--host-memory", "--json"):
+                 "--utilization", "--reserve", "--host-memory", "--max-model-len", "--max-num-seqs",
+                 "--max-num-batched-tokens", "--per-request-chunks", "--json"):
         assert flag in result.stdout
     top = subprocess.run([sys.executable, "-m", "kvcache", "--help"], capture_output=True, text=True)
     assert top.returncode == 0 and "plan" in top.stdout
