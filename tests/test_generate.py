@@ -211,3 +211,23 @@ def test_transformers_live(folders: dict[str, Path]) -> None:
         want, _, _ = make_expected.transformers_tokens(folder, case["prompts"], case["max_new_tokens"])
         assert generate.generate(folder, case["prompts"], case["max_new_tokens"], block_size=BLOCK_SIZE,
                                  num_blocks=64) == want, name
+
+
+# RoPE as transformers 5 saves a config: ``rope_parameters``, flat or per layer type, instead of ``rope_theta``,
+# ``rope_scaling`` and ``rope_local_base_freq`` (read from save_pretrained's output, transformers 5.24).
+ROPE_PARAMETERS = {
+    "llama3": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+    "gemma3": {"full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0},
+               "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+}
+
+
+@pytest.mark.parametrize("name", list(ROPE_PARAMETERS))
+def test_transformers_5_rope_parameters_run_the_same_model(folders: dict[str, Path], tmp_path: Path,
+                                                           name: str) -> None:
+    folder = _edit(folders[name], tmp_path, rope_theta=None, rope_scaling=None, rope_local_base_freq=None,
+                   rope_parameters=ROPE_PARAMETERS[name])
+    case = EXPECTED[name]
+    assert generate.generate(folder, case["prompts"], case["max_new_tokens"], block_size=BLOCK_SIZE,
+                             num_blocks=64) == case["tokens"]
