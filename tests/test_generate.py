@@ -231,3 +231,14 @@ def test_transformers_5_rope_parameters_run_the_same_model(folders: dict[str, Pa
     case = EXPECTED[name]
     assert generate.generate(folder, case["prompts"], case["max_new_tokens"], block_size=BLOCK_SIZE,
                              num_blocks=64) == case["tokens"]
+
+
+def test_gemma3_layers_from_sliding_window_pattern(folders: dict[str, Path], tmp_path: Path) -> None:
+    """An older Gemma 3 config names its full layers by ``sliding_window_pattern`` (every third here: the same
+    layers as the checkpoint's ``layer_types``); the engine's windows and the cache's rows both follow it."""
+    folder = _edit(folders["gemma3"], tmp_path, layer_types=None, sliding_window_pattern=3)
+    config, _ = checkpoint.load(folder)
+    assert config.window_layers == (0, 1, 3)
+    case = EXPECTED["gemma3"]
+    assert generate.generate(folder, case["prompts"], case["max_new_tokens"], block_size=BLOCK_SIZE,
+                             num_blocks=64) == case["tokens"]
