@@ -96,12 +96,15 @@ true}`` (the request was applied and its reply kept: the same ``(client, id)`` s
 
 Workers on the daemon's host may take the table deltas from the local endpoint instead of the PUB: a
 datagram ``LOCAL_SUBSCRIBE`` (bytes that are not a msgpack map) registers the sender's address, and the
-daemon answers it with a heartbeat. From then on every delta and heartbeat comes as one datagram
-``topic+epoch (9 bytes) | seq (8 bytes) | payload``, the PUB's three frames back to back. A delta whose
-datagram would pass ``LOCAL_MAX_BYTES`` (a payload over 65,519 bytes) comes as a heartbeat of its seq, on
-the PUB as on the local endpoint (fetch it by replay); one that finds the
-worker's queue full is not sent (the worker sees the gap). The daemon forgets an address it can no
-longer reach, and one that sends ``LOCAL_UNSUBSCRIBE``; a worker renews its subscription when deltas
+daemon answers it with a heartbeat. That address must be a socket file (of the daemon's user or root) in the
+local endpoint's own folder, which only that user may write: an abstract name, which anyone may bind once
+its worker is gone, is answered with an error reply and sent nothing. From then on every delta and
+heartbeat comes as one datagram ``topic+epoch (9 bytes) | seq (8 bytes) | payload``, the PUB's three
+frames back to back. A delta whose datagram would pass ``LOCAL_MAX_BYTES`` (a payload over 65,519 bytes)
+comes as a heartbeat of its seq, on the PUB as on the local endpoint (fetch it by replay); one that finds
+the worker's queue full is not sent (the worker sees the gap). The daemon forgets an address it can no
+longer reach (and removes the socket file a killed worker left), and one that sends ``LOCAL_UNSUBSCRIBE``
+(a worker's goodbye when it closes); a worker renews its subscription when deltas
 stop coming. At most ``MAX_LOCAL_SUBSCRIBERS`` addresses are kept.
 
 Who may send which op (``OP_CALLERS``, checked once where a message enters, before any op applies; a refused

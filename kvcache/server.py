@@ -22,11 +22,13 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import errno
 import heapq
 import itertools
 import logging
 import os
 import socket
+import stat
 import time
 import zlib
 from dataclasses import dataclass
@@ -106,6 +108,15 @@ _OP_ERROR_BYTES = 2 * MAX_ID_CHARS + 512  # an op's {"error": message} result at
 METRICS_INTERVAL_S = 0.05  # a busy daemon counts its messages in the metrics at most this often
 _PD_CLIENT = "kvcache-transfer-expiry"
 _TIER_CLIENT = "kvcache-tier-expiry"
+
+
+def _remove_socket_file(path: str) -> None:
+    """Remove the socket file at ``path``, if it is one (never another kind of file)."""
+    try:
+        if stat.S_ISSOCK(os.lstat(path).st_mode):
+            os.unlink(path)
+    except OSError:
+        pass
 
 
 def _check_compatible(journaled: KVCacheManager, configured: KVCacheManager, cfg: ServeConfig) -> None:
@@ -423,6 +434,7 @@ class CacheServer:
         """The local endpoint: a non-blocking Unix datagram socket at ``path``, owner-only like the ipc ones."""
         sock = self._listeners.bind_datagram(path, "local_endpoint")
         sock.setblocking(False)
+        self._local_folder = os.path.dirname(os.path.abspath(path))  # where subscribers' sockets must be
         # Room for replies and deltas not yet read (a Unix datagram counts against its sender's buffer until
         # read); the kernel caps it at net.core.wmem_max. A subscriber left behind catches up by replay.
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
@@ -813,11 +825,18 @@ class CacheServer:
         self._answer(outbox, self._send_local)
 
     def _subscription(self, payload: bytes, address: str | bytes) -> None:
-        """Add or drop a worker that takes the deltas as datagrams; a new one is answered with a heartbeat."""
+        """Add or drop a worker that takes the deltas as datagrams; a new one is answered with a heartbeat.
+
+        A refused address (``_subscriber_refusal``) is answered with an error and sent nothing else.
+        """
         if payload == LOCAL_UNSUBSCRIBE:
             self._local_subscribers.pop(address, None)
         elif payload != LOCAL_SUBSCRIBE:
             self._count_error("decode")
+            return
+        elif address not in self._local_subscribers and (refusal := self._subscriber_refusal(address)):
+            self._count_error("decode")
+            self._send_local(address, error_reply(None, refusal))
             return
         elif address in self._local_subscribers or len(self._local_subscribers) < MAX_LOCAL_SUBSCRIBERS:
             self._local_subscribers[address] = None
@@ -826,12 +845,30 @@ class CacheServer:
             log.warning("local endpoint: %d workers already take deltas; refused one more", MAX_LOCAL_SUBSCRIBERS)
         self._set_subscriber_gauge()
 
+    def _subscriber_refusal(self, address: str | bytes) -> str | None:
+        """Why ``address`` may not take the deltas, or None: it must be a socket file in the local endpoint's folder.
+
+        That folder is this user's alone (kvcache.paths checked it at bind), so nobody else can bind the
+        address, even once its worker is gone; an abstract name (no permissions) anyone may take then.
+        """
+        folder = self._local_folder
+        if not isinstance(address, str) or os.path.dirname(address) != folder:
+            return (f"subscribe: the worker's address {show(address)} is not a socket file in {folder}: another "
+                    "user could take it once the worker is gone; bind the worker's socket in that folder")
+        try:
+            info = os.lstat(address)
+        except OSError as exc:
+            return f"subscribe: cannot use the worker's socket {address}: {exc.strerror}"
+        if not stat.S_ISSOCK(info.st_mode) or info.st_uid not in (os.geteuid(), 0):
+            return f"subscribe: {address} is not a socket of this user or root"
+        return None
+
     def _fan_out(self, head: bytes, payload: bytes | bytearray, addresses: Any = None) -> None:
         """One datagram of ``head`` and ``payload`` to every local subscriber (or to ``addresses``).
 
         A payload too big for a datagram goes as a heartbeat of its seq, which sends the worker to the
         replay socket; a worker whose queue is full misses this one (it sees the gap); one that is gone
-        is forgotten.
+        is forgotten, and the socket file a dead worker left is removed.
         """
         if DELTA_HEAD_BYTES + len(payload) > LOCAL_MAX_BYTES:
             payload = b""
@@ -841,8 +878,10 @@ class CacheServer:
                 self.local.sendmsg([head, payload], (), 0, address)
             except BlockingIOError:
                 pass
-            except OSError:  # no such socket any more, or one no longer connected to this daemon's
+            except OSError as exc:  # no such socket any more, or one no longer connected to this daemon's
                 gone.append(address)
+                if exc.errno == errno.ECONNREFUSED:  # a file no process has bound any more: a worker killed
+                    _remove_socket_file(address)
         for address in gone:
             self._local_subscribers.pop(address, None)
         if gone:

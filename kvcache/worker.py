@@ -46,13 +46,19 @@ it, the worker takes the PUB as before (``local`` says which it uses).
 
 Before it connects to an ipc:// socket or the local endpoint, a worker checks
 that only its user or root can have put the socket there (kvcache.paths), as
-CacheClient does.
+CacheClient does. The worker's own socket, where the deltas come, is a file
+beside the local endpoint in that owner-only folder, not an abstract name:
+nobody but the daemon's user (or root) can bind its address once the worker is
+gone, so the deltas meant for it (request ids, tables) reach nobody else.
+``close`` says goodbye to the daemon and removes the file.
 """
 from __future__ import annotations
 
 import collections
 import logging
+import os
 import re
+import secrets
 import select
 import socket
 import time
@@ -76,7 +82,6 @@ from kvcache.protocol import (
     LOCAL_UNSUBSCRIBE,
     PROTOCOL_VERSION,
     ProtocolError,
-    bind_private,
     check_request_id,
     pack,
     unpack,
@@ -228,6 +233,47 @@ def _check_ipc(endpoint: str, field: str) -> None:
         check_socket_path(endpoint, field)
 
 
+def _bind_beside(sock: socket.socket, endpoint: str) -> str:
+    """Bind ``sock`` to a new socket file (0600, random name) in the folder of the local ``endpoint``; its path.
+
+    That folder is the daemon user's alone (checked before), so only that user or root can ever bind this
+    address, also once we are gone; anyone may bind an abstract name, a dead worker's included.
+    """
+    folder = os.path.dirname(os.path.abspath(endpoint))
+    # No longer than the default endpoint's name, so the path fits where the endpoint's does (108 bytes at most).
+    path = os.path.join(folder, f"worker-{secrets.token_hex(5)}")
+    os.fchmod(sock.fileno(), 0o600)  # the file's mode at bind, whatever the umask (which other threads share)
+    sock.bind(path)
+    try:
+        owner = os.stat(folder)
+        if os.geteuid() == 0 and owner.st_uid != 0:  # a root worker of another user's daemon: that user sends to it
+            os.chown(path, owner.st_uid, owner.st_gid)
+    except OSError:
+        _remove_socket_file(path)
+        raise
+    return path
+
+
+def _remove_socket_file(path: str | None) -> None:
+    """Remove our socket file at ``path`` (None: none was bound), if it is still there."""
+    if path is not None:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
+def _error_of(datagram: bytes) -> str | None:
+    """The message of an error reply datagram (``{"ok": false, "error": ...}``), else None."""
+    try:
+        reply = unpack(datagram, LOCAL_MAX_BYTES)
+    except ProtocolError:
+        return None
+    if isinstance(reply, dict) and reply.get("ok") is False:
+        return str(reply.get("error"))
+    return None
+
+
 def _ms(seconds: float) -> int:
     return max(0, int(seconds * 1000) + 1)
 
@@ -318,6 +364,7 @@ class TableSubscriber:
         self._sub: zmq.Socket | None = None
         self._local: socket.socket | None = None
         self._local_path: str | None = info.get("local_endpoint") if local else None
+        self._local_address: str | None = None  # our socket file, where the local endpoint sends the deltas
         self._heard = time.monotonic()  # when the local endpoint last sent us something
         if self._local_path:
             self._local = self._subscribe_local(time.monotonic() + timeout)
@@ -382,6 +429,7 @@ class TableSubscriber:
             except OSError:
                 pass  # the daemon forgets an address it cannot reach anyway
             self._local.close()
+            _remove_socket_file(self._local_address)
         self._replay.close(0)
 
     @property
@@ -392,13 +440,15 @@ class TableSubscriber:
     def _subscribe_local(self, deadline: float) -> socket.socket | None:
         """A datagram socket subscribed at the daemon's local endpoint, or None where that fails (use the PUB).
 
-        The socket is connected to the endpoint, so the kernel delivers it nothing from anyone else; the
-        daemon's answer must carry the epoch ``info`` gave, or the path leads to another daemon.
+        The socket is bound beside the endpoint (``_bind_beside``) and connected to it, so the kernel delivers
+        it nothing from anyone else; the daemon's answer must carry the epoch ``info`` gave, or the path leads
+        to another daemon. A daemon that refuses the address answers with an error, which sends us to the PUB.
         """
         check_socket_path(self._local_path, "local_endpoint")
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        address = None
         try:
-            bind_private(sock, "worker")
+            address = _bind_beside(sock, self._local_path)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
             sock.connect(self._local_path)
             sock.send(LOCAL_SUBSCRIBE)
@@ -410,12 +460,17 @@ class TableSubscriber:
                 first = sock.recv(LOCAL_MAX_BYTES + 1)
                 if first[:1] == DELTA_TOPIC and len(first) >= DELTA_HEAD_BYTES:
                     break
+                refusal = _error_of(first)
+                if refusal is not None:
+                    raise OSError(refusal)
             if int.from_bytes(first[1:9], "big") != self._epoch:
                 raise OSError("another daemon answers there")
         except OSError as exc:  # another host's path, a daemon gone or another one: the PUB serves
             log.info("local endpoint %s not used for deltas (%s); taking the PUB", self._local_path, exc)
             sock.close()
+            _remove_socket_file(address)
             return None
+        self._local_address = address
         sock.setblocking(False)
         return sock
 
@@ -454,6 +509,9 @@ class TableSubscriber:
                 self._heard = time.monotonic()
             return None
         self._heard = time.monotonic()
+        if data[:1] != DELTA_TOPIC and (refusal := _error_of(data)) is not None:  # a renewal the daemon refused
+            log.warning("local endpoint %s: %s", self._local_path, refusal)
+            return None
         return [data[:DELTA_HEAD_BYTES - 8], data[DELTA_HEAD_BYTES - 8:DELTA_HEAD_BYTES], data[DELTA_HEAD_BYTES:]]
 
     def __enter__(self) -> TableSubscriber:
