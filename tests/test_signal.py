@@ -274,10 +274,26 @@ def test_ctrl_c_interrupts_a_wait(name):
                 "s.wait(0, 1)")
         p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         assert p.stdout.readline().strip() == "ready"
-        time.sleep(0.1)
+        time.sleep(0.1)  # most often blocked in the wait by now; a SIGINT taken just before it works the same
         p.send_signal(signals.SIGINT)
-        _, err = p.communicate(timeout=10)
+        try:
+            _, err = p.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            raise AssertionError(f"SIGINT did not end the wait; the waiter was:\n{process_state(p.pid)}") from None
     assert p.returncode != 0 and "KeyboardInterrupt" in err
+
+
+def process_state(pid: int) -> str:
+    """Each thread's state, signal masks and kernel wait channel (for a failure message)."""
+    lines = []
+    for tid in sorted(os.listdir(f"/proc/{pid}/task")):
+        task = Path(f"/proc/{pid}/task/{tid}")
+        status = dict(line.split(":\t", 1) for line in (task / "status").read_text().splitlines() if ":\t" in line)
+        wchan = (task / "wchan").read_text() if (task / "wchan").exists() else "?"
+        lines.append(f"{tid}: {status.get('State')} wchan={wchan} " +
+                     " ".join(f"{k}={status.get(k)}" for k in ("SigPnd", "ShdPnd", "SigBlk", "SigIgn", "SigCgt")))
+    return "\n".join(lines)
 
 
 # --------------------------------------------------------------------------- lifetime and errors
