@@ -3,8 +3,9 @@
 Llama, Mistral, Qwen3 and Gemma 3 text are one decoder whose ``ModelConfig``
 says what differs: RoPE's base and scaling (Llama 3's ``llama3``, Gemma 3's
 local base on its sliding layers), q/k norms, Gemma's norms around attention
-and MLP, its GeLU-tanh MLP, embedding scale, query scale and final soft-capping. It
-computes in Paddle (CPU) or PyTorch (``backend.py``).
+and MLP, its GeLU-tanh MLP, embedding scale, query scale and final soft-capping.
+RoPE rotates the halves of each head, as Hugging Face does. It computes in
+Paddle (CPU) or PyTorch (``backend.py``).
 
 The model knows nothing of caches: ``Model.forward`` runs a batch of token
 segments and asks an ``attend(layer, q, kv)`` callback for each layer's

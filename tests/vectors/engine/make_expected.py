@@ -8,9 +8,9 @@ checkpoint it records the files' sha256 (the tests check they write the same
 bytes), the prompts (two waves: the second grows the first's prompts, so it
 hits the prefix cache), and transformers' greedy tokens: each step a forward
 over the whole sequence in float32 with eager attention, no cache, the
-argmax of the last logits (``logits``: the chosen token's logit, each step). ``min_margin`` is the smallest gap between a
-chosen token's logit and the runner-up's over every step: how far from a
-tie the comparison stands.
+argmax of the last logits (``logits``: the chosen token's logit, each
+step). ``min_margin`` is the smallest gap between a chosen token's logit and
+the runner-up's over every step: how far from a tie the comparison stands.
 """
 from __future__ import annotations
 
