@@ -154,14 +154,18 @@ def test_a_rank_that_hangs_past_the_deadline_and_returns_leaves_the_pools_whole(
         rank1.wait(5)
 
 
-def test_a_decode_ranks_endpoint_changes_only_for_the_worker_that_attached_it(daemon) -> None:
+def test_a_decode_ranks_endpoint_changes_only_for_the_worker_that_attached_it(daemon, tmp_path) -> None:
     """The first attach of a decode rank claims it with the attaching client's key. Another client, with its own
-    key or none, cannot point the prefill writers elsewhere; the worker that attached it can."""
-    d = daemon("--num-blocks", "32", "--block-size", "4", "--role", "decode", "--tp", "2")
+    key or none, cannot point the prefill writers elsewhere; the worker that attached it can, after the daemon's
+    kill -9 and restart from its journal too."""
+    flags = ("--num-blocks", "32", "--block-size", "4", "--role", "decode", "--tp", "2", "--journal",
+             str(tmp_path / "journal"))
+    d = daemon(*flags)
     with CacheClient(d.endpoint, timeout=5) as worker, CacheClient(d.endpoint, timeout=5) as intruder:
         worker.attach(0, "tcp://127.0.0.1:1")
         worker.attach(1, "tcp://127.0.0.1:2")
-        refusal = r"decode rank 0 is attached already; who may change its endpoint: the worker that attached it"
+        refusal = ("attach of decode rank 0 refused: the rank is attached already; who may change its endpoint: the "
+                   "worker that attached it")
         with pytest.raises(DaemonError, match=refusal):
             intruder.attach(0, "tcp://10.0.0.66:1")
         with pytest.raises(DaemonError, match=refusal):
@@ -171,6 +175,12 @@ def test_a_decode_ranks_endpoint_changes_only_for_the_worker_that_attached_it(da
         assert list(worker.reserve("r", list(range(9))).receivers) == ["tcp://127.0.0.1:1", "tcp://127.0.0.1:2"]
         worker.attach(0, "tcp://127.0.0.1:3")
         assert worker.reserve("s", list(range(9))).receivers[0] == "tcp://127.0.0.1:3"
+        d.kill()
+        daemon(*flags, folder=d.folder)
+        with pytest.raises(DaemonError, match=refusal):
+            intruder.attach(0, "tcp://10.0.0.66:1")
+        worker.attach(0, "tcp://127.0.0.1:4")
+        assert worker.reserve("t", list(range(9))).receivers[0] == "tcp://127.0.0.1:4"
 
 
 def test_with_curve_a_decode_rank_is_owned_by_the_certificate_that_attached_it(daemon, tmp_path,
@@ -193,7 +203,7 @@ def test_with_curve_a_decode_rank_is_owned_by_the_certificate_that_attached_it(d
     with CacheClient(tcp_endpoint, timeout=5, curve=curve["worker"]) as restarted:
         restarted.attach(0, "tcp://127.0.0.1:2")
     with CacheClient(tcp_endpoint, timeout=5, curve=curve["other"]) as other:
-        with pytest.raises(DaemonError, match="decode rank 0 is attached already"):
+        with pytest.raises(DaemonError, match="attach of decode rank 0 refused"):
             other.attach(0, "tcp://10.0.0.66:1")
         assert list(other.reserve("r", list(range(9))).receivers) == ["tcp://127.0.0.1:2"]
 

@@ -218,8 +218,9 @@ class PDState:
     def check_attach(self, rank: int, key: int | None, field: str) -> None:
         """Refuse to change the endpoint of an attached rank but for the key it was attached with."""
         if self.receivers[rank] is not None and (self.owners[rank] is None or key != self.owners[rank]):
-            raise ProtocolError(f"{field}: decode rank {rank} is attached already; who may change its endpoint: the "
-                                "worker that attached it (the key it attached with), never another client")
+            raise ProtocolError(f"{field}.key: attach of decode rank {rank} refused: the rank is attached already; "
+                                "who may change its endpoint: the worker that attached it (the key it attached "
+                                "with), never another client")
 
     def attach(self, rank: int, endpoint: str, key: int | None = None) -> bool:
         """Decode rank ``rank``'s receiver is at ``endpoint``; ``key`` claims the rank (``check_attach``)."""
