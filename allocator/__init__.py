@@ -5,12 +5,13 @@ from kvcache.allocator.errors import KVCacheError
 from kvcache.allocator.layout import CacheSpec, QuantType, ScaleLayout, TensorSpec
 from kvcache.allocator.manager import Admission, KVCacheManager
 from kvcache.allocator.prefix import BlockHasher, PrefixIndex
-from kvcache.allocator.swa import Full, Window
+from kvcache.allocator.swa import Chunked, Full, Window
 
 __all__ = [
     "Admission",
     "BlockHasher",
     "CacheSpec",
+    "Chunked",
     "Full",
     "KVCacheError",
     "KVCacheManager",

@@ -19,7 +19,8 @@ class BlockStored:
     ``token_ids`` (uint32) are the blocks' tokens, ``len(block_hashes) *
     block_size`` of them; ``parent_block_hash`` is the hash before the first
     block (None at a request's start). ``window`` is the group's sliding
-    window in tokens (None: full attention). ``extra_keys`` holds, per block,
+    window in tokens (None: full attention), ``chunk`` a chunked-attention
+    group's chunk in tokens (None otherwise). ``extra_keys`` holds, per block,
     what its hash took beyond the tokens as vLLM publishes it (untagged: the
     LoRA's name, ``(mm identifier, offset)`` pairs, the cache salt), None for a
     block with none.
@@ -34,6 +35,7 @@ class BlockStored:
     lora: str | tuple[str, str] | None = None  # the LoRA's name, or (name, path)
     extra_keys: tuple[tuple | None, ...] | None = None
     medium: str = "GPU"
+    chunk: int | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

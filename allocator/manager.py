@@ -71,7 +71,8 @@ from kvcache.allocator.prefix import (
     as_token_array,
     check_lora,
 )
-from kvcache.allocator.swa import AttentionPolicy, Full, Window, window_stop
+from kvcache.allocator.swa import (AttentionPolicy, Chunked, Full, LocalPolicy, Window, first_seen_token,
+                                   sink_tokens, window_stop)
 from kvcache.allocator.requests import (
     _NO_COLUMNS,
     Admission,
@@ -143,8 +144,11 @@ class KVCacheManager(RequestSlots, DecodeBatch, TierLink):
         if not rows:
             raise KVCacheError("rows: need at least one row policy")
         for i, policy in enumerate(rows):
-            if not isinstance(policy, (Full, Window)):
-                raise KVCacheError(f"rows[{i}]: expected Full() or Window(...), got {policy!r}")
+            if not isinstance(policy, (Full, Window, Chunked)):
+                raise KVCacheError(f"rows[{i}]: expected Full(), Window(...) or Chunked(...), got {policy!r}")
+            if isinstance(policy, Chunked) and policy.chunk_tokens % block_size:
+                raise KVCacheError(f"rows[{i}]: chunk_tokens {policy.chunk_tokens} must be a multiple of "
+                                   f"block_size {block_size} (a chunk starts on a block)")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.rows = rows
@@ -173,8 +177,10 @@ class KVCacheManager(RequestSlots, DecodeBatch, TierLink):
         self._group_rows = np.arange(len(groups), dtype=np.int64)  # the same, flat: what the pool's C passes take
         self._full_rows = np.array([g for g, p in enumerate(groups) if isinstance(p, Full)], dtype=np.intp)
         self._group_windows = [p.window_tokens if isinstance(p, Window) else None for p in groups]  # for events
-        self._window_groups: list[tuple[Window, np.ndarray]] = [
-            (p, np.array([g], dtype=np.intp)) for g, p in enumerate(groups) if isinstance(p, Window)
+        self._group_chunks = [p.chunk_tokens if isinstance(p, Chunked) else None for p in groups]  # for events
+        # Window and Chunked groups: the rows that give blocks back as their requests go on.
+        self._window_groups: list[tuple[LocalPolicy, np.ndarray]] = [
+            (p, np.array([g], dtype=np.intp)) for g, p in enumerate(groups) if not isinstance(p, Full)
         ]
         self._requests: dict[object, _Request] = {}
         self._init_slots()
@@ -606,7 +612,7 @@ class KVCacheManager(RequestSlots, DecodeBatch, TierLink):
             return _NO_COLUMNS
         bs = self.block_size
         for g, (policy, group) in enumerate(self._window_groups):
-            part = req.table[group, max(req.recycled[g], -(-policy.sink_tokens // bs), first_block):stops[g]]
+            part = req.table[group, max(req.recycled[g], -(-sink_tokens(policy) // bs), first_block):stops[g]]
             held = part >= 0
             if held.any():
                 r, b = np.broadcast_to(group[:, None], part.shape)[held], part[held]
@@ -680,9 +686,9 @@ class KVCacheManager(RequestSlots, DecodeBatch, TierLink):
     def _match(self, hashes: bytes) -> tuple[int, np.ndarray | None]:
         """Longest usable cached prefix in blocks, and its blocks ``[num_rows, L]`` (-1 where not needed).
 
-        Full rows need every block of the prefix; a Window row needs only its
-        sink blocks and the blocks the next query (at ``L * block_size``) sees.
-        With only Window rows a hit may hold holes (blocks long evicted before
+        Full rows need every block of the prefix; a Window or Chunked row needs
+        only its sink blocks and the blocks the next query (at ``L * block_size``)
+        sees (``swa.needed_blocks``). With only Window or Chunked rows a hit may hold holes (blocks long evicted before
         the window), so every hash is looked up, not just the leading run.
         """
         if self._window_groups and not self._full_rows.size:
@@ -707,8 +713,8 @@ class KVCacheManager(RequestSlots, DecodeBatch, TierLink):
         windows = []
         for policy, group in self._window_groups:
             missing = np.concatenate([[0], np.cumsum(~present[:, group].all(axis=1))])
-            sink_stop = np.minimum(-(-np.minimum(policy.sink_tokens, lengths * bs) // bs), lengths)
-            first_seen = np.minimum(np.maximum(0, lengths * bs - policy.window_tokens + 1) // bs, lengths)
+            sink_stop = np.minimum(-(-np.minimum(sink_tokens(policy), lengths * bs) // bs), lengths)
+            first_seen = np.minimum(first_seen_token(policy, lengths * bs) // bs, lengths)
             usable &= (missing[sink_stop] == 0) & (missing[lengths] - missing[first_seen] == 0)
             windows.append((group, sink_stop, first_seen))
         num_hit = int(np.flatnonzero(usable)[-1])
@@ -765,7 +771,7 @@ class KVCacheManager(RequestSlots, DecodeBatch, TierLink):
         for g, (policy, group) in enumerate(self._window_groups):
             stop = min(window_stop(policy, done, bs), req.num_blocks)
             stops.append(stop)
-            start = max(req.recycled[g], -(-policy.sink_tokens // bs))
+            start = max(req.recycled[g], -(-sink_tokens(policy) // bs))
             if stop <= start:
                 continue
             part = req.table[group, start:stop][:, ::-1]  # [rows of the group, blocks], tail first
@@ -839,7 +845,8 @@ class KVCacheManager(RequestSlots, DecodeBatch, TierLink):
         """Row group ``group`` holds these packed hashes now (``tokens`` their blocks' tokens, copied)."""
         return BlockStored(block_hashes=tuple(hashes[i:i + _H] for i in range(0, len(hashes), _H)),
                            parent_block_hash=parent, token_ids=tokens.copy(), block_size=self.block_size, group=group,
-                           window=self._group_windows[group], lora=lora, extra_keys=extra_keys)
+                           window=self._group_windows[group], chunk=self._group_chunks[group], lora=lora,
+                           extra_keys=extra_keys)
 
     def _removed(self, groups: np.ndarray, hashes: np.ndarray) -> list[BlockRemoved]:
         """One BlockRemoved per row group of the dropped (group, hash) pairs (packed ``V32`` hashes), groups

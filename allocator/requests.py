@@ -15,7 +15,7 @@ import numpy as np
 
 from kvcache.allocator.errors import KVCacheError
 from kvcache.allocator.prefix import HASH_BYTES, Inserted, LoRA, MMPlaceholder
-from kvcache.allocator.swa import recyclable_blocks
+from kvcache.allocator.swa import recyclable_blocks, recycle_at
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -182,13 +182,12 @@ class RequestSlots:
         self._width[slots] = num_blocks
 
     def _recycle_at(self, recycled: list[int] | list[np.ndarray]) -> int | np.ndarray:
-        """The first num_computed_tokens at which a window row would give a block back (per window group,
+        """The first num_computed_tokens at which a window or chunked row would give a block back (per group,
         ``recycled`` blocks are given back already; with one window group, an array of counts gives an array)."""
         if not self._window_groups:
             return _NEVER
         bs = self.block_size
-        return min((recycled[g] + 1) * bs + policy.window_tokens - 1 for g, (policy, _) in
-                   enumerate(self._window_groups))
+        return min(recycle_at(policy, recycled[g], bs) for g, (policy, _) in enumerate(self._window_groups))
 
     def _recycled_after(self, num_hit: int) -> list[int]:
         """Per window group, the blocks a request admitted with a hit of ``num_hit`` blocks has given back."""

@@ -6,7 +6,8 @@ blocks back as the window passes. Models declare their sliding windows per
 layer (Gemma 2/3, GPT-OSS, Qwen2 with ``use_sliding_window``, Mistral's
 all-layer ``sliding_window``) or, FastDeploy-style, per kv head
 (``head_wise_swa_ratio``: that share of each windowed layer's kv heads gets the
-window). ``layer_policies`` reads either from a Hugging Face ``config.json``;
+window). Llama 4 declares chunked local attention (``attention_chunk_size``) on
+its RoPE layers. ``layer_policies`` reads either from a Hugging Face ``config.json``;
 ``derive_rows`` groups the cells into rows::
 
     by layer groups (the default): one row per distinct policy, all its layers, all kv heads
@@ -24,12 +25,13 @@ from typing import Any
 import numpy as np
 
 from kvcache.allocator.errors import KVCacheError
-from kvcache.allocator.swa import AttentionPolicy, Full, Window
+from kvcache.allocator.swa import AttentionPolicy, Chunked, Full, Window
 from kvcache.allocator.table import rank_rows
 
 # Layer types as configs name them (transformers' ``layer_types``).
 _FULL_TYPES = frozenset({"full_attention"})
 _WINDOW_TYPES = frozenset({"sliding_attention"})
+_CHUNKED_TYPES = frozenset({"chunked_attention"})
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -47,9 +49,7 @@ class Row:
 
     def describe(self) -> dict[str, Any]:
         """The row as plain JSON-ready values."""
-        policy = ({"kind": "full"} if isinstance(self.policy, Full) else
-                  {"kind": "window", "window": self.policy.window_tokens, "sink": self.policy.sink_tokens})
-        return {**policy, "layers": list(self.layers), "kv_heads": list(self.kv_heads)}
+        return {**describe_policy(self.policy), "layers": list(self.layers), "kv_heads": list(self.kv_heads)}
 
     @classmethod
     def from_description(cls, value: Any, field: str = "row") -> Row:
@@ -64,8 +64,13 @@ class Row:
             if not (_is_int(window) and window > 0 and _is_int(sink) and sink >= 0):
                 raise KVCacheError(f"{field}: a window needs window > 0 and sink >= 0, got {window!r}, {sink!r}")
             policy = Window(window, sink)
+        elif kind == "chunk":
+            chunk = value.get("chunk")
+            if not (_is_int(chunk) and chunk > 0):
+                raise KVCacheError(f"{field}: a chunk needs chunk > 0, got {chunk!r}")
+            policy = Chunked(chunk)
         else:
-            raise KVCacheError(f"{field}.kind: must be full or window, got {kind!r}")
+            raise KVCacheError(f"{field}.kind: must be full, window or chunk, got {kind!r}")
         cells = []
         for key in ("layers", "kv_heads"):
             items = value.get(key)
@@ -73,6 +78,15 @@ class Row:
                 raise KVCacheError(f"{field}.{key}: must be a non-empty list of integers >= 0")
             cells.append(tuple(sorted(set(items))))
         return cls(policy, cells[0], cells[1])
+
+
+def describe_policy(policy: AttentionPolicy) -> dict[str, Any]:
+    """A policy as plain JSON-ready values: ``{"kind": "full"}``, a window with its sink, or a chunk."""
+    if isinstance(policy, Full):
+        return {"kind": "full"}
+    if isinstance(policy, Chunked):
+        return {"kind": "chunk", "chunk": policy.chunk_tokens}
+    return {"kind": "window", "window": policy.window_tokens, "sink": policy.sink_tokens}
 
 
 def rows_of_rank(rows: Sequence[Row], num_kv_heads: int, tp_size: int, rank: int) -> tuple[int, ...]:
@@ -134,16 +148,21 @@ def layer_policies(config: Mapping[str, Any], num_layers: int) -> tuple[Attentio
     full, Gemma 3), Gemma 2's alternation (even layers windowed), Qwen2's ``use_sliding_window``
     with ``max_window_layers`` (layers from there on windowed), FastDeploy's ``window_attn_skip_freq``
     (every Nth layer from 0 full), or a ``sliding_window`` alone (every layer, Mistral). A sink
-    (``sink_size``) goes with every window. ``attention_chunk_size`` (chunked local attention) is
-    refused: its blocks die at chunk boundaries, which no policy here models.
+    (``sink_size``) goes with every window. ``attention_chunk_size`` gives ``Chunked`` layers as
+    Llama 4 does: those ``layer_types`` names ``chunked_attention``, else the RoPE layers of
+    ``no_rope_layers`` (1: RoPE, chunked; 0: NoPE, full), else all but every
+    ``no_rope_layer_interval``-th (default 4) layer.
     """
-    if config.get("attention_chunk_size"):
-        raise KVCacheError("config.attention_chunk_size: chunked local attention is not supported; give the rows "
-                           "with --rows (full keeps every block)")
     window = _window(config)
+    chunk = _chunk(config)
     types = config.get("layer_types")
     if types is not None:
-        return _from_layer_types(types, window, num_layers)
+        return _from_layer_types(types, window, num_layers, chunk)
+    if chunk is not None:
+        if window is not None:
+            raise KVCacheError("config: sliding_window and attention_chunk_size both set without layer_types; "
+                               "keep one")
+        return tuple(chunk if rope else Full() for rope in _rope_layers(config, num_layers))
     if window is None:
         for key in ("sliding_window_pattern", "window_attn_skip_freq", "head_wise_swa_ratio"):
             if config.get(key):
@@ -219,7 +238,7 @@ def derive_rows(policies: Sequence[AttentionPolicy], num_kv_heads: int, *, head_
         for head, layers in sorted(by_head.items()):
             by_layers.setdefault(tuple(layers), []).append(head)
         rows += [Row(policy, layers, tuple(heads)) for layers, heads in by_layers.items()]
-    return tuple(sorted(rows, key=lambda r: (r.layers[0], r.kv_heads[0], isinstance(r.policy, Window))))
+    return tuple(sorted(rows, key=lambda r: (r.layers[0], r.kv_heads[0], not isinstance(r.policy, Full))))
 
 
 def _window(config: Mapping[str, Any]) -> Window | None:
@@ -242,7 +261,26 @@ def _window(config: Mapping[str, Any]) -> Window | None:
     return Window(window, sink)
 
 
-def _from_layer_types(types: Any, window: Window | None, num_layers: int) -> tuple[AttentionPolicy, ...]:
+def _chunk(config: Mapping[str, Any]) -> Chunked | None:
+    """The config's ``attention_chunk_size`` as a policy; None where unset (or null)."""
+    value = config.get("attention_chunk_size")
+    return None if value is None else Chunked(_positive(value, "attention_chunk_size"))
+
+
+def _rope_layers(config: Mapping[str, Any], num_layers: int) -> list[bool]:
+    """Llama 4's RoPE layers: ``no_rope_layers`` (one 0/1 flag per layer; 1 uses RoPE) where given and non-empty,
+    else every layer but each ``no_rope_layer_interval``-th (default 4), as transformers' Llama4TextConfig fills it."""
+    flags = config.get("no_rope_layers")
+    if flags:
+        if not isinstance(flags, list) or len(flags) < num_layers or not all(v in (0, 1) for v in flags):
+            raise KVCacheError(f"config.no_rope_layers: needs a 0/1 flag per layer ({num_layers}), got {flags!r}")
+        return [bool(v) for v in flags[:num_layers]]
+    every = _positive(config.get("no_rope_layer_interval", 4), "no_rope_layer_interval")
+    return [(i + 1) % every != 0 for i in range(num_layers)]
+
+
+def _from_layer_types(types: Any, window: Window | None, num_layers: int,
+                      chunk: Chunked | None = None) -> tuple[AttentionPolicy, ...]:
     if not isinstance(types, Sequence) or isinstance(types, str) or len(types) != num_layers:
         count = len(types) if isinstance(types, Sequence) and not isinstance(types, str) else "no list"
         raise KVCacheError(f"config.layer_types: needs one entry per layer ({num_layers}), got {count}")
@@ -250,16 +288,17 @@ def _from_layer_types(types: Any, window: Window | None, num_layers: int) -> tup
     for i, kind in enumerate(types):
         if kind in _FULL_TYPES:
             out.append(Full())
-        elif kind == "chunked_attention":
-            raise KVCacheError(f"config.layer_types[{i}]: chunked local attention is not supported; give the rows "
-                               "with --rows")
+        elif kind in _CHUNKED_TYPES:
+            if chunk is None:
+                raise KVCacheError(f"config.layer_types[{i}]: {kind!r}, but the config has no attention_chunk_size")
+            out.append(chunk)
         elif kind in _WINDOW_TYPES:
             if window is None:
                 raise KVCacheError(f"config.layer_types[{i}]: {kind!r}, but the config has no sliding_window")
             out.append(window)
         else:
             raise KVCacheError(f"config.layer_types[{i}]: unknown layer type {kind!r}; expected one of "
-                               f"{', '.join(sorted(_FULL_TYPES | _WINDOW_TYPES))}")
+                               f"{', '.join(sorted(_FULL_TYPES | _WINDOW_TYPES | _CHUNKED_TYPES))}")
     return tuple(out)
 
 

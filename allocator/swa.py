@@ -1,10 +1,12 @@
-"""Attention policies per row and which logical blocks a sliding-window row may free.
+"""Attention policies per row and which logical blocks a sliding-window or chunked row may free.
 
 Query ``q`` of a ``Window(W, S)`` row attends to keys ``q-W+1 .. q`` plus the
-first ``S`` (sink) tokens; a ``Full`` row attends to every earlier key. So a
-Window row no longer needs token ``p`` once every query still to run,
-``q >= T``, has ``q - p >= W``, i.e. once ``p <= T - W``. Full rows never
-free anything. Everything here is arithmetic on ranges: no arrays, no state.
+first ``S`` (sink) tokens; a ``Chunked(C)`` row (Llama 4's chunked local
+attention) to keys ``(q // C) * C .. q``, its own chunk; a ``Full`` row to
+every earlier key. So a Window row no longer needs token ``p`` once every
+query still to run, ``q >= T``, has ``q - p >= W``, i.e. once ``p <= T - W``;
+a Chunked row once ``p < (T // C) * C``. Full rows never free anything.
+Everything here is arithmetic on ranges: no arrays, no state.
 """
 from __future__ import annotations
 
@@ -43,7 +45,23 @@ class Window:
         _check_int("sink_tokens", self.sink_tokens, 0)
 
 
-AttentionPolicy = Union[Full, Window]
+@dataclass(frozen=True, slots=True)
+class Chunked:
+    """Chunked local attention: query ``q`` sees keys ``(q // C) * C .. q``, the chunk of ``chunk_tokens`` it is in.
+
+    Blocks of earlier chunks are given back as a window's are. A manager needs ``chunk_tokens`` to be a multiple
+    of its block size, so a chunk starts on a block and prefix hits follow vLLM's ``ChunkedLocalAttentionSpec``.
+    """
+
+    chunk_tokens: int
+
+    def __post_init__(self) -> None:
+        """Validate once here so the range arithmetic below can trust the field."""
+        _check_int("chunk_tokens", self.chunk_tokens, 1)
+
+
+AttentionPolicy = Union[Full, Window, Chunked]
+LocalPolicy = Union[Window, Chunked]  # the policies whose rows give blocks back
 
 
 class NeededBlocks(NamedTuple):
@@ -62,6 +80,29 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def sink_tokens(policy: AttentionPolicy) -> int:
+    """The first tokens every query of the row sees (a Window's sink; none for Chunked or Full)."""
+    return policy.sink_tokens if isinstance(policy, Window) else 0
+
+
+def first_seen_token(policy: LocalPolicy, query: int | np.ndarray) -> int | np.ndarray:
+    """The first key past the sink that the query at ``query`` sees (elementwise for an int array)."""
+    if isinstance(policy, Chunked):
+        return query // policy.chunk_tokens * policy.chunk_tokens
+    return np.maximum(query - policy.window_tokens + 1, 0)
+
+
+def recycle_at(policy: LocalPolicy, recycled: int | np.ndarray, block_size: int) -> int | np.ndarray:
+    """The least ``first_pending_query`` at which block ``recycled`` may be freed, sinks aside (elementwise).
+
+    Window: ``(recycled + 1) * B + W - 1``; Chunked: the first chunk start at or past ``(recycled + 1) * B``.
+    """
+    end = (recycled + 1) * block_size
+    if isinstance(policy, Chunked):
+        return -(-end // policy.chunk_tokens) * policy.chunk_tokens
+    return end + policy.window_tokens - 1
+
+
 def recyclable_blocks(policy: AttentionPolicy, first_pending_query: int, block_size: int) -> range:
     """Logical blocks ``[start, stop)`` a row may free before queries from ``first_pending_query`` run.
 
@@ -74,6 +115,8 @@ def recyclable_blocks(policy: AttentionPolicy, first_pending_query: int, block_s
     1) // B`` counts the blocks wholly dead (all hold tokens ``< T``, so they
     exist). Empty for Full rows and whenever ``stop <= start``; the range only
     grows as T grows, so a caller frees ``[previous stop, stop)`` each step.
+    A Chunked row has no sink and ``stop = (T // C) * C // B``: the blocks
+    before T's chunk (vLLM's ``remove_skipped_blocks`` with T computed tokens).
 
     Example W=6, S=2, B=4, T=15 (dead tokens p <= 9)::
 
@@ -87,15 +130,15 @@ def recyclable_blocks(policy: AttentionPolicy, first_pending_query: int, block_s
     _check_int("block_size", block_size, 1)
     if isinstance(policy, Full):
         return range(0, 0)
-    start = _ceil_div(policy.sink_tokens, block_size)
+    start = _ceil_div(sink_tokens(policy), block_size)
     return range(start, window_stop(policy, first_pending_query, block_size))
 
 
-def window_stop(policy: Window, first_pending_query: int | np.ndarray, block_size: int) -> int | np.ndarray:
-    """``recyclable_blocks(policy, ...).stop`` for a Window, unchecked: what a decode step's loops call, for one
-    request (an int) or a run of them (an int array, elementwise)."""
-    stop = np.maximum(first_pending_query - policy.window_tokens + 1, 0) // block_size
-    stop = np.maximum(-(-policy.sink_tokens // block_size), stop)
+def window_stop(policy: LocalPolicy, first_pending_query: int | np.ndarray, block_size: int) -> int | np.ndarray:
+    """``recyclable_blocks(policy, ...).stop`` for a Window or Chunked row, unchecked: what a decode step's loops
+    call, for one request (an int) or a run of them (an int array, elementwise)."""
+    stop = first_seen_token(policy, first_pending_query) // block_size
+    stop = np.maximum(-(-sink_tokens(policy) // block_size), stop)
     return stop if isinstance(stop, np.ndarray) else int(stop)
 
 
@@ -115,12 +158,16 @@ def needed_blocks(policy: AttentionPolicy, num_tokens: int, block_size: int) -> 
         block   0       | 1       | 2         | 3           |
                 S S . . | . . . . | . .  .  w | w  w  w  w  | q
         -> sink range(0, 1), window range(2, 4); block 1 may be a hole.
+
+    A Chunked row needs the blocks of L's chunk before L: with C a multiple of
+    B, a prefix of L tokens is a hit once blocks ``(L // C) * C // B`` through
+    its last are cached, which is vLLM's ``ChunkedLocalAttentionSpec`` rule.
     """
     _check_int("num_tokens", num_tokens, 0)
     _check_int("block_size", block_size, 1)
     total = _ceil_div(num_tokens, block_size)
     if isinstance(policy, Full):
         return NeededBlocks(range(0, 0), range(0, total))
-    sink = range(0, _ceil_div(min(policy.sink_tokens, num_tokens), block_size))
-    first_seen = max(0, num_tokens - policy.window_tokens + 1)
+    sink = range(0, _ceil_div(min(sink_tokens(policy), num_tokens), block_size))
+    first_seen = int(first_seen_token(policy, num_tokens))
     return NeededBlocks(sink, range(min(first_seen // block_size, total), total))

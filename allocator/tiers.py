@@ -18,7 +18,7 @@ import numpy as np
 
 from kvcache.allocator.errors import KVCacheError
 from kvcache.allocator.prefix import HASH_BYTES, LoRA, MMPlaceholder, as_token_array, check_lora
-from kvcache.allocator.swa import AttentionPolicy, Full
+from kvcache.allocator.swa import AttentionPolicy, Full, first_seen_token, sink_tokens
 
 if TYPE_CHECKING:
     from kvcache.allocator.events import CacheEvent
@@ -96,8 +96,8 @@ def tier_extension(present: np.ndarray, start: int, policies: Sequence[Attention
             usable &= missing == 0
             continue
         total = start + lengths
-        sink_stop = np.minimum(-(-np.minimum(policy.sink_tokens, total * block_size) // block_size), total)
-        first_seen = np.minimum(np.maximum(0, total * block_size - policy.window_tokens + 1) // block_size, total)
+        sink_stop = np.minimum(-(-np.minimum(sink_tokens(policy), total * block_size) // block_size), total)
+        first_seen = np.minimum(first_seen_token(policy, total * block_size) // block_size, total)
         a = np.clip(sink_stop - start, 0, lengths)
         b = np.clip(first_seen - start, 0, lengths)
         usable &= (missing[a] == 0) & (missing[lengths] - missing[b] == 0)

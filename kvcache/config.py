@@ -11,13 +11,13 @@ from typing import Any, Sequence
 from kvcache.allocator.errors import KVCacheError
 from kvcache.allocator.layout import MAX_BOUNDS, QuantType, ScaleLayout, normalize_dtype
 from kvcache.allocator.prefix import ALGORITHMS
-from kvcache.allocator.rows import Row
-from kvcache.allocator.swa import AttentionPolicy, Full, Window
+from kvcache.allocator.rows import Row, describe_policy
+from kvcache.allocator.swa import AttentionPolicy, Chunked, Full, Window
 from kvcache.journal import MAX_WAL_BYTES
 from kvcache.units import parse_size
 
 # A --rows item: full or window:W[:S], then *N (numbers of at most 18 digits: int() refuses too long ones)
-_ROW_ITEM = re.compile(r"(?:full|window:(?P<window>[0-9]{1,18})(?::(?P<sink>[0-9]{1,18}))?)"
+_ROW_ITEM = re.compile(r"(?:full|window:(?P<window>[0-9]{1,18})(?::(?P<sink>[0-9]{1,18}))?|chunk:(?P<chunk>[0-9]{1,18}))"
                        r"(?:\*(?P<count>[0-9]{1,18}))?")
 LOCAL_OFF = "off"  # local_endpoint's value for no local endpoint
 _ENDPOINTS = ("endpoint", "pub_endpoint", "replay_endpoint", "events_endpoint", "events_replay_endpoint")
@@ -242,9 +242,10 @@ def load_toml(path: str | Path) -> dict[str, Any]:
 
 
 def parse_rows(spec: str, num_rows: int | None = None) -> list[AttentionPolicy]:
-    """Row policies from ``full``, ``window:W[:S]`` items, each optionally ``*N``, comma-separated.
+    """Row policies from ``full``, ``window:W[:S]`` and ``chunk:C`` items, each optionally ``*N``, comma-separated.
 
-    ``"window:4096:64*6,full*2"`` is six sliding-window heads and two full ones.
+    ``"window:4096:64*6,full*2"`` is six sliding-window heads and two full ones; ``"chunk:8192,full"`` is a
+    chunked-local-attention row (Llama 4) and a full one.
     A single item with ``num_rows`` given is repeated to that many rows. At most ``MAX_ROWS`` rows, counted before
     any is built; window and sink tokens at most 2**31 - 1.
     """
@@ -252,15 +253,20 @@ def parse_rows(spec: str, num_rows: int | None = None) -> list[AttentionPolicy]:
     for item in (s.strip() for s in spec.split(",")):
         match = _ROW_ITEM.fullmatch(item)
         if match is None:
-            raise KVCacheError(f"rows: cannot read {item!r}; write full or window:W[:S], optionally *N")
-        window, sink, count = (None if g is None else int(g) for g in match.group("window", "sink", "count"))
+            raise KVCacheError(f"rows: cannot read {item!r}; write full, window:W[:S] or chunk:C, optionally *N")
+        window, sink, chunk, count = (None if g is None else int(g)
+                                      for g in match.group("window", "sink", "chunk", "count"))
         times = 1 if count is None else count
         if times < 1:
             raise KVCacheError(f"rows: bad repeat count in {item!r}")
         if len(rows) + times > MAX_ROWS:
             raise KVCacheError(f"rows: {spec[:80]!r} gives more than {MAX_ROWS} rows")
-        if window is None:
-            policy: AttentionPolicy = Full()
+        if chunk is not None:
+            if not 1 <= chunk <= INT32_MAX:
+                raise KVCacheError(f"rows: a chunk needs 1 to {INT32_MAX} tokens, got {item!r}")
+            policy: AttentionPolicy = Chunked(chunk)
+        elif window is None:
+            policy = Full()
         elif not 1 <= window <= INT32_MAX or (sink or 0) > INT32_MAX:
             raise KVCacheError(f"rows: a window needs 1 to {INT32_MAX} tokens and a sink at most {INT32_MAX}, got "
                                f"{item!r}")
@@ -280,6 +286,4 @@ def describe_rows(rows: Sequence[AttentionPolicy], row_blocks: Sequence[int],
     ``layout`` its cells (``layers``, ``kv_heads``)."""
     if layout is not None:
         return [{**row.describe(), "num_blocks": n} for row, n in zip(layout, row_blocks)]
-    return [({"kind": "full"} if isinstance(p, Full) else
-             {"kind": "window", "window": p.window_tokens, "sink": p.sink_tokens}) | {"num_blocks": n}
-            for p, n in zip(rows, row_blocks)]
+    return [describe_policy(p) | {"num_blocks": n} for p, n in zip(rows, row_blocks)]

@@ -28,8 +28,8 @@ the pod and model from ``kv@POD@MODEL``. ``data_parallel_rank`` (``--data-parall
 credits the batch's blocks to: each daemon of a data-parallel engine names its own.
 
 Events are per row group (vLLM's ``group_idx``: rows sharing one policy, see
-kvcache.allocator.events); a store names its group's kind (``full_attention`` or
-``sliding_window``) and window, so a router tells a window group's blocks from a
+kvcache.allocator.events); a store names its group's kind (``full_attention``,
+``sliding_window`` or ``chunked_local_attention``) and window, so a router tells a window group's blocks from a
 full group's. ``extra_keys`` holds one entry per block, untagged as vLLM
 publishes them (the LoRA's name, ``[mm identifier, offset]`` pairs, the salt), or
 None for a block with none. ``lora_id`` is always None (no adapter ids here).
@@ -116,6 +116,7 @@ _FIELDS = {
     AllBlocksCleared: ("type",),
 }
 FULL_ATTENTION, SLIDING_WINDOW = "full_attention", "sliding_window"  # vLLM's KVCacheSpecKind values
+CHUNKED_LOCAL_ATTENTION = "chunked_local_attention"
 
 
 def _encode_event(event: CacheEvent, wire: EventWire) -> list[Any] | dict[str, Any]:
@@ -134,7 +135,8 @@ def _encode_event(event: CacheEvent, wire: EventWire) -> list[Any] | dict[str, A
         if event.extra_keys is not None:
             out["extra_keys"] = event.extra_keys
         out["group_idx"] = event.group
-        out["kv_cache_spec_kind"] = FULL_ATTENTION if event.window is None else SLIDING_WINDOW
+        out["kv_cache_spec_kind"] = (SLIDING_WINDOW if event.window is not None else
+                                     CHUNKED_LOCAL_ATTENTION if event.chunk is not None else FULL_ATTENTION)
         if event.window is not None:
             out["kv_cache_spec_sliding_window"] = event.window
         return out

@@ -31,6 +31,9 @@ handed out first come, first served and new requests last (vLLM's order; ``exten
 none only gives back): a running request takes more than last step only where the budget ran out at it last step,
 and then no later one took any. Or it gives every running request's dead blocks back (``extend(req, [])``) before
 the step's first new block.
+A chunked row ``Chunked(C)`` (C a multiple of B) gives back every block before ``T``'s chunk, so it holds blocks
+``[(T // C) * C // B, cdiv(T + c, B))``, the most where ``T`` is a chunk's last token: the bound above with
+``held(c) = cdiv(C - 1 + c, B)`` (one chunk, at most), a chunk's ``C - 1`` carried over as a window's ``W - 2``.
 A scheduler that keeps a step in flight (``num_computed_tokens`` a step behind) holds two steps' chunks: plan it
 with twice the budget. ``Load.per_request_chunks`` (``--per-request-chunks``) sizes for a scheduler with no global
 budget: every request may hold ``held(chunk)`` at once.
@@ -45,7 +48,7 @@ from typing import Any
 from kvcache.allocator.errors import KVCacheError
 from kvcache.allocator.layout import CacheSpec
 from kvcache.allocator.rows import Row, rows_of_rank
-from kvcache.allocator.swa import AttentionPolicy, Full, Window
+from kvcache.allocator.swa import AttentionPolicy, Chunked, Full, LocalPolicy
 from kvcache.arguments import add_spec_arguments, positive_int, spec_from_args
 from kvcache.units import format_bytes, parse_size
 
@@ -135,18 +138,26 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def window_blocks(policy: Window, block_size: int, max_model_len: int, chunk: int) -> int:
+def _carried(policy: LocalPolicy, block_size: int) -> tuple[int, int]:
+    """(blocks held whatever the chunk, tokens before the chunk): a window's sink blocks + 1 and ``W - 2``, a chunked
+    row's 0 and ``C - 1``, so that ``held(c) = base + cdiv(lead + c, B)``."""
+    if isinstance(policy, Chunked):
+        return 0, policy.chunk_tokens - 1
+    return _cdiv(policy.sink_tokens, block_size) + 1, policy.window_tokens - 2
+
+
+def window_blocks(policy: LocalPolicy, block_size: int, max_model_len: int, chunk: int) -> int:
     """``held(chunk)`` of the module docstring: the most blocks of a ``policy`` row one request holds right after a
     step gives it ``chunk`` tokens (its sink, the window before the chunk, the chunk, one block where the window
-    starts mid-block), never more than the whole request."""
-    sink = _cdiv(policy.sink_tokens, block_size)
-    return min(_cdiv(max_model_len, block_size), sink + 1 + _cdiv(policy.window_tokens - 2 + chunk, block_size))
+    starts mid-block; for a chunked row its chunk so far and the step's), never more than the whole request."""
+    base, lead = _carried(policy, block_size)
+    return min(_cdiv(max_model_len, block_size), base + _cdiv(lead + chunk, block_size))
 
 
 def blocks_per_request(policy: AttentionPolicy, block_size: int, load: Load) -> int:
     """The most blocks of a ``policy`` row one request of ``load`` holds by itself: all of them for a full row; for a
     window row ``held(0)``, or ``held(chunk)`` with ``load.per_request_chunks``."""
-    if not isinstance(policy, Window):
+    if isinstance(policy, Full):
         return _cdiv(load.max_model_len, block_size)
     chunk = min(load.max_num_batched_tokens, load.max_model_len) if load.per_request_chunks else 0
     return window_blocks(policy, block_size, load.max_model_len, chunk)
@@ -157,9 +168,9 @@ def row_blocks(policy: AttentionPolicy, block_size: int, load: Load, num_request
     docstring's bound, exact (a schedule within the budget reaches it)."""
     each = blocks_per_request(policy, block_size, load)
     whole = _cdiv(load.max_model_len, block_size)
-    if not isinstance(policy, Window) or load.per_request_chunks or each >= whole or num_requests == 0:
+    if isinstance(policy, Full) or load.per_request_chunks or each >= whole or num_requests == 0:
         return num_requests * each
-    lead = policy.window_tokens - 2
+    lead = _carried(policy, block_size)[1]
     first = _cdiv(lead, block_size) * block_size - lead + 1  # d: the tokens that open a request's next block
     budget = load.max_num_batched_tokens
     opened = min(num_requests, budget // first)  # k: requests given their first block past held(0)
@@ -340,7 +351,8 @@ def render_rows(plan: Plan) -> list[str]:
         head += ["blocks/request", "blocks/step", "blocks", "bytes"]
     table = [head]
     for i, row in enumerate(spec.row_layout):
-        policy = ("full" if isinstance(row.policy, Full) else
+        policy = ("full" if isinstance(row.policy, Full) else f"chunk {row.policy.chunk_tokens}"
+                  if isinstance(row.policy, Chunked) else
                   f"window {row.policy.window_tokens}" + (f" + sink {row.policy.sink_tokens}"
                                                           if row.policy.sink_tokens else ""))
         cells = [str(i), policy, _ranges(row.layers), _ranges(row.kv_heads), f"{spec.row_bytes_per_block(row):,}"]

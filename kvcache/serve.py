@@ -33,8 +33,9 @@ HELP = {
     "num_blocks": "blocks of every row's pool; 0 = size from --model and --gpu-memory (the row pools' blocks "
                   "together at most 2**28)",
     "block_size": "tokens per block (default 64, at most 2**20)",
-    "rows": "row policies: full (uniform), or comma-separated full / window:W[:S] items with *N repeats (at most "
-            "4096 rows), e.g. 'window:4096:64*6,full*2'; with --head-wise a single item applies to every kv head "
+    "rows": "row policies: full (uniform), or comma-separated full / window:W[:S] / chunk:C (chunked local "
+            "attention, C a multiple of --block-size) items with *N repeats (at most 4096 rows), e.g. "
+            "'window:4096:64*6,full*2' or 'chunk:8192,full'; with --head-wise a single item applies to every kv head "
             "(default: the --model config's sliding windows, one row per layer group, else one full row)",
     "model": "HF config.json (or its folder, or a built-in example name) to size the cache from",
     "gpu_memory": "GPU memory per rank for sizing with --model (default 80GiB)",
