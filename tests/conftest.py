@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import random
 import shutil
 import signal
 import socket
@@ -81,13 +82,39 @@ def daemon() -> Iterator[Callable[..., Daemon]]:
         shutil.rmtree(d.folder, ignore_errors=True)
 
 
+def free_port() -> int:
+    """A free port of 127.0.0.1, under the ephemeral range where there is room (see _below_ephemeral_ports)."""
+    ports = _below_ephemeral_ports()
+    for _ in range(50):
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", random.SystemRandom().choice(ports) if len(ports) > 1000 else 0))
+            except OSError:
+                continue
+            return probe.getsockname()[1]
+    raise RuntimeError("no free port")
+
+
+def _below_ephemeral_ports() -> range:
+    """Ports under the kernel's ephemeral range: no outgoing connection takes one between our probe and the bind."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    return range(max(1024, low - 10_000), max(1024, low - 5))
+
+
 @pytest.fixture
 def tcp_endpoint() -> str:
     """``tcp://127.0.0.1:PORT`` whose port and next four are free (a daemon's PUB, replay and event sockets)."""
+    ports = _below_ephemeral_ports()
     for _ in range(50):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            base = probe.getsockname()[1]
+        if len(ports) > 1000:
+            base = random.SystemRandom().choice(ports)
+        else:
+            with socket.socket() as probe:
+                probe.bind(("127.0.0.1", 0))
+                base = probe.getsockname()[1]
         if base > 65000:
             continue
         held: list[socket.socket] = []
