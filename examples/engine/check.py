@@ -3,8 +3,14 @@
     python examples/engine/check.py            # every configuration, one line each; exit 0 only if all match
 
 Each configuration serves two waves of prompts sharing prefixes (the second wave hits the prefix cache) and
-compares every request's tokens and logits with ``dense_generate``. The last line shows the comparison catching
-a fault: one step of one request reads a block its table does not name, and its logits must then differ.
+compares every request's tokens and logits with ``reference.Reference``, a numpy decoder that shares no code with
+the engine. After every step it also compares the cache itself (``CacheProof``): every block a request's table
+names, in the tables the step's attention read and in the cache's own tables after the step, holds exactly the
+K and V (MLA's latent; block_wise_fp8's float8 values and scales) the reference computes for the tokens at those
+positions, so a swapped, stale or early-reused block fails even where attention over it would hide the fault.
+The last line shows the comparison catching a fault: one step of one request reads a block its table does not
+name, and its logits must then differ. A configuration that cannot run here (PD without NIXL) fails the run
+unless ``--allow-skips`` is given.
 """
 from __future__ import annotations
 
@@ -29,6 +35,7 @@ from kvcache.transfer.nixl import nixl_available  # noqa: E402
 from backend import TorchBackend  # noqa: E402
 from engine import daemon_engine, library_engine  # noqa: E402
 from model import Model, ModelConfig, dense_generate  # noqa: E402
+from reference import Reference, e4m3_decode, weights_of  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +60,9 @@ class Case:
     # Compare logits along the engine's own tokens (the dense model continues from them), for low precision: a
     # token may differ from the dense model's only where the dense model's margin for it is within the tolerance.
     forced: bool = False
+    # What a cached K or V may differ by from the reference's, relative to the largest (float32 rounding stays
+    # near 1e-6; a block holding other positions' vectors differs by their whole size).
+    cache_tolerance: float = 1e-4
 
 
 WINDOWED = ModelConfig(window=8, sink=4)
@@ -199,8 +209,10 @@ def _run_pd(case: Case, endpoints: dict[str, str], device: str = "cpu") -> dict[
     model = Model(case.model, TorchBackend(device) if device != "cpu" else None)
     pair = PDPair(model, endpoints["prefill"], endpoints["decode"], block_size=case.block_size,
                   head_wise=case.head_wise, quant=case.quant, prefill_tp=case.tp)
+    reference = reference_of(model, case)
     try:
-        mismatched, total, worst = _compare(model, case, pair.generate)
+        proofs = [CacheProof(side, reference, case.cache_tolerance) for side in (pair.prefill, pair.decode)]
+        mismatched, total, worst = _compare(reference, case, pair.generate)
         prefill_hits, decode_hits = pair.hit_tokens()
         for side in (pair.prefill, pair.decode):
             side.cache.check_integrity()
@@ -214,19 +226,27 @@ def _run_pd(case: Case, endpoints: dict[str, str], device: str = "cpu") -> dict[
     return {"requests": total, "mismatched": mismatched, "max_logit_diff": worst, "hit_tokens": prefill_hits,
             "decode_hit_tokens": decode_hits, "host_tokens": prefill_host + decode_host,
             "decode_host_tokens": decode_host, "preempted": 0,
+            "cache_faults": [f for proof in proofs for f in proof.faults],
+            "blocks_checked": sum(proof.blocks_checked for proof in proofs),
             "rows": len(pair.spec.row_layout),
             "pools": pools, "recycled": int(recycled), "steps": len(pair.prefill.stats) + len(pair.decode.stats)}
 
 
-def _compare(model: Model, case: Case, generate: Any) -> tuple[list[str], int, float]:
-    """Every wave through ``generate``, each request against the dense model: (mismatched, requests, worst logit gap)."""
+def reference_of(model: Model, case: Case) -> Reference:
+    """The numpy oracle for the case's model (a bfloat16 model's in float32: numpy has no bfloat16)."""
+    dtype = "float32" if case.model.dtype == "bfloat16" else case.model.dtype
+    return Reference(case.model.hf_config(), weights_of(model), dtype, fp8=case.quant == "block_wise_fp8")
+
+
+def _compare(reference: Reference, case: Case, generate: Any) -> tuple[list[str], int, float]:
+    """Every wave through ``generate``, each request against the reference: (mismatched, requests, worst logit gap)."""
     mismatched, total, worst = [], 0, 0.0
     for wave in prompts_of(case):
         got = generate(wave, case.max_new_tokens)
         for rid, prompt in wave.items():
             total += 1
-            tokens, logits = dense_generate(model, prompt, case.max_new_tokens, fp8=case.quant == "block_wise_fp8",
-                                            forced=got[rid].generated if case.forced else None)
+            tokens, logits = reference.generate(prompt, case.max_new_tokens,
+                                                forced=got[rid].generated if case.forced else None)
             # Logits over the cache may differ from the dense ones in rounding only (sums in another order)
             diff = float(np.abs(np.array(got[rid].logits) - logits).max())
             worst = max(worst, diff)
@@ -236,6 +256,96 @@ def _compare(model: Model, case: Case, generate: Any) -> tuple[list[str], int, f
                     or diff > case.logit_tolerance:
                 mismatched.append(rid)
     return mismatched, total, worst
+
+
+def _numpy(x: Any) -> np.ndarray:
+    """A cache tensor (Paddle or PyTorch, on any device) as numpy; float8 bytes stay uint8, bfloat16 widens."""
+    if type(x).__module__.startswith("torch"):
+        x = x.detach()
+        return (x.float() if x.dtype.is_floating_point and x.element_size() < 4 else x).cpu().numpy()
+    return x.numpy()
+
+
+class CacheProof:
+    """After every step of ``engine``, every block a request's table names holds what ``reference`` computes for
+    the tokens at those positions: in the tables the step's attention read (a request that finished in the step
+    included, and a prefix hit's blocks), and in the cache's own tables of the requests still running. Blocks a
+    table no longer holds (-1, a window's) are skipped; positions past what the request computed are not read.
+    ``faults`` collects one line per disagreement (``max_faults`` at most)."""
+
+    def __init__(self, engine: Any, reference: Reference, tolerance: float = 1e-4, max_faults: int = 20) -> None:
+        self.engine, self.reference, self.tolerance, self.max_faults = engine, reference, tolerance, max_faults
+        self.faults: list[str] = []
+        self.blocks_checked = 0
+        run, step = engine._run, engine.step
+
+        def checked_run(work: list[Any], tables: list[Any]) -> None:
+            run(work, tables)
+            self._verify([(s.rid, s.tokens[:stop]) for s, _, stop in work], tables, "read by the step")
+
+        def checked_step() -> Any:
+            stats = step()
+            running = [(s.rid, s.tokens[:s.computed]) for s in engine.running if s.computed]
+            self._verify(running, None, "in the cache's table after the step")
+            return stats
+
+        engine._run, engine.step = checked_run, checked_step
+
+    def _parts(self, rids: list[Any], tables: list[Any] | None) -> list[tuple[range, np.ndarray, list[Any], list[Any]]]:
+        """Per holder of cache heads (the engine, or each TP rank): its kv heads, cells, the tables of ``rids``
+        (``tables`` where given, else the cache's own now) and its cache arrays by layer."""
+        engine = self.engine
+        if hasattr(engine.attention, "inspect"):  # TP ranks: each reports its tables and cache arrays
+            return engine.attention.inspect(rids, step=tables is not None)
+        if tables is None:
+            tables = [np.array(engine.cache.table(rid)) for rid in rids]
+        views = engine.paged.views if engine.paged is not None else engine.attention.views
+        cells = engine.cells if engine.cells is not None else engine.attention.cells
+        arrays = [{name: _numpy(x) for name, x in views(layer).items()} for layer in range(engine.spec.num_layers)]
+        return [(range(engine.model.config.cache_heads), np.asarray(cells), tables, arrays)]
+
+    def _verify(self, requests: list[tuple[Any, list[int]]], tables: list[Any] | None, where: str) -> None:
+        if not requests or len(self.faults) >= self.max_faults:
+            return
+        rids = [rid for rid, _ in requests]
+        for heads, cells, held, arrays in self._parts(rids, tables):
+            for (rid, tokens), table in zip(requests, held):
+                for fault in self._faults(heads, cells, np.asarray(table), arrays, tokens):
+                    self.faults.append(f"request {rid!r}, {where}: {fault}")
+
+    def _faults(self, heads: range, cells: np.ndarray, table: np.ndarray, arrays: list[dict[str, np.ndarray]],
+                tokens: list[int]) -> list[str]:
+        """Where the blocks ``table`` names for ``tokens`` (positions 0..n-1) hold something else."""
+        if not tokens:
+            return []
+        want = self.reference.run(tokens).cache
+        block_size = self.engine.spec.block_size
+        positions = np.arange(len(tokens))
+        out = []
+        for layer, stored in enumerate(arrays):
+            blocks = table[cells[layer]][:, positions // block_size]  # [heads, n]
+            head, pos = np.nonzero(blocks >= 0)
+            block = blocks[head, pos]
+            self.blocks_checked += len(np.unique(block))
+            for name, got in stored.items():
+                expect = want[layer][name][pos, heads.start + head]  # [k, dim]
+                got = got[block, head, pos % block_size]
+                if name.endswith("_scale"):
+                    bad = ~np.isclose(got, expect[:, 0], rtol=1e-5, atol=0)
+                elif got.dtype == np.uint8:  # float8 bytes: within one float8 step of the reference's rounding
+                    got = e4m3_decode(got)
+                    step = np.exp2(np.maximum(np.floor(np.log2(np.maximum(np.abs(expect), 2.0 ** -9))), -6) - 3)
+                    bad = ~(np.abs(got - expect) <= step * 1.001).all(axis=-1)
+                else:
+                    tol = self.tolerance * max(1.0, float(np.abs(expect).max(initial=0)))
+                    bad = ~(np.abs(got - expect) <= tol).all(axis=-1)
+                if bad.any():
+                    at = np.flatnonzero(bad)
+                    blocks_bad = sorted(set(block[at].tolist()))
+                    out.append(f"layer {layer} {name}: block(s) {blocks_bad[:6]} (kv head(s) "
+                               f"{sorted(set((heads.start + head[at]).tolist()))}) do not hold positions "
+                               f"{pos[at].min()}..{pos[at].max()} ({len(at)} vectors)")
+        return out
 
 
 def _run(case: Case, endpoint: str | None, corrupt: bool, device: str = "cpu") -> dict[str, Any]:
@@ -249,7 +359,9 @@ def _run(case: Case, endpoint: str | None, corrupt: bool, device: str = "cpu") -
         engine = daemon_engine(model, endpoint, tp=case.tp, **options)
     if corrupt:
         engine.corrupt = ("a1", 0, 1)
-    mismatched, total, worst = _compare(model, case, engine.generate)
+    reference = reference_of(model, case)
+    proof = CacheProof(engine, reference, case.cache_tolerance)
+    mismatched, total, worst = _compare(reference, case, engine.generate)
     host_tokens = 0
     if engine.tier is not None:
         engine.tier.drain(10)
@@ -271,7 +383,8 @@ def _run(case: Case, endpoint: str | None, corrupt: bool, device: str = "cpu") -
             "host_tokens": int(host_tokens), "rows": len(engine.spec.row_layout),
             "pools": pools,
             "recycled": int(recycled), "steps": len(engine.stats),
-            "overlapped": sum(s.overlapped for s in engine.stats)}
+            "overlapped": sum(s.overlapped for s in engine.stats),
+            "cache_faults": proof.faults, "blocks_checked": proof.blocks_checked}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -280,9 +393,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu",
                         help="cpu (Paddle), or cuda / cuda:N: the model in PyTorch there, attention by flex attention "
                         "over the paged cache (the configurations the GPU engine serves)")
+    parser.add_argument("--allow-skips", action="store_true",
+                        help="exit 0 even when configurations cannot run here (PD without NIXL); without it a "
+                        "skipped configuration fails the run")
     args = parser.parse_args(argv)
     device = "cuda:0" if args.device == "cuda" else args.device
-    ok = True
+    ok, skipped = True, []
     cases = CASES if device == "cpu" else {**CASES, **GPU_CASES}
     for name, case in cases.items():
         if args.only and args.only not in name:
@@ -291,13 +407,15 @@ def main(argv: list[str] | None = None) -> int:
             case = on_gpu(case)
         if case.pd and not nixl_available():
             print(f"skip {name}: NIXL is not installed (pip install nixl-cu12 --no-deps)", flush=True)
+            skipped.append(name)
             continue
         start = time.perf_counter()
         r = run(case, device=device)
-        good = not r["mismatched"]
+        good = not r["mismatched"] and not r["cache_faults"]
         ok &= good
         print(f"{'ok  ' if good else 'FAIL'} {name}: {r['requests'] - len(r['mismatched'])}/{r['requests']} match; "
-              f"logits within {r['max_logit_diff']:.1e}; rows {r['rows']} "
+              f"logits within {r['max_logit_diff']:.1e}; {r['blocks_checked']} blocks checked after steps, "
+              f"{len(r['cache_faults'])} faults; rows {r['rows']} "
               f"({'blocks ' + '/'.join(map(str, r['pools'])) if r['pools'] else 'a cache per TP rank'}), "
               f"{r['hit_tokens']} prefix-hit tokens ({r['host_tokens']} from host"
               f"{', %d on the decode node' % r['decode_hit_tokens'] if 'decode_hit_tokens' in r else ''}), {r['preempted']} preemptions, "
@@ -305,12 +423,19 @@ def main(argv: list[str] | None = None) -> int:
               f"{' (%d overlapping the daemon)' % r['overlapped'] if r.get('overlapped') else ''} "
               f"({time.perf_counter() - start:.1f} s)",
               flush=True)
+        for fault in r["cache_faults"][:5]:
+            print(f"     cache: {fault}", flush=True)
     if not args.only and device == "cpu":
         r = run(CASES["uniform"], corrupt=True)
-        caught = bool(r["mismatched"])
+        caught = bool(r["mismatched"]) and bool(r["cache_faults"])
         ok &= caught
         print(f"{'ok  ' if caught else 'FAIL'} a table with one block id swapped for one step: "
-              f"{'caught' if caught else 'NOT caught'} ({', '.join(r['mismatched']) or 'all matched'})", flush=True)
+              f"{'caught' if caught else 'NOT caught'} ({', '.join(r['mismatched']) or 'all matched'}; "
+              f"{len(r['cache_faults'])} cache faults)", flush=True)
+    if skipped:
+        print(f"{'skipped' if args.allow_skips else 'FAIL skipped'} {len(skipped)} configuration(s): "
+              f"{'; '.join(skipped)}" + ("" if args.allow_skips else " (--allow-skips accepts this)"), flush=True)
+        ok &= args.allow_skips
     return 0 if ok else 1
 
 

@@ -9,8 +9,9 @@ model then writes each new token's K and V into the blocks its table names
 (``PagedCache.write``) and attends over the blocks by table
 (``PagedCache.gather``): one table row per (layer, kv head) as the cache's
 rows say (``table_cells``: uniform, per kv head, per layer group, or both).
-A block a table no longer holds (-1, given back by a sliding window) reads as
-NaN keys, so a block freed too early cannot go unnoticed.
+A step whose mask lets a query see a token in a block its table no longer
+holds (-1, given back by a sliding window) is refused before attention reads
+it (``RankAttention``), so a block freed too early cannot go unnoticed.
 
 The scheduler talks to a ``KVCacheManager`` in process (``library_engine``)
 or to a ``kvcache serve`` daemon through ``CacheClient`` (``daemon_engine``):
@@ -25,7 +26,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from kvcache.allocator import CacheSpec, KVCacheManager, Window
+from kvcache.allocator import CacheSpec, Chunked, KVCacheManager, Window
 from kvcache.allocator.rows import table_cells
 
 from backend import paddle_backend
@@ -88,8 +89,8 @@ class PagedCache:
 
     def gather(self, layer: int, table: np.ndarray, cells: np.ndarray, length: int) -> tuple[Any, ...]:
         """The vectors [heads, length, dim] of tokens ``[0, length)`` by table (dequantized). In a block the table
-        lacks, the first (keys, latent) read NaN, so a query that needs it comes out NaN; values read 0, since a
-        masked key's weight is 0 and a NaN value would poison it still."""
+        lacks, the first (keys, latent) read NaN and values 0; no query may see them (``RankAttention`` refuses
+        the step first: Paddle's softmax on the CPU can turn a NaN score into a finite output)."""
         paddle = self.ops.paddle
         cols = -(-length // self.block_size)
         blocks = table[cells[layer]][:, :cols]  # [heads, cols]
@@ -142,6 +143,10 @@ class RankAttention:
             self.paged.write(layer, item.table, self.cells, item.positions, tuple(x[lo:hi] for x in kv))
             cached = self.paged.gather(layer, item.table, self.cells, item.stop)
             mask = visible(self.model.config, layer, item.positions, np.arange(item.stop))
+            held = item.table[self.cells[layer]][:, np.arange(item.stop) // self.paged.block_size] >= 0
+            if (mask[self.heads.start:self.heads.stop] & ~held[:, None, :]).any():
+                raise RuntimeError(f"layer {layer}: a query of request {item.rid!r} sees a token in a block its "
+                                   "table no longer holds")
             outs.append(self.model.attention(layer, q[lo:hi], cached, mask[self.heads.start:self.heads.stop]))
             lo = hi
         return self.model.ops.cat(outs, axis=0)
@@ -218,7 +223,7 @@ class Engine:
         self.corrupt: tuple[Any, int, int] | None = None
         self.tier: Any = None  # a host tier (TransferManager) under the cache's blocks, in library mode
         self.agent: Any = None  # the daemon's host tier: this process's TierAgent (daemon mode)
-        self._windowed = any(isinstance(row.policy, Window) for row in spec.row_layout)
+        self._windowed = any(isinstance(row.policy, (Window, Chunked)) for row in spec.row_layout)
         # What the daemon's host tier failed, taken with the last step's posted extends (None: ask it this step).
         self._tier_failed: list[Any] | None = None
 

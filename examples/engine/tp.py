@@ -75,6 +75,13 @@ class TPAttention:
         for rank in range(len(self.conns)):
             self._receive(rank, self.timeout)
 
+    def inspect(self, rids: list[Any], step: bool) -> list[tuple[range, np.ndarray, list[Any], list[Any]]]:
+        """For the proof (``check.CacheProof``): per rank, its kv heads, its cell rows, the tables of ``rids``
+        (with ``step`` those its last step read, else its subscriber's now) and its cache arrays by layer."""
+        for conn in self.conns:
+            conn.send(("inspect", self.client.last_seq, rids, step))
+        return [(heads, *self._receive(rank, self.timeout)) for rank, heads in enumerate(self.heads)]
+
     def _receive(self, rank: int, timeout: float) -> Any:
         deadline = time.monotonic() + timeout
         while not self.conns[rank].poll(0.05):
@@ -139,7 +146,8 @@ def _rank(conn: Any, config: ModelConfig, endpoint: str, rank: int, tp: int, blo
         return
     conn.send(("ready", None))
     try:
-        _serve_rank(conn, tables, attention, ops, link, signal, lambda layer: send_cache(stream, signal, layer), agent)
+        _serve_rank(conn, tables, attention, ops, link, signal, lambda layer: send_cache(stream, signal, layer), agent,
+                    views)
     finally:
         if agent is not None:
             agent.close()
@@ -152,7 +160,7 @@ def _rank(conn: Any, config: ModelConfig, endpoint: str, rank: int, tp: int, blo
 
 
 def _serve_rank(conn: Any, tables: Any, attention: Any, ops: Any, link: Any, signal: Any, layer_written: Any,
-                agent: Any) -> None:
+                agent: Any, views: Any) -> None:
     """A rank's loop: a PD step's requests for its messager, or one layer's attention, until told to stop.
     With the daemon's host tier, each layer waits for the rank's copies ordered so far (``agent``)."""
     seq, held = -1, {}
@@ -161,6 +169,14 @@ def _serve_rank(conn: Any, tables: Any, attention: Any, ops: Any, link: Any, sig
         if message[0] == "stop":
             return
         try:
+            if message[0] == "inspect":  # the proof reads the rank's tables and cache
+                _, inspect_seq, rids, step = message
+                tables.wait_for(inspect_seq, timeout=10)
+                read = [held[rid] if step else np.array(tables.table(rid)) for rid in rids]
+                arrays = [{name: ops.numpy(x) for name, x in views(layer).items()}
+                          for layer in range(len(tables.cell_rows))]
+                conn.send(("ok", (np.asarray(tables.cell_rows), read, arrays)))
+                continue
             if message[0] == "step":
                 link.run_step(signal.begin_step(), message[1], message[2])
                 conn.send(("ok", None))
