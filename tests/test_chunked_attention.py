@@ -291,3 +291,50 @@ def test_daemon_serves_chunk_rows_as_the_library_does(daemon):
         assert client.num_free_blocks.tolist() == library.num_free_blocks.tolist()
     with pytest.raises(RuntimeError, match="chunk_tokens 24 must be a multiple of block_size 16"):
         daemon("--num-blocks", "16", "--block-size", "16", "--rows", "chunk:24,full")
+
+
+# ---------------------------------------------------------------- the reference engine, token for token
+
+CHUNKED_MODEL = {"chunk": 8, "chunk_layers": (0, 1, 2)}  # Llama 4's shape: chunked layers, the last one full
+
+
+@pytest.mark.parametrize("through", ["library", "daemon"])
+def test_the_engine_serves_a_chunked_model_as_its_dense_computation(through: str):
+    """A Llama with attention_chunk_size 8 on layers 0-2 (block 4): greedy tokens and logits over kvcache's
+    tables, chunk blocks given back and prefixes hit, equal the dense model's, which masks each chunked layer's
+    queries to their own chunk with no cache; the chunk mask changes what the model says, so the test has teeth."""
+    pytest.importorskip("paddle")
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "engine"))
+    import check
+    from engine import daemon_engine, library_engine
+    from model import Model, ModelConfig, dense_generate
+
+    config = ModelConfig(**CHUNKED_MODEL)
+    case = check.Case(model=config, daemon=("--num-blocks", "96") if through == "daemon" else None)
+    model = Model(config)
+    with check.serving(case) as endpoints:
+        options = dict(block_size=case.block_size, chunk=case.chunk, max_num_seqs=case.max_num_seqs)
+        engine = (daemon_engine(model, endpoints["both"], **options) if through == "daemon" else
+                  library_engine(model, num_blocks=case.num_blocks, **options))
+        try:
+            changed = 0
+            for wave in check.prompts_of(case):
+                got = engine.generate(wave, case.max_new_tokens)
+                for rid, prompt in wave.items():
+                    tokens, logits = dense_generate(model, prompt, case.max_new_tokens)
+                    assert got[rid].generated == tokens, rid
+                    assert np.abs(np.array(got[rid].logits) - logits).max() < case.logit_tolerance, rid
+                    unchunked = dense_generate(Model(ModelConfig()), prompt, case.max_new_tokens)[0]
+                    changed += unchunked != tokens
+            engine.cache.check_integrity()
+            stats = engine.cache.stats()
+            recycled = stats["recycled_blocks"] if isinstance(stats, dict) else stats.recycled_blocks
+        finally:
+            engine.close()
+    assert engine.spec.row_layout[0].policy == Chunked(8) and engine.spec.row_layout[0].layers == (0, 1, 2)
+    assert recycled > 0, "chunked rows must give blocks back"
+    assert sum(s.hit for s in engine.stats) > 0, "the second wave must hit the prefix cache"
+    assert changed > 0, "the chunk mask must change some request's tokens"

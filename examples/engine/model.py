@@ -76,6 +76,8 @@ class ModelConfig:
     sink: int = 0  # first tokens a windowed query also sees
     window_layers: tuple[int, ...] | None = None  # layers with the window (None: all of them)
     window_heads: int | None = None  # only the first this many kv heads of a windowed layer keep it (FastDeploy)
+    chunk: int = 0  # chunked local attention (Llama 4's attention_chunk_size): a query sees only its chunk's keys
+    chunk_layers: tuple[int, ...] | None = None  # layers with chunked attention (None: all of them)
     kv_lora_rank: int = 0  # MLA: the latent's width (0: grouped-query attention with num_kv_heads)
     rope_dim: int = 0  # MLA: the rotary part of each key, shared by every head
     # What the model computes in. A block_wise_fp8 cache rounds K and V to 3-bit mantissas, so a float32 sum done
@@ -105,6 +107,10 @@ class ModelConfig:
             out[: self.cache_heads if self.window_heads is None else self.window_heads] = True
         return out
 
+    def chunked(self, layer: int) -> bool:
+        """Whether ``layer``'s queries see only the keys of their own chunk of ``chunk`` tokens."""
+        return bool(self.chunk) and (self.chunk_layers is None or layer in self.chunk_layers)
+
     def hf_config(self) -> dict[str, Any]:
         """The model as ``config.json`` fields: what ``CacheSpec.from_hf_config`` reads its rows from (a
         checkpoint's own config where the model came from one)."""
@@ -126,12 +132,19 @@ class ModelConfig:
                                       for i in range(self.num_layers)]
             if self.window_heads is not None:
                 out["head_wise_swa_ratio"] = self.window_heads / self.num_kv_heads
+        if self.chunk:
+            out["attention_chunk_size"] = self.chunk
+            out["layer_types"] = ["chunked_attention" if self.chunked(i) else "full_attention"
+                                  for i in range(self.num_layers)]
         return out
 
 
 def visible(config: ModelConfig, layer: int, q_pos: np.ndarray, k_pos: np.ndarray) -> np.ndarray:
-    """bool [cache heads, queries, keys]: the keys each head's query sees (causal; a window head also sliding + sink)."""
+    """bool [cache heads, queries, keys]: the keys each head's query sees (causal; a window head also sliding + sink;
+    a chunked layer only its own chunk's)."""
     causal = k_pos[None, :] <= q_pos[:, None]
+    if config.chunked(layer):
+        causal &= k_pos[None, :] // config.chunk == q_pos[:, None] // config.chunk
     near = (q_pos[:, None] - k_pos[None, :] < config.window) | (k_pos[None, :] < config.sink)
     return np.where(config.windowed(layer)[:, None, None], causal & near, causal)
 
