@@ -45,7 +45,7 @@ from kvcache.allocator.manager import KVCacheManager, _Request
 from kvcache.allocator.pool import BlockPool
 from kvcache.allocator.prefix import BlockHasher, Inserted, MMPlaceholder, PrefixIndex
 from kvcache.allocator.rows import Row
-from kvcache.allocator.swa import Full, Window
+from kvcache.allocator.swa import Chunked, Full, Window
 from kvcache.auth import HANDSHAKE_FAILURES, CurveConfig, start_authenticator
 from kvcache.config import LOCAL_OFF, ServeConfig, describe_rows
 from kvcache.host_tier import TIER_OPS, DaemonTier, TierJob
@@ -1639,7 +1639,7 @@ class CacheServer:
 SNAPSHOT_FORMAT = 1
 STATE_CODEC = StateCodec(  # what journal snapshots may hold
     [KVCacheManager, _Request, BlockPool, PrefixIndex, BlockHasher, Inserted, MMPlaceholder, Full,
-                     Window, _Slots, _RetryCache, Leases, PDState, Transfer, DaemonTier, TierJob])
+                     Window, Chunked, _Slots, _RetryCache, Leases, PDState, Transfer, DaemonTier, TierJob])
 _STATE_TYPES = {"manager": KVCacheManager, "slots": _Slots, "retries": _RetryCache, "leases": Leases, "pd": PDState,
                 "seq": int, "epoch": int, "settings": dict}
 

@@ -8,6 +8,9 @@ real daemon.
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -338,3 +341,118 @@ def test_the_engine_serves_a_chunked_model_as_its_dense_computation(through: str
     assert recycled > 0, "chunked rows must give blocks back"
     assert sum(s.hit for s in engine.stats) > 0, "the second wave must hit the prefix cache"
     assert changed > 0, "the chunk mask must change some request's tokens"
+
+
+def llama4_model():
+    """The tiny Llama 4 text checkpoint of tests/vectors/engine (written here from its seed, byte for byte what
+    transformers read) as the reference engine's model: interleaved RoPE pairs become halves by permuting each
+    head's query and key rows (a permutation of both leaves every score as it is), layers [in, out]."""
+    import hashlib
+    import json
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    from safetensors.numpy import load_file
+
+    vectors = Path(__file__).resolve().parent / "vectors" / "engine"
+    sys.path.insert(0, str(vectors))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "engine"))
+    import make_llama4
+    from model import Model, ModelConfig, Rope
+
+    expected = json.loads((vectors / "llama4_chunked.json").read_text())
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = make_llama4.write(Path(tmp) / "llama4")
+        files = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
+        assert files == expected["files"], "the checkpoint must be the bytes transformers read"
+        hf = json.loads((folder / "config.json").read_text())
+        t = load_file(str(folder / "model.safetensors"))
+    d, layers = hf["head_dim"], hf["num_hidden_layers"]
+    policies = layer_policies(hf, layers)
+    assert [isinstance(p, Chunked) for p in policies] == [t == "chunked_attention" for t in expected["layer_types"]]
+
+    def halves(w: np.ndarray) -> np.ndarray:  # rows of [heads * d, in]: each head's (0, 2, ..., 1, 3, ...)
+        order = np.concatenate([np.arange(0, d, 2), np.arange(1, d, 2)])
+        return w.reshape(-1, d, w.shape[1])[:, order].reshape(w.shape)
+
+    weights = {"embed": t["model.embed_tokens.weight"], "lm_head": t["lm_head.weight"].T,
+               "final_norm": t["model.norm.weight"], "layers": []}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        weights["layers"].append({
+            "attn_norm": t[p + "input_layernorm.weight"], "mlp_norm": t[p + "post_attention_layernorm.weight"],
+            "wq": halves(t[p + "self_attn.q_proj.weight"]).T, "wk": halves(t[p + "self_attn.k_proj.weight"]).T,
+            "wv": t[p + "self_attn.v_proj.weight"].T, "wo": t[p + "self_attn.o_proj.weight"].T,
+            "gate": t[p + "feed_forward.gate_proj.weight"].T, "up": t[p + "feed_forward.up_proj.weight"].T,
+            "down": t[p + "feed_forward.down_proj.weight"].T})
+    chunked = tuple(i for i, p in enumerate(policies) if isinstance(p, Chunked))
+    config = ModelConfig(num_layers=layers, num_q_heads=hf["num_attention_heads"],
+                         num_kv_heads=hf["num_key_value_heads"], head_dim=d, hidden=hf["hidden_size"],
+                         ffn=hf["intermediate_size_mlp"], vocab=hf["vocab_size"], rope=Rope(theta=hf["rope_theta"]),
+                         norm_eps=hf["rms_norm_eps"], chunk=hf["attention_chunk_size"], chunk_layers=chunked,
+                         nope_layers=tuple(i for i in range(layers) if i not in chunked))
+    return Model(config, weights=weights), expected
+
+
+@pytest.mark.parametrize("through", ["library", "daemon"])
+def test_the_engine_serves_llama4_as_transformers_does(through: str):
+    """transformers' Llama4ForCausalLM (chunk 8: layers 0-2 chunked with RoPE, layer 3 full NoPE), greedy over
+    two waves: the engine over kvcache's Chunked and Full rows (blocks of 4, chunk blocks given back, the second
+    wave hitting the first's prefixes) gives the stored tokens and their logits, and so does its dense model."""
+    pytest.importorskip("paddle")
+    model, expected = llama4_model()
+    import check
+    from engine import daemon_engine, library_engine
+    from model import dense_generate
+
+    case = check.Case(model=model.config, daemon=("--num-blocks", "96") if through == "daemon" else None)
+    prompts, n = expected["prompts"], expected["max_new_tokens"]
+    waves = [{"a0": prompts[0], "a1": prompts[1]}, {"b0": prompts[2], "b1": prompts[3]}]
+    want = dict(zip(["a0", "a1", "b0", "b1"], zip(expected["tokens"], expected["logits"])))
+    with check.serving(case) as endpoints:
+        options = dict(block_size=4, chunk=16, max_num_seqs=4)
+        engine = (daemon_engine(model, endpoints["both"], **options) if through == "daemon" else
+                  library_engine(model, num_blocks=96, **options))
+        try:
+            for wave in waves:
+                got = engine.generate(wave, n)
+                for rid, prompt in wave.items():
+                    tokens, chosen = want[rid]
+                    assert got[rid].generated == tokens, rid
+                    logits = np.array(got[rid].logits)[np.arange(n), tokens]
+                    assert np.abs(logits - chosen).max() < 1e-3, rid
+                    assert dense_generate(model, prompt, n)[0] == tokens, rid
+            stats = engine.cache.stats()
+            recycled = stats["recycled_blocks"] if isinstance(stats, dict) else stats.recycled_blocks
+        finally:
+            engine.close()
+    assert [r.policy for r in engine.spec.row_layout] == [Chunked(8), Full()]
+    assert recycled > 0 and sum(s.hit for s in engine.stats) > 0
+    unchunked = copy.copy(model)
+    unchunked.config = dataclasses.replace(model.config, chunk=0)
+    assert all(dense_generate(unchunked, p, n)[0] != t for p, t in zip(prompts, expected["tokens"])), \
+        "without the chunk mask every request's tokens must differ"
+
+
+def test_a_chunked_daemon_comes_back_from_its_journal(daemon, tmp_path):
+    """Killed with -9 after a snapshot, `kvcache serve --rows chunk:8,full --journal` restarts with every table,
+    holes included, and goes on giving chunk blocks back."""
+    journal = tmp_path / "journal"
+    flags = ("--num-blocks", "64", "--block-size", "4", "--rows", "chunk:8,full", "--journal", str(journal),
+             "--snapshot-bytes", "2000")
+    d = daemon(*flags)
+    with CacheClient(d.endpoint) as client:
+        for i in range(6):
+            client.admit(i, np.arange(30) + 100 * i)
+            client.extend(i, [1, 2, 3])
+        before = {i: client.table(i) for i in range(6)}
+    assert all((t[0] < 0).any() for t in before.values())
+    d.kill()
+    d = daemon(*flags, folder=d.folder)
+    with CacheClient(d.endpoint) as client:
+        for i, table in before.items():
+            assert np.array_equal(client.table(i), table)
+        grown = client.extend(0, list(range(10)))
+        # 33 tokens computed: blocks of chunks 0-3 are gone, chunk 4's are held.
+        assert (grown[0, :8] < 0).all() and (grown[0, 8:] >= 0).all() and (grown[1] >= 0).all()

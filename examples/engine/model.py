@@ -78,6 +78,7 @@ class ModelConfig:
     window_heads: int | None = None  # only the first this many kv heads of a windowed layer keep it (FastDeploy)
     chunk: int = 0  # chunked local attention (Llama 4's attention_chunk_size): a query sees only its chunk's keys
     chunk_layers: tuple[int, ...] | None = None  # layers with chunked attention (None: all of them)
+    nope_layers: tuple[int, ...] = ()  # layers without RoPE (Llama 4's NoPE layers: no_rope_layers 0)
     kv_lora_rank: int = 0  # MLA: the latent's width (0: grouped-query attention with num_kv_heads)
     rope_dim: int = 0  # MLA: the rotary part of each key, shared by every head
     # What the model computes in. A block_wise_fp8 cache rounds K and V to 3-bit mantissas, so a float32 sum done
@@ -202,8 +203,11 @@ class Model:
         rotary = c.rope_dim if c.kv_lora_rank else c.head_dim
         ropes = {"global": c.rope, "local": c.local_rope or c.rope}
         self.inv_freq = {kind: rope.inv_freq(rotary) for kind, rope in ropes.items()}
+        if c.nope_layers:  # angle 0 at every position: cos 1, sin 0 leave the vectors as they are
+            self.inv_freq["none"] = np.zeros(rotary // 2, dtype=np.float32)
         # Each layer's RoPE: a windowed layer's is the local one (Gemma 3), the others the global one.
-        self.layer_rope = ["local" if c.windowed(layer).any() else "global" for layer in range(c.num_layers)]
+        self.layer_rope = ["none" if layer in c.nope_layers else "local" if c.windowed(layer).any() else "global"
+                           for layer in range(c.num_layers)]
 
     def _seeded(self) -> dict[str, Any]:
         """Weights drawn from the seed: float32 numpy arrays, laid out as ``forward`` reads them ([in, out])."""
