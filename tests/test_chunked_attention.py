@@ -456,3 +456,27 @@ def test_a_chunked_daemon_comes_back_from_its_journal(daemon, tmp_path):
         grown = client.extend(0, list(range(10)))
         # 33 tokens computed: blocks of chunks 0-3 are gone, chunk 4's are held.
         assert (grown[0, :8] < 0).all() and (grown[0, 8:] >= 0).all() and (grown[1] >= 0).all()
+
+
+def test_llama4_prefixes_come_back_from_a_host_tier():
+    """With a host tier under a small pool, the first wave's prefixes are pushed out by two long prompts and the
+    second wave takes them back from host (a chunked group needs only its hit's chunk there): the tokens stay
+    transformers'."""
+    pytest.importorskip("paddle")
+    model, expected = llama4_model()
+    from engine import library_engine
+
+    engine = library_engine(model, num_blocks=24, block_size=4, chunk=16, max_num_seqs=1, host_blocks=128)
+    prompts, n = expected["prompts"], expected["max_new_tokens"]
+    waves = [{"a0": prompts[0], "a1": prompts[1]}, {"x": list(range(1, 60))}, {"y": list(range(100, 160))},
+             {"b0": prompts[2], "b1": prompts[3]}]
+    try:
+        got = {rid: seq.generated for wave in waves for rid, seq in engine.generate(wave, n).items()}
+        engine.tier.drain(10)
+        engine.tier.check_integrity()
+        engine.cache.check_integrity()
+        host_tokens = engine.tier.stats().hit_tokens
+    finally:
+        engine.close()
+    assert [got[rid] for rid in ("a0", "a1", "b0", "b1")] == expected["tokens"]
+    assert host_tokens > 0
