@@ -1,10 +1,12 @@
 """kvcache: paged KV-cache allocation and transfer service for LLM inference engines."""
 from __future__ import annotations
 
+import importlib
 import importlib.machinery
 import importlib.util
 import os
 import sys
+from typing import Any
 
 
 def _installed_instead() -> importlib.machinery.ModuleSpec | None:
@@ -30,7 +32,13 @@ if _installed is not None:  # the import system hands out whatever sys.modules h
     sys.modules[__name__] = importlib.util.module_from_spec(_installed)
     _installed.loader.exec_module(sys.modules[__name__])  # type: ignore[union-attr]
 else:
-    from kvcache.allocator import CacheSpec, KVCacheError
-
     __version__ = "0.1.0"
     __all__ = ["CacheSpec", "KVCacheError", "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    """``CacheSpec`` and ``KVCacheError`` from kvcache.allocator, imported on first use: ``import kvcache`` stays
+    light, so the command can catch signals before numpy and the allocator load."""
+    if name in ("CacheSpec", "KVCacheError"):
+        return getattr(importlib.import_module("kvcache.allocator"), name)
+    raise AttributeError(f"module 'kvcache' has no attribute {name!r}")

@@ -287,3 +287,29 @@ def test_a_sighup_during_start_up_does_not_end_the_daemon(tmp_path) -> None:
     finally:
         process.terminate()
         process.wait(10)
+
+
+def test_kvcache_serve_catches_sighup_before_it_imports_numpy() -> None:
+    """`import kvcache` is light and the command's entry catches SIGHUP first: the window in which a SIGHUP ends a
+    starting daemon is the interpreter's own start, not numpy's and the allocator's imports."""
+    probe = (
+        "import signal, sys\n"
+        "class Spy:\n"
+        "    seen = None\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'numpy' and Spy.seen is None:\n"
+        "            Spy.seen = signal.getsignal(signal.SIGHUP)\n"
+        "sys.meta_path.insert(0, Spy())\n"
+        "import kvcache\n"
+        "assert 'numpy' not in sys.modules, 'import kvcache loaded numpy'\n"
+        "from kvcache.__main__ import main\n"
+        "sys.argv = ['kvcache', 'serve', '--help']\n"
+        "try:\n"
+        "    main()\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "print('caught' if callable(Spy.seen) else f'default: {Spy.seen}', file=sys.stderr)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.strip().splitlines()[-1] == "caught"
