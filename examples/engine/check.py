@@ -158,15 +158,17 @@ def serving(case: Case) -> Iterator[dict[str, str]]:
         yield endpoints
 
 
-# Configurations only the GPU engine runs: a bfloat16 model and cache. Its logits (up to about 17 here, where a
-# bfloat16 step is 0.125) differ from the dense bfloat16 model's by rounding: flex attention sums in float32 over
-# tiles, the dense model in bfloat16 in one matmul, and four layers carry the differences on (seen: up to 0.28).
-# The tolerance is four steps (a wrong block moves logits by tens); near ties may break either way, so the case is
-# compared along the engine's tokens.
+# Configurations only the GPU engine runs: a bfloat16 model and cache, against the numpy reference in float32
+# (numpy has no bfloat16). Its logits (up to about 17 here, where a bfloat16 step is 0.125) differ by rounding:
+# the dense bfloat16 model's differ from the float32 reference's by up to 0.25 (seen on the CPU), and flex
+# attention, summing in float32 over tiles, from the dense bfloat16 model's by up to 0.28. The tolerance is eight
+# steps (a wrong block moves logits by tens); near ties may break either way, so the case is compared along the
+# engine's tokens. Its cached K and V differ from the float32 reference's by up to 1.3% of the largest (four
+# layers of bfloat16 rounding); a block holding other positions' vectors differs by their whole size.
 GPU_CASES: dict[str, Case] = {
     "bfloat16 model and cache, head-wise SWA": Case(
         model=dataclasses.replace(WINDOWED, window_heads=2, dtype="bfloat16"), head_wise=True, block_size=16,
-        num_blocks=26, logit_tolerance=0.5, forced=True),
+        num_blocks=26, logit_tolerance=1.0, forced=True, cache_tolerance=0.05),
 }
 
 
