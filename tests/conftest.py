@@ -15,8 +15,14 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 READY = b"kvcache serve: ready"
+
+# How long one example takes says nothing about the code on a loaded machine: no per-example deadline, and no
+# health check failing a test for slow data generation. Loaded before the test modules apply their @settings.
+settings.register_profile("kvcache", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("kvcache")
 
 
 @dataclasses.dataclass
