@@ -84,6 +84,7 @@ from kvcache.allocator.requests import (
     _view,
     _widen,
 )
+from kvcache.allocator.owned import OwnedBlocks
 from kvcache.allocator.tiers import TierLink
 
 if TYPE_CHECKING:
@@ -110,7 +111,7 @@ class ManagerStats(NamedTuple):
     recycled_blocks: int
 
 
-class KVCacheManager(RequestSlots, DecodeBatch, TierLink):
+class KVCacheManager(RequestSlots, DecodeBatch, TierLink, OwnedBlocks):
     """Per-row paged KV block allocation with sliding-window recycling and prefix caching.
 
     ``rows`` holds one attention policy per allocation row: ``[Full()]`` for a
@@ -183,6 +184,7 @@ class KVCacheManager(RequestSlots, DecodeBatch, TierLink):
             (p, np.array([g], dtype=np.intp)) for g, p in enumerate(groups) if not isinstance(p, Full)
         ]
         self._requests: dict[object, _Request] = {}
+        self._owned: dict[object, object] = {}  # scheduler-owned block lists (owned.OwnedBlocks), by request id
         self._init_slots()
         self._events: list[CacheEvent] = []
         self._group_sizes = np.bincount(self._row_group)
@@ -210,6 +212,8 @@ class KVCacheManager(RequestSlots, DecodeBatch, TierLink):
         self.__dict__.update(state)
         for req in self._requests.values():
             req.view = None
+        if "_owned" not in state:  # a snapshot from before scheduler-owned blocks
+            self._owned = {}
         if "_held" not in state:  # a snapshot from before tiers could hold blocks
             self._held = np.zeros((len(self._group_col), self.num_blocks), dtype=np.int64)
 
@@ -278,9 +282,20 @@ class KVCacheManager(RequestSlots, DecodeBatch, TierLink):
         return self._pool.can_allocate(-(-num_tokens // self.block_size))
 
     def lookup(self, prompt_tokens: Tokens, *, cache_salt: str | None = None, lora: LoRA | None = None,
-               mm: Sequence[MMPlaceholder | tuple[str, int, int]] | None = None) -> int:
-        """Tokens of ``prompt_tokens`` that ``admit`` would find cached now (no state change)."""
-        return sum(self.lookup_tiers(prompt_tokens, cache_salt=cache_salt, lora=lora, mm=mm))
+               mm: Sequence[MMPlaceholder | tuple[str, int, int]] | None = None, whole_prompt: bool = False) -> int:
+        """Tokens of ``prompt_tokens`` that ``admit`` would find cached now (no state change).
+
+        ``whole_prompt``: the tokens ``match_blocks`` would find instead, where the last block may hit too (GPU
+        blocks only).
+        """
+        if not whole_prompt:
+            return sum(self.lookup_tiers(prompt_tokens, cache_salt=cache_salt, lora=lora, mm=mm))
+        lora = check_lora(lora)
+        tokens = as_token_array(prompt_tokens)
+        if self._hasher is None:
+            return 0
+        hashes = self._hasher.hash_blocks_packed(tokens, cache_salt=cache_salt, lora=lora, mm=mm)
+        return self._match(hashes)[0] * self.block_size
 
     def table(self, request_id: object) -> np.ndarray:
         """The request's block table, int32 ``[num_rows, num_blocks]`` (a read-only view)."""
@@ -343,6 +358,9 @@ class KVCacheManager(RequestSlots, DecodeBatch, TierLink):
         """
         if request_id in self._requests:
             raise KVCacheError(f"request_id: {request_id!r} is already admitted")
+        if request_id in self._owned:
+            raise KVCacheError(f"request_id: {request_id!r} owns blocks (match_blocks, allocate_blank); "
+                               "release them first")
         lora = check_lora(lora)
         tokens = as_token_array(prompt_tokens)
         if tokens.size == 0:
@@ -669,6 +687,8 @@ class KVCacheManager(RequestSlots, DecodeBatch, TierLink):
             if req.heads is not None:
                 assert (req.heads[:, : req.num_blocks] == t[self._row_group]).all(), "rows disagree with their group"
         refs += self._held
+        if self._owned:
+            refs[0] += self._owned_refs()
         actual = self._pool.refcount(self._group_col, np.arange(self.num_blocks)[None, :])
         bad = np.argwhere(refs != actual)
         assert bad.size == 0, (

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import numpy as np
 import pytest
@@ -839,3 +840,144 @@ def test_each_row_group_reports_its_own_stores_and_removals_with_extra_keys():
     hashes = m.hasher.hash_blocks(tokens(12))
     assert [(type(e), e.group, e.block_hashes) for e in removed] == [(BlockRemoved, 0, tuple(hashes[:4]))]
     m.check_integrity()
+
+
+# -- scheduler-owned block lists (match_blocks, allocate_blank, commit_blocks, release_blocks) ---------------
+
+
+def test_committed_blocks_are_found_whole_prompt_by_match_blocks_and_shared_with_admit():
+    """A scheduler's blank blocks, committed with their tokens, are cached prefixes: match_blocks finds every full
+    block (the last one too), admit finds them as it finds its own (never the last prompt block)."""
+    m = make_manager(num_blocks=8, enable_events=True)
+    assert m.match_blocks("a", tokens(10)).tolist() == []
+    blank = m.allocate_blank("a", 3)
+    assert blank.tolist() == [0, 1, 2] and blank.dtype == np.int32
+    assert m.lookup(tokens(8), whole_prompt=True) == 0
+    assert m.commit_blocks("a", blank[:2], tokens(8)) == 2
+    stored = m.take_events()
+    assert [type(e) for e in stored] == [BlockStored]
+    assert stored[0].block_hashes == tuple(m.hasher.hash_blocks(tokens(8))) and stored[0].parent_block_hash is None
+    assert m.lookup(tokens(8), whole_prompt=True) == 8 and m.lookup(tokens(8)) == 4
+    assert [b.tolist() for b in m.owned_blocks("a")] == [[0, 1], [2]]
+    m.check_integrity()
+    assert m.match_blocks("b", tokens(8)).tolist() == [0, 1]  # whole prompt
+    assert m.admit("c", tokens(9)).table[0, :2].tolist() == [0, 1]
+    m.check_integrity()
+    m.release_blocks("a")
+    m.release_blocks("a", blank[2:])
+    assert "a" not in m._owned
+    m.release_blocks("b")
+    m.free("c")
+    m.check_integrity()
+    assert m.num_free_blocks.tolist() == [8] and m.num_cached_free_blocks.tolist() == [2]
+
+
+def test_commit_continues_the_hash_chain_of_the_matched_prefix():
+    """Blocks committed after a hit hash as children of the hit's last block: the same hashes as one request
+    admitting the whole prompt, so a third request finds all of them."""
+    m = make_manager(num_blocks=8)
+    m.admit("x", tokens(9))
+    m.free("x")  # blocks 0, 1 cached
+    assert m.match_blocks("a", tokens(16)).tolist() == [0, 1]
+    blank = m.allocate_blank("a", 2)
+    m.commit_blocks("a", blank, tokens(8, 8))
+    assert m.lookup(tokens(16), whole_prompt=True) == 16
+    assert m.match_blocks("b", tokens(16)).tolist() == [0, 1] + blank.tolist()
+    m.check_integrity()
+
+
+def test_a_refused_owned_operation_changes_nothing():
+    """Too few blocks gives None; a block not held blank, a wrong token count, a duplicate, an admitted id or a
+    second match raise KVCacheError naming the field; none of them changes the pool, index or owners."""
+    m = make_manager(num_blocks=4)
+    m.match_blocks("a", tokens(8))
+    blank = m.allocate_blank("a", 3)
+    m.admit("z", tokens(3))
+    before = (m.num_free_blocks.tolist(), len(m._index), m.owned_blocks("a")[1].tolist())
+    assert m.allocate_blank("a", 1) is None
+    for call, field in [
+        (lambda: m.commit_blocks("a", [3], tokens(4)), "blocks"),
+        (lambda: m.commit_blocks("a", [blank[0], blank[0]], tokens(8)), "blocks"),
+        (lambda: m.commit_blocks("a", blank[:1], tokens(3)), "tokens"),
+        (lambda: m.commit_blocks("b", blank[:1], tokens(4)), "request_id"),
+        (lambda: m.release_blocks("a", [int(blank[0])] * 2), "blocks"),
+        (lambda: m.release_blocks("a", [9]), "blocks[0]"),
+        (lambda: m.allocate_blank("z", 1), "request_id"),
+        (lambda: m.match_blocks("a", tokens(4)), "request_id"),
+        (lambda: m.allocate_blank("a", -1), "num_blocks"),
+    ]:
+        with pytest.raises(KVCacheError, match=f"^{re.escape(field)}"):
+            call()
+        assert (m.num_free_blocks.tolist(), len(m._index), m.owned_blocks("a")[1].tolist()) == before
+        m.check_integrity()
+    with pytest.raises(KVCacheError, match="^request_id"):
+        m.admit("a", tokens(4))
+
+
+def test_owned_blocks_need_one_row_group():
+    m = make_manager(rows=[Full(), Window(4)])
+    with pytest.raises(KVCacheError, match="^allocate_blank: scheduler-owned blocks need one row group"):
+        m.allocate_blank("a", 1)
+
+
+def test_evict_cached_takes_the_oldest_released_first_and_keeps_the_free_order():
+    m = make_manager(num_blocks=6)
+    for rid, start in (("a", 0), ("b", 100)):
+        m.match_blocks(rid, tokens(8, start))
+        m.commit_blocks(rid, m.allocate_blank(rid, 2), tokens(8, start))
+    m.release_blocks("a")  # released tail first: 1, then 0
+    m.release_blocks("b")
+    assert m.evict_cached(3) == 3
+    assert m.lookup(tokens(8), whole_prompt=True) == 0  # a's blocks 1 and 0, then b's tail
+    assert m.lookup(tokens(8, 100), whole_prompt=True) == 4
+    assert m.num_cached_free_blocks.tolist() == [1] and m.evict_cached(5) == 1
+    assert m.uncached_free_blocks().tolist() == list(range(6))
+    m.check_integrity()
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.data())
+def test_owned_and_admitted_requests_share_one_pool_and_index(data):
+    """Random scheduler-owned requests (match, blank allocations, commits of their tokens, releases) mixed with
+    admits and frees: pool, index and tables agree after every step, and a match finds exactly the leading
+    blocks a brute-force lookup of the index finds."""
+    m = make_manager(data.draw(st.integers(4, 20)), enable_events=data.draw(st.booleans()))
+    stems = [tokens(24, 1000 * i) for i in range(3)]
+    owned: dict[int, list] = {}  # id -> [prompt, committed count, blank list]
+    admitted = []
+    for step in range(data.draw(st.integers(1, 30))):
+        kind = data.draw(st.sampled_from(["match", "blank", "commit", "release", "admit", "free"]))
+        if kind == "match":
+            prompt = data.draw(st.sampled_from(stems))[: data.draw(st.integers(1, 24))]
+            expect = m.lookup(prompt, whole_prompt=True)
+            hashes = m.hasher.hash_blocks_packed(prompt)
+            found = m.match_blocks(step, prompt)
+            assert found.size * BS == expect == m._index.match(hashes).shape[0] * BS
+            owned[step] = [prompt, found.size, []]
+        elif kind == "blank" and owned:
+            rid = data.draw(st.sampled_from(sorted(owned)))
+            before = m.num_free_blocks.tolist()
+            got = m.allocate_blank(rid, data.draw(st.integers(0, 3)))
+            if got is None:
+                assert m.num_free_blocks.tolist() == before
+            else:
+                owned[rid][2] += got.tolist()
+        elif kind == "commit" and owned:
+            rid = data.draw(st.sampled_from(sorted(owned)))
+            prompt, done, blank = owned[rid]
+            n = min(len(blank), len(prompt) // BS - done)
+            if n > 0:
+                m.commit_blocks(rid, blank[:n], prompt[done * BS:(done + n) * BS])
+                owned[rid] = [prompt, done + n, blank[n:]]
+        elif kind == "release" and owned:
+            rid = data.draw(st.sampled_from(sorted(owned)))
+            m.release_blocks(rid, owned[rid][2])
+            m.release_blocks(rid)
+            del owned[rid]
+            assert rid not in m._owned
+        elif kind == "admit":
+            if m.admit(("adm", step), data.draw(st.sampled_from(stems))[: data.draw(st.integers(1, 24))]):
+                admitted.append(("adm", step))
+        elif kind == "free" and admitted:
+            m.free(admitted.pop(0))
+        m.check_integrity()
