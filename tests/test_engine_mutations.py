@@ -38,9 +38,11 @@ MUTATIONS = {
                                 f"                {SWAP}\n"),), "uniform", True),
     # A request that hit the prefix cache reads its first two hit blocks the other way round.
     "two blocks swapped in a prefix hit's blocks": Mutation("engine.py", (
-        ("            stats.hit += s.computed\n", "            stats.hit += s.computed\n            s.hit = s.computed\n"),
+        ("            stats.hit += s.computed\n",
+         "            stats.hit += s.computed\n            s.hit = s.computed\n"),
         (RUN + DOC, RUN + DOC + "        for (s, _, _), table in zip(work, tables):\n"
-                                "            if table is not None and getattr(s, 'hit', 0) >= 2 * self.spec.block_size:\n"
+                                "            hit = getattr(s, 'hit', 0)\n"
+                                "            if table is not None and hit >= 2 * self.spec.block_size:\n"
                                 f"                {SWAP}\n"),), "uniform", True),
     # A request is freed before its last step, which still reads and writes the blocks it held; a request
     # admitted in the same step may take them and write after it read.
@@ -48,17 +50,22 @@ MUTATIONS = {
         ("                work.append((s, s.scheduled, s.scheduled + 1))\n",
          "                work.append((s, s.scheduled, s.scheduled + 1))\n"
          "                if len(s.generated) + 1 >= s.max_new_tokens:\n"
-         "                    self.__dict__.setdefault('early', {})[s.rid] = np.array(self.cache.table(s.rid))\n"
+         "                    early = self.__dict__.setdefault('early', {})\n"
+         "                    early[s.rid] = np.array(self.cache.table(s.rid))\n"
          "                    self.cache.free(s.rid)\n"),
         ("            return [np.array(self.cache.table(rid)) for rid in rids]\n",
          "            early = self.__dict__.get('early', {})\n"
-         "            return [early[rid] if rid in early else np.array(self.cache.table(rid)) for rid in rids]\n"),
-        ("                self.cache.free(s.rid)\n                self.running.remove(s)\n                self.finished",
+         "            return [early[rid] if rid in early else np.array(self.cache.table(rid))\n"
+         "                    for rid in rids]\n"),
+        ("                self.cache.free(s.rid)\n"
+         "                self.running.remove(s)\n                self.finished",
          "                if self.__dict__.get('early', {}).pop(s.rid, None) is None:\n"
-         "                    self.cache.free(s.rid)\n                self.running.remove(s)\n                self.finished"),
+         "                    self.cache.free(s.rid)\n"
+         "                self.running.remove(s)\n                self.finished"),
     ), "preemption (blocks", True),
     "visible: window W-1": Mutation("model.py", (
-        ("(q_pos[:, None] - k_pos[None, :] < config.window)", "(q_pos[:, None] - k_pos[None, :] < config.window - 1)"),
+        ("(q_pos[:, None] - k_pos[None, :] < config.window)",
+         "(q_pos[:, None] - k_pos[None, :] < config.window - 1)"),
     ), "window on every layer", False),
     "visible: sink dropped": Mutation("model.py", (
         ("near = (q_pos[:, None] - k_pos[None, :] < config.window) | (k_pos[None, :] < config.sink)",

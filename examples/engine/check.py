@@ -34,7 +34,7 @@ from kvcache.transfer.nixl import nixl_available  # noqa: E402
 
 from backend import TorchBackend  # noqa: E402
 from engine import daemon_engine, library_engine  # noqa: E402
-from model import Model, ModelConfig, dense_generate  # noqa: E402
+from model import Model, ModelConfig  # noqa: E402
 from reference import Reference, e4m3_decode, weights_of  # noqa: E402
 
 

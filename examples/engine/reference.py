@@ -69,7 +69,7 @@ class Layout(NamedTuple):
 
 
 def layout_of(hf: Mapping[str, Any]) -> Layout:
-    """Read the fields the reference understands; anything else that changes the computation is refused."""
+    """Read the fields the reference computes from; a model type or RoPE scaling it does not compute is refused."""
     kind = hf.get("model_type", "llama")
     if kind not in ("llama", "mistral", "qwen3", "deepseek_v3"):
         raise ValueError(f"model_type: the numpy reference computes llama, mistral, qwen3 and the engine's "
