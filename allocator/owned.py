@@ -120,15 +120,22 @@ class OwnedBlocks:
         self._keep(request_id, owned)
         return blocks
 
-    def commit_blocks(self, request_id: object, blocks: Sequence[int] | np.ndarray, tokens: Tokens) -> int:
+    def commit_blocks(self, request_id: object, blocks: Sequence[int] | np.ndarray, tokens: Tokens, *,
+                      blank_from: object = None) -> int:
         """The request's blank ``blocks`` now hold the next full blocks of its tokens: they join its committed
         part (after the matched and earlier committed blocks) and enter the prefix index.
 
         ``tokens`` are the tokens of those blocks (``len(blocks) * block_size``, following the committed part's).
         A block whose hash another block holds already stays the request's own, not indexed twice. Returns the
         blocks newly indexed. Refused, changing nothing, for a block the request does not hold blank.
+
+        ``blank_from``: the blocks are another owner's blank ones (a scheduler that allocates before it names
+        the request keeps its blank blocks under one id); their references pass to the request.
         """
         owned = self._owner(request_id, "commit_blocks")
+        if blank_from == request_id:
+            blank_from = None
+        source = owned if blank_from is None else self._owner(blank_from, "commit_blocks")
         if not owned.matched:
             raise KVCacheError(f"request_id: {request_id!r} was not matched (match_blocks) or is released")
         ids = _block_ids(blocks, "blocks", self.num_blocks)
@@ -137,12 +144,15 @@ class OwnedBlocks:
             raise KVCacheError(f"tokens: {tokens.size} given for {ids.size} blocks of {self.block_size}")
         if np.unique(ids).size != ids.size:
             raise KVCacheError(f"blocks: request {request_id!r} lists a block twice")
-        _take(owned.blank, ids.tolist(), "blocks", request_id, "blank", apply=False)
+        _take(source.blank, ids.tolist(), "blocks", request_id if blank_from is None else blank_from, "blank",
+              apply=False)
         if ids.size == 0:
             return 0
         if self._hasher is None:
-            _take(owned.blank, ids.tolist(), "blocks", request_id, "blank")
+            _take(source.blank, ids.tolist(), "blocks", request_id, "blank")
             owned.committed += ids.tolist()
+            if source is not owned:
+                self._keep(blank_from, source)
             return 0
         _, indexed = self._index.hashes_at(np.zeros(ids.size, dtype=np.intp), ids)
         if indexed.any():  # a blank block is never indexed: only a bug gets here
@@ -151,7 +161,9 @@ class OwnedBlocks:
         parent = bytes(owned.hashes[-_H:]) if start else None
         hashes = self._hasher.hash_blocks_packed(tokens, cache_salt=owned.cache_salt, lora=owned.lora, mm=owned.mm,
                                                  parent=parent, start_block=start)
-        _take(owned.blank, ids.tolist(), "blocks", request_id, "blank")
+        _take(source.blank, ids.tolist(), "blocks", request_id, "blank")
+        if source is not owned:
+            self._keep(blank_from, source)
         inserted = self._index.insert(hashes, ids[:, None])
         added = inserted.added[:, 0]
         if added.any():

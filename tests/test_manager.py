@@ -981,3 +981,21 @@ def test_owned_and_admitted_requests_share_one_pool_and_index(data):
         elif kind == "free" and admitted:
             m.free(admitted.pop(0))
         m.check_integrity()
+
+
+def test_commit_takes_blank_blocks_of_another_owner():
+    """A scheduler that allocates before naming the request keeps blank blocks under one id; committing them to
+    a request passes their references to it."""
+    m = make_manager(num_blocks=4)
+    blank = m.allocate_blank("pool", 3)
+    m.match_blocks("a", tokens(8))
+    with pytest.raises(KVCacheError, match="^blocks: block 0 is listed 1 time"):
+        m.commit_blocks("a", blank[:2], tokens(8))
+    assert m.commit_blocks("a", blank[:2], tokens(8), blank_from="pool") == 2
+    assert [b.tolist() for b in m.owned_blocks("a")] == [[0, 1], []]
+    assert [b.tolist() for b in m.owned_blocks("pool")] == [[], [2]]
+    m.check_integrity()
+    m.release_blocks("pool", blank[2:])
+    assert "pool" not in m._owned
+    m.release_blocks("a")
+    m.check_integrity()

@@ -42,27 +42,28 @@ Checked against FastDeploy develop at commit c1b7c083 (2026-05-20).
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import time
+import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterable, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, NamedTuple, Sequence
 
 import numpy as np
 
 from kvcache.allocator.errors import KVCacheError
-from kvcache.allocator.pool import BlockPool
-from kvcache.allocator.prefix import HASH_BYTES, BlockHasher, MMPlaceholder, PrefixIndex, as_token_array
+from kvcache.allocator.manager import KVCacheManager
+from kvcache.allocator.prefix import MMPlaceholder, as_token_array
 
 if TYPE_CHECKING:
     from concurrent.futures import Executor
 
+    from kvcache.client import CacheClient
+
 FASTDEPLOY_COMMIT = "c1b7c083"
 """The FastDeploy commit (develop, 2026-05-20) whose ``PrefixCacheManager`` contract this adapter follows."""
 
-_H = HASH_BYTES
-_ROW0 = np.zeros(1, dtype=np.intp)  # the pool's one row: FastDeploy's tables are one block id per position
 _UINT32 = 2**32
 # The methods install() lends this class from FastDeploy's own PrefixCacheManager: they start FastDeploy's
 # cache processes and read FastDeploy's config, and hold no block state.
@@ -80,28 +81,21 @@ class CacheStats(NamedTuple):
     evicted_blocks: int
 
 
-@dataclass(slots=True)
-class _Request:
-    """A matched request: the packed hashes of its known full blocks and the blocks of its cached part.
-
-    ``blocks`` are ``block_tables[:num_cached_blocks]``: matched ones (a reference taken at match) and ones
-    the request filled (its allocation's reference). ``release_block_ids`` drops one reference of each.
-    """
-
-    hashes: bytearray
-    blocks: list[int] = field(default_factory=list)
-
-
 class FastDeployCacheManager:
-    """FastDeploy's ``PrefixCacheManager`` as ``ResourceManagerV1`` uses it, on kvcache's pool and prefix index.
+    """FastDeploy's ``PrefixCacheManager`` as ``ResourceManagerV1`` uses it, on a ``KVCacheManager`` or a daemon.
 
     Built by FastDeploy's ``ResourceManager`` as ``PrefixCacheManager(config, tensor_parallel_size,
-    splitwise_role, local_data_parallel_id)`` once ``install()`` has run. A call that cannot be served
-    (too few blocks, a block the caller does not hold) raises ``KVCacheError`` and changes nothing.
+    splitwise_role, local_data_parallel_id)`` once ``install()`` has run: in process (a ``KVCacheManager`` of
+    FastDeploy's block count), or on a ``CacheClient`` to the ``kvcache serve`` daemon ``install(daemon=...)``
+    names, so several engines (DP ranks) share one daemon's blocks, prefixes and KV events. ``cache`` gives the
+    manager or client directly. A call that cannot be served (too few blocks, a block the caller does not hold)
+    raises ``KVCacheError`` and changes nothing.
     """
 
+    _daemon: str | None = None  # install(daemon=...): the endpoint every manager built afterwards connects to
+
     def __init__(self, config: Any, tensor_parallel_size: int = 1, splitwise_role: str = "mixed",
-                 local_data_parallel_id: int = 0) -> None:
+                 local_data_parallel_id: int = 0, *, cache: KVCacheManager | CacheClient | None = None) -> None:
         self.config = config
         self.cache_config = config.cache_config
         self.speculative_config = getattr(config, "speculative_config", None)
@@ -115,6 +109,15 @@ class FastDeployCacheManager:
         self.cpu_free_block_list: list[int] = []
         self._executor: Executor | None = None
         self.metrics = _hit_metrics()  # FastDeploy's CacheMetrics (its hit-rate gauges), None without FastDeploy
+        if cache is None and self._daemon is not None:
+            from kvcache.client import CacheClient
+
+            cache = CacheClient(self._daemon, timeout=30.0, name=f"fastdeploy-dp{local_data_parallel_id}")
+        self._shared = cache  # a manager or client given to us: its blocks are not ours to rebuild
+        # Blank blocks (allocate_gpu_blocks) are held under this id until update_cache_blocks commits them to a
+        # request: FastDeploy may allocate before it names the request. Unique per manager: engines sharing a
+        # daemon each hold their own.
+        self._blank = f"fastdeploy-blank-{uuid.uuid4().hex}"
         self._build(self.cache_config)
 
     # ------------------------------------------------------------------ setup
@@ -126,14 +129,24 @@ class FastDeployCacheManager:
         block_size = getattr(cache_config, "block_size", None)
         if block_size is not None:
             _check_count(block_size, "cache_config.block_size", least=1)
+        if self._shared is not None:
+            self._cache = self._shared
+            info = self._cache.info() if not isinstance(self._cache, KVCacheManager) else None
+            shared_size = info["block_size"] if info is not None else self._cache.block_size
+            if block_size is not None and block_size != shared_size:
+                raise KVCacheError(f"cache_config.block_size: {block_size} differs from the shared cache's "
+                                   f"{shared_size}")
+            block_size = shared_size
+            num_blocks = info["num_blocks"] if info is not None else self._cache.num_blocks
+        else:
+            # FastDeploy passes the block size with every prefix call; a config without one takes the first
+            # call's (the manager is rebuilt then, which only an unused one can be).
+            self._cache = KVCacheManager(num_blocks, block_size or 1)
         self.num_gpu_blocks = num_blocks
-        # FastDeploy passes the block size with every prefix call; a config without one takes the first call's.
         self.block_size: int | None = block_size
-        self._hasher = BlockHasher(block_size) if block_size is not None else None
-        self._pool = BlockPool(1, num_blocks)
-        self._index = PrefixIndex(1, num_blocks)
-        self._requests: dict[object, _Request] = {}
-        self._queries = self._hit_requests = self._queried_tokens = self._hit_tokens = self._evicted = 0
+        self._matched: dict[object, int] = {}  # matched request -> blocks in its committed part (num_cached_blocks)
+        self._queries = self._hit_requests = self._queried_tokens = self._hit_tokens = 0
+        self._evicted_base = _evicted(self._cache)
         metrics = _fastdeploy_metrics()
         if metrics is not None:
             metrics.max_gpu_block_num.set(num_blocks)
@@ -146,9 +159,9 @@ class FastDeployCacheManager:
         Refused while any block is in use: the pool cannot change size under live requests.
         """
         with self.request_release_lock:
-            in_use = self.num_gpu_blocks - int(self._pool.num_free()[0])
-            if in_use or self._requests:
-                raise KVCacheError(f"update_cache_config: {in_use} blocks and {len(self._requests)} matched "
+            in_use = len(self._cache.owned_blocks(self._blank)[1]) + sum(self._matched.values())
+            if in_use or self._matched:
+                raise KVCacheError(f"update_cache_config: {in_use} blocks and {len(self._matched)} matched "
                                    "requests are live; release them first")
             self._build(cache_config)
             self.cache_config = cache_config
@@ -159,21 +172,19 @@ class FastDeployCacheManager:
     def gpu_free_block_list(self) -> list[int]:
         """Free blocks holding no prefix, ascending (FastDeploy's meaning: cached free blocks are not in it)."""
         with self.request_release_lock:
-            ids = np.arange(self.num_gpu_blocks)
-            free = (self._pool.refcount(_ROW0, ids) == 0) & ~self._pool.is_cached(_ROW0, ids)
-            return np.flatnonzero(free).tolist()
+            return self._cache.uncached_free_blocks().tolist()
 
     @property
     def num_free_gpu_blocks(self) -> int:
         """Free blocks holding no prefix: ``len(gpu_free_block_list)`` without building the list."""
         with self.request_release_lock:
-            return int(self._pool.num_free()[0] - self._pool.num_cached_free()[0])
+            return int(self._cache.num_free_blocks[0] - self._cache.num_cached_free_blocks[0])
 
     @property
     def num_allocatable_gpu_blocks(self) -> int:
         """Blocks ``allocate_gpu_blocks`` can hand out now: free ones plus cached ones no request holds."""
         with self.request_release_lock:
-            return int(self._pool.num_free()[0])
+            return int(self._cache.num_free_blocks[0])
 
     @property
     def available_gpu_resource(self) -> float:
@@ -185,9 +196,11 @@ class FastDeployCacheManager:
         return (input_token_num + block_size - 1) // block_size
 
     def stats(self) -> CacheStats:
-        """Prefix-cache counters since start or the last ``reset``."""
+        """Prefix-cache counters since start or the last ``reset``: matches are this manager's, evictions the
+        cache's (all engines' on a shared daemon)."""
         with self.request_release_lock:
-            return CacheStats(self._queries, self._hit_requests, self._queried_tokens, self._hit_tokens, self._evicted)
+            return CacheStats(self._queries, self._hit_requests, self._queried_tokens, self._hit_tokens,
+                              _evicted(self._cache) - self._evicted_base)
 
     # ------------------------------------------------------------------ blank blocks
 
@@ -197,28 +210,25 @@ class FastDeployCacheManager:
         _check_count(num_blocks, "num_blocks")
         with self.request_release_lock:
             if try_free_gpu_blocks:
-                return bool(self._pool.can_allocate(num_blocks))
+                return self.num_allocatable_gpu_blocks >= num_blocks
             return self.num_free_gpu_blocks >= num_blocks
 
     def allocate_gpu_blocks(self, num_blocks: int, req_id: object = None) -> list[int]:
         """``num_blocks`` blank blocks, one reference each, for the caller's block list.
 
-        Free blocks first (last freed first), then cached free ones, oldest released first, whose prefixes
+        Free blocks first (lowest id first), then cached free ones, oldest released first, whose prefixes
         leave the index. ``req_id`` is only for messages: the caller owns the list.
         """
         _check_count(num_blocks, "num_blocks")
         if num_blocks == 0:
             return []
         with self.request_release_lock:
-            allocation = self._pool.allocate(num_blocks, ascending=True)
-            if allocation is None:
+            blocks = self._cache.allocate_blank(self._blank, num_blocks)
+            if blocks is None:
                 raise KVCacheError(f"num_blocks: {num_blocks} asked for request {req_id!r}, "
-                                   f"{int(self._pool.num_free()[0])} allocatable")
-            if allocation.evicted_blocks.size:
-                self._index.remove_gone(allocation.evicted_rows, allocation.evicted_blocks)
-                self._evicted += int(allocation.evicted_blocks.size)
+                                   f"{self.num_allocatable_gpu_blocks} allocatable")
             self._report()
-            return allocation.blocks[0].tolist()
+            return blocks.tolist()
 
     def recycle_gpu_blocks(self, gpu_block_ids: int | Sequence[int], req_id: object = None) -> None:
         """Drop one reference of each listed block (blocks outside a request's cached part, or anonymous ones).
@@ -228,25 +238,11 @@ class FastDeployCacheManager:
         ids = [gpu_block_ids] if isinstance(gpu_block_ids, (int, np.integer)) else list(gpu_block_ids)
         if not ids:
             return
+        _check_ids(ids, "gpu_block_ids", self.num_gpu_blocks)
         with self.request_release_lock:
-            blocks = self._held_blocks(ids, "gpu_block_ids", req_id)
-            self._pool.decref(np.zeros(blocks.size, dtype=np.intp), blocks)
+            with _field("gpu_block_ids", req_id):
+                self._cache.release_blocks(self._blank, ids)
             self._report()
-
-    def _held_blocks(self, ids: Sequence[object], field: str, req_id: object) -> np.ndarray:
-        """``ids`` as an intp array after checking each is a block id with a reference per listing."""
-        for i, b in enumerate(ids):
-            if isinstance(b, bool) or not isinstance(b, (int, np.integer)) or not 0 <= b < self.num_gpu_blocks:
-                raise KVCacheError(f"{field}[{i}]: {b!r} is not a block id in [0, {self.num_gpu_blocks})")
-        blocks = np.asarray(ids, dtype=np.intp)
-        unique, counts = np.unique(blocks, return_counts=True)
-        refs = self._pool.refcount(np.zeros(unique.size, dtype=np.intp), unique)
-        short = np.flatnonzero(refs < counts)
-        if short.size:
-            b = int(unique[short[0]])
-            raise KVCacheError(f"{field}: block {b} is listed {int(counts[short[0]])} time(s) for request "
-                               f"{req_id!r} but holds {int(refs[short[0]])} reference(s)")
-        return blocks
 
     # ------------------------------------------------------------------ prefixes
 
@@ -261,15 +257,11 @@ class FastDeployCacheManager:
         self._check_block_size(block_size)
         with self.request_release_lock:
             req_id = task.request_id
-            if req_id in self._requests:
+            if req_id in self._matched:
                 raise KVCacheError(f"request_id: {req_id!r} is matched already; release_block_ids first")
             tokens = _task_tokens(task)
-            hashes = self._hasher.hash_blocks_packed(tokens, mm=_task_mm(task))
-            found = self._index.match(hashes)[:, 0]
-            if found.size:
-                self._pool.incref(np.zeros(found.size, dtype=np.intp), found, unique=True)
-            block_ids = found.tolist()
-            self._requests[req_id] = _Request(bytearray(hashes), list(block_ids))
+            block_ids = self._cache.match_blocks(req_id, tokens, mm=_task_mm(task)).tolist()
+            self._matched[req_id] = len(block_ids)
             matched = len(block_ids) * self.block_size
             self._queries += 1
             self._hit_requests += matched > 0
@@ -292,7 +284,7 @@ class FastDeployCacheManager:
     def update_cache_blocks(self, task: Any, block_size: int, num_computed_tokens: int) -> None:
         """Index the request's blocks that ``num_computed_tokens`` filled (after a prefill chunk is scheduled).
 
-        The blocks come from ``task.block_tables``; each must be one the request holds. Sets
+        The blocks come from ``task.block_tables``; each must be a blank one (``allocate_gpu_blocks``). Sets
         ``task.num_cached_blocks``.
         """
         self._check_block_size(block_size)
@@ -308,36 +300,25 @@ class FastDeployCacheManager:
             self._cache_blocks(task, total // self.block_size)
 
     def _cache_blocks(self, task: Any, num_full: int) -> None:
-        """Index blocks ``[len(cached part), num_full)`` of ``task.block_tables``."""
-        req = self._get(task.request_id)
-        start = len(req.blocks)
+        """Commit blocks ``[len(cached part), num_full)`` of ``task.block_tables`` with their tokens."""
+        req_id = task.request_id
+        start = self._get(req_id)
         if num_full <= start:
             return
         table = task.block_tables
         if len(table) < num_full:
-            raise KVCacheError(f"block_tables: request {task.request_id!r} holds {len(table)} blocks, "
+            raise KVCacheError(f"block_tables: request {req_id!r} holds {len(table)} blocks, "
                                f"{num_full} full blocks to cache")
-        new = self._held_blocks(list(table[start:num_full]), "block_tables", task.request_id)
-        if np.unique(new).size != new.size:
-            raise KVCacheError(f"block_tables: request {task.request_id!r} lists a block twice")
-        _, indexed = self._index.hashes_at(np.zeros(new.size, dtype=np.intp), new)
-        if indexed.any():
-            raise KVCacheError(f"block_tables: block {int(new[indexed][0])} of request {task.request_id!r} "
-                               "already holds a cached prefix")
-        have = len(req.hashes) // _H
-        if num_full > have:
-            tokens = _task_tokens(task)
-            if tokens.size < num_full * self.block_size:
-                raise KVCacheError(f"num_computed_tokens: {num_full * self.block_size} exceeds request "
-                                   f"{task.request_id!r}'s {tokens.size} tokens")
-            req.hashes += self._hasher.hash_blocks_packed(
-                tokens[have * self.block_size:num_full * self.block_size], mm=_task_mm(task),
-                parent=bytes(req.hashes[-_H:]) if have else None, start_block=have)
-        inserted = self._index.insert(bytes(req.hashes[start * _H:num_full * _H]), new.astype(np.int32)[:, None])
-        added = inserted.added[:, 0]
-        if added.any():
-            self._pool.mark_cached(np.zeros(int(added.sum()), dtype=np.intp), new[added])
-        req.blocks += new.tolist()
+        new = list(table[start:num_full])
+        _check_ids(new, "block_tables", self.num_gpu_blocks)
+        tokens = _task_tokens(task)
+        bs = self.block_size
+        if tokens.size < num_full * bs:
+            raise KVCacheError(f"num_computed_tokens: {num_full * bs} exceeds request {req_id!r}'s "
+                               f"{tokens.size} tokens")
+        with _field("block_tables", req_id):
+            self._cache.commit_blocks(req_id, new, tokens[start * bs:num_full * bs], blank_from=self._blank)
+        self._matched[req_id] = num_full
         task.num_cached_blocks = num_full
 
     def release_block_ids(self, task: Any) -> None:
@@ -346,11 +327,9 @@ class FastDeployCacheManager:
         The caller recycles the rest with ``recycle_gpu_blocks``. Released blocks stay findable until reused.
         """
         with self.request_release_lock:
-            req = self._get(task.request_id)
-            del self._requests[task.request_id]
-            if req.blocks:
-                blocks = np.asarray(req.blocks[::-1], dtype=np.intp)
-                self._pool.decref(np.zeros(blocks.size, dtype=np.intp), blocks, unique=True)
+            self._get(task.request_id)
+            self._cache.release_blocks(task.request_id)
+            del self._matched[task.request_id]
             self._report()
 
     def release_block_ids_async(self, task: Any) -> Future:
@@ -364,25 +343,11 @@ class FastDeployCacheManager:
         """Evict up to ``need_block_num`` cached free blocks now (oldest released first); returns how many."""
         _check_count(need_block_num, "need_block_num")
         with self.request_release_lock:
-            cached_free = int(self._pool.num_cached_free()[0])
-            count = min(need_block_num, cached_free)
-            if count == 0:
-                return 0
-            uncached = int(self._pool.num_free()[0]) - cached_free
-            # Take every free block and the oldest cached ones, then give them all back in reverse: the free
-            # stack is as it was, with the evicted blocks under it.
-            allocation = self._pool.allocate(uncached + count)
-            assert allocation is not None, "allocation failed after the free-block count"
-            self._index.remove_gone(allocation.evicted_rows, allocation.evicted_blocks)
-            self._evicted += count
-            taken = allocation.blocks[0][::-1].astype(np.intp)
-            self._pool.decref(np.zeros(taken.size, dtype=np.intp), taken, unique=True)
-            return count
+            return int(self._cache.evict_cached(need_block_num))
 
     def free_block_ids_async(self, need_block_num: int) -> None:
         """``free_block_ids``; it runs at once (nothing is copied off the GPU)."""
         self.free_block_ids(need_block_num)
-
     def write_cache_to_storage(self, request: Any) -> None:
         """Nothing to write: no storage backend is configured (one is refused at construction). FastDeploy's
         scheduler calls this for every finished request."""
@@ -432,8 +397,19 @@ class FastDeployCacheManager:
 
     def reset(self, wait_for_tasks_done: bool = False) -> None:
         """Forget everything: every block free, nothing cached, no request (FastDeploy's reset after its
-        workers dropped the KV cache). ``wait_for_tasks_done``: there are no swap tasks to wait for."""
+        workers dropped the KV cache). ``wait_for_tasks_done``: there are no swap tasks to wait for.
+
+        On a shared cache this manager's blocks go back and every prefix is forgotten (the workers' KV is gone);
+        other engines keep their blocks.
+        """
         with self.request_release_lock:
+            if self._shared is not None:
+                for req_id in list(self._matched):
+                    self._cache.release_blocks(req_id)
+                blank = self._cache.owned_blocks(self._blank)[1]
+                if blank.size:
+                    self._cache.release_blocks(self._blank, blank)
+                self._cache.reset_prefix_cache()
             self._build(self.cache_config)
             if self.metrics is not None:
                 self.metrics.reset_metrics()
@@ -441,10 +417,7 @@ class FastDeployCacheManager:
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix; live requests keep their blocks. Returns the hashes dropped."""
         with self.request_release_lock:
-            dropped = self._index.clear()
-            self._pool.reset_cached()
-            return dropped
-
+            return int(self._cache.reset_prefix_cache())
     def clear_prefix_cache(self) -> None:
         """FastDeploy's watcher thread (``launch_cache_manager`` starts it): on the workers' ``CLEARING`` or
         ``UPDATING`` status (weights cleared or updated) reset, then report ``CLEARED`` or ``NORMAL``."""
@@ -464,35 +437,33 @@ class FastDeployCacheManager:
     # ------------------------------------------------------------------ invariants
 
     def check_integrity(self, tables: Iterable[Sequence[int]] | None = None) -> None:
-        """Raise AssertionError with the numbers if pool, index and requests disagree.
+        """Raise AssertionError with the numbers if the cache's pool, index and owners disagree.
 
         ``tables``: every block list the caller holds (each live request's ``block_tables``, extend tables,
-        anonymous allocations); then each block's reference count must equal the times it is listed.
+        anonymous allocations); then the blocks this manager's requests and blank allocations hold must be
+        exactly those listed.
         """
         with self.request_release_lock:
-            self._pool.check_integrity()
-            self._index.check_integrity()
-            ids = np.arange(self.num_gpu_blocks)
-            cached = self._pool.is_cached(_ROW0, ids)
-            held = np.zeros(self.num_gpu_blocks, dtype=bool)
-            held[self._index.held_pairs()[1]] = True
-            assert (cached == held).all(), f"{int((cached != held).sum())} blocks cached in the pool but not the index"
-            refs = self._pool.refcount(_ROW0, ids)
-            for req_id, req in self._requests.items():
-                if req.blocks:
-                    lacking = refs[np.asarray(req.blocks)] < 1
-                    assert not lacking.any(), f"request {req_id!r}: cached-part block without a reference"
+            self._cache.check_integrity()
+            held = [self._cache.owned_blocks(self._blank)[1]]
+            for req_id, count in self._matched.items():
+                committed = self._cache.owned_blocks(req_id)[0]
+                assert committed.size == count, (f"request {req_id!r}: {committed.size} committed blocks, "
+                                                 f"{count} cached")
+                held.append(committed)
             if tables is not None:
                 listed = np.zeros(self.num_gpu_blocks, dtype=np.int64)
                 for table in tables:
                     if len(table):
                         np.add.at(listed, np.asarray(table, dtype=np.intp), 1)
+                refs = np.zeros(self.num_gpu_blocks, dtype=np.int64)
+                for blocks in held:
+                    np.add.at(refs, blocks.astype(np.intp), 1)
                 bad = np.flatnonzero(listed != refs)
                 assert bad.size == 0, (f"block {int(bad[0])} is listed {int(listed[bad[0]])} time(s) but has "
                                        f"{int(refs[bad[0]])} reference(s)" if bad.size else "")
 
     # ------------------------------------------------------------------ internals
-
     def _report_hit(self, req_id: object, matched: int, queried: int) -> None:
         """Feed FastDeploy's hit-rate gauges the way its manager does (counters restart every 10,000 requests)."""
         metrics = self.metrics
@@ -513,17 +484,22 @@ class FastDeployCacheManager:
             metrics.free_gpu_block_num.set(free)
             metrics.available_gpu_resource.set(free / self.num_gpu_blocks)
 
-    def _get(self, req_id: object) -> _Request:
-        req = self._requests.get(req_id)
-        if req is None:
+    def _get(self, req_id: object) -> int:
+        """The matched request's committed block count."""
+        count = self._matched.get(req_id)
+        if count is None:
             raise KVCacheError(f"request_id: {req_id!r} was not matched (request_match_blocks) or is released")
-        return req
+        return count
 
     def _check_block_size(self, block_size: int) -> None:
         if self.block_size is None:
             _check_count(block_size, "block_size", least=1)
             with self.request_release_lock:
-                self._hasher = BlockHasher(block_size)
+                if self.num_allocatable_gpu_blocks != self.num_gpu_blocks or self._matched:
+                    raise KVCacheError(f"block_size: cache_config.block_size is unset and blocks were allocated "
+                                       f"before the first prefix call gave {block_size}; set it in the config")
+                self._cache = KVCacheManager(self.num_gpu_blocks, block_size)
+                self._evicted_base = 0
                 self.block_size = block_size
         elif block_size != self.block_size:
             raise KVCacheError(f"block_size: {block_size!r} differs from cache_config.block_size {self.block_size}")
@@ -643,3 +619,25 @@ def _mm_items(task: Any) -> list[tuple[str, int, int]]:
 def _task_mm(task: Any) -> list[MMPlaceholder] | None:
     items = _mm_items(task)
     return [MMPlaceholder(*item) for item in items] if items else None
+
+
+def _check_ids(ids: Sequence[object], field: str, num_blocks: int) -> None:
+    """One line naming the first entry of ``ids`` that is not a block id."""
+    for i, b in enumerate(ids):
+        if isinstance(b, bool) or not isinstance(b, (int, np.integer)) or not 0 <= b < num_blocks:
+            raise KVCacheError(f"{field}[{i}]: {b!r} is not a block id in [0, {num_blocks})")
+
+
+@contextlib.contextmanager
+def _field(field: str, req_id: object) -> Iterator[None]:
+    """Name FastDeploy's argument (and the request) in a refusal the cache words in its own terms."""
+    try:
+        yield
+    except KVCacheError as e:
+        raise KVCacheError(f"{field}: request {req_id!r}: {e}") from None
+
+
+def _evicted(cache: KVCacheManager | CacheClient) -> int:
+    """Cached blocks the cache has evicted since it started."""
+    stats = cache.stats()
+    return int(stats["evicted_blocks"] if isinstance(stats, dict) else stats.evicted_blocks)
