@@ -93,6 +93,26 @@ def _capacity(columns: int) -> int:
     return max(8, 1 << max(0, columns).bit_length())
 
 
+def _prefix_keys(cache_salt: str | None, lora: Any, mm: Sequence[Any] | None) -> dict[str, Any]:
+    """A prefix op's optional hash keys as wire fields (multimodal items as ``[identifier, offset, length]``)."""
+    fields: dict[str, Any] = {}
+    if cache_salt is not None:
+        fields["salt"] = cache_salt
+    if lora is not None:
+        fields["lora"] = lora
+    if mm:
+        fields["mm"] = [[str(m[0]), int(m[1]), int(m[2])] for m in mm]
+    return fields
+
+
+def _block_array(blocks: Sequence[int] | np.ndarray) -> np.ndarray:
+    """Block ids as the int32 array the wire carries; a negative or non-integer id is refused here, in one line."""
+    array = np.asarray(blocks)
+    if array.size and (array.dtype.kind not in "iu" or int(array.min()) < 0 or int(array.max()) >= 2**31):
+        raise KVCacheError(f"blocks: must be block ids (integers >= 0), got {array.tolist()[:8]!r}")
+    return array.astype(np.int32).ravel()
+
+
 class _Mirror:
     """This client's copy of the tables it admitted, updated in place from deltas.
 
@@ -520,13 +540,50 @@ class CacheClient:
         return self._single(self.batch().op("table", req=request_id))
 
     def lookup(self, prompt_tokens: Sequence[int] | np.ndarray, *, cache_salt: str | None = None,
-               lora: str | tuple[str, str] | None = None) -> int:
+               lora: str | tuple[str, str] | None = None, mm: Sequence[Any] | None = None,
+               whole_prompt: bool = False) -> int:
         fields: dict[str, Any] = {"tokens": _as_token_array(prompt_tokens)}
-        if cache_salt is not None:
-            fields["salt"] = cache_salt
-        if lora is not None:
-            fields["lora"] = lora
+        fields.update(_prefix_keys(cache_salt, lora, mm))
+        if whole_prompt:
+            fields["whole_prompt"] = True
         return self._single(self.batch().op("lookup", **fields))
+
+    # Scheduler-owned block lists: KVCacheManager's match_blocks family (kvcache.allocator.owned).
+
+    def match_blocks(self, request_id: Any, tokens: Sequence[int] | np.ndarray, *, cache_salt: str | None = None,
+                     lora: str | tuple[str, str] | None = None, mm: Sequence[Any] | None = None) -> np.ndarray:
+        return self._single(self.batch().op("match_blocks", req=request_id, tokens=_as_token_array(tokens),
+                                            **_prefix_keys(cache_salt, lora, mm)))
+
+    def allocate_blank(self, request_id: Any, num_blocks: int) -> np.ndarray | None:
+        return self._single(self.batch().op("allocate_blank", req=request_id, num_blocks=num_blocks))
+
+    def commit_blocks(self, request_id: Any, blocks: Sequence[int] | np.ndarray, tokens: Sequence[int] | np.ndarray,
+                      *, blank_from: Any = None) -> int:
+        fields: dict[str, Any] = {"req": request_id, "blocks": _block_array(blocks), "tokens": _as_token_array(tokens)}
+        if blank_from is not None:
+            fields["blank_from"] = blank_from
+        return self._single(self.batch().op("commit_blocks", **fields))
+
+    def release_blocks(self, request_id: Any, blocks: Sequence[int] | np.ndarray | None = None) -> None:
+        fields: dict[str, Any] = {"req": request_id}
+        if blocks is not None:
+            fields["blocks"] = _block_array(blocks)
+        self._single(self.batch().op("release_blocks", **fields))
+
+    def evict_cached(self, num_blocks: int) -> int:
+        return self._single(self.batch().op("evict_cached", num_blocks=num_blocks))
+
+    def owned_blocks(self, request_id: Any) -> tuple[np.ndarray, np.ndarray]:
+        committed, blank = self._single(self.batch().op("owned_blocks", req=request_id))
+        return committed, blank
+
+    @property
+    def num_cached_free_blocks(self) -> np.ndarray:
+        return np.asarray(self._single(self.batch().op("free_blocks"))["cached_free"])
+
+    def uncached_free_blocks(self) -> np.ndarray:
+        return self._single(self.batch().op("free_blocks"))["uncached"]
 
     def can_admit(self, num_tokens: int) -> bool:
         return self._single(self.batch().op("can_admit", num_tokens=num_tokens))

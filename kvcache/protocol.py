@@ -27,6 +27,18 @@ passed") rather than applied again. A message whose reply could pass
     {"op": "reclaim", "reqs": [ID, ...]} → the ids now owned by this client (a restarted scheduler)
     {"op": "check_integrity"}   (admin: pool, index and tables agree; an error result names what does not)
 
+Scheduler-owned block lists (KVCacheManager's ``match_blocks`` family, for schedulers that keep their own
+tables, such as FastDeploy's; no table deltas: the scheduler hands its tables to its workers)::
+
+    {"op": "match_blocks", "req": ID, "tokens": TOKENS, "salt"?, "lora"?, "mm"?} → int32 blocks (whole-prompt hits)
+    {"op": "allocate_blank", "req": ID, "num_blocks": int} → int32 blocks, or None (too few allocatable)
+    {"op": "commit_blocks", "req": ID, "blocks": [int, ...], "tokens": TOKENS, "blank_from"?: ID} → blocks indexed
+    {"op": "release_blocks", "req": ID, "blocks"?: [int, ...]} → true (no blocks: the committed part ends)
+    {"op": "evict_cached", "num_blocks": int} → blocks evicted
+    {"op": "owned_blocks", "req": ID} → [committed int32 blocks, blank int32 blocks]
+    {"op": "free_blocks"} → {"free": per row, "cached_free": per row, "uncached": int32 free blocks holding no prefix}
+    lookup with "whole_prompt": true → the tokens match_blocks would find
+
 PD disaggregation (``kvcache serve --role prefill|decode``; see kvcache/pd/state.py for the flow)::
 
     decode:  {"op": "reserve", "req": ID, "tokens": TOKENS, "salt"?, "lora"?, "mm"?, "slot"?, "timeout"?: seconds}
@@ -111,7 +123,9 @@ Who may send which op (``OP_CALLERS``, checked once where a message enters, befo
 op refuses its whole message with one line naming the op and who may send it)::
 
     scheduler  admit extend extend_many free table lookup can_admit owned reclaim reserve cancel
-               transfer_failed pd_poll tier_failed                      any client
+               transfer_failed pd_poll tier_failed match_blocks         any client
+               allocate_blank commit_blocks release_blocks evict_cached
+               owned_blocks free_blocks
     admin      usage stats info ping check_integrity reset_prefix_cache  any client
     worker     plans sent received                                      any client (a PD worker's reports)
     rank       tier_attach                                              any client: it claims the rank (a new agent
@@ -188,7 +202,9 @@ class ProtocolError(KVCacheError):
 #: daemon itself (an expiry it journals like a message), never a client.
 OP_CALLERS: dict[str, str] = {
     **dict.fromkeys(("admit", "extend", "extend_many", "free", "table", "lookup", "can_admit", "owned", "reclaim",
-                     "reserve", "cancel", "transfer_failed", "pd_poll", "tier_failed"), "scheduler"),
+                     "reserve", "cancel", "transfer_failed", "pd_poll", "tier_failed", "match_blocks",
+                     "allocate_blank", "commit_blocks", "release_blocks", "evict_cached", "owned_blocks",
+                     "free_blocks"), "scheduler"),
     **dict.fromkeys(("usage", "stats", "info", "ping", "check_integrity", "reset_prefix_cache"), "admin"),
     **dict.fromkeys(("plans", "sent", "received"), "worker"),
     **dict.fromkeys(("tier_attach", "tier_done", "attach"), "rank"),

@@ -42,6 +42,7 @@ from kvcache import __version__
 from kvcache.allocator import _tables
 from kvcache.allocator.errors import KVCacheError
 from kvcache.allocator.manager import KVCacheManager, _Request
+from kvcache.allocator.owned import _Owned
 from kvcache.allocator.pool import BlockPool
 from kvcache.allocator.prefix import BlockHasher, Inserted, MMPlaceholder, PrefixIndex
 from kvcache.allocator.rows import Row
@@ -92,7 +93,9 @@ log = logging.getLogger("kvcache.server")
 _SNDMORE, _NOBLOCK = int(zmq.SNDMORE), int(zmq.NOBLOCK)  # plain ints: pyzmq's flag enums combine in Python
 _SNDMORE_NOBLOCK = _SNDMORE | _NOBLOCK
 _REQUEST_OPS = frozenset({"admit", "reserve", "extend", "free", "table"})  # ops that name one request (op["req"])
-_MUTATING = (frozenset({"admit", "extend", "extend_many", "free", "reset_prefix_cache", "reclaim"}) | _PD_MUTATING
+_OWNED_OPS = frozenset({"match_blocks", "allocate_blank", "commit_blocks", "release_blocks", "owned_blocks"})
+_MUTATING = (frozenset({"admit", "extend", "extend_many", "free", "reset_prefix_cache", "reclaim", "match_blocks",
+                        "allocate_blank", "commit_blocks", "release_blocks", "evict_cached"}) | _PD_MUTATING
              | TIER_OPS)
 _LEASE_CLIENT = "kvcache-lease-expiry"
 # Settings a journal records: its records are replayed under the first three (the limits they were accepted
@@ -1080,6 +1083,8 @@ class CacheServer:
                 total += (MAX_ID_CHARS + MAX_ERROR + 32) * self._pd.unread(client)
             elif kind in ("usage", "stats", "info"):
                 total += 4096 + 128 * len(m.rows) + self._cell_bytes
+            elif kind in ("match_blocks", "allocate_blank", "owned_blocks", "free_blocks"):  # block id arrays
+                total += 64 + 8 * m.num_blocks
         return total
 
     def _observe(self, force: bool = False) -> None:
@@ -1239,11 +1244,16 @@ class CacheServer:
         """An op that names no single admitted request (lookup, can_admit, reclaim, the admin and PD ops)."""
         cfg, field = self.config, f"ops[{i}]"
         if kind == "lookup":
+            whole = op.get("whole_prompt", False)
+            if not isinstance(whole, bool):
+                raise ProtocolError(f"{field}.whole_prompt: must be a bool, got {show(whole)}")
             return _Op(kind, tokens=check_tokens(op.get("tokens"), f"{field}.tokens", cfg.max_tokens),
                        salt=check_optional_str(op, "salt", field), lora=check_lora(op, field),
-                       mm=check_mm(op.get("mm"), f"{field}.mm"))
+                       mm=check_mm(op.get("mm"), f"{field}.mm"), number=int(whole))
         if kind == "can_admit":
             return _Op(kind, number=check_int(op.get("num_tokens"), f"{field}.num_tokens"))
+        if kind in _OWNED_OPS or kind in ("evict_cached", "free_blocks"):
+            return self._owned_op(op, kind, field)
         if kind == "reclaim":
             reqs = op.get("reqs")
             if not isinstance(reqs, list) or len(reqs) > MAX_OPS:
@@ -1260,6 +1270,50 @@ class CacheServer:
                 raise ProtocolError(f"{field}.req: request {fields['req']!r} is not admitted")
             return _Op(kind, fields.get("req"), pd=fields)
         raise ProtocolError(f"{field}.op: unknown operation {show(kind)}")
+
+    def _owned_op(self, op: dict, kind: str, field: str) -> _Op:
+        """A scheduler-owned block op's fields, checked: its request id, block ids, tokens and counts."""
+        cfg, m = self.config, self.manager
+        req = None if kind in ("evict_cached", "free_blocks") else check_request_id(op.get("req"), f"{field}.req")
+        if kind in ("match_blocks", "commit_blocks"):
+            tokens = check_tokens(op.get("tokens"), f"{field}.tokens", cfg.max_tokens)
+        else:
+            tokens = None
+        blocks = op.get("blocks")
+        if blocks is not None or kind == "commit_blocks":
+            blocks = check_tokens(blocks, f"{field}.blocks", m.num_blocks)
+            if blocks.size and int(blocks.max()) >= m.num_blocks:
+                raise ProtocolError(f"{field}.blocks: block {int(blocks.max())} is not in [0, {m.num_blocks})")
+            blocks = blocks.astype(np.int32)
+        number = None
+        if kind in ("allocate_blank", "evict_cached"):
+            number = check_int(op.get("num_blocks"), f"{field}.num_blocks", least=0, most=m.num_blocks)
+        fields = None
+        if kind == "commit_blocks" and op.get("blank_from") is not None:
+            fields = {"blank_from": check_request_id(op.get("blank_from"), f"{field}.blank_from")}
+        if kind == "match_blocks":
+            return _Op(kind, req, tokens, check_optional_str(op, "salt", field), check_lora(op, field),
+                       check_mm(op.get("mm"), f"{field}.mm"))
+        return _Op(kind, req, tokens, number=number, counts=blocks, pd=fields)
+
+    def _apply_owned(self, op: _Op) -> Any:
+        """A scheduler-owned block op applied to the manager (which refuses, changing nothing, what it cannot do)."""
+        m = self.manager
+        if op.kind == "match_blocks":
+            return m.match_blocks(op.req, op.tokens, cache_salt=op.salt, lora=op.lora, mm=op.mm)
+        if op.kind == "allocate_blank":
+            return m.allocate_blank(op.req, op.number)
+        if op.kind == "commit_blocks":
+            return m.commit_blocks(op.req, op.counts, op.tokens, blank_from=(op.pd or {}).get("blank_from"))
+        if op.kind == "release_blocks":
+            m.release_blocks(op.req, op.counts)
+            return True
+        if op.kind == "evict_cached":
+            return m.evict_cached(op.number)
+        if op.kind == "owned_blocks":
+            return list(m.owned_blocks(op.req))
+        return {"free": m.num_free_blocks, "cached_free": m.num_cached_free_blocks,
+                "uncached": m.uncached_free_blocks()}
 
     def _tier_fields(self, kind: str, op: dict, field: str, trusted: bool = False) -> dict[str, Any]:
         """A host-tier op's fields, checked: an agent's rank and id, a report's job and outcome, expired jobs.
@@ -1377,7 +1431,10 @@ class CacheServer:
                 elif op.kind == "table":
                     results.append(m.table(op.req).copy())
                 elif op.kind == "lookup":
-                    results.append(m.lookup(op.tokens, cache_salt=op.salt, lora=op.lora, mm=op.mm))
+                    results.append(m.lookup(op.tokens, cache_salt=op.salt, lora=op.lora, mm=op.mm,
+                                            whole_prompt=bool(op.number)))
+                elif op.kind in _OWNED_OPS or op.kind in ("evict_cached", "free_blocks"):
+                    results.append(self._apply_owned(op))
                 elif op.kind == "can_admit":
                     results.append(m.can_admit(op.number))
                 elif op.kind == "usage":
@@ -1638,7 +1695,7 @@ class CacheServer:
 
 SNAPSHOT_FORMAT = 1
 STATE_CODEC = StateCodec(  # what journal snapshots may hold
-    [KVCacheManager, _Request, BlockPool, PrefixIndex, BlockHasher, Inserted, MMPlaceholder, Full,
+    [KVCacheManager, _Request, _Owned, BlockPool, PrefixIndex, BlockHasher, Inserted, MMPlaceholder, Full,
                      Window, Chunked, _Slots, _RetryCache, Leases, PDState, Transfer, DaemonTier, TierJob])
 _STATE_TYPES = {"manager": KVCacheManager, "slots": _Slots, "retries": _RetryCache, "leases": Leases, "pd": PDState,
                 "seq": int, "epoch": int, "settings": dict}

@@ -23,6 +23,7 @@ import threading
 from dataclasses import asdict, dataclass
 from types import SimpleNamespace
 
+import msgpack
 import pytest
 
 from kvcache.allocator.errors import KVCacheError
@@ -221,6 +222,68 @@ def test_thread_safe_release_from_executor_threads() -> None:
     manager.check_integrity(tables=[])
     assert manager.num_allocatable_gpu_blocks == 512
     assert manager.stats().hit_tokens >= 196 * 16  # the shared 16 tokens hit once some request cached them
+
+
+# ---------------------------------------------------------------------- engines sharing a daemon
+
+
+def make_shared(endpoint: str, dp_rank: int = 0) -> adapter.FastDeployCacheManager:
+    """An engine's manager on the daemon at ``endpoint`` (what ``install(daemon=endpoint)`` builds)."""
+    from kvcache.client import CacheClient
+
+    config = SimpleNamespace(cache_config=SimpleNamespace(
+        total_block_num=32, prefill_kvcache_block_num=32, block_size=BLOCK, num_cpu_blocks=0,
+        kvcache_storage_backend=None))
+    return adapter.FastDeployCacheManager(config, 1, "mixed", dp_rank, cache=CacheClient(endpoint, timeout=30.0))
+
+
+def test_two_engines_on_one_daemon_share_prefixes_and_publish_kv_events(daemon) -> None:
+    """Two DP ranks' managers on one `kvcache serve`: what one rank prefills the other finds whole (the same
+    blocks, a reference each); both see the daemon's counts; the daemon publishes each stored block once, under
+    the hashes of kvcache's hasher, and the refused call of a rank changes nothing."""
+    from kvcache.allocator.prefix import BlockHasher
+    from kvcache.client import CacheClient
+
+    from test_events import decode_event, low64, replay_from
+
+    d = daemon("--num-blocks", "32", "--block-size", str(BLOCK), "--events")
+    rank0, rank1 = make_shared(d.endpoint, 0), make_shared(d.endpoint, 1)
+    assert rank0.num_gpu_blocks == rank1.num_gpu_blocks == 32 and rank1.block_size == BLOCK
+    prompt = list(range(1, 11))  # 2 full blocks and a partial one
+    a = make_task("a", prompt)
+    assert schedule_prefill(rank0, a) == (0, 3)
+    b = make_task("b", prompt[:8])
+    ids, matched, _ = rank1.request_match_blocks(b, BLOCK)
+    assert (ids, matched) == (a.block_tables[:2], 8)  # rank 0's blocks, whole prompt
+    b.block_tables = list(ids)
+    assert rank1.num_allocatable_gpu_blocks == rank0.num_allocatable_gpu_blocks == 29
+    rank0.check_integrity(tables=[a.block_tables])
+    rank1.check_integrity(tables=[b.block_tables])
+    with pytest.raises(KVCacheError, match="^gpu_block_ids"):
+        rank1.recycle_gpu_blocks(a.block_tables[2:], "b")  # rank 0's blank block, not rank 1's
+    assert rank1.num_allocatable_gpu_blocks == 29
+    finish(rank0, a)
+    finish(rank1, b)
+    rank0.check_integrity(tables=[])
+    rank1.check_integrity(tables=[])
+    assert rank0.num_free_gpu_blocks == 30 and rank1.stats()[:4] == (1, 1, 8, 8)
+    with CacheClient(d.endpoint) as client:
+        client.check_integrity()
+        batches = replay_from(client.info()["events_replay_endpoint"], 0)
+    stored = [fields for _, payload in batches for tag, fields in map(decode_event, msgpack.unpackb(payload)[1])
+              if tag == "BlockStored"]
+    assert [(e["block_hashes"], e["parent_block_hash"], e["token_ids"]) for e in stored] == [
+        ([low64(h) for h in BlockHasher(BLOCK).hash_blocks(prompt)], None, prompt[:8])]
+
+
+def test_a_shared_daemon_refuses_another_block_size(daemon) -> None:
+    """An engine whose cache config names another block size than the daemon's is refused by name."""
+    from kvcache.client import CacheClient
+
+    d = daemon("--num-blocks", "32", "--block-size", "8")
+    config = SimpleNamespace(cache_config=SimpleNamespace(total_block_num=32, block_size=BLOCK, num_cpu_blocks=0))
+    with pytest.raises(KVCacheError, match="^cache_config.block_size: 4 differs from the shared cache's 8"):
+        adapter.FastDeployCacheManager(config, cache=CacheClient(d.endpoint))
 
 
 # ---------------------------------------------------------------------- under FastDeploy's scheduler
@@ -474,6 +537,36 @@ def test_with_fastdeploys_eviction_rule_the_pressured_trace_is_identical() -> No
     assert len(kv_steps) == len(fd_steps)
     for i, (kv, fd) in enumerate(zip(kv_steps, fd_steps)):
         assert kv == fd, f"step {i} differs"
+
+
+@fastdeploy_test
+def test_fastdeploys_scheduler_over_a_daemon_takes_the_steps_it_takes_in_process(daemon) -> None:
+    """``install(daemon=...)``: FastDeploy's ResourceManagerV1 builds a manager on a `kvcache serve` daemon, and
+    the pressured trace (chunked prefill, preemption, eviction) takes exactly the steps it takes in process,
+    every step checked against the daemon's pool and index and the scheduler's block lists."""
+    trace = make_trace(300, seed=2, per_step=4)
+    options = dict(num_blocks=48, max_num_seqs=12, max_num_batched_tokens=24)
+    local = make_scheduler(adapter.FastDeployCacheManager, **options)
+    try:
+        local_steps = run(local, trace)
+    finally:
+        close(local)
+    d = daemon("--num-blocks", "48", "--block-size", str(BLOCK))
+    adapter.install(daemon=d.endpoint)
+    try:
+        shared = make_scheduler(prefix_cache_manager.PrefixCacheManager, **options)
+    finally:
+        adapter.uninstall()
+    try:
+        assert shared.cache_manager.daemon == d.endpoint
+        shared_steps = run(shared, trace)
+        assert shared.cache_manager.stats() == local.cache_manager.stats()
+        assert shared.cache_manager.num_allocatable_gpu_blocks == 48
+    finally:
+        close(shared)
+    assert len(shared_steps) == len(local_steps)
+    for i, (ours, theirs) in enumerate(zip(shared_steps, local_steps)):
+        assert ours == theirs, f"step {i} differs"
 
 
 def _first_eviction_step(trace: list[Spec]) -> int:

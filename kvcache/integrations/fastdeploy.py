@@ -1,16 +1,15 @@
-"""FastDeploy's ``PrefixCacheManager`` contract on kvcache's block pool and prefix index, in process.
+"""FastDeploy's ``PrefixCacheManager`` contract on a ``KVCacheManager`` in process, or on a shared daemon.
 
 FastDeploy's ``ResourceManagerV1`` owns each request's block list (``request.block_tables``, a flat list of
 GPU block ids) and asks its cache manager four things: which cached blocks a prompt may reuse
 (``request_match_blocks``), a number of blank blocks (``allocate_gpu_blocks``), to remember the blocks a
 prefill chunk has filled (``update_cache_blocks``, ``cache_output_blocks``) and to take blocks back
 (``release_block_ids`` for the cached part, ``recycle_gpu_blocks`` for the rest). ``FastDeployCacheManager``
-answers those calls with kvcache's ``BlockPool`` (reference counts, a LIFO free stack, an LRU ring of cached
-free blocks), ``PrefixIndex`` (chained block hash → block) and ``BlockHasher`` (SHA-256 chains), the parts
-``KVCacheManager`` is built from. It does not go through ``KVCacheManager`` itself because the two disagree on
-who owns a table: ``KVCacheManager`` makes each request's table from its tokens (admit, extend), while
-FastDeploy's scheduler hands out blank blocks before it knows their tokens, even with no request named, and
-later says which of its own block ids hold which tokens. One request's blocks under both::
+answers those calls with ``KVCacheManager``'s operations for scheduler-owned block lists (``match_blocks``,
+``allocate_blank``, ``commit_blocks``, ``release_blocks``; ``kvcache.allocator.owned``): FastDeploy's scheduler
+hands out blank blocks before it knows their tokens, even with no request named, and later says which of its own
+block ids hold which tokens. ``CacheClient`` has the same operations, so the one code path runs on a
+``kvcache serve`` daemon that several engines (DP ranks) share, with its KV events. One request's blocks under both::
 
     block_tables   | m0 | m1 | a2 | a3 | a4 | a5 |
                    |<-matched->|<-- allocate_gpu_blocks -->|
@@ -36,7 +35,8 @@ Refused by name (``KVCacheError``), never ignored: CPU swap space (``num_cpu_blo
 (``ENABLE_V1_KVCACHE_MANAGER=1``), which ``install`` cannot replace.
 
 Thread model: FastDeploy calls these methods from its scheduler thread and from executor threads (a finished
-request's release); every method takes ``request_release_lock`` (a re-entrant lock), so calls are serialised.
+request's release); every method takes ``request_release_lock`` (a re-entrant lock), so calls are serialised
+(on a daemon, the manager's one ``CacheClient``, which is not thread-safe, is used only under that lock).
 
 Checked against FastDeploy develop at commit c1b7c083 (2026-05-20).
 """
@@ -109,10 +109,11 @@ class FastDeployCacheManager:
         self.cpu_free_block_list: list[int] = []
         self._executor: Executor | None = None
         self.metrics = _hit_metrics()  # FastDeploy's CacheMetrics (its hit-rate gauges), None without FastDeploy
-        if cache is None and self._daemon is not None:
+        self.daemon = self._daemon if cache is None else None  # the endpoint this manager connected to, if any
+        if self.daemon is not None:
             from kvcache.client import CacheClient
 
-            cache = CacheClient(self._daemon, timeout=30.0, name=f"fastdeploy-dp{local_data_parallel_id}")
+            cache = CacheClient(self.daemon, timeout=30.0)
         self._shared = cache  # a manager or client given to us: its blocks are not ours to rebuild
         # Blank blocks (allocate_gpu_blocks) are held under this id until update_cache_blocks commits them to a
         # request: FastDeploy may allocate before it names the request. Unique per manager: engines sharing a
@@ -505,8 +506,12 @@ class FastDeployCacheManager:
             raise KVCacheError(f"block_size: {block_size!r} differs from cache_config.block_size {self.block_size}")
 
 
-def install() -> type[FastDeployCacheManager]:
+def install(daemon: str | None = None) -> type[FastDeployCacheManager]:
     """Make FastDeploy build ``FastDeployCacheManager`` wherever it builds its ``PrefixCacheManager``.
+
+    ``daemon``: the endpoint of a ``kvcache serve`` (e.g. ``ipc:///run/kvcache.sock``) every manager built
+    afterwards schedules on, through a ``CacheClient``, instead of a ``KVCacheManager`` of its own: engines
+    (DP ranks) installed with the same daemon share its blocks, prefixes and KV events.
 
     This patches a module attribute: it sets ``fastdeploy.cache_manager.prefix_cache_manager.PrefixCacheManager``
     to ``FastDeployCacheManager`` (FastDeploy's ``ResourceManager`` imports the name from that module each time
@@ -522,6 +527,7 @@ def install() -> type[FastDeployCacheManager]:
     if envs.ENABLE_V1_KVCACHE_MANAGER:
         raise KVCacheError("ENABLE_V1_KVCACHE_MANAGER: FastDeploy then builds its v1 CacheManager, which kvcache "
                            "does not replace; unset it to schedule on kvcache")
+    FastDeployCacheManager._daemon = daemon
     original = module.PrefixCacheManager
     if original is not FastDeployCacheManager:
         for name in _BORROWED:
@@ -535,6 +541,7 @@ def uninstall() -> None:
     """Undo ``install()``: FastDeploy builds its own ``PrefixCacheManager`` again."""
     from fastdeploy.cache_manager import prefix_cache_manager as module
 
+    FastDeployCacheManager._daemon = None
     original = getattr(FastDeployCacheManager, "_fastdeploy_class", None)
     if original is not None and module.PrefixCacheManager is FastDeployCacheManager:
         module.PrefixCacheManager = original
