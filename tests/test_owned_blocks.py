@@ -3,6 +3,7 @@ across a kill -9 (journal replay) and in its snapshots."""
 from __future__ import annotations
 
 import random
+import re
 
 import numpy as np
 import pytest
@@ -127,3 +128,29 @@ def test_a_snapshot_keeps_the_owners() -> None:
     loaded.check_integrity()
     with pytest.raises(KVCacheError, match="^request_id"):
         loaded.match_blocks("a", list(range(8)))
+
+
+@pytest.mark.parametrize("op, field", [
+    ({"op": "allocate_blank", "req": "a", "num_blocks": -1}, "ops[1].num_blocks"),
+    ({"op": "allocate_blank", "req": "a", "num_blocks": 25}, "ops[1].num_blocks"),
+    ({"op": "allocate_blank", "req": 1.5, "num_blocks": 1}, "ops[1].req"),
+    ({"op": "commit_blocks", "req": "a", "blocks": [24], "tokens": [1, 2, 3, 4]}, "ops[1].blocks"),
+    ({"op": "commit_blocks", "req": "a", "tokens": [1, 2, 3, 4]}, "ops[1].blocks"),
+    ({"op": "commit_blocks", "req": "a", "blocks": [0], "tokens": [1, 2, 3, 4], "blank_from": [1]},
+     "ops[1].blank_from"),
+    ({"op": "release_blocks", "req": "a", "blocks": ["x"]}, "ops[1].blocks"),
+    ({"op": "match_blocks", "req": "a", "tokens": [-1]}, "ops[1].tokens"),
+    ({"op": "lookup", "tokens": [1], "whole_prompt": 1}, "ops[1].whole_prompt"),
+    ({"op": "evict_cached"}, "ops[1].num_blocks"),
+])
+def test_a_malformed_owned_op_refuses_its_message_and_changes_nothing(daemon, op, field) -> None:
+    """A bad field refuses the whole message with one line naming it; the blank allocation before it in the same
+    message is not applied."""
+    from kvcache.client import DaemonError
+
+    d = daemon(*FLAGS)
+    with CacheClient(d.endpoint) as client:
+        batch = client.batch().op("allocate_blank", req="p", num_blocks=2).op(op.pop("op"), **op)
+        with pytest.raises(DaemonError, match="^" + re.escape(field) + r"\b"):
+            batch.send()
+        assert client.num_free_blocks.tolist() == [24] and client.owned_blocks("p")[1].tolist() == []
