@@ -74,7 +74,7 @@ $(FD_VENV)/.installed:
 		msgpack safetensors opentelemetry-api opentelemetry-sdk opentelemetry-distro opentelemetry-exporter-otlp \
 		opentelemetry-instrumentation-fastapi opentelemetry-instrumentation-logging \
 		opentelemetry-instrumentation-redis opentelemetry-instrumentation-mysql partial_json_parser msgspec einops \
-		setproctitle py-cpuinfo pytest numpy pyzmq crcmod ruamel.yaml pybind11 gunicorn
+		setproctitle py-cpuinfo pytest hypothesis numpy pyzmq crcmod ruamel.yaml pybind11 gunicorn
 	$(FD_PY) -m pip install -q --no-deps -e .
 	touch $@
 
