@@ -21,7 +21,6 @@ refuses in one line otherwise: another user could answer in the daemon's place.
 """
 from __future__ import annotations
 
-import hashlib
 import itertools
 import logging
 import os
@@ -36,12 +35,13 @@ import zmq
 
 from kvcache.allocator import _tables
 from kvcache.allocator.errors import KVCacheError
-from kvcache.auth import CurveConfig, load_secret_cert, secure_client_socket
+from kvcache.auth import CurveConfig, secure_client_socket
 from kvcache.allocator.manager import Admission
 from kvcache.allocator.pool import Usage
 from kvcache.paths import check_socket_path
 from kvcache.pd.state import Outcomes, Reservation, Sending
 from kvcache.protocol import LOCAL_MAX_BYTES, PROTOCOL_VERSION, ProtocolError, bind_private, pack, unpack
+from kvcache.rank_keys import curve_rank_key
 
 log = logging.getLogger("kvcache.client")
 _MAX_REPLY_BYTES = 1 << 31
@@ -59,15 +59,6 @@ class DaemonError(KVCacheError):
 def _refusal(raw: Any) -> DaemonError | None:
     """An op's result as the DaemonError it is when the daemon refused the op (``{"error": reason}``), else None."""
     return DaemonError(raw["error"]) if type(raw) is dict and len(raw) == 1 and "error" in raw else None
-
-
-def _attach_key(curve: CurveConfig | None) -> int:
-    """A key for claiming decode ranks: a keyed hash of the CURVE client secret, else random (63 bits)."""
-    if curve is None or curve.client_secret is None:
-        return secrets.randbits(63)
-    secret = load_secret_cert(curve.client_secret, "curve_client_cert")[1]
-    digest = hashlib.blake2b(b"kvcache decode rank owner", digest_size=8, key=secret).digest()
-    return int.from_bytes(digest, "big") >> 1
 
 
 def _as_token_array(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
@@ -393,7 +384,7 @@ class CacheClient:
         self.retries = retries
         self.curve = curve  # CURVE keys for a tcp:// daemon started with --curve-server-cert
         self.name = name or f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
-        self._attach_key: int | None = None  # claims the decode ranks this client attaches (``attach``)
+        self._attach_key: int | None = None  # claims the ranks this client attaches, without CURVE (``rank_key``)
         self.last_seq = -1
         self.last_epoch: int | None = None
         self._ctx = context or zmq.Context.instance()
@@ -477,26 +468,41 @@ class CacheClient:
         """Prefill messagers: where each request's blocks go (None: not being sent)."""
         return self._single(self.batch().op("plans", reqs=list(request_ids)))
 
-    def attach(self, rank: int, endpoint: str, *, key: int | None = None) -> None:
-        """Decode receivers: announce rank ``rank``'s NIXL metadata endpoint to the decode daemon.
+    def rank_key(self, rank: int) -> int:
+        """The key this client claims rank ``rank`` with by default: derived from its CURVE secret certificate and
+        the rank (a worker restarted with the same certificate claims its rank again; a client of another
+        certificate cannot), else a random key of this client's. ``kvcache.rank_keys.rank_key`` also reads one from
+        a key file, as the PD links and tier agents do."""
+        if self.curve is not None and self.curve.client_secret is not None:
+            return curve_rank_key(self.curve, rank)
+        if self._attach_key is None:
+            self._attach_key = secrets.randbits(63)
+        return self._attach_key
 
-        The first attach of a rank claims it with ``key``; the daemon changes the rank's endpoint later only for
-        the same key. The default is derived from this client's CURVE secret certificate, so a worker restarted
-        with the same certificate attaches its rank again and a client of another certificate cannot; without
-        CURVE it is a random key of this client's."""
-        if key is None:
-            if self._attach_key is None:
-                self._attach_key = _attach_key(self.curve)
-            key = self._attach_key
-        self._single(self.batch().op("attach", rank=rank, endpoint=endpoint, key=key))
+    def attach(self, rank: int, endpoint: str = "", *, key: int | None = None, admin: int | None = None) -> None:
+        """Decode receivers: announce rank ``rank``'s NIXL metadata endpoint to the decode daemon; prefill
+        messagers: claim rank ``rank`` on the prefill daemon (no endpoint).
 
-    def received(self, request_id: Any, rank: int) -> None:
-        """Decode receivers: every prefill rank's writes to ``rank`` for the request have landed."""
-        self._single(self.batch().op("received", req=request_id, rank=rank))
+        The first attach of a rank claims it with ``key`` (default ``rank_key(rank)``); the daemon attaches the
+        rank again, and counts its reports (``received``, ``sent``), only for the same key. ``admin``: the
+        daemon's admin key (``kvcache.rank_keys.admin_key``), which takes the rank over whoever owns it."""
+        key = self.rank_key(rank) if key is None else key
+        fields: dict[str, Any] = {"rank": rank, "endpoint": endpoint, "key": key}
+        if admin is not None:
+            fields["admin"] = admin
+        self._single(self.batch().op("attach", **fields))
 
-    def sent(self, request_id: Any, rank: int) -> None:
-        """Prefill messagers: rank ``rank`` wrote all its blocks of the request and notified the decode side."""
-        self._single(self.batch().op("sent", req=request_id, rank=rank))
+    def received(self, request_id: Any, rank: int, *, key: int | None = None) -> None:
+        """Decode receivers: every prefill rank's writes to ``rank`` for the request have landed. ``key``: the one
+        rank ``rank`` was attached with (default ``rank_key(rank)``); the daemon refuses a report without it."""
+        key = self.rank_key(rank) if key is None else key
+        self._single(self.batch().op("received", req=request_id, rank=rank, key=key))
+
+    def sent(self, request_id: Any, rank: int, *, key: int | None = None) -> None:
+        """Prefill messagers: rank ``rank`` wrote all its blocks of the request and notified the decode side.
+        ``key``: the one the messager attached rank ``rank`` with (default ``rank_key(rank)``)."""
+        key = self.rank_key(rank) if key is None else key
+        self._single(self.batch().op("sent", req=request_id, rank=rank, key=key))
 
     def transfer_failed(self, request_id: Any, error: str) -> None:
         """Either side's workers: the request's transfer failed; the daemon releases it and tells its scheduler."""
@@ -509,10 +515,15 @@ class CacheClient:
         again; their cached tokens were not all copied back."""
         return self._single(self.batch().op("tier_failed"))
 
-    def tier_attach(self, rank: int, agent: int, buffer: int | None = None) -> dict[str, Any]:
+    def tier_attach(self, rank: int, agent: int, buffer: int | None = None, *, key: int | None = None,
+                    admin: int | None = None) -> dict[str, Any]:
         """Tier agents: rank ``rank``'s agent (``agent``, its id) is ready with host buffer ``buffer`` (its id;
-        default: a buffer of the agent's own); returns the tier's ``num_blocks``."""
-        fields = {"rank": rank, "agent": agent}
+        default: a buffer of the agent's own); returns the tier's ``num_blocks``. The first attach of a rank claims
+        it with ``key`` (default ``rank_key(rank)``): another attach of it needs the same key, or ``admin`` (the
+        daemon's admin key)."""
+        fields: dict[str, Any] = {"rank": rank, "agent": agent, "key": self.rank_key(rank) if key is None else key}
+        if admin is not None:
+            fields["admin"] = admin
         if buffer is not None:
             fields["buffer"] = buffer
         return self._single(self.batch().op("tier_attach", **fields))

@@ -120,6 +120,7 @@ class DaemonTier(HostBooks):
         self._next_job = 0
         self._orders: list[dict[str, Any]] = []
         self._agents: dict[int, int] = {}  # rank -> its agent's id
+        self._owners: dict[int, int] = {}  # rank -> the key it was claimed with (the server checks a new attach's)
         self._buffers: dict[int, int] = {}  # rank -> the id of its agent's host buffer
         # Failed loads whose GPU blocks stay held (unordered writes) until every rank is done with them:
         # job -> (rows, blocks, ranks done).
@@ -140,6 +141,7 @@ class DaemonTier(HostBooks):
         self.__dict__.setdefault("_buffers", dict(self._agents))
         self.__dict__.setdefault("unordered_writes", False)
         self.__dict__.setdefault("_lingering", {})
+        self.__dict__.setdefault("_owners", {})  # before: any client attached any rank
         self.__dict__.setdefault("_retiring", {})  # before: a timed-out copy's blocks stayed retired for good
         if "_reading" not in state:  # a snapshot from before the tier kept which offload reads each GPU block
             self._reading = np.full_like(self._filling, -1)
@@ -159,12 +161,16 @@ class DaemonTier(HostBooks):
         """The id (key) of the agent attached as ``rank`` now, or None: the only one whose reports count."""
         return self._agents.get(rank)
 
+    def owner_of(self, rank: int) -> int | None:
+        """The key rank ``rank`` was first attached with (None: none yet): only it attaches the rank again."""
+        return self._owners.get(rank)
+
     @property
     def active(self) -> bool:
         """Whether every rank's agent is attached (else the tier holds and orders nothing)."""
         return len(self._agents) == self.tp
 
-    def attach(self, rank: int, agent: int, buffer: int | None = None) -> None:
+    def attach(self, rank: int, agent: int, buffer: int | None = None, *, key: int | None = None) -> None:
         """Rank ``rank``'s agent ``agent`` is ready with host buffer ``buffer`` (default: one of its own).
 
         Another agent than before on that rank (a restarted worker) fails every copy in flight and makes
@@ -173,6 +179,8 @@ class DaemonTier(HostBooks):
         if not 0 <= rank < self.tp:
             raise KVCacheError(f"rank: must be in [0, {self.tp}), got {rank}")
         buffer = agent if buffer is None else buffer
+        if key is not None:
+            self._owners[rank] = key
         known = self._agents.get(rank)
         if known == agent:
             return

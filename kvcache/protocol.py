@@ -44,11 +44,12 @@ PD disaggregation (``kvcache serve --role prefill|decode``; see kvcache/pd/state
     decode:  {"op": "reserve", "req": ID, "tokens": TOKENS, "salt"?, "lora"?, "mm"?, "slot"?, "timeout"?: seconds}
                → admit's result + "receivers": [endpoint per decode rank]
              {"op": "attach", "rank": int, "endpoint": str, "key"?: int}   (a decode rank's CacheReceiver)
-             {"op": "received", "req": ID, "rank": int}         (every writer to that rank has finished)
+             {"op": "received", "req": ID, "rank": int, "key": int}  (every writer to that rank has finished)
     prefill: admit with "dest": {"receivers": [str], "table": int32[rows, blocks], "cached": int,
                                  "decode": str, "timeout"?: seconds}
+             {"op": "attach", "rank": int, "key"?: int}         (a prefill rank's messager claims its rank)
              {"op": "plans", "reqs": [ID, ...]} → per request its plan or None (messagers)
-             {"op": "sent", "req": ID, "rank": int}             (a prefill rank wrote and notified all)
+             {"op": "sent", "req": ID, "rank": int, "key": int}  (a prefill rank wrote and notified all)
     both:    {"op": "cancel", "req": ID, "release"?: bool} | {"op": "transfer_failed", "req": ID, "error": str}
              {"op": "pd_poll"} → {"done": [[ID, t_ns], ...], "failed": [[ID, error], ...]} (the caller's requests)
 
@@ -127,13 +128,16 @@ op refuses its whole message with one line naming the op and who may send it)::
                allocate_blank commit_blocks release_blocks evict_cached
                owned_blocks free_blocks
     admin      usage stats info ping check_integrity reset_prefix_cache  any client
-    worker     plans sent received                                      any client (a PD worker's reports)
-    rank       tier_attach                                              any client: it claims the rank (a new agent
-                                                                        on a rank is taken for a restarted worker)
+    worker     plans                                                    any client (a PD messager's plans)
+    rank       sent received "key": int                                 only the worker attached as that rank (the
+                                                                        messager, the receiver), naming its key
+               tier_attach "key"?: int "admin"?: int                    a rank not claimed: any client (its key
+                                                                        claims it); else only that key or the
+                                                                        daemon's admin key (kvcache.rank_keys)
                tier_done "agent": int                                   only the agent attached as that rank now,
                                                                         proving it with the key it attached with
-               attach "key"?: int                                       a rank with no receiver: any client (its key
-                                                                        claims the rank); else only that key
+               attach "key"?: int "admin"?: int                         the same rule as tier_attach (a decode
+                                                                        receiver, or a prefill messager: no endpoint)
     daemon     tier_expire                                              the daemon itself (its host-tier deadline);
                                                                         never a client
 
@@ -197,17 +201,17 @@ class ProtocolError(KVCacheError):
     """A message that cannot be decoded or violates the protocol; the message names the field."""
 
 
-#: Who may send each op: "scheduler" and "admin" ops any client; "worker" ops any client (a PD worker's reports);
-#: "rank" ops a TP rank's worker, proving the rank with its key (the daemon checks the key); "daemon" ops only the
-#: daemon itself (an expiry it journals like a message), never a client.
+#: Who may send each op: "scheduler" and "admin" ops any client; "worker" ops any client (a PD messager's plans);
+#: "rank" ops a TP rank's worker, proving the rank with its key (the daemon checks the key; the daemon's admin key
+#: claims any rank); "daemon" ops only the daemon itself (an expiry it journals like a message), never a client.
 OP_CALLERS: dict[str, str] = {
     **dict.fromkeys(("admit", "extend", "extend_many", "free", "table", "lookup", "can_admit", "owned", "reclaim",
                      "reserve", "cancel", "transfer_failed", "pd_poll", "tier_failed", "match_blocks",
                      "allocate_blank", "commit_blocks", "release_blocks", "evict_cached", "owned_blocks",
                      "free_blocks"), "scheduler"),
     **dict.fromkeys(("usage", "stats", "info", "ping", "check_integrity", "reset_prefix_cache"), "admin"),
-    **dict.fromkeys(("plans", "sent", "received"), "worker"),
-    **dict.fromkeys(("tier_attach", "tier_done", "attach"), "rank"),
+    "plans": "worker",
+    **dict.fromkeys(("tier_attach", "tier_done", "attach", "sent", "received"), "rank"),
     "tier_expire": "daemon",
 }
 

@@ -54,6 +54,7 @@ from kvcache.journal import Journal, JournalFull, Recovered
 from kvcache.keys import RELOAD_STATUS, write_reload_status
 from kvcache.leases import Leases
 from kvcache.listeners import Listeners
+from kvcache.rank_keys import admin_key
 from kvcache.state_codec import StateCodec
 from kvcache.pd.state import MUTATING as _PD_MUTATING
 from kvcache.pd.state import MAX_ERROR, PD_OPS, PDState, Transfer, validate_op
@@ -378,6 +379,7 @@ class CacheServer:
         self._subscribers: Any = None
         self._local_subscribers: dict[str | bytes, None] = {}  # workers taking deltas as datagrams, by address
         self._auth: Any = None
+        self._admin_key: int | None = None  # set once the endpoint is bound (its folder holds the key file)
         self._reload_requested = False
         curve = None
         if self.config.curve_server_cert:
@@ -397,6 +399,8 @@ class CacheServer:
             # A worker that asks again and again without reading holds at most a few replies (snapshots).
             self.replay = self._bind(zmq.ROUTER, self.config.replay_endpoint, "replay_endpoint", sndhwm=REPLAY_HWM)
             self._recv_step = self._listeners.receiver(self.router)
+            # The daemon's admin key (kvcache.rank_keys): a claim holding it takes a rank whoever owns it.
+            self._admin_key = admin_key(self.config.endpoint, self.config.curve_server_cert or None, create=True)
             self._recv_replay = self._listeners.receiver(self.replay)
             if self.config.local_endpoint != LOCAL_OFF:
                 self.local = self._bind_local(Path(self.config.local_endpoint))
@@ -1262,10 +1266,11 @@ class CacheServer:
         if kind in ("usage", "stats", "info", "ping", "reset_prefix_cache", "check_integrity", "owned"):
             return _Op(kind)
         check_caller(kind, field, own=trusted)  # the ops above are any client's
+        admin = self._admin_key is not None and type(op.get("admin")) is int and op["admin"] == self._admin_key
         if kind in TIER_OPS:
-            return _Op(kind, pd=self._tier_fields(kind, op, field, trusted))
+            return _Op(kind, pd=self._tier_fields(kind, op, field, trusted, admin))
         if kind in PD_OPS:
-            fields = validate_op(self._pd, kind, op, field, trusted=trusted)
+            fields = validate_op(self._pd, kind, op, field, trusted=trusted, admin=admin)
             if "req" in fields and live.get(fields["req"]) is False:
                 raise ProtocolError(f"{field}.req: request {fields['req']!r} is not admitted")
             return _Op(kind, fields.get("req"), pd=fields)
@@ -1315,15 +1320,24 @@ class CacheServer:
         return {"free": m.num_free_blocks, "cached_free": m.num_cached_free_blocks,
                 "uncached": m.uncached_free_blocks()}
 
-    def _tier_fields(self, kind: str, op: dict, field: str, trusted: bool = False) -> dict[str, Any]:
+    def _tier_fields(self, kind: str, op: dict, field: str, trusted: bool = False,
+                     admin: bool = False) -> dict[str, Any]:
         """A host-tier op's fields, checked: an agent's rank and id, a report's job and outcome, expired jobs.
 
         A report counts only from the agent attached as its rank now: it names the key that agent attached with
         (``agent``), which no other client learns, so another rank's agent, a replaced one or a client that never
-        attached is refused (``trusted``: a journal's message, let in before)."""
+        attached is refused (``trusted``: a journal's message, let in before). A rank is claimed by the ``key`` of
+        its first attach: another attach of it needs the same key (a restarted agent of the same user reads it again,
+        ``kvcache.rank_keys``) or the daemon's admin key (``admin``)."""
         if kind == "tier_attach":
-            fields = {"rank": check_int(op.get("rank"), f"{field}.rank", least=0, most=self.config.tp - 1),
-                      "agent": check_int(op.get("agent"), f"{field}.agent", least=0)}
+            rank = check_int(op.get("rank"), f"{field}.rank", least=0, most=self.config.tp - 1)
+            key = None if op.get("key") is None else check_int(op.get("key"), f"{field}.key", least=0)
+            owner = None if self.tier is None else self.tier.owner_of(rank)
+            if not (trusted or admin) and owner is not None and key != owner:
+                raise ProtocolError(f"{field}.key: tier_attach of rank {rank} refused: the rank is claimed by another "
+                                    "agent's key; who may attach it: an agent holding the key the rank was first "
+                                    "attached with (its key file) or an admin (the daemon's admin key)")
+            fields = {"rank": rank, "agent": check_int(op.get("agent"), f"{field}.agent", least=0), "key": key}
             if op.get("buffer") is not None:  # absent: a buffer of the agent's own
                 fields["buffer"] = check_int(op.get("buffer"), f"{field}.buffer", least=0)
             return fields
@@ -1496,7 +1510,7 @@ class CacheServer:
         if tier is None:
             raise KVCacheError(f"{op.kind}: this daemon has no host tier (start it with --host-memory)")
         if op.kind == "tier_attach":
-            tier.attach(fields["rank"], fields["agent"], fields.get("buffer"))
+            tier.attach(fields["rank"], fields["agent"], fields.get("buffer"), key=fields.get("key"))
             return {"num_blocks": tier.num_blocks}
         if op.kind == "tier_done":
             tier.report(fields["job"], fields["rank"], fields["ok"], fields["error"])

@@ -35,7 +35,9 @@ import numpy as np
 
 from kvcache.allocator.errors import KVCacheError
 from kvcache.allocator.rows import table_cells
+from kvcache.auth import CurveConfig
 from kvcache.client import CacheClient
+from kvcache.rank_keys import rank_key
 from kvcache.transfer.engines import DEFAULT_TIMEOUT, LocalEngine, TransferHandle, TransferStatus, _Finished
 from kvcache.transfer.manager import Load, allocate_host, copy_layers, first_error, map_host_file
 from kvcache.transfer.regions import CopyRanges, KVRegion
@@ -60,18 +62,26 @@ class TierAgent:
     outlives the process; delete it to drop the blocks. Only this user's
     processes share it: it is created 0600, and a file of another user, one
     that others may read or write, or a symbolic link is refused.
+
+    The first agent of a rank claims it with the rank's key (``kvcache.rank_keys.rank_key``: ``key_file``, else
+    one derived from ``curve``'s certificate, else a 0600 file beside an ipc:// daemon's socket): an agent
+    restarted by the same user attaches the rank again, another client cannot (``admin``, the daemon's admin key,
+    takes it over). ``curve``: the CURVE keys for a tcp:// daemon that requires them.
     """
 
     def __init__(self, subscriber: Any, region: KVRegion, *, timeout: float = DEFAULT_TIMEOUT,
-                 cuda_method: str = "auto", pin: bool = True, host_file: str | os.PathLike | None = None) -> None:
+                 cuda_method: str = "auto", pin: bool = True, host_file: str | os.PathLike | None = None,
+                 curve: CurveConfig | None = None, key_file: str | os.PathLike | None = None,
+                 admin: int | None = None) -> None:
         if region.owner:
             raise KVCacheError(f"region: belongs to peer {region.owner!r}; the agent copies this process's cache")
         if subscriber.on_delta is not None:
             raise KVCacheError("subscriber: another agent already takes its deltas")
         self.subscriber, self.region, self.rank = subscriber, region, subscriber.rank
         # Retried (the daemon answers a retry from its kept reply): a report outlives a daemon's restart.
+        key = rank_key(subscriber.endpoint, self.rank, curve=curve, key_file=key_file)
         self._client = CacheClient(subscriber.endpoint, timeout=max(5.0, subscriber.timeout), retries=3,
-                                   name=f"tier-agent-{self.rank}-{os.getpid()}")
+                                   name=f"tier-agent-{self.rank}-{os.getpid()}", curve=curve)
         try:
             tier = self._client.info().get("host_tier")
             if not tier:
@@ -95,7 +105,7 @@ class TierAgent:
             self._engine = LocalEngine(timeout=timeout, cuda_method=cuda_method)
             if region.is_cuda and not self.host.pinned:
                 self._engine.register(self.host)
-            self._client.tier_attach(self.rank, self.agent_id, buffer)
+            self._client.tier_attach(self.rank, self.agent_id, buffer, key=key, admin=admin)
         except BaseException:
             if hasattr(self, "_engine"):
                 self._engine.close()

@@ -313,3 +313,159 @@ def test_kvcache_serve_catches_sighup_before_it_imports_numpy() -> None:
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stderr.strip().splitlines()[-1] == "caught"
+
+
+# -- PD reports and rank claims, bound to the key that attached the rank --------------------------------------------
+
+def _cpu_region(blocks: int = 32) -> Any:
+    from kvcache.pd.cluster import Cache, spec_of
+    from kvcache.transfer import KVRegion
+
+    spec = spec_of(dict(layers=2, kv_heads=2, head_dim=16, block_size=16), 1)
+    return KVRegion.from_tensors(spec, Cache(spec, blocks, "cpu").layers)
+
+
+def test_a_received_report_counts_only_from_the_receiver_attached_as_its_rank(daemon) -> None:
+    """A decode rank's `received` counts only from the worker attached as that rank, naming its key: another client
+    (no key, a wrong one, or one that attached another rank) is refused by name, and the reservation stays in
+    transfer (its blocks are never handed to the scheduler unwritten). The receiver's own report lands it."""
+    d = daemon("--num-blocks", "32", "--block-size", "4", "--role", "decode", "--tp", "2")
+    with CacheClient(d.endpoint, timeout=5) as worker0, CacheClient(d.endpoint, timeout=5) as worker1, \
+            CacheClient(d.endpoint, timeout=5) as scheduler:
+        worker0.attach(0, "tcp://127.0.0.1:1")
+        worker1.attach(1, "tcp://127.0.0.1:2")
+        scheduler.reserve("r", list(range(9)))
+        refusal = r"received for rank 0 counts only from the receiver attached as rank 0"
+        with pytest.raises(DaemonError, match=refusal):
+            scheduler.batch().op("received", req="r", rank=0).send()  # no key
+        with pytest.raises(DaemonError, match=refusal):
+            scheduler.received("r", 0)  # its own key, which claimed nothing
+        with pytest.raises(DaemonError, match=refusal):
+            worker1.received("r", 0)  # rank 1's worker, for rank 0
+        worker1.received("r", 1)
+        assert scheduler.pd_poll().done == {}, "a refused report marked the transfer done"
+        worker0.received("r", 0)
+        assert list(scheduler.pd_poll().done) == ["r"]
+        scheduler.check_integrity()
+
+
+def test_a_sent_report_counts_only_from_the_messager_attached_as_its_rank(daemon) -> None:
+    """A prefill rank's messager claims its rank (`attach` with no endpoint); `sent` then counts only from it: a
+    report for a rank no messager attached, or from another client, is refused and the request stays in transfer."""
+    p = daemon("--num-blocks", "32", "--block-size", "16", "--role", "prefill")
+    dest = {"receivers": ["tcp://127.0.0.1:1"], "table": np.arange(3, dtype=np.int32)[None, :], "cached": 0,
+            "decode": "ipc:///nowhere"}
+    with CacheClient(p.endpoint, timeout=5) as scheduler, CacheClient(p.endpoint, timeout=5) as messager:
+        scheduler.admit("a", np.arange(40), dest=dest)
+        refusal = "sent for rank 0 counts only from the messager attached as rank 0"
+        with pytest.raises(DaemonError, match=refusal):  # no messager attached yet
+            messager.sent("a", 0)
+        messager.attach(0)
+        with pytest.raises(DaemonError, match=refusal):
+            scheduler.sent("a", 0)
+        with pytest.raises(DaemonError, match=refusal):
+            scheduler.batch().op("sent", req="a", rank=0).send()
+        with pytest.raises(DaemonError, match="attach of prefill rank 0 refused"):
+            scheduler.attach(0)
+        assert scheduler.pd_poll().done == {} and scheduler.plans(["a"])[0] is not None
+        messager.sent("a", 0)
+        assert list(scheduler.pd_poll().done) == ["a"]
+        scheduler.check_integrity()
+
+
+def test_a_restarted_decode_link_attaches_its_rank_again_with_its_key_file_and_an_admin_takes_any_rank(daemon):
+    """Without CURVE a DecodeLink claims its rank with a key it keeps in a 0600 file beside the daemon's socket: a
+    link restarted by the same user (a new process would read the same file) attaches the rank again and its
+    reports count; a client with another key cannot attach it. The daemon's admin key (a 0600 file it writes there)
+    takes the rank over, and from then on only the new owner reports for it."""
+    from kvcache.pd.links import DecodeLink
+    from kvcache.rank_keys import admin_key
+
+    d = daemon("--num-blocks", "32", "--block-size", "16", "--role", "decode")
+    region = _cpu_region()
+    socket_file = Path(d.endpoint[len("ipc://"):])
+    with DecodeLink(d.endpoint, region, 0) as link:
+        first = link.key
+        key_file = socket_file.with_name(f"{socket_file.name}.rank-0.key")
+        assert key_file.stat().st_mode & 0o777 == 0o600 and int(key_file.read_text()) == first
+    with DecodeLink(d.endpoint, region, 0) as link, CacheClient(d.endpoint, timeout=5) as c:
+        assert link.key == first
+        c.reserve("a", np.arange(40))
+        link._received(["a"])
+        assert list(c.pd_poll().done) == ["a"]
+        with pytest.raises(DaemonError, match="attach of decode rank 0 refused"):
+            c.attach(0, "tcp://10.0.0.66:1")
+        admin = admin_key(d.endpoint)
+        assert admin is not None and socket_file.with_name(f"{socket_file.name}.admin.key").stat().st_mode & 0o777 \
+            == 0o600
+        with pytest.raises(DaemonError, match="attach of decode rank 0 refused"):
+            c.attach(0, "tcp://10.0.0.66:1", admin=admin ^ 1)
+        c.attach(0, "tcp://127.0.0.1:7", admin=admin)  # the operator moves the rank to a new worker (c's key)
+        assert list(c.reserve("b", np.arange(40) + 1000).receivers) == ["tcp://127.0.0.1:7"]
+        link._received(["b"])  # the old owner's report is refused (logged), the transfer stays
+        assert c.pd_poll().done == {}
+        c.received("b", 0)
+        assert list(c.pd_poll().done) == ["b"]
+
+
+def test_a_host_tier_rank_is_taken_only_with_its_key_or_the_daemons_admin_key(node) -> None:
+    """An agent claims its rank with a key from its 0600 key file: an agent restarted by the same user attaches the
+    rank again and serves byte for byte; another client cannot take the rank (the agent's copies go on), unless it
+    holds the daemon's admin key."""
+    from kvcache.rank_keys import admin_key
+
+    n = node()
+    n.serve("a", PROMPT)
+    assert n.settle()["cached_blocks"] == 3
+    with CacheClient(n.endpoint, timeout=5) as stranger:
+        with pytest.raises(DaemonError, match="tier_attach of rank 0 refused"):
+            stranger.tier_attach(0, 99)
+        with pytest.raises(DaemonError, match="tier_attach of rank 0 refused"):
+            stranger.batch().op("tier_attach", rank=0, agent=99).send()
+        n.serve("b", list(range(200, 213)))
+        assert n.settle()["cached_blocks"] == 6, "the refused attach took the rank from its agent"
+        n.agents[0].close()
+        n.agents[0] = TierAgent(n.subs[0], n.memory[0].region)  # the worker restarted: same user, same key file
+        n.serve("c", list(range(300, 313)))
+        assert n.settle()["offloaded_blocks"] >= 3
+        stranger.tier_attach(0, 98, admin=admin_key(n.endpoint))
+        assert n.client.stats()["host_tier"]["ranks"] == 1
+    n.client.check_integrity()
+
+
+def test_a_tier_agent_reaches_a_daemon_that_requires_curve(daemon, tmp_path, tcp_endpoint) -> None:
+    """TierAgent passes its CURVE keys to its own client: it attaches to a tcp:// daemon that requires CURVE and its
+    copies land (offloaded and cached on host); a restarted agent with the same certificate attaches its rank again,
+    one of another allowed certificate cannot."""
+    from kvcache.auth import CurveConfig
+    from kvcache.keys import create_keys
+    from kvcache.worker import TableSubscriber
+
+    from test_tier import Memory, make_spec
+
+    keys = tmp_path / "keys"
+    for name in ("worker", "other"):
+        create_keys(keys, name)
+    d = daemon("--endpoint", tcp_endpoint, "--num-blocks", "8", "--block-size", "4", "--host-block-budget", "32",
+               "--curve-server-cert", str(keys / "server.key_secret"), "--curve-clients-dir", str(keys / "clients"))
+    curve = {name: CurveConfig.for_client(keys / f"{name}.key_secret", keys / "server.key")
+             for name in ("worker", "other")}
+    memory = Memory(make_spec("bf16", tp_size=1), 8, seed=0)
+    with CacheClient(tcp_endpoint, timeout=5, curve=curve["worker"]) as client, \
+            TableSubscriber(tcp_endpoint, rank=0, tp_size=1, curve=curve["worker"]) as sub:
+        agent = TierAgent(sub, memory.region, curve=curve["worker"])
+        try:
+            client.admit("a", PROMPT)
+            sub.wait_for(client.last_seq)
+            client.free("a")
+            sub.wait_for(client.last_seq)
+            assert agent.drain(10)
+            stats = client.stats()["host_tier"]
+            assert (stats["ranks"], stats["offloaded_blocks"], stats["cached_blocks"]) == (1, 3, 3)
+        finally:
+            agent.close()
+        agent = TierAgent(sub, memory.region, curve=curve["worker"])
+        agent.close()
+        with CacheClient(tcp_endpoint, timeout=5, curve=curve["other"]) as other:
+            with pytest.raises(DaemonError, match="tier_attach of rank 0 refused"):
+                other.tier_attach(0, 5)

@@ -299,17 +299,19 @@ def test_a_receivers_batch_report_lands_every_request_still_in_transfer_when_one
 
 def test_a_reservation_survives_a_daemon_restart_from_its_journal(daemon, tmp_path):
     """kill -9 the decode daemon while a request is arriving: restarted, it still holds and completes it."""
+    from kvcache.rank_keys import rank_key
+
     flags = ("--num-blocks", "32", "--block-size", "16", "--role", "decode", "--journal", str(tmp_path / "j"))
     d = daemon(*flags)
     with CacheClient(d.endpoint, name="sched") as c:
-        c.attach(0, "tcp://127.0.0.1:1")
+        c.attach(0, "tcp://127.0.0.1:1", key=rank_key(d.endpoint, 0))  # a worker's key: its reports count
         table = c.reserve("a", np.arange(40)).table.copy()
     d.kill()
     again = daemon(*flags, folder=d.folder)
     with CacheClient(again.endpoint, name="sched") as c:
         assert c.stats()["in_transfer"] == 1
         assert np.array_equal(c.table("a"), table)
-        c.received("a", 0)
+        c.received("a", 0, key=rank_key(again.endpoint, 0))
         assert list(c.pd_poll().done) == ["a"]
         c.free("a")
         c.check_integrity()
@@ -506,6 +508,7 @@ def test_a_failed_send_leaves_no_uncomputed_prefill_block_in_the_prefix_cache(da
         assert c.pd_poll().failed == {"a": "decode rank 0 died"}
         assert c.lookup(np.arange(40)) == 0 and c.usage.max == 0.0
         c.admit("b", np.arange(40), dest=dest)
+        c.attach(0)  # as rank 0's messager
         c.sent("b", 0)
         assert list(c.pd_poll().done) == ["b"]
         assert c.lookup(np.arange(40)) == 32  # sent: computed, so cached

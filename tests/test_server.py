@@ -422,9 +422,10 @@ def test_an_extend_many_after_a_pd_op_that_frees_one_of_its_requests_is_refused_
     m = server.manager
     dest = {"receivers": ["tcp://127.0.0.1:1"], "table": np.arange(3, dtype=np.int32)[None, :], "cached": 0,
             "decode": "ipc:///nowhere"}
-    assert call(server, [admit("a", 9, dest=dest), admit("x", 3)], request_id=1)["ok"]
+    assert call(server, [admit("a", 9, dest=dest), admit("x", 3), {"op": "attach", "rank": 0, "key": 1}],
+                request_id=1)["ok"]
     row_of_a = m._slot_of["a"]
-    reply = call(server, [{"op": "sent", "req": "a", "rank": 0}, admit("z", 2),
+    reply = call(server, [{"op": "sent", "req": "a", "rank": 0, "key": 1}, admit("z", 2),
                           {"op": "extend_many", "reqs": ["x", "a"], "tokens": np.array([7, 8]),
                            "counts": np.array([1, 1])}], request_id=2)
     assert reply["ok"], reply

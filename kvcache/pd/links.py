@@ -10,14 +10,20 @@
 A model runner whose Python holds the GIL while it launches kernels delays the link's threads: run the
 messager in a process of its own with ``kvcache.pd.process.MessagerProcess`` (same arguments).
 
-The prefill link fetches plans from its daemon (``plans``), reports ``sent`` there, and on failure
-reports ``transfer_failed`` to both daemons (the decode one named in the plan). The decode link
-reports ``received``. Each thread that talks to a daemon has its own CacheClient (they are not
-thread-safe); every call has the client's deadline.
+The prefill link claims its rank on its daemon before its first call there (``attach`` with no
+endpoint), fetches plans there (``plans``), reports ``sent`` there, and on failure reports
+``transfer_failed`` to both daemons (the decode one named in the plan). The decode link attaches its receiver and reports ``received``. A
+daemon counts a rank's reports only from the worker that attached it, by the key it attached with:
+``kvcache.rank_keys.rank_key`` gives each link its rank's key (``key_file``, else one derived from the
+CURVE certificate, else a 0600 file beside an ipc:// daemon's socket), so a worker restarted by the
+same user claims its rank again. ``admin`` (the daemon's admin key) takes a rank whoever owns it.
+Each thread that talks to a daemon has its own CacheClient (they are not thread-safe); every call
+has the client's deadline.
 """
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -26,6 +32,7 @@ from kvcache.auth import CurveConfig
 from kvcache.client import CacheClient, DaemonError
 from kvcache.allocator.errors import KVCacheError
 from kvcache.pd.messager import CacheMessager, CacheReceiver, TransferPlan
+from kvcache.rank_keys import rank_key
 from kvcache.transfer.nixl import NixlEngine
 from kvcache.transfer.regions import KVRegion
 from kvcache.transfer.signal import LayerSignal
@@ -67,8 +74,13 @@ class PrefillLink:
 
     def __init__(self, endpoint: str, region: KVRegion, signal: LayerSignal, rank: int, *,
                  engine: NixlEngine | None = None, timeout: float = 5.0, curve: CurveConfig | None = None,
-                 progress: str = "thread") -> None:
+                 progress: str = "thread", key_file: str | os.PathLike | None = None,
+                 admin: int | None = None) -> None:
         self.endpoint = endpoint
+        # The rank is claimed before the first plans or report (``_claimed``): the daemon need not be up yet.
+        self.key: int | None = None
+        self._claim_args = (curve, key_file, admin)
+        self._claim_lock = threading.Lock()
         self._clients = _Clients(timeout, curve)
         self._own_engine = engine is None
         self.engine = engine or NixlEngine(f"prefill-r{rank}-{id(self):x}", progress=progress)
@@ -100,13 +112,24 @@ class PrefillLink:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def _claimed(self) -> CacheClient:
+        """This thread's client of the prefill daemon, once this rank is claimed there with its key."""
+        client = self._clients.get(self.endpoint)
+        with self._claim_lock:
+            if self.key is None:
+                curve, key_file, admin = self._claim_args
+                key = rank_key(self.endpoint, self.rank, curve=curve, key_file=key_file)
+                client.attach(self.rank, key=key, admin=admin)
+                self.key = key
+        return client
+
     def _plans(self, reqs: list[Any]) -> list[TransferPlan | None]:
-        raw = self._clients.get(self.endpoint).plans(reqs)
+        raw = self._claimed().plans(reqs)
         return [None if p is None else TransferPlan.from_wire(p) for p in raw]
 
     def _sent(self, req: Any) -> None:
         try:
-            self._clients.get(self.endpoint).sent(req, self.rank)
+            self._claimed().sent(req, self.rank, key=self.key)
         except DaemonError as exc:  # e.g. cancelled meanwhile and already released
             log.info("prefill daemon refused sent(%r): %s", req, exc)
 
@@ -129,16 +152,18 @@ class DecodeLink:
 
     def __init__(self, endpoint: str, region: KVRegion, rank: int, *, engine: NixlEngine | None = None,
                  listen: str = "tcp://127.0.0.1:*", timeout: float = 5.0, curve: CurveConfig | None = None,
-                 progress: str = "thread") -> None:
+                 progress: str = "thread", key_file: str | os.PathLike | None = None,
+                 admin: int | None = None) -> None:
         self.endpoint = endpoint
         self.rank = rank
+        self.key = rank_key(endpoint, rank, curve=curve, key_file=key_file)
         self._clients = _Clients(timeout, curve)
         self._own_engine = engine is None
         self.engine = engine or NixlEngine(f"decode-r{rank}-{id(self):x}", progress=progress)
         try:
             self.receiver = CacheReceiver(self.engine, region, rank, on_received=self._received, endpoint=listen)
             with CacheClient(endpoint, timeout=timeout, curve=curve) as client:
-                client.attach(rank, self.receiver.endpoint)
+                client.attach(rank, self.receiver.endpoint, key=self.key, admin=admin)
         except BaseException:
             self.close()
             raise
@@ -162,14 +187,14 @@ class DecodeLink:
         client = self._clients.get(self.endpoint)
         batch = client.batch()
         for req in reqs:
-            batch.op("received", req=req, rank=self.rank)
+            batch.op("received", req=req, rank=self.rank, key=self.key)
         try:
             results = batch.send()
         except DaemonError:  # one no longer in transfer refuses the message: report them one by one
             results = []
             for req in reqs:
                 try:
-                    results.append(client.received(req, self.rank))
+                    results.append(client.received(req, self.rank, key=self.key))
                 except DaemonError as exc:
                     results.append(exc)
         for req, result in zip(reqs, results):

@@ -18,9 +18,9 @@ from kvcache.allocator.manager import Admission
 from kvcache.protocol import ProtocolError, check_int, check_request_id, show
 
 ROLES = ("both", "prefill", "decode")
-DECODE_OPS = frozenset({"reserve", "attach", "received"})
+DECODE_OPS = frozenset({"reserve", "received"})
 PREFILL_OPS = frozenset({"plans", "sent"})
-SHARED_OPS = frozenset({"transfer_failed", "cancel", "pd_poll"})
+SHARED_OPS = frozenset({"attach", "transfer_failed", "cancel", "pd_poll"})  # attach: a receiver's or a messager's
 PD_OPS = DECODE_OPS | PREFILL_OPS | SHARED_OPS
 MUTATING = frozenset({"reserve", "attach", "received", "sent", "transfer_failed", "cancel"})
 MAX_ENDPOINT = 1024
@@ -109,8 +109,10 @@ class PDState:
         self.tp = tp
         self.block_size = block_size
         self.timeout = timeout
-        self.receivers: list[str | None] = [None] * tp  # decode: each rank's NIXL metadata endpoint
-        # decode: the key each rank was attached with (None: none given); only that key changes the rank's endpoint
+        # decode: each rank's NIXL metadata endpoint; prefill: its messager's (or ""), once attached
+        self.receivers: list[str | None] = [None] * tp
+        # The key each rank was attached with (None: none given): only that key attaches the rank again, and only a
+        # worker naming it reports for the rank (received, sent)
         self.owners: list[int | None] = [None] * tp
         self.transfers: dict[Any, Transfer] = {}
         self._by_serial: dict[int, Any] = {}
@@ -218,9 +220,19 @@ class PDState:
     def check_attach(self, rank: int, key: int | None, field: str) -> None:
         """Refuse to change the endpoint of an attached rank but for the key it was attached with."""
         if self.receivers[rank] is not None and (self.owners[rank] is None or key != self.owners[rank]):
-            raise ProtocolError(f"{field}.key: attach of decode rank {rank} refused: the rank is attached already; "
+            side = "decode" if self.role == "decode" else "prefill"
+            raise ProtocolError(f"{field}.key: attach of {side} rank {rank} refused: the rank is attached already; "
                                 "who may change its endpoint: the worker that attached it (the key it attached "
-                                "with), never another client")
+                                "with) or an admin (the daemon's admin key), never another client")
+
+    def check_reporter(self, kind: str, rank: int, key: Any, field: str) -> None:
+        """Refuse a report for ``rank`` but from the worker attached as that rank (naming the key it attached with)."""
+        owner = self.owners[rank]
+        if self.receivers[rank] is None or owner is None or type(key) is not int or key != owner:
+            who = "receiver" if kind == "received" else "messager"
+            raise ProtocolError(f"{field}.key: {kind} for rank {rank} counts only from the {who} attached as rank "
+                                f"{rank} (who may send it: that worker, naming the key it attached with); this "
+                                "sender is not it")
 
     def attach(self, rank: int, endpoint: str, key: int | None = None) -> bool:
         """Decode rank ``rank``'s receiver is at ``endpoint``; ``key`` claims the rank (``check_attach``)."""
@@ -382,20 +394,25 @@ class PDState:
         self._outbox.setdefault(owner, []).append((kind, req, detail))
 
 
-def validate_op(pd: PDState, kind: str, op: dict, field: str, *, trusted: bool = False) -> dict[str, Any]:
+def validate_op(pd: PDState, kind: str, op: dict, field: str, *, trusted: bool = False,
+                admin: bool = False) -> dict[str, Any]:
     """A PD op's fields (reserve's are an admit's, checked by the server), checked; ProtocolError names the field.
 
-    ``trusted``: a journal's message, let in before (an attach is not checked against the rank's owner again)."""
+    ``trusted``: a journal's message, let in before (an attach or a report is not checked against the rank's owner
+    again); ``admin``: the message holds the daemon's admin key, which attaches a rank whoever owns it."""
     pd.check_role(kind, field)
     if kind == "attach":
         rank = pd.check_rank(op.get("rank"), f"{field}.rank")
         key = op.get("key")
         if key is not None:
             key = check_int(key, f"{field}.key")
-        if not trusted:
+        if not (trusted or admin):
             pd.check_attach(rank, key, field)
-        return {"rank": rank, "endpoint": _check_str(op.get("endpoint"), f"{field}.endpoint", MAX_ENDPOINT),
-                "key": key}
+        if pd.role == "prefill" and op.get("endpoint", "") == "":  # a messager has no endpoint to announce
+            endpoint = ""
+        else:
+            endpoint = _check_str(op.get("endpoint"), f"{field}.endpoint", MAX_ENDPOINT)
+        return {"rank": rank, "endpoint": endpoint, "key": key}
     if kind == "pd_poll":
         return {}
     if kind == "plans":
@@ -408,6 +425,8 @@ def validate_op(pd: PDState, kind: str, op: dict, field: str, *, trusted: bool =
     out: dict[str, Any] = {"req": req}
     if kind in ("received", "sent"):
         out["rank"] = pd.check_rank(op.get("rank"), f"{field}.rank")
+        if not trusted:
+            pd.check_reporter(kind, out["rank"], op.get("key"), field)
     elif kind == "transfer_failed":
         out["error"] = pd.check_error(op, field)
     elif kind == "cancel":
