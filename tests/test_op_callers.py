@@ -384,12 +384,15 @@ def test_a_restarted_decode_link_attaches_its_rank_again_with_its_key_file_and_a
     d = daemon("--num-blocks", "32", "--block-size", "16", "--role", "decode")
     region = _cpu_region()
     socket_file = Path(d.endpoint[len("ipc://"):])
-    with DecodeLink(d.endpoint, region, 0) as link:
-        first = link.key
-        key_file = socket_file.with_name(f"{socket_file.name}.rank-0.key")
-        assert key_file.stat().st_mode & 0o777 == 0o600 and int(key_file.read_text()) == first
+    DecodeLink(d.endpoint, region, 0).close()  # the worker; then the same user's worker restarted:
     with DecodeLink(d.endpoint, region, 0) as link, CacheClient(d.endpoint, timeout=5) as c:
-        assert link.key == first
+        key_file = socket_file.with_name(f"{socket_file.name}.rank-0.key")
+        first = int(key_file.read_text())
+        assert key_file.stat().st_mode & 0o777 == 0o600 and link.key == first
+        another_process = subprocess.run([sys.executable, "-c", "import sys; from kvcache.rank_keys import rank_key; "
+                                          "print(rank_key(sys.argv[1], 0))", d.endpoint],
+                                         capture_output=True, text=True, timeout=120)
+        assert another_process.stdout.strip() == str(first), another_process.stderr
         c.reserve("a", np.arange(40))
         link._received(["a"])
         assert list(c.pd_poll().done) == ["a"]
