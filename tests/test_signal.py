@@ -270,7 +270,10 @@ def test_idle_waiter_uses_no_cpu(name):
 def test_ctrl_c_interrupts_a_wait(name):
     """SIGINT reaches a waiter blocked with no timeout: it raises KeyboardInterrupt."""
     with LayerSignal.create(name, 1):
-        code = (f"from kvcache.transfer import LayerSignal; s = LayerSignal.open({name!r}); print('ready', flush=True);"
+        # The handler is set explicitly: a child started while a thread of this process is in C's system() (which
+        # sets SIGINT and SIGQUIT to ignored meanwhile) inherits SIGINT ignored, and Python then installs none.
+        code = ("import signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+                f"from kvcache.transfer import LayerSignal; s = LayerSignal.open({name!r}); print('ready', flush=True);"
                 "s.wait(0, 1)")
         p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         assert p.stdout.readline().strip() == "ready"
@@ -279,8 +282,9 @@ def test_ctrl_c_interrupts_a_wait(name):
         try:
             _, err = p.communicate(timeout=60)
         except subprocess.TimeoutExpired:
+            state = process_state(p.pid)
             p.kill()
-            raise AssertionError(f"SIGINT did not end the wait; the waiter was:\n{process_state(p.pid)}") from None
+            raise AssertionError(f"SIGINT did not end the wait; the waiter was:\n{state}") from None
     assert p.returncode != 0 and "KeyboardInterrupt" in err
 
 
