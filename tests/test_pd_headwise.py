@@ -17,6 +17,9 @@ from kvcache.transfer.nixl import nixl_available
 
 needs_nixl = pytest.mark.skipif(not nixl_available(), reason="NIXL is not installed (pip install nixl-cu12 --no-deps)")
 
+# A loaded machine can hold a whole check_integrity of a busy node past the client's default 5 s; a hang still fails.
+CALL_TIMEOUT_S = 30.0
+
 # 4 kv heads: two sliding-window heads (32 tokens, a 16-token sink) and two full ones.
 ROWS = "window:32:16*2,full*2"
 
@@ -35,7 +38,7 @@ def test_head_wise_requests_arrive_head_by_head_with_prefix_hits_on_either_side(
     from kvcache.pd import PDProxy
 
     with Cluster(layers=3, kv_heads=4, head_dim=32, prefill_tp=prefill_tp, decode_tp=decode_tp, rows=ROWS) as cluster:
-        prefill, decode = CacheClient(cluster.cfg["prefill"]), CacheClient(cluster.cfg["decode"])
+        prefill, decode = (CacheClient(cluster.cfg[role], timeout=CALL_TIMEOUT_S) for role in ("prefill", "decode"))
         proxy = PDProxy(prefill, decode)
         for name, prompts, clear in scenario(np.random.default_rng(3), cluster.spec.block_size):
             if clear:
@@ -66,7 +69,7 @@ def test_layer_group_rows_arrive_layer_by_layer_from_their_own_pools(prefill_tp,
 
     with Cluster(model=GEMMA_SHAPED, head_wise=head_wise, memory="32MiB", max_model_len=2048,
                  max_num_batched_tokens=1040, prefill_tp=prefill_tp, decode_tp=decode_tp) as cluster:
-        prefill, decode = CacheClient(cluster.cfg["prefill"]), CacheClient(cluster.cfg["decode"])
+        prefill, decode = (CacheClient(cluster.cfg[role], timeout=CALL_TIMEOUT_S) for role in ("prefill", "decode"))
         rows = prefill.info()["rows"]
         assert len(rows) == (8 if head_wise else 2)
         assert [r["layers"] for r in rows[:: len(rows) // 2]] == [[0, 2], [1, 3]]
@@ -111,7 +114,7 @@ def test_blocks_the_prefill_node_never_sent_are_never_a_decode_prefix_hit():
     rng = np.random.default_rng(4)
     head = rng.integers(0, 50_000, 400)
     with Cluster(layers=2, kv_heads=4, head_dim=32, rows=ROWS) as cluster:
-        prefill, decode = CacheClient(cluster.cfg["prefill"]), CacheClient(cluster.cfg["decode"])
+        prefill, decode = (CacheClient(cluster.cfg[role], timeout=CALL_TIMEOUT_S) for role in ("prefill", "decode"))
         proxy = PDProxy(prefill, decode)
         assert run_batch(cluster, proxy, {"p": head})["problems"] == []
         decode.reset_prefix_cache()
@@ -132,7 +135,7 @@ def test_chunked_prefill_with_window_heads_recycling_between_chunks():
     from kvcache.pd import PDProxy
 
     with Cluster(layers=3, kv_heads=4, head_dim=32, rows=ROWS) as cluster:
-        prefill, decode = CacheClient(cluster.cfg["prefill"]), CacheClient(cluster.cfg["decode"])
+        prefill, decode = (CacheClient(cluster.cfg[role], timeout=CALL_TIMEOUT_S) for role in ("prefill", "decode"))
         proxy = PDProxy(prefill, decode)
         tokens = np.random.default_rng(8).integers(0, 50_000, 700)
         assert run_batch(cluster, proxy, {"seed": tokens[:257]})["problems"] == []
