@@ -472,3 +472,37 @@ def test_a_tier_agent_reaches_a_daemon_that_requires_curve(daemon, tmp_path, tcp
         with CacheClient(tcp_endpoint, timeout=5, curve=curve["other"]) as other:
             with pytest.raises(DaemonError, match="tier_attach of rank 0 refused"):
                 other.tier_attach(0, 5)
+
+
+def test_a_prefill_link_claims_its_rank_before_it_reports_and_again_after_a_restart_without_journal(daemon,
+                                                                                                 tmp_path) -> None:
+    """A PrefillLink claims its rank on the prefill daemon before its first report, so its `sent` counts and
+    another client's is refused; restarted without a journal (the claim forgotten), the daemon counts the link's
+    next report once the link has claimed its rank again."""
+    from kvcache.pd.links import PrefillLink
+    from kvcache.transfer.signal import LayerSignal
+
+    flags = ("--num-blocks", "32", "--block-size", "16", "--role", "prefill")
+    p = daemon(*flags)
+    dest = {"receivers": ["tcp://127.0.0.1:1"], "table": np.arange(3, dtype=np.int32)[None, :], "cached": 0,
+            "decode": "ipc:///nowhere"}
+    region = _cpu_region()
+    with LayerSignal.create(f"kvcache-claim-{tmp_path.name}", 2, replace=True) as sig, \
+            PrefillLink(p.endpoint, region, sig, 0) as link:
+        with CacheClient(p.endpoint, timeout=5) as scheduler:
+            scheduler.admit("a", np.arange(40), dest=dest)
+            assert link._plans(["a"])[0] is not None  # the messager's first call: it claims the rank first
+            with pytest.raises(DaemonError, match="attach of prefill rank 0 refused"):
+                scheduler.attach(0)
+            with pytest.raises(DaemonError, match="sent for rank 0 counts only from the messager"):
+                scheduler.sent("a", 0)
+            assert scheduler.pd_poll().done == {}
+            link._sent("a")
+            assert list(scheduler.pd_poll().done) == ["a"]
+        p.kill()
+        again = daemon(*flags, folder=p.folder)
+        with CacheClient(again.endpoint, timeout=5) as scheduler:
+            scheduler.admit("b", np.arange(40), dest=dest)
+            link._sent("b")
+            assert list(scheduler.pd_poll().done) == ["b"]
+            scheduler.check_integrity()

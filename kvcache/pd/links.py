@@ -79,6 +79,7 @@ class PrefillLink:
         self.endpoint = endpoint
         # The rank is claimed before the first plans or report (``_claimed``): the daemon need not be up yet.
         self.key: int | None = None
+        self._epoch: int | None = None  # the daemon incarnation that holds the claim
         self._claim_args = (curve, key_file, admin)
         self._claim_lock = threading.Lock()
         self._clients = _Clients(timeout, curve)
@@ -113,14 +114,16 @@ class PrefillLink:
         self.close()
 
     def _claimed(self) -> CacheClient:
-        """This thread's client of the prefill daemon, once this rank is claimed there with its key."""
+        """This thread's client of the prefill daemon, once this rank is claimed there with its key (again, when
+        the client has seen another daemon incarnation than the claim's: one restarted without its journal)."""
         client = self._clients.get(self.endpoint)
         with self._claim_lock:
-            if self.key is None:
+            if self.key is None or client.last_epoch not in (None, self._epoch):
                 curve, key_file, admin = self._claim_args
-                key = rank_key(self.endpoint, self.rank, curve=curve, key_file=key_file)
+                key = self.key if self.key is not None else rank_key(self.endpoint, self.rank, curve=curve,
+                                                                     key_file=key_file)
                 client.attach(self.rank, key=key, admin=admin)
-                self.key = key
+                self.key, self._epoch = key, client.last_epoch
         return client
 
     def _plans(self, reqs: list[Any]) -> list[TransferPlan | None]:
@@ -128,10 +131,20 @@ class PrefillLink:
         return [None if p is None else TransferPlan.from_wire(p) for p in raw]
 
     def _sent(self, req: Any) -> None:
-        try:
-            self._claimed().sent(req, self.rank, key=self.key)
-        except DaemonError as exc:  # e.g. cancelled meanwhile and already released
-            log.info("prefill daemon refused sent(%r): %s", req, exc)
+        for attempt in range(2):
+            client = self._claimed()
+            try:
+                client.sent(req, self.rank, key=self.key)
+                return
+            except DaemonError as exc:  # e.g. cancelled meanwhile and already released
+                epoch = self._epoch
+                try:  # a refusal carries no epoch: a restarted daemon may have forgotten the claim
+                    client.ping()
+                except KVCacheError:
+                    pass
+                if attempt or client.last_epoch == epoch:
+                    log.info("prefill daemon refused sent(%r): %s", req, exc)
+                    return
 
     def _failed(self, req: Any, error: str, plan: TransferPlan | None) -> None:
         self.failures.append((req, error))
