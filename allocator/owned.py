@@ -70,6 +70,11 @@ class OwnedBlocks:
             return np.empty(0, dtype=np.int32), np.empty(0, dtype=np.int32)
         return np.asarray(owned.committed, dtype=np.int32), np.asarray(owned.blank, dtype=np.int32)
 
+    def is_matched(self, request_id: object) -> bool:
+        """Whether the request's committed part is live: ``match_blocks`` ran and ``release_blocks(id)`` has not."""
+        owned = self._owned.get(request_id)
+        return owned is not None and owned.matched
+
     def match_blocks(self, request_id: object, tokens: Tokens, *, cache_salt: str | None = None,
                      lora: LoRA | None = None, mm: Sequence[MMPlaceholder | tuple[str, int, int]] | None = None
                      ) -> np.ndarray:

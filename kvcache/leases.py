@@ -1,8 +1,9 @@
 """Leases: which scheduler owns each request, and which schedulers have gone silent.
 
-A scheduler (a CacheClient name) owns the requests it admitted. Every
-message it sends renews its lease; one silent for longer than the lease
-timeout has its requests freed by the daemon, so its blocks return. A
+A scheduler (a CacheClient name) owns the requests it admitted, and those it
+first gave scheduler-owned blocks. Every message it sends renews its lease; one
+silent for longer than the lease timeout has its requests freed (their owned
+blocks released) by the daemon, so its blocks return. A
 restarted scheduler reclaims its requests by id (or simply reuses its name).
 Pure bookkeeping: no clocks of its own, no I/O; the daemon passes ``now``.
 """

@@ -731,7 +731,8 @@ class CacheServer:
         return len(late)
 
     def expire_leases(self, now: float | None = None) -> int:
-        """Free every request of schedulers silent past the lease timeout; returns how many were freed.
+        """Free every request of schedulers silent past the lease timeout, and release the blocks they own
+        (``allocate_blank``, ``match_blocks``, ``commit_blocks``); returns how many requests were freed or released.
 
         The frees go through the normal path as a message of their own (journaled,
         published as deltas), so a restart replays them like any other.
@@ -741,15 +742,21 @@ class CacheServer:
         freed = 0
         for client, reqs in self._leases.expired(now):
             # A request still in a PD transfer is cancelled instead: its blocks go once the writers stop.
-            ops = [{"op": "cancel" if r in self._pd.transfers else "free", "req": r} for r in reqs]
+            # A request that owns blocks instead of a table releases them (release_blocks).
+            owned = [r for r in reqs if r not in self.manager and r not in self._pd.transfers]
+            ops = [{"op": "cancel" if r in self._pd.transfers else "free", "req": r} for r in reqs
+                   if r in self.manager or r in self._pd.transfers]
+            for r in owned:
+                ops += self._release_owned_ops(r)
             reply = self._handle_own(_LEASE_CLIENT, ops)
             self._leases.forget(client)
             self._pd.forget_owner(client)
             if reply.get("ok"):
                 freed += len(reqs)
                 self._expired += len(reqs)
-                log.warning("lease of scheduler %r expired after %.1f s of silence: freed %d request(s)",
-                            client, self._leases.timeout, len(reqs))
+                log.warning("lease of scheduler %r expired after %.1f s of silence: freed %d request(s)%s", client,
+                            self._leases.timeout, len(reqs) - len(owned),
+                            f", released the owned blocks of {len(owned)}" if owned else "")
             else:
                 log.error("lease expiry of %r failed: %s", client, reply.get("error"))
         return freed
@@ -1301,6 +1308,31 @@ class CacheServer:
                        check_mm(op.get("mm"), f"{field}.mm"))
         return _Op(kind, req, tokens, number=number, counts=blocks, pd=fields)
 
+    def _lease_owned(self, client: str, op: _Op) -> None:
+        """Lease a request's owned blocks to the client that first gave it some (``client``), like an admitted
+        request's; the lease ends once the request holds none (its lease expiry releases them)."""
+        if op.kind not in ("match_blocks", "allocate_blank", "commit_blocks", "release_blocks"):
+            return
+        m = self.manager
+        for req in (op.req, (op.pd or {}).get("blank_from")):
+            if req is None:
+                continue
+            if m.is_matched(req) or m.owned_blocks(req)[1].size:
+                if self._leases.owner(req) is None:
+                    self._leases.own(client, req)
+            elif req not in m:
+                self._leases.release(req)
+
+    def _release_owned_ops(self, req: Any) -> list[dict[str, Any]]:
+        """The ops that release every owned block of ``req``: its committed part, then its blank blocks."""
+        ops: list[dict[str, Any]] = []
+        if self.manager.is_matched(req):
+            ops.append({"op": "release_blocks", "req": req})
+        blank = self.manager.owned_blocks(req)[1]
+        if blank.size:
+            ops.append({"op": "release_blocks", "req": req, "blocks": blank.tolist()})
+        return ops
+
     def _apply_owned(self, op: _Op) -> Any:
         """A scheduler-owned block op applied to the manager (which refuses, changing nothing, what it cannot do)."""
         m = self.manager
@@ -1449,6 +1481,7 @@ class CacheServer:
                                             whole_prompt=bool(op.number)))
                 elif op.kind in _OWNED_OPS or op.kind in ("evict_cached", "free_blocks"):
                     results.append(self._apply_owned(op))
+                    self._lease_owned(client, op)
                 elif op.kind == "can_admit":
                     results.append(m.can_admit(op.number))
                 elif op.kind == "usage":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import re
+import time
 
 import numpy as np
 import pytest
@@ -154,3 +155,78 @@ def test_a_malformed_owned_op_refuses_its_message_and_changes_nothing(daemon, op
         with pytest.raises(DaemonError, match="^" + re.escape(field) + r"\b"):
             batch.send()
         assert client.num_free_blocks.tolist() == [24] and client.owned_blocks("p")[1].tolist() == []
+
+
+LEASE_FLAGS = (*FLAGS, "--lease-timeout", "1")
+
+
+def take_blocks(client: CacheClient, req: str, pool: str, prompt: list[int]) -> None:
+    """Match ``req``'s prompt, take 4 blank blocks under ``pool``, commit 2 of them as ``req``'s first blocks."""
+    client.match_blocks(req, prompt)
+    blank = client.allocate_blank(pool, 4)
+    client.commit_blocks(req, blank[:2], prompt[:8], blank_from=pool)
+
+
+def wait_for_expiry(steady: CacheClient, expired: int) -> None:
+    """Ping as ``steady`` (keeping its lease) until the daemon has expired ``expired`` requests (10 s at most)."""
+    deadline = time.monotonic() + 10
+    while steady.stats()["expired_requests"] < expired:
+        assert time.monotonic() < deadline, "the silent scheduler's lease never expired"
+        time.sleep(0.1)
+
+
+def test_a_silent_schedulers_owned_blocks_are_released_with_its_lease(daemon) -> None:
+    """A scheduler that took blank blocks, committed some and admitted a request goes silent: after the lease
+    timeout the daemon frees its request and releases its owned blocks alike (committed prefixes stay cached), and
+    a scheduler that keeps talking keeps its own."""
+    d = daemon(*LEASE_FLAGS)
+    mine, theirs = list(range(100, 112)), list(range(200, 212))
+    with CacheClient(d.endpoint, name="steady") as steady:
+        take_blocks(steady, "s", "steady-pool", mine)
+        held = (steady.owned_blocks("s"), steady.owned_blocks("steady-pool"))
+        silent = CacheClient(d.endpoint, name="silent")
+        take_blocks(silent, "a", "silent-pool", theirs)
+        silent.allocate_blank("b", 1)
+        silent.match_blocks("c", [7])  # a live committed part of no blocks
+        silent.admit("x", list(range(300, 309)))
+        assert sorted(silent.owned()) == ["a", "b", "c", "silent-pool", "x"]
+        assert steady.num_free_blocks.tolist() == [24 - 4 - 4 - 1 - 3]
+        silent.close()
+        wait_for_expiry(steady, 5)
+        assert steady.num_free_blocks.tolist() == [24 - 4]
+        steady.check_integrity()
+        for req in ("a", "b", "c", "silent-pool"):
+            assert [b.tolist() for b in steady.owned_blocks(req)] == [[], []]
+        assert [[b.tolist() for b in pair] for pair in (steady.owned_blocks("s"), steady.owned_blocks("steady-pool"))] \
+            == [[b.tolist() for b in pair] for pair in held]
+        assert steady.lookup(theirs, whole_prompt=True) == 8       # released like a freed request: still cached
+        assert steady.lookup(list(range(300, 309))) == 8
+        assert sorted(steady.owned()) == ["s", "steady-pool"]
+        assert steady.match_blocks("c", [7]).tolist() == []        # the released ids are free to take again
+    assert "lease of scheduler 'silent' expired" in d.log() and "released the owned blocks of 4" in d.log()
+
+
+def test_owned_blocks_keep_their_lease_across_kill_9_and_a_journal_restart(daemon, tmp_path) -> None:
+    """The owner of blocks survives a kill -9: after the restart the silent scheduler still owns its blocks, and
+    its lease expiry releases them while the scheduler that keeps talking keeps its own."""
+    flags = (*LEASE_FLAGS, "--journal", str(tmp_path / "journal"))
+    d = daemon(*flags)
+    with CacheClient(d.endpoint, name="steady") as steady:
+        take_blocks(steady, "s", "steady-pool", list(range(100, 112)))
+    with CacheClient(d.endpoint, name="silent") as silent:
+        take_blocks(silent, "a", "silent-pool", list(range(200, 212)))
+    d.kill()
+    d = daemon(*flags, folder=d.folder)
+    with CacheClient(d.endpoint, name="silent") as silent:
+        assert sorted(silent.owned()) == ["a", "silent-pool"]
+    with CacheClient(d.endpoint, name="steady") as steady:
+        assert sorted(steady.owned()) == ["s", "steady-pool"]
+        assert steady.num_free_blocks.tolist() == [24 - 8]
+        wait_for_expiry(steady, 2)
+        assert steady.num_free_blocks.tolist() == [24 - 4]
+        assert steady.owned_blocks("s")[0].size == 2
+        steady.check_integrity()
+        steady.release_blocks("s")
+        steady.release_blocks("steady-pool", steady.owned_blocks("steady-pool")[1])
+        assert steady.num_free_blocks.tolist() == [24] and steady.owned() == []
+        steady.check_integrity()
