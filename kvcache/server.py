@@ -409,6 +409,7 @@ class CacheServer:
                 self._recover()
             if self._metrics is not None:  # served once they show this daemon's state, not a fresh one's zeros
                 self._observe(force=True)
+                self._next_observe = 0.0  # the state at start is no message: the first one is counted at once
                 if self.config.metrics_port:
                     self._metrics.serve_http(self.config.metrics_port)
         except BaseException:
