@@ -54,7 +54,7 @@ from kvcache.journal import Journal, JournalFull, Recovered
 from kvcache.keys import RELOAD_STATUS, write_reload_status
 from kvcache.leases import Leases
 from kvcache.listeners import Listeners
-from kvcache.rank_keys import admin_key
+from kvcache.rank_keys import admin_key, key_file_of
 from kvcache.state_codec import StateCodec
 from kvcache.pd.state import MUTATING as _PD_MUTATING
 from kvcache.pd.state import MAX_ERROR, PD_OPS, PDState, Transfer, validate_op
@@ -623,6 +623,10 @@ class CacheServer:
         self._sockets.clear()
         if self.local is not None:
             self.local.close()
+        if self._admin_key is not None and not self.config.curve_server_cert:
+            admin_file = key_file_of(self.config.endpoint, "admin")  # a key only while this daemon holds the endpoint
+            if admin_file is not None:
+                admin_file.unlink(missing_ok=True)
         self._listeners.close()
 
     def serve(self, should_stop: Callable[[], bool] = lambda: False, poll_ms: int = 100) -> None:

@@ -78,6 +78,7 @@ from kvcache.protocol import (
     pack,
     unpack,
 )
+from kvcache.worker import _bind_beside, _remove_socket_file
 
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection
@@ -1002,9 +1003,10 @@ class _RawDeltas:
     def __init__(self, endpoint: str, local: bool) -> None:
         self.ctx: zmq.Context | None = None
         self.dgram: socket.socket | None = None
+        self.path: str | None = None
         if local:
             self.dgram = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-            self.dgram.bind("")
+            self.path = _bind_beside(self.dgram, endpoint)  # a socket file the daemon accepts, as a worker's
             self.dgram.connect(endpoint)
             self.dgram.setblocking(False)
             self.dgram.send(LOCAL_SUBSCRIBE)
@@ -1038,6 +1040,7 @@ class _RawDeltas:
         if self.dgram is not None:
             self.dgram.send(LOCAL_UNSUBSCRIBE)
             self.dgram.close()
+            _remove_socket_file(self.path)
         else:
             self.sub.close(0)
             self.ctx.term()
