@@ -29,6 +29,7 @@ import dataclasses
 import logging
 import math
 import os
+import secrets
 import stat
 import threading
 import time
@@ -43,6 +44,16 @@ from zmq.utils.monitor import recv_monitor_message
 
 from kvcache.allocator.errors import KVCacheError
 from kvcache.paths import check_socket_path
+
+
+def open_monitor(sock: zmq.Socket, events: int) -> zmq.Socket:
+    """``sock``'s monitor for ``events``, on an inproc address of its own.
+
+    pyzmq's default address is named after the socket's file descriptor, which a socket closed a moment ago may
+    still hold in the context: the new monitor would then fail to bind (EADDRINUSE).
+    """
+    return sock.get_monitor_socket(events, addr=f"inproc://kvcache-monitor-{secrets.token_hex(8)}")
+
 
 log = logging.getLogger("kvcache.auth")
 ZAP_DOMAIN = "kvcache"
@@ -287,7 +298,7 @@ class KeyAuthenticator(ThreadAuthenticator):
         A thread reads the socket's monitor. libzmq gives a socket one monitor,
         so a caller that needs the socket's events takes it over with ``hand_over``.
         """
-        monitor = sock.get_monitor_socket(HANDSHAKE_FAILURES | zmq.EVENT_MONITOR_STOPPED)
+        monitor = open_monitor(sock, HANDSHAKE_FAILURES | zmq.EVENT_MONITOR_STOPPED)
         stop = threading.Event()
         watcher = threading.Thread(target=self._watch, args=(monitor, stop), name="kvcache-auth-watch", daemon=True)
         self._watchers[id(sock)] = _Watcher(sock, watcher, stop)

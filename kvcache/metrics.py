@@ -15,6 +15,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from kvcache.allocator.errors import KVCacheError
 from kvcache.allocator.pool import usage
+from kvcache.auth import open_monitor
 
 if TYPE_CHECKING:
     from kvcache.allocator.manager import KVCacheManager, ManagerStats
@@ -243,8 +244,8 @@ class SubscriberCounter:
     def __init__(self, socket: zmq.Socket, also: int = 0,
                  on_event: Callable[[dict[str, Any]], object] | None = None) -> None:
         self.socket = socket
-        self.monitor_socket = socket.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_CONNECTED
-                                                        | zmq.EVENT_DISCONNECTED | also)
+        self.monitor_socket = open_monitor(socket, zmq.EVENT_ACCEPTED | zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
+                                           | also)
         self._on_event = on_event
         self.count = 0
 

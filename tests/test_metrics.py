@@ -189,6 +189,26 @@ def wait_for_count(counter: SubscriberCounter, expected: int) -> None:
             counter.handle()
 
 
+def test_subscriber_counter_monitors_a_socket_whose_default_monitor_address_is_taken(ctx, tmp_path):
+    """pyzmq names a monitor after the socket's file descriptor; a socket closed a moment ago may still hold that
+    inproc address in the context. The counter's monitor has an address of its own, so the daemon still starts."""
+    pub = ctx.socket(zmq.PUB)
+    pub.bind(f"ipc://{tmp_path}/pub.sock")
+    stale = ctx.socket(zmq.PAIR)
+    stale.bind(f"inproc://monitor.s-{pub.FD}")  # what a dead socket's monitor on the same descriptor left bound
+    counter = SubscriberCounter(pub)
+    sub = ctx.socket(zmq.SUB)
+    try:
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(f"ipc://{tmp_path}/pub.sock")
+        wait_for_count(counter, 1)
+    finally:
+        sub.close(linger=0)
+        counter.close()
+        stale.close(linger=0)
+        pub.close(linger=0)
+
+
 def test_subscriber_counter_counts_connections_and_disconnections(ctx, tmp_path):
     """Two SUB sockets connect: 2; one closes: 1. handle() never blocks."""
     pub = ctx.socket(zmq.PUB)
