@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import os
 import pwd
+import secrets
+import socket
 import stat
 from pathlib import Path
 
@@ -105,6 +107,38 @@ def owner_name(uid: int) -> str:
         return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
     except KeyError:
         return f"uid {uid}"
+
+
+def bind_beside(sock: socket.socket, endpoint: str) -> str:
+    """Bind ``sock`` to a new socket file (0600, random name) in the folder of the local ``endpoint``; its path.
+
+    That folder is the daemon user's alone (checked before), so only that user or root can ever bind this
+    address, also once we are gone; anyone may bind an abstract name, a dead worker's included.
+    """
+    folder = os.path.dirname(os.path.abspath(endpoint))
+    # No longer than the default endpoint's name, so the path fits where the endpoint's does (108 bytes at most).
+    path = os.path.join(folder, f"worker-{secrets.token_hex(5)}")
+    os.fchmod(sock.fileno(), 0o600)  # the file's mode at bind, whatever the umask (which other threads share)
+    sock.bind(path)
+    try:
+        owner = os.stat(folder)
+        if os.geteuid() == 0 and owner.st_uid != 0:  # a root worker of another user's daemon: that user sends to it
+            os.chown(path, owner.st_uid, owner.st_gid)
+    except OSError:
+        remove_socket_file(path)
+        raise
+    return path
+
+
+def remove_socket_file(path: str | None) -> None:
+    """Remove the socket file at ``path`` (None: nothing), if it is one: never another kind of file."""
+    if path is None:
+        return
+    try:
+        if stat.S_ISSOCK(os.lstat(path).st_mode):
+            os.unlink(path)
+    except OSError:
+        pass
 
 
 def _folders_above(folder: Path) -> list[Path]:

@@ -54,6 +54,7 @@ from kvcache.journal import Journal, JournalFull, Recovered
 from kvcache.keys import RELOAD_STATUS, write_reload_status
 from kvcache.leases import Leases
 from kvcache.listeners import Listeners
+from kvcache.paths import remove_socket_file
 from kvcache.rank_keys import admin_key, key_file_of
 from kvcache.state_codec import StateCodec
 from kvcache.pd.state import MUTATING as _PD_MUTATING
@@ -112,15 +113,6 @@ _OP_ERROR_BYTES = 2 * MAX_ID_CHARS + 512  # an op's {"error": message} result at
 METRICS_INTERVAL_S = 0.05  # a busy daemon counts its messages in the metrics at most this often
 _PD_CLIENT = "kvcache-transfer-expiry"
 _TIER_CLIENT = "kvcache-tier-expiry"
-
-
-def _remove_socket_file(path: str) -> None:
-    """Remove the socket file at ``path``, if it is one (never another kind of file)."""
-    try:
-        if stat.S_ISSOCK(os.lstat(path).st_mode):
-            os.unlink(path)
-    except OSError:
-        pass
 
 
 def _check_compatible(journaled: KVCacheManager, configured: KVCacheManager, cfg: ServeConfig) -> None:
@@ -900,7 +892,7 @@ class CacheServer:
             except OSError as exc:  # no such socket any more, or one no longer connected to this daemon's
                 gone.append(address)
                 if exc.errno == errno.ECONNREFUSED:  # a file no process has bound any more: a worker killed
-                    _remove_socket_file(address)
+                    remove_socket_file(address)
         for address in gone:
             self._local_subscribers.pop(address, None)
         if gone:

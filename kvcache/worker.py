@@ -56,9 +56,7 @@ from __future__ import annotations
 
 import collections
 import logging
-import os
 import re
-import secrets
 import select
 import socket
 import time
@@ -73,7 +71,7 @@ from kvcache.auth import CurveConfig, secure_client_socket
 from kvcache.allocator.rows import Row, cell_rows, rows_of_rank
 from kvcache.allocator.table import EMPTY, rank_rows
 from kvcache.client import CacheClient, DaemonUnavailable
-from kvcache.paths import check_socket_path
+from kvcache.paths import bind_beside, check_socket_path, remove_socket_file
 from kvcache.protocol import (
     DELTA_HEAD_BYTES,
     DELTA_TOPIC,
@@ -231,36 +229,6 @@ def _check_ipc(endpoint: str, field: str) -> None:
     """``check_socket_path`` for an ipc:// endpoint; tcp:// ones are CURVE's to secure."""
     if endpoint.startswith("ipc://"):
         check_socket_path(endpoint, field)
-
-
-def _bind_beside(sock: socket.socket, endpoint: str) -> str:
-    """Bind ``sock`` to a new socket file (0600, random name) in the folder of the local ``endpoint``; its path.
-
-    That folder is the daemon user's alone (checked before), so only that user or root can ever bind this
-    address, also once we are gone; anyone may bind an abstract name, a dead worker's included.
-    """
-    folder = os.path.dirname(os.path.abspath(endpoint))
-    # No longer than the default endpoint's name, so the path fits where the endpoint's does (108 bytes at most).
-    path = os.path.join(folder, f"worker-{secrets.token_hex(5)}")
-    os.fchmod(sock.fileno(), 0o600)  # the file's mode at bind, whatever the umask (which other threads share)
-    sock.bind(path)
-    try:
-        owner = os.stat(folder)
-        if os.geteuid() == 0 and owner.st_uid != 0:  # a root worker of another user's daemon: that user sends to it
-            os.chown(path, owner.st_uid, owner.st_gid)
-    except OSError:
-        _remove_socket_file(path)
-        raise
-    return path
-
-
-def _remove_socket_file(path: str | None) -> None:
-    """Remove our socket file at ``path`` (None: none was bound), if it is still there."""
-    if path is not None:
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
 
 
 def _error_of(datagram: bytes) -> str | None:
@@ -429,7 +397,7 @@ class TableSubscriber:
             except OSError:
                 pass  # the daemon forgets an address it cannot reach anyway
             self._local.close()
-            _remove_socket_file(self._local_address)
+            remove_socket_file(self._local_address)
         self._replay.close(0)
 
     @property
@@ -440,7 +408,7 @@ class TableSubscriber:
     def _subscribe_local(self, deadline: float) -> socket.socket | None:
         """A datagram socket subscribed at the daemon's local endpoint, or None where that fails (use the PUB).
 
-        The socket is bound beside the endpoint (``_bind_beside``) and connected to it, so the kernel delivers
+        The socket is bound beside the endpoint (``bind_beside``) and connected to it, so the kernel delivers
         it nothing from anyone else; the daemon's answer must carry the epoch ``info`` gave, or the path leads
         to another daemon. A daemon that refuses the address answers with an error, which sends us to the PUB.
         """
@@ -448,7 +416,7 @@ class TableSubscriber:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         address = None
         try:
-            address = _bind_beside(sock, self._local_path)
+            address = bind_beside(sock, self._local_path)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
             sock.connect(self._local_path)
             sock.send(LOCAL_SUBSCRIBE)
@@ -468,7 +436,7 @@ class TableSubscriber:
         except OSError as exc:  # another host's path, a daemon gone or another one: the PUB serves
             log.info("local endpoint %s not used for deltas (%s); taking the PUB", self._local_path, exc)
             sock.close()
-            _remove_socket_file(address)
+            remove_socket_file(address)
             return None
         self._local_address = address
         sock.setblocking(False)

@@ -6,7 +6,6 @@ The other user is `nobody` (uid/gid 65534), played by subprocesses that drop to 
 from __future__ import annotations
 
 import os
-import signal
 import stat
 import subprocess
 import sys
@@ -19,6 +18,7 @@ import pytest
 
 from kvcache.allocator.errors import KVCacheError
 from kvcache.client import CacheClient
+from kvcache.launch import stop_serve
 from kvcache.transfer.manager import map_host_file
 from kvcache.worker import TableSubscriber
 from test_tier import make_spec
@@ -68,16 +68,6 @@ def serve(*args: str, env: dict[str, str] | None = None, umask: int = 0o022,
         return process, out.read().decode(), err.read().decode()
 
 
-def stop(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(5)
-
-
 @pytest.fixture
 def shared_tmp() -> Iterator[Path]:
     """A root-owned sticky folder that every user may write, like /tmp and /dev/shm."""
@@ -109,7 +99,7 @@ def test_serve_refuses_a_socket_folder_another_user_made(shared_tmp: Path, how: 
         process, out, err = serve(env={"XDG_RUNTIME_DIR": str(shared_tmp)})
     else:
         process, out, err = serve("--endpoint", f"ipc://{folder}/k.sock")
-    stop(process)
+    stop_serve(process)
     assert process.returncode == 2 and "ready" not in out, out + err
     assert err.splitlines() == [f"kvcache serve: error: {refusal(folder, NOBODYS, '0777', REMOVE)}"]
     assert os.listdir(folder) == []
@@ -121,7 +111,7 @@ def test_serve_refuses_its_own_folder_when_others_may_write_it(shared_tmp: Path)
     folder.mkdir()
     os.chmod(folder, 0o777)
     process, out, err = serve("--endpoint", f"ipc://{folder}/k.sock")
-    stop(process)
+    stop_serve(process)
     fix = f"chmod go-w {folder}, or remove it and choose another path"
     assert process.returncode == 2, out + err
     assert err.splitlines() == [f"kvcache serve: error: {refusal(folder, 'root (uid 0)', '0777', fix)}"]
@@ -135,7 +125,7 @@ def test_serve_refuses_a_folder_under_one_another_user_may_rename(shared_tmp: Pa
     ours = theirs / "ours"
     ours.mkdir(mode=0o700)
     process, out, err = serve("--endpoint", f"ipc://{ours}/k.sock")
-    stop(process)
+    stop_serve(process)
     assert process.returncode == 2, out + err
     assert err.splitlines() == [
         f"kvcache serve: error: endpoint: refusing the folder above the socket folder {theirs}: owned by {NOBODYS} "
@@ -161,7 +151,7 @@ def test_serve_creates_the_default_folder_and_those_above_it_owner_only(tmp_path
         assert sub.local
         sub.close()
     finally:
-        stop(process)
+        stop_serve(process)
     assert process.returncode == 0, out + err
 
 
@@ -189,7 +179,7 @@ def test_clients_and_workers_refuse_a_daemon_in_another_users_folder(shared_tmp:
             TableSubscriber(endpoint, timeout=2)
         assert str(refused.value) == line
     finally:
-        stop(process)
+        stop_serve(process)
 
 
 def test_clients_and_workers_refuse_a_folder_others_may_write(shared_tmp: Path) -> None:

@@ -67,6 +67,7 @@ from kvcache.bench.common import Fleet, expect, mark, progress, ratio, table
 from kvcache.client import CacheClient, DaemonError
 from kvcache.config import ServeConfig
 from kvcache.journal import records_end
+from kvcache.paths import bind_beside, remove_socket_file
 from kvcache.protocol import (
     DELTA_HEAD_BYTES,
     DELTA_T_OFFSET,
@@ -78,7 +79,6 @@ from kvcache.protocol import (
     pack,
     unpack,
 )
-from kvcache.worker import _bind_beside, _remove_socket_file
 
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection
@@ -1006,7 +1006,7 @@ class _RawDeltas:
         self.path: str | None = None
         if local:
             self.dgram = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-            self.path = _bind_beside(self.dgram, endpoint)  # a socket file the daemon accepts, as a worker's
+            self.path = bind_beside(self.dgram, endpoint)  # a socket file the daemon accepts, as a worker's
             self.dgram.connect(endpoint)
             self.dgram.setblocking(False)
             self.dgram.send(LOCAL_SUBSCRIBE)
@@ -1040,7 +1040,7 @@ class _RawDeltas:
         if self.dgram is not None:
             self.dgram.send(LOCAL_UNSUBSCRIBE)
             self.dgram.close()
-            _remove_socket_file(self.path)
+            remove_socket_file(self.path)
         else:
             self.sub.close(0)
             self.ctx.term()
