@@ -61,6 +61,7 @@ import select
 import socket
 import time
 import types
+import warnings
 from typing import Any, Callable, Mapping, NamedTuple
 
 import numpy as np
@@ -157,6 +158,10 @@ def _framework_view(out: str, mirror: np.ndarray) -> Any:
     if out == "numpy":
         return mirror
     if out == "paddle":
+        # Paddle warns at import when ccache, which only its C++ extension builds use, is not on PATH: this one
+        # warning only (catch_warnings() would also drop the filters Paddle sets as it imports).
+        warnings.filterwarnings("ignore", message="No ccache found", category=UserWarning,
+                                module=r"paddle\.utils\.cpp_extension")
         try:
             import paddle
         except ImportError:

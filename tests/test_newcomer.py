@@ -59,6 +59,21 @@ warnings.warn_explicit("another warning", UserWarning, "extension_utils.py", 1,
     assert "UserWarning: another warning" in done.stderr
 
 
+def test_a_worker_with_paddle_tables_imports_paddle_without_the_ccache_warning(tmp_path):
+    """A worker asking for Paddle tables (out="paddle") imports Paddle without its "No ccache found" warning."""
+    pytest.importorskip("paddle")
+    code = """
+import numpy as np
+from kvcache.worker import _framework_view
+view = _framework_view("paddle", np.arange(6, dtype=np.int32))
+assert view.numpy().tolist() == list(range(6))
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=RUN_S,
+                          cwd=tmp_path, env={**os.environ, "PATH": "/usr/bin:/bin"})
+    assert done.returncode == 0, done.stderr
+    assert "ccache" not in done.stdout + done.stderr
+
+
 def test_stats_names_the_scheduler_endpoint_it_asked(daemon, capsys):
     """`kvcache stats --endpoint E` heads its summary with E, the socket it queried, not the daemon's PUB socket;
     --json carries it too."""
