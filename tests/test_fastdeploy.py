@@ -286,6 +286,32 @@ def test_a_shared_daemon_refuses_another_block_size(daemon) -> None:
         adapter.FastDeployCacheManager(config, cache=CacheClient(d.endpoint))
 
 
+def test_an_idle_engine_keeps_its_blocks_past_the_lease_timeout(daemon) -> None:
+    """A daemon run with --lease-timeout frees a silent client's blocks; the manager's keepalive pings keep an idle
+    engine's blank and cached blocks held well past that timeout. Without pings (keepalive 0) they are released."""
+    import time
+
+    from kvcache.client import CacheClient
+
+    d = daemon("--num-blocks", "32", "--block-size", str(BLOCK), "--lease-timeout", "1")
+    config = SimpleNamespace(cache_config=SimpleNamespace(total_block_num=32, block_size=BLOCK, num_cpu_blocks=0))
+    for keepalive, held in ((0.25, 29), (0, 32)):
+        manager = adapter.FastDeployCacheManager(config, cache=CacheClient(d.endpoint, timeout=30.0),
+                                                 keepalive=keepalive)
+        task = make_task(f"idle-{keepalive}", list(range(1, 11)))
+        schedule_prefill(manager, task)  # 2 cached blocks and 1 blank one
+        assert manager.num_allocatable_gpu_blocks == 29
+        time.sleep(3.0)  # three lease timeouts without a call from the engine
+        with CacheClient(d.endpoint) as observer:
+            assert int(observer.num_free_blocks[0]) == held, f"keepalive {keepalive}"
+            observer.check_integrity()
+        if held == 29:
+            manager.check_integrity(tables=[task.block_tables])
+            finish(manager, task)
+        manager.close()
+    assert "lease of scheduler" in d.log() and "released the owned blocks of 2" in d.log()
+
+
 # ---------------------------------------------------------------------- under FastDeploy's scheduler
 
 

@@ -43,10 +43,12 @@ Checked against FastDeploy develop at commit c1b7c083 (2026-05-20).
 from __future__ import annotations
 
 import contextlib
+import logging
 import sys
 import threading
 import time
 import uuid
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, NamedTuple, Sequence
 
@@ -61,10 +63,14 @@ if TYPE_CHECKING:
 
     from kvcache.client import CacheClient
 
+log = logging.getLogger(__name__)
+
 FASTDEPLOY_COMMIT = "c1b7c083"
 """The FastDeploy commit (develop, 2026-05-20) whose ``PrefixCacheManager`` contract this adapter follows."""
 
 _UINT32 = 2**32
+KEEPALIVE_SECONDS = 5.0
+"""How often a manager on a daemon pings it by default: well inside any ``--lease-timeout`` worth setting."""
 # The methods install() lends this class from FastDeploy's own PrefixCacheManager: they start FastDeploy's
 # cache processes and read FastDeploy's config, and hold no block state.
 _BORROWED = ("launch_cache_manager", "launch_cache_messager", "_get_kv_cache_shape")
@@ -93,9 +99,11 @@ class FastDeployCacheManager:
     """
 
     _daemon: str | None = None  # install(daemon=...): the endpoint every manager built afterwards connects to
+    _keepalive: float = KEEPALIVE_SECONDS  # install(keepalive=...)
 
     def __init__(self, config: Any, tensor_parallel_size: int = 1, splitwise_role: str = "mixed",
-                 local_data_parallel_id: int = 0, *, cache: KVCacheManager | CacheClient | None = None) -> None:
+                 local_data_parallel_id: int = 0, *, cache: KVCacheManager | CacheClient | None = None,
+                 keepalive: float | None = None) -> None:
         self.config = config
         self.cache_config = config.cache_config
         self.speculative_config = getattr(config, "speculative_config", None)
@@ -110,10 +118,18 @@ class FastDeployCacheManager:
         self._executor: Executor | None = None
         self.metrics = _hit_metrics()  # FastDeploy's CacheMetrics (its hit-rate gauges), None without FastDeploy
         self.daemon = self._daemon if cache is None else None  # the endpoint this manager connected to, if any
+        keepalive = self._keepalive if keepalive is None else keepalive
+        if isinstance(keepalive, bool) or not isinstance(keepalive, (int, float)) or keepalive < 0:
+            raise KVCacheError(f"keepalive: must be a number of seconds >= 0, got {keepalive!r}")
         if self.daemon is not None:
             from kvcache.client import CacheClient
 
             cache = CacheClient(self.daemon, timeout=30.0)
+        self._stop = threading.Event()
+        if cache is not None and not isinstance(cache, KVCacheManager) and keepalive > 0:
+            # The daemon frees a silent client's blocks after --lease-timeout: an idle engine must not fall silent.
+            threading.Thread(target=_keep_lease, args=(weakref.ref(self), self._stop, float(keepalive)),
+                             name="kvcache-keepalive", daemon=True).start()
         self._shared = cache  # a manager or client given to us: its blocks are not ours to rebuild
         # Blank blocks (allocate_gpu_blocks) are held under this id until update_cache_blocks commits them to a
         # request: FastDeploy may allocate before it names the request. Unique per manager: engines sharing a
@@ -166,6 +182,25 @@ class FastDeployCacheManager:
                                    "requests are live; release them first")
             self._build(cache_config)
             self.cache_config = cache_config
+
+    def close(self) -> None:
+        """Stop pinging the daemon and close the connection this manager opened (``install(daemon=...)``); its
+        blocks stay held until the daemon's lease timeout. In process: nothing to close."""
+        self._stop.set()
+        if self.daemon is not None:
+            with self.request_release_lock:
+                self._cache.close()
+
+    def ping(self) -> None:
+        """Renew this manager's lease on its daemon (any call does; an idle manager's keepalive thread calls this).
+        Skipped while another call holds the lock, which renews the lease itself; raises ``KVCacheError`` if the
+        daemon does not answer within the client's timeout."""
+        if isinstance(self._cache, KVCacheManager) or not self.request_release_lock.acquire(timeout=1.0):
+            return
+        try:
+            self._cache.ping()
+        finally:
+            self.request_release_lock.release()
 
     # ------------------------------------------------------------------ counts
 
@@ -506,12 +541,14 @@ class FastDeployCacheManager:
             raise KVCacheError(f"block_size: {block_size!r} differs from cache_config.block_size {self.block_size}")
 
 
-def install(daemon: str | None = None) -> type[FastDeployCacheManager]:
+def install(daemon: str | None = None, *, keepalive: float = KEEPALIVE_SECONDS) -> type[FastDeployCacheManager]:
     """Make FastDeploy build ``FastDeployCacheManager`` wherever it builds its ``PrefixCacheManager``.
 
     ``daemon``: the endpoint of a ``kvcache serve`` (e.g. ``ipc:///run/kvcache.sock``) every manager built
     afterwards schedules on, through a ``CacheClient``, instead of a ``KVCacheManager`` of its own: engines
-    (DP ranks) installed with the same daemon share its blocks, prefixes and KV events.
+    (DP ranks) installed with the same daemon share its blocks, prefixes and KV events. Each such manager pings
+    the daemon every ``keepalive`` seconds from a thread of its own, so a daemon run with ``--lease-timeout``
+    longer than that keeps an idle engine's blocks (0: never ping; the engine's calls alone renew its lease).
 
     This patches a module attribute: it sets ``fastdeploy.cache_manager.prefix_cache_manager.PrefixCacheManager``
     to ``FastDeployCacheManager`` (FastDeploy's ``ResourceManager`` imports the name from that module each time
@@ -527,7 +564,10 @@ def install(daemon: str | None = None) -> type[FastDeployCacheManager]:
     if envs.ENABLE_V1_KVCACHE_MANAGER:
         raise KVCacheError("ENABLE_V1_KVCACHE_MANAGER: FastDeploy then builds its v1 CacheManager, which kvcache "
                            "does not replace; unset it to schedule on kvcache")
+    if isinstance(keepalive, bool) or not isinstance(keepalive, (int, float)) or keepalive < 0:
+        raise KVCacheError(f"keepalive: must be a number of seconds >= 0, got {keepalive!r}")
     FastDeployCacheManager._daemon = daemon
+    FastDeployCacheManager._keepalive = float(keepalive)
     original = module.PrefixCacheManager
     if original is not FastDeployCacheManager:
         for name in _BORROWED:
@@ -542,12 +582,26 @@ def uninstall() -> None:
     from fastdeploy.cache_manager import prefix_cache_manager as module
 
     FastDeployCacheManager._daemon = None
+    FastDeployCacheManager._keepalive = KEEPALIVE_SECONDS
     original = getattr(FastDeployCacheManager, "_fastdeploy_class", None)
     if original is not None and module.PrefixCacheManager is FastDeployCacheManager:
         module.PrefixCacheManager = original
 
 
 # ---------------------------------------------------------------------- helpers
+
+
+def _keep_lease(ref: weakref.ref, stop: threading.Event, interval: float) -> None:
+    """Ping the manager's daemon every ``interval`` seconds until ``stop`` is set or the manager is gone."""
+    while not stop.wait(interval):
+        manager = ref()
+        if manager is None:
+            return
+        try:
+            manager.ping()
+        except KVCacheError as e:  # the daemon is down or slow: the engine's next call reports it
+            log.warning("kvcache keepalive ping to %s failed: %s", manager.daemon, e)
+        del manager
 
 
 def _refuse_unsupported(cache_config: Any) -> None:
