@@ -12,7 +12,8 @@ messager in a process of its own with ``kvcache.pd.process.MessagerProcess`` (sa
 
 The prefill link claims its rank on its daemon before its first call there (``attach`` with no
 endpoint), fetches plans there (``plans``), reports ``sent`` there, and on failure reports
-``transfer_failed`` to both daemons (the decode one named in the plan). The decode link attaches its receiver and reports ``received``. A
+``transfer_failed`` to both daemons (the decode one named in the plan). The decode link attaches its receiver and reports ``received``; it attaches again when its
+daemon comes back without its journal (a new epoch). A
 daemon counts a rank's reports only from the worker that attached it, by the key it attached with:
 ``kvcache.rank_keys.rank_key`` gives each link its rank's key (``key_file``, else one derived from the
 CURVE certificate, else a 0600 file beside an ipc:// daemon's socket), so a worker restarted by the
@@ -25,6 +26,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -161,27 +163,64 @@ class DecodeLink:
     """A decode rank's receiver, attached to and reporting to the decode daemon at ``endpoint``.
 
     Without an ``engine`` it makes its own NIXL engine, whose UCX ``progress`` is driven as NixlEngine says.
+    A daemon restarted without its journal has forgotten every receiver (and refuses ``reserve`` until each
+    rank attaches again): a watcher thread pings the daemon every ``watch`` seconds (0: no watcher) and
+    attaches this receiver again, with its key, once it answers with another epoch, logging both the loss and
+    the new attach. ``wait_attached`` waits, with a deadline, until the daemon answering now has this receiver.
     """
 
     def __init__(self, endpoint: str, region: KVRegion, rank: int, *, engine: NixlEngine | None = None,
                  listen: str = "tcp://127.0.0.1:*", timeout: float = 5.0, curve: CurveConfig | None = None,
                  progress: str = "thread", key_file: str | os.PathLike | None = None,
-                 admin: int | None = None) -> None:
+                 admin: int | None = None, watch: float = 1.0) -> None:
+        if not watch >= 0:
+            raise KVCacheError(f"watch: must be >= 0 seconds (0: no watcher), got {watch!r}")
         self.endpoint = endpoint
         self.rank = rank
         self.key = rank_key(endpoint, rank, curve=curve, key_file=key_file)
+        self._admin, self._timeout, self._curve, self._watch = admin, timeout, curve, watch
         self._clients = _Clients(timeout, curve)
         self._own_engine = engine is None
+        self._stop = threading.Event()
+        self._attached = threading.Condition()
+        self._epoch: int | None = None  # the daemon incarnation holding this receiver
+        self._why = "not attached yet"  # why the link is not known to be attached now ("": it is)
+        self._watcher: threading.Thread | None = None
         self.engine = engine or NixlEngine(f"decode-r{rank}-{id(self):x}", progress=progress)
         try:
             self.receiver = CacheReceiver(self.engine, region, rank, on_received=self._received, endpoint=listen)
             with CacheClient(endpoint, timeout=timeout, curve=curve) as client:
-                client.attach(rank, self.receiver.endpoint, key=self.key, admin=admin)
+                self._attach(client)
+            if watch:
+                self._watcher = threading.Thread(target=self._watch_loop, name=f"kvcache-decode-r{rank}-watch",
+                                                 daemon=True)
+                self._watcher.start()
         except BaseException:
             self.close()
             raise
 
+    @property
+    def attached(self) -> bool:
+        """Whether the daemon answered the link's last call as the incarnation holding its receiver."""
+        with self._attached:
+            return not self._why
+
+    def wait_attached(self, timeout: float) -> None:
+        """Return once the daemon holds this receiver; KVCacheError after ``timeout`` seconds, saying why."""
+        deadline = time.monotonic() + timeout
+        with self._attached:
+            while self._why:
+                left = deadline - time.monotonic()
+                if left <= 0 or self._stop.is_set():
+                    raise KVCacheError(f"decode rank {self.rank}: not attached to the decode daemon at "
+                                       f"{self.endpoint} within {timeout:g} s ({self._why})")
+                self._attached.wait(min(left, 0.1))
+
     def close(self) -> None:
+        self._stop.set()
+        watcher = getattr(self, "_watcher", None)
+        if watcher is not None:
+            watcher.join(self._timeout + 1.0)  # at most one call in flight, which has the client's deadline
         receiver = getattr(self, "receiver", None)
         if receiver is not None:
             receiver.close()
@@ -194,6 +233,66 @@ class DecodeLink:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def _attach(self, client: CacheClient) -> None:
+        client.attach(self.rank, self.receiver.endpoint, key=self.key, admin=self._admin)
+        with self._attached:
+            self._epoch, self._why = client.last_epoch, ""
+            self._attached.notify_all()
+
+    def _unsure(self, why: str) -> None:
+        with self._attached:
+            self._why = why
+
+    def _answered(self, epoch: int | None) -> bool:
+        """The daemon answered as ``epoch``: True if that incarnation holds this receiver."""
+        with self._attached:
+            if epoch != self._epoch:
+                return False
+            self._why = ""
+            self._attached.notify_all()
+            return True
+
+    def _watch_loop(self) -> None:
+        """Ping the daemon; attach again when it answers as another incarnation (a restart without its journal)."""
+        client = CacheClient(self.endpoint, timeout=self._timeout, curve=self._curve)
+        silent = False  # logged that the daemon stopped answering
+        refused: int | None = None  # the incarnation that refused the attach (logged once)
+        try:
+            while not self._stop.wait(self._watch):
+                try:
+                    client.ping()
+                except DaemonError as exc:  # not expected of a ping: say so and go on watching
+                    log.warning("decode rank %d: ping of the decode daemon at %s refused: %s", self.rank,
+                                self.endpoint, exc)
+                    continue
+                except KVCacheError as exc:  # no answer within the client's deadline: keep trying
+                    self._unsure(f"the daemon does not answer: {exc}")
+                    if not silent:
+                        log.warning("decode rank %d: the decode daemon at %s does not answer (%s); attaching "
+                                    "again when it is back", self.rank, self.endpoint, exc)
+                        silent = True
+                    continue
+                silent = False
+                if self._answered(client.last_epoch):
+                    continue
+                epoch = self._epoch
+                self._unsure(f"the daemon restarted without its state (epoch {client.last_epoch:#x}) and has not "
+                             "taken this receiver again")
+                try:
+                    self._attach(client)
+                except KVCacheError as exc:  # refused (another key took the rank) or gone again: retried next turn
+                    if refused != client.last_epoch:
+                        refused = client.last_epoch
+                        log.error("decode rank %d: the decode daemon at %s restarted without its state and refused "
+                                  "this receiver's attach (retrying every %g s): %s", self.rank, self.endpoint,
+                                  self._watch, exc)
+                    continue
+                log.warning("decode rank %d: the decode daemon at %s restarted without its state (epoch %#x, "
+                            "was %#x); attached receiver %s again", self.rank, self.endpoint, client.last_epoch,
+                            epoch, self.receiver.endpoint)
+        finally:
+            client.close()
 
     def _received(self, reqs: list[Any]) -> None:
         """Tell the decode daemon, in one message, that these requests landed on this rank."""

@@ -4,7 +4,8 @@ In the worker's process the messager's threads share the GIL with the model runn
 holds it while it launches a step's kernels, so the messager wakes on a layer's signal only when
 the runner lets go (README, "A model runner that holds the GIL"). ``MessagerProcess`` and
 ``ReceiverProcess`` (host caches only: see its docstring) take ``PrefillLink``'s and
-``DecodeLink``'s arguments and run that link in a spawned child. The child maps the worker's
+``DecodeLink``'s arguments (``key_file`` and ``admin`` included: the child claims the rank with them)
+and run that link in a spawned child. The child maps the worker's
 cache (``kvcache.transfer.sharing``: CUDA IPC, or a shared host file such as
 ``SharedHostBuffer``), opens the layer signal by name, and makes its own NIXL engine. The worker
 hands it each step over a pipe::
@@ -24,6 +25,7 @@ from __future__ import annotations
 import itertools
 import logging
 import multiprocessing as mp
+import os
 import queue
 import threading
 import time
@@ -160,10 +162,11 @@ class MessagerProcess(_LinkProcess):
 
     def __init__(self, endpoint: str, region: KVRegion, signal: LayerSignal, rank: int, *, timeout: float = 5.0,
                  curve: CurveConfig | None = None, progress: str = "thread",
+                 key_file: str | os.PathLike | None = None, admin: int | None = None,
                  start_timeout: float = START_TIMEOUT_S) -> None:
         self.endpoint, self.rank = endpoint, rank
         super().__init__(region, dict(endpoint=endpoint, signal=signal.name, rank=rank, timeout=timeout, curve=curve,
-                                      progress=progress), start_timeout)
+                                      progress=progress, key_file=_path(key_file), admin=admin), start_timeout)
 
     def run_step(self, step: int, reqs: Sequence[Any], plans: Mapping[Any, dict[str, Any]] | None = None) -> None:
         """As ``PrefillLink.run_step``: hands the step to the child (no reply awaited; it sends as the layers come)."""
@@ -183,14 +186,21 @@ class ReceiverProcess(_LinkProcess):
 
     def __init__(self, endpoint: str, region: KVRegion, rank: int, *, listen: str = "tcp://127.0.0.1:*",
                  timeout: float = 5.0, curve: CurveConfig | None = None, progress: str = "thread",
+                 key_file: str | os.PathLike | None = None, admin: int | None = None, watch: float = 1.0,
                  start_timeout: float = START_TIMEOUT_S) -> None:
         if region.is_cuda:
             raise KVCacheError(f"region: a ReceiverProcess cannot take a GPU cache ({region.device}): peers would "
                                "write it through UCX's slow fallback for imported memory; use DecodeLink in the worker")
         self.endpoint, self.rank = endpoint, rank
         super().__init__(region, dict(endpoint=endpoint, rank=rank, listen=listen, timeout=timeout, curve=curve,
-                                      progress=progress), start_timeout)
+                                      progress=progress, key_file=_path(key_file), admin=admin, watch=watch),
+                         start_timeout)
         self.listen_endpoint: str = self.info["endpoint"]
+
+
+def _path(path: str | os.PathLike | None) -> str | None:
+    """A key file's path for the child, absolute: the child's working folder need not be the worker's."""
+    return None if path is None else os.path.abspath(path)
 
 
 def _failures(link: Any, region: KVRegion) -> list[tuple[Any, str]]:
