@@ -2,11 +2,14 @@
 removes it when that block is reused.
 
 A row group is the rows that share one attention policy, numbered in order of first appearance in the manager's
-rows (vLLM's ``group_idx``); a uniform cache has one group, a head-wise one with window and full heads two.
+rows; a uniform cache has one group, a head-wise one with window and full heads two. vLLM numbers its groups
+(``group_idx``) otherwise for a hybrid model: several groups of equal size per policy (``kvcache.allocator.groups``).
+``renumber_groups`` publishes a row group's events as vLLM's groups of its policy would, one under each number.
 """
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Union
 
 import numpy as np
@@ -53,3 +56,15 @@ class AllBlocksCleared:
 
 
 CacheEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
+
+
+def renumber_groups(events: Sequence[CacheEvent], numbers: Sequence[Sequence[int]]) -> list[CacheEvent]:
+    """``events`` with each row group's BlockStored and BlockRemoved published once under each of its group numbers
+    (``numbers[g]``, e.g. ``kvcache.allocator.groups.vllm_group_numbers``), in order; AllBlocksCleared as it is."""
+    out: list[CacheEvent] = []
+    for event in events:
+        if isinstance(event, AllBlocksCleared):
+            out.append(event)
+        else:
+            out += [event if n == event.group else dataclasses.replace(event, group=n) for n in numbers[event.group]]
+    return out

@@ -27,10 +27,13 @@ The topic (``--events-topic``) is empty by default, as vLLM's; llm-d's indexer s
 the pod and model from ``kv@POD@MODEL``. ``data_parallel_rank`` (``--data-parallel-rank``) is the rank a router
 credits the batch's blocks to: each daemon of a data-parallel engine names its own.
 
-Events are per row group (vLLM's ``group_idx``: rows sharing one policy, see
-kvcache.allocator.events); a store names its group's kind (``full_attention``,
-``sliding_window`` or ``chunked_local_attention``) and window, so a router tells a window group's blocks from a
-full group's. ``extra_keys`` holds one entry per block, untagged as vLLM
+Events are per row group (rows sharing one policy, see kvcache.allocator.events), published under vLLM's
+``group_idx`` with ``group_numbers``: a daemon serving a model (``--model``) numbers them as vLLM does when it
+groups that model's layers, one event per vLLM group of the row group's policy (Gemma 3: six sliding groups 0-5, then the
+full one, 6; ``kvcache.allocator.groups``), so a router keyed on ``group_idx`` sees one numbering from it and from
+a vLLM worker; ``--events-groups policy`` keeps one group per policy. A store names its group's kind
+(``full_attention``, ``sliding_window`` or ``chunked_local_attention``) and window, so a router tells a window
+group's blocks from a full group's. ``extra_keys`` holds one entry per block, untagged as vLLM
 publishes them (the LoRA's name, ``[mm identifier, offset]`` pairs, the salt), or
 None for a block with none. ``lora_id`` is always None (no adapter ids here).
 msgspec writes every field of an ``array_like`` struct, defaults included, and
@@ -56,7 +59,7 @@ import numpy as np
 import zmq
 
 from kvcache.allocator.errors import KVCacheError
-from kvcache.allocator.events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvcache.allocator.events import AllBlocksCleared, BlockRemoved, BlockStored, renumber_groups
 from kvcache.protocol import pack_lists
 
 if TYPE_CHECKING:
@@ -184,7 +187,9 @@ class KVEventPublisher:
 
     ``listeners`` (the daemon's) binds both sockets as the daemon's others:
     ipc owner-only and locked, CURVE on tcp, errors naming ``events_endpoint``
-    or ``events_replay_endpoint``.
+    or ``events_replay_endpoint``. ``group_numbers`` (``vllm_group_numbers``)
+    publishes each row group's events once under each of its numbers; None
+    publishes them under the row group's own.
     """
 
     def __init__(
@@ -200,9 +205,13 @@ class KVEventPublisher:
         send_bytes: int = 64 << 20,
         wire: EventWire = EventWire(),
         listeners: Listeners | None = None,
+        group_numbers: Sequence[Sequence[int]] | None = None,
     ) -> None:
         if buffer_steps < 1:
             raise KVCacheError(f"buffer_steps: must be at least 1, got {buffer_steps}")
+        if group_numbers is not None and not all(group_numbers):
+            raise KVCacheError("group_numbers: every row group needs at least one number")
+        self.group_numbers = None if group_numbers is None else tuple(tuple(n) for n in group_numbers)
         self.topic = topic.encode("utf-8")
         self.dp_rank = dp_rank
         self.wire = wire
@@ -236,6 +245,8 @@ class KVEventPublisher:
         """Send ``events`` as one batch; returns its sequence number, or -1 when there is nothing to send."""
         if not events:
             return -1
+        if self.group_numbers is not None:
+            events = renumber_groups(events, self.group_numbers)
         payload = encode_batch(events, ts=time.time(), dp_rank=self.dp_rank, wire=self.wire)
         seq = self.next_seq
         self.next_seq += 1

@@ -174,38 +174,95 @@ class SchedulerStep(TimedSteps):
             self._admit(prompt)
 
 
-def hybrid_concurrency(windows: Sequence[int | None], num_kv_heads: int, head_dim: int, block_size: int,
-                       max_model_len: int, max_num_batched_tokens: int, memory_bytes: int) -> dict[str, Any]:
-    """What vLLM's hybrid KV-cache planner gives a model with these per-layer windows (None: full) in
-    ``memory_bytes``: its layer groups, blocks, max concurrency at ``max_model_len``, and the in-flight tokens a
-    window keeps (``max_in_flight_tokens``). bf16 caches; the hybrid manager on, as on a GPU."""
+Unit = tuple[str, Any]  # a layer's (or a cell's) attention: ("full", None), ("window", W) or ("chunk", C)
+
+
+def planner_config(max_model_len: int, max_num_batched_tokens: int, block_size: int) -> Any:
+    """A ``VllmConfig`` as vLLM's engine builds it for its KV-cache planner: bf16, the hybrid manager on (as on a
+    GPU; the CPU platform turns it off), the NHD layout; its model config read from a one-layer stand-in (only
+    ``max_model_len`` matters to the planner)."""
     import json
     import tempfile
 
-    import torch
     from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig
-    from vllm.v1.core import kv_cache_planning as planning
-    from vllm.v1.core import kv_cache_utils
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
-    with tempfile.TemporaryDirectory() as folder:  # ModelConfig reads a config; only max_model_len matters here
+    with tempfile.TemporaryDirectory() as folder:
         with open(f"{folder}/config.json", "w") as f:
             json.dump({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": 1,
-                       "num_attention_heads": num_kv_heads, "num_key_value_heads": num_kv_heads,
-                       "head_dim": head_dim, "hidden_size": num_kv_heads * head_dim, "intermediate_size": 64,
-                       "vocab_size": 128, "max_position_embeddings": max_model_len}, f)
+                       "num_attention_heads": 1, "num_key_value_heads": 1, "head_dim": 64, "hidden_size": 64,
+                       "intermediate_size": 64, "vocab_size": 128, "max_position_embeddings": max_model_len}, f)
         model = ModelConfig(model=folder, skip_tokenizer_init=True, max_model_len=max_model_len, dtype="bfloat16")
         config = VllmConfig(model_config=model, device_config=DeviceConfig(device="cpu"),
                             scheduler_config=SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
                                                              max_model_len=max_model_len, is_encoder_decoder=False),
                             cache_config=CacheConfig(block_size=block_size))
     config.cache_config.kv_cache_layout = "NHD"
-    config.scheduler_config.disable_hybrid_kv_cache_manager = False  # the CPU platform turns it off
+    config.scheduler_config.disable_hybrid_kv_cache_manager = False
+    return config
+
+
+def layer_specs(units: Sequence[tuple[str, Unit]], num_kv_heads: int, head_dim: int, block_size: int) -> dict:
+    """vLLM's per-layer ``KVCacheSpec`` for named units, in order: ``FullAttentionSpec``, ``SlidingWindowSpec`` or
+    ``ChunkedLocalAttentionSpec``, bf16, ``num_kv_heads`` of ``head_dim`` each."""
+    import torch
+    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, FullAttentionSpec, SlidingWindowSpec
+
     common = {"block_size": block_size, "num_kv_heads": num_kv_heads, "head_size": head_dim, "dtype": torch.bfloat16}
-    specs = {f"layers.{i}": SlidingWindowSpec(**common, sliding_window=w) if w else FullAttentionSpec(**common)
-             for i, w in enumerate(windows)}
-    kv = planning.get_kv_cache_configs(config, [specs], [memory_bytes],
-                                       planning.get_global_kv_cache_groups(config, [specs]))[0]
+    make = {"full": lambda _: FullAttentionSpec(**common),
+            "window": lambda w: SlidingWindowSpec(**common, sliding_window=w),
+            "chunk": lambda c: ChunkedLocalAttentionSpec(**common, attention_chunk_size=c)}
+    return {name: make[kind](size) for name, (kind, size) in units}
+
+
+def kv_cache_config(config: Any, specs: dict, memory_bytes: int) -> Any:
+    """The ``KVCacheConfig`` vLLM's engine plans for one worker with these layer specs and bytes of KV cache:
+    ``get_global_kv_cache_groups`` then ``get_kv_cache_configs``, as its engine core calls them."""
+    from vllm.v1.core import kv_cache_planning as planning
+
+    return planning.get_kv_cache_configs(config, [specs], [memory_bytes],
+                                         planning.get_global_kv_cache_groups(config, [specs]))[0]
+
+
+def kv_cache_groups(units: Sequence[tuple[str, Unit]], num_kv_heads: int, head_dim: int,
+                    block_size: int = 16) -> list[dict[str, Any]]:
+    """vLLM's KV cache groups for named units (layers, or head-wise cells as layers of one kv head), in its
+    order, each as its spec's kind and size and its units' names; ``get_kv_cache_groups`` and the groups of the
+    ``KVCacheConfig`` that ``get_kv_cache_configs`` plans must agree (asserted)."""
+    from vllm.v1.core import kv_cache_planning as planning
+    from vllm.v1.kv_cache_interface import (ChunkedLocalAttentionSpec, FullAttentionSpec, SlidingWindowSpec,
+                                            UniformTypeKVCacheSpecs)
+
+    config = planner_config(32_768, 8_192, block_size)
+    specs = layer_specs(units, num_kv_heads, head_dim, block_size)
+    grouped = planning.get_kv_cache_groups(config, dict(specs))
+    planned = kv_cache_config(config, specs, 1 << 34).kv_cache_groups
+    assert [g.layer_names for g in grouped] == [g.layer_names for g in planned], "vLLM's two groupings differ"
+
+    def describe(spec: Any) -> tuple[str, int | None]:
+        if isinstance(spec, UniformTypeKVCacheSpecs):
+            spec = next(iter(spec.kv_cache_specs.values()))
+        if isinstance(spec, SlidingWindowSpec):
+            return "window", spec.sliding_window
+        if isinstance(spec, ChunkedLocalAttentionSpec):
+            return "chunk", spec.attention_chunk_size
+        assert isinstance(spec, FullAttentionSpec), f"unexpected spec {type(spec).__name__}"
+        return "full", None
+
+    return [{"kind": describe(g.kv_cache_spec)[0], "size": describe(g.kv_cache_spec)[1],
+             "units": list(g.layer_names)} for g in planned]
+
+
+def hybrid_concurrency(windows: Sequence[int | None], num_kv_heads: int, head_dim: int, block_size: int,
+                       max_model_len: int, max_num_batched_tokens: int, memory_bytes: int) -> dict[str, Any]:
+    """What vLLM's hybrid KV-cache planner gives a model with these per-layer windows (None: full) in
+    ``memory_bytes``: its layer groups, blocks, max concurrency at ``max_model_len``
+    (``get_max_concurrency_for_kv_cache_config``), and the in-flight tokens a window keeps
+    (``max_in_flight_tokens``). bf16 caches; the hybrid manager on, as on a GPU."""
+    from vllm.v1.core import kv_cache_utils
+
+    config = planner_config(max_model_len, max_num_batched_tokens, block_size)
+    units = [(f"layers.{i}", ("window", w) if w else ("full", None)) for i, w in enumerate(windows)]
+    kv = kv_cache_config(config, layer_specs(units, num_kv_heads, head_dim, block_size), memory_bytes)
     return {"groups": [len(g.layer_names) for g in kv.kv_cache_groups], "num_blocks": kv.num_blocks,
             "max_concurrency": kv_cache_utils.get_max_concurrency_for_kv_cache_config(config, kv),
             "max_in_flight_tokens": config.max_in_flight_tokens}
