@@ -66,6 +66,7 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "hash_algorithm": ALGORITHMS,
     "events_format": ("array", "map"),
     "events_hashes": ("", "int", "bytes"),
+    "events_groups": ("vllm", "policy"),
     "role": ("both", "prefill", "decode"),
 }
 
@@ -113,6 +114,7 @@ class ServeConfig:
     events: bool = False
     events_format: str = "map"
     events_hashes: str = ""
+    events_groups: str = "vllm"
     events_topic: str = ""
     data_parallel_rank: int = 0
     metrics_port: int = 0

@@ -13,11 +13,12 @@ import signal
 from typing import Any
 
 from kvcache.allocator.errors import KVCacheError
+from kvcache.allocator.groups import vllm_group_numbers
 from kvcache.allocator.layout import CacheSpec
 from kvcache.allocator.manager import KVCacheManager
 from kvcache.allocator.rows import Row, rows_of_rank
 from kvcache.config import MAX_BLOCKS, ServeConfig, load_toml, parse_rows
-from kvcache.plan import Load, make_plan
+from kvcache.plan import Load, Plan, make_plan
 from kvcache.units import parse_size
 
 HELP = {
@@ -67,6 +68,10 @@ HELP = {
                      "mid-2026, msgspec array_like structs, 32-byte hashes) (default map)",
     "events_hashes": "block hashes in KV events: int (64-bit, as vLLM's VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES) or bytes "
                      "(32-byte digests) (default: int for map, bytes for array)",
+    "events_groups": "group_idx of KV events: vllm (with --model, as vLLM 0.33 groups that model's layers: equal-size "
+                     "groups, one event per group of a row's policy, e.g. Gemma 3's sliding groups 0-5 and full group 6) "
+                     "or policy (one group per row policy, in order of first appearance; always so without --model) "
+                     "(default vllm)",
     "events_topic": "topic frame of every KV event message (default empty, as vLLM; llm-d's indexer reads "
                     "kv@POD@MODEL)",
     "data_parallel_rank": "this daemon's data-parallel rank, sent in every KV event batch, so a router credits "
@@ -165,7 +170,11 @@ def build_manager(cfg: ServeConfig) -> tuple[KVCacheManager, tuple[Row, ...] | N
         raise KVCacheError("head_wise: needs --model to know the kv heads")
     layout = None if spec is None else _model_layout(spec, cfg)
     policies = [r.policy for r in layout] if layout is not None else parse_rows(cfg.rows)
-    num_blocks, row_blocks = _pool_sizes(cfg, spec, layout)
+    num_blocks, row_blocks, plan = _pool_sizes(cfg, spec, layout)
+    if plan is not None and plan.load is not None:
+        # The plan's concurrency: requests of --max-model-len tokens its pools hold at once (kvcache plan's bound).
+        extra["max_model_len"] = plan.load.max_model_len
+        extra["max_concurrency"] = plan.max_concurrency
     pools = len(set(policies))  # rows of equal policies share a pool
     if num_blocks * pools > MAX_BLOCKS:  # before the manager allocates ~20 bytes per pair
         source = "num_blocks" if cfg.num_blocks else "gpu_memory"
@@ -176,6 +185,9 @@ def build_manager(cfg: ServeConfig) -> tuple[KVCacheManager, tuple[Row, ...] | N
         blocks = row_blocks or [num_blocks] * len(layout)
         mine = rows_of_rank(layout, spec.num_kv_heads or 1, spec.tp_size, 0)
         extra["cache_bytes_per_rank"] = sum(spec.row_bytes_per_block(layout[i]) * blocks[i] for i in mine)
+    if layout is not None and cfg.events_groups == "vllm":
+        # Each row group's KV events go out under vLLM's group numbers for the model (kvcache.allocator.groups).
+        extra["event_groups"] = [list(numbers) for numbers in vllm_group_numbers(layout, policies)]
     manager = KVCacheManager(num_blocks, cfg.block_size, policies, enable_prefix_caching=cfg.enable_prefix_caching,
                              hash_algorithm=cfg.hash_algorithm, hash_seed=cfg.hash_seed or None,
                              enable_events=cfg.events, row_blocks=row_blocks)
@@ -225,13 +237,14 @@ def _model_layout(spec: CacheSpec, cfg: ServeConfig) -> tuple[Row, ...]:
 
 
 def _pool_sizes(cfg: ServeConfig, spec: CacheSpec | None,
-                layout: tuple[Row, ...] | None) -> tuple[int, list[int] | None]:
-    """Blocks of the id space and each row's pool (None: every row holds all of them)."""
+                layout: tuple[Row, ...] | None) -> tuple[int, list[int] | None, Plan | None]:
+    """Blocks of the id space, each row's pool (None: every row holds all of them) and the plan that sized them
+    (None with --num-blocks)."""
     if cfg.num_blocks > 0:
         if cfg.max_model_len:
             raise KVCacheError("max_model_len: sizes each row's pool from --gpu-memory; with --num-blocks every row "
                                "holds that many blocks (drop one of the two)")
-        return cfg.num_blocks, None
+        return cfg.num_blocks, None, None
     if spec is None or layout is None:
         raise KVCacheError("num_blocks: give --num-blocks, or --model with --gpu-memory to size the cache")
     gpu_memory = parse_size(cfg.gpu_memory, "--gpu-memory")
@@ -244,11 +257,11 @@ def _pool_sizes(cfg: ServeConfig, spec: CacheSpec | None,
     plan = make_plan(dataclasses.replace(spec, rows=layout), gpu_memory=gpu_memory, utilization=cfg.utilization,
                      reserve=reserve, load=load)
     if load is None:
-        return plan.num_blocks, None
+        return plan.num_blocks, None, plan
     sizes = [r.num_blocks for r in plan.rows]
     if min(sizes) < 1:
         raise KVCacheError("gpu_memory: the budget gives a row no block; lower --max-model-len or raise --gpu-memory")
-    return max(sizes), sizes
+    return max(sizes), sizes, plan
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -295,7 +308,9 @@ def _run(args: argparse.Namespace) -> int:
     if not cfg.journal:
         log.warning("no journal: a restart loses every allocation (workers reload their tables from the new daemon)")
     print(f"kvcache serve: ready endpoint={cfg.endpoint} pub={cfg.pub_endpoint} replay={cfg.replay_endpoint} "
-          f"num_blocks={manager.num_blocks} rows={manager.num_rows} role={cfg.role} pid={os.getpid()}", flush=True)
+          f"num_blocks={manager.num_blocks} rows={manager.num_rows} role={cfg.role}"
+          + (f" max_concurrency={extra['max_concurrency']}" if "max_concurrency" in extra else "")
+          + f" pid={os.getpid()}", flush=True)
     try:
         server.serve(lambda: bool(stopping))
     finally:

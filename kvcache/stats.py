@@ -35,7 +35,9 @@ def render(snapshot: dict[str, Any], previous: dict[str, Any] | None = None, int
     lines = [
         f"kvcache {info['version']} at {snapshot['endpoint']}: {info['num_blocks']:,} blocks x "
         f"{info['num_rows']} row(s), block_size {info['block_size']}, prefix caching "
-        f"{'on (' + info['hash_algorithm'] + ')' if info['prefix_caching'] else 'off'}",
+        f"{'on (' + info['hash_algorithm'] + ')' if info['prefix_caching'] else 'off'}"
+        + (f", max_concurrency {info['max_concurrency']:,} (requests of {info['max_model_len']:,} tokens at once)"
+           if info.get("max_concurrency") is not None else ""),
         f"requests {stats['num_requests']:,}   cached hashes {stats['num_cached_hashes']:,}   "
         f"min free blocks {stats['min_free_blocks']:,}   subscribers {stats.get('subscribers')} on the PUB, "
         f"{stats.get('local_subscribers', 0)} on the local endpoint",
