@@ -28,6 +28,7 @@ import pytest
 
 from kvcache.allocator.errors import KVCacheError
 from kvcache.integrations import fastdeploy as adapter
+from kvcache.integrations.fastdeploy_headwise import HeadWiseCacheManager
 
 os.environ.setdefault("FD_LOG_DIR", os.path.join(tempfile.gettempdir(), "kvcache-fastdeploy-log"))  # not ./log
 try:
@@ -224,6 +225,121 @@ def test_thread_safe_release_from_executor_threads() -> None:
     assert manager.stats().hit_tokens >= 196 * 16  # the shared 16 tokens hit once some request cached them
 
 
+# ---------------------------------------------------------------------- head-wise tables
+
+HEAD_WISE = dict(num_key_value_heads=4, head_wise_swa_ratio=0.5, window_size=8, sink_size=0)
+
+
+def make_head_wise(num_blocks: int = 32, cache=None, **model: object) -> adapter.FastDeployCacheManager:
+    """A manager for FastDeploy's head-wise config: 4 kv heads, the last 2 with an 8-token window."""
+    config = SimpleNamespace(
+        cache_config=SimpleNamespace(total_block_num=num_blocks, block_size=BLOCK, num_cpu_blocks=0,
+                                     enable_prefix_caching=True),
+        model_config=SimpleNamespace(**{**HEAD_WISE, **model}))
+    return adapter.FastDeployCacheManager(config, 1, "mixed", cache=cache)
+
+
+def prefill_in_chunks(manager: adapter.FastDeployCacheManager, task, chunk: int) -> None:
+    """ResourceManagerV1's chunked prefill: match, then per chunk allocate, place the tokens, cache them."""
+    ids, matched, _ = manager.request_match_blocks(task, BLOCK)
+    task.block_tables, task.num_computed_tokens = list(ids), matched
+    while task.num_computed_tokens < len(task.prompt_token_ids):
+        n = min(chunk, len(task.prompt_token_ids) - task.num_computed_tokens)
+        need = -(-(task.num_computed_tokens + n) // BLOCK) - len(task.block_tables)
+        assert manager.can_allocate_gpu_blocks(need)
+        task.block_tables += manager.allocate_gpu_blocks(need, task.request_id)
+        task.num_computed_tokens += n
+        manager.update_cache_blocks(task, BLOCK, task.num_computed_tokens)
+        manager.check_integrity(tables=[task.block_tables])
+
+
+def head_wise_trace(manager: adapter.FastDeployCacheManager) -> list[list[list[int]]]:
+    """A 30-token prompt prefilled in chunks of 12, freed, then the same prompt with one more token: the
+    head-wise tables FastDeploy's requests carry at each point."""
+    a = make_task("a", list(range(1, 31)))
+    prefill_in_chunks(manager, a, 12)
+    seen = [a.block_tables_headwise]
+    assert manager.block_tables_headwise("a").tolist() == a.block_tables_headwise
+    finish(manager, a)
+    manager.check_integrity(tables=[])
+    b = make_task("b", list(range(1, 31)) + [99])
+    ids, matched, _ = manager.request_match_blocks(b, BLOCK)
+    b.block_tables = list(ids)
+    seen.append(b.block_tables_headwise)
+    manager.check_integrity(tables=[b.block_tables])
+    finish(manager, b)
+    return seen
+
+
+def test_head_wise_window_heads_give_blocks_back_and_prefixes_still_hit(monkeypatch) -> None:
+    """FD_HEAD_WISE_KV_CACHE=1 with head_wise_swa_ratio 0.5: the scheduler's list is the 2 full heads' row; the 2
+    window heads give back the blocks their 8-token window has passed (-1 in block_tables_headwise), a step
+    behind the chunk being scheduled; a later request with the same prefix hits 7 blocks, and its window heads
+    hold only the last 8 tokens' blocks."""
+    monkeypatch.setenv("FD_HEAD_WISE_KV_CACHE", "1")
+    manager = make_head_wise()
+    assert type(manager).__name__ == "HeadWiseCacheManager" and manager.num_kv_heads == 4
+    after_prefill, hit = head_wise_trace(manager)
+    full = list(range(8))
+    assert after_prefill == [full, full, [-1] + full[1:], [-1] + full[1:]]
+    assert hit == [full[:7], full[:7], [-1] * 5 + [5, 6], [-1] * 5 + [5, 6]]
+    assert manager.stats()[:4] == (2, 1, 61, 28)
+    assert manager.num_allocatable_gpu_blocks == 32
+
+
+def test_head_wise_is_off_without_the_switch(monkeypatch) -> None:
+    """Without FD_HEAD_WISE_KV_CACHE the same model config gets the uniform manager (one table for every head)."""
+    monkeypatch.delenv("FD_HEAD_WISE_KV_CACHE", raising=False)
+    manager = make_head_wise()
+    assert type(manager) is adapter.FastDeployCacheManager
+
+
+def test_head_wise_refusals_name_the_field(monkeypatch, daemon) -> None:
+    """What head-wise tables cannot serve is refused by name, and a refused call changes nothing."""
+    from kvcache.client import CacheClient
+
+    monkeypatch.setenv("FD_HEAD_WISE_KV_CACHE", "1")
+    for model, field in ((dict(head_wise_swa_ratio=0.3), "model_config.head_wise_swa_ratio"),
+                         (dict(head_wise_swa_ratio=None), "model_config.head_wise_swa_ratio"),
+                         (dict(window_size=0), "model_config.window_size"),
+                         (dict(window_attn_skip_freq=2), "model_config.window_attn_skip_freq"),
+                         (dict(num_key_value_heads=1), "model_config.num_key_value_heads")):
+        with pytest.raises(KVCacheError, match=f"^{field}"):
+            make_head_wise(**model)
+    config = SimpleNamespace(cache_config=SimpleNamespace(total_block_num=8, block_size=BLOCK, num_cpu_blocks=0,
+                                                          enable_prefix_caching=False),
+                             model_config=SimpleNamespace(**HEAD_WISE))
+    with pytest.raises(KVCacheError, match="^cache_config.enable_prefix_caching"):
+        adapter.FastDeployCacheManager(config)
+    manager = make_head_wise()
+    with pytest.raises(KVCacheError, match="^req_id"):
+        manager.allocate_gpu_blocks(2, "never-matched")
+    with pytest.raises(KVCacheError, match="^free_block_ids"):
+        manager.free_block_ids(1)
+    with pytest.raises(KVCacheError, match="^gpu_block_ids"):
+        manager.recycle_gpu_blocks([0], "never-matched")
+    assert manager.num_allocatable_gpu_blocks == 32
+    manager.check_integrity(tables=[])
+    d = daemon("--num-blocks", "32", "--block-size", str(BLOCK), "--rows", "window:8:0*2,full*2")
+    with pytest.raises(KVCacheError, match=r"^rows: the shared cache serves window:8:0\*2,full\*2, FastDeploy's "
+                                           r"head-wise config asks for full\*2,window:8:0\*2"):
+        make_head_wise(cache=CacheClient(d.endpoint))
+
+
+def test_head_wise_over_a_daemon_gives_the_tables_it_gives_in_process(monkeypatch, daemon) -> None:
+    """A `kvcache serve --rows full*2,window:8:0*2` daemon serves the same head-wise tables as in process, and
+    its integrity check passes after every call."""
+    from kvcache.client import CacheClient
+
+    monkeypatch.setenv("FD_HEAD_WISE_KV_CACHE", "1")
+    local = head_wise_trace(make_head_wise())
+    d = daemon("--num-blocks", "32", "--block-size", str(BLOCK), "--rows", "full*2,window:8:0*2")
+    shared = make_head_wise(cache=CacheClient(d.endpoint, timeout=30.0))
+    assert head_wise_trace(shared) == local
+    assert shared.num_allocatable_gpu_blocks == 32
+    shared.close()
+
+
 # ---------------------------------------------------------------------- engines sharing a daemon
 
 
@@ -371,8 +487,10 @@ def make_trace(num_requests: int, *, seed: int = 0, per_step: int = 3) -> list[S
 
 
 def make_scheduler(manager_class: type, *, num_blocks: int, max_num_seqs: int = 8,
-                   max_num_batched_tokens: int = 64, output_caching: bool = False) -> ResourceManagerV1:
-    """FastDeploy's ResourceManagerV1 whose cache manager is ``manager_class`` (block size 4)."""
+                   max_num_batched_tokens: int = 64, output_caching: bool = False,
+                   **model_fields: object) -> ResourceManagerV1:
+    """FastDeploy's ResourceManagerV1 whose cache manager is ``manager_class`` (block size 4); ``model_fields``
+    go into its model config (head-wise windows)."""
     engine_args = EngineArgs(max_num_seqs=max_num_seqs, num_gpu_blocks_override=num_blocks,
                              max_num_batched_tokens=max_num_batched_tokens)
     args = asdict(engine_args)
@@ -385,7 +503,7 @@ def make_scheduler(manager_class: type, *, num_blocks: int, max_num_seqs: int = 
     cache.bytes_per_token_per_layer = 1
     cache.kv_cache_ratio = 1.0
     model = SimpleNamespace(enable_mm=False, max_model_len=64, architectures=["test_model"],
-                            mm_max_tokens_per_item=None, version=None, print=print)
+                            mm_max_tokens_per_item=None, version=None, print=print, **model_fields)
     config = FDConfig(model_config=model, cache_config=cache, parallel_config=ParallelConfig(args),
                       graph_opt_config=engine_args.create_graph_optimization_config(),
                       speculative_config=SimpleNamespace(method=None, num_speculative_tokens=0),
@@ -416,9 +534,15 @@ def next_token(request_id: str, position: int) -> int:
 
 
 def check(rm: ResourceManagerV1) -> None:
-    """kvcache's invariants with every block list the scheduler holds."""
-    if isinstance(rm.cache_manager, adapter.FastDeployCacheManager):
-        rm.cache_manager.check_integrity(tables=[r.block_tables for r in rm.requests.values()])
+    """kvcache's invariants with every block list the scheduler holds; in head-wise mode each request's
+    ``block_tables_headwise`` is kvcache's table for it."""
+    manager = rm.cache_manager
+    if isinstance(manager, adapter.FastDeployCacheManager):
+        manager.check_integrity(tables=[r.block_tables for r in rm.requests.values()])
+    if isinstance(manager, HeadWiseCacheManager):
+        for r in rm.requests.values():
+            if r.block_tables:
+                assert r.block_tables_headwise == manager.block_tables_headwise(r.request_id).tolist()
 
 
 def run(rm: ResourceManagerV1, trace: list[Spec], *, max_steps: int = 3000) -> list[Step]:
@@ -590,6 +714,61 @@ def test_fastdeploys_scheduler_over_a_daemon_takes_the_steps_it_takes_in_process
         assert shared.cache_manager.num_allocatable_gpu_blocks == 48
     finally:
         close(shared)
+    assert len(shared_steps) == len(local_steps)
+    for i, (ours, theirs) in enumerate(zip(shared_steps, local_steps)):
+        assert ours == theirs, f"step {i} differs"
+
+
+def run_head_wise(rm: ResourceManagerV1, trace: list[Spec]) -> tuple[list[Step], int]:
+    """``run`` with head-wise tables; also counts the steps after which a scheduled request's
+    ``block_tables_headwise`` has a window head's -1."""
+    original, seen = rm.schedule, {"steps": 0}
+
+    def schedule():
+        out = original()
+        if any(-1 in row for r in rm.requests.values() if r.block_tables for row in r.block_tables_headwise):
+            seen["steps"] += 1
+        return out
+
+    rm.schedule = schedule
+    return run(rm, trace), seen["steps"]
+
+
+@fastdeploy_test
+def test_fastdeploys_scheduler_serves_head_wise_tables_with_prefix_hits(monkeypatch, daemon) -> None:
+    """FD_HEAD_WISE_KV_CACHE=1 and a model config with head_wise_swa_ratio 0.5 (4 kv heads, the last 2 with an
+    8-token window): FastDeploy's ResourceManagerV1 with prefix caching on (which FastDeploy's head-wise patches
+    refuse) schedules the pressured trace on kvcache's head-wise tables: prefix hits, chunked prefill,
+    preemption, eviction, window heads' blocks given back (-1 in the requests' block_tables_headwise), every
+    step checked; over a daemon (install(daemon=...)) the steps are exactly those in process."""
+    monkeypatch.setenv("FD_HEAD_WISE_KV_CACHE", "1")
+    trace = make_trace(300, seed=2, per_step=4)
+    options = dict(num_blocks=48, max_num_seqs=12, max_num_batched_tokens=24, **HEAD_WISE)
+    local = make_scheduler(adapter.FastDeployCacheManager, **options)
+    try:
+        assert isinstance(local.cache_manager, HeadWiseCacheManager)
+        local_steps, with_holes = run_head_wise(local, trace)
+    finally:
+        close(local)
+    stats = local.cache_manager.stats()
+    kinds = {kind for step in local_steps for _, kind, _ in step.scheduled}
+    assert "preempt" in kinds and stats.hit_requests > 50 and stats.evicted_blocks > 0, (kinds, stats)
+    assert with_holes > 100, "window heads give blocks back during the run"
+    assert local.cache_manager._cache.stats().recycled_blocks > 0
+    assert local.cache_manager.num_allocatable_gpu_blocks == 48
+    d = daemon("--num-blocks", "48", "--block-size", str(BLOCK), "--rows", "full*2,window:8:0*2")
+    adapter.install(daemon=d.endpoint)
+    try:
+        shared = make_scheduler(prefix_cache_manager.PrefixCacheManager, **options)
+    finally:
+        adapter.uninstall()
+    try:
+        assert isinstance(shared.cache_manager, HeadWiseCacheManager) and shared.cache_manager.daemon == d.endpoint
+        shared_steps, shared_holes = run_head_wise(shared, trace)
+        assert shared.cache_manager.stats() == stats and shared_holes == with_holes
+    finally:
+        close(shared)
+        shared.cache_manager.close()
     assert len(shared_steps) == len(local_steps)
     for i, (ours, theirs) in enumerate(zip(shared_steps, local_steps)):
         assert ours == theirs, f"step {i} differs"

@@ -34,6 +34,14 @@ Refused by name (``KVCacheError``), never ignored: CPU swap space (``num_cpu_blo
 (``kvcache_storage_backend``), the v0 scheduler's ``request_block_ids``, and FastDeploy's v1 cache manager
 (``ENABLE_V1_KVCACHE_MANAGER=1``), which ``install`` cannot replace.
 
+Head-wise tables: where FastDeploy's config asks for head-wise KV cache (``FD_HEAD_WISE_KV_CACHE=1`` with
+``head_wise_swa_ratio``), ``FastDeployCacheManager(config, ...)`` builds a ``HeadWiseCacheManager``
+(``kvcache.integrations.fastdeploy_headwise``): one table per kv head, window heads giving blocks back, with
+prefix caching.
+
+Daemon leases: a manager on a daemon pings it every ``keepalive`` seconds (default 5) from a thread of its own,
+so a daemon with ``--lease-timeout`` keeps an idle engine's blocks.
+
 Thread model: FastDeploy calls these methods from its scheduler thread and from executor threads (a finished
 request's release); every method takes ``request_release_lock`` (a re-entrant lock), so calls are serialised
 (on a daemon, the manager's one ``CacheClient``, which is not thread-safe, is used only under that lock).
@@ -100,6 +108,16 @@ class FastDeployCacheManager:
 
     _daemon: str | None = None  # install(daemon=...): the endpoint every manager built afterwards connects to
     _keepalive: float = KEEPALIVE_SECONDS  # install(keepalive=...)
+
+    def __new__(cls, config: Any = None, *args: Any, **kwargs: Any) -> FastDeployCacheManager:
+        """A ``HeadWiseCacheManager`` where FastDeploy's config asks for head-wise tables (``FD_HEAD_WISE_KV_CACHE=1``
+        with ``head_wise_swa_ratio``), so FastDeploy builds it through the one name ``install()`` patches."""
+        if cls is FastDeployCacheManager and config is not None:
+            from kvcache.integrations.fastdeploy_headwise import HeadWiseCacheManager, head_wise_policies
+
+            if head_wise_policies(config) is not None:
+                cls = HeadWiseCacheManager
+        return super().__new__(cls)
 
     def __init__(self, config: Any, tensor_parallel_size: int = 1, splitwise_role: str = "mixed",
                  local_data_parallel_id: int = 0, *, cache: KVCacheManager | CacheClient | None = None,
