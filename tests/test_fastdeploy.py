@@ -311,9 +311,25 @@ def test_head_wise_refusals_name_the_field(monkeypatch, daemon) -> None:
                              model_config=SimpleNamespace(**HEAD_WISE))
     with pytest.raises(KVCacheError, match="^cache_config.enable_prefix_caching"):
         adapter.FastDeployCacheManager(config)
+    config.cache_config.enable_prefix_caching = True
+    with pytest.raises(KVCacheError, match="^splitwise_role"):
+        adapter.FastDeployCacheManager(config, 1, "prefill")
     manager = make_head_wise()
     with pytest.raises(KVCacheError, match="^req_id"):
         manager.allocate_gpu_blocks(2, "never-matched")
+    task = make_task("t", list(range(1, 10)))
+    task.use_extend_tables = True
+    with pytest.raises(KVCacheError, match="^use_extend_tables"):
+        manager.request_match_blocks(task, BLOCK)
+    task.use_extend_tables = False
+    manager.request_match_blocks(task, BLOCK)
+    task.block_tables = [5]  # a block the adapter never gave this request
+    with pytest.raises(KVCacheError, match="^block_tables: request 't' lists 1 blocks, the adapter gave it 0"):
+        manager.allocate_gpu_blocks(1, "t")
+    task.block_tables = []
+    manager.check_integrity(tables=[task.block_tables])
+    manager.release_block_ids(task)
+    manager.recycle_gpu_blocks([], "t")
     with pytest.raises(KVCacheError, match="^free_block_ids"):
         manager.free_block_ids(1)
     with pytest.raises(KVCacheError, match="^gpu_block_ids"):

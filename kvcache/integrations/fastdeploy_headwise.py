@@ -24,7 +24,8 @@ so a chunk still running keeps its window); ``update_cache_blocks`` and ``cache_
 placed tokens, whose full blocks enter the prefix index; ``release_block_ids`` frees the request (every head's
 blocks; cached ones stay findable), and the ``recycle_gpu_blocks`` that follows it only checks the ids it names.
 
-Refused by name: head-wise without ``enable_prefix_caching`` (the adapter learns each request's tokens from
+Refused by name: a PD role (``splitwise_role`` other than ``mixed``), extend tables (``use_extend_tables``),
+head-wise without ``enable_prefix_caching`` (the adapter learns each request's tokens from
 ``request_match_blocks``), blocks allocated for a request never matched (PD pre-allocation, extend tables),
 ``window_attn_skip_freq`` (a head full on some layers and windowed on others is no single row), a
 ``head_wise_swa_ratio`` that does not split the kv heads exactly, and ``free_block_ids`` (allocations evict).
@@ -121,6 +122,9 @@ class HeadWiseCacheManager(FastDeployCacheManager):
         if getattr(cache_config, "enable_prefix_caching", True) is False:
             raise KVCacheError("cache_config.enable_prefix_caching: head-wise tables need it on (the adapter "
                                "learns each request's tokens from request_match_blocks)")
+        if self.splitwise_role != "mixed":
+            raise KVCacheError(f"splitwise_role: {self.splitwise_role!r}; head-wise tables serve a mixed engine "
+                               "(PD roles pre-allocate blocks for requests never matched)")
         policies = head_wise_policies(self.config)
         assert policies is not None, "HeadWiseCacheManager built for a config that asks for no head-wise tables"
         num_blocks = _gpu_block_count(cache_config)
@@ -208,6 +212,9 @@ class HeadWiseCacheManager(FastDeployCacheManager):
             req_id = task.request_id
             if req_id in self._live or req_id in self._deferred:
                 raise KVCacheError(f"request_id: {req_id!r} is matched already; release_block_ids first")
+            if getattr(task, "use_extend_tables", False):
+                raise KVCacheError(f"use_extend_tables: request {req_id!r} asks for extend tables, a second block "
+                                   "list head-wise tables do not serve")
             tokens = _task_tokens(task)
             admission = self._cache.admit(req_id, tokens, mm=_task_mm(task), num_tokens=1)
             self._queries += 1
@@ -246,6 +253,9 @@ class HeadWiseCacheManager(FastDeployCacheManager):
             if live is None:
                 raise KVCacheError(f"req_id: {req_id!r} was not matched (request_match_blocks) or held nothing; "
                                    "head-wise tables give blocks only to a matched request")
+            if len(live.task.block_tables) != live.listed:
+                raise KVCacheError(f"block_tables: request {req_id!r} lists {len(live.task.block_tables)} blocks, "
+                                   f"the adapter gave it {live.listed}; head-wise tables serve one list per request")
             computed = int(getattr(live.task, "num_computed_tokens", live.start))
             live.done, live.start = min(live.start, computed), computed
             target = live.listed + num_blocks
