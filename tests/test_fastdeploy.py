@@ -323,6 +323,8 @@ def test_head_wise_refusals_name_the_field(monkeypatch, daemon) -> None:
         manager.request_match_blocks(task, BLOCK)
     task.use_extend_tables = False
     manager.request_match_blocks(task, BLOCK)
+    with pytest.raises(KVCacheError, match="^num_computed_tokens: 4 exceeds the 0 blocks"):
+        manager.update_cache_blocks(task, BLOCK, 4)
     task.block_tables = [5]  # a block the adapter never gave this request
     with pytest.raises(KVCacheError, match="^block_tables: request 't' lists 1 blocks, the adapter gave it 0"):
         manager.allocate_gpu_blocks(1, "t")

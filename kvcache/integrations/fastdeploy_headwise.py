@@ -275,6 +275,9 @@ class HeadWiseCacheManager(FastDeployCacheManager):
         _check_count(num_computed_tokens, "num_computed_tokens")
         with self.request_release_lock:
             live = self._get_live(task.request_id)
+            if num_computed_tokens > live.listed * self.block_size:
+                raise KVCacheError(f"num_computed_tokens: {num_computed_tokens} exceeds the {live.listed} blocks "
+                                   f"request {task.request_id!r} was given")
             self._advance(live, num_computed_tokens, live.listed)
             self._publish(live)
 
