@@ -12,9 +12,10 @@ messager in a process of its own with ``kvcache.pd.process.MessagerProcess`` (sa
 
 The prefill link claims its rank on its daemon before its first call there (``attach`` with no
 endpoint), fetches plans there (``plans``), reports ``sent`` there, and on failure reports
-``transfer_failed`` to both daemons (the decode one named in the plan). The decode link attaches its receiver and reports ``received``; it attaches again when its
-daemon comes back without its journal (a new epoch). A
-daemon counts a rank's reports only from the worker that attached it, by the key it attached with:
+``transfer_failed`` to both daemons (the decode one named in the plan). The decode link attaches its
+receiver and reports ``received``; it attaches again when its daemon comes back without its journal
+(a new epoch). A daemon counts a rank's reports only from the worker that attached it, by the key it
+attached with:
 ``kvcache.rank_keys.rank_key`` gives each link its rank's key (``key_file``, else one derived from the
 CURVE certificate, else a 0600 file beside an ipc:// daemon's socket), so a worker restarted by the
 same user claims its rank again. ``admin`` (the daemon's admin key) takes a rank whoever owns it.
