@@ -394,6 +394,51 @@ def _ranges(values: tuple[int, ...]) -> str:
     return ",".join(runs)
 
 
+def vllm_comparison(plan: Plan) -> dict[str, Any]:
+    """vLLM's own hybrid planner on the plan's layers and budget (``kvcache.bench.vllm.planner_concurrency``: its
+    ``get_kv_cache_configs`` and ``get_max_concurrency_for_kv_cache_config``), beside the plan: its requests at
+    once, ours over its, and ours again given the tokens vLLM counts in flight. Needs vLLM importable and a plan
+    of a bf16 or fp16 cache without quantization, sized for a load."""
+    from kvcache.allocator.groups import units_of
+    from kvcache.bench import vllm
+
+    spec, load = plan.spec, plan.load
+    if load is None or plan.max_concurrency is None:
+        raise KVCacheError("--vllm: compares the requests a load fits; give --max-model-len")
+    if spec.quant.value != "none" or spec.dtype not in ("bfloat16", "float16"):
+        raise KVCacheError(f"--vllm: compares bf16/fp16 caches without quantization, got dtype {spec.dtype}, "
+                           f"quant {spec.quant.value}")
+    if vllm.version() is None:
+        raise KVCacheError("--vllm: vllm is not importable here (../shared/tools/setup-vllm.sh builds an "
+                           "environment with vLLM 0.33 on a CPU)")
+    assert spec.num_kv_heads is not None and spec.head_dim is not None
+    units = units_of(spec.row_layout)
+    if units[0][0][1] >= 0 and spec.tp_size > 1:
+        raise KVCacheError("--vllm: a config with policies per kv head compares at --tp 1 only")
+    kinds = {Full: lambda p: ("full", None), Chunked: lambda p: ("chunk", p.chunk_tokens)}
+    named = [(f"layers.{layer}" if head < 0 else f"layers.{layer}.heads.{head}",
+              kinds.get(type(policy), lambda p: ("window", p.window_tokens))(policy))
+             for (layer, head), policy in units]
+    heads = spec.kv_heads_per_rank if units[0][0][1] < 0 else 1
+    theirs = vllm.planner_concurrency(named, heads, spec.head_dim, spec.block_size, load.max_model_len,
+                                      load.max_num_batched_tokens, plan.budget_bytes)
+    in_flight = make_plan(spec, gpu_memory=plan.budget_bytes, utilization=1.0,
+                          load=dataclasses.replace(load, max_num_batched_tokens=theirs["max_in_flight_tokens"]))
+    return {**theirs, "ours": plan.max_concurrency, "ours_over_vllm": plan.max_concurrency / theirs["max_concurrency"],
+            "ours_at_vllm_in_flight": in_flight.max_concurrency,
+            "ours_at_vllm_in_flight_over_vllm": (in_flight.max_concurrency or 0) / theirs["max_concurrency"]}
+
+
+def render_vllm_comparison(c: dict[str, Any]) -> str:
+    """The comparison as two lines."""
+    return (f"vLLM {c['version']}'s planner (get_kv_cache_configs, get_max_concurrency_for_kv_cache_config), same "
+            f"layers and budget: {c['max_concurrency']:.2f} requests at once ({len(c['groups'])} group(s), "
+            f"{c['num_blocks']:,} blocks, {c['max_in_flight_tokens']:,} tokens in flight)\n"
+            f"kvcache / vLLM: {c['ours_over_vllm']:.2f}x ({c['ours']:,} requests); with vLLM's "
+            f"{c['max_in_flight_tokens']:,} tokens in flight: {c['ours_at_vllm_in_flight_over_vllm']:.2f}x "
+            f"({c['ours_at_vllm_in_flight']:,})")
+
+
 def _run_plan(args: argparse.Namespace) -> int:
     spec, name = spec_from_args(args)
     load = None
@@ -411,7 +456,11 @@ def _run_plan(args: argparse.Namespace) -> int:
         model=name,
         load=load,
     )
-    print(json.dumps(plan_json(plan), indent=2) if args.json else render_plan(plan))
+    compared = vllm_comparison(plan) if args.vllm else None
+    if args.json:
+        print(json.dumps({**plan_json(plan), **({"vllm": compared} if compared else {})}, indent=2))
+    else:
+        print(render_plan(plan) + ("\n\n" + render_vllm_comparison(compared) if compared else ""))
     return 0
 
 
@@ -449,5 +498,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     load.add_argument("--per-request-chunks", action="store_true",
                       help="for a scheduler without one budget across requests: a window row holds each request's "
                       "window plus a whole --max-num-batched-tokens chunk")
+    p.add_argument("--vllm", action="store_true",
+                   help="with --max-model-len: also ask the installed vLLM's own hybrid planner (get_kv_cache_configs, "
+                   "get_max_concurrency_for_kv_cache_config) how many such requests the same layers and budget fit, "
+                   "and print the ratio (bf16/fp16 caches)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.set_defaults(run=_run_plan)

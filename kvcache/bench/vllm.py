@@ -252,17 +252,25 @@ def kv_cache_groups(units: Sequence[tuple[str, Unit]], num_kv_heads: int, head_d
              "units": list(g.layer_names)} for g in planned]
 
 
-def hybrid_concurrency(windows: Sequence[int | None], num_kv_heads: int, head_dim: int, block_size: int,
-                       max_model_len: int, max_num_batched_tokens: int, memory_bytes: int) -> dict[str, Any]:
-    """What vLLM's hybrid KV-cache planner gives a model with these per-layer windows (None: full) in
-    ``memory_bytes``: its layer groups, blocks, max concurrency at ``max_model_len``
-    (``get_max_concurrency_for_kv_cache_config``), and the in-flight tokens a window keeps
-    (``max_in_flight_tokens``). bf16 caches; the hybrid manager on, as on a GPU."""
+def planner_concurrency(units: Sequence[tuple[str, Unit]], num_kv_heads: int, head_dim: int, block_size: int,
+                        max_model_len: int, max_num_batched_tokens: int, memory_bytes: int) -> dict[str, Any]:
+    """What vLLM's hybrid KV-cache planner gives named units (layers, or head-wise cells as layers of one kv head)
+    in ``memory_bytes`` of one worker: its groups' sizes, blocks, max concurrency at ``max_model_len``
+    (``get_max_concurrency_for_kv_cache_config``), and the tokens it counts in flight (``max_in_flight_tokens``:
+    ``max_num_batched_tokens`` times the batches it keeps running). bf16 caches; the hybrid manager on."""
     from vllm.v1.core import kv_cache_utils
 
     config = planner_config(max_model_len, max_num_batched_tokens, block_size)
-    units = [(f"layers.{i}", ("window", w) if w else ("full", None)) for i, w in enumerate(windows)]
     kv = kv_cache_config(config, layer_specs(units, num_kv_heads, head_dim, block_size), memory_bytes)
-    return {"groups": [len(g.layer_names) for g in kv.kv_cache_groups], "num_blocks": kv.num_blocks,
+    return {"version": version(), "groups": [len(g.layer_names) for g in kv.kv_cache_groups],
+            "num_blocks": kv.num_blocks,
             "max_concurrency": kv_cache_utils.get_max_concurrency_for_kv_cache_config(config, kv),
             "max_in_flight_tokens": config.max_in_flight_tokens}
+
+
+def hybrid_concurrency(windows: Sequence[int | None], num_kv_heads: int, head_dim: int, block_size: int,
+                       max_model_len: int, max_num_batched_tokens: int, memory_bytes: int) -> dict[str, Any]:
+    """``planner_concurrency`` for layers with these windows (None: full)."""
+    units = [(f"layers.{i}", ("window", w) if w else ("full", None)) for i, w in enumerate(windows)]
+    return planner_concurrency(units, num_kv_heads, head_dim, block_size, max_model_len, max_num_batched_tokens,
+                               memory_bytes)
