@@ -149,6 +149,16 @@ def test_renumbering_gives_one_store_and_one_removal_per_group_in_order():
     assert out[0].token_ids is stored.token_ids and out[2].block_hashes == removed.block_hashes
 
 
+def test_a_library_manager_built_from_a_config_publishes_as_vllm():
+    """In process: a manager with a config's rows, its events renumbered by the config's vLLM groups."""
+    spec = CacheSpec.from_hf_config(load_example("gemma-3-4b"), block_size=16)
+    cache = KVCacheManager(64, 16, [r.policy for r in spec.row_layout], enable_events=True)
+    cache.admit("r", list(range(40)))
+    events = renumber_groups(cache.take_events(), vllm_group_numbers(spec.row_layout, cache.rows))
+    assert [(type(e).__name__, e.group, e.window, len(e.block_hashes)) for e in events] == (
+        [("BlockStored", k, 1024, 2) for k in range(6)] + [("BlockStored", 6, None, 2)])
+
+
 def gemma_like_layout() -> tuple[Row, ...]:
     """Gemma 3 4B's layers (29 sliding, every sixth full) with a window small enough to slide in a test."""
     full = tuple(range(5, 34, 6))
