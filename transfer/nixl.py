@@ -23,7 +23,10 @@ the nonce and the very hello we got, keyed by a secret the peer holds in a memfd
 ``/proc/<pid>/fd`` (so the key is that process's own, not bytes someone planted in its memory, and a
 relayed or replayed hello fails); and the kernel lets us read that process. Every kernel write then lies
 inside the memory that hello says the peer registered (the check NIXL makes), or none of it is written.
-Any other peer is written through NIXL alone. ``kernel_copy=False`` sends every write through NIXL.
+Any other peer is written through NIXL alone. ``kernel_copy=False`` sends every write through NIXL, as does
+``KVCACHE_KERNEL_COPY=0`` in the environment for every engine that is not told otherwise (the links' and
+benchmarks' engines too): with UCX restricted to the transports a network has (``UCX_TLS=tcp``, or ``rc`` with
+RDMA), two processes of one host then take the path two nodes take.
 All NIXL calls that post or poll transfers run on the engine's one worker thread (a post over shared
 memory copies inside the call, so the caller's ``write`` must not make it), except a post its caller
 asks to make itself (``submit(inline=True)``, when nothing else waits); a handle's ``wait`` returns
@@ -64,8 +67,8 @@ from kvcache.transfer.regions import ByteRanges, CopyRanges, KVRegion, copy_rang
 
 log = logging.getLogger("kvcache.nixl")
 
-__all__ = ["PROGRESS_MODES", "KernelCopy", "NixlEngine", "Peer", "default_threads", "host_identity",
-           "is_local_endpoint", "nixl_available", "spread"]
+__all__ = ["KERNEL_COPY_ENV", "PROGRESS_MODES", "KernelCopy", "NixlEngine", "Peer", "default_threads", "host_identity",
+           "is_local_endpoint", "kernel_copy_default", "nixl_available", "spread"]
 
 PROTOCOL = 2
 KEY_NAME = "kvcache-transfer-key"
@@ -94,6 +97,8 @@ MERGE_MAX = 64
 """The worker posts writes that queued up behind a busy one (same peer and memory kinds) as one NIXL
 transfer of at most this many writes: each transfer() call has a fixed CPU cost (about 0.6 ms with
 GPU memory over cuda_ipc on the H100), so a producer posting a layer at a time must not fall behind."""
+KERNEL_COPY_ENV = "KVCACHE_KERNEL_COPY"
+"""``0`` turns the kernel copy off in engines made without ``kernel_copy`` (``1``, or unset: on where it can be)."""
 _STOP = object()
 _AGENT_LOCK = threading.Lock()
 
@@ -183,7 +188,7 @@ class NixlEngine(TransferEngine):
 
     def __init__(self, name: str | None = None, *, timeout: float = DEFAULT_TIMEOUT,
                  backends: tuple[str, ...] = ("UCX",), connect_timeout: float = 5.0,
-                 threads: int | None = None, progress: str = "thread", kernel_copy: bool = True) -> None:
+                 threads: int | None = None, progress: str = "thread", kernel_copy: bool | None = None) -> None:
         nixl = _import_nixl()
         if nixl is None:
             raise KVCacheError("NIXL is not installed: pip install nixl-cu12 (or nixl-cu13), without the 'nixl' "
@@ -194,6 +199,8 @@ class NixlEngine(TransferEngine):
             raise KVCacheError(f"threads must be a whole number >= 0, got {threads!r}")
         if progress not in PROGRESS_MODES:
             raise KVCacheError(f"progress: unknown {progress!r}; expected one of {', '.join(PROGRESS_MODES)}")
+        if kernel_copy is None:
+            kernel_copy = kernel_copy_default()
         self.progress = progress
         self.name = name or f"kvcache-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.timeout = timeout
@@ -418,6 +425,11 @@ class NixlEngine(TransferEngine):
         if not self._kernel.finds(hello["pid"], key_at[1], key):
             return "the kernel does not let this process read (so write) it"
         return ""
+
+    @property
+    def kernel_copy(self) -> bool:
+        """Whether this engine may copy host memory to proven peers on this host with the kernel (see the module)."""
+        return self._kernel is not None
 
     def uses_kernel_copy(self, peer: Peer | str) -> bool:
         """Whether writes of host memory to ``peer`` go through the kernel (KernelCopy), not NIXL."""
@@ -886,6 +898,15 @@ class KernelCopy:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+
+
+def kernel_copy_default() -> bool:
+    """Whether an engine made without ``kernel_copy`` copies host memory to proven peers on this host with the kernel:
+    yes unless KVCACHE_KERNEL_COPY is ``0``."""
+    value = os.environ.get(KERNEL_COPY_ENV, "1").strip()
+    if value not in ("0", "1", ""):
+        raise KVCacheError(f"{KERNEL_COPY_ENV}: must be 0 (off) or 1 (on), got {value!r}")
+    return value != "0"
 
 
 def host_identity() -> str:
