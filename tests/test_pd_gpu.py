@@ -100,3 +100,48 @@ def test_a_gpu_region_opened_in_another_process_writes_the_same_memory():
         for t in row:
             raw = t.view(torch.uint8).reshape(8, -1)
             assert bool((raw[0] == 0x3F).all()) and bool((raw[1:] == 0).all())
+
+
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+
+
+@two_gpus
+@pytest.mark.parametrize("prefill_tp, decode_tp, prefill_device, decode_device, link", [
+    (1, 1, "cuda:0", "cuda:1", "thread"),
+    (2, 1, "cuda:0", "cuda:1", "process"),
+    (2, 1, "cuda:0,cuda:1", "cuda:1", "thread"),
+    (1, 2, "cuda:1", "cuda:0,cuda:1", "thread"),
+])
+def test_caches_on_two_gpus_move_gpu_to_gpu_byte_for_byte(prefill_tp, decode_tp, prefill_device, decode_device,
+                                                          link):
+    """Each role's caches on their own GPU (or a GPU per rank): fresh prompts and prefix hits on either node arrive
+    byte for byte, every decode byte the model's, and both nodes hold nothing after."""
+    from kvcache.client import CacheClient
+    from kvcache.pd import PDProxy
+    from kvcache.pd.cluster import Cluster, role_devices, run_batch, scenario
+    import numpy as np
+
+    with Cluster(layers=4, kv_heads=4, head_dim=64, prefill_tp=prefill_tp, decode_tp=decode_tp,
+                 prefill_device=prefill_device, decode_device=decode_device, link=link) as cluster:
+        assert [w.call("device") for w in cluster.prefill_workers] == role_devices(prefill_device, prefill_tp, "")
+        assert [w.call("device") for w in cluster.decode_workers] == role_devices(decode_device, decode_tp, "")
+        prefill, decode = CacheClient(cluster.cfg["prefill"]), CacheClient(cluster.cfg["decode"])
+        proxy = PDProxy(prefill, decode)
+        for name, prompts, clear in scenario(np.random.default_rng(7), cluster.spec.block_size):
+            if clear:
+                (prefill if clear == "prefill" else decode).reset_prefix_cache()
+            assert run_batch(cluster, proxy, prompts)["problems"] == [], name
+        assert (prefill.usage.max, decode.usage.max) == (0.0, 0.0)
+        assert prefill.stats()["in_transfer"] == decode.stats()["in_transfer"] == 0
+
+
+@two_gpus
+def test_bench_pd_quick_runs_across_two_gpus_against_cuda_memcpy_peer(capsys):
+    from kvcache.bench import pd as bench
+    from kvcache.bench.common import run_alone
+
+    assert run_alone(bench.add_parser, "pd", ["--quick", "--json", "--prefill-device", "cuda:0",
+                                              "--decode-device", "cuda:1"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert (r["workload"]["device"], r["workload"]["decode_device"]) == ("cuda:0", "cuda:1")
+    assert r["rate"] > 0 and r["peer_rate"] > 0 and r["nixl_vs_peer"] > 0 and r["tail_s"]["median"] > 0

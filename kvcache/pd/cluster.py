@@ -7,7 +7,11 @@ layer it writes deterministic KV (a function of token id, position, layer, head 
 prefix hits on either node give identical bytes) into the blocks it did not have cached, then
 calls ``send_cache``. ``run_batch`` drives one batch through a ``PDProxy`` and checks every
 request's decode KV against the prefill node's and against the formula. Caches are numpy on the
-CPU, PyTorch on ``cuda:N``; each rank's cache is one buffer, so one NIXL descriptor can span it.
+CPU, PyTorch on ``cuda:N``, a device per role and per rank (``prefill_device="cuda:0"``,
+``decode_device="cuda:1"``: each cache on its own GPU, NIXL moving GPU memory to GPU memory); each rank's
+cache is one buffer, so one NIXL descriptor can span it. With ``hosts`` (``kvcache.pd.hosts.Hosts``) each
+node runs in a network namespace of its own, its daemon on TCP at the node's address, UCX on TCP and no
+kernel copy: the path between two nodes.
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 import uuid
@@ -37,6 +42,8 @@ from kvcache.launch import launch_serve, wait_ready
 from kvcache.transfer.heads import rank_heads
 
 RAW = {1: np.uint8, 2: np.uint16, 4: np.uint32}
+PEER_ACCESS_ALREADY_ENABLED = 704  # cudaErrorPeerAccessAlreadyEnabled
+CROSS_HOST_PORT = 5600  # each node's daemon, at its own address (its PUB and replay on the next ports)
 
 
 # --------------------------------------------------------------------------- the fake model
@@ -57,6 +64,34 @@ def signal_of(cfg: dict[str, Any], rank: int) -> str:
 def shared_cache_of(cfg: dict[str, Any], role: str, rank: int) -> str:
     """The /dev/shm name of a rank's shared CPU cache (removed once its link process mapped it, or by the cluster)."""
     return f"{cfg['signal_prefix']}-cache-{role}-r{rank}"
+
+
+def role_devices(value: str, tp: int, field: str) -> list[str]:
+    """Each rank's device from ``value``: one device for every rank (``cuda:1``) or one per rank, comma-separated
+    (``cuda:0,cuda:1``); ``cuda`` is ``cuda:0``. A KVCacheError names ``field`` otherwise."""
+    devices = ["cuda:0" if d.strip() == "cuda" else d.strip() for d in value.split(",")]
+    for device in devices:
+        kind, _, index = device.partition(":")
+        if device != "cpu" and not (kind == "cuda" and index.isdigit()):
+            raise KVCacheError(f"{field}: {device!r} is not cpu, cuda or cuda:N")
+    if len(devices) not in (1, tp):
+        raise KVCacheError(f"{field}: {len(devices)} devices for {tp} ranks; give one, or one per rank")
+    return devices * tp if len(devices) == 1 else devices
+
+
+def enter_node(cfg: dict[str, Any], role: str, device: str) -> None:
+    """A worker's first step: into its node's network namespace and environment (with ``hosts``), onto its GPU."""
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL prints INFO lines on stdout, where `bench pd --json` writes
+    node = cfg["nodes"].get(role)
+    if node:
+        from kvcache.pd.hosts import enter_netns
+
+        enter_netns(node["netns"])
+        os.environ.update(node["env"])
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.set_device(torch.device(device))  # streams, NIXL's and UCX's CUDA calls: on this rank's GPU
 
 
 def spec_of(cfg: dict[str, Any], tp: int) -> CacheSpec:
@@ -204,10 +239,12 @@ def prefill_worker(conn: Any, cfg: dict[str, Any], rank: int) -> None:
     from kvcache.transfer import KVRegion, LayerSignal
     from kvcache.pd.messager import Chunk
 
+    device = cfg["devices"]["prefill"][rank]
+    enter_node(cfg, "prefill", device)
     spec = spec_of(cfg, cfg["prefill_tp"])
     process = cfg["link"] == "process"
     shared = shared_cache_of(cfg, "prefill", rank) if process else ""
-    cache = Cache(spec, cfg["layer_blocks"]["prefill"], cfg["device"], shared=shared)
+    cache = Cache(spec, cfg["layer_blocks"]["prefill"], device, shared=shared)
     region = KVRegion.from_tensors(spec, cache.layers)
     sig = LayerSignal.create(signal_of(cfg, rank), spec.num_layers, replace=True)
     heads = rank_heads(spec.num_kv_heads, spec.tp_size, rank)
@@ -253,6 +290,9 @@ def prefill_worker(conn: Any, cfg: dict[str, Any], rank: int) -> None:
             "sent_ns": lambda req: run(sent_times, req),
             "probe": lambda args: run(probe, *args),
             "link_pid": lambda _: link.process.pid if process else os.getpid(),
+            "peer_copy": lambda args: peer_copy(cache, *args),
+            "kernel_copy": lambda _: run(kernel_copy_on),
+            "device": lambda _: str(cache.buffer.device) if cache.torch is not None else "cpu",
             "steps": steps,
         })
 
@@ -268,6 +308,10 @@ def posted_bytes(link: Any, region: Any, req: Any) -> int:
 
 def sent_times(link: Any, region: Any, req: Any) -> dict[str, int]:
     return link.messager.sent_ns.get(req, {})
+
+
+def kernel_copy_on(link: Any, region: Any) -> bool:
+    return link.engine.kernel_copy
 
 
 def received_times(link: Any, region: Any) -> dict[Any, int]:
@@ -368,20 +412,57 @@ def probe(link: Any, region: Any, src: np.ndarray, dst: np.ndarray, receivers: t
             "post_s": {name: float(np.median(v)) for name, v in posts.items() if name != "raw_batch"}}
 
 
+def peer_copy(cache: Cache, device: str, nbytes: int, repeat: int) -> dict[str, Any]:
+    """The hardware's limit between this rank's GPU and ``device``: ``cudaMemcpyPeer`` of ``nbytes`` of the cache into a
+    buffer there (best of ``repeat``, peer access enabled where the GPUs have it), and whether they have it."""
+    import ctypes
+
+    from kvcache.transfer.engines import CudaRuntime
+
+    torch, rt = cache.torch, CudaRuntime()
+    src, dst = cache.buffer.device.index, torch.device(device).index
+    can = ctypes.c_int()
+    rt.check(rt.lib.cudaDeviceCanAccessPeer(ctypes.byref(can), src, dst), "cudaDeviceCanAccessPeer")
+    if can.value:
+        with torch.cuda.device(src):
+            code = rt.lib.cudaDeviceEnablePeerAccess(dst, 0)
+            if code != PEER_ACCESS_ALREADY_ENABLED:
+                rt.check(code, "cudaDeviceEnablePeerAccess")
+            rt.lib.cudaGetLastError()  # "already enabled" is no error here
+    assert cache.buffer.numel() >= nbytes, (cache.buffer.numel(), nbytes)
+    target = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    times = []
+    for _ in range(repeat):
+        torch.cuda.synchronize(src)
+        torch.cuda.synchronize(dst)
+        start = time.perf_counter()
+        rt.check(rt.lib.cudaMemcpyPeer(target.data_ptr(), dst, cache.buffer.data_ptr(), src, nbytes), "cudaMemcpyPeer")
+        torch.cuda.synchronize(dst)
+        torch.cuda.synchronize(src)
+        times.append(time.perf_counter() - start)
+    del target
+    torch.cuda.empty_cache()
+    return {"peer_s": min(times), "p2p": bool(can.value)}
+
+
 def decode_worker(conn: Any, cfg: dict[str, Any], rank: int) -> None:
     """A decode rank: cache and receiver; reads blocks back on command."""
     from kvcache.pd.process import ReceiverProcess
     from kvcache.pd.links import DecodeLink
     from kvcache.transfer import KVRegion
 
+    device = cfg["devices"]["decode"][rank]
+    enter_node(cfg, "decode", device)
     spec = spec_of(cfg, cfg["decode_tp"])
-    process = cfg["link"] == "process" and cfg["device"] == "cpu"  # a GPU cache's receiver stays: see ReceiverProcess
+    process = cfg["link"] == "process" and device == "cpu"  # a GPU cache's receiver stays: see ReceiverProcess
     shared = shared_cache_of(cfg, "decode", rank) if process else ""
-    cache = Cache(spec, cfg["layer_blocks"]["decode"], cfg["device"], shared=shared)
+    cache = Cache(spec, cfg["layer_blocks"]["decode"], device, shared=shared)
     region = KVRegion.from_tensors(spec, cache.layers)
     make_link = ReceiverProcess if process else DecodeLink
+    node = cfg["nodes"].get("decode")
+    listen = f"tcp://{node['address']}:*" if node else "tcp://127.0.0.1:*"  # where the prefill node reaches it
     try:
-        link = make_link(cfg["decode"], region, rank, timeout=cfg["timeout"], progress=cfg["progress"])
+        link = make_link(cfg["decode"], region, rank, listen=listen, timeout=cfg["timeout"], progress=cfg["progress"])
     finally:
         cache.unshare()
     run = link.call if process else functools.partial(in_link, link, region)
@@ -390,6 +471,8 @@ def decode_worker(conn: Any, cfg: dict[str, Any], rank: int) -> None:
         answer_commands(conn, {
             "read": lambda ids: cache.read(np.asarray(ids, dtype=np.int64)),
             "received_ns": lambda _: run(received_times),
+            "kernel_copy": lambda _: run(kernel_copy_on),
+            "device": lambda _: str(cache.buffer.device) if cache.torch is not None else "cpu",
             "link_pid": lambda _: link.process.pid if process else os.getpid(),
         })
 
@@ -443,6 +526,7 @@ class Cluster:
 
     def __init__(self, *, layers: int = 4, kv_heads: int = 4, head_dim: int = 32, block_size: int = 16,
                  num_blocks: int = 512, prefill_tp: int = 1, decode_tp: int = 1, device: str = "cpu",
+                 prefill_device: str = "", decode_device: str = "", hosts: Any = None,
                  timeout: float = 20.0, rows: str = "full", progress: str = "thread", link: str = "thread",
                  model: dict[str, Any] | None = None, head_wise: bool = False, memory: str = "",
                  max_model_len: int = 0, max_num_batched_tokens: int = 0) -> None:
@@ -453,18 +537,28 @@ class Cluster:
         ``model``: a config.json's fields the daemons serve (``--model``; its rows, such as layer groups, replace
         ``rows`` and the geometry), per kv head within each group with ``head_wise``; with ``memory`` and
         ``max_model_len`` (and ``max_num_batched_tokens``) each row's pool is sized from that much memory per rank
-        (``--gpu-memory``, ``--max-model-len``) instead of ``num_blocks`` blocks each."""
+        (``--gpu-memory``, ``--max-model-len``) instead of ``num_blocks`` blocks each. ``prefill_device`` and
+        ``decode_device`` (default ``device``) place each role's caches: one device, or one per rank
+        (``cuda:0,cuda:1``). ``hosts``: a ``kvcache.pd.hosts.Hosts`` whose nodes run the two roles (each daemon
+        on TCP at its node's address, each worker in its node's namespace and environment)."""
         if link not in ("thread", "process"):
             raise KVCacheError(f"link: must be 'thread' or 'process', got {link!r}")
         if memory and not model:
             raise KVCacheError("memory: sizes the pools of a model's rows; give model too")
-        if device.startswith("cuda"):
+        devices = {"prefill": role_devices(prefill_device or device, prefill_tp, "prefill_device"),
+                   "decode": role_devices(decode_device or device, decode_tp, "decode_device")}
+        gpus = {int(d.partition(":")[2]) for ds in devices.values() for d in ds if d != "cpu"}
+        if gpus:
             try:
                 import torch
             except ImportError:
-                raise KVCacheError(f"device: {device} needs PyTorch with CUDA (pip install torch)") from None
-            if not torch.cuda.is_available():
-                raise KVCacheError(f"device: {device}: PyTorch sees no CUDA device") from None
+                raise KVCacheError(f"device: cuda:{max(gpus)} needs PyTorch with CUDA (pip install torch)") from None
+            have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            if max(gpus) >= have:
+                raise KVCacheError(f"device: cuda:{max(gpus)}: PyTorch sees {have} CUDA devices") from None
+        self.hosts = hosts
+        nodes = {role: {"netns": node.netns, "address": node.address, "env": hosts.env(role)}
+                 for role, node in hosts.nodes.items()} if hosts is not None else {}
         self.folder = Path(tempfile.mkdtemp(prefix="kv-pd-", dir="/tmp"))
         self.daemons: dict[str, subprocess.Popen] = {}
         self.prefill_workers: list[Worker] = []
@@ -473,11 +567,12 @@ class Cluster:
         if model:
             config = str(self.folder / "config.json")
             Path(config).write_text(json.dumps(model))
+        endpoints = {role: f"tcp://{nodes[role]['address']}:{CROSS_HOST_PORT}" if role in nodes
+                     else f"ipc://{self.folder}/{role}.sock" for role in ("prefill", "decode")}
         self.cfg = dict(layers=layers, kv_heads=kv_heads, head_dim=head_dim, block_size=block_size,
-                        num_blocks=num_blocks, prefill_tp=prefill_tp, decode_tp=decode_tp, device=device,
-                        timeout=5.0, rows=rows, progress=progress, link=link, prefill=f"ipc://{self.folder}/prefill.sock",
-                        signal_prefix=f"kvcache-pd-{uuid.uuid4().hex[:12]}",
-                        decode=f"ipc://{self.folder}/decode.sock", model=config, head_wise=head_wise)
+                        num_blocks=num_blocks, prefill_tp=prefill_tp, decode_tp=decode_tp, devices=devices,
+                        timeout=5.0, rows=rows, progress=progress, link=link, **endpoints, nodes=nodes,
+                        signal_prefix=f"kvcache-pd-{uuid.uuid4().hex[:12]}", model=config, head_wise=head_wise)
         try:
             for tp in (prefill_tp, decode_tp):  # a geometry the ranks cannot split fails here, not in a worker
                 spec_of(self.cfg, tp)
@@ -499,9 +594,13 @@ class Cluster:
     def _serve(self, role: str, tp: int, sizing: list[str], block_size: int, timeout: float) -> subprocess.Popen:
         model = (["--model", self.cfg["model"], *(["--head-wise"] if self.cfg["head_wise"] else [])]
                  if self.cfg["model"] else ["--rows", self.cfg["rows"]])
-        return launch_serve(["--role", role, "--tp", str(tp), "--endpoint", self.cfg[role], *sizing,
-                             "--block-size", str(block_size), "--transfer-timeout", str(timeout), *model],
-                            self.folder / f"{role}.log")
+        flags = ["--role", role, "--tp", str(tp), "--endpoint", self.cfg[role], *sizing,
+                 "--block-size", str(block_size), "--transfer-timeout", str(timeout), *model]
+        if role not in self.cfg["nodes"]:
+            return launch_serve(flags, self.folder / f"{role}.log")
+        with open(self.folder / f"{role}.log", "wb") as out:  # as launch_serve, inside the node's namespace
+            return subprocess.Popen(self.hosts.command(role, [sys.executable, "-m", "kvcache", "serve", *flags]),
+                                    stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
     def _layer_blocks(self, role: str) -> list[int]:
         """Each layer's blocks on ``role``'s ranks: the pool of the rows holding the layer (as the daemon says)."""
