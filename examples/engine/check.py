@@ -205,12 +205,18 @@ def run(case: Case, corrupt: bool = False, device: str = "cpu") -> dict[str, Any
 
 
 def _run_pd(case: Case, endpoints: dict[str, str], device: str = "cpu") -> dict[str, Any]:
-    """Prefill on one engine and daemon, decode on another, the KV moved layer by layer over NIXL."""
+    """Prefill on one engine and daemon, decode on another, the KV moved layer by layer over NIXL (on a host of
+    several GPUs, the decode engine and its cache on the next GPU: GPU to GPU)."""
     from pd import PDPair
 
     model = Model(case.model, TorchBackend(device) if device != "cpu" else None)
+    decode_model = None
+    if device != "cpu" and model.ops.torch.cuda.device_count() > 1:
+        torch = model.ops.torch
+        other = ((torch.device(device).index or 0) + 1) % torch.cuda.device_count()
+        decode_model = Model(case.model, TorchBackend(f"cuda:{other}"))
     pair = PDPair(model, endpoints["prefill"], endpoints["decode"], block_size=case.block_size,
-                  head_wise=case.head_wise, quant=case.quant, prefill_tp=case.tp)
+                  head_wise=case.head_wise, quant=case.quant, prefill_tp=case.tp, decode_model=decode_model)
     reference = reference_of(model, case)
     try:
         proofs = [CacheProof(side, reference, case.cache_tolerance) for side in (pair.prefill, pair.decode)]

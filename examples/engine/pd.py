@@ -53,9 +53,11 @@ class PDPair:
     (``--role decode``), both serving ``model.config.hf_config()``; ``generate`` runs prompts through both."""
 
     def __init__(self, model: Model, prefill: str, decode: str, *, block_size: int = 4, head_wise: bool = False,
-                 quant: str = "none", chunk: int = 256, timeout: float = 20.0, prefill_tp: int = 1) -> None:
+                 quant: str = "none", chunk: int = 256, timeout: float = 20.0, prefill_tp: int = 1,
+                 decode_model: Model | None = None) -> None:
         """``prefill_tp`` ranks on the prefill node (the prefill daemon's ``--tp``), each a process with its own
-        cache and messager; the decode node has one."""
+        cache and messager; the decode node has one. ``decode_model``: the same model on the decode node's device
+        (another GPU: its cache lives there and NIXL writes it GPU to GPU); default ``model``."""
         self.model, self.timeout = model, timeout
         self.spec = cache_spec(model.config, block_size=block_size, head_wise=head_wise, quant=quant)
         self.signal = LayerSignal.create(f"kvcache-engine-{uuid.uuid4().hex[:12]}", self.spec.num_layers)
@@ -67,7 +69,7 @@ class PDPair:
             if prefill_tp == 1:  # TP ranks have a messager each
                 self.link = PrefillLink(prefill, self._region(self.prefill), self.signal, 0)
                 self.parts.append(self.link)
-            self.decode = daemon_engine(model, decode, **options)
+            self.decode = daemon_engine(decode_model or model, decode, **options)
             self.parts.append(self.decode)
             self.receiver = DecodeLink(decode, self._region(self.decode), 0)
             self.parts.append(self.receiver)
