@@ -78,6 +78,21 @@ def test_the_engine_generates_what_transformers_generates(folders: dict[str, Pat
     assert hits[1] >= 40, f"the second wave found {hits[1]} tokens cached"
 
 
+@pytest.mark.parametrize("name", list(checkpoints.CONFIGS))
+def test_a_wrong_rms_norm_eps_fails_the_comparison(folders: dict[str, Path], tmp_path: Path, name: str) -> None:
+    """Each checkpoint feeds an RMSNorm something as small as its ``rms_norm_eps`` (layer 0's keys, or the
+    embeddings): read as the other common value (1e-5 for 1e-6, or the reverse), the engine's first logits leave
+    transformers' by far more than the comparison's 1e-3, and its tokens differ."""
+    case = EXPECTED[name]
+    eps = checkpoints.CONFIGS[name]["rms_norm_eps"]
+    folder = _edit(folders[name], tmp_path, rms_norm_eps={1e-5: 1e-6, 1e-6: 1e-5}[eps])
+    got = generate.serve(folder, case["prompts"], case["max_new_tokens"], block_size=BLOCK_SIZE, num_blocks=64,
+                         keep_logits=True)
+    first = [float(s.logits[0][tokens[0]]) for s, tokens in zip(got, case["tokens"])]
+    assert np.abs(np.array(first) - np.array(case["logits"])[:, 0]).max() > 0.1
+    assert [s.generated for s in got] != case["tokens"]
+
+
 def test_a_tensor_the_model_has_no_use_for_is_refused(folders: dict[str, Path], tmp_path: Path) -> None:
     """A bias in a Llama checkpoint (the config says none): one line naming it, not a model that ignores it."""
     from safetensors.numpy import save_file

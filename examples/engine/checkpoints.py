@@ -11,7 +11,9 @@ embeddings and two shards with an index; Mistral's window on every layer;
 Gemma 3's sliding and full layers, local and global RoPE bases (linear
 scaling on the global one), its four ``1 + w`` norms, GeLU-tanh,
 ``query_pre_attn_scalar``, the logits' soft-cap, in bfloat16. Windows are smaller
-than the test prompts.
+than the test prompts. Each has an RMSNorm input as small as its ``rms_norm_eps``
+(layer 0's keys, or the embeddings), so the epsilon read from the config shows
+in the cache and the tokens.
 """
 from __future__ import annotations
 
@@ -78,17 +80,25 @@ def tensors(name: str) -> dict[str, np.ndarray]:
 
     # Gemma scales its embeddings up by sqrt(hidden): smaller ones keep its residual from being the token's own.
     embed = rng.standard_normal((vocab, hidden), dtype=np.float32) * np.float32(0.25 if gemma else 1.0)
+    qk_norm = cfg["model_type"] in ("qwen3", "gemma3_text")
+    # Where an RMSNorm's input has a mean square near rms_norm_eps, the epsilon moves its output by tens of percent
+    # (1e-5 against 1e-6: a factor up to 2.3), so a model that misreads it writes other keys and says other tokens.
+    # Architectures with q/k norms get layer 0's keys that small, the others their embeddings (untied).
+    small = np.float32(np.sqrt(cfg["rms_norm_eps"]))
+    if not qk_norm:
+        embed = embed * small
     out = {"model.embed_tokens.weight": embed}
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
         out.update({p + "input_layernorm.weight": norm(),
                     p + "post_attention_layernorm.weight": norm(mean=GAIN if gemma else 1.0),
-                    p + "self_attn.q_proj.weight": linear(q, hidden), p + "self_attn.k_proj.weight": linear(kv, hidden),
+                    p + "self_attn.q_proj.weight": linear(q, hidden),
+                    p + "self_attn.k_proj.weight": linear(kv, hidden) * (small if qk_norm and not i else np.float32(1)),
                     p + "self_attn.v_proj.weight": linear(kv, hidden),
                     p + "self_attn.o_proj.weight": linear(hidden, q) * gain,
                     p + "mlp.gate_proj.weight": linear(ffn, hidden), p + "mlp.up_proj.weight": linear(ffn, hidden),
                     p + "mlp.down_proj.weight": linear(hidden, ffn) * gain})
-        if cfg["model_type"] in ("qwen3", "gemma3_text"):
+        if qk_norm:
             out.update({p + "self_attn.q_norm.weight": norm(d), p + "self_attn.k_norm.weight": norm(d)})
         if gemma:
             out.update({p + "pre_feedforward_layernorm.weight": norm(),
