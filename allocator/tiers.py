@@ -88,6 +88,9 @@ def tier_extension(present: np.ndarray, start: int, policies: Sequence[Attention
     Window group's gap may lie inside the extension.
     """
     k = present.shape[0]
+    if all(isinstance(policy, Full) for policy in policies):  # every block of [start, start + L) in every group
+        complete = present.all(axis=1)
+        return k if complete.all() else int(np.argmin(complete))
     lengths = np.arange(k + 1)
     usable = np.ones(k + 1, dtype=bool)
     for g, policy in enumerate(policies):

@@ -133,6 +133,7 @@ class DaemonTier(HostBooks):
         """A journal snapshot's state: everything but the manager, which holds this tier (``bind`` restores it)."""
         state = self.__dict__.copy()
         state["manager"] = None
+        state["_last_held"] = None  # a lookup's leftover, not state
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:

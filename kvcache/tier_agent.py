@@ -38,9 +38,10 @@ from kvcache.allocator.rows import table_cells
 from kvcache.auth import CurveConfig
 from kvcache.client import CacheClient
 from kvcache.rank_keys import rank_key
-from kvcache.transfer.engines import DEFAULT_TIMEOUT, LocalEngine, TransferHandle, TransferStatus, _Finished
-from kvcache.transfer.manager import Load, allocate_host, copy_layers, first_error, map_host_file
-from kvcache.transfer.regions import CopyRanges, KVRegion
+from kvcache.transfer.copies import Copy, Submitter
+from kvcache.transfer.engines import DEFAULT_TIMEOUT, LocalEngine, TransferStatus
+from kvcache.transfer.manager import Load, allocate_host, copy_layers, map_host_file, staged_copier
+from kvcache.transfer.regions import KVRegion
 
 log = logging.getLogger("kvcache.tier_agent")
 
@@ -102,7 +103,9 @@ class TierAgent:
                 buffer = None  # the agent's own: gone with it
             else:
                 self.host, buffer = map_host_file(host_file, region.spec, self.num_blocks)
-            self._engine = LocalEngine(timeout=timeout, cuda_method=cuda_method)
+            self._engine = LocalEngine(timeout=timeout, cuda_method="auto" if cuda_method == "staged" else cuda_method)
+            # Every copy of this rank goes through one engine, or one staged copier over it: one order for all.
+            self._staged = staged_copier(self._engine, region, cuda_method)
             if region.is_cuda and not self.host.pinned:
                 self._engine.register(self.host)
             self._client.tier_attach(self.rank, self.agent_id, buffer, key=key, admin=admin)
@@ -113,8 +116,10 @@ class TierAgent:
             raise
         # Orders in deltas up to the attach were for an earlier agent (the daemon fails any still in flight): not ours.
         self._from_seq = self._client.last_seq
-        self._inflight: list[list[TransferHandle]] = []  # this thread's view: what wait() waits on
-        self._reports: queue.Queue[tuple[int, list[TransferHandle]] | None] = queue.Queue()
+        self._inflight: list[Copy] = []  # this thread's view: what wait() waits on
+        self._reports: queue.Queue[tuple[int, Copy] | None] = queue.Queue()
+        # Works out and launches the ordered copies, so the subscriber's thread only records them.
+        self._submitter = Submitter(f"kvcache-tier-submit-{self.rank}")
         self.copied = 0  # jobs reported done
         self.failed = 0
         self._closed = False
@@ -129,8 +134,13 @@ class TierAgent:
         """Block until every copy ordered so far has finished ``layer`` (DONE, or its worst other status), or
         ``timeout`` passes (PENDING). Call it before a step reads or writes the layer."""
         status = Load(self._inflight).wait(layer, timeout)
-        self._inflight = [h for h in self._inflight if h[-1].status() is TransferStatus.PENDING]
+        last = self.region.num_layers - 1  # one in-order engine: a copy whose last layer ended has ended
+        self._inflight = [c for c in self._inflight if c.status(last) is TransferStatus.PENDING]
         return status
+
+    def resolved_cuda_method(self) -> str:
+        """How this agent's copies touch the GPU (``staged``, else the engine's method; see LocalEngine)."""
+        return "staged" if self._staged is not None else self._engine.resolved_cuda_method()
 
     def drain(self, timeout: float | None = None) -> bool:
         """Wait until every copy ordered so far has ended and been reported; False when ``timeout`` passed first."""
@@ -139,10 +149,13 @@ class TierAgent:
             left = None if end is None else max(0.0, end - time.monotonic())
             if self.wait(layer, left) is TransferStatus.PENDING:
                 return False
-        while self._reports.unfinished_tasks:
-            if end is not None and time.monotonic() >= end:
-                return False
-            time.sleep(0.001)
+        done = self._reports.all_tasks_done  # notified as the reporter finishes its last report
+        with done:
+            while self._reports.unfinished_tasks:
+                left = None if end is None else end - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                done.wait(left)
         return True
 
     def close(self) -> None:
@@ -154,6 +167,9 @@ class TierAgent:
             self.subscriber.on_delta = None
         self._reports.put(None)
         self._reporter.join(timeout=self._engine.timeout + 10)
+        self._submitter.close(timeout=self._engine.timeout)
+        if self._staged is not None:
+            self._staged.close()
         self._engine.close()
         self._client.close()
 
@@ -166,28 +182,26 @@ class TierAgent:
     # ------------------------------------------------------------------ internals
 
     def _on_delta(self, msg: dict[str, Any]) -> None:
-        """The subscriber applied a delta: start the copies it orders (this rank's rows of each)."""
+        """The subscriber applied a delta: record the copies it orders (this rank's rows of each) for the submit
+        thread, which starts them in order; one that does not fit this rank's memory fails and is reported."""
         orders = msg.get("tier")
         if not orders or msg["seq"] <= self._from_seq or self._closed:
             return
+        engine, cells, staged = self._engine, self.cells, self._staged
         for order in orders:
             job, kind = int(order["job"]), order["kind"]
             src = np.asarray(order["src"], dtype=np.int32)[self._rows]
             dst = np.asarray(order["dst"], dtype=np.int32)[self._rows]
-            try:
-                if kind == "offload":
-                    handles = copy_layers(self._engine, self.region, src, self.host, dst, self.cells)
-                elif kind == "load":
-                    handles = copy_layers(self._engine, self.host, src, self.region, dst, self.cells)
-                else:
-                    raise KVCacheError(f"unknown copy kind {kind!r}")
-            except KVCacheError as exc:  # the order does not fit this rank's memory: report it, copy nothing
-                log.error("host-tier copy %d (%s) refused: %s", job, kind, exc)
-                self._reports.put((job, [_Finished(CopyRanges.concat([]), time.monotonic(), TransferStatus.FAILED,
-                                                   str(exc))]))
-                continue
-            self._inflight.append(handles)
-            self._reports.put((job, handles))
+            regions = {"offload": (self.region, self.host), "load": (self.host, self.region)}.get(kind)
+            copy = Copy(self.region.num_layers, time.monotonic() + engine.timeout)
+            if regions is None:
+                self._submitter.put(copy, _unknown(kind))
+            else:
+                a, b = regions
+                self._submitter.put(copy, lambda left, a=a, b=b, s=src, d=dst: copy_layers(
+                    engine, a, s, b, d, cells, timeout=left, staged=staged))
+            self._inflight.append(copy)
+            self._reports.put((job, copy))
 
     def _report_loop(self) -> None:
         """Report each copy once every layer of it ended, in order (the engine ends them in order too)."""
@@ -196,10 +210,10 @@ class TierAgent:
             try:
                 if item is None:
                     return
-                job, handles = item
-                status = Load([handles]).wait()  # bounded: every handle has the engine's deadline
+                job, copy = item
+                status = copy.wait()  # bounded: the copy and its transfers have the engine's deadline
                 ok = status is TransferStatus.DONE
-                error = "" if ok else first_error(handles, status)
+                error = copy.error
                 try:
                     self._client.tier_done(job, self.rank, self.agent_id, ok=ok, error=error)
                 except KVCacheError as exc:  # the daemon will time the copy out
@@ -212,3 +226,9 @@ class TierAgent:
             finally:
                 self._reports.task_done()
 
+
+def _unknown(kind: str) -> Any:
+    """A copy start that refuses an order of an unknown kind."""
+    def launch(left: float) -> list:
+        raise KVCacheError(f"unknown copy kind {kind!r}")
+    return launch

@@ -807,3 +807,73 @@ def test_a_journal_snapshot_holds_the_manager_without_its_tier(tiers) -> None:
     copy = STATE_CODEC.loads(STATE_CODEC.dumps(tier.manager))
     assert copy.tier is None and tier.manager.tier is tier.tm
     assert copy.table("a").tolist() == tier.manager.table("a").tolist()
+
+
+# --------------------------------------------------------------------------- staged copies (their plan, on the CPU)
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_a_staged_plan_moves_every_byte_where_the_direct_copy_would(data) -> None:
+    """Gathering each range into its piece's slot and moving the slots' host runs in DMAs writes exactly what copying
+    the ranges directly writes, each piece fits its slot, and pieces follow the layers (cuts) in order."""
+    from kvcache.transfer import staged
+
+    layers = data.draw(st.integers(1, 4))
+    unit = data.draw(st.sampled_from([16, 48, 4096]))
+    per_layer = data.draw(st.lists(st.integers(0, 12), min_size=layers, max_size=layers))
+    to_host = data.draw(st.booleans())
+    slot, chunk = data.draw(st.sampled_from([(64, 32), (8192, 4096), (1 << 20, 1 << 16)]))
+    total = sum(per_layer)
+    gpu_units = data.draw(st.permutations(range(max(total, 1) * 2)))[:total]
+    host_units = data.draw(st.permutations(range(max(total, 1) * 2)))[:total]
+    lengths = np.array(data.draw(st.lists(st.integers(1, 3), min_size=total, max_size=total)), dtype=np.int64) * unit
+    span = int(unit * 3 * max(total, 1) * 2)
+    gpu = np.random.default_rng(1).integers(0, 255, 2 * span, dtype=np.uint8)
+    gpu_addr = np.array(gpu_units, dtype=np.int64) * unit * 3
+    host_addr = np.array(host_units, dtype=np.int64) * unit * 3
+    if data.draw(st.booleans()):  # each layer's ranges tile one host span, in a scrambled order (a host tier's copy)
+        first = 0
+        for a, b in zip(np.cumsum([0, *per_layer])[:-1].tolist(), np.cumsum(per_layer).tolist()):
+            order = np.array(data.draw(st.permutations(range(b - a))), dtype=np.int64) + a
+            host_addr[order] = span + first + np.cumsum(lengths[order]) - lengths[order]
+            first += int(lengths[a:b].sum()) + unit * data.draw(st.integers(0, 2))
+        span *= 2
+    ranges = CopyRanges(gpu_addr, host_addr, lengths) if to_host else CopyRanges(host_addr, gpu_addr, lengths)
+    cuts = np.concatenate(([0], np.cumsum(per_layer))).astype(np.int64)
+    source = gpu if to_host else gpu[::-1].copy()  # the host side's bytes when loading
+    expected = np.zeros(span, dtype=np.uint8)
+    for s, d, n in zip(ranges.src.tolist(), ranges.dst.tolist(), ranges.length.tolist()):
+        expected[d:d + n] = source[s:s + n]
+    old = staged.SLOT_BYTES, staged.CHUNK_BYTES
+    staged.SLOT_BYTES, staged.CHUNK_BYTES = slot, chunk
+    try:
+        plan = staged._plan(ranges, cuts, to_host)
+    finally:
+        staged.SLOT_BYTES, staged.CHUNK_BYTES = old
+    slots = np.zeros((max(plan.num_pieces, 1), slot + chunk), dtype=np.uint8)
+    assert (plan.length <= chunk).all() and (plan.offset + plan.length <= slot + chunk).all()
+    assert (np.diff(plan.piece) >= 0).all() and plan.layer_end_piece.tolist() == sorted(plan.layer_end_piece.tolist())
+    out = np.zeros(span, dtype=np.uint8)
+    for p in range(plan.num_pieces):  # a load: DMA host runs into the slot, then scatter; an offload the other way
+        dmas = range(int(plan.dma_starts[p]), int(plan.dma_starts[p + 1]))
+        gathered = range(int(plan.piece_starts[p]), int(plan.piece_starts[p + 1]))
+        if not to_host:
+            for j in dmas:
+                o, h, n = int(plan.dma_offset[j]), int(plan.dma_host[j]), int(plan.dma_length[j])
+                slots[p, o:o + n] = source[h:h + n]
+        for i in gathered:
+            o, g, n = int(plan.offset[i]), int(plan.gpu[i]), int(plan.length[i])
+            if to_host:
+                slots[p, o:o + n] = source[g:g + n]
+            else:
+                out[g:g + n] = slots[p, o:o + n]
+        if to_host:
+            for j in dmas:
+                o, h, n = int(plan.dma_offset[j]), int(plan.dma_host[j]), int(plan.dma_length[j])
+                out[h:h + n] = slots[p, o:o + n]
+    assert np.array_equal(out, expected)
+    layer_of_piece = np.searchsorted(plan.layer_end_piece, np.arange(plan.num_pieces), side="right")
+    ranges_layer = np.repeat(np.arange(layers), per_layer)
+    moved = np.bincount(layer_of_piece[plan.piece], weights=plan.length, minlength=layers)
+    assert np.array_equal(moved, np.bincount(ranges_layer, weights=lengths, minlength=layers)), "a piece left its layer"

@@ -22,7 +22,10 @@ Events: ``BlockStored(medium="CPU")`` when a host copy becomes findable,
 manager's event list between its GPU events.
 
 Threads: every method belongs to the manager's owner thread except
-``Load.wait``/``Load.status``, which a worker thread may call.
+``Load.wait``/``Load.status``, which a worker thread may call. The owner's
+calls only decide and record copies (``Copy``); a submit thread of the tier's
+works out their byte ranges and launches them, in the order they were decided,
+so ``free`` and ``admit`` return in microseconds and the copies run back to back.
 """
 from __future__ import annotations
 
@@ -37,7 +40,7 @@ import stat
 import struct
 import sys
 import time
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 import numpy as np
 
@@ -46,19 +49,26 @@ from kvcache.allocator.events import BlockRemoved, BlockStored
 from kvcache.allocator.pool import BlockPool
 from kvcache.allocator.prefix import HASH_BYTES, PrefixIndex
 from kvcache.allocator.rows import table_cells
+from kvcache.transfer.copies import Copy, Submitter
+from kvcache.transfer.copies import worst as _worst
 from kvcache.transfer.engines import CUDA_METHODS, DEFAULT_TIMEOUT, LocalEngine, TransferHandle, TransferStatus
 from kvcache.transfer.regions import KVRegion, copy_ranges_by_layers
+from kvcache.transfer.staged import StagedCopier
 
 if TYPE_CHECKING:
     from kvcache.allocator.layout import CacheSpec
     from kvcache.allocator.manager import KVCacheManager
 
-__all__ = ["HostTierConfig", "Load", "TierStats", "TransferManager", "allocate_host", "copy_layers", "map_host_file"]
+__all__ = ["TIER_CUDA_METHODS", "Copy", "HostTierConfig", "Load", "TierStats", "TransferManager", "allocate_host",
+           "copy_layers", "map_host_file", "staged_copier"]
 
 log = logging.getLogger("kvcache.transfer.manager")
 
 _H = HASH_BYTES
 _EMPTY = np.empty(0, dtype=np.intp)
+TIER_CUDA_METHODS = (*CUDA_METHODS, "staged")
+"""How a host tier's copies touch the GPU: ``staged`` (``kvcache.transfer.staged``), or a LocalEngine method."""
+_ROW0 = np.zeros((1, 1), dtype=np.intp)  # the host pool's one row, as a column against [1, n] blocks
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -69,6 +79,9 @@ class HostTierConfig:
     ``engine`` is ``local`` (host memory of this process; NIXL moves blocks
     between processes, not into a tier). ``pin`` allocates page-locked memory
     when the GPU cache is on a CUDA device, so copies run at full PCIe speed.
+    ``cuda_method`` is one of ``TIER_CUDA_METHODS``: ``staged`` (what ``auto``
+    takes where CuPy is present) gathers on the GPU and moves each piece in
+    one DMA (``kvcache.transfer.staged``); the others are ``LocalEngine``'s.
     """
 
     host_bytes: int | None = None
@@ -89,8 +102,9 @@ class HostTierConfig:
             raise KVCacheError(f"engine: the host tier copies within this process; expected 'local', got {self.engine!r}")
         if isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float)) or not self.timeout > 0:
             raise KVCacheError(f"timeout: must be positive seconds, got {self.timeout!r}")
-        if self.cuda_method not in CUDA_METHODS:
-            raise KVCacheError(f"cuda_method: unknown {self.cuda_method!r}; expected one of {', '.join(CUDA_METHODS)}")
+        if self.cuda_method not in TIER_CUDA_METHODS:
+            raise KVCacheError(f"cuda_method: unknown {self.cuda_method!r}; expected one of "
+                               f"{', '.join(TIER_CUDA_METHODS)}")
 
     def num_blocks(self, spec: CacheSpec) -> int:
         """Host blocks this config buys for ``spec`` (one rank's blocks, every layer)."""
@@ -120,43 +134,39 @@ class TierStats(NamedTuple):
 
 
 class Load:
-    """Host-to-GPU copies a request (or a step) waits for, one transfer per layer per job.
+    """Host-to-GPU copies a request (or a step) waits for, one transfer per layer per copy.
 
     ``wait(layer)`` before the forward pass writes or reads layer ``layer``;
     anything but DONE means the request's cached tokens are not valid: free it
-    and admit it again (the tier has forgotten the bad blocks by then).
+    and admit it again (the tier has forgotten the bad blocks by then). A copy
+    the tier's submit thread has not started yet is PENDING until it starts.
     """
 
-    def __init__(self, jobs: list[list[TransferHandle]]) -> None:
-        self._jobs = jobs
+    def __init__(self, copies: list[Copy]) -> None:
+        self._copies = copies
 
     def status(self, layer: int | None = None) -> TransferStatus:
         """The worst status over the layer's transfers (every layer when None), without blocking."""
-        return _worst(h.status() for h in self._handles(layer))
+        return _worst(c.status(layer) for c in self._copies)
 
     def wait(self, layer: int | None = None, timeout: float | None = None) -> TransferStatus:
         """Block until the layer's blocks landed (or failed), ``timeout`` passes (PENDING), or their deadlines."""
         end = None if timeout is None else time.monotonic() + timeout
-        for handle in self._handles(layer):
+        for copy in self._copies:
             left = None if end is None else max(0.0, end - time.monotonic())
-            if handle.wait(left) is TransferStatus.PENDING:
+            if copy.wait(layer, left) is TransferStatus.PENDING:
                 return TransferStatus.PENDING
         return self.status(layer)
 
-    def _handles(self, layer: int | None) -> list[TransferHandle]:
-        if layer is None:
-            return [h for job in self._jobs for h in job]
-        return [job[layer] for job in self._jobs]
-
     def __repr__(self) -> str:
-        return f"Load({len(self._jobs)} jobs, {self.status().value})"
+        return f"Load({len(self._copies)} copies, {self.status().value})"
 
 
 @dataclasses.dataclass(slots=True)
 class _Offload:
     """One release's device-to-host copy: host ids for chain columns ``cols``, from GPU ``src`` [rows, m]."""
 
-    handles: list[TransferHandle]
+    copy: Copy
     host_ids: np.ndarray  # int32 [m]
     src: np.ndarray  # int32 [rows, m]: GPU blocks copied, -1 where a row is absent
     cols: np.ndarray  # intp [m]: positions in the released chain
@@ -171,7 +181,7 @@ class _Offload:
 class _LoadJob:
     """One admit's host-to-device copy: ``host_ids`` pinned until every layer's transfer ends."""
 
-    handles: list[TransferHandle]
+    copy: Copy
     owner: object
     host_ids: np.ndarray  # unique int32
     dst: np.ndarray  # int32 [rows, k]: GPU blocks written, -1 where not
@@ -198,6 +208,7 @@ class HostBooks:
         self._tainted: dict[object, int] = {}
         self._waits: dict[object, set[int]] = {}  # a request -> the loads in flight its cached tokens need
         self._failed: list[object] = []
+        self._last_held: tuple[bytes, np.ndarray] | None = None  # what ``held`` last found, for the admit's plan
         # The load filling each GPU (row, block), -1 where none: a hit on a block still being filled waits on it.
         self._filling = np.full((self._rows, manager.num_blocks), -1, dtype=np.int64)
         # The offload reading each GPU (row, block), -1 where none: a new owner's write spoils what it has not copied.
@@ -261,17 +272,33 @@ class HostBooks:
         ok = (blocks >= 0) & self._ready[np.maximum(blocks, 0)]
         found = ok.any(axis=1)
         k = found.size if found.all() else int(np.argmin(found))
+        # The admit that asked names the same hashes (a prefix of these) to ``admitted`` next, nothing changing in
+        # between (LowerTier.held): its load plan reads the blocks found here instead of looking them up again.
+        self._last_held = (hashes, blocks)
         return ok[:k]
+
+    def _blocks_of(self, hashes: bytes) -> np.ndarray:
+        """int ``[n, rows]``: the host block each row's copy of each hash is in (-1 = none), as ``held`` saw it."""
+        seen = getattr(self, "_last_held", None)
+        self._last_held = None
+        n = len(hashes) // _H
+        if seen is not None and seen[1].shape[0] >= n and seen[0].startswith(hashes):
+            return seen[1][:n]
+        return self._index.blocks_of(hashes)
 
     def _load_plan(self, table: np.ndarray, num_gpu_blocks: int, hashes: bytes) -> tuple[np.ndarray, ...]:
         """The tier's part of a hit (the ``len(hashes) // 32`` columns after the GPU hit): host blocks ``src`` and
         GPU blocks ``dst`` [rows, k] (-1 = none), and the host blocks it reads, pinned until ``_load_ended``."""
         k = len(hashes) // _H
         dst = np.array(table[:, num_gpu_blocks:num_gpu_blocks + k], dtype=np.int32)
-        src = np.where(dst >= 0, self._index.blocks_of(hashes).T, -1).astype(np.int32)
-        assert ((src >= 0) == (dst >= 0)).all(), "the tier lost a block between held() and admitted()"
-        host_ids = np.unique(src[src >= 0]).astype(np.int32)
-        self._pool.incref(np.zeros(host_ids.size, dtype=np.intp), host_ids, unique=True)
+        wanted = dst >= 0
+        src = np.where(wanted, self._blocks_of(hashes).T, -1).astype(np.int32, copy=False)
+        assert (wanted == (src >= 0)).all(), "the tier lost a block between held() and admitted()"
+        if src.shape[0] == 1:  # one row: distinct hashes are in distinct host blocks
+            host_ids = src[0][wanted[0]]
+        else:
+            host_ids = np.unique(src[wanted]).astype(np.int32, copy=False)
+        self._pool.incref(_ROW0, host_ids[None, :], unique=True)
         self._counts["hit_tokens"] += k * self.manager.block_size
         return src, dst, host_ids
 
@@ -395,9 +422,11 @@ class TransferManager(HostBooks):
         self.gpu = gpu
         self.num_blocks = config.num_blocks(gpu.spec)
         self._rows = manager.num_rows
-        self._out = LocalEngine(timeout=config.timeout, cuda_method=config.cuda_method)
-        self._in = LocalEngine(timeout=config.timeout, cuda_method=config.cuda_method)  # loads never queue behind offloads
+        method = "auto" if config.cuda_method == "staged" else config.cuda_method
+        self._out = LocalEngine(timeout=config.timeout, cuda_method=method)
+        self._in = LocalEngine(timeout=config.timeout, cuda_method=method)  # loads never queue behind offloads
         try:
+            self._staged = {id(e): staged_copier(e, gpu, config.cuda_method) for e in (self._out, self._in)}
             self.host = allocate_host(gpu.spec, self.num_blocks, pin=config.pin and gpu.is_cuda)
             if gpu.is_cuda and not self.host.pinned:
                 self._out.register(self.host)
@@ -409,6 +438,8 @@ class TransferManager(HostBooks):
         self._offloads: dict[int, _Offload] = {}
         self._loads: dict[int, _LoadJob] = {}
         self._ids = itertools.count()
+        # Works out and launches the copies the scheduler's calls decide, so those calls only record them.
+        self._submitter = Submitter("kvcache-host-tier-submit")
         self._closed = False
         manager.attach_tier(self)
 
@@ -429,11 +460,9 @@ class TransferManager(HostBooks):
         """Wait for every copy in flight and settle it; True when none is left (False when ``timeout`` ran out)."""
         end = None if timeout is None else time.monotonic() + timeout
         while self._offloads or self._loads:
-            jobs = [h for o in self._offloads.values() for h in o.handles] + [
-                h for j in self._loads.values() for h in j.handles]
-            for handle in jobs:
+            for copy in [o.copy for o in self._offloads.values()] + [j.copy for j in self._loads.values()]:
                 left = None if end is None else max(0.0, end - time.monotonic())
-                handle.wait(left)
+                copy.wait(None, left)
             self.poll()
             if end is not None and time.monotonic() >= end:
                 break
@@ -444,11 +473,11 @@ class TransferManager(HostBooks):
         jobs = self._waits.get(request_id)
         if not jobs:
             return None
-        return Load([self._loads[j].handles for j in sorted(jobs) if j in self._loads])
+        return Load([self._loads[j].copy for j in sorted(jobs) if j in self._loads])
 
     def pending_loads(self) -> Load:
         """Every load in flight: what a worker running the next batch waits on, layer by layer."""
-        return Load([job.handles for job in self._loads.values()])
+        return Load([job.copy for job in self._loads.values()])
 
     def host_blocks_of(self, hashes: bytes) -> np.ndarray:
         """Host block (int32 ``[n, rows]``, -1 = not findable) of each packed hash: where its bytes are."""
@@ -456,8 +485,8 @@ class TransferManager(HostBooks):
         return np.where((blocks >= 0) & self._ready[np.maximum(blocks, 0)], blocks, -1).astype(np.int32)
 
     def resolved_cuda_method(self) -> str:
-        """How this tier's copies touch the GPU (``kernel``, ``batch`` or ``loop``; see LocalEngine)."""
-        return self._out.resolved_cuda_method()
+        """How this tier's copies touch the GPU (``staged``, else ``kernel``, ``batch`` or ``loop``; see LocalEngine)."""
+        return "staged" if self._staged[id(self._out)] is not None else self._out.resolved_cuda_method()
 
     def stats(self) -> TierStats:
         c = self._counts
@@ -515,6 +544,10 @@ class TransferManager(HostBooks):
         finally:
             if self.manager.tier is self:
                 self.manager.attach_tier(None)
+            self._submitter.close(timeout=self.config.timeout)
+            for staged in self._staged.values():
+                if staged is not None:
+                    staged.close()
             self._in.close()
             self._out.close()
 
@@ -530,15 +563,18 @@ class TransferManager(HostBooks):
         """Start the loads of the tier's part of a hit; note loads in flight that the GPU part shares."""
         deps = self._loads_filling(table[:, :num_gpu_blocks]) if self._loads and num_gpu_blocks else set()
         k = len(hashes) // _H
+        launch = None
         if k:
             src, dst, host_ids = self._load_plan(table, num_gpu_blocks, hashes)
-            handles = copy_layers(self._in, self.host, src, self.gpu, dst, self._cells)
             job = next(self._ids)
-            self._loads[job] = _LoadJob(handles, request_id, host_ids, dst, k)
+            copy, launch = self._copy(self._in, self.host, src, self.gpu, dst)
+            self._loads[job] = _LoadJob(copy, request_id, host_ids, dst, k)
             self._mark(self._filling, dst, job)
             deps.add(job)
         if deps:
             self._waits[request_id] = deps
+        if launch is not None:  # last: the submit thread wakes and wants the interpreter
+            self._submitter.put(copy, launch)
 
     def released(self, request_id: object, hashes: bytes, blocks: np.ndarray, tokens: np.ndarray,
                  lora: str | tuple[str, str] | None, extra_keys: tuple[tuple | None, ...]) -> None:
@@ -553,11 +589,19 @@ class TransferManager(HostBooks):
         if plan is None:
             return
         cols, host_ids, src, dst = plan
-        handles = copy_layers(self._out, self.gpu, src, self.host, dst, self._cells)
         job = next(self._ids)
-        self._offloads[job] = _Offload(handles, host_ids, src, cols, hashes, tokens, lora, extra_keys,
+        copy, launch = self._copy(self._out, self.gpu, src, self.host, dst)
+        self._offloads[job] = _Offload(copy, host_ids, src, cols, hashes, tokens, lora, extra_keys,
                                        np.zeros(cols.size, dtype=bool))
         self._mark(self._reading, src, job)
+        self._submitter.put(copy, launch)  # last: the submit thread wakes and wants the interpreter
+
+    def _copy(self, engine: LocalEngine, src: KVRegion, src_ids: np.ndarray, dst: KVRegion,
+              dst_ids: np.ndarray) -> tuple[Copy, Callable[[float], list[TransferHandle]]]:
+        """A copy of every layer (``copy_layers``) with the engine's deadline, and how the submit thread starts it."""
+        cells, staged = self._cells, self._staged[id(engine)]
+        return Copy(src.num_layers, time.monotonic() + engine.timeout), lambda left: copy_layers(
+            engine, src, src_ids, dst, dst_ids, cells, timeout=left, staged=staged)
 
     def evicting(self, rows: np.ndarray, blocks: np.ndarray) -> None:
         """GPU pairs get a new owner: keep finished copies of them, drop unfinished ones, finish loads into them."""
@@ -584,16 +628,14 @@ class TransferManager(HostBooks):
     def _settle_offload(self, job: int) -> bool:
         """If every layer of the offload ended: make its kept blocks findable, free the rest; True when settled."""
         off = self._offloads[job]
-        statuses = [h.status() for h in off.handles]
-        if any(s is TransferStatus.PENDING for s in statuses):
+        if not off.copy.ended():
             return False
         del self._offloads[job]
         self._unmark(self._reading, off.src, job)
-        worst = _worst(statuses)
+        worst = off.copy.status()
         keep = ~off.dropped if worst is TransferStatus.DONE else np.zeros(off.cols.size, dtype=bool)
         if worst is not TransferStatus.DONE:
-            log.warning("host tier: offload of %d blocks %s: %s", off.cols.size, worst.value,
-                        first_error(off.handles, worst))
+            log.warning("host tier: offload of %d blocks %s: %s", off.cols.size, worst.value, off.copy.error)
         # A copy past its deadline may still be writing: its blocks never serve again.
         self._offload_ended(off.host_ids, keep, retire=worst is TransferStatus.TIMEOUT, chain=off.chain,
                             tokens=off.tokens, lora=off.lora, extra_keys=off.extra_keys, cols=off.cols, src=off.src)
@@ -603,17 +645,15 @@ class TransferManager(HostBooks):
         """If every layer of the load ended (waiting up to its deadline with ``wait``): unpin, or forget its blocks."""
         load = self._loads[job]
         if wait:
-            for handle in load.handles:
-                handle.wait()
-        statuses = [h.status() for h in load.handles]
-        if any(s is TransferStatus.PENDING for s in statuses):
+            load.copy.wait()
+        if not load.copy.ended():
             return False
         del self._loads[job]
         rows, dsts = self._unmark(self._filling, load.dst, job)
-        worst = _worst(statuses)
+        worst = load.copy.status()
         if worst is not TransferStatus.DONE:
             log.warning("host tier: load of %d blocks for %r %s: %s", load.nblocks, load.owner, worst.value,
-                        first_error(load.handles, worst))
+                        load.copy.error)
         self._load_ended(job, worst is TransferStatus.DONE, load.host_ids, rows, dsts, load.dst)
         return True
 
@@ -715,16 +755,20 @@ def _open_host_file(name: str) -> int:
 
 
 def copy_layers(engine: LocalEngine, src: KVRegion, src_ids: np.ndarray, dst: KVRegion, dst_ids: np.ndarray,
-                cells: np.ndarray) -> list[TransferHandle]:
+                cells: np.ndarray, *, timeout: float | None = None,
+                staged: StagedCopier | None = None) -> list[TransferHandle]:
     """Copy blocks ``src_ids`` of ``src`` to ``dst_ids`` of ``dst`` (int32 ``[rows, m]``, -1 = none; layer l's
     kv head h reads row ``cells[l, h]``): one transfer per layer, in layer order on one engine (so layer l's is
-    done when layer l+1's is).
+    done when layer l+1's is), each within ``timeout`` seconds (the engine's when None).
 
     Layers go to the engine in groups of doubling size (1, 1, 2, 4, ...): the first layer's
     copy starts once its own ranges are known, and each later group's ranges are computed
     while the groups before it copy. Within a group the ranges are split by the layer whose
     memory each starts in; one merged across a layer boundary goes with the earlier layer,
-    which the engine's in-order queue finishes first.
+    which the engine's in-order queue finishes first. With ``staged`` (a copier over the engine's
+    runtime, which then takes every copy between the GPU and host memory, to keep them in one
+    order), a copy whose host side comes in long runs is staged (``StagedCopier.suits``, judged on
+    the first layer); others go through the copy kernel directly.
     """
     starts = src.addrs.ravel()
     order = np.argsort(starts, kind="stable")
@@ -737,6 +781,9 @@ def copy_layers(engine: LocalEngine, src: KVRegion, src_ids: np.ndarray, dst: KV
         first = bounds[-1][1]
     groups = copy_ranges_by_layers(src, src_ids, dst, dst_ids, [np.arange(a, b) for a, b in bounds],
                                    cell_rows=cells)
+    if src.is_cuda == dst.is_cuda:
+        staged = None
+    direct = False
     handles: list[TransferHandle] = []
     for (first, stop), ranges in zip(bounds, groups):
         layer = owner[np.searchsorted(starts[order], ranges.src, side="right") - 1]
@@ -745,8 +792,24 @@ def copy_layers(engine: LocalEngine, src: KVRegion, src_ids: np.ndarray, dst: KV
             ranges, layer = ranges.select(by_layer), layer[by_layer]
         cuts = np.searchsorted(layer, np.arange(first, stop + 1))
         cuts[-1] = ranges.num_ranges
-        handles += engine.submit_parts(ranges, cuts, device=device)
+        if staged is not None:
+            direct = direct if first else not staged.suits(ranges, to_host=src.is_cuda)
+            handles += staged.submit_parts(ranges, cuts, to_host=src.is_cuda, direct=direct, timeout=timeout)
+        else:
+            handles += engine.submit_parts(ranges, cuts, device=device, timeout=timeout)
     return handles
+
+
+def staged_copier(engine: LocalEngine, gpu: KVRegion, cuda_method: str) -> StagedCopier | None:
+    """The staged copier for ``engine``'s copies with the GPU cache ``gpu`` when ``cuda_method`` asks for it (``auto``:
+    where CuPy is present), else None (the engine's own method)."""
+    if not gpu.is_cuda or cuda_method not in ("auto", "staged"):
+        return None
+    if not StagedCopier.available():
+        if cuda_method == "staged":
+            raise KVCacheError("cuda_method: staged copies need CuPy (pip install cupy-cuda12x)")
+        return None
+    return StagedCopier(engine, gpu.device_index)
 
 
 def first_column(manager: KVCacheManager, request_id: object, filled: list[np.ndarray]) -> int:
@@ -830,18 +893,3 @@ def _cell_rows(manager: KVCacheManager, gpu: KVRegion) -> np.ndarray:
         raise KVCacheError(f"gpu: layer {layer} holds {int(gpu.layer_blocks[layer])} blocks, but its rows hand out "
                            f"{int(need[layer])}")
     return cells
-
-
-def _worst(statuses: Any) -> TransferStatus:
-    """FAILED over TIMEOUT over PENDING over DONE."""
-    seen = set(statuses)
-    for status in (TransferStatus.FAILED, TransferStatus.TIMEOUT, TransferStatus.PENDING):
-        if status in seen:
-            return status
-    return TransferStatus.DONE
-
-
-def first_error(handles: Any, worst: TransferStatus) -> str:
-    """The first error a job's per-layer handles report, else the worst status's name (for the log)."""
-    return next((h.error for h in handles if h.error), worst.value)
-
