@@ -42,7 +42,7 @@ def test_the_engine_generates_what_the_dense_model_generates(name: str) -> None:
             assert r["decode_host_tokens"] > 0, "the decode node's reservations must hit its host tier too"
     if case.daemon and not case.pd and not case.model.window:  # a step's tables were reserved by the one before
         assert r["overlapped"] * 2 > r["steps"], "most steps should run while the daemon applies their extends"
-    if case.row_blocks or "sized from memory" in name:
+    if case.pool_blocks or "sized from memory" in name:
         assert len(r["pools"]) == 2, "window layers hold fewer blocks than full ones"
 
 
@@ -64,13 +64,13 @@ def test_a_query_that_sees_a_block_its_table_no_longer_holds_is_refused() -> Non
     from model import Model
 
     engine = library_engine(Model(check.ModelConfig()), num_blocks=32)
-    tables, calls = engine._tables, []
+    tables, calls = engine.read_tables, []
 
     def without_first_block(rids: list) -> list:
         calls.append(rids)
         return [np.where(np.arange(t.shape[1]) == 0, -1, t) if len(calls) > 1 else t for t in tables(rids)]
 
-    engine._tables = without_first_block
+    engine.read_tables = without_first_block
     with pytest.raises(RuntimeError, match="^layer 0: a query of request 'a' sees a token in a block its table "
                                            "no longer holds$"):
         engine.generate({"a": list(range(9))}, 3)
@@ -100,11 +100,14 @@ def test_a_skipped_configuration_fails_the_check_unless_skips_are_allowed(monkey
     assert capsys.readouterr().out.splitlines()[-1] == "skipped 1 configuration(s): PD with layer groups x head-wise"
 
 
-def test_the_demo_generates_through_a_daemon_and_matches_the_dense_model() -> None:
+def test_the_demo_runs_generate_on_a_checkpoint_through_a_daemon_and_matches_the_reference() -> None:
+    """`make demo`: generate.py --daemon on a Mistral checkpoint the demo writes; the second wave finds the first's
+    prefixes cached, and every prompt's tokens equal the numpy reference's."""
     out = subprocess.run([sys.executable, str(ENGINE / "demo.py")], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert "equal a dense model's with no cache: 12 of 12 requests" in out.stdout
-    assert "wave 2 step" in out.stdout and "found cached" in out.stdout
+    assert "generated tokens equal a numpy decoder's with no cache (reference.py): 8 of 8 prompts" in out.stdout
+    assert "examples/engine/generate.py --model " in out.stdout and " --daemon " in out.stdout
+    assert any(line.startswith("wave 1 step") and " 0 found cached" not in line for line in out.stdout.splitlines())
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -133,6 +136,14 @@ def test_any_window_layout_block_size_and_budget_generates_what_the_dense_model_
                       num_blocks=data.draw(st.integers(need, 3 * need), label="blocks a row"))
     r = check.run(case)
     assert r["mismatched"] == [] and r["cache_faults"] == [], r
+
+
+@pytest.mark.parametrize("daemon", [False, True], ids=["library", "daemon"])
+def test_llama4_chunks_of_16_in_blocks_of_16_give_transformers_tokens(tmp_path: Path, daemon: bool) -> None:
+    """What the GPU engine serves (tests/test_engine_gpu.py), on the CPU: the stored tokens hold in blocks of 16."""
+    from llama4_engine import serve_llama4
+
+    serve_llama4(tmp_path, "cpu", daemon)
 
 
 def test_caches_the_engine_cannot_write_are_refused_by_name() -> None:

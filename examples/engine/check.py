@@ -48,7 +48,7 @@ class Case:
     chunk: int = 64
     max_num_seqs: int = 8
     head_wise: bool = False
-    row_blocks: tuple[int, ...] | None = None
+    pool_blocks: tuple[int, ...] | None = None  # each row's pool (None: num_blocks each)
     prompt_lens: tuple[int, ...] = (21, 34, 9, 40)
     max_new_tokens: int = 10
     daemon: tuple[str, ...] | None = None  # serve through a real `kvcache serve` with these flags (and --model)
@@ -71,7 +71,7 @@ CASES: dict[str, Case] = {
     "head-wise SWA (FastDeploy: 2 of 4 kv heads windowed)": Case(
         model=dataclasses.replace(WINDOWED, window_heads=2), head_wise=True),
     "layer groups (Gemma: layers 0, 1, 3 windowed), own pools": Case(
-        model=dataclasses.replace(WINDOWED, window_layers=(0, 1, 3)), row_blocks=(72, 96)),
+        model=dataclasses.replace(WINDOWED, window_layers=(0, 1, 3)), pool_blocks=(72, 96)),
     "layer groups x head-wise": Case(model=dataclasses.replace(WINDOWED, window_layers=(1, 2)), head_wise=True),
     "window on every layer, no sink": Case(model=ModelConfig(window=6)),
     "chunked prefill (8 tokens a step)": Case(model=dataclasses.replace(WINDOWED, window_layers=(0, 2)), chunk=8),
@@ -192,7 +192,7 @@ def on_gpu(case: Case) -> Case:
         model = dataclasses.replace(model, kv_lora_rank=64 - model.rope_dim)
     return dataclasses.replace(case, model=model, block_size=16, num_blocks=blocks(case.num_blocks), daemon=daemon,
                                host_blocks=blocks(case.host_blocks) if case.host_blocks else 0,
-                               row_blocks=tuple(map(blocks, case.row_blocks)) if case.row_blocks else None)
+                               pool_blocks=tuple(map(blocks, case.pool_blocks)) if case.pool_blocks else None)
 
 
 def run(case: Case, corrupt: bool = False, device: str = "cpu") -> dict[str, Any]:
@@ -285,11 +285,11 @@ class CacheProof:
         self.engine, self.reference, self.tolerance, self.max_faults = engine, reference, tolerance, max_faults
         self.faults: list[str] = []
         self.blocks_checked = 0
-        run, step = engine._run, engine.step
+        run, step = engine.run, engine.step
 
         def checked_run(work: list[Any], tables: list[Any]) -> None:
             run(work, tables)
-            self._verify([(s.rid, s.tokens[:stop]) for s, _, stop in work], tables, "read by the step")
+            self._verify([(w.seq.rid, w.seq.tokens[:w.stop]) for w in work], tables, "read by the step")
 
         def checked_step() -> Any:
             stats = step()
@@ -297,10 +297,10 @@ class CacheProof:
             self._verify(running, None, "in the cache's table after the step")
             return stats
 
-        engine._run, engine.step = checked_run, checked_step
+        engine.run, engine.step = checked_run, checked_step
 
     def _parts(self, rids: list[Any], tables: list[Any] | None) -> list[tuple[range, np.ndarray, list[Any], list[Any]]]:
-        """Per holder of cache heads (the engine, or each TP rank): its kv heads, cells, the tables of ``rids``
+        """Per holder of cache heads (the engine, or each TP rank): its kv heads, ``head_rows``, the tables of ``rids``
         (``tables`` where given, else the cache's own now) and its cache arrays by layer."""
         engine = self.engine
         if hasattr(engine.attention, "inspect"):  # TP ranks: each reports its tables and cache arrays
@@ -308,20 +308,19 @@ class CacheProof:
         if tables is None:
             tables = [np.array(engine.cache.table(rid)) for rid in rids]
         views = engine.paged.views if engine.paged is not None else engine.attention.views
-        cells = engine.cells if engine.cells is not None else engine.attention.cells
         arrays = [{name: _numpy(x) for name, x in views(layer).items()} for layer in range(engine.spec.num_layers)]
-        return [(range(engine.model.config.cache_heads), np.asarray(cells), tables, arrays)]
+        return [(range(engine.model.config.cache_heads), np.asarray(engine.head_rows), tables, arrays)]
 
     def _verify(self, requests: list[tuple[Any, list[int]]], tables: list[Any] | None, where: str) -> None:
         if not requests or len(self.faults) >= self.max_faults:
             return
         rids = [rid for rid, _ in requests]
-        for heads, cells, held, arrays in self._parts(rids, tables):
+        for heads, head_rows, held, arrays in self._parts(rids, tables):
             for (rid, tokens), table in zip(requests, held):
-                for fault in self._faults(heads, cells, np.asarray(table), arrays, tokens):
+                for fault in self._faults(heads, head_rows, np.asarray(table), arrays, tokens):
                     self.faults.append(f"request {rid!r}, {where}: {fault}")
 
-    def _faults(self, heads: range, cells: np.ndarray, table: np.ndarray, arrays: list[dict[str, np.ndarray]],
+    def _faults(self, heads: range, head_rows: np.ndarray, table: np.ndarray, arrays: list[dict[str, np.ndarray]],
                 tokens: list[int]) -> list[str]:
         """Where the blocks ``table`` names for ``tokens`` (positions 0..n-1) hold something else."""
         if not tokens:
@@ -331,7 +330,7 @@ class CacheProof:
         positions = np.arange(len(tokens))
         out = []
         for layer, stored in enumerate(arrays):
-            blocks = table[cells[layer]][:, positions // block_size]  # [heads, n]
+            blocks = table[head_rows[layer]][:, positions // block_size]  # [heads, n]
             head, pos = np.nonzero(blocks >= 0)
             block = blocks[head, pos]
             self.blocks_checked += len(np.unique(block))
@@ -356,17 +355,32 @@ class CacheProof:
         return out
 
 
+def corrupt_once(engine: Any, rid: Any, row: int, col: int) -> None:
+    """A fault for the proof to catch: once request ``rid``'s block in column ``col`` of table row ``row`` holds
+    tokens, one step reads and writes another block there (one that row does not name)."""
+    run, pending = engine.run, [True]
+
+    def corrupted(work: list[Any], tables: list[Any]) -> None:
+        for w, table in zip(work, tables):
+            if pending and w.seq.rid == rid and w.start >= (col + 1) * engine.spec.block_size:
+                table[row, col] = next(b for b in range(min(engine.paged.layer_blocks)) if b not in table[row])
+                pending.clear()
+        run(work, tables)
+
+    engine.run = corrupted
+
+
 def _run(case: Case, endpoint: str | None, corrupt: bool, device: str = "cpu") -> dict[str, Any]:
     model = Model(case.model, TorchBackend(device) if device != "cpu" else None)
     options = dict(block_size=case.block_size, head_wise=case.head_wise, chunk=case.chunk,
                    max_num_seqs=case.max_num_seqs, quant=case.quant)
     if endpoint is None:
         engine = library_engine(model, num_blocks=case.num_blocks, **options, host_blocks=case.host_blocks,
-                                row_blocks=list(case.row_blocks) if case.row_blocks else None)
+                                pool_blocks=list(case.pool_blocks) if case.pool_blocks else None)
     else:
         engine = daemon_engine(model, endpoint, tp=case.tp, **options)
     if corrupt:
-        engine.corrupt = ("a1", 0, 1)
+        corrupt_once(engine, "a1", 0, 1)
     reference = reference_of(model, case)
     proof = CacheProof(engine, reference, case.cache_tolerance)
     mismatched, total, worst = _compare(reference, case, engine.generate)

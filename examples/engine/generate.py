@@ -26,12 +26,14 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from kvcache.allocator import Window  # noqa: E402
+from kvcache.allocator import Chunked, Window  # noqa: E402
 from kvcache.allocator.errors import KVCacheError  # noqa: E402
 
 import checkpoint  # noqa: E402
-from engine import Engine, Sequence, StepStats, daemon_engine, library_engine  # noqa: E402
-from model import Model  # noqa: E402
+from engine import Engine, daemon_engine, library_engine  # noqa: E402
+from model import Model, ModelConfig  # noqa: E402
+from scheduler import StepStats  # noqa: E402
+from sequence import Sequence  # noqa: E402
 
 
 def read_prompts(path: str | Path, vocab: int) -> list[list[int]]:
@@ -63,6 +65,16 @@ def serve(folder: str | Path, prompts: list[list[int]], max_new_tokens: int, *, 
     one wave, then the rest. ``keep_logits`` keeps what each token was sampled from (``Sequence.logits``);
     ``on_step(wave, engine, stats)`` sees every step."""
     config, weights = checkpoint.load(folder)
+    return serve_model(config, weights, prompts, max_new_tokens, daemon=daemon, device=device, eos=eos,
+                       block_size=block_size, num_blocks=num_blocks, chunk=chunk, keep_logits=keep_logits,
+                       on_step=on_step)
+
+
+def serve_model(config: ModelConfig, weights: dict[str, Any], prompts: list[list[int]], max_new_tokens: int, *,
+                daemon: bool = False, device: str = "cpu", eos: int | None = None, block_size: int = 16,
+                num_blocks: int = 256, chunk: int = 256, keep_logits: bool = False,
+                on_step: Callable[[int, Engine, StepStats], None] | None = None) -> list[Sequence]:
+    """``serve`` for a model given as its ``ModelConfig`` and weights (``Model``'s layout)."""
     backend = None
     if device != "cpu":
         from backend import TorchBackend
@@ -96,7 +108,8 @@ def serve(folder: str | Path, prompts: list[list[int]], max_new_tokens: int, *, 
 
 def step_line(wave: int, engine: Engine, stats: StepStats) -> str:
     """A step as ``make demo`` shows it: what ran, what it computed and found cached, each row's usage."""
-    kinds = ["window" if isinstance(row.policy, Window) else "full" for row in engine.spec.row_layout]
+    kinds = ["window" if isinstance(row.policy, Window) else "chunk" if isinstance(row.policy, Chunked) else "full"
+             for row in engine.spec.row_layout]
     usage = engine.cache.usage.per_row
     return (f"wave {wave} step {len(engine.stats):3d}: {len(engine.running)} running, {len(engine.waiting)} waiting | "
             f"computed {stats.computed:3d} tokens, {stats.hit:3d} found cached | usage "

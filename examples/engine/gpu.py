@@ -3,12 +3,17 @@ block mask built from the tables, with no copy of the cache.
 
 A layer's cache is ``[blocks, kv_heads, block_size, head_dim]`` (``CacheSpec.tensors()``). Flex attention reads
 keys as ``[batch, heads, tokens, dim]``, so the cache is viewed as one head of ``blocks * kv_heads *
-block_size`` tokens, in units of ``block_size`` rows: unit ``block * kv_heads + head`` is one kv head's part of
+block_size`` tokens, in units of ``block_size`` slots: unit ``block * kv_heads + head`` is one kv head's part of
 one block. The block mask lists, for each request, query head and tile of queries, the units its table names (its
-kv head's row, per ``cells``): units every query of the tile sees whole (behind the tile's first query, inside a
-window head's window) as full blocks, read with no mask function, and the rest (the diagonal, a window's edge) as
-partial blocks, where the mask function turns a unit back into the request's token positions. Blocks of 16
-tokens or more.
+kv head's row, per ``head_rows``): units every query of the tile sees whole (behind the tile's first query, inside
+a window head's window, inside the queries' chunk on a chunked layer) as full blocks, read with no mask function,
+and the rest (the diagonal, a window's edge, a chunk's start) as partial blocks, where the mask function turns a
+unit back into the request's token positions. Blocks of 16 tokens or more. Llama 4's chunked layers (a query sees
+only the keys of its own chunk) are one more rule in the mask function and the tile bounds; units wholly in
+earlier chunks are not listed at all, so the kernel skips them.
+
+As on the CPU (``attention.refuse_unheld``), a step whose mask lets a query see a token in a block its table no
+longer holds is refused before attention reads.
 
 MLA's cache is one latent head: queries are absorbed into the latent (``q W_uk``), attend over the latent as
 keys and values, and the output is projected back (``W_uv``). A block_wise_fp8 cache keeps float8 bytes with a
@@ -24,6 +29,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from kvcache.allocator import CacheSpec
 
+from attention import refuse_unheld
 from model import fp8_round_trip
 
 Q_TILE = 16  # query rows per block-mask row: a decode step's one query pads to this many
@@ -43,7 +49,7 @@ class FlexAttention:
 
     reads_tables = True
 
-    def __init__(self, model: Any, spec: CacheSpec, layer_blocks: list[int], cells: np.ndarray, *,
+    def __init__(self, model: Any, spec: CacheSpec, layer_blocks: list[int], head_rows: np.ndarray, *,
                  max_batch: int, max_tokens: int, heads: range | None = None) -> None:
         """Every step's block mask has the same shape (``max_batch`` requests, ``max_tokens`` queries each), so
         flex attention compiles once per layer size and mask width, not per step. ``heads``: the model's kv heads
@@ -59,10 +65,10 @@ class FlexAttention:
                              "block]); what the blackwell layout's four values per block and head hold is not defined")
         if spec.block_size < 16 or spec.block_size & (spec.block_size - 1):
             raise ValueError(f"block_size: flex attention needs a power of two >= 16, got {spec.block_size}")
-        self.model, self.spec, self.cells = model, spec, cells
+        self.model, self.spec, self.head_rows = model, spec, head_rows
         self.heads, self.block_size = spec.kv_heads_per_rank, spec.block_size
         self.dim = tensors[0].block_shape[2]
-        self.group = c.num_q_heads // c.num_kv_heads
+        self.q_per_kv = c.num_q_heads // c.num_kv_heads
         self.device = device = model.ops.device
         # Flex attention computes in the model's dtype; a float64 model (the fp8 check's) attends in float32.
         self.dtype = torch.float32 if model.embed.dtype == torch.float64 else model.embed.dtype
@@ -75,10 +81,12 @@ class FlexAttention:
         self.kv_heads = range(c.cache_heads) if heads is None else heads
         self.windowed = [torch.as_tensor(self._windowed(layer), device=device) for layer in range(c.num_layers)]
         self.window, self.sink = c.window, c.sink
+        self.chunks = [c.chunk if c.chunked(layer) else 0 for layer in range(c.num_layers)]  # 0: not chunked
         self.flex = torch.compile(flex_attention, dynamic=False)
         self.max_batch, self.q_len = max_batch, -(-max_tokens // Q_TILE) * Q_TILE
-        # Layers whose heads read the same rows, window alike and hold as many blocks share a step's plan.
-        self._plan_keys = [(tuple(cells[layer].tolist()), tuple(self._windowed(layer).tolist()), layer_blocks[layer])
+        # Layers whose heads read the same rows, window and chunk alike and hold as many blocks share a step's plan.
+        self._plan_keys = [(tuple(head_rows[layer].tolist()), tuple(self._windowed(layer).tolist()), self.chunks[layer],
+                            layer_blocks[layer])
                            for layer in range(c.num_layers)]
         self._current: _Step | None = None
 
@@ -108,18 +116,18 @@ class FlexAttention:
                         enable_gqa=True, kernel_options={"BLOCK_M": Q_TILE, "BLOCK_N": self.block_size})
         return self._project(layer, out[step.batch, :, step.row]).to(q.dtype)
 
-    def _write(self, layer: int, rows: torch.Tensor, kv: tuple[torch.Tensor, ...]) -> None:
-        """This step's K and V (or latent) [n, heads, dim] into the cache rows ``rows`` (head-major)."""
+    def _write(self, layer: int, slots: torch.Tensor, kv: tuple[torch.Tensor, ...]) -> None:
+        """This step's K and V (or latent) [n, heads, dim] into the cache slots ``slots`` (head-major)."""
         cache = self.cache[layer]
         flat = [x.permute(1, 0, 2).reshape(-1, x.shape[-1]) for x in kv]
         if self.fp8:
             for x, name in zip(flat, ("key", "value")):
                 values, scale = fp8_round_trip(self.model.ops, x)
-                cache[name].view(-1, self.dim)[rows] = values.view(torch.uint8)
-                cache[name + "_scale"].view(-1)[rows] = scale[:, 0]
+                cache[name].view(-1, self.dim)[slots] = values.view(torch.uint8)
+                cache[name + "_scale"].view(-1)[slots] = scale[:, 0]
             return
         for x, tensor in zip(flat, cache.values()):
-            tensor.view(-1, self.dim)[rows] = x.to(self.dtype)
+            tensor.view(-1, self.dim)[slots] = x.to(self.dtype)
 
     def _read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's keys and values as attention reads them: in place, or dequantized from float8."""
@@ -175,14 +183,16 @@ class FlexAttention:
         return self._current
 
     def _layer_plan(self, step: _Step, layer: int) -> _LayerPlan:
-        """The write rows and the block mask of a layer; layers whose heads read the same rows, window alike and
+        """The write slots and the block mask of a layer; layers whose heads read the same rows, window alike and
         hold as many blocks share them within a step."""
         key = self._plan_keys[layer]
         if key in step.plans:
             return step.plans[key]
-        rows, windowed = self.cells[layer], self._windowed(layer)
+        rows, windowed = self.head_rows[layer], self._windowed(layer)
         units_total = self.layer_blocks[layer] * self.heads
         bs, heads, dev = self.block_size, self.heads, self.device
+        for item in step.items:
+            refuse_unheld(self.model.config, layer, item, self.head_rows, self.kv_heads, bs)
         by_head = step.tables[:, rows, :]  # [batch, heads, columns]
         blocks = by_head[step.token_batch, :, step.positions // bs].T  # [heads, tokens]
         if (blocks < 0).any():
@@ -194,27 +204,29 @@ class FlexAttention:
         write_t, b_t, unit_t, c_t = upload([write.reshape(-1), b, units[b, h, c], c], np.int64, dev)
         logical = torch.full((self.max_batch, units_total), -1, dtype=torch.int64, device=dev)
         logical[b_t, unit_t] = c_t
-        tiles = TileBlocks.of(step.q_pos, units, valid, windowed, self.window, self.sink, bs)
+        tiles = TileBlocks.of(step.q_pos, units, valid, windowed, self.window, self.sink, bs, self.chunks[layer])
         parts = upload(tiles.arrays(self.max_batch, _min_width(dev, units_total)), np.int32, dev)
-        # Each query head reads its kv head's units: the kv heads' lists, repeated for the heads of a group.
-        parts = [x.repeat_interleave(self.group, dim=1) for x in parts]
+        # Each query head reads its kv head's units: the kv heads' lists, repeated for its query heads.
+        parts = [x.repeat_interleave(self.q_per_kv, dim=1) for x in parts]
         plan = step.plans[key] = _LayerPlan(write_t, self._mask(parts, logical, layer, units_total))
         return plan
 
     def _mask(self, parts: tuple[torch.Tensor, ...], logical: torch.Tensor, layer: int, units: int) -> BlockMask:
         """The layer's block mask: full and partial units, and a mask function mapping a partial unit back to
         positions."""
-        bs, heads_t, group = self.block_size, self.heads, self.group
+        bs, heads_t, q_per_kv = self.block_size, self.heads, self.q_per_kv
         q_pos_t = self._current.q_pos_t
-        windowed, window, sink = self.windowed[layer], self.window, self.sink
+        windowed, window, sink, chunk = self.windowed[layer], self.window, self.sink, self.chunks[layer]
 
         def mask_mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
             unit = kv_idx // bs
             col = logical[b, unit]
             pos = col * bs + kv_idx % bs
             qp = q_pos_t[b, q_idx]
-            kv_head = h // group
+            kv_head = h // q_per_kv
             seen = (col >= 0) & (unit % heads_t == kv_head) & (pos <= qp)
+            if chunk:  # a chunked layer: only the keys of the query's own chunk
+                seen = seen & (pos // chunk == qp // chunk)
             near = (qp - pos < window) | (pos < sink)
             return seen & (near | ~windowed[kv_head])
 
@@ -237,10 +249,11 @@ class TileBlocks(NamedTuple):
 
     @classmethod
     def of(cls, q_pos: np.ndarray, units: np.ndarray, valid: np.ndarray, windowed: np.ndarray, window: int,
-           sink: int, block_size: int) -> TileBlocks:
+           sink: int, block_size: int, chunk: int = 0) -> TileBlocks:
         """``q_pos`` [batch, queries] (-1: padding), ``units``/``valid`` [requests, heads, columns] (column c holds
         positions ``c * block_size`` on), ``windowed`` [heads]: which heads see only ``window`` tokens back and the
-        first ``sink``. A unit is full for a tile when every query of the tile sees all of its positions."""
+        first ``sink``; ``chunk`` (0: none): each query sees only the keys of its own chunk of that many tokens.
+        A unit is full for a tile when every query of the tile sees all of its positions."""
         tiles_q = q_pos[:len(units)].reshape(len(units), -1, Q_TILE)
         real = tiles_q >= 0
         batch, tile = np.nonzero(real.any(axis=-1))
@@ -254,6 +267,9 @@ class TileBlocks(NamedTuple):
         held = valid[batch]
         full = held & (last <= q_min)[:, None, :] & (near_all[:, None, :] | ~w)
         seen = held & (first <= q_max)[:, None, :] & (near_any[:, None, :] | ~w)
+        if chunk:  # whole in the last query's chunk (so in the first's too); partly in the first query's chunk
+            full &= (first >= q_max // chunk * chunk)[:, None, :]
+            seen &= (last >= q_min // chunk * chunk)[:, None, :]
         partial = seen & ~full
         packed = [_pack(units[batch], part) for part in (full, partial)]
         return cls(batch, tile, tiles_q.shape[1], *packed[0], *packed[1])
@@ -317,7 +333,7 @@ class _Step(NamedTuple):
 
 
 class _LayerPlan(NamedTuple):
-    write: torch.Tensor  # flat cache rows of this step's tokens, head-major
+    write: torch.Tensor  # flat cache slots of this step's tokens, head-major
     mask: BlockMask
 
 

@@ -20,8 +20,10 @@ from kvcache.pd.links import DecodeLink, PrefillLink
 from kvcache.pd.messager import Chunk
 from kvcache.transfer import KVRegion, LayerSignal
 
-from engine import Engine, Sequence, cache_spec, daemon_engine
+from engine import Engine, daemon_engine
 from model import Model
+from paged_cache import cache_spec
+from sequence import Sequence
 
 
 class _ProxyCache:
@@ -77,13 +79,13 @@ class PDPair:
             self.close()
             raise
         self.proxy = PDProxy(self.prefill.cache, self.decode.cache)
-        self.prefill.cache = _ProxyCache(self.proxy)
+        self.prefill.scheduler.cache = _ProxyCache(self.proxy)
         self.handed: list[Sequence] = []
-        self.prefill.handoff = self.handed.append
-        self.prefill.on_step = self._send
+        self.prefill.scheduler.handoff = self.handed.append
+        self.prefill.runner.on_step = self._send
         if prefill_tp == 1:  # TP ranks signal their own layers
             stream = model.ops.write_stream()
-            self.prefill.on_layer = lambda layer: send_cache(stream, self.signal, layer)
+            self.prefill.runner.on_layer = lambda layer: send_cache(stream, self.signal, layer)
 
     def _region(self, engine: Engine) -> KVRegion:
         views = engine.paged.views if engine.paged is not None else engine.attention.views

@@ -21,8 +21,9 @@ import numpy as np
 from kvcache.transfer.heads import rank_heads
 
 from backend import paddle_backend
-from engine import Item, PagedCache, RankAttention, cache_spec, layer_blocks
+from attention import Item, RankAttention
 from model import Model, ModelConfig
+from paged_cache import PagedCache, cache_spec, layer_blocks
 
 
 class TPAttention:
@@ -42,7 +43,7 @@ class TPAttention:
         device = str(self.ops.device) if self.ops.name == "torch" else None
         self.client, self.timeout = client, timeout
         self.heads = [rank_heads(config.num_kv_heads, tp, r) for r in range(tp)]
-        self.group = config.num_q_heads // config.num_kv_heads
+        self.q_per_kv = config.num_q_heads // config.num_kv_heads
         ctx = mp.get_context("spawn")
         self.conns, self.processes = [], []
         for rank in range(tp):
@@ -62,7 +63,7 @@ class TPAttention:
         ops = self.ops
         q_np, kv_np = ops.numpy(q), [ops.numpy(x) for x in kv]
         for conn, heads in zip(self.conns, self.heads):
-            qs = q_np[:, heads.start * self.group:heads.stop * self.group]
+            qs = q_np[:, heads.start * self.q_per_kv:heads.stop * self.q_per_kv]
             conn.send(("attend", layer, seq, plain, qs, [x[:, heads.start:heads.stop] for x in kv_np]))
         outs = [self._receive(rank, self.timeout) for rank in range(len(self.conns))]
         out = ops.tensor(np.concatenate(outs, axis=1))
@@ -76,7 +77,7 @@ class TPAttention:
             self._receive(rank, self.timeout)
 
     def inspect(self, rids: list[Any], step: bool) -> list[tuple[range, np.ndarray, list[Any], list[Any]]]:
-        """For the proof (``check.CacheProof``): per rank, its kv heads, its cell rows, the tables of ``rids``
+        """For the proof (``check.CacheProof``): per rank, its kv heads, its ``head_rows``, the tables of ``rids``
         (with ``step`` those its last step read, else its subscriber's now) and its cache arrays by layer."""
         for conn in self.conns:
             conn.send(("inspect", self.client.last_seq, rids, step))
@@ -118,20 +119,20 @@ def _rank(conn: Any, config: ModelConfig, endpoint: str, rank: int, tp: int, blo
     try:
         spec = cache_spec(config, block_size=block_size, head_wise=head_wise, quant=quant, tp_size=tp)
         tables = TableSubscriber(endpoint, rank=rank, tp_size=tp, max_slots=64, max_blocks=512)
-        pools = [policy["num_blocks"] for policy in tables.row_policies]
+        pools, head_rows = [policy["num_blocks"] for policy in tables.row_policies], tables.cell_rows
         heads = rank_heads(config.num_kv_heads, tp, rank)
         if device is None:
             ops = paddle_backend()
-            paged = PagedCache(spec, layer_blocks(pools, tables.cell_rows), config.dtype)
-            attention = RankAttention(Model(config), paged, tables.cell_rows, heads)
+            paged = PagedCache(spec, layer_blocks(pools, head_rows), config.dtype)
+            attention = RankAttention(Model(config), paged, head_rows, heads)
             views = paged.views
         else:
             from backend import TorchBackend
             from gpu import FlexAttention
 
             ops = TorchBackend(device)
-            attention = FlexAttention(Model(config, ops), spec, layer_blocks(pools, tables.cell_rows),
-                                      tables.cell_rows, max_batch=max_batch, max_tokens=max_tokens, heads=heads)
+            attention = FlexAttention(Model(config, ops), spec, layer_blocks(pools, head_rows), head_rows,
+                                      max_batch=max_batch, max_tokens=max_tokens, heads=heads)
             views = attention.views
         stream = ops.write_stream()
         region = KVRegion.from_tensors(spec, [views(layer) for layer in range(spec.num_layers)])
