@@ -22,12 +22,13 @@ $(VENV)/.installed: $(VENV)/.base
 
 install: $(VENV)/.installed
 
-# The demo's model runs on Paddle (CPU).
-$(VENV)/.demo: $(VENV)/.base
-	$(PY) -m pip install -q 'paddlepaddle>=2.6'
+# The demo's model runs on Paddle (CPU), from a checkpoint it writes and reads with safetensors.
+$(VENV)/.demo-deps: $(VENV)/.base
+	$(PY) -m pip install -q 'paddlepaddle>=2.6' 'safetensors>=0.4'
 	touch $@
 
-demo: $(VENV)/.demo
+# A tiny Mistral checkpoint (random weights) through examples/engine/generate.py --daemon: a real kvcache serve.
+demo: $(VENV)/.demo-deps
 	$(PY) examples/engine/demo.py
 
 test: $(VENV)/.installed

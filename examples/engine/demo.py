@@ -1,66 +1,72 @@
-"""The reference engine generating through a real `kvcache serve`, with its prefix hits and cache usage as it goes.
+"""`make demo`: a small checkpoint in Hugging Face's format generating through a real `kvcache serve`.
 
     python examples/engine/demo.py          # (make demo)
 
-A Gemma-shaped model (sliding-window layers and full ones, seeded weights)
-serves three waves of prompts that share a system prompt; the daemon keeps a
-row per layer group, the window row giving blocks back as decoding moves on.
-Each step prints what it computed and what it found cached; the end compares
-every request with a dense model that recomputes attention with no cache.
+It writes a tiny Mistral checkpoint (``config.json`` and ``model.safetensors``,
+random weights from a fixed seed: ``checkpoints.py``) and a prompts file, then
+runs ``generate.py --daemon`` on them: a ``kvcache serve`` started for the run
+schedules every step, its window row giving blocks back as decoding moves on,
+and the second wave of prompts finds the first wave's prefixes cached. Each
+step prints what it computed and what it found cached. The end compares every
+prompt's tokens with ``reference.py``, a numpy decoder with no cache that
+shares no code with the engine.
 """
 from __future__ import annotations
 
+import json
+import subprocess
 import sys
-import time
+import tempfile
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
 
-from check import Case, serving  # noqa: E402
-from engine import daemon_engine  # noqa: E402
-from model import Model, ModelConfig, dense_generate  # noqa: E402
+import checkpoint  # noqa: E402
+import checkpoints  # noqa: E402
+from reference import Reference  # noqa: E402
 
-CASE = Case(model=ModelConfig(num_layers=6, window=16, sink=4, window_layers=(0, 1, 3, 4)), block_size=8,
-            chunk=48, daemon=("--num-blocks", "80"))
+ARCHITECTURE = "mistral"
+MAX_NEW_TOKENS = 12
+
+
+def prompts(vocab: int, seed: int = 1) -> list[list[int]]:
+    """Eight prompts sharing a 40-token system prompt: four, then each of them grown (the second wave)."""
+    rng = np.random.default_rng(seed)
+    system = rng.integers(0, vocab, 40).tolist()
+    first = [system + rng.integers(0, vocab, int(n)).tolist() for n in rng.integers(8, 40, 4)]
+    return first + [p + rng.integers(0, vocab, 9).tolist() for p in first]
 
 
 def main() -> int:
-    rng = np.random.default_rng(1)
-    system = rng.integers(0, CASE.model.vocab, 40).tolist()  # every request starts with the same 40 tokens
-    waves = [{f"w{w}-{i}": system + rng.integers(0, CASE.model.vocab, int(n)).tolist()
-              for i, n in enumerate(rng.integers(8, 40, 4))} for w in range(3)]
-    model = Model(CASE.model)
-    print(f"model: {CASE.model.num_layers} layers, windows of {CASE.model.window} tokens (sink {CASE.model.sink}) on "
-          f"layers {list(CASE.model.window_layers or ())}, the others full")
-    with serving(CASE) as endpoints:
-        engine = daemon_engine(model, endpoints["both"], block_size=CASE.block_size, chunk=CASE.chunk)
-        rows = engine.cache.info()["rows"]
-        print("daemon rows: " + "; ".join(f"{r['kind']} layers {r['layers']} ({r['num_blocks']} blocks)" for r in rows))
-        start, outputs = time.perf_counter(), {}
-        try:
-            for w, wave in enumerate(waves):
-                for rid, prompt in wave.items():
-                    engine.add(rid, prompt, 12)
-                while engine.waiting or engine.running:
-                    stats = engine.step()
-                    usage = engine.cache.usage.per_row
-                    print(f"wave {w} step {len(engine.stats):3d}: {len(engine.running)} running, "
-                          f"{len(engine.waiting)} waiting | computed {stats.computed:3d} tokens, {stats.hit:3d} "
-                          f"found cached | usage " + ", ".join(f"{r['kind']} {u:4.0%}" for r, u in zip(rows, usage)))
-                outputs.update({rid: engine.finished.pop(rid) for rid in wave})
-            prompts = {rid: p for wave in waves for rid, p in wave.items()}
-            hit = sum(s.hit for s in engine.stats)
-            total = sum(len(p) for p in prompts.values())
-            print(f"{len(prompts)} requests in {time.perf_counter() - start:.1f} s; prefix hits {hit} of {total} "
-                  f"prompt tokens ({hit / total:.0%}); {engine.cache.stats()['recycled_blocks']} window blocks given back")
-        finally:
-            engine.close()
-    same = [outputs[rid].generated == dense_generate(model, p, 12)[0] for rid, p in prompts.items()]
-    print(f"generated tokens equal a dense model's with no cache: {sum(same)} of {len(same)} requests")
-    for rid in list(prompts)[:3]:
-        print(f"  {rid}: {outputs[rid].generated}")
+    with tempfile.TemporaryDirectory(prefix="kvcache-demo-") as tmp:
+        folder = checkpoints.write(ARCHITECTURE, Path(tmp) / ARCHITECTURE)
+        config, weights = checkpoint.load(folder)
+        wanted = prompts(config.vocab)
+        prompts_file = Path(tmp) / "prompts.json"
+        prompts_file.write_text(json.dumps(wanted))
+        print(f"wrote {ARCHITECTURE} ({', '.join(p.name for p in sorted(folder.iterdir()))}) and "
+              f"{len(wanted)} prompts; running generate.py --daemon", flush=True)
+        command = [sys.executable, str(HERE / "generate.py"), "--model", str(folder), "--prompts", str(prompts_file),
+                   "--max-new-tokens", str(MAX_NEW_TOKENS), "--daemon", "--num-blocks", "48", "--json"]
+        print("$ " + " ".join(["python", "examples/engine/generate.py", *command[2:]]), flush=True)
+        run = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+        lines = []
+        for line in run.stdout:
+            lines.append(line)
+            if not line.startswith("["):
+                print(line, end="", flush=True)
+        if run.wait() != 0 or not lines:
+            print(f"generate.py failed (exit code {run.returncode})", file=sys.stderr)
+            return 1
+    got = json.loads(lines[-1])
+    reference = Reference(config.hf_config(), weights)
+    same = [tokens == reference.generate(prompt, MAX_NEW_TOKENS)[0] for prompt, tokens in zip(wanted, got)]
+    print(f"generated tokens equal a numpy decoder's with no cache (reference.py): {sum(same)} of {len(same)} prompts")
+    for i in range(3):
+        print(f"  prompt {i} ({len(wanted[i])} tokens): {got[i]}")
     return 0 if all(same) else 1
 
 
