@@ -119,7 +119,7 @@ class HeadWiseCacheManager(FastDeployCacheManager):
     def _build(self, cache_config: Any) -> None:
         """Check the config, open the head-wise cache and start empty."""
         _refuse_unsupported(cache_config)
-        if getattr(cache_config, "enable_prefix_caching", True) is False:
+        if not getattr(cache_config, "enable_prefix_caching", True):
             raise KVCacheError("cache_config.enable_prefix_caching: head-wise tables need it on (the adapter "
                                "learns each request's tokens from request_match_blocks)")
         if self.splitwise_role != "mixed":
