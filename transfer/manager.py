@@ -234,6 +234,10 @@ class HostBooks:
     def _mark(marks: np.ndarray, table: np.ndarray, job: int) -> None:
         """Give the GPU pairs of ``table`` [rows, k] (-1 = none) to copy ``job`` in ``marks`` (``_filling`` for a
         load's blocks, ``_reading`` for an offload's)."""
+        if table.shape[0] == 1:
+            row = table[0]
+            marks[0, row[row >= 0]] = job
+            return
         r, c = np.nonzero(table >= 0)
         marks[r, table[r, c]] = job
 
@@ -269,7 +273,7 @@ class HostBooks:
     def held(self, hashes: bytes) -> np.ndarray:
         """bool ``[k, rows]``: rows whose copy of each leading hash is findable; stops at the first with none."""
         blocks = self._index.match(hashes)
-        ok = (blocks >= 0) & self._ready[np.maximum(blocks, 0)]
+        ok = self._ready[blocks] & (blocks >= 0)  # -1 reads the last block's flag, masked right after
         found = ok.any(axis=1)
         k = found.size if found.all() else int(np.argmin(found))
         # The admit that asked names the same hashes (a prefix of these) to ``admitted`` next, nothing changing in

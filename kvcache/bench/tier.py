@@ -331,7 +331,9 @@ def render(result: dict[str, Any]) -> str:
     return "\n".join([
         f"kvcache bench tier: {cfg['tokens']:,} tokens, {cfg['layers']} layers, {cfg['kv_heads']} kv heads x "
         f"{cfg['head_dim']}, bf16, scattered ids; best of {cfg['repeat']}; {result['info']['device']}; "
-        f"{result['info']['through']}; python {cfg['python']}, {cfg['cpus']} cpu(s)",
+        f"{result['info']['through']}"
+        + (f"; copies: {result['info']['cuda_method']}" if result["info"].get("cuda_method") else "")
+        + f"; python {cfg['python']}, {cfg['cpus']} cpu(s)",
         "  offload = free() until every block is findable on host; reload = admit() until every layer landed;",
         "  call = the scheduler's free()/admit() alone (it records the copies; a submit thread launches them);",
         "  engine = the same blocks in one LocalEngine write of all layers (what the tier adds on top of the engine)",
