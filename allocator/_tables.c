@@ -1469,6 +1469,648 @@ done:
     return result;
 }
 
+/* ------------------------------------------------------------------ a decode step over row groups and windows */
+
+static PyObject *recycled_name, *heads_name;
+static PyObject *int32_descr; /* the dtype of an int32 table columns_of took by export: later ones are read off
+                               * their array heads */
+
+/* columns_of(obj, rows, data, writable) for a request's table or rows, read off the array head where it is an
+ * exact C-contiguous writable 2-D numpy array of int32 (about 0.2 us less than an export: a decode run takes
+ * dozens). */
+static Py_ssize_t table_columns(PyObject *obj, Py_ssize_t rows, int32_t **data)
+{
+    const int heads = array_heads_usable();
+    if (heads < 0)
+        return -1;
+    if (heads && int32_descr && (PyObject *)Py_TYPE(obj) == ndarray_type) {
+        const array_head *h = (const array_head *)obj;
+        if (h->descr == int32_descr && h->nd == 2 && (h->flags & ARRAY_C_CONTIGUOUS) && (h->flags & ARRAY_WRITEABLE)
+            && h->dimensions[0] == rows) {
+            *data = (int32_t *)h->data;
+            return h->dimensions[1];
+        }
+    }
+    const Py_ssize_t columns = columns_of(obj, rows, data, 1);
+    if (heads && columns >= 0 && !int32_descr && (PyObject *)Py_TYPE(obj) == ndarray_type)
+        int32_descr = Py_NewRef(((const array_head *)obj)->descr);
+    return columns;
+}
+
+/* One request of a decode run that does more than write into its last block (extend_rows): its slot, record,
+ * tables, and what its extend does. */
+typedef struct {
+    Py_ssize_t i, s;       /* position in the batch, slot */
+    PyObject *req;         /* borrowed from by_slot */
+    int32_t *table, *heads; /* int32 [groups, capacity] and [rows, capacity] (NULL: rows are the groups) */
+    Py_ssize_t capacity;
+    int64_t t;             /* tokens before the extend */
+    int opens, fills, gives;
+    Py_ssize_t lo, hi;     /* the given columns' span (gives): columns any window group empties */
+    Py_ssize_t num_cols;   /* changed columns: given ones, then the opened one */
+} rows_run_t;
+
+/* recyclable_blocks(policy, t, bs).stop of a window group (windows row: group, chunk C or 0, window W, sink S). */
+static inline int64_t group_stop(const int64_t *w, int64_t t, Py_ssize_t bs)
+{
+    if (w[1] > 0)
+        return t / w[1] * w[1] / bs;
+    const int64_t seen = t - w[2] + 1 > 0 ? t - w[2] + 1 : 0, sink = (w[3] + bs - 1) / bs;
+    return seen / bs > sink ? seen / bs : sink;
+}
+
+/* recycle_at(policy, recycled, bs): the least first pending query at which block ``recycled`` may go back. */
+static inline int64_t group_recycle_at(const int64_t *w, int64_t recycled, Py_ssize_t bs)
+{
+    const int64_t end = (recycled + 1) * bs;
+    return w[1] > 0 ? (end + w[1] - 1) / w[1] * w[1] : end + w[2] - 1;
+}
+
+/* BlockPool.decref of one referenced pair: at zero an uncached block goes on its row's free stack, a cached one to
+ * the tail of its LRU ring (a ring full of stale entries compacted first), as _pool.release does. */
+static inline void pool_release_one(pool_t *p, Py_ssize_t r, int32_t blk)
+{
+    const Py_ssize_t flat = r * p->n + blk;
+    if (--p->ref[flat] > 0)
+        return;
+    if (!p->cached[flat]) {
+        p->stack[r * p->n + p->top[r]++] = blk;
+        return;
+    }
+    if (p->lru_count[r] == 0)
+        p->head[r] = p->tail[r] = 0;
+    else if (p->tail[r] - p->head[r] + 1 > p->cap)
+        compact(p, r);
+    const Py_ssize_t g = r * p->cap + (p->tail[r] & (p->cap - 1));
+    p->ring[g] = blk;
+    p->lru_pos[flat] = g;
+    p->tail[r]++;
+    p->lru_count[r]++;
+}
+
+PyDoc_STRVAR(extend_rows_doc,
+"extend_rows(slot_of | slots_given, ids, tokens, counts, by_slot, hashing, lookahead, events,\n"
+"            ntok, fast_limit, next_recycle, tail, changed_ok, stamp, keyed, salted, last_hash, last_block, width,\n"
+"            lens, row_group, windows, counted,\n"
+"            ref, cached, stack, top, ring, lru_pos, head, tail_pos, lru_count,\n"
+"            slots, seed, hash_of, entry_blocks, entry_at, holders, spare, num_spare, num_entries)\n"
+"    -> (index, offsets, cols, vals, widen, givers, num_spare, num_entries, keys_removed, keys_added, removed,\n"
+"        stored) | None\n\n"
+"extend_decode for a manager of several row groups (G, the pool's and index's rows), rows expanded from them\n"
+"(row_group: intp [R], each row's group) and window or chunked groups giving blocks back (windows: int64\n"
+"[w, 4], per such group: its group, chunk_tokens or 0, window_tokens, sink_tokens), no tier. Extends inside\n"
+"the last block are extend_fast's; every other one must be a plain decode extend, and those run request by\n"
+"request in batch order exactly as KVCacheManager._extend does: the window groups' dead blocks (tail first,\n"
+"group by group) released and their columns emptied (-1, in the table and the group's expanded rows), the\n"
+"request's window progress (its record's ``recycled``) and next_recycle moved on; at most one new block per\n"
+"group (BlockPool.allocate, evictions dropped from the index group by group); the filled block hashed and\n"
+"indexed in every group. last_block is int32 [slots, G]; counted (int64 [2]) gains the (row, block) pairs\n"
+"evicted and given back, each group's counted once per row it stands for. Returns the changed requests'\n"
+"positions, offsets and columns (int32 bytes: given columns, then the opened one) with their values now\n"
+"(int32 [R, total] bytes); widen, (position in index, column, its G blocks as int32 bytes) for each opened\n"
+"column past its table's capacity (the caller widens the table and its rows, and writes them); givers, the\n"
+"positions in index whose changed columns the caller records (the rest have theirs: a range, or the opened\n"
+"column). None, changing nothing, where the general path must take the batch (as extend_decode; and where a\n"
+"group has fewer allocatable blocks than the run opens, before anything it gives back). With events,\n"
+"``removed`` lists each eviction's (position, group, hash) of the pairs that held one, in order, and\n"
+"``stored`` each filled block as extend_decode's; else both None. The caller made room: spare for G n more\n"
+"ids, the entry arrays and table for n more keys. ValueError, changing nothing, on inconsistent sizes.");
+
+static PyObject *extend_rows(PyObject *self, PyObject *args)
+{
+    (void)self;
+    enum { NB = 17 + POOL_ARRAYS + 6 };
+    Py_buffer b[NB];
+    memset(b, 0, sizeof b);
+    PyObject *slot_of, *ids, *by_slot;
+    int hashing, events;
+    unsigned long long seed;
+    Py_ssize_t num_spare, num_entries, lookahead;
+    /* b[0] tokens, b[1] counts, b[2] ntok, b[3] fast_limit, b[4] next_recycle, b[5] tail, b[6] changed_ok,
+     * b[7] stamp, b[8] keyed, b[9] salted, b[10] last_hash, b[11] last_block, b[12] width, b[13] lens,
+     * b[14] row_group, b[15] windows, b[16] counted; b[17..25] the pool; b[26] slots, b[27] hash_of,
+     * b[28] entry_blocks, b[29] entry_at, b[30] holders, b[31] spare. */
+    if (!PyArg_ParseTuple(args, "OO!O&O&O!inpO&O&O&O&O&O&O&O&O&O&O&O&O&O&O&O&O&O&O&O&O&O&O&O&O&KO&O&O&O&O&nn",
+                          &slot_of, &PyList_Type, &ids, read_array, &b[0], read_array, &b[1], &PyList_Type, &by_slot,
+                          &hashing, &lookahead, &events, write_array, &b[2], write_array, &b[3], write_array, &b[4],
+                          write_array, &b[5], write_array, &b[6], write_array, &b[7], read_array, &b[8], read_array,
+                          &b[9], write_array, &b[10], write_array, &b[11], write_array, &b[12], write_array, &b[13],
+                          read_array, &b[14], read_array, &b[15], write_array, &b[16], write_array, &b[17],
+                          write_array, &b[18], write_array, &b[19], write_array, &b[20], write_array, &b[21],
+                          write_array, &b[22], write_array, &b[23], write_array, &b[24], write_array, &b[25],
+                          write_array, &b[26], &seed, write_array, &b[27], write_array, &b[28], write_array, &b[29],
+                          write_array, &b[30], write_array, &b[31], &num_spare, &num_entries))
+        return NULL;
+    PyObject *result = NULL, *index_obj = NULL, *offsets_obj = NULL, *cols_obj = NULL, *vals_obj = NULL,
+             *widen = NULL, *givers = NULL, *removed = NULL, *stored = NULL;
+    Py_ssize_t *slot = NULL, *fill = NULL, *group_size = NULL;
+    rows_run_t *run = NULL;
+    int64_t *given_rec = NULL, *given_stop = NULL, *wide = NULL, entry;
+    int32_t *filled = NULL, *fresh = NULL;
+    uint32_t *blocks_tok = NULL;
+    uint8_t *parents = NULL, *hashes = NULL;
+    pool_t p;
+    index_t x;
+    Py_buffer given = {0};
+    if (lookahead < 0) {
+        PyErr_SetString(PyExc_ValueError, "extend_rows: lookahead must not be negative");
+        goto done;
+    }
+    if (!PyDict_Check(slot_of) && PyObject_GetBuffer(slot_of, &given, PyBUF_C_CONTIGUOUS) < 0)
+        goto done;
+    if (hashing >= 0 && !each_blocks) {
+        each_blocks = (each_fn)PyCapsule_Import("kvcache.allocator._chainhash._each_api", 0);
+        if (!each_blocks)
+            goto done;
+    }
+    if (given.obj && given.len != PyList_GET_SIZE(ids) * (Py_ssize_t)sizeof(Py_ssize_t)) {
+        PyErr_SetString(PyExc_ValueError, "extend_rows: the given slots must be one intp per id");
+        goto done;
+    }
+    if (open_pool(&p, &b[17], "extend_rows") < 0
+        || open_index(&x, &b[26], seed, &b[27], &b[28], &b[29], &b[30], "extend_rows") < 0)
+        goto done;
+    const Py_ssize_t n = PyList_GET_SIZE(ids), G = p.rows;
+    const Py_ssize_t cap = b[2].len / (Py_ssize_t)sizeof(int64_t);
+    const Py_ssize_t bs = cap ? b[5].len / (Py_ssize_t)sizeof(uint32_t) / cap : 0;
+    const Py_ssize_t num_tok = b[0].len / (Py_ssize_t)sizeof(uint32_t);
+    const Py_ssize_t R = b[14].len / (Py_ssize_t)sizeof(Py_ssize_t), W = b[15].len / (4 * (Py_ssize_t)sizeof(int64_t));
+    const int narrow = n > 0 && b[1].len == n * (Py_ssize_t)sizeof(int32_t);
+    if (b[0].len % (Py_ssize_t)sizeof(uint32_t) || (!narrow && b[1].len != n * (Py_ssize_t)sizeof(int64_t)) || cap < 1
+        || bs < 1 || b[3].len != b[2].len || b[4].len != b[2].len
+        || b[5].len != cap * bs * (Py_ssize_t)sizeof(uint32_t) || b[6].len != cap
+        || b[7].len != cap * (Py_ssize_t)sizeof(Py_ssize_t) || b[8].len != cap || b[9].len != cap
+        || b[10].len != cap * KEY_BYTES || b[11].len != cap * G * (Py_ssize_t)sizeof(int32_t)
+        || b[12].len != cap * (Py_ssize_t)sizeof(int32_t) || b[13].len != n * (Py_ssize_t)sizeof(int32_t)
+        || R < G || b[14].len != R * (Py_ssize_t)sizeof(Py_ssize_t)
+        || b[15].len != W * 4 * (Py_ssize_t)sizeof(int64_t) || b[16].len != 2 * (Py_ssize_t)sizeof(int64_t)
+        || x.rows != G || p.n != x.num_blocks || num_spare < 0 || num_entries < 0
+        || num_spare + G * n > b[31].len / (Py_ssize_t)sizeof(Py_ssize_t) || num_entries + n > x.entries) {
+        PyErr_SetString(PyExc_ValueError, "extend_rows: the slot arrays, rows, pool, index or outputs have "
+                        "inconsistent sizes (or the index has no room for n more keys)");
+        goto done;
+    }
+    const Py_ssize_t *row_group = b[14].buf;
+    const int64_t *windows = b[15].buf;
+    const int expand = R != G;
+    group_size = PyMem_Calloc((size_t)G, sizeof(Py_ssize_t));
+    if (!group_size) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t r = 0; r < R; r++) {
+        if (row_group[r] < 0 || row_group[r] >= G || (!expand && row_group[r] != r)) {
+            PyErr_Format(PyExc_ValueError, "extend_rows: row %zd's group %zd is not one of the %zd", r, row_group[r],
+                         G);
+            goto done;
+        }
+        group_size[row_group[r]]++;
+    }
+    for (Py_ssize_t w = 0; w < W; w++) {
+        const int64_t *pol = windows + 4 * w;
+        if (pol[0] < 0 || pol[0] >= G || pol[1] < 0 || (pol[1] == 0 && pol[2] < 1) || pol[3] < 0
+            || (pol[1] > 0 && pol[1] % bs)) {
+            PyErr_Format(PyExc_ValueError, "extend_rows: window group %zd is not a window or chunk of a group", w);
+            goto done;
+        }
+    }
+    for (Py_ssize_t g = 0; g < G; g++) {
+        if (!group_size[g]) {
+            PyErr_Format(PyExc_ValueError, "extend_rows: group %zd stands for no row", g);
+            goto done;
+        }
+    }
+    const size_t m_bytes = (size_t)(n ? n : 1);
+    slot = PyMem_Malloc(m_bytes * sizeof(Py_ssize_t));
+    fill = PyMem_Malloc(m_bytes * sizeof(Py_ssize_t));
+    run = PyMem_Calloc(m_bytes, sizeof(rows_run_t));
+    if (!slot || !fill || !run) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (narrow) {
+        wide = PyMem_Malloc(m_bytes * sizeof(int64_t));
+        if (!wide) {
+            PyErr_NoMemory();
+            goto done;
+        }
+        for (Py_ssize_t i = 0; i < n; i++)
+            wide[i] = ((const int32_t *)b[1].buf)[i];
+    }
+    const int64_t *count = narrow ? wide : b[1].buf;
+    int64_t *rec = b[4].buf, *counted = b[16].buf;
+    const uint32_t *tok = b[0].buf;
+    int64_t *nt = b[2].buf, *lim = b[3].buf;
+    uint32_t *tl = b[5].buf;
+    uint8_t *ch = b[6].buf, *lh = b[10].buf;
+    Py_ssize_t *st = b[7].buf;
+    const uint8_t *key = b[8].buf, *salt = b[9].buf;
+    int32_t *lb = b[11].buf, *wd = b[12].buf, *lens = b[13].buf;
+
+    /* Everything is checked and read before the first write: a None leaves the general path an untouched manager. */
+    Py_ssize_t total = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const int found = given.obj ? (slot[i] = ((const Py_ssize_t *)given.buf)[i], 1)
+                                    : lookup_id(slot_of, PyList_GET_ITEM(ids, i), &slot[i]);
+        if (found < 0)
+            goto done;
+        if (!found || count[i] < 0 || count[i] > num_tok)
+            goto fallback;
+        if (slot[i] < 0 || slot[i] >= cap) {
+            PyErr_Format(PyExc_ValueError, "extend_rows: slot %zd is outside the slot arrays", slot[i]);
+            goto done;
+        }
+        if (slot[i] >= PyList_GET_SIZE(by_slot) || PyList_GET_ITEM(by_slot, slot[i]) == Py_None)
+            goto fallback; /* a slot no request holds: the general path looks the ids up */
+        st[slot[i]] = i;
+        total += count[i];
+    }
+    if (total != num_tok)
+        goto fallback;
+    Py_ssize_t m = 0, num_need = 0, num_fill = 0, num_gives = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (st[slot[i]] != i) /* listed twice */
+            goto fallback;
+        const Py_ssize_t s = slot[i];
+        const int64_t t = nt[s], covered = (int64_t)wd[s] * bs;
+        if (in_last_block(t, count[i], rec[s], covered - lookahead < lim[s] ? covered - lookahead : lim[s]))
+            continue;
+        if (!plain_decode(count[i], t, bs, key[s], salt[s], hashing >= 0))
+            goto fallback; /* not a plain decode extend: the one-by-one order matters */
+        const int64_t opens = blocks_short(t, lookahead, bs, wd[s]);
+        if (opens > 1)
+            goto fallback; /* a lookahead that grew since the request's last extend */
+        rows_run_t *e = &run[m++];
+        e->i = i;
+        e->s = s;
+        e->t = t;
+        e->opens = opens == 1;
+        e->fills = hashing >= 0 && t % bs == bs - 1;
+        e->gives = W > 0 && t >= rec[s];
+        num_need += e->opens;
+        num_gives += e->gives;
+        if (e->fills)
+            fill[num_fill++] = m - 1;
+    }
+    for (Py_ssize_t g = 0; g < G; g++)
+        if (num_need > p.top[g] + p.lru_count[g])
+            goto fallback; /* some would get no block: the general path refuses exactly those */
+    const size_t given_bytes = (size_t)(num_gives * W > 0 ? num_gives * W : 1) * sizeof(int64_t);
+    given_rec = PyMem_Malloc(given_bytes);
+    given_stop = PyMem_Malloc(given_bytes);
+    filled = PyMem_Malloc((size_t)(num_fill ? num_fill : 1) * (size_t)G * sizeof(int32_t));
+    fresh = PyMem_Malloc((size_t)G * sizeof(int32_t));
+    if (!given_rec || !given_stop || !filled || !fresh) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    /* The run's records and tables (they stay put: their requests hold them, and nothing here runs Python code
+     * that could change them), what each window gives back, and its changed columns. */
+    Py_ssize_t num_changed = 0, num_cols = 0;
+    for (Py_ssize_t j = 0, k = 0; j < m; j++) {
+        rows_run_t *e = &run[j];
+        const int64_t col = e->t / bs;
+        if (!e->opens && !e->gives && !(e->fills && col < wd[e->s] - 1))
+            continue; /* the last column's blocks are last_block's */
+        e->req = PyList_GET_ITEM(by_slot, e->s);
+        PyObject *table = PyObject_GetAttr(e->req, table_name);
+        if (!table)
+            goto done;
+        e->capacity = table_columns(table, G, &e->table);
+        Py_DECREF(table);
+        if (e->capacity < 0) {
+            if (!PyErr_Occurred())
+                PyErr_Format(PyExc_ValueError, "extend_rows: slot %zd's table is not an int32 [%zd, capacity] array",
+                             e->s, G);
+            goto done;
+        }
+        if (expand) {
+            PyObject *heads = PyObject_GetAttr(e->req, heads_name);
+            if (!heads)
+                goto done;
+            const Py_ssize_t columns = heads == Py_None ? -1 : table_columns(heads, R, &e->heads);
+            Py_DECREF(heads);
+            if (columns < 0 && PyErr_Occurred())
+                goto done;
+            if (columns != e->capacity) {
+                PyErr_Format(PyExc_ValueError, "extend_rows: slot %zd's rows are not an int32 [%zd, %zd] array",
+                             e->s, R, e->capacity);
+                goto done;
+            }
+        }
+        if (wd[e->s] > e->capacity) {
+            PyErr_Format(PyExc_ValueError, "extend_rows: slot %zd's table is narrower than its width", e->s);
+            goto done;
+        }
+        if (e->gives) {
+            PyObject *recycled = PyObject_GetAttr(e->req, recycled_name);
+            if (!recycled)
+                goto done;
+            const int ok = PyList_Check(recycled) && PyList_GET_SIZE(recycled) == W;
+            int live = 0;
+            e->lo = PY_SSIZE_T_MAX;
+            e->hi = 0;
+            for (Py_ssize_t w = 0; ok && w < W; w++) {
+                const int64_t *pol = windows + 4 * w, sink = (pol[3] + bs - 1) / bs;
+                const long long was = PyLong_AsLongLong(PyList_GET_ITEM(recycled, w));
+                if (was == -1 && PyErr_Occurred()) {
+                    Py_DECREF(recycled);
+                    goto done;
+                }
+                int64_t stop = group_stop(pol, e->t, bs);
+                stop = stop < wd[e->s] ? stop : wd[e->s];
+                given_rec[k * W + w] = was;
+                given_stop[k * W + w] = stop;
+                for (int64_t c = was > sink ? was : sink; c < stop; c++) {
+                    const int32_t blk = e->table[pol[0] * e->capacity + c];
+                    if (blk == -1)
+                        continue;
+                    if (blk < 0 || blk >= p.n || p.ref[pol[0] * p.n + blk] < 1) {
+                        Py_DECREF(recycled);
+                        PyErr_Format(PyExc_AssertionError, "extend_rows: slot %zd gives back block %d of group "
+                                     "%lld, which it does not hold", e->s, (int)blk, (long long)pol[0]);
+                        goto done;
+                    }
+                    live = 1;
+                }
+                if (was < stop) {
+                    e->lo = was < e->lo ? was : e->lo;
+                    e->hi = stop > e->hi ? stop : e->hi;
+                }
+            }
+            Py_DECREF(recycled);
+            if (!ok) {
+                PyErr_Format(PyExc_ValueError, "extend_rows: slot %zd's recycled is not a list of %zd ints", e->s, W);
+                goto done;
+            }
+            /* 1 + its row in given_rec; a window with nothing to give keeps its marks (as _extend) */
+            e->gives = live ? (int)(++k) : 0;
+            if (live) {
+                for (Py_ssize_t c = e->lo; c < e->hi; c++) {
+                    for (Py_ssize_t w = 0; w < W; w++) {
+                        if (given_rec[(k - 1) * W + w] <= c && c < given_stop[(k - 1) * W + w]) {
+                            e->num_cols++;
+                            break;
+                        }
+                    }
+                }
+            }
+        }
+        e->num_cols += e->opens;
+        num_changed += e->num_cols > 0;
+        num_cols += e->num_cols;
+    }
+    if (num_fill) {
+        blocks_tok = PyMem_Malloc((size_t)num_fill * (size_t)bs * sizeof(uint32_t));
+        parents = PyMem_Malloc((size_t)num_fill * KEY_BYTES);
+        hashes = PyMem_Malloc((size_t)num_fill * KEY_BYTES);
+        if (!blocks_tok || !parents || !hashes) {
+            PyErr_NoMemory();
+            goto done;
+        }
+    }
+    {   /* The filled blocks' tokens: the tail with its last token, which sits at the request's offset in tokens. */
+        Py_ssize_t offset = 0, f = 0;
+        for (Py_ssize_t i = 0, j = 0; i < n && f < num_fill; i++) {
+            if (j < m && run[j].i == i) {
+                if (fill[f] == j) {
+                    const Py_ssize_t s = slot[i];
+                    memcpy(blocks_tok + f * bs, tl + s * bs, (size_t)bs * sizeof(uint32_t));
+                    blocks_tok[f * bs + bs - 1] = tok[offset];
+                    memcpy(parents + f * KEY_BYTES, lh + s * KEY_BYTES, KEY_BYTES);
+                    f++;
+                }
+                j++;
+            }
+            offset += count[i];
+        }
+    }
+    if (num_fill && each_blocks(hashing, blocks_tok, num_fill, bs, parents, hashes) < 0)
+        goto done;
+    for (Py_ssize_t f = 0; f < num_fill; f++) { /* a block behind the table's last column: read now (-1: opened) */
+        const rows_run_t *e = &run[fill[f]];
+        const int64_t col = e->t / bs;
+        for (Py_ssize_t g = 0; g < G; g++) {
+            filled[f * G + g] = col == wd[e->s] - 1 ? lb[e->s * G + g]
+                                : col < wd[e->s]    ? e->table[g * e->capacity + col]
+                                                    : -1;
+            if (col < wd[e->s] && filled[f * G + g] < 0)
+                goto fallback; /* a hole where the token lands (not a table this manager wrote) */
+        }
+    }
+    if (!keys_new_and_distinct(&x.t, hashes, num_fill))
+        goto fallback; /* a repeated or indexed hash: the one-by-one path merges it */
+    index_obj = PyBytes_FromStringAndSize(NULL, num_changed * (Py_ssize_t)sizeof(int32_t));
+    offsets_obj = PyBytes_FromStringAndSize(NULL, (num_changed + 1) * (Py_ssize_t)sizeof(int32_t));
+    cols_obj = PyBytes_FromStringAndSize(NULL, num_cols * (Py_ssize_t)sizeof(int32_t));
+    vals_obj = PyBytes_FromStringAndSize(NULL, R * num_cols * (Py_ssize_t)sizeof(int32_t));
+    widen = PyList_New(0);
+    givers = PyList_New(0);
+    removed = events ? PyList_New(0) : Py_NewRef(Py_None);
+    stored = events ? PyList_New(0) : Py_NewRef(Py_None);
+    if (!index_obj || !offsets_obj || !cols_obj || !vals_obj || !widen || !givers || !removed || !stored)
+        goto done;
+    int32_t *index_out = (int32_t *)PyBytes_AS_STRING(index_obj);
+    int32_t *offsets_out = (int32_t *)PyBytes_AS_STRING(offsets_obj);
+    int32_t *cols_out = (int32_t *)PyBytes_AS_STRING(cols_obj), *vals_out = (int32_t *)PyBytes_AS_STRING(vals_obj);
+    offsets_out[0] = 0;
+
+    /* Commit, request by request in batch order: what _extend does for each, in its order. */
+    Py_ssize_t gone = 0, added = 0, changed_at = 0, col_at = 0;
+    int64_t evicted_pairs = 0, given_pairs = 0;
+    for (Py_ssize_t i = 0, j = 0, f = 0, offset = 0; i < n; offset += count[i], i++) {
+        const Py_ssize_t s = slot[i];
+        if (j >= m || run[j].i != i) {
+            write_in_block(tl + s * bs, &nt[s], &ch[s], nt[s], count[i], tok + offset, bs);
+            continue;
+        }
+        rows_run_t *e = &run[j++];
+        const Py_ssize_t width = wd[s];
+        if (e->gives) { /* dead window blocks back, tail first, group by group; their columns emptied */
+            const int64_t *was = given_rec + (e->gives - 1) * W, *stop = given_stop + (e->gives - 1) * W;
+            PyObject *recycled = PyObject_GetAttr(e->req, recycled_name);
+            if (!recycled)
+                goto fail;
+            for (Py_ssize_t w = 0; w < W; w++) {
+                const int64_t *pol = windows + 4 * w, sink = (pol[3] + bs - 1) / bs, g = pol[0];
+                int32_t *row = e->table + g * e->capacity;
+                for (int64_t c = stop[w] - 1; c >= (was[w] > sink ? was[w] : sink); c--) {
+                    if (row[c] >= 0) {
+                        pool_release_one(&p, g, row[c]);
+                        given_pairs += group_size[g];
+                    }
+                }
+                for (int64_t c = was[w]; c < stop[w]; c++) {
+                    row[c] = -1;
+                    if (e->heads)
+                        for (Py_ssize_t r = 0; r < R; r++)
+                            if (row_group[r] == g)
+                                e->heads[r * e->capacity + c] = -1;
+                }
+                if (stop[w] > was[w]) {
+                    PyObject *now = PyLong_FromLongLong(stop[w]);
+                    if (!now || PyList_SetItem(recycled, w, now) < 0) {
+                        Py_DECREF(recycled);
+                        goto fail;
+                    }
+                }
+            }
+            int64_t next = INT64_MAX;
+            for (Py_ssize_t w = 0; w < W; w++) {
+                PyObject *item = PyList_GET_ITEM(recycled, w);
+                const int64_t at = group_recycle_at(windows + 4 * w, PyLong_AsLongLong(item), bs);
+                next = at < next ? at : next;
+            }
+            Py_DECREF(recycled);
+            rec[s] = next;
+            if (!e->opens && PyObject_SetAttr(e->req, view_name, Py_None) < 0)
+                goto fail;
+        }
+        if (e->opens) { /* a block in every group, evictions leaving the index group by group */
+            for (Py_ssize_t g = 0; g < G; g++) {
+                int32_t ev;
+                const Py_ssize_t took = pool_take(&p, g, 1, &fresh[g], &ev, 0);
+                if (took < 0) {
+                    if (took == -1) /* the room was checked: an owner bug */
+                        PyErr_Format(PyExc_AssertionError, "extend_rows: group %zd ran out of blocks", g);
+                    goto fail;
+                }
+                if (!took)
+                    continue;
+                evicted_pairs += group_size[g];
+                if (events && (entry = x.entry_at[g * x.num_blocks + ev]) >= 0) {
+                    PyObject *item = Py_BuildValue("nny#", i, g, (const char *)(x.hash_of + entry * KEY_BYTES),
+                                                   (Py_ssize_t)KEY_BYTES);
+                    if (!item || PyList_Append(removed, item) < 0) {
+                        Py_XDECREF(item);
+                        goto fail;
+                    }
+                    Py_DECREF(item);
+                }
+                gone += drop_evicted(&x, g, &ev, 1, b[31].buf, &num_spare, NULL);
+            }
+            if (width < e->capacity) {
+                for (Py_ssize_t g = 0; g < G; g++)
+                    e->table[g * e->capacity + width] = fresh[g];
+                if (e->heads)
+                    for (Py_ssize_t r = 0; r < R; r++)
+                        e->heads[r * e->capacity + width] = fresh[row_group[r]];
+            } else {
+                PyObject *item = Py_BuildValue("nny#", changed_at, (Py_ssize_t)width, (const char *)fresh,
+                                               G * (Py_ssize_t)sizeof(int32_t));
+                if (!item || PyList_Append(widen, item) < 0) {
+                    Py_XDECREF(item);
+                    goto fail;
+                }
+                Py_DECREF(item);
+            }
+            if (record_opened(e->req) < 0)
+                goto fail;
+            memcpy(lb + s * G, fresh, (size_t)G * sizeof(int32_t));
+            wd[s] = (int32_t)(width + 1);
+        }
+        write_run_token(tl + s * bs, &nt[s], &ch[s], e->t, tok[offset], bs, e->opens || e->gives);
+        if (e->fills) { /* its filled block, in every group, indexed and cached */
+            int32_t *blocks = filled + f * G;
+            if (blocks[0] < 0)
+                memcpy(blocks, fresh, (size_t)G * sizeof(int32_t));
+            int64_t entry_id;
+            const Py_ssize_t in = insert_and_cache(&x, &p, hashes + f * KEY_BYTES, 1, blocks, &entry_id, b[31].buf,
+                                                   &num_spare, &num_entries);
+            if (in < 0)
+                goto fail;
+            added += in;
+            memcpy(lh + s * KEY_BYTES, hashes + f * KEY_BYTES, KEY_BYTES);
+            if (events) {
+                PyObject *item = Py_BuildValue("nLy#y#y#", i, (long long)(e->t / bs),
+                                               (const char *)(hashes + f * KEY_BYTES), (Py_ssize_t)KEY_BYTES,
+                                               (const char *)(parents + f * KEY_BYTES), (Py_ssize_t)KEY_BYTES,
+                                               (const char *)(blocks_tok + f * bs), bs * (Py_ssize_t)sizeof(uint32_t));
+                if (!item || PyList_Append(stored, item) < 0) {
+                    Py_XDECREF(item);
+                    goto fail;
+                }
+                Py_DECREF(item);
+            }
+            f++;
+        }
+        lim[s] = refreshed_limit(nt[s], wd[s], bs, hashing >= 0);
+        if (!e->num_cols)
+            continue;
+        /* Its changed columns (given ones ascending, then the opened one) and their values in every row now. */
+        const Py_ssize_t first = col_at;
+        if (e->gives) {
+            const int64_t *was = given_rec + (e->gives - 1) * W, *stop = given_stop + (e->gives - 1) * W;
+            for (Py_ssize_t c = e->lo; c < e->hi; c++) {
+                for (Py_ssize_t w = 0; w < W; w++) {
+                    if (was[w] <= c && c < stop[w]) {
+                        cols_out[col_at++] = (int32_t)c;
+                        break;
+                    }
+                }
+            }
+        }
+        if (e->opens)
+            cols_out[col_at++] = (int32_t)width;
+        for (Py_ssize_t q = first; q < col_at; q++) {
+            const int opened = e->opens && q == col_at - 1;
+            for (Py_ssize_t r = 0; r < R; r++) {
+                const Py_ssize_t g = row_group[r];
+                vals_out[r * num_cols + q] = opened ? fresh[g] : e->table[g * e->capacity + cols_out[q]];
+            }
+        }
+        if (e->gives) { /* given columns in one span and nothing opened: a range; else the caller's slice */
+            if (!e->opens && col_at - first == e->hi - e->lo) {
+                PyObject *span = PyObject_CallFunction((PyObject *)&PyRange_Type, "nn", e->lo, e->hi);
+                const int failed = !span || PyObject_SetAttr(e->req, changed_name, span) < 0;
+                Py_XDECREF(span);
+                if (failed)
+                    goto fail;
+            } else if (append_position(givers, changed_at) < 0) {
+                goto fail;
+            }
+        }
+        index_out[changed_at] = (int32_t)i;
+        offsets_out[++changed_at] = (int32_t)col_at;
+    }
+    for (Py_ssize_t i = 0; i < n; i++)
+        lens[i] = wd[slot[i]];
+    counted[0] += evicted_pairs;
+    counted[1] += given_pairs;
+    result = Py_BuildValue("OOOOOOnnnnOO", index_obj, offsets_obj, cols_obj, vals_obj, widen, givers, num_spare,
+                           num_entries, gone, added, removed, stored);
+    goto done;
+fallback:
+    result = Py_NewRef(Py_None);
+    goto done;
+fail: /* only a failed allocation, attribute write or an owner bug gets here, after the checks */
+    Py_CLEAR(result);
+done:
+    Py_XDECREF(index_obj);
+    Py_XDECREF(offsets_obj);
+    Py_XDECREF(cols_obj);
+    Py_XDECREF(vals_obj);
+    Py_XDECREF(widen);
+    Py_XDECREF(givers);
+    Py_XDECREF(removed);
+    Py_XDECREF(stored);
+    PyMem_Free(slot);
+    PyMem_Free(fill);
+    PyMem_Free(run);
+    PyMem_Free(group_size);
+    PyMem_Free(given_rec);
+    PyMem_Free(given_stop);
+    PyMem_Free(wide);
+    PyMem_Free(filled);
+    PyMem_Free(fresh);
+    PyMem_Free(blocks_tok);
+    PyMem_Free(parents);
+    PyMem_Free(hashes);
+    release_buffers(b, NB);
+    PyBuffer_Release(&given);
+    return result;
+}
+
 PyDoc_STRVAR(admit_commit_doc,
 "admit_commit(ref, cached, stack, top, ring, lru_pos, head, tail_pos, lru_count,\n"
 "             slots, seed, hash_of, entry_blocks, entry_at, holders, spare, num_spare, num_entries,\n"
@@ -1689,6 +2331,7 @@ static PyMethodDef methods[] = {
     {"bounds", bounds, METH_O, bounds_doc},
     {"extend_decode", extend_decode, METH_VARARGS, extend_decode_doc},
     {"extend_fast", extend_fast, METH_VARARGS, extend_fast_doc},
+    {"extend_rows", extend_rows, METH_VARARGS, extend_rows_doc},
     {"join_runs", join_runs, METH_VARARGS, join_runs_doc},
     {"token_array", token_array, METH_O, token_array_doc},
     {"clear_columns", clear_columns, METH_VARARGS, clear_columns_doc},
@@ -1715,7 +2358,9 @@ PyMODINIT_FUNC PyInit__tables(void)
     if ((!num_blocks_name && !(num_blocks_name = PyUnicode_InternFromString("num_blocks")))
         || (!changed_name && !(changed_name = PyUnicode_InternFromString("changed")))
         || (!view_name && !(view_name = PyUnicode_InternFromString("view")))
-        || (!table_name && !(table_name = PyUnicode_InternFromString("table"))))
+        || (!table_name && !(table_name = PyUnicode_InternFromString("table")))
+        || (!heads_name && !(heads_name = PyUnicode_InternFromString("heads")))
+        || (!recycled_name && !(recycled_name = PyUnicode_InternFromString("recycled"))))
         return NULL;
     if (PyType_Ready(&RunCollectorType) < 0)
         return NULL;

@@ -17,7 +17,7 @@ from kvcache.allocator.errors import KVCacheError
 from kvcache.allocator.events import BlockRemoved, CacheEvent
 from kvcache.allocator.prefix import _PACKED, HASH_BYTES, as_token_array
 from kvcache.allocator.requests import _NO_COLUMNS, TableDeltas, _check_count, _Chunk, _columns, _put_column, _view
-from kvcache.allocator.swa import window_stop
+from kvcache.allocator.swa import Chunked, window_stop
 
 if TYPE_CHECKING:
     from kvcache.allocator.manager import Tokens
@@ -140,9 +140,10 @@ class DecodeBatch:
         return found if _tables.lookup_ids(self._slot_of, request_ids, found, exclude) < 0 else None
 
     def _decodes_in_one_pass(self) -> int | None:
-        """``_tables.extend_decode``'s hashing argument (-1 none, 0 sha256, 1 sha256_cbor) where it can take a batch
-        of extends: one group, no window or expanded rows, no tier, a native hasher; else None."""
-        if len(self._group_col) != 1 or self._window_groups or self._expand or self.tier is not None:
+        """The C decode passes' hashing argument (-1 none, 0 sha256, 1 sha256_cbor) where they can take a batch of
+        extends: no tier, a native hasher; else None. ``_tables.extend_decode`` takes a one-group manager without
+        window or expanded rows, ``_tables.extend_rows`` any other."""
+        if self.tier is not None:
             return None
         if self._hasher is None:
             return -1
@@ -150,8 +151,8 @@ class DecodeBatch:
 
     def _extend_decode(self, request_ids: Sequence[object], tokens: Tokens, counts: Sequence[int] | np.ndarray,
                        slots: np.ndarray | None = None, lookahead: int = 0) -> TableDeltas | None:
-        """``extend_many_deltas`` in one C pass (a decode step on a one-row manager), or None, changing nothing,
-        where ``_tables.extend_decode`` leaves the batch to the general path (which also names any bad input)."""
+        """``extend_many_deltas`` in one C pass (a decode step), or None, changing nothing, where the pass leaves
+        the batch to the general path (which also names any bad input)."""
         hashing = self._decodes_in_one_pass()
         if hashing is None or type(request_ids) is not list:
             return None
@@ -166,6 +167,8 @@ class DecodeBatch:
         if counts.size != len(request_ids):
             return None
         flat = as_token_array(tokens)
+        if len(self._group_col) != 1 or self._window_groups or self._expand:
+            return self._extend_rows(request_ids, flat, counts, slots, hashing, lookahead)
         n = counts.size
         pool, prefix = self._pool, self._index
         prefix.reserve(n, n)
@@ -189,6 +192,70 @@ class DecodeBatch:
         for q in widen:
             _put_column(self._by_slot[self._slot_of[request_ids[index[q]]]], int(cols[q]), vals[:, q])
         return TableDeltas(lens, index, np.arange(index.size + 1, dtype=np.int32), cols, vals)
+
+    def _extend_rows(self, request_ids: list[object], flat: np.ndarray, counts: np.ndarray, slots: np.ndarray | None,
+                     hashing: int, lookahead: int) -> TableDeltas | None:
+        """``_extend_decode`` of a manager with several row groups, expanded rows or window groups, in one C pass
+        (``_tables.extend_rows``: request by request, as ``_extend`` one at a time), or None, changing nothing."""
+        n = counts.size
+        groups = len(self._group_col)
+        pool, prefix = self._pool, self._index
+        prefix.reserve(n, n * groups)
+        lens = np.empty(n, dtype=np.int32)
+        counted = np.zeros(2, dtype=np.int64)  # (row, block) pairs evicted, and given back by windows
+        done = _tables.extend_rows(self._slot_of if slots is None else slots, request_ids, flat, counts,
+                                   self._by_slot, hashing, lookahead, self.enable_events, self._ntok,
+                                   self._fast_limit, self._next_recycle, self._tail, self._changed_ok, self._stamp,
+                                   self._keyed, self._salted, self._last_hash, self._last_block, self._width, lens,
+                                   self._row_group, self._windows_table(), counted,
+                                   *pool._c_arrays(), *prefix._c_arrays(), prefix._num_entries)
+        if done is None:
+            return None
+        index, offsets, cols, vals, widen, givers, prefix._num_spare, prefix._num_entries, gone, added = done[:10]
+        prefix._count += added - gone
+        evicted, recycled = counted.tolist()
+        self._evicted += evicted
+        self._recycled += recycled
+        index = np.frombuffer(index, dtype=np.int32)
+        offsets = np.frombuffer(offsets, dtype=np.int32)
+        cols = np.frombuffer(cols, dtype=np.int32)
+        vals = np.frombuffer(vals, dtype=np.int32).reshape(self.num_rows, -1)
+        reqs = self._requests
+        for k, col, blocks in widen:  # an opened column past its table's capacity: widen, then write it
+            req = reqs[request_ids[index[k]]]
+            column = np.frombuffer(blocks, dtype=np.int32)
+            _put_column(req, col, column)
+            if req.heads is not None:
+                req.heads[:, col] = column[self._row_group]
+        for k in givers:  # given columns and an opened one, or given ones with a gap: as extend records them
+            reqs[request_ids[index[k]]].changed = cols[offsets[k]:offsets[k + 1]]
+        if self.enable_events:
+            self._rows_events(*done[10:])
+        return TableDeltas(lens, index, offsets, cols, vals)
+
+    def _windows_table(self) -> np.ndarray:
+        """``_tables.extend_rows``' windows argument: per window or chunked group (group, chunk_tokens or 0,
+        window_tokens or 0, sink_tokens), int64 ``[w, 4]``; built once per manager."""
+        table = self.__dict__.get("_windows")
+        if table is None:
+            rows = [(int(group[0]), policy.chunk_tokens, 0, 0) if isinstance(policy, Chunked)
+                    else (int(group[0]), 0, policy.window_tokens, policy.sink_tokens)
+                    for policy, group in self._window_groups]
+            table = self._windows = np.array(rows, dtype=np.int64).reshape(-1, 4)
+        return table
+
+    def _rows_events(self, removed: list[tuple[int, int, bytes]],
+                     stored: list[tuple[int, int, bytes, bytes, bytes]]) -> None:
+        """``_tables.extend_rows``' KV events in the one-by-one order: request by request, its evictions (group by
+        group, one BlockRemoved each) before its filled block's stores (one BlockStored per group)."""
+        tagged: list[tuple[int, int, CacheEvent]] = [(position, 0, BlockRemoved((digest,), group=group))
+                                                     for position, group, digest in removed]
+        for position, block, digest, parent, tokens in stored:  # no extra keys here: keyed requests are declined
+            filled = np.frombuffer(tokens, dtype=np.uint32)
+            tagged += [(position, 1, self._stored(g, digest, parent if block else None, filled, None, (None,)))
+                       for g in range(len(self._group_col))]
+        tagged.sort(key=lambda item: item[:2])
+        self._events += [event for _, _, event in tagged]
 
     def _decode_events(self, opened: np.ndarray, evicted: int, removed: bytes,
                        stored: list[tuple[int, int, bytes, bytes, bytes]]) -> None:
