@@ -24,7 +24,6 @@ import collections
 import dataclasses
 import errno
 import heapq
-import itertools
 import logging
 import os
 import socket
@@ -49,6 +48,7 @@ from kvcache.allocator.rows import Row
 from kvcache.allocator.swa import Chunked, Full, Window
 from kvcache.auth import HANDSHAKE_FAILURES, CurveConfig, start_authenticator
 from kvcache.config import LOCAL_OFF, ServeConfig, describe_rows
+from kvcache.deltas import Changes, DeltaStream
 from kvcache.host_tier import TIER_OPS, DaemonTier, TierJob
 from kvcache.journal import Journal, JournalFull, Recovered
 from kvcache.keys import RELOAD_STATUS, write_reload_status
@@ -83,7 +83,6 @@ from kvcache.protocol import (
     error_reply,
     header,
     pack,
-    pack_delta,
     resend_reply,
     seq_frame,
     show,
@@ -160,50 +159,6 @@ class _Op:
     pd: dict[str, Any] | None = None  # PD fields: reserve's timeout, a prefill admit's dest, a PD op's own
     slots: np.ndarray | None = None  # extend_many: the requests' rows in the manager's arrays, when all were found
     ahead: int = 0  # extend, extend_many: positions the table covers past the tokens (num_lookahead_tokens)
-
-
-class _Changes:
-    """One delta's table changes in op order, gathered in pieces and joined once into the wire's compressed rows."""
-
-    def __init__(self) -> None:
-        self.reqs: list[Any] = []
-        self.slots: list[int] = []
-        self.lens: list[int] = []
-        self.sizes: list[int] = []  # columns per change
-        self.cols: list[np.ndarray] = []  # pieces: one per admit or extend, one per extend_many
-        self.vals: list[np.ndarray] = []
-        self.touched: set[Any] = set()  # requests with a change here: freeing one starts a new delta
-
-    def __len__(self) -> int:
-        return len(self.reqs)
-
-    def add(self, req: Any, slot: int, length: int, cols: np.ndarray, vals: np.ndarray) -> None:
-        """One request's change: ``cols`` of its table, now ``length`` wide, set to ``vals`` (a copy, not a view)."""
-        self.add_many([req], [slot], [length], [cols.size], cols, vals)
-
-    def add_many(self, reqs: list[Any], slots: list[int], lens: list[int], sizes: list[int], cols: np.ndarray,
-                 vals: np.ndarray) -> None:
-        """Changes of several requests whose columns lie back to back in ``cols`` and ``vals``."""
-        self.reqs += reqs
-        self.slots += slots
-        self.lens += lens
-        self.sizes += sizes
-        self.cols.append(cols)
-        self.vals.append(vals)
-        self.touched.update(reqs)
-
-    def wire(self, rows: int) -> dict[str, Any]:
-        """The protocol's ``changes`` block: per-change lists and arrays, columns and values concatenated."""
-        offsets = np.fromiter(itertools.accumulate(self.sizes, initial=0), dtype=np.int32, count=len(self.sizes) + 1)
-        if len(self.cols) == 1:
-            cols, vals = self.cols[0], self.vals[0]
-        elif self.cols:
-            cols, vals = np.concatenate(self.cols), np.concatenate(self.vals, axis=1)
-        else:
-            cols, vals = np.empty(0, dtype=np.int32), np.empty((rows, 0), dtype=np.int32)
-        return {"reqs": self.reqs, "slots": np.array(self.slots, dtype=np.int32),
-                "lens": np.array(self.lens, dtype=np.int32), "offsets": offsets,
-                "cols": cols.astype(np.int32, copy=False), "vals": vals.astype(np.int32, copy=False)}
 
 
 class _RetryCache:
@@ -343,13 +298,8 @@ class CacheServer:
         self._sockets: list[zmq.Socket] = []
         self._retries = _RetryCache(self.config.dedupe_window, self.config.dedupe_bytes)
         self._slots = _Slots(self.config.max_slots)
-        self._seq = -1
-        # A new epoch per daemon incarnation: workers that see it change drop their tables and resync.
-        self.epoch = int.from_bytes(os.urandom(8), "big") >> 1
+        self._deltas = DeltaStream(self.config.replay_buffer, self.config.replay_bytes)
         self._last_publish = 0.0
-        # Deltas numbered but not yet encoded or sent (not yet durable, or not yet answered): seq, changes, freed,
-        # reset, host-tier orders
-        self._staged: list[tuple[int, _Changes, list[Any], bool, list[dict[str, Any]]]] = []
         self._staged_events: list[Any] = []
         self._journal: Journal | None = None
         self._leases = Leases(self.config.lease_timeout)
@@ -360,12 +310,9 @@ class CacheServer:
         self._tier_deadlines: dict[int, float] = {}  # host-tier copies in flight: when each counts as failed
         self._next_tier_check = 0.0
         self._expired = 0
-        self._history: collections.deque[tuple[int, bytearray]] = collections.deque()  # for replay, oldest first
-        self._history_bytes = 0
         self._next_snapshot = 0.0  # time.monotonic() before which a snapshot that found the disk full is not retried
         self._metrics: Any = None
         self._observed: list[tuple[list[_Op], float]] = []  # answered messages whose metrics are not yet counted
-        self._delta_totals = [0, 0, 0]  # deltas, changes and payload bytes published since then
         self._next_observe = 0.0
         self._events: Any = None
         self._subscribers: Any = None
@@ -407,7 +354,20 @@ class CacheServer:
         except BaseException:
             self.close()
             raise
-        self._topic = DELTA_TOPIC + self.epoch.to_bytes(8, "big")
+        self._topic = DELTA_TOPIC + self._deltas.epoch.to_bytes(8, "big")
+
+    @property
+    def epoch(self) -> int:
+        """This daemon's epoch: random per incarnation, kept by its journal (workers resync when it changes)."""
+        return self._deltas.epoch
+
+    @property
+    def _seq(self) -> int:
+        return self._deltas.seq
+
+    @property
+    def _history(self) -> Any:
+        return self._deltas.history
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -488,7 +448,7 @@ class CacheServer:
             log.warning("journal %s: cut a torn tail of %d bytes after offset %d (a commit that was never "
                         "acknowledged)", self.config.journal, recovered.truncated_bytes, recovered.records_end)
         log.info("journal %s: recovered %d requests at seq %d (%d messages replayed)", self.config.journal,
-                 len(self.manager), self._seq, len(recovered.records))
+                 len(self.manager), self._deltas.seq, len(recovered.records))
 
     def restore_journal(self, recovered: Recovered) -> dict[str, Any]:
         """Take a journal's snapshot and replay its records as a restart does, checking that the state is whole
@@ -541,7 +501,7 @@ class CacheServer:
         self.manager = state["manager"]
         if isinstance(self.manager.tier, DaemonTier):
             self.manager.tier.bind(self.manager)
-        self._slots, self._seq, self.epoch = state["slots"], state["seq"], state["epoch"]
+        self._slots, self._deltas.seq, self._deltas.epoch = state["slots"], state["seq"], state["epoch"]
         self._retries, self._leases, self._pd = state["retries"], state["leases"], state["pd"]
         self._leases.timeout = self.config.lease_timeout
         self._check_recovered("in its snapshot")  # before any record runs over it
@@ -555,7 +515,7 @@ class CacheServer:
                                        f"({reply.get('error')}); the journal does not fit this version of kvcache")
         finally:
             self.config = configured
-        self._encode_staged()  # kept for replay (workers may still ask for them), never sent live
+        self._deltas.encode_staged(self.manager.num_rows)  # kept for replay (workers may still ask for them), never sent live
         self._staged_events.clear()
         self.manager.take_events()
         self._pd.forget_timing()
@@ -591,7 +551,8 @@ class CacheServer:
 
     def _state(self) -> list[bytes | memoryview]:
         """Everything a restart needs, for a journal snapshot (as pieces to write in turn)."""
-        return dump_state({"manager": self.manager, "slots": self._slots, "seq": self._seq, "epoch": self.epoch,
+        return dump_state({"manager": self.manager, "slots": self._slots, "seq": self._deltas.seq,
+                           "epoch": self._deltas.epoch,
                            "retries": self._retries, "leases": self._leases, "pd": self._pd,
                            "settings": {name: getattr(self.config, name) for name in _JOURNALED_SETTINGS}})
 
@@ -769,11 +730,11 @@ class CacheServer:
         """Tell workers the latest seq (empty payload): they catch a lost last delta or a new epoch."""
         self._last_publish = time.monotonic()
         try:
-            self.pub.send_multipart([self._topic, seq_frame(self._seq), b""], zmq.NOBLOCK)
+            self.pub.send_multipart([self._topic, seq_frame(self._deltas.seq), b""], zmq.NOBLOCK)
         except zmq.Again:
             pass
         if self._local_subscribers:
-            self._fan_out(self._topic + seq_frame(self._seq), b"")
+            self._fan_out(self._topic + seq_frame(self._deltas.seq), b"")
 
     # ------------------------------------------------------------------ scheduler steps
 
@@ -851,7 +812,7 @@ class CacheServer:
             return
         elif address in self._local_subscribers or len(self._local_subscribers) < MAX_LOCAL_SUBSCRIBERS:
             self._local_subscribers[address] = None
-            self._fan_out(self._topic + seq_frame(self._seq), b"", [address])
+            self._fan_out(self._topic + seq_frame(self._deltas.seq), b"", [address])
         else:
             log.warning("local endpoint: %d workers already take deltas; refused one more", MAX_LOCAL_SUBSCRIBERS)
         self._set_subscriber_gauge()
@@ -946,7 +907,7 @@ class CacheServer:
 
     def _publish_staged(self) -> None:
         """Publish the staged deltas (durable by now) and events; then maybe compact the journal."""
-        for seq, payload in self._encode_staged():
+        for seq, payload in self._deltas.encode_staged(self.manager.num_rows):
             self._send_delta(seq, payload)
         if self._events is not None and self._staged_events:
             self._events.publish(self._staged_events)
@@ -1024,9 +985,10 @@ class CacheServer:
                 self._count_error("journal")
                 return error_reply(request_id, str(exc))
         results, deltas = self._apply(ops, client)
+        stream = self._deltas
         for changes, freed, reset, orders in deltas:
-            self._stage(changes, freed, reset, orders)
-        reply = pack({"v": PROTOCOL_VERSION, "id": request_id, "ok": True, "epoch": self.epoch, "seq": self._seq,
+            stream.stage(changes, freed, reset, orders)
+        reply = pack({"v": PROTOCOL_VERSION, "id": request_id, "ok": True, "epoch": stream.epoch, "seq": stream.seq,
                       "results": results})
         if len(reply) > self.config.max_reply_bytes:
             log.warning("a reply of %d bytes passed --max-reply-bytes (%d), above its bound of %d bytes",
@@ -1101,7 +1063,7 @@ class CacheServer:
         observe, and in one go, so a busy daemon pays once per interval for the manager's totals and the
         Prometheus calls, not per message. The serve loop calls it at least every ``poll_ms``, so an idle
         daemon's metrics catch up."""
-        if self._metrics is None or not (force or self._observed or self._delta_totals[0]):
+        if self._metrics is None or not (force or self._observed or self._deltas.totals[0]):
             return
         now = time.monotonic()
         if not force and now < self._next_observe:
@@ -1110,10 +1072,10 @@ class CacheServer:
         kinds = collections.Counter(op.kind for ops, _ in self._observed for op in ops)
         self._metrics.observe_steps(kinds, [seconds for _, seconds in self._observed])
         self._observed.clear()
-        deltas, changes, payload_bytes = self._delta_totals
-        if deltas:
-            self._metrics.observe_deltas(deltas, changes, payload_bytes)
-            self._delta_totals = [0, 0, 0]
+        totals = self._deltas.totals
+        if totals[0]:
+            self._metrics.observe_deltas(*totals)
+            totals[:] = [0, 0, 0]
         self._metrics.update(self.manager)  # gauges too: this runs at most once an interval already
         if self._pd.role != "both":
             self._metrics.update_pd(self._pd)
@@ -1405,7 +1367,7 @@ class CacheServer:
                 known += sum(int(c) for r, c in zip(op.reqs, op.counts.tolist()) if r == req)
         return known
 
-    def _apply(self, ops: list[_Op], client: str) -> tuple[list[Any], list[tuple[_Changes, list[Any], bool, list]]]:
+    def _apply(self, ops: list[_Op], client: str) -> tuple[list[Any], list[tuple[Changes, list[Any], bool, list]]]:
         """Run validated ops in order; an op that still fails gets an error result, the rest go on.
 
         Returns the results and the deltas to publish. A delta lists its frees
@@ -1413,16 +1375,16 @@ class CacheServer:
         delta starts a new one (admit-then-free keeps its order for workers).
         """
         results: list[Any] = []
-        changes = _Changes()
+        changes = Changes()
         freed: list[Any] = []
         reset = False
-        deltas: list[tuple[_Changes, list[Any], bool]] = []
+        deltas: list[tuple[Changes, list[Any], bool]] = []
         m = self.manager
         tier = self.tier
         for op in ops:
             if op.kind == "free" and op.req in changes.touched:
                 deltas.append((changes, freed, reset, []))
-                changes, freed, reset = _Changes(), [], False
+                changes, freed, reset = Changes(), [], False
             try:
                 if op.kind in ("admit", "reserve"):
                     if not self._slots.available(op.slot):
@@ -1515,7 +1477,7 @@ class CacheServer:
                     for req, discard_from in ends:
                         if req in changes.touched:
                             deltas.append((changes, freed, reset, []))
-                            changes, freed, reset = _Changes(), [], False
+                            changes, freed, reset = Changes(), [], False
                         if discard_from is None:
                             m.free(req)
                         else:
@@ -1578,7 +1540,7 @@ class CacheServer:
                 plan["src_table"] = self.manager.table(plan["req"]).copy()
         return plans
 
-    def _extend_many(self, op: _Op, changes: _Changes) -> dict[str, Any]:
+    def _extend_many(self, op: _Op, changes: Changes) -> dict[str, Any]:
         """Apply a batch of extends; the result lists every table's length and the changed ones' deltas.
 
         Only changed requests get per-request work (a decode step: one in
@@ -1594,43 +1556,6 @@ class CacheServer:
             changes.add_many(reqs, [slot_of[r] for r in reqs], d.lens[d.index].tolist(),
                              (d.offsets[1:] - d.offsets[:-1]).tolist(), d.cols, d.vals)
         return {"lens": d.lens, "changed": {"index": d.index, "offsets": d.offsets, "cols": d.cols, "vals": d.vals}}
-
-    def _stage(self, changes: _Changes, freed: list[Any], reset: bool, orders: list[dict[str, Any]]) -> None:
-        """Number a delta; it is encoded, kept for replay and sent once its message is durable and answered.
-
-        Its arrays are copies that nothing changes later (the reply shares them), so encoding it after
-        the turn's other messages were applied gives the same bytes.
-        """
-        self._seq += 1
-        self._staged.append((self._seq, changes, freed, reset, orders))
-
-    def _encode_staged(self) -> list[tuple[int, bytearray]]:
-        """The staged deltas encoded (with ``"t"`` now) and kept for replay, in seq order; empties the stage."""
-        encoded = []
-        for seq, changes, freed, reset, orders in self._staged:
-            delta = {"v": PROTOCOL_VERSION, "epoch": self.epoch, "seq": seq,
-                     "changes": changes.wire(self.manager.num_rows), "freed": freed, "reset": reset}
-            if orders:
-                delta["tier"] = orders
-            payload = pack_delta(delta, time.monotonic_ns())
-            self._remember(seq, payload)
-            encoded.append((seq, payload))
-            totals = self._delta_totals  # counted in the metrics by _observe
-            totals[0] += 1
-            totals[1] += len(changes)
-            totals[2] += len(payload)
-        self._staged.clear()
-        return encoded
-
-    def _remember(self, seq: int, payload: bytearray) -> None:
-        """Keep a delta for replay, dropping the oldest past ``replay_buffer`` deltas or ``replay_bytes`` (the newest
-        always stays)."""
-        history = self._history
-        history.append((seq, payload))
-        self._history_bytes += len(payload)
-        while len(history) > 1 and (len(history) > self.config.replay_buffer
-                                    or self._history_bytes > self.config.replay_bytes):
-            self._history_bytes -= len(history.popleft()[1])
 
     def _send_delta(self, seq: int, payload: bytearray) -> None:
         """Publish a staged delta, stamping its "t" now: the lag workers measure starts at the send."""
@@ -1667,20 +1592,17 @@ class CacheServer:
             except ProtocolError as exc:
                 self.replay.send_multipart([*envelope, b"E", str(exc).encode()])
                 continue
-            oldest = self._history[0][0] if self._history else self._seq + 1
-            if start > self._seq:
-                self.replay.send_multipart([*envelope, b"D"])
-            elif start >= oldest:
-                skip = start - oldest
-                self.replay.send_multipart([*envelope, b"D", *(p for _, p in list(self._history)[skip:])],
-                                           copy=False)  # the frames share the history's bytes
-            else:
+            payloads = self._deltas.since(start)
+            if payloads is None:
                 self.replay.send_multipart([*envelope, b"S", self.snapshot()])
+            else:  # the frames share the history's bytes
+                self.replay.send_multipart([*envelope, b"D", *payloads], copy=False)
 
     def snapshot(self) -> bytes:
         """Every live table with its slot, at the current seq (for workers that fell too far behind)."""
         tables = [{"req": req, "slot": slot, "table": self.manager.table(req)} for req, slot in self._slots.of.items()]
-        return pack({"v": PROTOCOL_VERSION, "epoch": self.epoch, "seq": self._seq, "tables": tables})
+        return pack({"v": PROTOCOL_VERSION, "epoch": self._deltas.epoch, "seq": self._deltas.seq,
+                     "tables": tables})
 
     # ------------------------------------------------------------------ introspection
 
@@ -1689,7 +1611,7 @@ class CacheServer:
         return {
             "version": __version__,
             "protocol": PROTOCOL_VERSION,
-            "epoch": self.epoch,
+            "epoch": self._deltas.epoch,
             "num_blocks": self.manager.num_blocks,
             "block_size": self.manager.block_size,
             "num_rows": self.manager.num_rows,
@@ -1711,7 +1633,7 @@ class CacheServer:
 
     def stats(self) -> dict[str, Any]:
         out = dict(self.manager.stats()._asdict())
-        out["seq"] = self._seq
+        out["seq"] = self._deltas.seq
         out["free_blocks"] = self.manager.num_free_blocks
         out["subscribers"] = self._subscribers.count if self._subscribers is not None else None
         out["local_subscribers"] = len(self._local_subscribers)
