@@ -5,6 +5,7 @@ import ctypes
 import json
 import hashlib
 import logging
+import time
 from typing import Any
 
 import msgpack
@@ -807,6 +808,95 @@ def test_a_journal_snapshot_holds_the_manager_without_its_tier(tiers) -> None:
     copy = STATE_CODEC.loads(STATE_CODEC.dumps(tier.manager))
     assert copy.tier is None and tier.manager.tier is tier.tm
     assert copy.table("a").tolist() == tier.manager.table("a").tolist()
+
+
+# --------------------------------------------------------------------------- copies started by a submit thread
+
+
+def test_free_and_admit_only_record_their_copies_the_submit_thread_starts_them(tiers) -> None:
+    """With the submit thread held up, free() and admit() still return at once, their copies PENDING and unstarted;
+    once it runs on, they land byte for byte and the load's blocks come back."""
+    import threading
+
+    from kvcache.transfer.copies import Copy
+
+    spec = make_spec()
+    tier = tiers(spec, num_blocks=8, host_blocks=8)
+    gate = threading.Event()
+    held = Copy(1, time.monotonic() + 30)
+    tier.tm._submitter.put(held, lambda left: (gate.wait(left), [])[1] or [_done()])  # blocks the thread
+    prompt = list(range(1, 10))
+    tier.admit("a", prompt)
+    tier.manager.free("a")  # its two full blocks go to host: an offload is recorded
+    stats = tier.tm.stats()
+    assert stats.pending_offloads == 1 and stats.offloaded_blocks == 0
+    offload = next(iter(tier.tm._offloads.values())).copy
+    assert offload.status() is TransferStatus.PENDING and offload._handles is None, "nothing started yet"
+    gate.set()
+    assert tier.tm.drain(10) and tier.tm.stats().offloaded_blocks == 2
+    fill_gpu(tier, 2)
+    gate.clear()
+    tier.tm._submitter.put(Copy(1, time.monotonic() + 30), lambda left: (gate.wait(left), [])[1] or [_done()])
+    admission = tier.manager.admit("b", prompt)
+    assert admission.num_cached_tokens == 8 and admission.num_host_tokens == 8
+    load = tier.tm.load("b")
+    assert load.status() is TransferStatus.PENDING and load.wait(0, timeout=0.05) is TransferStatus.PENDING
+    gate.set()
+    tier.check_cached(prompt, admission.table, 2, "b")  # waits for the load, then reads its blocks
+    tier.check_host()
+
+
+def _done() -> Any:
+    from kvcache.transfer.engines import _Finished
+
+    return _Finished(CopyRanges.concat([]), time.monotonic() + 1, TransferStatus.DONE)
+
+
+def test_a_copy_unstarted_at_its_deadline_times_out_and_never_starts() -> None:
+    from kvcache.transfer.copies import Copy
+
+    copy = Copy(2, time.monotonic() + 0.05)
+    assert copy.status() is TransferStatus.PENDING and copy.wait(0, timeout=0.001) is TransferStatus.PENDING
+    assert copy.wait(1) is TransferStatus.TIMEOUT  # bounded by the deadline
+    started = []
+    copy.start(lambda left: started.append(left) or [_done(), _done()])
+    assert started == [] and copy.status() is TransferStatus.TIMEOUT and copy.ended()
+    assert "not started by its deadline" in copy.error
+
+
+def test_a_copy_whose_start_raises_fails_every_layer_and_the_thread_goes_on(caplog) -> None:
+    from kvcache.transfer.copies import Copy, Submitter
+
+    submitter = Submitter("test-submit")
+    try:
+        bad, good = Copy(2, time.monotonic() + 10), Copy(2, time.monotonic() + 10)
+
+        def refuse(left: float) -> list:
+            raise KVCacheError("src_blocks: 99 is not a block id")
+
+        with caplog.at_level(logging.ERROR, "kvcache.transfer.copies"):
+            submitter.put(bad, refuse)
+            submitter.put(good, lambda left: [_done(), _done()])
+            assert good.wait(timeout=5) is TransferStatus.DONE
+        assert bad.wait(1) is TransferStatus.FAILED and bad.ended() and "99 is not a block id" in bad.error
+        assert "could not start" in caplog.text
+    finally:
+        submitter.close(5)
+
+
+def test_copies_start_in_the_order_they_were_put() -> None:
+    from kvcache.transfer.copies import Copy, Submitter
+
+    submitter = Submitter("test-submit")
+    order: list[int] = []
+    try:
+        copies = [Copy(1, time.monotonic() + 10) for _ in range(20)]
+        for i, copy in enumerate(copies):
+            submitter.put(copy, lambda left, i=i: order.append(i) or [_done()])
+        assert all(c.wait(timeout=5) is TransferStatus.DONE for c in copies)
+        assert order == list(range(20))
+    finally:
+        submitter.close(5)
 
 
 # --------------------------------------------------------------------------- staged copies (their plan, on the CPU)
