@@ -54,7 +54,10 @@ class TierAgent:
     ``region`` is this rank's cache (its kv heads, every layer), as for
     ``TransferManager``. The agent hooks ``subscriber`` (``on_delta``): call
     ``subscriber.wait_for``/``poll`` as usual and the copies ordered in those
-    deltas start. ``timeout`` bounds each copy (default 30 s).
+    deltas start: the agent records them, and a submit thread of its own works
+    out their ranges and launches them in order. ``timeout`` bounds each copy
+    (default 30 s). ``cuda_method``: as ``HostTierConfig.cuda_method``
+    (``auto`` stages copies through 68 MiB of GPU slots where CuPy is present).
 
     ``host_file`` (e.g. ``/dev/shm/kvcache-host-rank0``) keeps the host blocks in
     a shared file instead of this process's memory: a worker restarted with the

@@ -81,7 +81,8 @@ class HostTierConfig:
     when the GPU cache is on a CUDA device, so copies run at full PCIe speed.
     ``cuda_method`` is one of ``TIER_CUDA_METHODS``: ``staged`` (what ``auto``
     takes where CuPy is present) gathers on the GPU and moves each piece in
-    one DMA (``kvcache.transfer.staged``); the others are ``LocalEngine``'s.
+    one DMA (``kvcache.transfer.staged``; 68 MiB of GPU memory for each
+    direction's slots); the others are ``LocalEngine``'s.
     """
 
     host_bytes: int | None = None
