@@ -967,3 +967,18 @@ def test_a_staged_plan_moves_every_byte_where_the_direct_copy_would(data) -> Non
     ranges_layer = np.repeat(np.arange(layers), per_layer)
     moved = np.bincount(layer_of_piece[plan.piece], weights=plan.length, minlength=layers)
     assert np.array_equal(moved, np.bincount(ranges_layer, weights=lengths, minlength=layers)), "a piece left its layer"
+
+
+def test_staging_suits_copies_whose_host_side_comes_in_long_runs() -> None:
+    """One run of 32 KiB blocks is staged; scattered 32 KiB host blocks go through the copy kernel directly."""
+    from kvcache.transfer.staged import StagedCopier
+
+    n, unit = 64, 32 << 10
+    scattered = np.random.default_rng(0).permutation(4 * n)[:n].astype(np.int64) * unit
+    gpu = np.arange(n, dtype=np.int64)[::-1] * unit + (1 << 40)
+    length = np.full(n, unit, dtype=np.int64)
+    run = np.arange(n, dtype=np.int64) * unit
+    assert StagedCopier.suits(CopyRanges(gpu, run, length), to_host=True)
+    assert StagedCopier.suits(CopyRanges(run, gpu, length), to_host=False)
+    assert not StagedCopier.suits(CopyRanges(gpu, scattered, length), to_host=True)
+    assert not StagedCopier.suits(CopyRanges(scattered, gpu, length), to_host=False)

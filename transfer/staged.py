@@ -75,8 +75,9 @@ class StagedCopier:
         """Whether a copy whose first ranges are ``ranges`` moves long runs of host memory (else the kernel wins)."""
         if ranges.num_ranges == 0:
             return True
-        host = np.sort(ranges.dst if to_host else ranges.src)
-        length = (ranges.length[np.argsort(ranges.dst if to_host else ranges.src, kind="stable")])
+        host = ranges.dst if to_host else ranges.src
+        order = np.argsort(host, kind="stable")
+        host, length = host[order], ranges.length[order]
         runs = 1 + int(np.count_nonzero(host[1:] != host[:-1] + length[:-1]))
         return int(ranges.length.sum()) // runs >= MIN_RUN_BYTES
 
