@@ -25,7 +25,7 @@ Threads: every method belongs to the manager's owner thread except
 ``Load.wait``/``Load.status``, which a worker thread may call. The owner's
 calls only decide and record copies (``Copy``); a submit thread of the tier's
 works out their byte ranges and launches them, in the order they were decided,
-so ``free`` and ``admit`` return in microseconds and the copies run back to back.
+so ``free`` and ``admit`` do neither.
 """
 from __future__ import annotations
 
