@@ -313,9 +313,10 @@ PyDoc_STRVAR(mirror_step_doc,
 "(int32 [n]); changed request index[k] (int32 [m]) gained columns cols[offsets[k]:offsets[k + 1]] (int32\n"
 "[m + 1] and [total]) holding vals (int32 C-contiguous [rows, total]). views maps a request to its read-only\n"
 "table view, buffers to its (writable int32 [rows, capacity] buffer, read-only alias). Applies the reply and\n"
-"returns every request's view, in order, when it has the usual shape: each change one new last column of a\n"
-"distinct request whose buffer has room, every request mirrored, none refused (lens >= 0). Otherwise returns\n"
-"None and changes nothing (the caller's general path handles it).");
+"returns every request's view, in order, when it has the usual shape: each change is to a distinct request,\n"
+"neither narrower than its view (no shrink) nor wider than its buffer, and sets columns inside its new width\n"
+"(a new last column, or window columns given back, or both); every request mirrored, none refused\n"
+"(lens >= 0). Otherwise returns None and changes nothing (the caller's general path handles it).");
 
 static int32_t load_i32(const char *base, Py_ssize_t i)
 {
@@ -355,20 +356,22 @@ static PyObject *mirror_step(PyObject *self, PyObject *args)
         return NULL;
     PyObject *out = NULL, *seen = NULL, *all_cols = NULL;
     int32_t **data = NULL;
-    Py_ssize_t *capacity = NULL;
+    Py_ssize_t *capacity = NULL, *old = NULL;
     const Py_ssize_t n = PyList_GET_SIZE(reqs), m = index.len / (Py_ssize_t)sizeof(int32_t);
-    const Py_ssize_t rows = m ? vals.len / (Py_ssize_t)sizeof(int32_t) / m : 0;
+    const Py_ssize_t total = cols.len / (Py_ssize_t)sizeof(int32_t);
+    const Py_ssize_t rows = total ? vals.len / (Py_ssize_t)sizeof(int32_t) / total : 0;
     const char *len_of = lens.buf, *idx = index.buf, *off = offsets.buf, *col = cols.buf;
     int usual = lens.len == n * (Py_ssize_t)sizeof(int32_t) && index.len % sizeof(int32_t) == 0
-                && offsets.len == (m + 1) * (Py_ssize_t)sizeof(int32_t) && cols.len == index.len
-                && vals.len == rows * m * (Py_ssize_t)sizeof(int32_t) && (!m || rows > 0);
+                && offsets.len == (m + 1) * (Py_ssize_t)sizeof(int32_t) && cols.len % sizeof(int32_t) == 0
+                && vals.len == rows * total * (Py_ssize_t)sizeof(int32_t) && (!total || rows > 0);
     if (!usual)
         goto unusual;
     out = PyList_New(n);
     seen = PySet_New(NULL);
     data = PyMem_Calloc(m ? m : 1, sizeof *data);
     capacity = PyMem_Calloc(m ? m : 1, sizeof *capacity);
-    if (!out || !seen || !data || !capacity)
+    old = PyMem_Calloc(m ? m : 1, sizeof *old);
+    if (!out || !seen || !data || !capacity || !old)
         goto fail;
     for (Py_ssize_t j = 0; j < n; j++) {
         PyObject *req = PyList_GET_ITEM(reqs, j);
@@ -384,16 +387,22 @@ static PyObject *mirror_step(PyObject *self, PyObject *args)
         PyList_SET_ITEM(out, j, view);
     }
     /* Check every change before writing any. */
-    if (m && load_i32(off, 0) != 0)
+    if (load_i32(off, 0) != 0 || load_i32(off, m) != total)
         goto unusual;
     for (Py_ssize_t k = 0; k < m; k++) {
-        const Py_ssize_t j = load_i32(idx, k);
-        if (j < 0 || j >= n || load_i32(off, k + 1) != k + 1)
+        const Py_ssize_t j = load_i32(idx, k), first = load_i32(off, k), stop = load_i32(off, k + 1);
+        if (j < 0 || j >= n || stop < first || stop > total)
             goto unusual;
         const Py_ssize_t length = load_i32(len_of, j);
         PyObject *req = PyList_GET_ITEM(reqs, j);
-        if (load_i32(col, k) != length - 1 || columns_of(PyList_GET_ITEM(out, j), rows, NULL, 0) != length - 1)
+        old[k] = columns_of(PyList_GET_ITEM(out, j), rows, NULL, 0);
+        if (old[k] < 0 || old[k] > length) /* not 2-D int32 of these rows, or narrower than before */
             goto unusual;
+        for (Py_ssize_t q = first; q < stop; q++) {
+            const int32_t c = load_i32(col, q);
+            if (c < 0 || c >= length)
+                goto unusual;
+        }
         const int dup = PySet_Contains(seen, req);
         if (dup < 0)
             goto fail;
@@ -417,8 +426,13 @@ static PyObject *mirror_step(PyObject *self, PyObject *args)
     const char *val = vals.buf;
     for (Py_ssize_t k = 0; k < m; k++) {
         const Py_ssize_t j = load_i32(idx, k), length = load_i32(len_of, j);
-        for (Py_ssize_t r = 0; r < rows; r++)
-            data[k][r * capacity[k] + length - 1] = load_i32(val, r * m + k);
+        for (Py_ssize_t q = load_i32(off, k), stop = load_i32(off, k + 1); q < stop; q++) {
+            const Py_ssize_t c = load_i32(col, q);
+            for (Py_ssize_t r = 0; r < rows; r++)
+                data[k][r * capacity[k] + c] = load_i32(val, r * total + q);
+        }
+        if (length == old[k]) /* the same width: its view sees the buffer's new values */
+            continue;
         PyObject *req = PyList_GET_ITEM(reqs, j);
         PyObject *alias = PyTuple_GET_ITEM(PyDict_GetItem(buffers, req), 1);
         PyObject *stop = PyLong_FromSsize_t(length);
@@ -447,6 +461,7 @@ done:
     Py_XDECREF(all_cols);
     PyMem_Free(data);
     PyMem_Free(capacity);
+    PyMem_Free(old);
     PyBuffer_Release(&lens);
     PyBuffer_Release(&index);
     PyBuffer_Release(&offsets);

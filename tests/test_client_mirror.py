@@ -33,7 +33,9 @@ def _snapshot(mirror: _Mirror) -> dict:
 
 @st.composite
 def decode_replies(draw):
-    """A mirror of a few tables and a decode step's reply, usual or not in one of the ways that send it elsewhere."""
+    """A mirror of a few tables and a decode step's reply: usual (new last columns, window columns given back, or
+    both), or not in one of the ways that send it elsewhere (a refusal, a table not mirrored, a request changed
+    twice, a table narrower than its view)."""
     rows = draw(st.integers(1, 3))
     n = draw(st.integers(1, 8))
     widths = draw(st.lists(st.integers(1, 20), min_size=n, max_size=n))
@@ -47,7 +49,8 @@ def decode_replies(draw):
         lens[j] = widths[j] + 1
         changes.append((j, [widths[j]], (7000 + 10 * j + np.arange(rows, dtype=np.int32))[:, None]))
     reqs = [f"r{j}" for j in range(n)]
-    twist = draw(st.sampled_from(["none", "refused", "unmirrored", "two_columns", "duplicate", "inner_column"]))
+    twist = draw(st.sampled_from(["none", "refused", "unmirrored", "two_columns", "duplicate", "inner_column",
+                                  "given_back", "shrink"]))
     if twist == "refused":
         lens[draw(st.integers(0, n - 1))] = -1
     elif twist == "unmirrored":
@@ -73,6 +76,21 @@ def decode_replies(draw):
             changes[0] = (j, [0], v)
         else:
             twist = "none"
+    elif twist == "given_back":  # a window's columns emptied (-1), in a table that may also gain a column
+        j = draw(st.integers(0, n - 1))
+        given = sorted(draw(st.sets(st.integers(0, widths[j] - 1), min_size=1, max_size=widths[j])))
+        opened = [lens[j] - 1] if j in changed else []
+        values = np.full((rows, len(given)), -1, dtype=np.int32)
+        rest = [c for c in changes if c[0] != j]
+        extra = [v for k, _, v in changes if k == j]
+        changes = sorted(rest + [(j, given + opened, np.concatenate([values, *extra], axis=1))], key=lambda c: c[0])
+    elif twist == "shrink" and changes:
+        j, cs, v = changes[0]
+        if widths[j] > 1:
+            lens[j] = widths[j] - 1
+            changes[0] = (j, [0], v)
+        else:
+            twist = "none"
     else:
         twist = "none"
     return mirror, reqs, lens, changes, twist
@@ -84,7 +102,7 @@ def test_mirror_step_applies_a_usual_reply_and_leaves_any_other_untouched(case):
     mirror, reqs, lens, changes, twist = case
     before = _snapshot(mirror)
     out = _step(mirror, reqs, lens, changes)
-    if twist != "none":
+    if twist in ("refused", "unmirrored", "duplicate", "shrink"):
         assert out is None
         after = _snapshot(mirror)
         assert after.keys() == before.keys()
@@ -97,15 +115,15 @@ def test_mirror_step_applies_a_usual_reply_and_leaves_any_other_untouched(case):
         assert out is None
         return
     assert out is not None and len(out) == len(reqs)
-    expected = {req: view for req, (view, _) in before.items()}
+    model = _Mirror()  # the general path's result: each change applied by _Mirror.apply
+    for req, (view, _) in before.items():
+        model.put(req, view)
     for j, cs, v in changes:
-        grown = np.concatenate([expected[reqs[j]], v], axis=1)
-        assert cs == [grown.shape[1] - 1]
-        expected[reqs[j]] = grown
+        model.apply(reqs[j], lens[j], np.array(cs, dtype=np.int64), v)
     for j, req in enumerate(reqs):
         assert out[j] is mirror.views[req]
         assert not out[j].flags.writeable
-        assert np.array_equal(out[j], expected[req]), req
+        assert np.array_equal(out[j], model.views[req]), req
 
 
 def test_mirror_step_refuses_arrays_of_another_width_without_changing_anything():
