@@ -43,7 +43,7 @@ def test_the_engine_generates_what_the_dense_model_generates(name: str) -> None:
     if case.daemon and not case.pd and not case.model.window:  # a step's tables were reserved by the one before
         assert r["overlapped"] * 2 > r["steps"], "most steps should run while the daemon applies their extends"
     if case.pool_blocks or "sized from memory" in name:
-        assert len(r["pools"]) == 2, "window layers hold fewer blocks than full ones"
+        assert len(r["layer_blocks"]) == 2, "window layers hold fewer blocks than full ones"
 
 
 def test_a_table_naming_a_wrong_block_fails_the_comparison() -> None:

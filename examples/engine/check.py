@@ -17,9 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import json
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,10 +27,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from kvcache.launch import start_serve, stop_serve  # noqa: E402
 from kvcache.transfer.nixl import nixl_available  # noqa: E402
 
 from backend import TorchBackend  # noqa: E402
+from daemons import daemons  # noqa: E402
 from engine import daemon_engine, library_engine  # noqa: E402
 from model import Model, ModelConfig  # noqa: E402
 from reference import Reference, e4m3_decode, weights_of  # noqa: E402
@@ -143,18 +141,8 @@ def serving(case: Case) -> Iterator[dict[str, str]]:
     """`kvcache serve` daemons for the case's model and flags, stopped on the way out: their endpoints by role
     ("both"; "prefill" and "decode" for PD; none in library mode)."""
     roles = ("prefill", "decode") if case.pd else ("both",) if case.daemon is not None else ()
-    with tempfile.TemporaryDirectory(prefix="kv-engine-", dir="/tmp") as folder, contextlib.ExitStack() as stack:
-        config = Path(folder) / "config.json"
-        config.write_text(json.dumps(case.model.hf_config()))
-        endpoints = {}
-        for role in roles:
-            endpoints[role] = f"ipc://{folder}/{role}.sock"
-            tp = 1 if role == "decode" else case.tp  # PD: the prefill node has case.tp ranks, decode one
-            flags = (["--head-wise"] if case.head_wise else []) + ["--tp", str(tp), "--role", role]
-            process = start_serve(["--endpoint", endpoints[role], "--model", str(config), "--block-size",
-                                   str(case.block_size), "--max-slots", "64", *flags, *(case.daemon or ())],
-                                  Path(folder) / f"{role}.log")
-            stack.callback(stop_serve, process)
+    with daemons(case.model, block_size=case.block_size, roles=roles, head_wise=case.head_wise, tp=case.tp,
+                 flags=case.daemon or ()) as endpoints:
         yield endpoints
 
 
@@ -228,7 +216,7 @@ def _run_pd(case: Case, endpoints: dict[str, str], device: str = "cpu") -> dict[
         recycled = sum(s["recycled_blocks"] for s in stats)
         prefill_host, decode_host = (s.get("host_tier", {}).get("hit_tokens", 0) for s in stats)
         decode = pair.decode
-        pools = sorted(set(decode.paged.layer_blocks if decode.paged is not None else decode.attention.layer_blocks))
+        blocks = sorted(set(decode.paged.layer_blocks if decode.paged is not None else decode.attention.layer_blocks))
     finally:
         pair.close()
     return {"requests": total, "mismatched": mismatched, "max_logit_diff": worst, "hit_tokens": prefill_hits,
@@ -237,7 +225,8 @@ def _run_pd(case: Case, endpoints: dict[str, str], device: str = "cpu") -> dict[
             "cache_faults": [f for proof in proofs for f in proof.faults],
             "blocks_checked": sum(proof.blocks_checked for proof in proofs),
             "rows": len(pair.spec.row_layout),
-            "pools": pools, "recycled": int(recycled), "steps": len(pair.prefill.stats) + len(pair.decode.stats)}
+            "layer_blocks": blocks, "recycled": int(recycled),
+            "steps": len(pair.prefill.stats) + len(pair.decode.stats)}
 
 
 def reference_of(model: Model, case: Case) -> Reference:
@@ -397,13 +386,13 @@ def _run(case: Case, endpoint: str | None, corrupt: bool, device: str = "cpu") -
         recycled, host_tokens = stats["recycled_blocks"], stats.get("host_tier", {}).get("hit_tokens", host_tokens)
     else:
         recycled = stats.recycled_blocks
-    pools = sorted(set(engine.paged.layer_blocks if engine.paged is not None else
+    blocks = sorted(set(engine.paged.layer_blocks if engine.paged is not None else
                        getattr(engine.attention, "layer_blocks", [])))
     engine.close()
     return {"requests": total, "mismatched": mismatched, "max_logit_diff": worst,
             "hit_tokens": sum(s.hit for s in engine.stats), "preempted": sum(s.preempted for s in engine.stats),
             "host_tokens": int(host_tokens), "rows": len(engine.spec.row_layout),
-            "pools": pools,
+            "layer_blocks": blocks,
             "recycled": int(recycled), "steps": len(engine.stats),
             "overlapped": sum(s.overlapped for s in engine.stats),
             "cache_faults": proof.faults, "blocks_checked": proof.blocks_checked}
@@ -438,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'ok  ' if good else 'FAIL'} {name}: {r['requests'] - len(r['mismatched'])}/{r['requests']} match; "
               f"logits within {r['max_logit_diff']:.1e}; {r['blocks_checked']} blocks checked after steps, "
               f"{len(r['cache_faults'])} faults; rows {r['rows']} "
-              f"({'blocks ' + '/'.join(map(str, r['pools'])) if r['pools'] else 'a cache per TP rank'}), "
+              f"({'blocks ' + '/'.join(map(str, r['layer_blocks'])) if r['layer_blocks'] else 'a cache per TP rank'}), "
               f"{r['hit_tokens']} prefix-hit tokens ({r['host_tokens']} from host"
               f"{', %d on the decode node' % r['decode_hit_tokens'] if 'decode_hit_tokens' in r else ''}), {r['preempted']} preemptions, "
               f"{r['recycled']} window blocks given back, {r['steps']} steps"

@@ -148,13 +148,14 @@ def library_engine(model: Model, *, num_blocks: int, block_size: int = 4, head_w
     manager = KVCacheManager(num_blocks, block_size, [r.policy for r in rows], row_blocks=pool_blocks,
                              hash_seed=b"engine")
     head_rows = table_cells(spec.rows, len(rows), spec.num_layers, spec.num_kv_heads)
-    pools = manager.row_blocks.tolist()
+    pool_blocks = manager.row_blocks.tolist()
     if attention is None and model.ops.name == "torch":
         from gpu import FlexAttention
 
-        attention = FlexAttention(model, spec, layer_blocks(pools, head_rows), head_rows,
+        attention = FlexAttention(model, spec, layer_blocks(pool_blocks, head_rows), head_rows,
                                   max_batch=options.get("max_num_seqs", 16), max_tokens=options.get("chunk", 64))
-    engine = Engine(model, spec, manager, pool_blocks=pools, head_rows=head_rows, attention=attention, **options)
+    engine = Engine(model, spec, manager, pool_blocks=pool_blocks, head_rows=head_rows, attention=attention,
+                    **options)
     views = engine.paged.views if engine.paged is not None else getattr(attention, "views", None)
     if host_blocks:
         if views is None:
@@ -187,15 +188,15 @@ def daemon_engine(model: Model, endpoint: str, *, block_size: int = 4, head_wise
                                 max_batch=options.get("max_num_seqs", 16), max_tokens=options.get("chunk", 64))
         return Engine(model, spec, client, attention=attention, **options)
     tables = TableSubscriber(endpoint, rank=0, tp_size=1, max_slots=64, max_blocks=512)
-    pools, head_rows = [r["num_blocks"] for r in rows], tables.cell_rows
+    pool_blocks, head_rows = [r["num_blocks"] for r in rows], tables.cell_rows
     attention = None
     if model.ops.name == "torch":
         from gpu import FlexAttention
 
-        attention = FlexAttention(model, spec, layer_blocks(pools, head_rows), head_rows,
+        attention = FlexAttention(model, spec, layer_blocks(pool_blocks, head_rows), head_rows,
                                   max_batch=options.get("max_num_seqs", 16), max_tokens=options.get("chunk", 64))
-    engine = Engine(model, spec, client, pool_blocks=pools, head_rows=head_rows, tables=tables, attention=attention,
-                    **options)
+    engine = Engine(model, spec, client, pool_blocks=pool_blocks, head_rows=head_rows, tables=tables,
+                    attention=attention, **options)
     if info.get("host_tier"):  # the daemon keeps a host tier: this process copies its part of each block
         from kvcache.tier_agent import TierAgent
         from kvcache.transfer import KVRegion

@@ -87,10 +87,10 @@ def serve_model(config: ModelConfig, weights: dict[str, Any], prompts: list[list
     options = dict(block_size=block_size, chunk=chunk, keep_logits=keep_logits)
     with contextlib.ExitStack() as stack:
         if daemon:
-            from check import Case, serving
+            from daemons import daemons
 
-            case = Case(model=config, block_size=block_size, daemon=("--num-blocks", str(num_blocks)))
-            engine = daemon_engine(model, stack.enter_context(serving(case))["both"], **options)
+            served = daemons(config, block_size=block_size, flags=("--num-blocks", str(num_blocks)))
+            engine = daemon_engine(model, stack.enter_context(served)["both"], **options)
         else:
             engine = library_engine(model, num_blocks=num_blocks, **options)
         stack.callback(engine.close)

@@ -26,8 +26,8 @@ def cache_spec(config: Any, *, block_size: int, head_wise: bool = False, quant: 
 
 def layer_blocks(pool_blocks: Any, head_rows: np.ndarray) -> list[int]:
     """Each layer's block count: the largest pool of the rows its kv heads read."""
-    pools = np.asarray(pool_blocks)
-    return [int(pools[rows].max()) for rows in head_rows]
+    sizes = np.asarray(pool_blocks)
+    return [int(sizes[rows].max()) for rows in head_rows]
 
 
 class PagedCache:

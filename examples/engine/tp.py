@@ -119,11 +119,11 @@ def _rank(conn: Any, config: ModelConfig, endpoint: str, rank: int, tp: int, blo
     try:
         spec = cache_spec(config, block_size=block_size, head_wise=head_wise, quant=quant, tp_size=tp)
         tables = TableSubscriber(endpoint, rank=rank, tp_size=tp, max_slots=64, max_blocks=512)
-        pools, head_rows = [policy["num_blocks"] for policy in tables.row_policies], tables.cell_rows
+        pool_blocks, head_rows = [policy["num_blocks"] for policy in tables.row_policies], tables.cell_rows
         heads = rank_heads(config.num_kv_heads, tp, rank)
         if device is None:
             ops = paddle_backend()
-            paged = PagedCache(spec, layer_blocks(pools, head_rows), config.dtype)
+            paged = PagedCache(spec, layer_blocks(pool_blocks, head_rows), config.dtype)
             attention = RankAttention(Model(config), paged, head_rows, heads)
             views = paged.views
         else:
@@ -131,7 +131,7 @@ def _rank(conn: Any, config: ModelConfig, endpoint: str, rank: int, tp: int, blo
             from gpu import FlexAttention
 
             ops = TorchBackend(device)
-            attention = FlexAttention(Model(config, ops), spec, layer_blocks(pools, head_rows), head_rows,
+            attention = FlexAttention(Model(config, ops), spec, layer_blocks(pool_blocks, head_rows), head_rows,
                                       max_batch=max_batch, max_tokens=max_tokens, heads=heads)
             views = attention.views
         stream = ops.write_stream()
