@@ -60,6 +60,10 @@ def test_quick_json_run_reports_every_section(capsys: pytest.CaptureFixture[str]
     else:
         assert step["vllm_p99_us"] >= step["vllm_p50_us"] > 0 and isinstance(step["ok"], bool)
         assert step["vllm_over_p50"] == pytest.approx(step["vllm_p50_us"] / step["p50_us"])
+    assert [(r["mode"], r["rows"]) for r in step["rows"]] == list(bench.ROW_MODES)
+    for r in step["rows"]:  # head-wise and layer-group daemons, in turns with the uniform one
+        assert r["steps"] > 0 and r["p99_us"] >= r["p50_us"] > 0 and r["uniform_p50_us"] > 0
+        assert r["over_uniform"] == pytest.approx(r["p50_us"] / r["uniform_p50_us"]) and isinstance(r["ok"], bool)
 
     rows = result["throughput"]
     assert {(r["path"], r["clients"], r["extends_per_message"]) for r in rows} == {
@@ -115,7 +119,8 @@ def test_quick_json_run_reports_every_section(capsys: pytest.CaptureFixture[str]
     assert step["native_floor_us"] == pytest.approx(step["codec_p50_us"] + native["allocator"])
     assert step["native_floor_over_echo_p50"] == pytest.approx(step["native_floor_us"] / echo["p50_us"])
 
-    verdicts = [step["ok"], max(r["extends_per_s"] for r in rows) >= bench.EXTENDS_PER_S_TARGET, journal["ok"],
+    verdicts = [step["ok"], *(r["ok"] for r in step["rows"]),
+                max(r["extends_per_s"] for r in rows) >= bench.EXTENDS_PER_S_TARGET, journal["ok"],
                 *(lag["ok"] for lag in lags)]
     assert [t["ok"] for t in result["targets"]] == [v for v in verdicts if v is not None]
     for pid in result["processes"]:

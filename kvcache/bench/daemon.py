@@ -13,7 +13,9 @@ One transport per run (ipc:// by default, ``--transport tcp`` for 127.0.0.1 on f
      take turns in rounds, so a slow spell of the machine falls on all. Two floors go
      with them: the codec floor (the echo server decoding the step and encoding its reply, the
      client the reverse) and the native floor (the codec floor plus the daemon's C work in a step,
-     from section 5): a step with no Python on either side would take at least that;
+     from section 5): a step with no Python on either side would take at least that; 2c: the same steps
+     on two more daemons, one serving head-wise rows (6 x a 1,024-token window with a 64-token sink, 2 full),
+     one two layer-group rows (a window, a full), taking turns with the uniform daemon's: p50 over uniform;
   3. throughput: extends per second through the daemon, from client processes in parallel,
      through ``CacheClient.batch()`` (what a scheduler pays per request), ``CacheClient.extend_many``
      (ids, tokens and counts as arrays) and as pre-packed extend_many messages (the daemon's own
@@ -101,6 +103,8 @@ VLLM_STEP_TARGET = 3.0  # vLLM's in-process step p50 over the daemon's step roun
 EXTENDS_PER_S_TARGET = 500_000
 LAG_P99_TARGET_US = 1000.0
 JOURNAL_RATIO_TARGET = 0.75  # extends/s with --journal over without: the journal costs at most 25%
+ROWS_TARGET = 1.5  # a head-wise or layer-group daemon's step p50 over the uniform daemon's, in the same turns
+ROW_MODES = (("head-wise 8", "window:1024:64*6,full*2"), ("layer groups", "window:1024,full"))  # section 2c
 
 FSYNC_PROBE_BYTES = 4096
 FSYNC_PROBE_WARMUP = 10
@@ -558,6 +562,36 @@ def bench_echo_and_steps(cfg: BenchConfig, echo: _EchoClient, sched: _Scheduler)
         "ok": None if peer_ratio is None else peer_ratio >= VLLM_STEP_TARGET,
     }
     return echo_out, step_out
+
+
+def bench_rows_steps(cfg: BenchConfig, fleet: Fleet, ctx: zmq.Context, sched: _Scheduler) -> list[dict[str, Any]]:
+    """Section 2c: the step workload on daemons serving head-wise rows (6 with a 1,024-token window and a 64-token
+    sink, 2 full) and layer-group rows (a window row, a full row), taking turns with the uniform daemon's steps;
+    each one's p50 over the uniform one's. The daemons are stopped before it returns."""
+    daemons, clients, scheds = [], [], []
+    try:
+        for k, (mode, rows) in enumerate(ROW_MODES):
+            endpoint, pub, replay = _daemon_endpoints(cfg.transport, fleet.folder, f"rows{k}")
+            daemons.append(fleet.start(_serve_argv(cfg, endpoint, pub, replay, "--rows", rows), READY, cfg.timeout,
+                                       f"kvcache serve --rows {rows}"))
+            clients.append(CacheClient(endpoint, timeout=cfg.timeout, name=f"bench-rows-{k}", context=ctx))
+            scheds.append(_Scheduler(clients[-1], cfg, seed=10 + k))
+            scheds[-1].setup()
+            scheds[-1].run(_warmup_steps(cfg))
+        uniform, *others = _in_turns(cfg, sched.run, *(s.run for s in scheds))
+    finally:
+        for client in clients:
+            client.close()
+        for daemon in daemons:
+            fleet.terminate(daemon)
+    u50, _ = _percentiles_us(uniform)
+    out = []
+    for (mode, rows), steps in zip(ROW_MODES, others):
+        p50, p99 = _percentiles_us(steps)
+        out.append({"mode": mode, "rows": rows, "steps": int(steps.size), "p50_us": p50, "p99_us": p99,
+                    "uniform_p50_us": u50, "over_uniform": p50 / u50,
+                    "target": f"p50 <= {ROWS_TARGET:g}x uniform", "ok": p50 / u50 <= ROWS_TARGET})
+    return out
 
 
 # --------------------------------------------------------------------------- 3. throughput
@@ -1425,6 +1459,8 @@ def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
                                     local=True) as local_client:
                     step_out["local"] = bench_local_steps(cfg, local_echo, _Scheduler(local_client, cfg, seed=1, first_id=1 << 40),
                                                           echo_out["p50_us"])
+            progress("2c. the same steps on head-wise and layer-group daemons, in turns with the uniform one")
+            step_out["rows"] = bench_rows_steps(cfg, fleet, ctx, sched)
             fleet.stop([echo_conn])
             progress(f"3. throughput: {len(_throughput_plan(cfg))} rows of {cfg.seconds:g} s")
             throughput = bench_throughput(cfg, fleet, ends.daemon, step_out)
@@ -1471,6 +1507,8 @@ def run_benchmark(cfg: BenchConfig) -> dict[str, Any]:
         "targets": [t for t in [
             {"name": "vLLM's in-process step p50 / the daemon's step round trip p50",
              "value": ratio(step_out["vllm_over_p50"]), "target": step_out["target"], "ok": step_out["ok"]},
+            *({"name": f"step p50, {r['mode']} rows / uniform", "value": ratio(r["over_uniform"]),
+               "target": r["target"], "ok": r["ok"]} for r in step_out["rows"]),
             {"name": "extends per second (best row)",
              "value": f"{best['extends_per_s']:,.0f} ({best['path']}, {best['clients']} client(s), "
                       f"{best['extends_per_message']:,}/message)",
@@ -1526,6 +1564,18 @@ def _render_journal(j: dict[str, Any], cfg: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _render_rows(step: dict[str, Any]) -> list[str]:
+    """Section 2c's lines: the same steps on head-wise and layer-group daemons against the uniform one."""
+    rows = step.get("rows") or []
+    if not rows:
+        return []
+    return [f"  2c. the same steps on daemons with other rows (kvcache serve --rows ...), in turns with the uniform "
+            f"daemon's (p50 {_us(rows[0]['uniform_p50_us'])} us in these turns)",
+            table(["mode", "--rows", "steps", "p50 us", "p99 us", "over uniform", "target", ""],
+                  [[r["mode"], r["rows"], f"{r['steps']:,}", _us(r["p50_us"]), _us(r["p99_us"]),
+                    ratio(r["over_uniform"]), r["target"], mark(r["ok"])] for r in rows])]
+
+
 def _render_local(step: dict[str, Any]) -> list[str]:
     local = step["local"]
     if local is None:
@@ -1575,6 +1625,7 @@ def render(result: dict[str, Any]) -> str:
         if step["vllm"] else "  vllm: not importable here, no peer step measured",
         "  daemon handle = CacheServer.handle in-process on the same messages (section 5): the daemon's share",
         *_render_local(step),
+        *_render_rows(step),
         f"  codec floor: the echo server decoding this step and encoding its reply (protocol.unpack/pack, no other "
         f"work), the client encoding the step and decoding the reply: p50 {_us(step['codec_p50_us'])} us = "
         f"{ratio(step['codec_over_echo_p50'])} echo, taking turns with the echo and the steps",
