@@ -89,7 +89,9 @@ def first_seen_token(policy: LocalPolicy, query: int | np.ndarray) -> int | np.n
     """The first key past the sink that the query at ``query`` sees (elementwise for an int array)."""
     if isinstance(policy, Chunked):
         return query // policy.chunk_tokens * policy.chunk_tokens
-    return np.maximum(query - policy.window_tokens + 1, 0)
+    if isinstance(query, np.ndarray):
+        return np.maximum(query - policy.window_tokens + 1, 0)
+    return max(query - policy.window_tokens + 1, 0)  # an int: no numpy call (an admit's window progress)
 
 
 def recycle_at(policy: LocalPolicy, recycled: int | np.ndarray, block_size: int) -> int | np.ndarray:
@@ -138,8 +140,8 @@ def window_stop(policy: LocalPolicy, first_pending_query: int | np.ndarray, bloc
     """``recyclable_blocks(policy, ...).stop`` for a Window or Chunked row, unchecked: what a decode step's loops
     call, for one request (an int) or a run of them (an int array, elementwise)."""
     stop = first_seen_token(policy, first_pending_query) // block_size
-    stop = np.maximum(-(-sink_tokens(policy) // block_size), stop)
-    return stop if isinstance(stop, np.ndarray) else int(stop)
+    sink = -(-sink_tokens(policy) // block_size)
+    return np.maximum(sink, stop) if isinstance(stop, np.ndarray) else int(max(sink, stop))
 
 
 def needed_blocks(policy: AttentionPolicy, num_tokens: int, block_size: int) -> NeededBlocks:
