@@ -1577,7 +1577,8 @@ PyDoc_STRVAR(extend_rows_doc,
 "the last block are extend_fast's; every other one must be a plain decode extend, and those run request by\n"
 "request in batch order exactly as KVCacheManager._extend does: the window groups' dead blocks (tail first,\n"
 "group by group) released and their columns emptied (-1, in the table and the group's expanded rows), the\n"
-"request's window progress (its record's ``recycled``) and next_recycle moved on; at most one new block per\n"
+"request's window progress (its record's ``recycled``) and next_recycle moved on (its cached view stays: a\n"
+"slice of the same table, it shows the emptied columns); at most one new block per\n"
 "group (BlockPool.allocate, evictions dropped from the index group by group); the filled block hashed and\n"
 "indexed in every group. last_block is int32 [slots, G]; counted (int64 [2]) gains the (row, block) pairs\n"
 "evicted and given back, each group's counted once per row it stands for. Returns the changed requests'\n"
@@ -1977,9 +1978,7 @@ static PyObject *extend_rows(PyObject *self, PyObject *args)
                 next = at < next ? at : next;
             }
             Py_DECREF(recycled);
-            rec[s] = next;
-            if (!e->opens && PyObject_SetAttr(e->req, view_name, Py_None) < 0)
-                goto fail;
+            rec[s] = next; /* its cached view stays: a slice of the same table, which shows the columns emptied */
         }
         if (e->opens) { /* a block in every group, evictions leaving the index group by group */
             for (Py_ssize_t g = 0; g < G; g++) {
