@@ -36,14 +36,18 @@ path                 taken when                                         buys
                      no tier, a native hasher; declines a batch with
                      a multi-token or keyed extend, too few blocks, a
                      slot listed twice, or a fill's hash known
+``_extend_rows``     the same batches on several groups, expanded       head-wise step 2.1x (6 window rows);
+(C extend_rows)      rows or window and chunked groups, request by      layer groups 2.2x
+                     request as ``_extend`` does; declines as
+                     extend_decode does
 ``extend_fast``      the general batch path: extends that stay in       the in-block case of every batch the C
-(C)                  the last block and give nothing back              decode pass declines (head-wise, windows,
-                                                                        tiers)
-``_extend_run``      the general batch path: one-token extends that     head-wise step 4.1x (6 window rows)
-(numpy, batched)     open, fill or recycle, while the result equals
+(C)                  the last block and give nothing back              decode passes decline (tiers, keyed or
+                                                                        multi-token extends)
+``_extend_run``      the general batch path: one-token extends that     head-wise step 4.1x (6 window rows;
+(numpy, batched)     open, fill or recycle, while the result equals     the C passes off)
                      one-by-one (enough blocks, new distinct hashes,
                      released blocks cached)
-``_window_steps``    in ``_extend_run``, one window group: what the     head-wise step 1.5x
+``_window_steps``    in ``_extend_run``, one window group: what the     head-wise step 1.5x (the C passes off)
 (numpy, batched)     run's requests give back, for all at once
 ===================  =================================================  =======================================
 
