@@ -376,25 +376,34 @@ def test_extend_decode_refuses_inconsistent_arrays_and_changes_nothing():
 
 @pytest.mark.parametrize("block_size", [1, 4])
 @pytest.mark.parametrize("events", [False, True])
-def test_decode_steps_with_lookahead_match_extends_one_at_a_time_on_both_batch_paths(monkeypatch, block_size, events):
+@pytest.mark.parametrize("rows", ["uniform", "head-wise"])
+def test_decode_steps_with_lookahead_match_extends_one_at_a_time_on_both_batch_paths(monkeypatch, block_size, events,
+                                                                                     rows):
     """Decode steps whose tables also cover positions ahead (num_lookahead_tokens, changing from step to step):
     the one C pass and the numpy run (a twin held off the pass) each equal ``extend`` one request at a time. A
     request's token then fills a block behind the one it opens, or one of the blocks it reserved; a lookahead
     that grew needs several blocks at once (the pass declines it, the run hands it to ``extend``). A finished
-    request's tokens, admitted again, hit the same blocks on all three."""
+    request's tokens, admitted again, hit the same blocks on all three. Head-wise rows (window heads giving
+    blocks back, full heads) take the pass over row groups (``_tables.extend_rows``), uniform ones
+    ``_tables.extend_decode``."""
     from kvcache.allocator import _tables
 
     passes: list[tuple[int, bool, int]] = []  # (lookahead, declined, blocks filled)
-    real = _tables.extend_decode
+    name = "extend_decode" if rows == "uniform" else "extend_rows"
+    real = getattr(_tables, name)
 
     def spy(*args):
         got = real(*args)
-        passes.append((args[-1], got is None, 0 if got is None else got[8]))
+        if name == "extend_decode":
+            passes.append((args[-1], got is None, 0 if got is None else got[8]))
+        else:
+            passes.append((args[6], got is None, 0 if got is None else got[9]))
         return got
 
-    monkeypatch.setattr(_tables, "extend_decode", spy)
+    monkeypatch.setattr(_tables, name, spy)
     num_blocks = 240 // block_size  # room for the live requests, with freed blocks evicted as it fills
-    make = lambda: KVCacheManager(num_blocks, block_size, enable_prefix_caching=True, hash_seed=b"ahead",
+    policies = [Full()] if rows == "uniform" else [Window(7, 2), Full(), Window(7, 2), Window(12)]
+    make = lambda: KVCacheManager(num_blocks, block_size, policies, enable_prefix_caching=True, hash_seed=b"ahead",
                                   enable_events=events)
     one_pass, numpy_run, single = make(), make(), make()
     monkeypatch.setattr(numpy_run, "_decodes_in_one_pass", lambda: None)

@@ -267,3 +267,44 @@ def test_two_windows_give_back_columns_with_a_gap_between_them(monkeypatch):
         assert len(cols) == 3 and cols[1] - cols[0] > 1, cols  # one from each window, then the opened block
         trio.check()
     assert spy.seen["gave with a gap or opened"] == 3 and spy.seen["declined"] == 0
+
+
+def test_extend_rows_refuses_inconsistent_arrays_and_changes_nothing():
+    """The pass checks its arrays before it writes: a lens one short, a last_block of the wrong width, a row
+    naming a group that does not exist, a window of no group, or an index without room for the keys is a
+    ValueError and leaves the manager as it was; a given slot no request holds is left to the general path."""
+    m = KVCacheManager(32, 4, [Window(4, 1), Full(), Window(4, 1)], hash_seed=b"x")
+    for rid in range(3):
+        m.admit(rid, np.arange(4 * rid, 4 * rid + 11, dtype=np.uint32))  # the next token fills a block
+    pool, index = m._pool, m._index
+    state = lambda: [a.copy() for a in (m._tail, m._ntok, m._width, m._last_hash, m._last_block, m._next_recycle,
+                                        pool._ref, pool._cached, index._slots)] + [index._num_spare,
+                                                                                   index._num_entries]
+    before = state()
+    ids, tokens, counts = [0, 1, 2], np.array([7, 8, 9], dtype=np.uint32), np.ones(3, dtype=np.int64)
+    index.reserve(3, 6)
+
+    def arrays(**change):
+        args = dict(slot_of=m._slot_of, lens=np.empty(3, dtype=np.int32), last_block=m._last_block,
+                    row_group=m._row_group, windows=m._windows_table(), entries=index._num_entries)
+        args.update(change)
+        return (args["slot_of"], ids, tokens, counts, m._by_slot, 0, 0, False, m._ntok, m._fast_limit,
+                m._next_recycle, m._tail, m._changed_ok, m._stamp, m._keyed, m._salted, m._last_hash,
+                args["last_block"], m._width, args["lens"], args["row_group"], args["windows"],
+                np.zeros(2, dtype=np.int64), *pool._c_arrays(), *index._c_arrays(), args["entries"])
+
+    same = lambda after: all(np.array_equal(x, y) for x, y in zip(after[:9], before[:9])) and after[9:] == before[9:]
+    for bad in (dict(lens=np.empty(2, dtype=np.int32)), dict(last_block=np.zeros((m._ntok.size, 1), np.int32)),
+                dict(row_group=np.array([0, 1, 5], dtype=np.intp)),
+                dict(windows=np.array([[4, 0, 4, 1]], dtype=np.int64)),
+                dict(entries=len(index._holders) - 1)):
+        with pytest.raises(ValueError, match="extend_rows"):
+            _tables.extend_rows(*arrays(**bad))
+        assert same(state()), bad
+    free_row = np.array([0, 1, len(m._by_slot)], dtype=np.intp)
+    m._free_slots.append(len(m._by_slot))
+    m._by_slot.append(None)
+    assert _tables.extend_rows(*arrays(slot_of=free_row)) is None
+    assert same(state())
+    assert _tables.extend_rows(*arrays(slot_of=m.slots_of(ids))) is not None
+    assert [m.num_tokens(r) for r in range(3)] == [12, 12, 12]
