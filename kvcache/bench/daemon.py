@@ -1259,18 +1259,20 @@ _MEANING = {
     "update": "metrics",
 }
 MIN_PHASE_SHARE = 0.01  # smaller callees are summed into one "other" row
+# The daemon's modules (kvcache/<part>.py): the profile's phases open up their functions.
+_DAEMON_PARTS = ("server", "daemon_state", "deltas", "durability")
 
 
-def _label(key: tuple[str, int, str], home: str) -> str:
-    """``module.function`` of a profiler key; bare ``function`` in ``home`` (the server's file) and built-ins."""
+def _label(key: tuple[str, int, str], homes: frozenset[str]) -> str:
+    """``module.function`` of a profiler key; bare ``function`` in ``homes`` (the daemon's files) and built-ins."""
     file, _, name = key
-    return name if file in ("~", home) else f"{Path(file).stem}.{name}"
+    return name if file == "~" or file in homes else f"{Path(file).stem}.{name}"
 
 
 def _split(stats: dict, root: tuple[str, int, str], steps: int) -> list[dict[str, Any]]:
     """The root's cumulative time per step, split along call edges.
 
-    Functions of the root's own file (the server's glue, which changes often) are
+    Functions of the daemon's own files (the server and the parts it puts together, which change often) are
     opened up into what they call; anything else (protocol, manager, metrics,
     built-ins) is a leaf. Parts under ``MIN_PHASE_SHARE`` are summed into one row.
     """
@@ -1279,12 +1281,13 @@ def _split(stats: dict, root: tuple[str, int, str], steps: int) -> list[dict[str
         for caller, edge in callers.items():
             callees[caller][key] = edge[3]
     rows: list[tuple[str, str, float]] = []
+    homes = frozenset(str(Path(root[0]).with_name(f"{part}.py")) for part in _DAEMON_PARTS)
 
     def walk(key: tuple, path: str, scale: float, above: frozenset) -> None:
         rows.append((f"{path} (own code)", "", stats[key][2] * scale))
         for child, seconds in sorted(callees[key].items(), key=lambda kv: -kv[1]):
-            label = f"{path} > {_label(child, root[0])}"
-            if child[0] == root[0] and stats[child][3] > 0 and child not in above:  # recursion stays a leaf
+            label = f"{path} > {_label(child, homes)}"
+            if child[0] in homes and stats[child][3] > 0 and child not in above:  # recursion stays a leaf
                 walk(child, label, scale * seconds / stats[child][3], above | {child})  # this path's part of it
             else:
                 rows.append((label, _MEANING.get(child[2], ""), seconds * scale))
