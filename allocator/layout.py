@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Mapping, NamedTuple
 
 from kvcache.allocator.errors import KVCacheError
-from kvcache.allocator.rows import Row, derive_rows, head_window_count, layer_policies
+from kvcache.allocator.rows import Row, derive_rows, layer_policies, window_kv_heads
 from kvcache.allocator.swa import Full
 
 DTYPE_BYTES: dict[str, int] = {
@@ -256,7 +256,8 @@ class CacheSpec:
         mla/mla_fp8. The rows come from the config's sliding windows
         (``kvcache.allocator.rows``): one per layer group, or with ``head_wise``
         one per kv head within each group; a model without windows and without
-        ``head_wise`` gets the default (one row).
+        ``head_wise`` gets the default (one row). A FastDeploy ``head_wise_swa_ratio``
+        windows the kv heads FastDeploy windows at ``tp_size`` ranks (``window_kv_heads``).
         """
         cfg = _load_config(config)
         get = _ConfigReader(cfg)
@@ -287,8 +288,9 @@ class CacheSpec:
         if rows_given:
             return spec
         heads = spec.num_kv_heads or 1
-        rows = derive_rows(layer_policies(cfg, spec.num_layers), heads, head_wise=head_wise,
-                           window_heads=head_window_count(cfg, heads))
+        window_heads = window_kv_heads(cfg, get.int("num_attention_heads", "n_head", default=heads), heads,
+                                       spec.tp_size)
+        rows = derive_rows(layer_policies(cfg, spec.num_layers), heads, head_wise=head_wise, window_heads=window_heads)
         if len(rows) == 1 and not head_wise and isinstance(rows[0].policy, Full):
             return spec  # no window: the default row
         return dataclasses.replace(spec, rows=rows)

@@ -5,9 +5,9 @@ keys and values of every cell of the row, and a sliding-window row gives
 blocks back as the window passes. Models declare their sliding windows per
 layer (Gemma 2/3, GPT-OSS, Qwen2 with ``use_sliding_window``, Mistral's
 all-layer ``sliding_window``) or, FastDeploy-style, per kv head
-(``head_wise_swa_ratio``: that share of each windowed layer's kv heads gets the
-window). Llama 4 declares chunked local attention (``attention_chunk_size``) on
-its RoPE layers. ``layer_policies`` reads either from a Hugging Face ``config.json``;
+(``head_wise_swa_ratio``: the share of each TP rank's query heads that gets the
+window, its last ones; ``window_kv_heads``). Llama 4 declares chunked local
+attention (``attention_chunk_size``) on its RoPE layers. ``layer_policies`` reads either from a Hugging Face ``config.json``;
 ``derive_rows`` groups the cells into rows::
 
     by layer groups (the default): one row per distinct policy, all its layers, all kv heads
@@ -19,7 +19,7 @@ naming the key, never ignored.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -196,37 +196,67 @@ def layer_policies(config: Mapping[str, Any], num_layers: int) -> tuple[Attentio
     return tuple(window if w else Full() for w in windowed)
 
 
-def head_window_count(config: Mapping[str, Any], num_kv_heads: int) -> int | None:
-    """How many of each windowed layer's kv heads keep the window, FastDeploy-style: the first
-    ``round(num_kv_heads * head_wise_swa_ratio)`` (at least one for a ratio above 0); None when the
-    config sets no ``head_wise_swa_ratio`` (every head of a windowed layer keeps it)."""
+def window_kv_heads(config: Mapping[str, Any], num_heads: int, num_kv_heads: int,
+                    tp_size: int = 1) -> frozenset[int] | None:
+    """The kv heads (global indices) that keep a windowed layer's window under FastDeploy's
+    ``head_wise_swa_ratio``; None when the config sets none (every kv head keeps it).
+
+    FastDeploy splits each TP rank's attention output by columns: its ``num_heads // tp_size`` query
+    heads of ``head_dim`` columns each take the first ``int((1 - ratio) * heads * head_dim)`` columns
+    from full attention and the rest from the window (``head_wise_full_hidden`` in
+    ``append_attn_backend.py``, applied in ``ops/append_attention.py``). A query head with any full
+    column reads the whole history, so a kv head keeps the window only if every query head of its
+    group is windowed: on each rank the last kv heads do. Ratio 0 (FastDeploy's default) or 1 leaves
+    no full column: every head keeps the window::
+
+        one rank, 8 query heads, 4 kv heads, ratio 0.5:  q | F F F F w w w w |   kv | F F w w |
+        2 ranks, same model:                 rank 0: q | F F w w |  kv | F w |   rank 1: | F w |
+    """
     ratio = config.get("head_wise_swa_ratio")
     if ratio is None:
         return None
     if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio <= 1:
         raise KVCacheError(f"config.head_wise_swa_ratio: must be a number in [0, 1], got {ratio!r}")
-    if ratio == 0:
-        return 0
-    return max(1, int(num_kv_heads * ratio + 0.5))
+    if ratio in (0, 1):
+        return frozenset(range(num_kv_heads))
+    if num_heads < 1 or num_heads % tp_size or num_heads % num_kv_heads:
+        raise KVCacheError(f"num_attention_heads: {num_heads} query heads must split evenly over {num_kv_heads} "
+                           f"kv heads and {tp_size} TP ranks for a head-wise window")
+    head_dim, hidden = config.get("head_dim"), config.get("hidden_size")
+    if not head_dim and _is_int(hidden):
+        head_dim = hidden // num_heads
+    if not _is_int(head_dim) or head_dim < 1:
+        raise KVCacheError(f"config.head_dim: a head-wise window needs the head size (head_dim, or hidden_size "
+                           f"over num_attention_heads), got {head_dim!r}")
+    heads = num_heads // tp_size  # one rank's query heads, as FastDeploy's model runner gives its backend
+    group = heads // max(1, num_kv_heads // tp_size)
+    full_hidden = int((1 - ratio) * heads * head_dim)  # FastDeploy's expression, evaluated in the same order
+    full_query_heads = -(-full_hidden // head_dim)  # a partly full head reads everything
+    first_window = -(-full_query_heads // group)  # a rank's first kv head whose whole group is windowed
+    out: set[int] = set()
+    for rank in range(tp_size):
+        mine = range(num_kv_heads)[rank_rows(num_kv_heads, tp_size, rank)]
+        out.update(mine[first_window:])
+    return frozenset(out)
 
 
 def derive_rows(policies: Sequence[AttentionPolicy], num_kv_heads: int, *, head_wise: bool = False,
-                window_heads: int | None = None) -> tuple[Row, ...]:
+                window_heads: Collection[int] | None = None) -> tuple[Row, ...]:
     """Rows for layers with ``policies`` and ``num_kv_heads`` kv heads.
 
     Layers with equal policies form a group. By default each group is one row over all kv heads;
-    ``head_wise`` gives one row per (group, kv head). ``window_heads`` (``head_window_count``) keeps
-    the window only on the first that many heads of a windowed layer, the others attending in full:
-    those cells join the full layers' rows. Rows come in the order of their first layer, then head.
+    ``head_wise`` gives one row per (group, kv head). ``window_heads`` (``window_kv_heads``) keeps
+    the window only on those kv heads of a windowed layer, the others attending in full: those cells
+    join the full layers' rows. Rows come in the order of their first layer, then head.
     """
     if num_kv_heads < 1:
         raise KVCacheError(f"num_kv_heads: must be at least 1, got {num_kv_heads}")
-    if window_heads is not None and not 0 <= window_heads <= num_kv_heads:
-        raise KVCacheError(f"head_wise_swa_ratio: gives {window_heads} window heads of {num_kv_heads}")
+    if window_heads is not None and not all(_is_int(h) and 0 <= h < num_kv_heads for h in window_heads):
+        raise KVCacheError(f"window_heads: kv heads must be in [0, {num_kv_heads}), got {sorted(window_heads)}")
     cells: dict[AttentionPolicy, dict[int, list[int]]] = {}  # policy -> kv head -> layers
     for layer, policy in enumerate(policies):
         for head in range(num_kv_heads):
-            own = policy if window_heads is None or head < window_heads else Full()
+            own = policy if window_heads is None or head in window_heads else Full()
             cells.setdefault(own, {}).setdefault(head, []).append(layer)
     rows: list[Row] = []
     for policy, by_head in cells.items():

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcache.allocator import Full, KVCacheError, Window
-from kvcache.allocator.rows import Row, derive_rows, head_window_count, layer_policies
+from kvcache.allocator.rows import Row, derive_rows, layer_policies, window_kv_heads
 
 # The window fields of published config.json files (google/gemma-2-9b, google/gemma-3-4b-it's text_config,
 # openai/gpt-oss-20b, mistralai/Mistral-7B-v0.1, meta-llama/Llama-3.1-8B, deepseek-ai/DeepSeek-V3), and a
@@ -31,11 +31,11 @@ FASTDEPLOY = {"num_hidden_layers": 4, "num_attention_heads": 16, "num_key_value_
 W = Window
 
 
-def rows_of(config: dict, *, head_wise: bool = False, heads: int | None = None) -> tuple[Row, ...]:
+def rows_of(config: dict, *, head_wise: bool = False, heads: int | None = None, tp: int = 1) -> tuple[Row, ...]:
     num_layers = config["num_hidden_layers"]
     heads = heads if heads is not None else config.get("num_key_value_heads", 1)
     return derive_rows(layer_policies(config, num_layers), heads, head_wise=head_wise,
-                       window_heads=head_window_count(config, heads))
+                       window_heads=window_kv_heads(config, config.get("num_attention_heads", heads), heads, tp))
 
 
 def test_gemma2_windows_the_even_layers() -> None:
@@ -87,21 +87,67 @@ def test_head_wise_rows_are_the_product_of_layer_groups_and_heads() -> None:
     assert sum(r.num_cells for r in rows) == 34 * 4
 
 
-def test_fastdeploy_head_wise_windows_the_first_heads() -> None:
-    window, full = rows_of(FASTDEPLOY)
-    assert window == Row(W(4096, 64), (0, 1, 2, 3), (0, 1))
-    assert full == Row(Full(), (0, 1, 2, 3), (2, 3))
-    assert [r.kv_heads for r in rows_of(FASTDEPLOY, head_wise=True)] == [(0,), (1,), (2,), (3,)]
+def test_fastdeploy_head_wise_windows_each_ranks_last_kv_heads() -> None:
+    """FastDeploy takes each rank's first query heads from full attention: at TP 1 the last kv heads keep the
+    window, at TP 2 the last kv head of each rank's pair."""
+    full, window = rows_of(FASTDEPLOY)
+    assert full == Row(Full(), (0, 1, 2, 3), (0, 1))
+    assert window == Row(W(4096, 64), (0, 1, 2, 3), (2, 3))
+    assert [(r.policy, r.kv_heads) for r in rows_of(FASTDEPLOY, head_wise=True)] == [
+        (Full(), (0,)), (Full(), (1,)), (W(4096, 64), (2,)), (W(4096, 64), (3,))]
+    full, window = rows_of(FASTDEPLOY, tp=2)
+    assert full == Row(Full(), (0, 1, 2, 3), (0, 2))
+    assert window == Row(W(4096, 64), (0, 1, 2, 3), (1, 3))
     # With every other layer full (window_attn_skip_freq 2: layers 0 and 2), the window heads' full layers form a
     # row of their own.
     rows = rows_of({**FASTDEPLOY, "window_attn_skip_freq": 2})
-    assert rows == (Row(Full(), (0, 2), (0, 1)), Row(Full(), (0, 1, 2, 3), (2, 3)), Row(W(4096, 64), (1, 3), (0, 1)))
+    assert rows == (Row(Full(), (0, 1, 2, 3), (0, 1)), Row(Full(), (0, 2), (2, 3)), Row(W(4096, 64), (1, 3), (2, 3)))
 
 
-@pytest.mark.parametrize(("heads", "ratio", "expected"), [(4, 1.0, 4), (4, 0.5, 2), (4, 0.0, 0), (1, 0.5, 1),
-                                                          (3, 0.5, 2), (8, 0.25, 2), (2, 0.5, 1)])
-def test_window_heads_round_as_fastdeploy_does(heads: int, ratio: float, expected: int) -> None:
-    assert head_window_count({"head_wise_swa_ratio": ratio}, heads) == expected
+# FastDeploy (develop c1b7c083), restated: per TP rank, append_attn_backend.py:165 takes
+#   head_wise_full_hidden = int((1 - head_wise_swa_ratio) * num_heads * head_dim)
+# for the rank's num_heads = num_attention_heads // tp (gpu_model_runner.py:1707), and ops/append_attention.py:
+# 210-211 copies the full-attention output into those first columns (nothing when it is 0: ratio 0 or 1, where
+# every head runs the window). A query head with any full column reads everything; a kv head keeps the window
+# only if its whole group (num_heads // kv heads on the rank) is windowed. tests/test_fastdeploy.py checks the
+# same cases against FastDeploy's own code where it is importable.
+FASTDEPLOY_WINDOW_HEADS = [
+    # ratio, query heads, kv heads, head_dim, tp: the global kv heads that keep the window
+    (0.5, 16, 4, 128, 1, {2, 3}),
+    (0.5, 16, 4, 128, 2, {1, 3}),
+    (0.5, 16, 4, 128, 4, set()),  # one kv head per rank, half its query heads full
+    (0.75, 64, 8, 128, 1, {2, 3, 4, 5, 6, 7}),
+    (0.25, 64, 8, 128, 1, {6, 7}),
+    (0.75, 64, 8, 128, 2, {1, 2, 3, 5, 6, 7}),
+    (0.25, 64, 8, 128, 4, set()),
+    (0.3, 8, 4, 16, 1, {3}),  # 89 full columns: 6 query heads (the 6th partly) -> kv heads 0-2 full
+    (0.6, 8, 8, 16, 1, {4, 5, 6, 7}),  # no GQA: 51 columns, the 4th query head partly full
+    (0.6, 8, 8, 16, 2, {2, 3, 6, 7}),  # 25 columns a rank: 2 heads
+    (0.01, 8, 4, 16, 1, set()),  # a tiny ratio: every query head has a full column
+    (0.99, 8, 4, 16, 1, {1, 2, 3}),  # int(0.01 * 128) = 1 column: the first query head reads everything
+    (0.999, 8, 4, 16, 1, {0, 1, 2, 3}),  # int(0.128) = 0 columns: no split, the window on every head
+    (0.0, 8, 4, 16, 1, {0, 1, 2, 3}),  # FastDeploy's default: no split, the window on every head
+    (1.0, 8, 4, 16, 2, {0, 1, 2, 3}),
+    (0.5, 8, 2, 16, 4, set()),  # 2 kv heads replicated over 4 ranks: each rank's 2 query heads, one full
+    (0.75, 8, 2, 16, 4, set()),  # 8 columns a rank: its first query head partly full
+]
+
+
+@pytest.mark.parametrize(("ratio", "q", "kv", "head_dim", "tp", "expected"), FASTDEPLOY_WINDOW_HEADS)
+def test_window_kv_heads_are_those_fastdeploys_attention_windows(ratio, q, kv, head_dim, tp, expected) -> None:
+    config = {"head_wise_swa_ratio": ratio, "head_dim": head_dim}
+    assert window_kv_heads(config, q, kv, tp) == frozenset(expected)
+
+
+def test_window_kv_heads_without_a_ratio_or_with_a_bad_one() -> None:
+    assert window_kv_heads({"sliding_window": 8}, 8, 4) is None
+    assert window_kv_heads({"head_wise_swa_ratio": 0.5, "hidden_size": 128}, 8, 4) == {2, 3}  # head_dim 16
+    for config, q, kv, tp, field in [({"head_wise_swa_ratio": 0.5}, 8, 4, 1, "config.head_dim"),
+                                     ({"head_wise_swa_ratio": "0.5", "head_dim": 16}, 8, 4, 1, "config.head_wise"),
+                                     ({"head_wise_swa_ratio": 0.5, "head_dim": 16}, 8, 4, 3, "num_attention_heads"),
+                                     ({"head_wise_swa_ratio": 0.5, "head_dim": 16}, 6, 4, 1, "num_attention_heads")]:
+        with pytest.raises(KVCacheError, match=f"^{field}"):
+            window_kv_heads(config, q, kv, tp)
 
 
 @pytest.mark.parametrize(("config", "key"), [
@@ -141,7 +187,7 @@ def test_rows_cover_every_cell_once_with_its_policy(policies: list, heads: int, 
                                                     data: st.DataObject) -> None:
     """Every (layer, head) cell is in exactly one row, under its layer's policy (or Full for a head past the
     window heads); rows of one policy never share a cell, and head-wise rows hold one head each."""
-    window_heads = data.draw(st.none() | st.integers(0, heads))
+    window_heads = data.draw(st.none() | st.frozensets(st.integers(0, heads - 1)))
     rows = derive_rows(policies, heads, head_wise=head_wise, window_heads=window_heads)
     seen: dict[tuple[int, int], object] = {}
     for row in rows:
@@ -154,7 +200,7 @@ def test_rows_cover_every_cell_once_with_its_policy(policies: list, heads: int, 
                 seen[(layer, head)] = row.policy
     for layer, policy in enumerate(policies):
         for head in range(heads):
-            windowed = isinstance(policy, Window) and (window_heads is None or head < window_heads)
+            windowed = isinstance(policy, Window) and (window_heads is None or head in window_heads)
             assert seen[(layer, head)] == (policy if windowed else Full())
 
 
@@ -257,7 +303,7 @@ def test_rows_that_share_a_layer_share_one_pool_size() -> None:
 
 def test_serve_takes_its_rows_from_the_config(tmp_path) -> None:
     """`kvcache serve --model` serves the config's rows: layer groups by default, per (group, kv head) with
-    --head-wise, FastDeploy's window heads as rows; --rows given wins; a --rows count that is neither one nor
+    --head-wise, FastDeploy's window heads (at --tp) as rows; --rows given wins; a --rows count that is neither one nor
     one per kv head is refused by name."""
     import json
 
@@ -270,7 +316,10 @@ def test_serve_takes_its_rows_from_the_config(tmp_path) -> None:
     base = {"endpoint": f"ipc://{tmp_path}/d.sock", "num_blocks": 64, "block_size": 16}
     manager, layout, _ = build_manager(ServeConfig(**base, model=str(fastdeploy), head_wise=True).resolved())
     assert layout == rows_of(FASTDEPLOY, head_wise=True)
-    assert manager.rows == (W(4096, 64), W(4096, 64), Full(), Full())
+    assert manager.rows == (Full(), Full(), W(4096, 64), W(4096, 64))
+    _, layout, _ = build_manager(ServeConfig(**base, model=str(fastdeploy), head_wise=True, tp=2).resolved())
+    assert layout == rows_of(FASTDEPLOY, head_wise=True, tp=2), "--tp 2: each rank's last kv head keeps the window"
+    assert [row.policy for row in layout] == [Full(), W(4096, 64), Full(), W(4096, 64)]
     _, layout, _ = build_manager(ServeConfig(**base, model=str(fastdeploy), head_wise=True,
                                              rows="window:128*4").resolved())
     assert layout == tuple(Row(W(128), (0, 1, 2, 3), (h,)) for h in range(4)), "rows given win over the config's"
@@ -381,11 +430,11 @@ def test_row_pool_sizes_are_checked() -> None:
 
 
 def _config_rows() -> list:
-    """The policies of the rows a FastDeploy head-wise config gives (window heads 0 of 2, every other layer full),
+    """The policies of the rows a FastDeploy head-wise config gives (window head 1 of 2, every other layer full),
     head-wise: the product of layer groups and kv heads."""
-    config = {"num_hidden_layers": 4, "window_size": 6, "sink_size": 2, "window_attn_skip_freq": 2,
-              "head_wise_swa_ratio": 0.5}
-    rows = derive_rows(layer_policies(config, 4), 2, head_wise=True, window_heads=head_window_count(config, 2))
+    config = {"num_hidden_layers": 4, "num_attention_heads": 4, "head_dim": 8, "window_size": 6, "sink_size": 2,
+              "window_attn_skip_freq": 2, "head_wise_swa_ratio": 0.5}
+    rows = derive_rows(layer_policies(config, 4), 2, head_wise=True, window_heads=window_kv_heads(config, 4, 2))
     return [row.policy for row in rows]
 
 

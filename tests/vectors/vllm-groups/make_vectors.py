@@ -8,8 +8,9 @@ environment, then ``pip install --no-deps -e .`` there), from the repository roo
 Each case lists its units in vLLM's order and each one's attention, read here from the config, not by kvcache:
 a Hugging Face config through transformers' config class (``layer_types``; else ``sliding_window`` on every layer,
 as vLLM's cache config applies it to a model without per-layer types), a FastDeploy head-wise config by FastDeploy's
-rule (layer i windowed unless ``i % window_attn_skip_freq == 0``; its first ``round(kv heads *
-head_wise_swa_ratio)`` kv heads keep the window, the rest attend in full). vLLM has no attention policy per kv
+rule (layer i windowed unless ``i % window_attn_skip_freq == 0``; at TP 1 the first ``int((1 - head_wise_swa_ratio)
+* query heads * head_dim)`` output columns come from full attention (FastDeploy's ``head_wise_full_hidden``), so a
+kv head keeps the window only if none of its query heads has a full column). vLLM has no attention policy per kv
 head, so a head-wise config's units are its (layer, kv head) cells, each a layer of one kv head. The groups are
 vLLM's own: ``get_kv_cache_groups`` and the groups of ``get_kv_cache_configs``' plan, which must agree
 (``kvcache.bench.vllm.kv_cache_groups``).
@@ -44,13 +45,14 @@ def hf_units(config: dict) -> tuple[list[tuple[str, tuple]], int, int]:
 
 def fastdeploy_units(config: dict) -> tuple[list[tuple[str, tuple]], int, int]:
     """Per (layer, kv head) cell ("layers.i.heads.h", (kind, size)) by FastDeploy's head-wise rule."""
-    heads = config["num_key_value_heads"]
-    window_heads = round(heads * config["head_wise_swa_ratio"])
+    heads, query_heads, head_dim = config["num_key_value_heads"], config["num_attention_heads"], config["head_dim"]
+    full_columns = int((1 - config["head_wise_swa_ratio"]) * query_heads * head_dim)
+    group = query_heads // heads
     units = []
     for i in range(config["num_hidden_layers"]):
         windowed = i % config["window_attn_skip_freq"] != 0
-        units += [(f"layers.{i}.heads.{h}", ("window", config["window_size"]) if windowed and h < window_heads
-                   else ("full", None)) for h in range(heads)]
+        units += [(f"layers.{i}.heads.{h}", ("window", config["window_size"])
+                   if windowed and h * group * head_dim >= full_columns else ("full", None)) for h in range(heads)]
     return units, 1, config["head_dim"]
 
 
