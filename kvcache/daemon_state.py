@@ -9,10 +9,10 @@
 4. apply the ops over the manager, the batch slots (``_Slots``), leases, PD transfers and host tier;
 5. stage its table changes as deltas (``kvcache.deltas``), keep the reply for retries, append it to the journal.
 
-It owns no socket and no file: kvcache.server feeds it messages from its
-sockets, commits the journal (kvcache.durability) and sends what it staged. It
-belongs to the daemon's one thread, like everything it holds; a test drives it
-with messages and nothing else (tests/test_daemon_state.py).
+It owns no socket and no file: kvcache.server feeds it messages from its endpoints
+(kvcache.endpoints), commits the journal (kvcache.durability) and sends what it
+staged. It belongs to the daemon's one thread, like everything it holds; a test
+drives it with messages and nothing else (tests/test_daemon_state.py).
 """
 from __future__ import annotations
 

@@ -1260,7 +1260,7 @@ _MEANING = {
 }
 MIN_PHASE_SHARE = 0.01  # smaller callees are summed into one "other" row
 # The daemon's modules (kvcache/<part>.py): the profile's phases open up their functions.
-_DAEMON_PARTS = ("server", "daemon_state", "deltas", "durability")
+_DAEMON_PARTS = ("server", "daemon_state", "deltas", "durability", "endpoints")
 
 
 def _label(key: tuple[str, int, str], homes: frozenset[str]) -> str:
