@@ -7,8 +7,9 @@ layer (Gemma 2/3, GPT-OSS, Qwen2 with ``use_sliding_window``, Mistral's
 all-layer ``sliding_window``) or, FastDeploy-style, per kv head
 (``head_wise_swa_ratio``: the share of each TP rank's query heads that gets the
 window, its last ones; ``window_kv_heads``). Llama 4 declares chunked local
-attention (``attention_chunk_size``) on its RoPE layers. ``layer_policies`` reads either from a Hugging Face ``config.json``;
-``derive_rows`` groups the cells into rows::
+attention (``attention_chunk_size``) on its RoPE layers. ``layer_policies``
+reads either from a Hugging Face ``config.json``; ``derive_rows`` groups the
+cells into rows::
 
     by layer groups (the default): one row per distinct policy, all its layers, all kv heads
     head-wise: one row per kv head within each layer group (the product of the two)
