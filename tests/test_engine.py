@@ -126,8 +126,9 @@ def test_any_window_layout_block_size_and_budget_generates_what_the_dense_model_
         model = replace(model, sink=data.draw(st.sampled_from([0, 1, 4]), label="sink"),
                         window_layers=data.draw(st.one_of(st.none(), st.sets(st.integers(0, layers - 1)).map(
                             lambda s: tuple(sorted(s)))), label="window layers"),
-                        window_heads=data.draw(st.one_of(st.none(), st.integers(1, 2)), label="window heads"))
-    head_wise = model.window_heads is not None or data.draw(st.booleans(), label="head-wise")
+                        head_wise_swa_ratio=data.draw(st.one_of(st.none(), st.sampled_from([0.25, 0.5, 1.0])),
+                                                      label="head-wise ratio"))  # window kv heads: none, 1, both
+    head_wise = model.head_wise_swa_ratio is not None or data.draw(st.booleans(), label="head-wise")
     block_size = data.draw(st.sampled_from([1, 2, 4, 16]), label="block size")
     lens = tuple(data.draw(st.lists(st.integers(1, 30), min_size=1, max_size=4), label="prompt lengths"))
     need = max(-(-(n + 12 + 5 + 6) // block_size) for n in lens)  # the longest request, whole, in blocks

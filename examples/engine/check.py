@@ -64,10 +64,14 @@ class Case:
 
 
 WINDOWED = ModelConfig(window=8, sink=4)
+# FastDeploy's head-wise window at ratio 0.5: 8 query heads over 4 kv heads, the last 2 kv heads windowed at TP 1;
+# at TP 2 each rank windows its last one (kv heads 1 and 3), so its model computes as FastDeploy's does there.
+HEAD_WISE = dataclasses.replace(WINDOWED, head_wise_swa_ratio=0.5)
+HEAD_WISE_TP2 = dataclasses.replace(HEAD_WISE, tp=2)
 CASES: dict[str, Case] = {
     "uniform": Case(),
     "head-wise SWA (FastDeploy: 2 of 4 kv heads windowed)": Case(
-        model=dataclasses.replace(WINDOWED, window_heads=2), head_wise=True),
+        model=HEAD_WISE, head_wise=True),
     "layer groups (Gemma: layers 0, 1, 3 windowed), own pools": Case(
         model=dataclasses.replace(WINDOWED, window_layers=(0, 1, 3)), pool_blocks=(72, 96)),
     "layer groups x head-wise": Case(model=dataclasses.replace(WINDOWED, window_layers=(1, 2)), head_wise=True),
@@ -92,18 +96,19 @@ CASES: dict[str, Case] = {
         model=dataclasses.replace(WINDOWED, window_layers=(0, 1, 3)), head_wise=True, chunk=16,
         daemon=("--gpu-memory", "768KiB", "--utilization", "1", "--max-model-len", "72",
                 "--max-num-batched-tokens", "16")),
-    "daemon, TP 2 (a process per rank): head-wise SWA": Case(
-        model=dataclasses.replace(WINDOWED, window_heads=2), head_wise=True, tp=2, daemon=("--num-blocks", "96")),
+    "daemon, TP 2 (a process per rank): head-wise SWA (FastDeploy at TP 2: kv heads 1 and 3 windowed)": Case(
+        model=HEAD_WISE_TP2, head_wise=True, tp=2, daemon=("--num-blocks", "96")),
     "daemon, TP 2: layer groups x head-wise, preemption": Case(
         model=dataclasses.replace(WINDOWED, window_layers=(0, 2)), head_wise=True, tp=2, num_blocks=30,
         prompt_lens=(30, 38, 26, 34), max_new_tokens=16, daemon=("--num-blocks", "30")),
     "PD: prefill and decode daemons, KV layer by layer over NIXL, head-wise SWA": Case(
-        model=dataclasses.replace(WINDOWED, window_heads=2), head_wise=True, pd=True, daemon=("--num-blocks", "96")),
+        model=HEAD_WISE, head_wise=True, pd=True, daemon=("--num-blocks", "96")),
     "PD with layer groups x head-wise": Case(
         model=dataclasses.replace(WINDOWED, window_layers=(0, 1, 3)), head_wise=True, pd=True,
         daemon=("--num-blocks", "96")),
+    # Layer groups x head-wise: FastDeploy's head-wise split is per rank, so one model at TP 2 and TP 1 has none.
     "PD, prefill TP 2 (a messager per rank) to decode TP 1": Case(
-        model=dataclasses.replace(WINDOWED, window_heads=2), head_wise=True, pd=True, tp=2,
+        model=dataclasses.replace(WINDOWED, window_layers=(0, 1, 3)), head_wise=True, pd=True, tp=2,
         daemon=("--num-blocks", "96")),
     "daemon with a host tier (kvcache serve --host-block-budget): prefixes come back from host": Case(
         num_blocks=40, host_blocks=128, max_num_seqs=2, daemon=("--num-blocks", "40", "--host-block-budget", "128")),
@@ -111,10 +116,10 @@ CASES: dict[str, Case] = {
         model=dataclasses.replace(WINDOWED, window_layers=(0, 1, 3)), head_wise=True, num_blocks=40, host_blocks=128,
         max_num_seqs=2, daemon=("--num-blocks", "40", "--host-block-budget", "128")),
     "daemon, TP 2, with a host tier: each rank's agent copies its kv heads": Case(
-        model=dataclasses.replace(WINDOWED, window_heads=2), head_wise=True, tp=2, num_blocks=40, host_blocks=128,
+        model=HEAD_WISE_TP2, head_wise=True, tp=2, num_blocks=40, host_blocks=128,
         max_num_seqs=2, daemon=("--num-blocks", "40", "--host-block-budget", "128")),
     "PD with a host tier on both nodes (the decode node's hits come back from its host)": Case(
-        model=dataclasses.replace(WINDOWED, window_heads=2), head_wise=True, pd=True, num_blocks=80, host_blocks=128,
+        model=HEAD_WISE, head_wise=True, pd=True, num_blocks=80, host_blocks=128,
         daemon=("--num-blocks", "80", "--host-block-budget", "128")),
     "daemon: preemption": Case(num_blocks=30, prompt_lens=(30, 38, 26, 34), max_new_tokens=16,
                                daemon=("--num-blocks", "30")),
@@ -155,7 +160,7 @@ def serving(case: Case) -> Iterator[dict[str, str]]:
 # layers of bfloat16 rounding); a block holding other positions' vectors differs by their whole size.
 GPU_CASES: dict[str, Case] = {
     "bfloat16 model and cache, head-wise SWA": Case(
-        model=dataclasses.replace(WINDOWED, window_heads=2, dtype="bfloat16"), head_wise=True, block_size=16,
+        model=dataclasses.replace(HEAD_WISE, dtype="bfloat16"), head_wise=True, block_size=16,
         num_blocks=26, logit_tolerance=1.0, forced=True, cache_tolerance=0.05),
 }
 
@@ -186,6 +191,8 @@ def on_gpu(case: Case) -> Case:
 def run(case: Case, corrupt: bool = False, device: str = "cpu") -> dict[str, Any]:
     """Serve the case's waves and compare with the dense model: matches, hits, preemptions, blocks given back.
     ``device`` "cuda:N": the model and its dense reference in PyTorch there, attention by flex attention."""
+    if case.model.head_wise_swa_ratio is not None and case.model.tp != case.tp:
+        raise ValueError(f"tp: the model windows FastDeploy's heads at TP {case.model.tp}, the case runs {case.tp}")
     with serving(case) as endpoints:
         if case.pd:
             return _run_pd(case, endpoints, device)
@@ -232,7 +239,8 @@ def _run_pd(case: Case, endpoints: dict[str, str], device: str = "cpu") -> dict[
 def reference_of(model: Model, case: Case) -> Reference:
     """The numpy oracle for the case's model (a bfloat16 model's in float32: numpy has no bfloat16)."""
     dtype = "float32" if case.model.dtype == "bfloat16" else case.model.dtype
-    return Reference(case.model.hf_config(), weights_of(model), dtype, fp8=case.quant == "block_wise_fp8")
+    return Reference(case.model.hf_config(), weights_of(model), dtype, fp8=case.quant == "block_wise_fp8",
+                     tp=case.model.tp)
 
 
 def _compare(reference: Reference, case: Case, generate: Any) -> tuple[list[str], int, float]:

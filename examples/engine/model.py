@@ -12,8 +12,8 @@ segments and asks an ``attend(layer, q, kv)`` callback for each layer's
 attention, where ``kv`` is what a cache stores per token (K and V per kv head,
 or one MLA latent), so the paged engine and the dense reference share every
 other computation (``Model.attention`` included). ``ModelConfig`` declares the
-sliding windows the way configs do (per layer, Gemma style, or on the first kv
-heads of a layer, FastDeploy style) and writes them as ``config.json`` fields
+sliding windows the way configs do (per layer, Gemma style, or on each TP
+rank's last kv heads of a layer, FastDeploy style) and writes them as ``config.json`` fields
 for kvcache to read. With ``kv_lora_rank`` the attention is DeepSeek's MLA:
 the cache holds one latent per token (``kv_lora_rank + rope_dim`` values)
 from which every head's keys and values are projected.
@@ -21,12 +21,14 @@ from which every head's keys and values are projected.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping
 from typing import Any, Callable
 
 import numpy as np
 
 from backend import paddle_backend
+from kvcache.allocator.rows import window_kv_heads
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +77,11 @@ class ModelConfig:
     window: int = 0  # sliding window in tokens, the query's own included; 0: every layer attends in full
     sink: int = 0  # first tokens a windowed query also sees
     window_layers: tuple[int, ...] | None = None  # layers with the window (None: all of them)
-    window_heads: int | None = None  # only the first this many kv heads of a windowed layer keep it (FastDeploy)
+    # FastDeploy's head-wise window: on each of ``tp`` ranks the last this share of a windowed layer's query heads
+    # keep the window, and the kv heads whose query heads all do (``window_kv_heads``); None: every head keeps it.
+    # FastDeploy splits per rank, so the same config windows other heads at another TP.
+    head_wise_swa_ratio: float | None = None
+    tp: int = 1
     chunk: int = 0  # chunked local attention (Llama 4's attention_chunk_size): a query sees only its chunk's keys
     chunk_layers: tuple[int, ...] | None = None  # layers with chunked attention (None: all of them)
     nope_layers: tuple[int, ...] = ()  # layers without RoPE (Llama 4's NoPE layers: no_rope_layers 0)
@@ -105,8 +111,14 @@ class ModelConfig:
         """bool [cache heads]: which heads of ``layer`` attend through the window."""
         out = np.zeros(self.cache_heads, dtype=bool)
         if self.window and (self.window_layers is None or layer in self.window_layers):
-            out[: self.cache_heads if self.window_heads is None else self.window_heads] = True
+            out[self._window_heads] = True
         return out
+
+    @functools.cached_property
+    def _window_heads(self) -> list[int]:
+        """The kv heads a windowed layer windows, as kvcache's rows place them."""
+        heads = window_kv_heads(self.hf_config(), self.num_q_heads, self.cache_heads, self.tp)
+        return sorted(heads) if heads is not None else list(range(self.cache_heads))
 
     def chunked(self, layer: int) -> bool:
         """Whether ``layer``'s queries see only the keys of their own chunk of ``chunk`` tokens."""
@@ -131,8 +143,8 @@ class ModelConfig:
             if self.window_layers is not None:
                 out["layer_types"] = ["sliding_attention" if i in self.window_layers else "full_attention"
                                       for i in range(self.num_layers)]
-            if self.window_heads is not None:
-                out["head_wise_swa_ratio"] = self.window_heads / self.num_kv_heads
+            if self.head_wise_swa_ratio is not None:
+                out["head_wise_swa_ratio"] = self.head_wise_swa_ratio
         if self.chunk:
             out["attention_chunk_size"] = self.chunk
             out["layer_types"] = ["chunked_attention" if self.chunked(i) else "full_attention"

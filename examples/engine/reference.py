@@ -62,14 +62,32 @@ class Layout(NamedTuple):
     window: int  # 0: none
     sink: int
     window_layers: frozenset[int]
-    window_heads: int  # the first this many kv heads of a windowed layer keep the window
+    window_heads: frozenset[int]  # the kv heads of a windowed layer that keep the window
     rank: int  # MLA's kv_lora_rank (0: grouped-query attention)
     rope_dim: int  # MLA's rotary part
     qk_norm: bool
 
 
-def layout_of(hf: Mapping[str, Any]) -> Layout:
-    """Read the fields the reference computes from; a model type or RoPE scaling it does not compute is refused."""
+def fastdeploy_window_heads(ratio: float | None, q_heads: int, kv_heads: int, head_dim: int, tp: int) -> frozenset[int]:
+    """The kv heads FastDeploy's attention windows under ``head_wise_swa_ratio``, read from its code (develop
+    c1b7c083): each of ``tp`` ranks runs ``q_heads // tp`` query heads over its kv heads; append_attn_backend.py
+    takes ``int((1 - ratio) * heads * head_dim)`` output columns from full attention, ops/append_attention.py copies
+    them over the window's output (none for ratio 0 or 1: every head windowed). A kv head is windowed when none of
+    its query heads has a full column."""
+    if ratio is None or ratio in (0, 1):
+        return frozenset(range(kv_heads))
+    heads, local_kv = q_heads // tp, max(1, kv_heads // tp)
+    group, full = heads // local_kv, int((1 - ratio) * heads * head_dim)
+    out = set()
+    for rank in range(tp):
+        first = rank * local_kv if kv_heads >= tp else rank * kv_heads // tp  # the rank's first (global) kv head
+        out |= {first + k for k in range(local_kv) if k * group * head_dim >= full}
+    return frozenset(out)
+
+
+def layout_of(hf: Mapping[str, Any], tp: int = 1) -> Layout:
+    """Read the fields the reference computes from (``tp``: the TP ranks FastDeploy's head-wise window is split
+    over); a model type or RoPE scaling it does not compute is refused."""
     kind = hf.get("model_type", "llama")
     if kind not in ("llama", "mistral", "qwen3", "deepseek_v3"):
         raise ValueError(f"model_type: the numpy reference computes llama, mistral, qwen3 and the engine's "
@@ -80,13 +98,14 @@ def layout_of(hf: Mapping[str, Any]) -> Layout:
     window = int(hf.get("sliding_window") or 0)
     types = hf.get("layer_types")
     windowed = {i for i in range(layers) if window and (types is None or types[i] == "sliding_attention")}
-    ratio = hf.get("head_wise_swa_ratio")
     rank = int(hf.get("kv_lora_rank") or 0)
-    return Layout(layers=layers, q_heads=int(hf["num_attention_heads"]), kv_heads=1 if rank else kv,
-                  head_dim=int(hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]),
+    q_heads = int(hf["num_attention_heads"])
+    head_dim = int(hf.get("head_dim") or hf["hidden_size"] // q_heads)
+    window_heads = fastdeploy_window_heads(hf.get("head_wise_swa_ratio"), q_heads, 1 if rank else kv, head_dim, tp)
+    return Layout(layers=layers, q_heads=q_heads, kv_heads=1 if rank else kv, head_dim=head_dim,
                   eps=float(hf.get("rms_norm_eps", 1e-6)), theta=float(hf.get("rope_theta", 10000.0)),
                   window=window, sink=int(hf.get("sink_size") or 0), window_layers=frozenset(windowed),
-                  window_heads=kv if ratio is None else int(round(float(ratio) * kv)), rank=rank,
+                  window_heads=window_heads, rank=rank,
                   rope_dim=int(hf.get("qk_rope_head_dim") or 0), qk_norm=kind == "qwen3")
 
 
@@ -110,8 +129,8 @@ class Reference:
     (or MLA's latent), a SwiGLU MLP. ``fp8`` rounds K and V as a block_wise_fp8 cache stores them."""
 
     def __init__(self, hf: Mapping[str, Any], weights: Mapping[str, Any], dtype: str = "float32",
-                 fp8: bool = False) -> None:
-        self.at = layout_of(hf)
+                 fp8: bool = False, tp: int = 1) -> None:
+        self.at = layout_of(hf, tp)
         self.dtype, self.fp8 = np.dtype(dtype), fp8
         self.w = {k: np.asarray(v, self.dtype) for k, v in weights.items() if k != "layers"}
         self.layers = [{k: np.asarray(v, self.dtype) for k, v in layer.items()} for layer in weights["layers"]]
@@ -137,7 +156,7 @@ class Reference:
         causal = j <= i
         out = np.repeat(causal[None], self.at.kv_heads, axis=0)
         if layer in self.at.window_layers:
-            out[: self.at.window_heads] &= (i - j < self.at.window) | (j < self.at.sink)
+            out[sorted(self.at.window_heads)] &= (i - j < self.at.window) | (j < self.at.sink)
         return out
 
     def _stored(self, x: np.ndarray, name: str) -> tuple[dict[str, np.ndarray], np.ndarray]:
