@@ -16,8 +16,10 @@ different prefixes.
 """
 from __future__ import annotations
 
+import json
 import os
 import random
+import sys
 import tempfile
 import threading
 from dataclasses import asdict, dataclass
@@ -27,6 +29,7 @@ import msgpack
 import pytest
 
 from kvcache.allocator.errors import KVCacheError
+from kvcache.allocator.swa import Full, Window
 from kvcache.integrations import fastdeploy as adapter
 from kvcache.integrations.fastdeploy_headwise import HeadWiseCacheManager
 
@@ -227,16 +230,26 @@ def test_thread_safe_release_from_executor_threads() -> None:
 
 # ---------------------------------------------------------------------- head-wise tables
 
-HEAD_WISE = dict(num_key_value_heads=4, head_wise_swa_ratio=0.5, window_size=8, sink_size=0)
+HEAD_WISE = dict(num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4, head_dim=16,
+                 head_wise_swa_ratio=0.5, window_size=8, sink_size=0)
 
 
-def make_head_wise(num_blocks: int = 32, cache=None, **model: object) -> adapter.FastDeployCacheManager:
-    """A manager for FastDeploy's head-wise config: 4 kv heads, the last 2 with an 8-token window."""
+def make_head_wise(num_blocks: int = 32, cache=None, tp: int = 1, **model: object) -> adapter.FastDeployCacheManager:
+    """A manager for FastDeploy's head-wise config: 8 query heads over 4 kv heads, half of each TP rank's query
+    heads windowed (8 tokens): at TP 1 the last 2 kv heads, at TP 2 kv heads 1 and 3."""
     config = SimpleNamespace(
         cache_config=SimpleNamespace(total_block_num=num_blocks, block_size=BLOCK, num_cpu_blocks=0,
                                      enable_prefix_caching=True),
-        model_config=SimpleNamespace(**{**HEAD_WISE, **model}))
+        model_config=SimpleNamespace(**{**HEAD_WISE, **model}),
+        parallel_config=SimpleNamespace(tensor_parallel_size=tp))
     return adapter.FastDeployCacheManager(config, 1, "mixed", cache=cache)
+
+
+def head_wise_config_file(folder) -> str:
+    """HEAD_WISE as the model's config.json, for `kvcache serve --model`."""
+    path = folder / "config.json"
+    path.write_text(json.dumps(HEAD_WISE))
+    return str(path)
 
 
 def prefill_in_chunks(manager: adapter.FastDeployCacheManager, task, chunk: int) -> None:
@@ -299,7 +312,7 @@ def test_head_wise_refusals_name_the_field(monkeypatch, daemon) -> None:
     from kvcache.client import CacheClient
 
     monkeypatch.setenv("FD_HEAD_WISE_KV_CACHE", "1")
-    for model, field in ((dict(head_wise_swa_ratio=0.3), "model_config.head_wise_swa_ratio"),
+    for model, field in ((dict(head_wise_swa_ratio=0.1), "model_config.head_wise_swa_ratio"),  # no kv head windowed
                          (dict(head_wise_swa_ratio=None), "model_config.head_wise_swa_ratio"),
                          (dict(window_size=0), "model_config.window_size"),
                          (dict(window_attn_skip_freq=2), "model_config.window_attn_skip_freq"),
@@ -344,18 +357,28 @@ def test_head_wise_refusals_name_the_field(monkeypatch, daemon) -> None:
         make_head_wise(cache=CacheClient(d.endpoint))
 
 
-def test_head_wise_over_a_daemon_gives_the_tables_it_gives_in_process(monkeypatch, daemon) -> None:
-    """A `kvcache serve --rows full*2,window:8:0*2` daemon serves the same head-wise tables as in process, and
-    its integrity check passes after every call."""
+@pytest.mark.parametrize("tp", [1, 2])
+def test_head_wise_over_a_daemon_gives_the_tables_it_gives_in_process(monkeypatch, daemon, tmp_path, tp) -> None:
+    """A `kvcache serve --model <config> --head-wise --tp N` daemon serves the rows FastDeploy's config asks for
+    at TP N and the same head-wise tables as in process; its integrity check passes after every call. A daemon
+    started for another TP windows other heads and is refused by name."""
     from kvcache.client import CacheClient
 
     monkeypatch.setenv("FD_HEAD_WISE_KV_CACHE", "1")
-    local = head_wise_trace(make_head_wise())
-    d = daemon("--num-blocks", "32", "--block-size", str(BLOCK), "--rows", "full*2,window:8:0*2")
-    shared = make_head_wise(cache=CacheClient(d.endpoint, timeout=30.0))
+    manager = make_head_wise(tp=tp)
+    window = Window(8, 0)
+    assert manager.policies == ((Full(), Full(), window, window) if tp == 1 else (Full(), window, Full(), window))
+    local = head_wise_trace(manager)
+    config = head_wise_config_file(tmp_path)
+    d = daemon("--num-blocks", "32", "--block-size", str(BLOCK), "--model", config, "--head-wise", "--tp", str(tp))
+    shared = make_head_wise(cache=CacheClient(d.endpoint, timeout=30.0), tp=tp)
     assert head_wise_trace(shared) == local
     assert shared.num_allocatable_gpu_blocks == 32
     shared.close()
+    other = daemon("--num-blocks", "32", "--block-size", str(BLOCK), "--model", config, "--head-wise",
+                   "--tp", str(3 - tp))
+    with pytest.raises(KVCacheError, match="^rows: the shared cache serves"):
+        make_head_wise(cache=CacheClient(other.endpoint), tp=tp)
 
 
 # ---------------------------------------------------------------------- engines sharing a daemon
@@ -737,6 +760,91 @@ def test_fastdeploys_scheduler_over_a_daemon_takes_the_steps_it_takes_in_process
         assert ours == theirs, f"step {i} differs"
 
 
+def fastdeploy_window_kv_heads(monkeypatch, ratio: float, num_heads: int, num_kv_heads: int, head_dim: int,
+                               tp: int) -> frozenset[int]:
+    """The kv heads FastDeploy's own attention code windows: per TP rank its ``AppendAttentionBackend`` is built
+    as the GPU model runner builds it (``num_attention_heads // tp`` query heads, ``max(1, kv heads // tp)`` kv
+    heads: gpu_model_runner.py:1707-1711) and its ``append_attention`` op runs with a stand-in for the CUDA kernel
+    that fills its output with 1 when called with a window and 0 without: the op's own column merge
+    (ops/append_attention.py:210-211) then says which query heads read through the window. A kv head is windowed
+    when all its query heads are; rank r's kv heads are the global ones ``rank_rows`` gives (split or replicated)."""
+    import importlib
+    import types
+
+    import numpy as np
+    import paddle
+
+    from kvcache.allocator.table import rank_rows
+
+    # The attention package's __init__ imports every backend, MLA's needing triton (not on a CPU): load the
+    # append-attention backend's own module from the package's folder instead.
+    name = "fastdeploy.model_executor.layers.attention"
+    if name not in sys.modules:
+        import fastdeploy.model_executor.layers as layers
+
+        package = types.ModuleType(name)
+        package.__path__ = [os.path.join(os.path.dirname(layers.__file__), "attention")]
+        monkeypatch.setitem(sys.modules, name, package)
+    from fastdeploy.platforms import current_platform
+
+    with monkeypatch.context() as cpu:  # import as on a CPU (no CUDA ops to load), whatever other tests patched
+        cpu.setattr(current_platform, "is_cuda", lambda: False)
+        backend_module = importlib.import_module(f"{name}.append_attn_backend")
+        op_module = importlib.import_module(f"{name}.ops.append_attention")
+    heads, kv_heads = num_heads // tp, max(1, num_kv_heads // tp)
+
+    def kernel(qkv, *args):  # the CUDA kernel's output [tokens, heads * head_dim]: 1 from a windowed call
+        sliding_window = args[-2]
+        return paddle.full([qkv.shape[0], heads * head_dim], 1.0 if sliding_window > 0 else 0.0, dtype="float32")
+
+    monkeypatch.setattr(op_module, "current_platform", SimpleNamespace(is_cuda=lambda: True))
+    monkeypatch.setattr(op_module, "append_attention_gpu", kernel, raising=False)
+    windowed: set[int] = set()
+    for rank in range(tp):
+        config = SimpleNamespace(
+            cache_config=SimpleNamespace(block_size=64),
+            model_config=SimpleNamespace(max_model_len=128, rope_theta=None, head_dim=head_dim, num_hidden_layers=1,
+                                         window_size=64, sink_size=0, window_attn_skip_freq=0,
+                                         head_wise_swa_ratio=ratio, start_layer_index=0),
+            enable_rope_3d_runtime=False,
+            speculative_config=SimpleNamespace(model_type="main", method=None, num_speculative_tokens=0),
+            parallel_config=SimpleNamespace(pd_disaggregation_mode="mixed", expert_parallel_rank=0,
+                                            tensor_parallel_rank=rank, tensor_parallel_size=tp,
+                                            local_data_parallel_id=0),
+            graph_opt_config=SimpleNamespace(full_cuda_graph=True))
+        backend = backend_module.AppendAttentionBackend(config, kv_num_heads=kv_heads, num_heads=heads,
+                                                        head_dim=head_dim)
+        assert not backend.use_output, "full_cuda_graph: the backend calls append_attention, which splits heads"
+        qkv = paddle.zeros([1, (heads + 2 * kv_heads) * head_dim], dtype="float32")
+        # forward_mixed's call (append_attn_backend.py:496-498): the backend's window, sink and full columns
+        out = op_module.append_attention(qkv, *[None] * 19, sliding_window=backend.window_size,
+                                         sink_size=backend.sink_size,
+                                         head_wise_full_hidden=backend.head_wise_full_hidden
+                                         if backend.head_wise_swa_ratio > 0 else 0)
+        query_windowed = (np.asarray(out.numpy()).reshape(heads, head_dim) == 1).all(axis=1)
+        group = heads // kv_heads
+        mine = range(num_kv_heads)[rank_rows(num_kv_heads, tp, rank)]
+        windowed |= {mine[k] for k in range(kv_heads) if query_windowed[k * group:(k + 1) * group].all()}
+    return frozenset(windowed)
+
+
+@needs_fastdeploy
+def test_window_kv_heads_are_the_heads_fastdeploys_attention_windows(monkeypatch) -> None:
+    """For FastDeploy configs at several ratios (0 and 1, tiny and partly covered heads), GQA groups and TP sizes,
+    the kv heads kvcache's rows window (``window_kv_heads``) are exactly those FastDeploy's attention backend and
+    op window, run here on the CPU; test_rows.py restates the same cases from FastDeploy's source."""
+    from test_rows import FASTDEPLOY_WINDOW_HEADS
+
+    from kvcache.allocator.rows import window_kv_heads
+
+    cases = FASTDEPLOY_WINDOW_HEADS + [(0.5, 64, 8, 128, 8, set()), (0.125, 64, 8, 128, 2, set()),
+                                       (0.875, 32, 4, 128, 1, {1, 2, 3}), (0.7, 12, 6, 64, 3, {1, 3, 5})]
+    for ratio, q, kv, head_dim, tp, expected in cases:
+        theirs = fastdeploy_window_kv_heads(monkeypatch, ratio, q, kv, head_dim, tp)
+        ours = window_kv_heads({"head_wise_swa_ratio": ratio, "head_dim": head_dim}, q, kv, tp)
+        assert ours == theirs == frozenset(expected), (ratio, q, kv, head_dim, tp, sorted(theirs))
+
+
 def run_head_wise(rm: ResourceManagerV1, trace: list[Spec]) -> tuple[list[Step], int]:
     """``run`` with head-wise tables; also counts the steps after which a scheduled request's
     ``block_tables_headwise`` has a window head's -1."""
@@ -753,7 +861,7 @@ def run_head_wise(rm: ResourceManagerV1, trace: list[Spec]) -> tuple[list[Step],
 
 
 @fastdeploy_test
-def test_fastdeploys_scheduler_serves_head_wise_tables_with_prefix_hits(monkeypatch, daemon) -> None:
+def test_fastdeploys_scheduler_serves_head_wise_tables_with_prefix_hits(monkeypatch, daemon, tmp_path) -> None:
     """FD_HEAD_WISE_KV_CACHE=1 and a model config with head_wise_swa_ratio 0.5 (4 kv heads, the last 2 with an
     8-token window): FastDeploy's ResourceManagerV1 with prefix caching on (which FastDeploy's head-wise patches
     refuse) schedules the pressured trace on kvcache's head-wise tables: prefix hits, chunked prefill,
@@ -774,7 +882,8 @@ def test_fastdeploys_scheduler_serves_head_wise_tables_with_prefix_hits(monkeypa
     assert with_holes > 100, "window heads give blocks back during the run"
     assert local.cache_manager._cache.stats().recycled_blocks > 0
     assert local.cache_manager.num_allocatable_gpu_blocks == 48
-    d = daemon("--num-blocks", "48", "--block-size", str(BLOCK), "--rows", "full*2,window:8:0*2")
+    d = daemon("--num-blocks", "48", "--block-size", str(BLOCK), "--model", head_wise_config_file(tmp_path),
+               "--head-wise")
     adapter.install(daemon=d.endpoint)
     try:
         shared = make_scheduler(prefix_cache_manager.PrefixCacheManager, **options)

@@ -2,8 +2,9 @@
 with prefix caching.
 
 FastDeploy's open head-wise work (``FD_HEAD_WISE_KV_CACHE=1``, a model config with ``head_wise_swa_ratio``,
-``window_size`` and ``sink_size``) gives each kv head a cache of its own; its attention keeps the first
-``1 - head_wise_swa_ratio`` of the heads full and slides a window over the rest. Those patches refuse
+``window_size`` and ``sink_size``) gives each kv head a cache of its own; on each TP rank its attention keeps the
+first ``1 - head_wise_swa_ratio`` of the query heads full and slides a window over the rest, so the last kv heads
+of each rank keep the window (``kvcache.allocator.rows.window_kv_heads``). Those patches refuse
 ``enable_prefix_caching`` in head-wise mode. ``HeadWiseCacheManager`` serves both: each request is admitted into a
 head-wise ``KVCacheManager`` (or a ``kvcache serve`` daemon of the same rows), whose window rows give back the
 blocks their window has passed and whose prefix index finds hits every head can use.
@@ -13,7 +14,7 @@ shares its block ids), so the scheduler counts, checks and recycles what it alwa
 ``request.block_tables_headwise`` (``[num_kv_heads][len(block_tables)]``, ``-1`` where a window head gave the
 block back) each time it changes; ``block_tables_headwise(request_id)`` gives it as an int32 array::
 
-    block_tables           | f0 | f1 | f2 | f3 | f4 |       full heads (rows 0 .. F-1): the scheduler's list
+    block_tables           | f0 | f1 | f2 | f3 | f4 |       the full heads' row (row 0 is one): the scheduler's list
     block_tables_headwise  | f0 | f1 | f2 | f3 | f4 |       each full head
                            | -1 | -1 | w2 | w3 | w4 |       each window head: blocks before the window went back
 
@@ -28,7 +29,7 @@ Refused by name: a PD role (``splitwise_role`` other than ``mixed``), extend tab
 head-wise without ``enable_prefix_caching`` (the adapter learns each request's tokens from
 ``request_match_blocks``), blocks allocated for a request never matched (PD pre-allocation, extend tables),
 ``window_attn_skip_freq`` (a head full on some layers and windowed on others is no single row), a
-``head_wise_swa_ratio`` that does not split the kv heads exactly, and ``free_block_ids`` (allocations evict).
+``head_wise_swa_ratio`` that leaves no kv head full or none windowed, and ``free_block_ids`` (allocations evict).
 """
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ import numpy as np
 
 from kvcache.allocator.errors import KVCacheError
 from kvcache.allocator.manager import KVCacheManager
-from kvcache.allocator.rows import describe_policy
+from kvcache.allocator.rows import describe_policy, window_kv_heads
 from kvcache.allocator.swa import AttentionPolicy, Full, Window
 from kvcache.integrations.fastdeploy import (
     FastDeployCacheManager,
@@ -65,9 +66,11 @@ def head_wise_policies(config: Any) -> tuple[AttentionPolicy, ...] | None:
     """Each kv head's policy when FastDeploy's config asks for head-wise tables, else None.
 
     Asked for by ``FD_HEAD_WISE_KV_CACHE=1``; the model config then names the window (``window_size``, with
-    ``sink_size``) and the share of kv heads that keep it (``head_wise_swa_ratio``): the last
-    ``num_key_value_heads * head_wise_swa_ratio`` heads, as FastDeploy's attention takes the first heads' output
-    from full attention. Anything else about it that cannot be served exactly is an error naming the field.
+    ``sink_size``) and the share of each TP rank's query heads that keep it (``head_wise_swa_ratio``): the kv heads
+    ``window_kv_heads`` gives for ``num_attention_heads``, ``num_key_value_heads``, ``head_dim`` and
+    ``parallel_config.tensor_parallel_size``, those FastDeploy's attention windows. ``kvcache serve --model
+    <config> --head-wise --tp N`` serves the same rows. Anything else about it that cannot be served exactly is an
+    error naming the field.
     """
     if os.environ.get(HEAD_WISE_ENV, "0").strip() in ("", "0"):
         return None
@@ -80,10 +83,18 @@ def head_wise_policies(config: Any) -> tuple[AttentionPolicy, ...] | None:
     if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio < 1:
         raise KVCacheError(f"model_config.head_wise_swa_ratio: head-wise tables ({HEAD_WISE_ENV}=1) need a number "
                            f"in (0, 1), got {ratio!r}")
-    windows = heads * ratio
-    if abs(windows - round(windows)) > 1e-9 or not 0 < round(windows) < heads:
-        raise KVCacheError(f"model_config.head_wise_swa_ratio: {ratio} of {heads} kv heads is not a whole number of "
-                           "heads between 1 and all but one")
+    query_heads = getattr(model, "num_attention_heads", None)
+    _check_count(query_heads, "model_config.num_attention_heads", least=1)
+    tp = getattr(getattr(config, "parallel_config", None), "tensor_parallel_size", 1) or 1
+    _check_count(tp, "parallel_config.tensor_parallel_size", least=1)
+    geometry = {"head_wise_swa_ratio": float(ratio), "head_dim": getattr(model, "head_dim", None),
+                "hidden_size": getattr(model, "hidden_size", None)}
+    windowed = window_kv_heads(geometry, int(query_heads), int(heads), int(tp))
+    assert windowed is not None, "a ratio in (0, 1) names the window heads"
+    if not 0 < len(windowed) < heads:
+        raise KVCacheError(f"model_config.head_wise_swa_ratio: {ratio} windows {len(windowed)} of {heads} kv heads "
+                           f"at TP {tp} (a kv head keeps the window only if all its query heads do); head-wise "
+                           "tables need some heads full and some windowed")
     window = getattr(model, "window_size", None)
     sink = getattr(model, "sink_size", 0) or 0
     _check_count(window, "model_config.window_size", least=1)
@@ -91,8 +102,7 @@ def head_wise_policies(config: Any) -> tuple[AttentionPolicy, ...] | None:
     if getattr(model, "window_attn_skip_freq", 0):
         raise KVCacheError(f"model_config.window_attn_skip_freq: {model.window_attn_skip_freq} makes some layers "
                            "full on every head; head-wise tables need each head's policy the same on every layer")
-    num_windows = int(round(windows))
-    return (Full(),) * (heads - num_windows) + (Window(int(window), int(sink)),) * num_windows
+    return tuple(Window(int(window), int(sink)) if head in windowed else Full() for head in range(heads))
 
 
 @dataclasses.dataclass(slots=True)
@@ -113,7 +123,7 @@ class HeadWiseCacheManager(FastDeployCacheManager):
 
     ``FastDeployCacheManager(config, ...)`` builds one when the config asks for head-wise tables
     (``head_wise_policies``); in process on a head-wise ``KVCacheManager``, or on a daemon serving the same rows
-    (``kvcache serve --rows full*F,window:W:S*N``, one row per kv head in FastDeploy's head order).
+    (``kvcache serve --model <config> --head-wise --tp N``: one row per kv head, in kv head order).
     """
 
     def _build(self, cache_config: Any) -> None:
@@ -142,7 +152,7 @@ class HeadWiseCacheManager(FastDeployCacheManager):
             wanted = [describe_policy(p) for p in policies]
             if served != wanted:
                 raise KVCacheError(f"rows: the shared cache serves {_rows_text(served)}, FastDeploy's head-wise "
-                                   f"config asks for {_rows_text(wanted)} (one row per kv head, full heads first)")
+                                   f"config asks for {_rows_text(wanted)} (one row per kv head, in kv head order)")
         self._cache = cache
         self.policies = policies
         self.num_kv_heads = len(policies)
@@ -367,7 +377,7 @@ class HeadWiseCacheManager(FastDeployCacheManager):
                 listed = list(live.task.block_tables)
                 assert listed == table[0, :live.listed].tolist(), (f"request {req_id!r}: block_tables {listed} is "
                                                                    f"not its full row {table[0].tolist()}")
-                assert (table[: self._num_full] >= 0).all(), f"request {req_id!r}: a full head lost a block"
+                assert (table[self._full_heads] >= 0).all(), f"request {req_id!r}: a full head lost a block"
                 expected += listed
             if tables is not None:
                 given = sorted(b for table in tables for b in table)
@@ -377,8 +387,8 @@ class HeadWiseCacheManager(FastDeployCacheManager):
     # ------------------------------------------------------------------ internals
 
     @property
-    def _num_full(self) -> int:
-        return sum(isinstance(p, Full) for p in self.policies)
+    def _full_heads(self) -> list[int]:
+        return [head for head, p in enumerate(self.policies) if isinstance(p, Full)]
 
     def _get_live(self, req_id: object) -> _Live:
         live = self._live.get(req_id)
