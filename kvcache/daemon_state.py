@@ -244,7 +244,7 @@ class DaemonState:
         self.layout = None if layout is None else tuple(layout)
         # The info reply's row cells at most: a msgpack int of a layer or head takes up to 5 bytes.
         self._cell_bytes = 5 * sum(len(r.layers) + len(r.kv_heads) for r in self.layout or ())
-        self._extra_info = extra_info or {}
+        self.extra_info = extra_info or {}  # more fields of the info reply (serve --model's plan and event groups)
         self.retries = _RetryCache(config.dedupe_window, config.dedupe_bytes)
         self.slots = _Slots(config.max_slots)
         self.deltas = DeltaStream(config.replay_buffer, config.replay_bytes)
@@ -908,7 +908,8 @@ class DaemonState:
             "tp": cfg.tp,
             "receivers": list(self.pd.receivers) if cfg.role == "decode" else None,
             "host_tier": {"num_blocks": self.tier.num_blocks, "timeout": cfg.tier_timeout} if self.tier else None,
-            **self._extra_info,
+            "lease_timeout": cfg.lease_timeout,
+            **self.extra_info,
         }
 
     def stats(self) -> dict[str, Any]:

@@ -127,7 +127,8 @@ class CacheServer:
             endpoints.events = KVEventPublisher(self._ctx, cfg.events_endpoint, cfg.events_replay_endpoint,
                                                 topic=cfg.events_topic, dp_rank=cfg.data_parallel_rank, wire=wire,
                                                 listeners=self._listeners, buffer_bytes=cfg.replay_bytes,
-                                                send_bytes=cfg.pub_bytes)
+                                                send_bytes=cfg.pub_bytes,
+                                                group_numbers=self.state.extra_info.get("event_groups"))
             self.manager.enable_events = True
             self.state.collect_events = True
 

@@ -17,7 +17,6 @@ import msgpack
 import pytest
 import zmq
 
-import kvcache
 from kvcache.allocator import CacheSpec, Full, KVCacheManager, Window
 from kvcache.allocator.events import AllBlocksCleared, BlockRemoved, BlockStored, renumber_groups
 from kvcache.allocator.groups import kv_cache_groups, units_of, vllm_group_numbers
@@ -34,13 +33,6 @@ VECTORS = json.loads((Path(__file__).parent / "vectors" / "vllm-groups" / "vllm-
 CASES = {case["name"]: case for case in VECTORS["cases"]}
 BS = 4
 SEED = b"event-groups-test"
-# The daemon hands its vLLM group numbers (extra_info's event_groups) to its KVEventPublisher(group_numbers=...).
-HOOKED = any("group_numbers=" in path.read_text() for path in Path(kvcache.__file__).parent.rglob("*.py")
-             if path.name != "events.py")
-needs_hook = pytest.mark.skipif(not HOOKED, reason="this kvcache.server does not pass event_groups to its "
-                                                   "KVEventPublisher (group_numbers) yet")
-
-
 def vllm_version() -> str | None:
     from kvcache.bench import vllm
 
@@ -230,7 +222,6 @@ def test_a_model_daemon_names_its_vllm_group_numbers_in_its_info(daemon):
         assert "event_groups" not in client.info()
 
 
-@needs_hook
 def test_a_model_daemon_publishes_one_store_per_vllm_group(daemon):
     """`kvcache serve --model gemma-3-4b --events`: an admit's blocks are stored under groups 0-5 (sliding) and 6
     (full), the same hashes in each; --events-groups policy keeps one store per row group (0 sliding, 1 full)."""

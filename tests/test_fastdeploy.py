@@ -444,15 +444,16 @@ def test_a_shared_daemon_refuses_another_block_size(daemon) -> None:
 
 
 def test_an_idle_engine_keeps_its_blocks_past_the_lease_timeout(daemon) -> None:
-    """A daemon run with --lease-timeout frees a silent client's blocks; the manager's keepalive pings keep an idle
-    engine's blank and cached blocks held well past that timeout. Without pings (keepalive 0) they are released."""
+    """A daemon run with --lease-timeout frees a silent client's blocks; the manager's keepalive pings, at least
+    three per lease, keep an idle engine's blank and cached blocks held well past that timeout. Without pings
+    (keepalive 0) they are released."""
     import time
 
     from kvcache.client import CacheClient
 
     d = daemon("--num-blocks", "32", "--block-size", str(BLOCK), "--lease-timeout", "1")
     config = SimpleNamespace(cache_config=SimpleNamespace(total_block_num=32, block_size=BLOCK, num_cpu_blocks=0))
-    for keepalive, held in ((0.25, 29), (0, 32)):
+    for keepalive, held in ((5.0, 29), (0, 32)):  # 5 s: pings come every third of the daemon's 1 s lease
         manager = adapter.FastDeployCacheManager(config, cache=CacheClient(d.endpoint, timeout=30.0),
                                                  keepalive=keepalive)
         task = make_task(f"idle-{keepalive}", list(range(1, 11)))

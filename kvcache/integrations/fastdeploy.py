@@ -39,8 +39,9 @@ Head-wise tables: where FastDeploy's config asks for head-wise KV cache (``FD_HE
 (``kvcache.integrations.fastdeploy_headwise``): one table per kv head, window heads giving blocks back, with
 prefix caching.
 
-Daemon leases: a manager on a daemon pings it every ``keepalive`` seconds (default 5) from a thread of its own,
-so a daemon with ``--lease-timeout`` keeps an idle engine's blocks.
+Daemon leases: a manager on a daemon pings it every ``keepalive`` seconds (default 5), or three times per
+lease where the daemon's ``--lease-timeout`` is shorter, from a thread of its own, so the daemon keeps an idle
+engine's blocks.
 
 Thread model: FastDeploy calls these methods from its scheduler thread and from executor threads (a finished
 request's release); every method takes ``request_release_lock`` (a re-entrant lock), so calls are serialised
@@ -146,7 +147,9 @@ class FastDeployCacheManager:
         self._stop = threading.Event()
         if cache is not None and not isinstance(cache, KVCacheManager) and keepalive > 0:
             # The daemon frees a silent client's blocks after --lease-timeout: an idle engine must not fall silent.
-            threading.Thread(target=_keep_lease, args=(weakref.ref(self), self._stop, float(keepalive)),
+            lease = float(cache.info().get("lease_timeout") or 0.0)
+            interval = min(float(keepalive), lease / 3) if lease > 0 else float(keepalive)
+            threading.Thread(target=_keep_lease, args=(weakref.ref(self), self._stop, interval),
                              name="kvcache-keepalive", daemon=True).start()
         self._shared = cache  # a manager or client given to us: its blocks are not ours to rebuild
         # Blank blocks (allocate_gpu_blocks) are held under this id until update_cache_blocks commits them to a
