@@ -183,11 +183,15 @@ class FastDeployCacheManager:
         self.num_gpu_blocks = num_blocks
         self.block_size: int | None = block_size
         self._matched: dict[object, int] = {}  # matched request -> blocks in its committed part (num_cached_blocks)
+        self._start_counting()
+
+    def _start_counting(self) -> None:
+        """Zero the prefix-cache counters and tell FastDeploy's metrics the pool's size (``num_gpu_blocks``)."""
         self._queries = self._hit_requests = self._queried_tokens = self._hit_tokens = 0
         self._evicted_base = _evicted(self._cache)
         metrics = _fastdeploy_metrics()
         if metrics is not None:
-            metrics.max_gpu_block_num.set(num_blocks)
+            metrics.max_gpu_block_num.set(self.num_gpu_blocks)
             metrics.max_cpu_block_num.set(0)
         self._report()
 

@@ -47,8 +47,6 @@ from kvcache.integrations.fastdeploy import (
     FastDeployCacheManager,
     _check_count,
     _check_ids,
-    _evicted,
-    _fastdeploy_metrics,
     _gpu_block_count,
     _refuse_unsupported,
     _task_mm,
@@ -163,13 +161,7 @@ class HeadWiseCacheManager(FastDeployCacheManager):
         self._deferred: set[object] = set()  # matched when no head had a block free: nothing held yet
         self._spare: tuple[object, int] | None = None  # (request, blocks admitted past its hit, not yet listed)
         self._released: tuple[object, list[int]] | None = None  # the last released request's list, for its recycle
-        self._queries = self._hit_requests = self._queried_tokens = self._hit_tokens = 0
-        self._evicted_base = _evicted(cache)
-        metrics = _fastdeploy_metrics()
-        if metrics is not None:
-            metrics.max_gpu_block_num.set(num_blocks)
-            metrics.max_cpu_block_num.set(0)
-        self._report()
+        self._start_counting()
 
     def update_cache_config(self, cache_config: Any) -> None:
         """Take FastDeploy's final cache config and start empty; refused while a request is live."""
@@ -180,18 +172,7 @@ class HeadWiseCacheManager(FastDeployCacheManager):
             self.cache_config = cache_config
 
     # ------------------------------------------------------------------ counts (the full heads' pool)
-
-    @property
-    def gpu_free_block_list(self) -> list[int]:
-        """The full heads' free blocks holding no prefix, ascending."""
-        with self.request_release_lock:
-            return self._cache.uncached_free_blocks().tolist()
-
-    @property
-    def num_free_gpu_blocks(self) -> int:
-        """The full heads' free blocks holding no prefix."""
-        with self.request_release_lock:
-            return int(self._cache.num_free_blocks[0] - self._cache.num_cached_free_blocks[0])
+    # gpu_free_block_list and num_free_gpu_blocks are the base class's: they count row 0, a full head.
 
     @property
     def num_allocatable_gpu_blocks(self) -> int:
