@@ -1,5 +1,6 @@
 """The tiny Llama 4 text model with chunked local attention through the reference engine, against transformers'
-stored tokens: shared by the CPU (tests/test_engine.py) and GPU (tests/test_engine_gpu.py) tests."""
+stored tokens: shared by the CPU (tests/test_engine.py, tests/test_chunked_attention.py) and GPU
+(tests/test_engine_gpu.py) tests."""
 from __future__ import annotations
 
 import dataclasses
@@ -17,18 +18,27 @@ sys.path.insert(0, str(ROOT / "examples" / "engine"))
 sys.path.insert(0, str(VECTORS))
 
 
+def llama4_checkpoint(folder: Path, chunk: int) -> tuple[Any, dict[str, Any], dict[str, Any]]:
+    """Write the tiny Llama 4 checkpoint with chunks of ``chunk`` into ``folder``, check it is byte for byte what
+    transformers read, and return it as the reference engine's ``ModelConfig`` and weights with its stored vectors
+    (``tests/vectors/engine``: prompts, transformers' tokens and chosen logits)."""
+    import make_llama4
+
+    expected = json.loads((VECTORS / make_llama4.VARIANTS[chunk][0]).read_text())
+    folder = make_llama4.write(folder, chunk=chunk)
+    assert {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())} == \
+        expected["files"], "the checkpoint must be the bytes transformers read"
+    config, weights = make_llama4.engine_model(folder)
+    return config, weights, expected
+
+
 def serve_llama4(tmp_path: Path, device: str, daemon: bool) -> None:
     """The tiny Llama 4 text model with chunks of 16 (``tests/vectors/engine/llama4_chunk16.json``) through
     ``generate.serve_model`` in blocks of 16: transformers' stored tokens, each chosen logit within 1e-3, chunk
     blocks given back, the second wave finding the first's prefixes; without the chunk mask the tokens differ."""
     import generate
-    import make_llama4
 
-    expected = json.loads((VECTORS / "llama4_chunk16.json").read_text())
-    folder = make_llama4.write(tmp_path / "llama4", chunk=16)
-    assert {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())} == \
-        expected["files"], "the checkpoint must be the bytes transformers read"
-    config, weights = make_llama4.engine_model(folder)
+    config, weights, expected = llama4_checkpoint(tmp_path / "llama4", chunk=16)
     seen = {"hit": 0, "recycled": 0}
 
     def count(wave: int, engine: Any, stats: Any) -> None:

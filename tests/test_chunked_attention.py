@@ -23,6 +23,8 @@ from kvcache.allocator.swa import NeededBlocks, needed_blocks, recyclable_blocks
 from kvcache.client import CacheClient
 from kvcache.config import parse_rows
 
+from caches import same_random_steps
+
 HORIZON = 64  # future queries checked past T
 
 
@@ -265,31 +267,11 @@ def test_daemon_serves_chunk_rows_as_the_library_does(daemon):
     library = KVCacheManager(96, 16, [Chunked(64), Full()], hash_seed="s")
     rng = np.random.default_rng(3)
     stem = rng.integers(0, 100, 300)
-    live: list[int] = []
     with CacheClient(d.endpoint) as client:
         rows = client.info()["rows"]
         assert [r["kind"] for r in rows] == ["chunk", "full"] and rows[0]["chunk"] == 64
-        for step in range(200):
-            action = rng.integers(3) if live else 0
-            if action == 0:
-                prompt = stem[: rng.integers(1, 300)]
-                got, want = client.admit(step, prompt), library.admit(step, prompt)
-                assert (got is None) == (want is None)
-                if want is not None:
-                    assert got.num_cached_tokens == want.num_cached_tokens
-                    assert np.array_equal(got.table, want.table)
-                    live.append(step)
-            elif action == 1:
-                rid = live[rng.integers(len(live))]
-                new = rng.integers(0, 100, rng.integers(0, 40))
-                got, want = client.extend(rid, new), library.extend(rid, new)
-                assert (got is None) == (want is None)
-                if want is not None:
-                    assert np.array_equal(got, want)
-            else:
-                rid = live.pop(rng.integers(len(live)))
-                client.free(rid)
-                library.free(rid)
+        live = same_random_steps(client, library, rng, 200, prompt=lambda rng: stem[: rng.integers(1, 300)],
+                                 new_tokens=lambda rng: rng.integers(0, 100, rng.integers(0, 40)))
         assert any((library.table(rid)[0] < 0).any() for rid in live) or not live
         assert client.num_free_blocks.tolist() == library.num_free_blocks.tolist()
     with pytest.raises(RuntimeError, match="chunk_tokens 24 must be a multiple of block_size 16"):
@@ -344,54 +326,18 @@ def test_the_engine_serves_a_chunked_model_as_its_dense_computation(through: str
 
 
 def llama4_model():
-    """The tiny Llama 4 text checkpoint of tests/vectors/engine (written here from its seed, byte for byte what
-    transformers read) as the reference engine's model: interleaved RoPE pairs become halves by permuting each
-    head's query and key rows (a permutation of both leaves every score as it is), layers [in, out]."""
-    import hashlib
-    import json
-    import sys
+    """The tiny Llama 4 text checkpoint of tests/vectors/engine with chunks of 8 (written here from its seed, byte
+    for byte what transformers read) as the reference engine's model, with its stored vectors."""
     import tempfile
     from pathlib import Path
 
-    from safetensors.numpy import load_file
+    from llama4_engine import llama4_checkpoint
+    from model import Model
 
-    vectors = Path(__file__).resolve().parent / "vectors" / "engine"
-    sys.path.insert(0, str(vectors))
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "engine"))
-    import make_llama4
-    from model import Model, ModelConfig, Rope
-
-    expected = json.loads((vectors / "llama4_chunked.json").read_text())
     with tempfile.TemporaryDirectory() as tmp:
-        folder = make_llama4.write(Path(tmp) / "llama4")
-        files = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
-        assert files == expected["files"], "the checkpoint must be the bytes transformers read"
-        hf = json.loads((folder / "config.json").read_text())
-        t = load_file(str(folder / "model.safetensors"))
-    d, layers = hf["head_dim"], hf["num_hidden_layers"]
-    policies = layer_policies(hf, layers)
-    assert [isinstance(p, Chunked) for p in policies] == [t == "chunked_attention" for t in expected["layer_types"]]
-
-    def halves(w: np.ndarray) -> np.ndarray:  # rows of [heads * d, in]: each head's (0, 2, ..., 1, 3, ...)
-        order = np.concatenate([np.arange(0, d, 2), np.arange(1, d, 2)])
-        return w.reshape(-1, d, w.shape[1])[:, order].reshape(w.shape)
-
-    weights = {"embed": t["model.embed_tokens.weight"], "lm_head": t["lm_head.weight"].T,
-               "final_norm": t["model.norm.weight"], "layers": []}
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        weights["layers"].append({
-            "attn_norm": t[p + "input_layernorm.weight"], "mlp_norm": t[p + "post_attention_layernorm.weight"],
-            "wq": halves(t[p + "self_attn.q_proj.weight"]).T, "wk": halves(t[p + "self_attn.k_proj.weight"]).T,
-            "wv": t[p + "self_attn.v_proj.weight"].T, "wo": t[p + "self_attn.o_proj.weight"].T,
-            "gate": t[p + "feed_forward.gate_proj.weight"].T, "up": t[p + "feed_forward.up_proj.weight"].T,
-            "down": t[p + "feed_forward.down_proj.weight"].T})
-    chunked = tuple(i for i, p in enumerate(policies) if isinstance(p, Chunked))
-    config = ModelConfig(num_layers=layers, num_q_heads=hf["num_attention_heads"],
-                         num_kv_heads=hf["num_key_value_heads"], head_dim=d, hidden=hf["hidden_size"],
-                         ffn=hf["intermediate_size_mlp"], vocab=hf["vocab_size"], rope=Rope(theta=hf["rope_theta"]),
-                         norm_eps=hf["rms_norm_eps"], chunk=hf["attention_chunk_size"], chunk_layers=chunked,
-                         nope_layers=tuple(i for i in range(layers) if i not in chunked))
+        config, weights, expected = llama4_checkpoint(Path(tmp) / "llama4", chunk=8)
+    chunked = [i in config.chunk_layers for i in range(config.num_layers)]
+    assert chunked == [t == "chunked_attention" for t in expected["layer_types"]]
     return Model(config, weights=weights), expected
 
 
