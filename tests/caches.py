@@ -1,5 +1,8 @@
-"""Random KV caches in numpy for the transfer tests: one byte buffer and, per (layer, tensor), a view shaped as the spec says."""
+"""Random KV caches in numpy for the transfer tests: one byte buffer and, per (layer, tensor), a view shaped as the spec says.
+Random admits, extends and frees through two caches that must agree (``same_random_steps``)."""
 from __future__ import annotations
+
+from typing import Any, Callable
 
 import numpy as np
 
@@ -35,3 +38,41 @@ def random_views(spec: CacheSpec, num_blocks: int | list[int], seed: int, layout
                                   strides=(block_stride, *inner)))
         views.append(row)
     return buffer, views
+
+
+Draw = Callable[[np.random.Generator], Any]
+
+
+def same_random_steps(a: Any, b: Any, rng: np.random.Generator, steps: int, *, prompt: Draw, new_tokens: Draw,
+                      lookahead: Draw | None = None) -> list[int]:
+    """``steps`` random steps through two caches (a daemon's client and a library ``KVCacheManager``, or two
+    clients), request ids the step numbers: admit ``prompt(rng)`` (always while none is live), extend a live
+    request by ``new_tokens(rng)`` reserving ``lookahead(rng)`` positions past them (none drawn without
+    ``lookahead``), or free one. Asserts both give the same admissions (hit, tokens, table) and extended tables
+    (or both refuse) and, after every step, the same free blocks. Returns the requests still live."""
+    live: list[int] = []
+    for step in range(steps):
+        action = rng.integers(3) if live else 0
+        if action == 0:
+            tokens = prompt(rng)
+            got, want = a.admit(step, tokens), b.admit(step, tokens)
+            assert (got is None) == (want is None)
+            if want is not None:
+                assert (got.num_cached_tokens, got.num_tokens) == (want.num_cached_tokens, want.num_tokens)
+                assert np.array_equal(got.table, want.table)
+                live.append(step)
+        elif action == 1:
+            rid = live[rng.integers(len(live))]
+            new = new_tokens(rng)
+            ahead = int(lookahead(rng)) if lookahead is not None else 0
+            got = a.extend(rid, new, num_lookahead_tokens=ahead)
+            want = b.extend(rid, new, num_lookahead_tokens=ahead)
+            assert (got is None) == (want is None)
+            if want is not None:
+                assert np.array_equal(got, want)
+        else:
+            rid = live.pop(rng.integers(len(live)))
+            a.free(rid)
+            b.free(rid)
+        assert a.num_free_blocks.tolist() == b.num_free_blocks.tolist()
+    return live

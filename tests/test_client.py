@@ -11,6 +11,8 @@ import pytest
 from kvcache.allocator import Full, KVCacheError, KVCacheManager, Window
 from kvcache.client import CacheClient, DaemonError, DaemonUnavailable
 
+from caches import same_random_steps
+
 ROWS = "window:16:4*2,full*2"
 POLICIES = [Window(16, 4)] * 2 + [Full()] * 2
 
@@ -19,33 +21,12 @@ def test_client_gives_the_same_results_as_the_library(daemon):
     """The same random steps through the daemon and through an in-process manager agree exactly."""
     d = daemon("--num-blocks", "40", "--block-size", "4", "--rows", ROWS, "--hash-seed", "s")
     library = KVCacheManager(40, 4, POLICIES, hash_seed="s")
-    rng = np.random.default_rng(1)
-    live: list[int] = []
     with CacheClient(d.endpoint) as client:
-        for step in range(300):
-            action = rng.integers(3) if live else 0
-            if action == 0:
-                prompt = np.concatenate([np.arange(rng.integers(1, 12)), rng.integers(0, 9, rng.integers(0, 6))])
-                got, want = client.admit(step, prompt), library.admit(step, prompt)
-                assert (got is None) == (want is None)
-                if want is not None:
-                    assert (got.num_cached_tokens, got.num_tokens) == (want.num_cached_tokens, want.num_tokens)
-                    assert np.array_equal(got.table, want.table)
-                    live.append(step)
-            elif action == 1:
-                rid = live[rng.integers(len(live))]
-                new = rng.integers(0, 9, rng.integers(0, 6))
-                ahead = int(rng.choice([0, 0, 1, 6]))  # positions past the tokens, reserved for the next step
-                got = client.extend(rid, new, num_lookahead_tokens=ahead)
-                want = library.extend(rid, new, num_lookahead_tokens=ahead)
-                assert (got is None) == (want is None)
-                if want is not None:
-                    assert np.array_equal(got, want)
-            else:
-                rid = live.pop(rng.integers(len(live)))
-                client.free(rid)
-                library.free(rid)
-            assert client.num_free_blocks.tolist() == library.num_free_blocks.tolist()
+        live = same_random_steps(
+            client, library, np.random.default_rng(1), 300,
+            prompt=lambda rng: np.concatenate([np.arange(rng.integers(1, 12)), rng.integers(0, 9, rng.integers(0, 6))]),
+            new_tokens=lambda rng: rng.integers(0, 9, rng.integers(0, 6)),
+            lookahead=lambda rng: rng.choice([0, 0, 1, 6]))  # positions past the tokens, reserved for the next step
         for rid in live:
             assert np.array_equal(client.table(rid), library.table(rid))
         assert client.lookup(np.arange(9)) == library.lookup(np.arange(9))
