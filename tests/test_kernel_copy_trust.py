@@ -173,19 +173,26 @@ def assert_untouched(v: Victim) -> None:
     assert np.array_equal(cache, make_cache(seed=1)[0]), "the registered cache changed"
 
 
+def assert_refused(v: Victim, engine: Any, answer: Callable[[dict], bytes]) -> Any:
+    """Write every block to a hello server that answers with ``answer``: the write fails, not by the kernel, and
+    ``v``'s memory keeps every byte. Returns the peer ``engine`` connected to."""
+    attacker = Attacker(answer)
+    try:
+        peer, status, _ = send_all(engine, attacker.endpoint)
+        assert_untouched(v)
+        assert status is TransferStatus.FAILED
+        assert not engine.uses_kernel_copy(peer)
+    finally:
+        attacker.close()
+    return peer
+
+
 def test_a_hello_relayed_from_another_process_with_a_region_of_its_choosing_gets_no_kernel_write(target, sender):
     """The attacker relays the victim's live hello (real pid, key, metadata, answer to our nonce), changing only the
     regions (to the victim's unregistered buffer) and the host: the signature no longer matches, so no kernel
     copy; NIXL refuses memory the victim never registered, and that buffer keeps every byte."""
-    attacker = Attacker(lambda request: rewrite(ask(target.endpoint, request), regions=[target.private_region()],
-                                                host="elsewhere"))
-    try:
-        peer, status, _ = send_all(sender, attacker.endpoint)
-        assert_untouched(target)
-        assert status is TransferStatus.FAILED
-        assert not sender.uses_kernel_copy(peer)
-    finally:
-        attacker.close()
+    assert_refused(target, sender, lambda request: rewrite(ask(target.endpoint, request),
+                                                           regions=[target.private_region()], host="elsewhere"))
 
 
 def test_a_replayed_hello_without_the_live_answer_gets_no_kernel_write(target, sender):
@@ -193,14 +200,7 @@ def test_a_replayed_hello_without_the_live_answer_gets_no_kernel_write(target, s
     answer was to another nonce, so the kernel never writes through it. Verbatim, the write goes through NIXL
     into the victim's registered cache (what NIXL alone allows anyone holding its metadata), byte for byte."""
     recorded = record(target.endpoint)
-    attacker = Attacker(lambda request: rewrite(recorded, regions=[target.private_region()]))
-    try:
-        peer, status, _ = send_all(sender, attacker.endpoint)
-        assert_untouched(target)
-        assert status is TransferStatus.FAILED
-        assert not sender.uses_kernel_copy(peer)
-    finally:
-        attacker.close()
+    peer = assert_refused(target, sender, lambda request: rewrite(recorded, regions=[target.private_region()]))
     sender.disconnect(peer)
     attacker = Attacker(lambda request: recorded)
     try:
