@@ -58,22 +58,11 @@ def test_a_query_that_sees_a_block_its_table_no_longer_holds_is_refused() -> Non
     """From the second step on, the table the model reads lacks the request's first block (-1), which every
     query of a model with no window sees: the step is refused by name before attention reads, whatever the NaN
     keys such a block reads as would do in the softmax."""
-    import numpy as np
-
     from engine import library_engine
+    from engine_faults import refuses_a_lost_block
     from model import Model
 
-    engine = library_engine(Model(check.ModelConfig()), num_blocks=32)
-    tables, calls = engine.read_tables, []
-
-    def without_first_block(rids: list) -> list:
-        calls.append(rids)
-        return [np.where(np.arange(t.shape[1]) == 0, -1, t) if len(calls) > 1 else t for t in tables(rids)]
-
-    engine.read_tables = without_first_block
-    with pytest.raises(RuntimeError, match="^layer 0: a query of request 'a' sees a token in a block its table "
-                                           "no longer holds$"):
-        engine.generate({"a": list(range(9))}, 3)
+    refuses_a_lost_block(library_engine(Model(check.ModelConfig()), num_blocks=32), list(range(9)))
 
 
 def test_the_check_script_runs_every_configuration_and_exits_zero() -> None:

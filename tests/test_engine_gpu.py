@@ -48,25 +48,14 @@ def test_a_query_that_sees_a_block_its_table_no_longer_holds_is_refused_on_the_g
     """As on the CPU: from the second step on, the table flex attention's block mask is built from lacks the
     request's first block (-1), which every query of a model with no window sees; the step is refused by name
     before attention reads, instead of the mask silently leaving the token out."""
-    import numpy as np
-
     sys.path.insert(0, str(ENGINE))
     from backend import TorchBackend
     from engine import library_engine
+    from engine_faults import refuses_a_lost_block
     from model import Model, ModelConfig
 
     engine = library_engine(Model(ModelConfig(), TorchBackend("cuda:0")), num_blocks=32, block_size=16)
-    tables, calls = engine.read_tables, []
-
-    def without_first_block(rids: list) -> list:
-        calls.append(rids)
-        return [np.where(np.arange(t.shape[1]) == 0, -1, t) if len(calls) > 1 else t for t in tables(rids)]
-
-    engine.read_tables = without_first_block
-    with pytest.raises(RuntimeError, match="^layer 0: a query of request 'a' sees a token in a block its table "
-                                           "no longer holds$"):
-        engine.generate({"a": list(range(20))}, 3)
-    assert len(calls) == 2
+    assert len(refuses_a_lost_block(engine, list(range(20)))) == 2
 
 
 @pytest.mark.parametrize("daemon", [False, True], ids=["library", "daemon"])
