@@ -801,7 +801,7 @@ def test_a_request_freed_while_loading_is_not_reused_mid_copy(tiers) -> None:
 
 
 def test_a_journal_snapshot_holds_the_manager_without_its_tier(tiers) -> None:
-    from kvcache.server import STATE_CODEC
+    from kvcache.durability import STATE_CODEC
 
     tier = tiers(make_spec(), num_blocks=8, host_blocks=8)
     tier.admit("a", list(range(1, 10)))
@@ -982,3 +982,84 @@ def test_staging_suits_copies_whose_host_side_comes_in_long_runs() -> None:
     assert StagedCopier.suits(CopyRanges(run, gpu, length), to_host=False)
     assert not StagedCopier.suits(CopyRanges(gpu, scattered, length), to_host=True)
     assert not StagedCopier.suits(CopyRanges(scattered, gpu, length), to_host=False)
+
+
+@settings(max_examples=80, deadline=None)
+@given(data=st.data())
+def test_the_c_staged_plan_is_the_numpy_plan(data) -> None:
+    """``_ranges.stage_plan`` lays every layout out as the numpy reference does: the same pieces, slot offsets and
+    DMAs, array for array, whether each layer's host side tiles one span (mirrored) or not (sorted), long ranges cut."""
+    from kvcache.transfer import staged
+
+    layers = data.draw(st.integers(1, 5))
+    unit = data.draw(st.sampled_from([16, 48, 4096]))
+    per_layer = data.draw(st.lists(st.integers(0, 14), min_size=layers, max_size=layers))
+    to_host = data.draw(st.booleans())
+    slot, chunk = data.draw(st.sampled_from([(64, 32), (8192, 4096), (1 << 20, 1 << 16)]))
+    total = sum(per_layer)
+    lengths = np.array(data.draw(st.lists(st.integers(1, 40), min_size=total, max_size=total)), dtype=np.int64) * unit
+    gpu_addr = np.array(data.draw(st.permutations(range(max(total, 1) * 2)))[:total], dtype=np.int64) * unit * 40
+    host_addr = np.array(data.draw(st.permutations(range(max(total, 1) * 2)))[:total], dtype=np.int64) * unit * 40
+    if data.draw(st.booleans()):  # each layer's ranges tile one host span (maybe with a gap: a load may still mirror)
+        first = 1 << 30
+        for a, b in zip(np.cumsum([0, *per_layer])[:-1].tolist(), np.cumsum(per_layer).tolist()):
+            order = np.array(data.draw(st.permutations(range(b - a))), dtype=np.int64) + a
+            host_addr[order] = first + np.cumsum(lengths[order]) - lengths[order]
+            if b - a > 1 and data.draw(st.booleans()):
+                host_addr[order[-1]] += unit * data.draw(st.integers(1, 3))
+            first += int(lengths[a:b].sum()) + unit * data.draw(st.integers(0, 4))
+    ranges = CopyRanges(gpu_addr, host_addr, lengths) if to_host else CopyRanges(host_addr, gpu_addr, lengths)
+    cuts = np.concatenate(([0], np.cumsum(per_layer))).astype(np.int64)
+    old = staged.SLOT_BYTES, staged.CHUNK_BYTES
+    staged.SLOT_BYTES, staged.CHUNK_BYTES = slot, chunk
+    try:
+        fast, reference = staged._plan(ranges, cuts, to_host), staged._numpy_plan(ranges, cuts, to_host)
+    finally:
+        staged.SLOT_BYTES, staged.CHUNK_BYTES = old
+    for name in staged._Plan.__slots__:
+        assert np.array_equal(getattr(fast, name), getattr(reference, name)), name
+
+
+def test_the_c_staged_plan_refuses_empty_ranges_and_bad_cuts() -> None:
+    """stage_plan names what is wrong (a range of no bytes, cuts not ending at the ranges) and writes nothing."""
+    from kvcache.transfer import _ranges
+
+    out = [np.zeros(4, dtype=np.int64) for _ in range(11)]
+    one = np.array([64], dtype=np.int64)
+    with pytest.raises(ValueError, match="range 0 has 0 bytes"):
+        _ranges.stage_plan(one, one, np.array([0], dtype=np.int64), np.array([0, 1], dtype=np.int64), True, 128, 64,
+                           *out)
+    with pytest.raises(ValueError, match="cuts must run from 0"):
+        _ranges.stage_plan(one, one, one, np.array([0, 2], dtype=np.int64), True, 128, 64, *out)
+    with pytest.raises(ValueError, match="chunk"):
+        _ranges.stage_plan(one, one, one, np.array([0, 1], dtype=np.int64), True, 64, 64, *out)
+    assert all(not o.any() for o in out)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_per_layer_ranges_are_each_layers_copy_ranges(data) -> None:
+    """``copy_ranges_per_layer`` (C, every layer at once) gives, layer by layer, exactly ``copy_ranges`` of that
+    layer alone, for tables of several rows read per layer or per kv head, ids -1 skipped."""
+    from kvcache.transfer.regions import copy_ranges, copy_ranges_per_layer
+
+    spec = make_spec(data.draw(st.sampled_from(["bf16", "int8", "mla_fp8"])), num_layers=data.draw(st.integers(1, 4)))
+    num_blocks, rows, m = 12, data.draw(st.integers(1, 3)), data.draw(st.integers(0, 6))
+    src, dst = Memory(spec, num_blocks, seed=1).region, Memory(spec, num_blocks, seed=2).region
+    heads = src.heads
+    cells = np.array(data.draw(st.lists(st.lists(st.integers(0, rows - 1), min_size=heads, max_size=heads),
+                                        min_size=spec.num_layers, max_size=spec.num_layers)), dtype=np.int64)
+    tables = []
+    for _ in range(2):
+        table = np.array([data.draw(st.permutations(range(num_blocks)))[:m] for _ in range(rows)], dtype=np.int32)
+        table = table.reshape(rows, m)
+        table[np.array(data.draw(st.lists(st.booleans(), min_size=rows * m, max_size=rows * m)),
+                       dtype=bool).reshape(rows, m)] = -1
+        tables.append(table)
+    ranges, cuts = copy_ranges_per_layer(src, tables[0], dst, tables[1], cell_rows=cells)
+    assert cuts.tolist() == sorted(cuts.tolist()) and cuts[0] == 0 and cuts[-1] == ranges.num_ranges
+    for layer in range(spec.num_layers):
+        alone = copy_ranges(src, tables[0], dst, tables[1], layers=[layer], cell_rows=cells)
+        part = ranges.select(slice(int(cuts[layer]), int(cuts[layer + 1])))
+        for got, want in zip(part, alone):
+            assert got.tolist() == want.tolist(), layer

@@ -7,11 +7,15 @@
  * in (unit, pair) order; a range joins the previous one when both sides continue it and both lie
  * in the same group of `group` units (a layer's tensors), so each group's ranges can be posted on
  * their own. Addresses are the caller's checked region addresses; nothing is dereferenced.
+ *
+ * stage_plan lays a group of layers' GPU<->host ranges out in slot-sized pieces for a staged copy
+ * (kvcache.transfer.staged): the same plan as the numpy reference there, in two passes over the ranges.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
 #include <stdint.h>
+#include <string.h>
 
 typedef struct {
     Py_buffer view;
@@ -116,13 +120,305 @@ done:
     return result;
 }
 
+/* ------------------------------------------------------------------ stage_plan */
+
+PyDoc_STRVAR(chunked_doc,
+             "chunked(length, chunk) -> int\n\n"
+             "How many ranges ``length`` becomes once each is cut into pieces of at most ``chunk`` bytes (a range\n"
+             "of 0 bytes stays one): the room stage_plan's outputs need.");
+
+static PyObject *chunked(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *obj;
+    long long chunk;
+    if (!PyArg_ParseTuple(args, "OL", &obj, &chunk)) {
+        return NULL;
+    }
+    if (chunk < 1) {
+        PyErr_Format(PyExc_ValueError, "chunk must be at least 1, got %lld", chunk);
+        return NULL;
+    }
+    int64s len;
+    if (get_int64s(obj, "length", 0, &len) != 0) {
+        return NULL;
+    }
+    Py_ssize_t total = 0;
+    for (Py_ssize_t i = 0; i < len.count; i++) {
+        int64_t k = (len.data[i] + chunk - 1) / chunk;
+        total += k > 1 ? k : 1;
+    }
+    PyBuffer_Release(&len.view);
+    return PyLong_FromSsize_t(total);
+}
+
+/* Stable merge sort of idx[0..n) by key[idx[i]], tmp of n entries as scratch. */
+static void sort_by_key(int64_t *idx, int64_t *tmp, Py_ssize_t n, const int64_t *key)
+{
+    for (Py_ssize_t width = 1; width < n; width *= 2) {
+        for (Py_ssize_t lo = 0; lo < n; lo += 2 * width) {
+            Py_ssize_t mid = lo + width < n ? lo + width : n, hi = lo + 2 * width < n ? lo + 2 * width : n;
+            Py_ssize_t a = lo, b = mid, k = lo;
+            while (a < mid && b < hi) {
+                tmp[k++] = key[idx[b]] < key[idx[a]] ? idx[b++] : idx[a++];
+            }
+            while (a < mid) {
+                tmp[k++] = idx[a++];
+            }
+            while (b < hi) {
+                tmp[k++] = idx[b++];
+            }
+        }
+        memcpy(idx, tmp, (size_t)n * sizeof(int64_t));
+    }
+}
+
+PyDoc_STRVAR(stage_plan_doc,
+             "stage_plan(gpu, host, length, cuts, to_host, slot, chunk, out_gpu, out_offset, out_length, out_piece,\n"
+             "           out_piece_starts, out_layer_end, out_dma_host, out_dma_offset, out_dma_length, out_dma_piece,\n"
+             "           out_dma_starts) -> (ranges, pieces, dmas)\n\n"
+             "Lay out ranges (layer l's are [cuts[l], cuts[l + 1])) in pieces of ``slot`` bytes, ranges longer than\n"
+             "``chunk`` cut first. Mirrored where every layer's host side is one span (an offload's ranges tile it,\n"
+             "a load's cover at least 4/5 of it): a range sits at its host offset within its window of the span,\n"
+             "one DMA a window. Else each layer's ranges sorted by host address (stably) and packed, one DMA per\n"
+             "host run within a piece. Per range (room: chunked(length, chunk) + 1): gpu address, offset in its\n"
+             "piece's slot, length, piece, in piece order; per piece: piece_starts (pieces + 1), dma_starts\n"
+             "(pieces + 1); per DMA: host address, slot offset, length, piece; per layer: layer_end (its pieces\n"
+             "end there). All arrays int64.");
+
+enum { SP_GPU, SP_OFFSET, SP_LENGTH, SP_PIECE, SP_PIECE_STARTS, SP_LAYER_END, SP_DMA_HOST, SP_DMA_OFFSET,
+       SP_DMA_LENGTH, SP_DMA_PIECE, SP_DMA_STARTS, SP_OUTS };
+
+static PyObject *stage_plan(PyObject *self, PyObject *args)
+{
+    (void)self;
+    enum { N_IN = 4 };
+    PyObject *objs[N_IN + SP_OUTS];
+    int to_host;
+    long long slot, chunk;
+    if (!PyArg_ParseTuple(args, "OOOOpLLOOOOOOOOOOO", &objs[0], &objs[1], &objs[2], &objs[3], &to_host, &slot,
+                          &chunk, &objs[4], &objs[5], &objs[6], &objs[7], &objs[8], &objs[9], &objs[10], &objs[11],
+                          &objs[12], &objs[13], &objs[14])) {
+        return NULL;
+    }
+    static const char *names[N_IN + SP_OUTS] = {"gpu", "host", "length", "cuts", "out_gpu", "out_offset",
+                                                "out_length", "out_piece", "out_piece_starts", "out_layer_end",
+                                                "out_dma_host", "out_dma_offset", "out_dma_length", "out_dma_piece",
+                                                "out_dma_starts"};
+    int64s a[N_IN + SP_OUTS];
+    int got = 0;
+    PyObject *result = NULL;
+    int64_t *mem = NULL;
+    for (; got < N_IN + SP_OUTS; got++) {
+        if (get_int64s(objs[got], names[got], got >= N_IN, &a[got]) != 0) {
+            goto done;
+        }
+    }
+    if (chunk < 1 || 5 * chunk > 4 * slot) { /* then no layer has more pieces than ranges */
+        PyErr_Format(PyExc_ValueError, "need 1 <= chunk <= 4/5 of slot, got chunk %lld, slot %lld", chunk, slot);
+        goto done;
+    }
+    Py_ssize_t n_in = a[0].count, layers = a[3].count - 1;
+    const int64_t *gpu_in = a[0].data, *host_in = a[1].data, *len_in = a[2].data, *cuts = a[3].data;
+    if (a[1].count != n_in || a[2].count != n_in) {
+        PyErr_SetString(PyExc_ValueError, "gpu, host and length must have one size");
+        goto done;
+    }
+    if (layers < 0 || cuts[0] != 0 || cuts[layers] != n_in) {
+        PyErr_Format(PyExc_ValueError, "cuts must run from 0 to the %zd ranges", n_in);
+        goto done;
+    }
+    for (Py_ssize_t l = 0; l < layers; l++) {
+        if (cuts[l + 1] < cuts[l]) {
+            PyErr_SetString(PyExc_ValueError, "cuts must not decrease");
+            goto done;
+        }
+    }
+    Py_ssize_t n = 0;
+    for (Py_ssize_t i = 0; i < n_in; i++) {
+        if (len_in[i] < 1) {
+            PyErr_Format(PyExc_ValueError, "length: range %zd has %lld bytes", i, (long long)len_in[i]);
+            goto done;
+        }
+        n += (len_in[i] + chunk - 1) / chunk;
+    }
+    for (int k = SP_GPU; k < SP_OUTS; k++) {
+        Py_ssize_t need = k == SP_LAYER_END ? layers : (k == SP_PIECE_STARTS || k == SP_DMA_STARTS) ? n + 1 : n;
+        if (a[N_IN + k].count < need) {
+            PyErr_Format(PyExc_ValueError, "%s has room for %zd, needs %zd", names[N_IN + k], a[N_IN + k].count,
+                         need);
+            goto done;
+        }
+    }
+    int64_t *o[SP_OUTS];
+    for (int k = 0; k < SP_OUTS; k++) {
+        o[k] = (int64_t *)a[N_IN + k].data;
+    }
+    /* scratch: chunked gpu, host, length, layer end (ecuts, layers + 1), piece, order, tmp; per layer lo/hi/base */
+    mem = PyMem_Malloc(sizeof(int64_t) * (size_t)(6 * n + 4 * (layers + 1) + 2));
+    if (mem == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    int64_t *g = mem, *h = g + n, *ln = h + n, *piece = ln + n, *order = piece + n, *tmp = order + n;
+    int64_t *ecuts = tmp + n, *lo = ecuts + layers + 1, *hi = lo + layers + 1, *base = hi + layers + 1;
+    Py_ssize_t m = 0;
+    int mirrored = 1;
+    ecuts[0] = 0;
+    for (Py_ssize_t l = 0; l < layers; l++) {
+        int64_t lmin = 0, lmax = 0, total = 0;
+        for (int64_t i = cuts[l]; i < cuts[l + 1]; i++) {
+            for (int64_t done_bytes = 0; done_bytes < len_in[i]; done_bytes += chunk) {
+                g[m] = gpu_in[i] + done_bytes;
+                h[m] = host_in[i] + done_bytes;
+                ln[m] = len_in[i] - done_bytes < chunk ? len_in[i] - done_bytes : chunk;
+                m++;
+            }
+            int64_t end = host_in[i] + len_in[i];
+            if (i == cuts[l] || host_in[i] < lmin) {
+                lmin = host_in[i];
+            }
+            if (i == cuts[l] || end > lmax) {
+                lmax = end;
+            }
+            total += len_in[i];
+        }
+        ecuts[l + 1] = m;
+        lo[l] = lmin;
+        hi[l] = lmax;
+        int64_t span = lmax - lmin;
+        if (to_host ? span != total : 4 * span > 5 * total) {
+            mirrored = 0;
+        }
+    }
+    Py_ssize_t pieces = 0, dmas = 0;
+    if (mirrored) {
+        /* windows of each layer's span; each range's piece is its host offset's window */
+        base[0] = 0;
+        for (Py_ssize_t l = 0; l < layers; l++) {
+            base[l + 1] = base[l] + (hi[l] - lo[l] + slot - 1) / slot;
+        }
+        pieces = base[layers];
+        int64_t *over = o[SP_DMA_OFFSET]; /* what ranges starting in a window carry past its end: dma_offset later */
+        int64_t *count = o[SP_PIECE_STARTS];
+        memset(over, 0, sizeof(int64_t) * (size_t)pieces);
+        memset(count, 0, sizeof(int64_t) * (size_t)(pieces + 1));
+        for (Py_ssize_t l = 0; l < layers; l++) {
+            for (int64_t i = ecuts[l]; i < ecuts[l + 1]; i++) {
+                int64_t rel = h[i] - lo[l], local = rel / slot, p = base[l] + local;
+                int64_t past = rel + ln[i] - (local + 1) * slot;
+                piece[i] = p;
+                if (past > over[p]) {
+                    over[p] = past;
+                }
+                count[p + 1]++;
+            }
+        }
+        for (Py_ssize_t p = 0; p < pieces; p++) {
+            count[p + 1] += count[p];
+        }
+        /* DMAs: one per window; an offload's starts after what the previous window's DMA carried over */
+        for (Py_ssize_t l = 0; l < layers; l++) {
+            for (int64_t p = base[l]; p < base[l + 1]; p++) {
+                int64_t start = lo[l] + (p - base[l]) * slot;
+                int64_t head = to_host && p > base[l] ? over[p - 1] : 0;
+                int64_t end = start + slot + over[p];
+                o[SP_DMA_HOST][p] = start + head;
+                o[SP_DMA_LENGTH][p] = (end < hi[l] ? end : hi[l]) - (start + head);
+                o[SP_DMA_PIECE][p] = p;
+                o[SP_DMA_STARTS][p] = p;
+                tmp[p] = start; /* the window's host start */
+            }
+        }
+        o[SP_DMA_STARTS][pieces] = pieces;
+        /* ranges in piece order (a stable counting sort), at their host offsets within their windows */
+        for (Py_ssize_t p = 0; p < pieces; p++) {
+            order[p] = count[p];
+        }
+        for (Py_ssize_t i = 0; i < n; i++) {
+            int64_t at = order[piece[i]]++;
+            o[SP_GPU][at] = g[i];
+            o[SP_LENGTH][at] = ln[i];
+            o[SP_PIECE][at] = piece[i];
+            o[SP_OFFSET][at] = h[i] - tmp[piece[i]];
+        }
+        /* over[] lived in dma_offset: now the heads */
+        for (Py_ssize_t l = 0; l < layers; l++) {
+            for (int64_t p = base[l + 1] - 1; p >= base[l]; p--) {
+                over[p] = to_host && p > base[l] ? over[p - 1] : 0;
+            }
+        }
+        dmas = pieces;
+    } else {
+        /* each layer's ranges by host address, packed into pieces of slot bytes in that order */
+        int64_t *starts = o[SP_PIECE_STARTS];
+        base[0] = 0;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            order[i] = i;
+        }
+        for (Py_ssize_t l = 0; l < layers; l++) {
+            int64_t first = ecuts[l], count = ecuts[l + 1] - first, sorted = 1;
+            for (int64_t i = first + 1; i < ecuts[l + 1] && sorted; i++) {
+                sorted = h[i] >= h[i - 1];
+            }
+            if (!sorted) {
+                sort_by_key(order + first, tmp, count, h);
+            }
+            int64_t within = 0, local = -1;
+            for (int64_t k = first; k < ecuts[l + 1]; k++) {
+                int64_t i = order[k], lp = within / slot, p = base[l] + lp;
+                while (local < lp) {
+                    starts[base[l] + ++local] = k;
+                }
+                o[SP_GPU][k] = g[i];
+                o[SP_LENGTH][k] = ln[i];
+                o[SP_PIECE][k] = p;
+                o[SP_OFFSET][k] = within - lp * slot;
+                /* a new DMA unless this range continues the previous one's host run within one piece */
+                if (k == 0 || o[SP_PIECE][k - 1] != p || h[order[k - 1]] + ln[order[k - 1]] != h[i]) {
+                    o[SP_DMA_HOST][dmas] = h[i];
+                    o[SP_DMA_OFFSET][dmas] = o[SP_OFFSET][k];
+                    o[SP_DMA_LENGTH][dmas] = ln[i];
+                    o[SP_DMA_PIECE][dmas] = p;
+                    dmas++;
+                } else {
+                    o[SP_DMA_LENGTH][dmas - 1] += ln[i];
+                }
+                within += ln[i];
+            }
+            base[l + 1] = base[l] + local + 1;
+        }
+        pieces = base[layers];
+        starts[pieces] = n;
+        Py_ssize_t d = 0;
+        for (Py_ssize_t p = 0; p <= pieces; p++) {
+            while (d < dmas && o[SP_DMA_PIECE][d] < p) {
+                d++;
+            }
+            o[SP_DMA_STARTS][p] = d;
+        }
+    }
+    for (Py_ssize_t l = 0; l < layers; l++) {
+        o[SP_LAYER_END][l] = base[l + 1];
+    }
+    result = Py_BuildValue("(nnn)", n, pieces, dmas);
+done:
+    PyMem_Free(mem);
+    for (int k = 0; k < got; k++) {
+        PyBuffer_Release(&a[k].view);
+    }
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"pair_ranges", pair_ranges, METH_VARARGS, pair_ranges_doc},
+    {"chunked", chunked, METH_VARARGS, chunked_doc},
+    {"stage_plan", stage_plan, METH_VARARGS, stage_plan_doc},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_ranges", "The merged byte ranges of a block-to-block KV copy, in one pass.", -1,
+    PyModuleDef_HEAD_INIT, "_ranges", "The merged byte ranges of a block-to-block KV copy, and a staged copy's plan, in one pass each.", -1,
     methods, NULL, NULL, NULL, NULL,
 };
 

@@ -52,7 +52,7 @@ from kvcache.allocator.rows import table_cells
 from kvcache.transfer.copies import Copy, Submitter
 from kvcache.transfer.copies import worst as _worst
 from kvcache.transfer.engines import CUDA_METHODS, DEFAULT_TIMEOUT, LocalEngine, TransferHandle, TransferStatus
-from kvcache.transfer.regions import KVRegion, copy_ranges_by_layers
+from kvcache.transfer.regions import KVRegion, copy_ranges_per_layer
 from kvcache.transfer.staged import StagedCopier
 
 if TYPE_CHECKING:
@@ -766,42 +766,32 @@ def copy_layers(engine: LocalEngine, src: KVRegion, src_ids: np.ndarray, dst: KV
     kv head h reads row ``cells[l, h]``): one transfer per layer, in layer order on one engine (so layer l's is
     done when layer l+1's is), each within ``timeout`` seconds (the engine's when None).
 
-    Layers go to the engine in groups of doubling size (1, 1, 2, 4, ...): the first layer's
-    copy starts once its own ranges are known, and each later group's ranges are computed
-    while the groups before it copy. Within a group the ranges are split by the layer whose
-    memory each starts in; one merged across a layer boundary goes with the earlier layer,
-    which the engine's in-order queue finishes first. With ``staged`` (a copier over the engine's
-    runtime, which then takes every copy between the GPU and host memory, to keep them in one
-    order), a copy whose host side comes in long runs is staged (``StagedCopier.suits``, judged on
-    the first layer); others go through the copy kernel directly.
+    Every layer's ranges are worked out at once, in C (``copy_ranges_per_layer``), and go to the
+    engine in groups growing fourfold (layers 0 | 1-3 | 4-15 | 16-63 ...): the first layer's copy
+    starts at once, and each later group is planned while the groups before it copy. With
+    ``staged`` (a copier over the engine's runtime, which then takes every copy between the GPU
+    and host memory, to keep them in one order), a copy whose host side comes in long runs is
+    staged (``StagedCopier.suits``, judged on the first layer); others go through the copy kernel
+    directly.
     """
-    starts = src.addrs.ravel()
-    order = np.argsort(starts, kind="stable")
-    owner = np.repeat(np.arange(src.num_layers), src.addrs.shape[1])[order]
+    ranges, cuts = copy_ranges_per_layer(src, src_ids, dst, dst_ids, cell_rows=cells)
     cuda = src if src.is_cuda else dst
     device = cuda.device if cuda.is_cuda else "cpu"
-    bounds, first = [], 0
-    while first < src.num_layers:
-        bounds.append((first, min(src.num_layers, first + max(1, first))))
-        first = bounds[-1][1]
-    groups = copy_ranges_by_layers(src, src_ids, dst, dst_ids, [np.arange(a, b) for a, b in bounds],
-                                   cell_rows=cells)
     if src.is_cuda == dst.is_cuda:
         staged = None
     direct = False
     handles: list[TransferHandle] = []
-    for (first, stop), ranges in zip(bounds, groups):
-        layer = owner[np.searchsorted(starts[order], ranges.src, side="right") - 1]
-        if (np.diff(layer) < 0).any():  # not in layer order: group each layer's ranges into one part
-            by_layer = np.argsort(layer, kind="stable")
-            ranges, layer = ranges.select(by_layer), layer[by_layer]
-        cuts = np.searchsorted(layer, np.arange(first, stop + 1))
-        cuts[-1] = ranges.num_ranges
+    first = 0
+    while first < src.num_layers:
+        stop = min(src.num_layers, 4 * first or 1)
+        a, b = int(cuts[first]), int(cuts[stop])
+        part, part_cuts = ranges.select(slice(a, b)), cuts[first:stop + 1] - a
         if staged is not None:
-            direct = direct if first else not staged.suits(ranges, to_host=src.is_cuda)
-            handles += staged.submit_parts(ranges, cuts, to_host=src.is_cuda, direct=direct, timeout=timeout)
+            direct = direct if first else not staged.suits(part, to_host=src.is_cuda)
+            handles += staged.submit_parts(part, part_cuts, to_host=src.is_cuda, direct=direct, timeout=timeout)
         else:
-            handles += engine.submit_parts(ranges, cuts, device=device, timeout=timeout)
+            handles += engine.submit_parts(part, part_cuts, device=device, timeout=timeout)
+        first = stop
     return handles
 
 

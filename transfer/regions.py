@@ -30,6 +30,7 @@ import numpy as np
 from kvcache.allocator.errors import KVCacheError
 from kvcache.allocator.layout import DTYPE_BYTES, CacheSpec, TensorSpec
 from kvcache.allocator.rows import Row, layer_classes, rows_blocks
+from kvcache.transfer import _ranges
 
 __all__ = ["ByteRanges", "CopyRanges", "KVRegion", "TensorInfo", "copy_ranges", "describe_tensor"]
 
@@ -518,6 +519,40 @@ def copy_ranges_by_layers(src: KVRegion, src_blocks: Any, dst: KVRegion, dst_blo
     return each()
 
 
+def copy_ranges_per_layer(src: KVRegion, src_blocks: Any, dst: KVRegion, dst_blocks: Any,
+                          cell_rows: Any = None) -> tuple[CopyRanges, np.ndarray]:
+    """Every layer's ``copy_ranges`` in layer order, and where each layer's begin (int64 ``[num_layers + 1]``).
+
+    A range never crosses a layer, so each layer's part can go on its own; one C pass over
+    (layer, tensor, pair) works them out (a bench-sized request's 16,384 ranges in tens of µs).
+    """
+    classes = _row_pairs(src, src_blocks, dst, dst_blocks, None, cell_rows, None)
+    parts = [_layer_pair_ranges(src, dst, pairs, group) for group, pairs in classes]
+    if len(parts) == 1 and classes[0][0].size == src.num_layers:  # every layer reads the same rows: in order already
+        return parts[0]
+    layer = np.concatenate([np.repeat(group, np.diff(cuts)) for (group, _), (_, cuts) in zip(classes, parts)])
+    order = np.argsort(layer, kind="stable")
+    ranges = CopyRanges.concat([r for r, _ in parts]).select(order)
+    return ranges, np.searchsorted(layer[order], np.arange(src.num_layers + 1)).astype(np.int64)
+
+
+def _layer_pair_ranges(src: KVRegion, dst: KVRegion, pairs: _Pairs, layers: np.ndarray
+                       ) -> tuple[CopyRanges, np.ndarray]:
+    """``_pair_ranges`` of ``layers`` merged within each layer only (in C), and where each layer's ranges begin."""
+    for region, block in ((src, pairs.src_block), (dst, pairs.dst_block)):
+        _check_layer_blocks(region, block, layers)
+    assert np.array_equal(pairs.src_row, pairs.dst_row), "a pair moves one head to the same head"
+    unit = np.tile(src.block_bytes // (src.heads if pairs.per_row else 1), layers.size)
+    count = unit.size * pairs.src_block.size
+    out = np.empty((3, count), dtype=np.int64)
+    starts = np.empty(layers.size + 1, dtype=np.int64)
+    n = _ranges.pair_ranges(src.addrs[layers].ravel(), src.block_strides[layers].ravel(), dst.addrs[layers].ravel(),
+                            dst.block_strides[layers].ravel(), unit, unit, np.ascontiguousarray(pairs.src_block),
+                            np.ascontiguousarray(pairs.dst_block), np.ascontiguousarray(pairs.src_row),
+                            len(src.tensors), out[0], out[1], out[2], starts)
+    return CopyRanges(out[0, :n], out[1, :n], out[2, :n]), starts
+
+
 def _row_pairs(src: KVRegion, src_blocks: Any, dst: KVRegion, dst_blocks: Any, rows: Any, cell_rows: Any,
                layers: Any) -> list[tuple[np.ndarray, _Pairs]]:
     """The checked pairs of each class of layers that read the same table rows, with the class's (selected) layers."""
@@ -656,17 +691,22 @@ def _units(region: KVRegion, blocks: Any, rows: Any, name: str) -> tuple[np.ndar
 def _addresses(region: KVRegion, block: np.ndarray, row: np.ndarray, per_row: bool, layers: np.ndarray
                ) -> tuple[np.ndarray, np.ndarray]:
     """Flat (addr, length) of every unit in (layer, tensor, unit) order, vectorised over all three."""
-    limit = region.layer_blocks[layers]
-    if block.size and limit.size and int(block.max()) >= int(limit.min()):
-        layer = int(layers[np.argmax(limit <= int(block.max()))])
-        raise KVCacheError(f"blocks: {int(block.max())} is not a block id of layer {layer}, which holds "
-                           f"{int(region.layer_blocks[layer])} blocks")
+    _check_layer_blocks(region, block, layers)
     unit = region.block_bytes // (region.heads if per_row else 1)
     base = region.addrs[layers]
     stride = region.block_strides[layers]
     addr = base[:, :, None] + block[None, None, :] * stride[:, :, None] + (row[None, None, :] * unit[None, :, None])
     length = np.broadcast_to(unit[None, :, None], addr.shape)
     return addr.ravel(), length.ravel()
+
+
+def _check_layer_blocks(region: KVRegion, block: np.ndarray, layers: np.ndarray) -> None:
+    """Raise unless every id of ``block`` is a block of each of ``layers`` (a windowed layer may hold fewer)."""
+    limit = region.layer_blocks[layers]
+    if block.size and limit.size and int(block.max()) >= int(limit.min()):
+        layer = int(layers[np.argmax(limit <= int(block.max()))])
+        raise KVCacheError(f"blocks: {int(block.max())} is not a block id of layer {layer}, which holds "
+                           f"{int(region.layer_blocks[layer])} blocks")
 
 
 def _merge(addrs: tuple[np.ndarray, ...], length: np.ndarray) -> tuple[tuple[np.ndarray, ...], np.ndarray]:

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from kvcache.transfer import _ranges
 from kvcache.transfer.engines import _KERNEL_SOURCE, CudaRuntime, LocalEngine, TransferHandle, _CudaHandle, _cupy
 from kvcache.transfer.engines import _Staging
 from kvcache.transfer.regions import CopyRanges
@@ -155,6 +156,7 @@ class StagedCopier:
         kernel_stream, dma_stream = self._streams
         plan = _plan(ranges, cuts, to_host)
         slot_of = (self._next + np.arange(plan.num_pieces)) % SLOTS
+        slots = slot_of.tolist()
         self._next = int(self._next + plan.num_pieces) % SLOTS
         base = self._slots.data.ptr + slot_of.astype(np.int64) * self._slots.shape[1]
         staged = base[plan.piece] + plan.offset  # each range's address in its slot
@@ -173,10 +175,11 @@ class StagedCopier:
         dma_host, dma_len = plan.dma_host.tolist(), plan.dma_length.tolist()
         dma_staged = (base[plan.dma_piece] + plan.dma_offset).tolist()
         layer_end = plan.layer_end_piece.tolist()
+        bounds = cuts.tolist()
         p = 0
         for layer in range(cuts.size - 1):
             while p < layer_end[layer]:
-                s = int(slot_of[p])
+                s = slots[p]
                 a, b = piece_starts[p], piece_starts[p + 1]
                 waiting, moving = (k, d) if to_host else (d, k)
                 if self._free[s]:
@@ -203,7 +206,7 @@ class StagedCopier:
                 p += 1
             event = cuda.new_event()
             cuda.check(cuda.lib.cudaEventRecord(ctypes.c_void_p(event), ctypes.c_void_p(done_stream)), "cudaEventRecord")
-            part = CopyRanges(*(a[cuts[layer]:cuts[layer + 1]] for a in ranges))
+            part = ranges.select(slice(bounds[layer], bounds[layer + 1]))
             handles.append(_CudaHandle(cuda, part, event, deadline, (table,)))
         return handles
 
@@ -258,7 +261,27 @@ class _Plan:
 
 def _plan(ranges: CopyRanges, cuts: np.ndarray, to_host: bool) -> _Plan:
     """Lay a group of layers' ranges out in slot-sized pieces: mirrored where each layer's host side is one span
-    (no sorting, one DMA a piece), else sorted by host address."""
+    (no sorting, one DMA a piece), else sorted by host address. One C pass (``_ranges.stage_plan``), the plan
+    ``_numpy_plan`` makes: a bench-sized layer of 512 ranges costs a few µs, not the ~15 µs of numpy calls."""
+    gpu_addr, host_addr = (ranges.src, ranges.dst) if to_host else (ranges.dst, ranges.src)
+    length = np.ascontiguousarray(ranges.length, dtype=np.int64)
+    room = _ranges.chunked(length, CHUNK_BYTES)
+    out = np.empty((10, room + 1), dtype=np.int64)
+    plan = _Plan()
+    plan.layer_end_piece = np.empty(cuts.size - 1, dtype=np.int64)
+    n, pieces, dmas = _ranges.stage_plan(np.ascontiguousarray(gpu_addr, dtype=np.int64),
+                                         np.ascontiguousarray(host_addr, dtype=np.int64), length,
+                                         np.ascontiguousarray(cuts, dtype=np.int64), to_host, SLOT_BYTES, CHUNK_BYTES,
+                                         *out[:5], plan.layer_end_piece, *out[5:])
+    plan.gpu, plan.offset, plan.length, plan.piece = out[0, :n], out[1, :n], out[2, :n], out[3, :n]
+    plan.piece_starts, plan.num_pieces, plan.num_ranges = out[4, :pieces + 1], pieces, n
+    plan.dma_host, plan.dma_offset, plan.dma_length = out[5, :dmas], out[6, :dmas], out[7, :dmas]
+    plan.dma_piece, plan.dma_starts = out[8, :dmas], out[9, :pieces + 1]
+    return plan
+
+
+def _numpy_plan(ranges: CopyRanges, cuts: np.ndarray, to_host: bool) -> _Plan:
+    """``_plan`` in numpy: the reference the C plan is tested against."""
     gpu_addr, host_addr = (ranges.src, ranges.dst) if to_host else (ranges.dst, ranges.src)
     length = ranges.length.astype(np.int64)
     layers = cuts.size - 1
