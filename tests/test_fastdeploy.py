@@ -644,6 +644,16 @@ def run(rm: ResourceManagerV1, trace: list[Spec], *, max_steps: int = 3000) -> l
     raise AssertionError(f"{len(trace) - len(finished)} requests unfinished after {max_steps} steps")
 
 
+def daemon_scheduler(endpoint: str, **options: object) -> ResourceManagerV1:
+    """``make_scheduler`` as a deployment builds it: ``install(daemon=endpoint)`` makes FastDeploy's own
+    ``PrefixCacheManager`` name build kvcache's manager on that daemon; uninstalled once it is built."""
+    adapter.install(daemon=endpoint)
+    try:
+        return make_scheduler(prefix_cache_manager.PrefixCacheManager, **options)
+    finally:
+        adapter.uninstall()
+
+
 def close(rm: ResourceManagerV1) -> None:
     rm.need_block_num_signal.clear()
     rm.finish_execution_pool.shutdown(wait=True)
@@ -744,11 +754,7 @@ def test_fastdeploys_scheduler_over_a_daemon_takes_the_steps_it_takes_in_process
     finally:
         close(local)
     d = daemon("--num-blocks", "48", "--block-size", str(BLOCK))
-    adapter.install(daemon=d.endpoint)
-    try:
-        shared = make_scheduler(prefix_cache_manager.PrefixCacheManager, **options)
-    finally:
-        adapter.uninstall()
+    shared = daemon_scheduler(d.endpoint, **options)
     try:
         assert shared.cache_manager.daemon == d.endpoint
         shared_steps = run(shared, trace)
@@ -885,11 +891,7 @@ def test_fastdeploys_scheduler_serves_head_wise_tables_with_prefix_hits(monkeypa
     assert local.cache_manager.num_allocatable_gpu_blocks == 48
     d = daemon("--num-blocks", "48", "--block-size", str(BLOCK), "--model", head_wise_config_file(tmp_path),
                "--head-wise")
-    adapter.install(daemon=d.endpoint)
-    try:
-        shared = make_scheduler(prefix_cache_manager.PrefixCacheManager, **options)
-    finally:
-        adapter.uninstall()
+    shared = daemon_scheduler(d.endpoint, **options)
     try:
         assert isinstance(shared.cache_manager, HeadWiseCacheManager) and shared.cache_manager.daemon == d.endpoint
         shared_steps, shared_holes = run_head_wise(shared, trace)
