@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +36,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def check_journal(folder: str | Path) -> dict[str, Any]:
-    """What a restart on ``folder`` would find: the snapshot, the records, the state they make, torn tail, damage."""
-    from kvcache.server import CacheServer, load_state
+    """What a restart on ``folder`` would find: the snapshot, the records, the state they make, torn tail, damage.
+
+    The records are replayed in memory by the daemon's state machine and journal (``Durability.restore``, what a
+    restart runs), with no socket and no file written."""
+    from kvcache.daemon_state import DaemonState
+    from kvcache.durability import Durability, load_state
 
     recovered = examine(folder)
     report: dict[str, Any] = {
@@ -55,27 +58,22 @@ def check_journal(folder: str | Path) -> dict[str, Any]:
     state = load_state(bytearray(recovered.snapshot))  # the journal's own geometry and settings, to start as
     manager = state["manager"]
     settings = state["settings"]
-    with tempfile.TemporaryDirectory(prefix="kvcache-check-") as scratch:  # the replay's sockets, never used
-        try:
-            cfg = ServeConfig(endpoint=f"ipc://{scratch}/k.sock", local_endpoint=LOCAL_OFF,
-                              num_blocks=manager.num_blocks, block_size=manager.block_size, role=settings["role"],
-                              tp=settings["tp"], max_slots=settings["max_slots"], max_tokens=settings["max_tokens"],
-                              max_message_bytes=settings["max_message_bytes"])
-            server = CacheServer(cfg, manager)
-        except (AttributeError, TypeError, ValueError) as exc:
-            raise KVCacheError(f"journal: the snapshot's geometry or settings are malformed ({exc})") from None
-        try:
-            server.restore_journal(recovered)  # what a restart runs
-            hasher = server.manager.hasher
-            report["state"] = {
-                "requests": len(server.manager), "seq": server._seq, "epoch": server.epoch,
-                "in_transfer": len(server._pd.transfers), "num_blocks": manager.num_blocks,
-                "block_size": manager.block_size, "rows": len(manager.rows),
-                "hash_algorithm": hasher.algorithm if hasher is not None else None, "settings": settings,
-                "written_by": state.get("kvcache"),
-            }
-        finally:
-            server.close()
+    try:
+        cfg = ServeConfig(local_endpoint=LOCAL_OFF, num_blocks=manager.num_blocks, block_size=manager.block_size,
+                          role=settings["role"], tp=settings["tp"], max_slots=settings["max_slots"],
+                          max_tokens=settings["max_tokens"], max_message_bytes=settings["max_message_bytes"])
+        daemon = DaemonState(cfg.resolved(), manager)
+    except (AttributeError, TypeError, ValueError) as exc:
+        raise KVCacheError(f"journal: the snapshot's geometry or settings are malformed ({exc})") from None
+    Durability(daemon).restore(recovered)  # what a restart runs
+    hasher = daemon.manager.hasher
+    report["state"] = {
+        "requests": len(daemon.manager), "seq": daemon.deltas.seq, "epoch": daemon.deltas.epoch,
+        "in_transfer": len(daemon.pd.transfers), "num_blocks": manager.num_blocks,
+        "block_size": manager.block_size, "rows": len(manager.rows),
+        "hash_algorithm": hasher.algorithm if hasher is not None else None, "settings": settings,
+        "written_by": state.get("kvcache"),
+    }
     return report
 
 

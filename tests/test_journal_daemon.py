@@ -225,7 +225,7 @@ def test_layer_group_pools_survive_kill_9_and_a_restart_with_other_pools_is_refu
 def rewrite_snapshot(journal, change) -> None:
     """Decode the journal's snapshot, let ``change(state)`` edit it, and write it back with a valid checksum (what a
     damaged disk or a hand edit could leave, past every check of the file itself)."""
-    from kvcache.server import dump_state, load_state
+    from kvcache.durability import dump_state, load_state
 
     path = journal / "snapshot"
     raw = path.read_bytes()
@@ -317,3 +317,30 @@ def test_check_and_repair_of_a_symlinked_lock_or_a_huge_sparse_log_say_one_line_
         assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
         assert "holds data past 17,179,869,184 bytes" in result.stderr and len(result.stderr.splitlines()) == 1
     assert "holds data past" in refused(daemon, *FLAGS, "--journal", str(journal), folder=d.folder)
+
+
+# Runs `kvcache journal check DIR` in this process, then prints the folders, sockets and threads it made.
+_CHECK_WATCHED = """
+import os, sys
+made = []
+sys.addaudithook(lambda event, args: made.append(f"{event} {args[0]}")
+                 if event in ("os.mkdir", "tempfile.mkdtemp", "socket.__new__", "socket.bind") else None)
+from kvcache.cli import main
+threads = len(os.listdir("/proc/self/task"))
+code = main(["journal", "check", sys.argv[1]])
+print("made:", made, "new threads:", len(os.listdir("/proc/self/task")) - threads, "exit:", code)
+"""
+
+
+def test_check_replays_in_memory_with_no_socket_folder_or_zmq_thread(daemon, tmp_path):
+    """`kvcache journal check` runs the restart's recovery on the daemon's state machine alone: it makes no
+    folder or socket for the replay and starts no ZMQ I/O thread, and reports what the restart recovers."""
+    journal = tmp_path / "j"
+    d = daemon(*FLAGS, "--journal", str(journal))
+    admit_many(d.endpoint, 3)
+    d.stop()
+    result = subprocess.run([sys.executable, "-c", _CHECK_WATCHED, str(journal)], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "a restart recovers: 3 request(s) at delta seq 2" in result.stdout
+    assert result.stdout.splitlines()[-1] == "made: [] new threads: 0 exit: 0"
