@@ -36,18 +36,15 @@ from kvcache.allocator.rows import Row
 from kvcache.auth import HANDSHAKE_FAILURES, CurveConfig, start_authenticator
 from kvcache.config import ServeConfig
 from kvcache.daemon_state import DaemonState
-from kvcache.durability import STATE_CODEC, Durability, dump_state, load_state
-from kvcache.durability import check_compatible as _check_compatible
+from kvcache.durability import Durability
 from kvcache.endpoints import Endpoints
 from kvcache.host_tier import DaemonTier
-from kvcache.journal import Recovered
 from kvcache.keys import RELOAD_STATUS, write_reload_status
 from kvcache.listeners import Listeners
 from kvcache.protocol import PROTOCOL_VERSION, pack, unpack
 from kvcache.rank_keys import admin_key, key_file_of
 
-# What other modules and the tests import from here: the daemon, and the snapshot names kvcache.durability holds.
-__all__ = ["CacheServer", "STATE_CODEC", "_check_compatible", "dump_state", "load_state"]
+__all__ = ["CacheServer"]
 
 log = logging.getLogger("kvcache.server")
 _LEASE_CLIENT = "kvcache-lease-expiry"
@@ -132,11 +129,6 @@ class CacheServer:
             self.manager.enable_events = True
             self.state.collect_events = True
 
-    def restore_journal(self, recovered: Recovered) -> dict[str, Any]:
-        """Take a journal's snapshot and replay its records as a restart does (``Durability.restore``); returns
-        the settings the journal was written with."""
-        return self.durability.restore(recovered)
-
     def close(self) -> None:
         """Close every socket, remove the socket and lock files this daemon created, and release its locks."""
         if self._auth is not None:  # first: its threads read the sockets' monitors, which closing would pull away
@@ -220,7 +212,7 @@ class CacheServer:
 
         ``own``: a message of the daemon's own (``_handle_own``), which alone may hold the daemon's ops."""
         reply = self.state.process(payload, own=own)
-        self._commit()
+        self.durability.commit()
         self._publish_staged()
         self.state.observe()
         return reply
@@ -237,10 +229,6 @@ class CacheServer:
             send(address, reply)
         self._publish_staged()
         self.state.observe()
-
-    def _commit(self) -> None:
-        """Make the messages applied since the last commit durable (``Durability.commit``)."""
-        self.durability.commit()
 
     def _publish_staged(self) -> None:
         """Publish the staged deltas (durable by now) and events; then maybe compact the journal."""
@@ -373,39 +361,3 @@ class CacheServer:
     def snapshot(self) -> bytes:
         """Every live table with its slot, at the current seq (for workers that fell too far behind)."""
         return self.state.snapshot()
-
-    # The parts' own names, which the tests and `kvcache journal check` reach through the server.
-
-    @property
-    def _seq(self) -> int:
-        return self.state.deltas.seq
-
-    @property
-    def _history(self) -> Any:
-        return self.state.deltas.history
-
-    @property
-    def _slots(self) -> Any:
-        return self.state.slots
-
-    @property
-    def _pd(self) -> Any:
-        return self.state.pd
-
-    @property
-    def _metrics(self) -> Any:
-        return self.state.metrics
-
-    @property
-    def _next_observe(self) -> float:
-        return self.state._next_observe
-
-    @_next_observe.setter
-    def _next_observe(self, when: float) -> None:
-        self.state._next_observe = when
-
-    def _process(self, payload: bytes, *, replaying: bool = False, own: bool = False) -> bytes:
-        return self.state.process(payload, replaying=replaying, own=own)
-
-    def _handle_replay(self) -> None:
-        self.endpoints.handle_replay()

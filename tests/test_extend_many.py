@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvcache.allocator import Full, KVCacheError, KVCacheManager, Window
-from kvcache.server import STATE_CODEC
+from kvcache.durability import STATE_CODEC
 
 import pytest
 

@@ -752,7 +752,7 @@ def test_any_value_in_any_field_is_refused_by_name_or_applied_whole(in_process, 
     server = in_process
     if "live" not in server.manager or len(server.manager) > 20:
         server.handle(pack({"v": PROTOCOL_VERSION, "client": "setup", "id": next(_ids),
-                            "ops": [{"op": "free", "req": r} for r in list(server._slots.of)]
+                            "ops": [{"op": "free", "req": r} for r in list(server.state.slots.of)]
                             + [{"op": "admit", "req": "live", "tokens": np.arange(9, dtype=np.uint32)}]}))
     field = data.draw(st.sampled_from(FIELDS[kind]))
     template = {

@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 
+from kvcache.durability import STATE_CODEC
 from kvcache.leases import Leases
-from kvcache.server import STATE_CODEC
 
 
 def test_a_silent_owner_expires_with_its_requests_and_a_talking_one_does_not():

@@ -14,7 +14,7 @@ from kvcache.allocator import CacheSpec, Full, KVCacheError, KVCacheManager, Win
 from kvcache.allocator.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvcache.allocator.prefix import BlockHasher
 from kvcache.allocator.swa import needed_blocks
-from kvcache.server import STATE_CODEC
+from kvcache.durability import STATE_CODEC
 from reference_manager import ReferenceManager
 
 BS = 4

@@ -11,7 +11,7 @@ import pytest
 
 from kvcache.allocator import KVCacheError, KVCacheManager
 from kvcache.client import CacheClient
-from kvcache.server import STATE_CODEC
+from kvcache.durability import STATE_CODEC
 
 BS = 4
 FLAGS = ("--num-blocks", "24", "--block-size", str(BS))

@@ -82,10 +82,10 @@ def test_a_bad_op_anywhere_rejects_the_whole_message(server):
 )
 def test_malformed_ops_get_an_error_naming_the_field_and_change_nothing(server, ops, message):
     call(server, [admit("keep")], request_id=99)
-    before = (server.manager.num_free_blocks.tolist(), len(server.manager), server._seq)
+    before = (server.manager.num_free_blocks.tolist(), len(server.manager), server.state.deltas.seq)
     reply = call(server, ops)
     assert not reply["ok"] and message in reply["error"]
-    assert (server.manager.num_free_blocks.tolist(), len(server.manager), server._seq) == before
+    assert (server.manager.num_free_blocks.tolist(), len(server.manager), server.state.deltas.seq) == before
 
 
 @pytest.mark.parametrize(
@@ -123,7 +123,7 @@ def test_a_retried_request_is_answered_once_not_applied_twice(server):
     payload = pack({"v": PROTOCOL_VERSION, "client": "c", "id": 7, "ops": [admit("a")]})
     first = server.handle(payload)
     assert server.handle(payload) == first
-    assert len(server.manager) == 1 and server._seq == 0
+    assert len(server.manager) == 1 and server.state.deltas.seq == 0
     other_client = call(server, [admit("a")], request_id=7, client="other")
     assert not other_client["ok"] and "already admitted" in other_client["error"]
 
@@ -166,7 +166,7 @@ def _joined_subscriber(server: CacheServer) -> Iterator[zmq.Socket]:
             call(server, [{"op": "ping"}, admit(f"warm{i}", 1)], request_id=1000 + i)
             if sub.poll(10):
                 break
-        last = seq_frame(server._seq)
+        last = seq_frame(server.state.deltas.seq)
         while sub.poll(5000) and sub.recv_multipart()[1] != last:  # drain through the last warm-up delta
             pass
         yield sub
@@ -176,7 +176,7 @@ def _joined_subscriber(server: CacheServer) -> Iterator[zmq.Socket]:
 
 def test_deltas_are_published_with_contiguous_sequence_numbers(server):
     with _joined_subscriber(server) as sub:
-        start = server._seq
+        start = server.state.deltas.seq
         call(server, [admit("a", 9)], request_id=1)
         call(server, [{"op": "extend", "req": "a", "tokens": [1, 2, 3, 4]}], request_id=2)
         call(server, [{"op": "free", "req": "a"}], request_id=3)
@@ -212,10 +212,10 @@ def test_a_delta_holds_every_change_of_a_message_in_compressed_rows(server):
 def test_a_delta_is_stamped_when_sent_not_when_staged(server):
     """A delta's t is CLOCK_MONOTONIC at its send: one staged, then held (journal commit), gets the later time."""
     with _joined_subscriber(server) as sub:
-        server._process(pack({"v": PROTOCOL_VERSION, "client": "c", "id": 1, "ops": [admit("a")]}))
+        server.state.process(pack({"v": PROTOCOL_VERSION, "client": "c", "id": 1, "ops": [admit("a")]}))
         time.sleep(0.05)
         before_send = time.monotonic_ns()
-        server._commit()
+        server.durability.commit()
         server._publish_staged()
         (message,) = _drain(sub)
         assert before_send <= unpack(message[2], 1 << 20)["t"] <= time.monotonic_ns()
@@ -224,16 +224,16 @@ def test_a_delta_is_stamped_when_sent_not_when_staged(server):
 def test_deltas_encoded_after_the_turn_carry_each_message_s_own_tables(server):
     """A turn's deltas are encoded once its messages are applied and answered: each still holds its own
     message's tables, not what a later message of the turn made of them (a wider table, a window's -1)."""
+    state = server.state
     with _joined_subscriber(server) as sub:
-        first = unpack(server._process(pack({"v": PROTOCOL_VERSION, "client": "c", "id": 1, "ops": [admit("a")]})),
+        first = unpack(state.process(pack({"v": PROTOCOL_VERSION, "client": "c", "id": 1, "ops": [admit("a")]})),
                        1 << 20)
         admitted = first["results"][0]["table"].copy()
         grow = [{"op": "extend", "req": "a", "tokens": np.arange(30, dtype=np.uint32)},
                 {"op": "extend", "req": "a", "tokens": [7]}]  # the window row now gives its first blocks back
-        second = unpack(server._process(pack({"v": PROTOCOL_VERSION, "client": "c", "id": 2, "ops": grow})),
-                        1 << 20)
-        assert not server._history or server._history[-1][0] < first["seq"]  # staged, not yet encoded
-        server._commit()
+        second = unpack(state.process(pack({"v": PROTOCOL_VERSION, "client": "c", "id": 2, "ops": grow})), 1 << 20)
+        assert not state.deltas.history or state.deltas.history[-1][0] < first["seq"]  # staged, not yet encoded
+        server.durability.commit()
         server._publish_staged()
         deltas = [unpack(m[2], 1 << 20) for m in _drain(sub)]
     assert [d["seq"] for d in deltas] == [first["seq"], second["seq"]]
@@ -254,7 +254,7 @@ def _replay(server: CacheServer, start: int) -> list[bytes]:
     try:
         dealer.send(pack({"v": PROTOCOL_VERSION, "from": start}))
         for _ in range(100):
-            server._handle_replay()
+            server.endpoints.handle_replay()
             if dealer.poll(20):
                 return dealer.recv_multipart()
         raise AssertionError("no replay answer")
@@ -294,7 +294,7 @@ def test_a_journal_written_by_protocol_1_still_replays(tmp_path):
     journal.close()
     srv = start()
     try:
-        assert srv.manager.num_tokens("a") == 10 and srv._seq == 0
+        assert srv.manager.num_tokens("a") == 10 and srv.state.deltas.seq == 0
         assert "protocol version 1" in unpack(srv.handle(pack({"v": 1, "client": "old", "id": 2, "ops": []})),
                                               1 << 20)["error"]
     finally:
@@ -468,14 +468,14 @@ def test_metrics_count_a_busy_daemons_messages_once_per_interval_and_catch_up(se
     a stats op and the serve loop's idle turns flush what is pending, so nothing is lost or counted twice."""
     from test_metrics import scrape, value
 
-    metrics = server._metrics
+    metrics = server.state.metrics
     assert metrics is not None
     ops = lambda s: value(s, "kvcache_operations_total", op="admit") if ("kvcache_operations_total",
                                                                          (("op", "admit"),)) in s else 0
     call(server, [admit("a")], request_id=1)  # the first message: counted at once
     s = scrape(metrics.render())
     assert ops(s) == 1 and value(s, "kvcache_deltas_published_total") == 1
-    server._next_observe = float("inf")  # inside the interval from here on
+    server.state._next_observe = float("inf")  # inside the interval from here on
     call(server, [admit("b")], request_id=2)
     call(server, [admit("c"), {"op": "free", "req": "a"}], request_id=3)
     s = scrape(metrics.render())
@@ -489,7 +489,7 @@ def test_metrics_count_a_busy_daemons_messages_once_per_interval_and_catch_up(se
     assert value(s, "kvcache_prefix_queries_total") == 3
     call(server, [admit("d")], request_id=5)
     assert ops(scrape(metrics.render())) == 3
-    server._next_observe = 0.0  # the interval is over: the serve loop's next turn counts it
+    server.state._next_observe = 0.0  # the interval is over: the serve loop's next turn counts it
     server.serve(should_stop=iter([False, True]).__next__, poll_ms=1)
     s = scrape(metrics.render())
     assert ops(s) == 4 and value(s, "kvcache_step_seconds_count") == 5
@@ -563,9 +563,9 @@ def test_plan_into_a_closed_pipe_exits_quietly():
 
 def test_a_journal_of_other_row_pools_is_refused_naming_row_blocks():
     """Same id space, rows and block size, but the window row's pool differs: the journal's blocks may not exist."""
-    from kvcache.server import _check_compatible
+    from kvcache.durability import check_compatible
 
     journaled = KVCacheManager(8, 4, [Window(8), Full()], row_blocks=[4, 8], hash_seed=b"s")
     configured = KVCacheManager(8, 4, [Window(8), Full()], row_blocks=[6, 8], hash_seed=b"s")
     with pytest.raises(KVCacheError, match=r"^journal: row_blocks is \[4, 8\] in the journal but \[6, 8\]"):
-        _check_compatible(journaled, configured, ServeConfig())
+        check_compatible(journaled, configured, ServeConfig())

@@ -260,7 +260,7 @@ def test_a_damaged_real_snapshot_is_refused_with_one_error_and_bounded_memory(da
     """3,000 damaged copies of a real daemon's snapshot, each sealed with a valid checksum: every one loads or raises
     KVCacheError (never another exception), and none makes the loader allocate more than a few times its size."""
     from kvcache.journal import read_snapshot
-    from kvcache.server import load_state
+    from kvcache.durability import load_state
 
     journal = tmp_path / "j"
     d = daemon("--num-blocks", "64", "--block-size", "16", "--journal", str(journal), "--snapshot-bytes", "1")
