@@ -660,9 +660,11 @@ def close(rm: ResourceManagerV1) -> None:
     rm.async_preprocess_pool.shutdown(wait=True)
 
 
-def run_both(trace: list[Spec], **options: object) -> tuple[list[Step], list[Step], ResourceManagerV1]:
-    """The trace on kvcache's manager, then on FastDeploy's own; returns both step lists and kvcache's scheduler."""
-    ours = make_scheduler(adapter.FastDeployCacheManager, **options)
+def run_both(trace: list[Spec], manager_class: type | None = None,
+             **options: object) -> tuple[list[Step], list[Step], ResourceManagerV1]:
+    """The trace on kvcache's manager (``manager_class``, ``FastDeployCacheManager`` by default), then on
+    FastDeploy's own; returns both step lists and kvcache's scheduler."""
+    ours = make_scheduler(manager_class or adapter.FastDeployCacheManager, **options)
     try:
         kv_steps = run(ours, trace)
     finally:
@@ -724,17 +726,8 @@ def test_with_fastdeploys_eviction_rule_the_pressured_trace_is_identical() -> No
             return self.num_free_gpu_blocks >= num_blocks
 
     trace = make_trace(300, seed=2, per_step=4)
-    options = dict(num_blocks=48, max_num_seqs=12, max_num_batched_tokens=24)
-    ours = make_scheduler(EagerEviction, **options)
-    try:
-        kv_steps = run(ours, trace)
-    finally:
-        close(ours)
-    theirs = make_scheduler(fastdeploy_manager(), **options)
-    try:
-        fd_steps = run(theirs, trace)
-    finally:
-        close(theirs)
+    kv_steps, fd_steps, ours = run_both(trace, EagerEviction, num_blocks=48, max_num_seqs=12,
+                                        max_num_batched_tokens=24)
     assert ours.cache_manager.stats().evicted_blocks > 0
     assert len(kv_steps) == len(fd_steps)
     for i, (kv, fd) in enumerate(zip(kv_steps, fd_steps)):
