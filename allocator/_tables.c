@@ -1113,6 +1113,246 @@ static int keys_new_and_distinct(const table_t *t, const uint8_t *keys, Py_ssize
     return 1;
 }
 
+typedef int (*each_fn)(int cbor, const uint32_t *tokens, Py_ssize_t n, Py_ssize_t bs, const uint8_t *parents,
+                       uint8_t *out);
+static each_fn each_blocks; /* _chainhash's, from its capsule on first use */
+
+/* ------------------------------------------------------------------ the batch both decode passes take */
+
+/* What extend_decode and extend_rows take of a batch and of the manager's slot arrays, checked and read the same
+ * way: b[0] tokens, b[1] counts, b[2] ntok, b[3] fast_limit, b[4] next_recycle, b[5] tail, b[6] changed_ok,
+ * b[7] stamp, b[8] keyed, b[9] salted, b[10] last_hash, b[11] last_block, b[12] width, b[13] lens. A pass
+ * declares it before its first goto with its name and rules set, the rest zero; decode_close frees what it
+ * holds. */
+typedef struct {
+    const char *fn;                 /* the pass, naming it in its errors */
+    int every_held;                 /* every slot must hold a request (else only given slots are checked) */
+    int gives_back;                 /* the pass gives window blocks back (else a request due to falls back) */
+    int hashing;                    /* -1 none, 0 sha256, 1 sha256_cbor */
+    Py_ssize_t lookahead;           /* positions each table covers past the new token */
+    Py_buffer given;                /* slots resolved beforehand, instead of the slot_of dict */
+    Py_ssize_t n, cap, bs, num_tok; /* requests, slots, block size, tokens */
+    int narrow;                     /* int32 counts (as the wire has them) */
+    Py_ssize_t *slot;               /* each request's slot */
+    Py_ssize_t *run_at, num_fill;   /* the run (decode_read): its requests' positions, ascending, and fills */
+    Py_ssize_t *fill_at;            /* the positions of the run's requests whose token fills a block */
+    uint8_t *run_kind;              /* per run request, RUN_OPENS | RUN_FILLS */
+    int64_t *wide;                  /* int32 counts widened */
+    const int64_t *count;
+    const uint32_t *tok;
+    int64_t *nt, *lim, *rec;
+    uint32_t *tl;
+    uint8_t *ch, *lh;
+    Py_ssize_t *st;
+    const uint8_t *key, *salt;
+    int32_t *lb, *wd, *lens;
+    uint32_t *blocks_tok;           /* the filled blocks' tokens, parents' hashes and hashes (decode_hash_fills) */
+    uint8_t *parents, *hashes;
+} decode_batch_t;
+
+enum { RUN_OPENS = 1, RUN_FILLS = 2, IN_RUN = 4 }; /* decode_kind: opens a block, its token fills one, in the run */
+enum { DECODE_FAILED = -1, DECODE_NONE = -2 }; /* decode_read: an error set; the general path takes the batch */
+
+/* The pool's arrays and then the prefix index's, as the passes take them in a row: b[0..8] the pool (ref, cached,
+ * stack, top, ring, lru_pos, head, tail_pos, lru_count), b[9] slots, b[10] hash_of, b[11] entry_blocks,
+ * b[12] entry_at, b[13] holders. 0, or -1 with ValueError naming fn. */
+static int open_store(pool_t *p, index_t *x, Py_buffer *b, unsigned long long seed, const char *fn)
+{
+    if (open_pool(p, b, fn) < 0)
+        return -1;
+    return open_index(x, &b[POOL_ARRAYS], seed, &b[POOL_ARRAYS + 1], &b[POOL_ARRAYS + 2], &b[POOL_ARRAYS + 3],
+                      &b[POOL_ARRAYS + 4], fn);
+}
+
+/* The pass's lookahead, its slots (slot_of a dict, or the given intp slots, one per id) and its hasher: 0, or -1
+ * with an error set. */
+static int decode_open(decode_batch_t *d, PyObject *slot_of, PyObject *ids, int hashing, Py_ssize_t lookahead)
+{
+    d->n = PyList_GET_SIZE(ids);
+    d->hashing = hashing;
+    d->lookahead = lookahead;
+    if (lookahead < 0) {
+        PyErr_Format(PyExc_ValueError, "%s: lookahead must not be negative", d->fn);
+        return -1;
+    }
+    if (!PyDict_Check(slot_of) && PyObject_GetBuffer(slot_of, &d->given, PyBUF_C_CONTIGUOUS) < 0)
+        return -1;
+    if (hashing >= 0 && !each_blocks) {
+        each_blocks = (each_fn)PyCapsule_Import("kvcache.allocator._chainhash._each_api", 0);
+        if (!each_blocks)
+            return -1;
+    }
+    if (d->given.obj && d->given.len != d->n * (Py_ssize_t)sizeof(Py_ssize_t)) {
+        PyErr_Format(PyExc_ValueError, "%s: the given slots must be one intp per id", d->fn);
+        return -1;
+    }
+    return 0;
+}
+
+/* Whether b[0..13] agree with each other and with the batch, last_block holding ``groups`` blocks a slot (the
+ * pass names what disagrees with the rest of its arguments); the sizes are set either way. */
+static int decode_sizes_ok(decode_batch_t *d, const Py_buffer *b, Py_ssize_t groups)
+{
+    const Py_ssize_t n = d->n, cap = d->cap = b[2].len / (Py_ssize_t)sizeof(int64_t);
+    const Py_ssize_t bs = d->bs = cap ? b[5].len / (Py_ssize_t)sizeof(uint32_t) / cap : 0;
+    d->num_tok = b[0].len / (Py_ssize_t)sizeof(uint32_t);
+    d->narrow = n > 0 && b[1].len == n * (Py_ssize_t)sizeof(int32_t);
+    return !(b[0].len % (Py_ssize_t)sizeof(uint32_t) || (!d->narrow && b[1].len != n * (Py_ssize_t)sizeof(int64_t))
+             || cap < 1 || bs < 1 || b[3].len != b[2].len || b[4].len != b[2].len
+             || b[5].len != cap * bs * (Py_ssize_t)sizeof(uint32_t) || b[6].len != cap
+             || b[7].len != cap * (Py_ssize_t)sizeof(Py_ssize_t) || b[8].len != cap || b[9].len != cap
+             || b[10].len != cap * KEY_BYTES || b[11].len != cap * groups * (Py_ssize_t)sizeof(int32_t)
+             || b[12].len != cap * (Py_ssize_t)sizeof(int32_t) || b[13].len != n * (Py_ssize_t)sizeof(int32_t));
+}
+
+/* The batch's scratch (slots, the run, widened counts) and its arrays' data, once their sizes agree: 0, or -1
+ * with MemoryError. */
+static int decode_arrays(decode_batch_t *d, const Py_buffer *b)
+{
+    const size_t m = (size_t)(d->n ? d->n : 1);
+    d->slot = PyMem_Malloc(3 * m * sizeof(Py_ssize_t) + m);
+    if (d->narrow)
+        d->wide = PyMem_Malloc(m * sizeof(int64_t));
+    if (!d->slot || (d->narrow && !d->wide)) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    d->run_at = d->slot + m;
+    d->fill_at = d->slot + 2 * m;
+    d->run_kind = (uint8_t *)(d->slot + 3 * m);
+    for (Py_ssize_t i = 0; d->narrow && i < d->n; i++)
+        d->wide[i] = ((const int32_t *)b[1].buf)[i];
+    d->count = d->narrow ? d->wide : b[1].buf;
+    d->tok = b[0].buf;
+    d->nt = b[2].buf, d->lim = b[3].buf, d->rec = b[4].buf;
+    d->tl = b[5].buf;
+    d->ch = b[6].buf, d->key = b[8].buf, d->salt = b[9].buf, d->lh = b[10].buf;
+    d->st = b[7].buf;
+    d->lb = b[11].buf, d->wd = b[12].buf, d->lens = b[13].buf;
+    return 0;
+}
+
+/* Each request's slot (slot_of[id], or the given one), stamped with its position in the batch (the stamps are
+ * scratch). 1; 0 where the general path takes the batch (an id not admitted or of another type, a count out of
+ * range, a slot no request holds, counts not summing to the tokens); -1 with an error set. */
+static int decode_slots(decode_batch_t *d, PyObject *slot_of, PyObject *ids, PyObject *by_slot)
+{
+    Py_ssize_t total = 0;
+    for (Py_ssize_t i = 0; i < d->n; i++) {
+        const int found = d->given.obj ? (d->slot[i] = ((const Py_ssize_t *)d->given.buf)[i], 1)
+                                       : lookup_id(slot_of, PyList_GET_ITEM(ids, i), &d->slot[i]);
+        if (found < 0)
+            return -1;
+        if (!found || d->count[i] < 0 || d->count[i] > d->num_tok)
+            return 0;
+        const Py_ssize_t s = d->slot[i];
+        if (s < 0 || s >= d->cap) {
+            PyErr_Format(PyExc_ValueError, "%s: slot %zd is outside the slot arrays", d->fn, s);
+            return -1;
+        }
+        if ((d->every_held || d->given.obj)
+            && (s >= PyList_GET_SIZE(by_slot) || PyList_GET_ITEM(by_slot, s) == Py_None))
+            return 0; /* a slot no request holds: the general path looks the ids up */
+        d->st[s] = i;
+        total += d->count[i];
+    }
+    return total == d->num_tok;
+}
+
+/* How request i extends: 0 inside its last block (extend_fast's write), IN_RUN with RUN_OPENS and RUN_FILLS as
+ * they apply in the run; -1 where the general path takes the batch: its slot listed twice, not a plain decode
+ * extend (the one-by-one order matters), window blocks due back where the pass gives none back, or a lookahead
+ * that grew since the request's last extend (a second block to open). */
+static inline int decode_kind(const decode_batch_t *d, Py_ssize_t i)
+{
+    const Py_ssize_t s = d->slot[i], bs = d->bs;
+    if (d->st[s] != i) /* listed twice */
+        return -1;
+    const int64_t t = d->nt[s], covered = (int64_t)d->wd[s] * bs, k = d->count[i], ahead = d->lookahead;
+    /* The fast path's table must also cover the lookahead positions. */
+    if (in_last_block(t, k, d->rec[s], covered - ahead < d->lim[s] ? covered - ahead : d->lim[s]))
+        return 0;
+    if (!plain_decode(k, t, bs, d->key[s], d->salt[s], d->hashing >= 0) || (!d->gives_back && t >= d->rec[s]))
+        return -1;
+    const int64_t opens = blocks_short(t, ahead, bs, d->wd[s]);
+    if (opens > 1)
+        return -1;
+    return IN_RUN | (opens == 1 ? RUN_OPENS : 0) | (d->hashing >= 0 && t % bs == bs - 1 ? RUN_FILLS : 0);
+}
+
+/* Everything a pass checks of the batch before its first write (the stamps aside): the scratch, the slots, and
+ * each request's kind. The run's length (d->run_at, d->run_kind, and d->fill_at its d->num_fill filling
+ * requests); DECODE_NONE where the general path takes the batch; DECODE_FAILED with an error set. */
+static Py_ssize_t decode_read(decode_batch_t *d, const Py_buffer *b, PyObject *slot_of, PyObject *ids,
+                              PyObject *by_slot)
+{
+    if (decode_arrays(d, b) < 0)
+        return DECODE_FAILED;
+    const int slots = decode_slots(d, slot_of, ids, by_slot);
+    if (slots <= 0)
+        return slots < 0 ? DECODE_FAILED : DECODE_NONE;
+    Py_ssize_t m = 0;
+    d->num_fill = 0;
+    for (Py_ssize_t i = 0; i < d->n; i++) {
+        const int kind = decode_kind(d, i);
+        if (kind < 0)
+            return DECODE_NONE;
+        if (!kind)
+            continue;
+        if (kind & RUN_FILLS)
+            d->fill_at[d->num_fill++] = i;
+        d->run_kind[m] = (uint8_t)(kind & (RUN_OPENS | RUN_FILLS));
+        d->run_at[m++] = i;
+    }
+    return m;
+}
+
+/* The run's filled blocks (requests d->fill_at) hashed into d->hashes: each one's tokens are its tail with the
+ * token that fills it, which sits at the request's offset in tokens, and its parent the request's last hash. 0,
+ * or -1 with an error set. Writes nothing of the manager's. */
+static int decode_hash_fills(decode_batch_t *d)
+{
+    const Py_ssize_t bs = d->bs, num_fill = d->num_fill;
+    if (!num_fill)
+        return 0;
+    d->blocks_tok = PyMem_Malloc((size_t)num_fill * (size_t)bs * sizeof(uint32_t));
+    d->parents = PyMem_Malloc((size_t)num_fill * KEY_BYTES);
+    d->hashes = PyMem_Malloc((size_t)num_fill * KEY_BYTES);
+    if (!d->blocks_tok || !d->parents || !d->hashes) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0, f = 0, offset = 0; f < num_fill; offset += d->count[i], i++) {
+        if (d->fill_at[f] != i)
+            continue;
+        const Py_ssize_t s = d->slot[i];
+        memcpy(d->blocks_tok + f * bs, d->tl + s * bs, (size_t)bs * sizeof(uint32_t));
+        d->blocks_tok[f * bs + bs - 1] = d->tok[offset];
+        memcpy(d->parents + f * KEY_BYTES, d->lh + s * KEY_BYTES, KEY_BYTES);
+        f++;
+    }
+    return each_blocks(d->hashing, d->blocks_tok, num_fill, bs, d->parents, d->hashes) < 0 ? -1 : 0;
+}
+
+/* The run's filled block f (request position i, block index block) as a pass's ``stored`` lists it: (position,
+ * block index, hash, parent hash, tokens as uint32 bytes), a BlockStored's fields. */
+static PyObject *stored_item(const decode_batch_t *d, Py_ssize_t f, Py_ssize_t i, int64_t block)
+{
+    return Py_BuildValue("nLy#y#y#", i, (long long)block, (const char *)(d->hashes + f * KEY_BYTES),
+                         (Py_ssize_t)KEY_BYTES, (const char *)(d->parents + f * KEY_BYTES), (Py_ssize_t)KEY_BYTES,
+                         (const char *)(d->blocks_tok + f * d->bs), d->bs * (Py_ssize_t)sizeof(uint32_t));
+}
+
+static void decode_close(decode_batch_t *d)
+{
+    PyBuffer_Release(&d->given);
+    PyMem_Free(d->slot);
+    PyMem_Free(d->wide);
+    PyMem_Free(d->blocks_tok);
+    PyMem_Free(d->parents);
+    PyMem_Free(d->hashes);
+}
+
 PyDoc_STRVAR(extend_decode_doc,
 "extend_decode(slot_of | slots_given, ids, tokens, counts, by_slot, hashing, ntok, fast_limit, next_recycle,\n"
 "              tail, changed_ok,\n"
@@ -1142,10 +1382,6 @@ PyDoc_STRVAR(extend_decode_doc,
 "zero bytes: none), and ``stored`` lists each filled block as (request position, block index, hash, parent\n"
 "hash, tokens as uint32 bytes), in request order.");
 
-typedef int (*each_fn)(int cbor, const uint32_t *tokens, Py_ssize_t n, Py_ssize_t bs, const uint8_t *parents,
-                       uint8_t *out);
-static each_fn each_blocks; /* _chainhash's, from its capsule on first use */
-
 static PyObject *extend_decode(PyObject *self, PyObject *args)
 {
     (void)self;
@@ -1172,124 +1408,53 @@ static PyObject *extend_decode(PyObject *self, PyObject *args)
                           write_array, &b[27], write_array, &b[28], &num_spare, &num_entries, &events,
                           &lookahead))
         return NULL;
-    if (lookahead < 0) {
-        PyErr_SetString(PyExc_ValueError, "extend_decode: lookahead must not be negative");
-        return NULL;
-    }
+    decode_batch_t d = {.fn = "extend_decode"}; /* slot_of's slots hold requests; no window gives back */
     PyObject *result = NULL, *index_obj = NULL, *cols_obj = NULL, *vals_obj = NULL, *widen = NULL, *removed = NULL,
              *stored = NULL;
-    Py_ssize_t *slot = NULL, *slow = NULL, *need = NULL, *fill = NULL;
+    Py_ssize_t *need = NULL, *fill = NULL;
     int32_t *evicted = NULL, *filled = NULL;
-    uint32_t *blocks_tok = NULL;
-    uint8_t *parents = NULL, *hashes = NULL, *is_slow = NULL;
-    int64_t *entries = NULL, *wide = NULL;
+    uint8_t *is_slow = NULL;
+    int64_t *entries = NULL;
     int32_t **tables = NULL;
     Py_ssize_t *capacity = NULL;
     pool_t p;
     index_t x;
-    Py_buffer given = {0}; /* slots resolved beforehand, instead of the slot_of dict */
-    if (!PyDict_Check(slot_of) && PyObject_GetBuffer(slot_of, &given, PyBUF_C_CONTIGUOUS) < 0)
+    if (decode_open(&d, slot_of, ids, hashing, lookahead) < 0 || open_store(&p, &x, &b[14], seed, d.fn) < 0)
         goto done;
-    if (hashing >= 0 && !each_blocks) {
-        each_blocks = (each_fn)PyCapsule_Import("kvcache.allocator._chainhash._each_api", 0);
-        if (!each_blocks)
-            goto done;
-    }
-    if (given.obj && given.len != PyList_GET_SIZE(ids) * (Py_ssize_t)sizeof(Py_ssize_t)) {
-        PyErr_SetString(PyExc_ValueError, "extend_decode: the given slots must be one intp per id");
-        goto done;
-    }
-    if (open_pool(&p, &b[14], "extend_decode") < 0
-        || open_index(&x, &b[23], seed, &b[24], &b[25], &b[26], &b[27], "extend_decode") < 0)
-        goto done;
-    const Py_ssize_t n = PyList_GET_SIZE(ids);
-    const Py_ssize_t cap = b[2].len / (Py_ssize_t)sizeof(int64_t);
-    const Py_ssize_t bs = cap ? b[5].len / (Py_ssize_t)sizeof(uint32_t) / cap : 0;
-    const Py_ssize_t num_tok = b[0].len / (Py_ssize_t)sizeof(uint32_t);
-    const int narrow = n > 0 && b[1].len == n * (Py_ssize_t)sizeof(int32_t); /* int32 counts (as the wire has them) */
-    if (b[0].len % (Py_ssize_t)sizeof(uint32_t) || (!narrow && b[1].len != n * (Py_ssize_t)sizeof(int64_t)) || cap < 1
-        || bs < 1
-        || b[3].len != b[2].len || b[4].len != b[2].len || b[5].len != cap * bs * (Py_ssize_t)sizeof(uint32_t)
-        || b[6].len != cap || b[7].len != cap * (Py_ssize_t)sizeof(Py_ssize_t) || b[8].len != cap || b[9].len != cap
-        || b[10].len != cap * KEY_BYTES || b[11].len != cap * (Py_ssize_t)sizeof(int32_t)
-        || b[12].len != cap * (Py_ssize_t)sizeof(int32_t) || b[13].len != n * (Py_ssize_t)sizeof(int32_t)
-        || p.rows != 1 || x.rows != 1 || p.n != x.num_blocks || num_spare < 0 || num_entries < 0
+    const int sizes_ok = decode_sizes_ok(&d, b, p.rows);
+    const Py_ssize_t n = d.n, bs = d.bs;
+    if (!sizes_ok || p.rows != 1 || x.rows != 1 || p.n != x.num_blocks || num_spare < 0 || num_entries < 0
         || num_spare + n > b[28].len / (Py_ssize_t)sizeof(Py_ssize_t) || num_entries + n > x.entries) {
         PyErr_SetString(PyExc_ValueError, "extend_decode: the slot arrays, pool, index or outputs have inconsistent "
                         "sizes (or the index has no room for n more keys)");
         goto done;
     }
     const size_t m_bytes = (size_t)(n ? n : 1);
-    slot = PyMem_Malloc(m_bytes * sizeof(Py_ssize_t));
-    slow = PyMem_Malloc(m_bytes * sizeof(Py_ssize_t));
     need = PyMem_Malloc(m_bytes * sizeof(Py_ssize_t));
     fill = PyMem_Malloc(m_bytes * sizeof(Py_ssize_t));
     evicted = PyMem_Malloc(m_bytes * sizeof(int32_t));
     filled = PyMem_Malloc(m_bytes * sizeof(int32_t));
     entries = PyMem_Malloc(m_bytes * sizeof(int64_t));
     is_slow = PyMem_Calloc(m_bytes, 1);
-    if (!slot || !slow || !need || !fill || !evicted || !filled || !entries || !is_slow) {
+    if (!need || !fill || !evicted || !filled || !entries || !is_slow) {
         PyErr_NoMemory();
         goto done;
     }
-    if (narrow) {
-        wide = PyMem_Malloc(m_bytes * sizeof(int64_t));
-        if (!wide) {
-            PyErr_NoMemory();
-            goto done;
-        }
-        for (Py_ssize_t i = 0; i < n; i++)
-            wide[i] = ((const int32_t *)b[1].buf)[i];
-    }
-    const int64_t *count = narrow ? wide : b[1].buf, *rec = b[4].buf;
-    const uint32_t *tok = b[0].buf;
-    int64_t *nt = b[2].buf, *lim = b[3].buf;
-    uint32_t *tl = b[5].buf;
-    uint8_t *ch = b[6].buf, *lh = b[10].buf;
-    Py_ssize_t *st = b[7].buf;
-    const uint8_t *key = b[8].buf, *salt = b[9].buf;
-    int32_t *lb = b[11].buf, *wd = b[12].buf, *lens = b[13].buf;
 
     /* Everything is checked before the first write: a None leaves the general path an untouched manager. */
-    Py_ssize_t total = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        const int found = given.obj ? (slot[i] = ((const Py_ssize_t *)given.buf)[i], 1)
-                                    : lookup_id(slot_of, PyList_GET_ITEM(ids, i), &slot[i]);
-        if (found < 0)
-            goto done;
-        if (!found || count[i] < 0 || count[i] > num_tok)
-            goto fallback;
-        if (slot[i] < 0 || slot[i] >= cap) {
-            PyErr_Format(PyExc_ValueError, "extend_decode: slot %zd is outside the slot arrays", slot[i]);
-            goto done;
-        }
-        if (given.obj && (slot[i] >= PyList_GET_SIZE(by_slot) || PyList_GET_ITEM(by_slot, slot[i]) == Py_None))
-            goto fallback; /* a given slot no request holds: the general path looks the ids up */
-        st[slot[i]] = i;
-        total += count[i];
-    }
-    if (total != num_tok)
+    const Py_ssize_t m = decode_read(&d, b, slot_of, ids, by_slot);
+    if (m == DECODE_FAILED)
+        goto done;
+    if (m == DECODE_NONE)
         goto fallback;
-    Py_ssize_t m = 0, num_need = 0, num_fill = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (st[slot[i]] != i) /* listed twice */
-            goto fallback;
-        const Py_ssize_t s = slot[i];
-        const int64_t t = nt[s], covered = (int64_t)wd[s] * bs;
-        /* The fast path's table must also cover the lookahead positions. */
-        if (in_last_block(t, count[i], rec[s], covered - lookahead < lim[s] ? covered - lookahead : lim[s]))
-            continue;
-        if (!plain_decode(count[i], t, bs, key[s], salt[s], hashing >= 0) || t >= rec[s])
-            goto fallback; /* not a plain decode extend: the one-by-one order matters */
-        const int64_t opens = blocks_short(t, lookahead, bs, wd[s]);
-        if (opens > 1)
-            goto fallback; /* a lookahead that grew since the request's last extend */
-        is_slow[i] = 1;
-        if (opens == 1)
-            need[num_need++] = m;
-        if (hashing >= 0 && t % bs == bs - 1)
-            fill[num_fill++] = m;
-        slow[m++] = i;
+    const Py_ssize_t *slow = d.run_at, num_fill = d.num_fill;
+    Py_ssize_t num_need = 0;
+    for (Py_ssize_t j = 0, f = 0; j < m; j++) {
+        is_slow[slow[j]] = 1;
+        if (d.run_kind[j] & RUN_OPENS)
+            need[num_need++] = j;
+        if (d.run_kind[j] & RUN_FILLS)
+            fill[f++] = j;
     }
     if (num_need > p.top[0] + p.lru_count[0])
         goto fallback; /* some would get no block: the general path refuses exactly those */
@@ -1300,7 +1465,7 @@ static PyObject *extend_decode(PyObject *self, PyObject *args)
         goto done;
     }
     for (Py_ssize_t q = 0; q < num_need; q++) { /* the tables stay put: their requests hold them, nothing runs */
-        const Py_ssize_t s = slot[slow[need[q]]];
+        const Py_ssize_t s = d.slot[slow[need[q]]];
         PyObject *req = s < PyList_GET_SIZE(by_slot) ? PyList_GET_ITEM(by_slot, s) : Py_None;
         if (req == Py_None) {
             PyErr_Format(PyExc_ValueError, "extend_decode: slot %zd holds no request", s);
@@ -1309,41 +1474,15 @@ static PyObject *extend_decode(PyObject *self, PyObject *args)
         if ((capacity[q] = request_table(req, 1, &tables[q])) < 0)
             goto done;
     }
-    if (num_fill) {
-        blocks_tok = PyMem_Malloc((size_t)num_fill * (size_t)bs * sizeof(uint32_t));
-        parents = PyMem_Malloc((size_t)num_fill * KEY_BYTES);
-        hashes = PyMem_Malloc((size_t)num_fill * KEY_BYTES);
-        if (!blocks_tok || !parents || !hashes) {
-            PyErr_NoMemory();
-            goto done;
-        }
-    }
-    /* The filled blocks' tokens: the tail with its last token, which sits at the request's offset in tokens. */
-    {
-        Py_ssize_t offset = 0, j = 0, f = 0;
-        for (Py_ssize_t i = 0; i < n && f < num_fill; i++) {
-            if (is_slow[i]) {
-                if (fill[f] == j) {
-                    const Py_ssize_t s = slot[i];
-                    memcpy(blocks_tok + f * bs, tl + s * bs, (size_t)bs * sizeof(uint32_t));
-                    blocks_tok[f * bs + bs - 1] = tok[offset];
-                    memcpy(parents + f * KEY_BYTES, lh + s * KEY_BYTES, KEY_BYTES);
-                    f++;
-                }
-                j++;
-            }
-            offset += count[i];
-        }
-    }
-    if (num_fill && each_blocks(hashing, blocks_tok, num_fill, bs, parents, hashes) < 0)
+    if (decode_hash_fills(&d) < 0)
         goto done;
     /* A filled block behind the table's last column (blocks reserved ahead) is read from the table now; the run
      * writes only columns past the old width. -1: the block the table ends with after the run (last_block). */
     for (Py_ssize_t f = 0, q = 0; f < num_fill; f++) {
-        const Py_ssize_t i = slow[fill[f]], s = slot[i];
+        const Py_ssize_t i = slow[fill[f]], s = d.slot[i];
         while (q < num_need && need[q] < fill[f])
             q++;
-        const int64_t col = nt[s] / bs, width = wd[s] + (q < num_need && need[q] == fill[f]);
+        const int64_t col = d.nt[s] / bs, width = d.wd[s] + (q < num_need && need[q] == fill[f]);
         filled[f] = -1;
         if (col < width - 1) {
             PyObject *req = s < PyList_GET_SIZE(by_slot) ? PyList_GET_ITEM(by_slot, s) : Py_None;
@@ -1359,7 +1498,7 @@ static PyObject *extend_decode(PyObject *self, PyObject *args)
             filled[f] = data[col];
         }
     }
-    if (!keys_new_and_distinct(&x.t, hashes, num_fill))
+    if (!keys_new_and_distinct(&x.t, d.hashes, num_fill))
         goto fallback; /* a repeated or indexed hash: the one-by-one path merges it */
     index_obj = PyBytes_FromStringAndSize(NULL, num_need * (Py_ssize_t)sizeof(int32_t));
     cols_obj = PyBytes_FromStringAndSize(NULL, num_need * (Py_ssize_t)sizeof(int32_t));
@@ -1391,57 +1530,54 @@ static PyObject *extend_decode(PyObject *self, PyObject *args)
     {
         Py_ssize_t offset = 0;
         for (Py_ssize_t i = 0; i < n; i++) {
-            const Py_ssize_t s = slot[i];
-            const int64_t t = nt[s], k = count[i];
+            const Py_ssize_t s = d.slot[i];
+            const int64_t t = d.nt[s], k = d.count[i];
             if (!is_slow[i])
-                write_in_block(tl + s * bs, &nt[s], &ch[s], t, k, tok + offset, bs);
+                write_in_block(d.tl + s * bs, &d.nt[s], &d.ch[s], t, k, d.tok + offset, bs);
             else
-                write_run_token(tl + s * bs, &nt[s], &ch[s], t, tok[offset], bs,
-                                blocks_short(t, lookahead, bs, wd[s]) > 0);
+                write_run_token(d.tl + s * bs, &d.nt[s], &d.ch[s], t, d.tok[offset], bs,
+                                blocks_short(t, lookahead, bs, d.wd[s]) > 0);
             offset += k;
         }
     }
     for (Py_ssize_t q = 0; q < num_need; q++) { /* the opened blocks: the table's next column */
-        const Py_ssize_t i = slow[need[q]], s = slot[i];
+        const Py_ssize_t i = slow[need[q]], s = d.slot[i];
         PyObject *req = PyList_GET_ITEM(by_slot, s);
-        const int32_t col = wd[s];
+        const int32_t col = d.wd[s];
         if (col < capacity[q])
             tables[q][col] = blocks[q];
         else if (append_position(widen, q) < 0)
             goto fail;
         if (record_opened(req) < 0)
             goto fail;
-        lb[s] = blocks[q];
+        d.lb[s] = blocks[q];
         index_out[q] = (int32_t)i;
         cols_out[q] = col;
-        wd[s] = col + 1;
+        d.wd[s] = col + 1;
     }
     for (Py_ssize_t j = 0; j < m; j++) { /* the run's fast-path limits, with the widths it leaves */
-        const Py_ssize_t s = slot[slow[j]];
-        lim[s] = refreshed_limit(nt[s], wd[s], bs, hashing >= 0);
+        const Py_ssize_t s = d.slot[slow[j]];
+        d.lim[s] = refreshed_limit(d.nt[s], d.wd[s], bs, hashing >= 0);
     }
     for (Py_ssize_t f = 0; f < num_fill; f++) { /* the filled blocks: their hash, and the block that holds it */
-        const Py_ssize_t s = slot[slow[fill[f]]];
+        const Py_ssize_t s = d.slot[slow[fill[f]]];
         if (filled[f] < 0)
-            filled[f] = lb[s];
-        memcpy(lh + s * KEY_BYTES, hashes + f * KEY_BYTES, KEY_BYTES);
+            filled[f] = d.lb[s];
+        memcpy(d.lh + s * KEY_BYTES, d.hashes + f * KEY_BYTES, KEY_BYTES);
     }
-    const Py_ssize_t added = insert_and_cache(&x, &p, hashes, num_fill, filled, entries, b[28].buf, &num_spare,
+    const Py_ssize_t added = insert_and_cache(&x, &p, d.hashes, num_fill, filled, entries, b[28].buf, &num_spare,
                                               &num_entries);
     if (added < 0)
         goto fail;
     for (Py_ssize_t i = 0; i < n; i++)
-        lens[i] = wd[slot[i]];
+        d.lens[i] = d.wd[d.slot[i]];
     if (events) { /* each fill's request position, block index, hash, parent and tokens: its BlockStored */
         stored = PyList_New(num_fill);
         if (!stored)
             goto fail;
         for (Py_ssize_t f = 0; f < num_fill; f++) {
             const Py_ssize_t i = slow[fill[f]];
-            PyObject *item = Py_BuildValue("nLy#y#y#", i, (long long)((nt[slot[i]] - 1) / bs),
-                                           (const char *)(hashes + f * KEY_BYTES), (Py_ssize_t)KEY_BYTES,
-                                           (const char *)(parents + f * KEY_BYTES), (Py_ssize_t)KEY_BYTES,
-                                           (const char *)(blocks_tok + f * bs), bs * (Py_ssize_t)sizeof(uint32_t));
+            PyObject *item = stored_item(&d, f, i, (d.nt[d.slot[i]] - 1) / bs);
             if (!item)
                 goto fail;
             PyList_SET_ITEM(stored, f, item);
@@ -1465,8 +1601,6 @@ done:
     Py_XDECREF(widen);
     Py_XDECREF(removed);
     Py_XDECREF(stored);
-    PyMem_Free(slot);
-    PyMem_Free(slow);
     PyMem_Free(need);
     PyMem_Free(fill);
     PyMem_Free(evicted);
@@ -1475,12 +1609,8 @@ done:
     PyMem_Free(is_slow);
     PyMem_Free(tables);
     PyMem_Free(capacity);
-    PyMem_Free(blocks_tok);
-    PyMem_Free(parents);
-    PyMem_Free(hashes);
+    decode_close(&d);
     release_buffers(b, NB); /* zeroed ones (not parsed) have no object: skipped */
-    PyBuffer_Release(&given);
-    PyMem_Free(wide);
     return result;
 }
 
@@ -1617,48 +1747,22 @@ static PyObject *extend_rows(PyObject *self, PyObject *args)
                           write_array, &b[26], &seed, write_array, &b[27], write_array, &b[28], write_array, &b[29],
                           write_array, &b[30], write_array, &b[31], &num_spare, &num_entries))
         return NULL;
+    decode_batch_t d = {.fn = "extend_rows", .every_held = 1, .gives_back = 1};
     PyObject *result = NULL, *index_obj = NULL, *offsets_obj = NULL, *cols_obj = NULL, *vals_obj = NULL,
              *widen = NULL, *givers = NULL, *removed = NULL, *stored = NULL;
-    Py_ssize_t *slot = NULL, *fill = NULL, *group_size = NULL;
+    Py_ssize_t *fill = NULL, *group_size = NULL;
     rows_run_t *run = NULL;
-    int64_t *given_rec = NULL, *given_stop = NULL, *wide = NULL, entry;
+    int64_t *given_rec = NULL, *given_stop = NULL, entry;
     int32_t *filled = NULL, *fresh = NULL;
-    uint32_t *blocks_tok = NULL;
-    uint8_t *parents = NULL, *hashes = NULL;
     pool_t p;
     index_t x;
-    Py_buffer given = {0};
-    if (lookahead < 0) {
-        PyErr_SetString(PyExc_ValueError, "extend_rows: lookahead must not be negative");
+    if (decode_open(&d, slot_of, ids, hashing, lookahead) < 0 || open_store(&p, &x, &b[17], seed, d.fn) < 0)
         goto done;
-    }
-    if (!PyDict_Check(slot_of) && PyObject_GetBuffer(slot_of, &given, PyBUF_C_CONTIGUOUS) < 0)
-        goto done;
-    if (hashing >= 0 && !each_blocks) {
-        each_blocks = (each_fn)PyCapsule_Import("kvcache.allocator._chainhash._each_api", 0);
-        if (!each_blocks)
-            goto done;
-    }
-    if (given.obj && given.len != PyList_GET_SIZE(ids) * (Py_ssize_t)sizeof(Py_ssize_t)) {
-        PyErr_SetString(PyExc_ValueError, "extend_rows: the given slots must be one intp per id");
-        goto done;
-    }
-    if (open_pool(&p, &b[17], "extend_rows") < 0
-        || open_index(&x, &b[26], seed, &b[27], &b[28], &b[29], &b[30], "extend_rows") < 0)
-        goto done;
-    const Py_ssize_t n = PyList_GET_SIZE(ids), G = p.rows;
-    const Py_ssize_t cap = b[2].len / (Py_ssize_t)sizeof(int64_t);
-    const Py_ssize_t bs = cap ? b[5].len / (Py_ssize_t)sizeof(uint32_t) / cap : 0;
-    const Py_ssize_t num_tok = b[0].len / (Py_ssize_t)sizeof(uint32_t);
+    const Py_ssize_t G = p.rows;
+    const int sizes_ok = decode_sizes_ok(&d, b, G);
+    const Py_ssize_t n = d.n, bs = d.bs;
     const Py_ssize_t R = b[14].len / (Py_ssize_t)sizeof(Py_ssize_t), W = b[15].len / (4 * (Py_ssize_t)sizeof(int64_t));
-    const int narrow = n > 0 && b[1].len == n * (Py_ssize_t)sizeof(int32_t);
-    if (b[0].len % (Py_ssize_t)sizeof(uint32_t) || (!narrow && b[1].len != n * (Py_ssize_t)sizeof(int64_t)) || cap < 1
-        || bs < 1 || b[3].len != b[2].len || b[4].len != b[2].len
-        || b[5].len != cap * bs * (Py_ssize_t)sizeof(uint32_t) || b[6].len != cap
-        || b[7].len != cap * (Py_ssize_t)sizeof(Py_ssize_t) || b[8].len != cap || b[9].len != cap
-        || b[10].len != cap * KEY_BYTES || b[11].len != cap * G * (Py_ssize_t)sizeof(int32_t)
-        || b[12].len != cap * (Py_ssize_t)sizeof(int32_t) || b[13].len != n * (Py_ssize_t)sizeof(int32_t)
-        || R < G || b[14].len != R * (Py_ssize_t)sizeof(Py_ssize_t)
+    if (!sizes_ok || R < G || b[14].len != R * (Py_ssize_t)sizeof(Py_ssize_t)
         || b[15].len != W * 4 * (Py_ssize_t)sizeof(int64_t) || b[16].len != 2 * (Py_ssize_t)sizeof(int64_t)
         || x.rows != G || p.n != x.num_blocks || num_spare < 0 || num_entries < 0
         || num_spare + G * n > b[31].len / (Py_ssize_t)sizeof(Py_ssize_t) || num_entries + n > x.entries) {
@@ -1697,76 +1801,33 @@ static PyObject *extend_rows(PyObject *self, PyObject *args)
         }
     }
     const size_t m_bytes = (size_t)(n ? n : 1);
-    slot = PyMem_Malloc(m_bytes * sizeof(Py_ssize_t));
     fill = PyMem_Malloc(m_bytes * sizeof(Py_ssize_t));
     run = PyMem_Calloc(m_bytes, sizeof(rows_run_t));
-    if (!slot || !fill || !run) {
+    if (!fill || !run) {
         PyErr_NoMemory();
         goto done;
     }
-    if (narrow) {
-        wide = PyMem_Malloc(m_bytes * sizeof(int64_t));
-        if (!wide) {
-            PyErr_NoMemory();
-            goto done;
-        }
-        for (Py_ssize_t i = 0; i < n; i++)
-            wide[i] = ((const int32_t *)b[1].buf)[i];
-    }
-    const int64_t *count = narrow ? wide : b[1].buf;
-    int64_t *rec = b[4].buf, *counted = b[16].buf;
-    const uint32_t *tok = b[0].buf;
-    int64_t *nt = b[2].buf, *lim = b[3].buf;
-    uint32_t *tl = b[5].buf;
-    uint8_t *ch = b[6].buf, *lh = b[10].buf;
-    Py_ssize_t *st = b[7].buf;
-    const uint8_t *key = b[8].buf, *salt = b[9].buf;
-    int32_t *lb = b[11].buf, *wd = b[12].buf, *lens = b[13].buf;
+    int64_t *counted = b[16].buf;
 
     /* Everything is checked and read before the first write: a None leaves the general path an untouched manager. */
-    Py_ssize_t total = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        const int found = given.obj ? (slot[i] = ((const Py_ssize_t *)given.buf)[i], 1)
-                                    : lookup_id(slot_of, PyList_GET_ITEM(ids, i), &slot[i]);
-        if (found < 0)
-            goto done;
-        if (!found || count[i] < 0 || count[i] > num_tok)
-            goto fallback;
-        if (slot[i] < 0 || slot[i] >= cap) {
-            PyErr_Format(PyExc_ValueError, "extend_rows: slot %zd is outside the slot arrays", slot[i]);
-            goto done;
-        }
-        if (slot[i] >= PyList_GET_SIZE(by_slot) || PyList_GET_ITEM(by_slot, slot[i]) == Py_None)
-            goto fallback; /* a slot no request holds: the general path looks the ids up */
-        st[slot[i]] = i;
-        total += count[i];
-    }
-    if (total != num_tok)
+    const Py_ssize_t m = decode_read(&d, b, slot_of, ids, by_slot), num_fill = d.num_fill;
+    if (m == DECODE_FAILED)
+        goto done;
+    if (m == DECODE_NONE)
         goto fallback;
-    Py_ssize_t m = 0, num_need = 0, num_fill = 0, num_gives = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (st[slot[i]] != i) /* listed twice */
-            goto fallback;
-        const Py_ssize_t s = slot[i];
-        const int64_t t = nt[s], covered = (int64_t)wd[s] * bs;
-        if (in_last_block(t, count[i], rec[s], covered - lookahead < lim[s] ? covered - lookahead : lim[s]))
-            continue;
-        if (!plain_decode(count[i], t, bs, key[s], salt[s], hashing >= 0))
-            goto fallback; /* not a plain decode extend: the one-by-one order matters */
-        const int64_t opens = blocks_short(t, lookahead, bs, wd[s]);
-        if (opens > 1)
-            goto fallback; /* a lookahead that grew since the request's last extend */
-        rows_run_t *e = &run[m++];
-        e->i = i;
-        e->s = s;
-        e->t = t;
-        e->opens = opens == 1;
-        e->fills = hashing >= 0 && t % bs == bs - 1;
-        e->gives = W > 0 && t >= rec[s];
+    Py_ssize_t num_need = 0, num_gives = 0;
+    for (Py_ssize_t j = 0, f = 0; j < m; j++) {
+        rows_run_t *e = &run[j];
+        e->i = d.run_at[j];
+        e->s = d.slot[e->i];
+        e->t = d.nt[e->s];
+        e->opens = (d.run_kind[j] & RUN_OPENS) != 0;
+        e->fills = (d.run_kind[j] & RUN_FILLS) != 0;
+        e->gives = W > 0 && e->t >= d.rec[e->s];
         num_need += e->opens;
         num_gives += e->gives;
         if (e->fills)
-            fill[num_fill++] = m - 1;
+            fill[f++] = j;
     }
     for (Py_ssize_t g = 0; g < G; g++)
         if (num_need > p.top[g] + p.lru_count[g])
@@ -1786,7 +1847,7 @@ static PyObject *extend_rows(PyObject *self, PyObject *args)
     for (Py_ssize_t j = 0, k = 0; j < m; j++) {
         rows_run_t *e = &run[j];
         const int64_t col = e->t / bs;
-        if (!e->opens && !e->gives && !(e->fills && col < wd[e->s] - 1))
+        if (!e->opens && !e->gives && !(e->fills && col < d.wd[e->s] - 1))
             continue; /* the last column's blocks are last_block's */
         e->req = PyList_GET_ITEM(by_slot, e->s);
         PyObject *table = PyObject_GetAttr(e->req, table_name);
@@ -1814,7 +1875,7 @@ static PyObject *extend_rows(PyObject *self, PyObject *args)
                 goto done;
             }
         }
-        if (wd[e->s] > e->capacity) {
+        if (d.wd[e->s] > e->capacity) {
             PyErr_Format(PyExc_ValueError, "extend_rows: slot %zd's table is narrower than its width", e->s);
             goto done;
         }
@@ -1834,7 +1895,7 @@ static PyObject *extend_rows(PyObject *self, PyObject *args)
                     goto done;
                 }
                 int64_t stop = group_stop(pol, e->t, bs);
-                stop = stop < wd[e->s] ? stop : wd[e->s];
+                stop = stop < d.wd[e->s] ? stop : d.wd[e->s];
                 given_rec[k * W + w] = was;
                 given_stop[k * W + w] = stop;
                 for (int64_t c = was > sink ? was : sink; c < stop; c++) {
@@ -1876,45 +1937,20 @@ static PyObject *extend_rows(PyObject *self, PyObject *args)
         num_changed += e->num_cols > 0;
         num_cols += e->num_cols;
     }
-    if (num_fill) {
-        blocks_tok = PyMem_Malloc((size_t)num_fill * (size_t)bs * sizeof(uint32_t));
-        parents = PyMem_Malloc((size_t)num_fill * KEY_BYTES);
-        hashes = PyMem_Malloc((size_t)num_fill * KEY_BYTES);
-        if (!blocks_tok || !parents || !hashes) {
-            PyErr_NoMemory();
-            goto done;
-        }
-    }
-    {   /* The filled blocks' tokens: the tail with its last token, which sits at the request's offset in tokens. */
-        Py_ssize_t offset = 0, f = 0;
-        for (Py_ssize_t i = 0, j = 0; i < n && f < num_fill; i++) {
-            if (j < m && run[j].i == i) {
-                if (fill[f] == j) {
-                    const Py_ssize_t s = slot[i];
-                    memcpy(blocks_tok + f * bs, tl + s * bs, (size_t)bs * sizeof(uint32_t));
-                    blocks_tok[f * bs + bs - 1] = tok[offset];
-                    memcpy(parents + f * KEY_BYTES, lh + s * KEY_BYTES, KEY_BYTES);
-                    f++;
-                }
-                j++;
-            }
-            offset += count[i];
-        }
-    }
-    if (num_fill && each_blocks(hashing, blocks_tok, num_fill, bs, parents, hashes) < 0)
+    if (decode_hash_fills(&d) < 0)
         goto done;
     for (Py_ssize_t f = 0; f < num_fill; f++) { /* a block behind the table's last column: read now (-1: opened) */
         const rows_run_t *e = &run[fill[f]];
         const int64_t col = e->t / bs;
         for (Py_ssize_t g = 0; g < G; g++) {
-            filled[f * G + g] = col == wd[e->s] - 1 ? lb[e->s * G + g]
-                                : col < wd[e->s]    ? e->table[g * e->capacity + col]
-                                                    : -1;
-            if (col < wd[e->s] && filled[f * G + g] < 0)
+            filled[f * G + g] = col == d.wd[e->s] - 1 ? d.lb[e->s * G + g]
+                                : col < d.wd[e->s]      ? e->table[g * e->capacity + col]
+                                                        : -1;
+            if (col < d.wd[e->s] && filled[f * G + g] < 0)
                 goto fallback; /* a hole where the token lands (not a table this manager wrote) */
         }
     }
-    if (!keys_new_and_distinct(&x.t, hashes, num_fill))
+    if (!keys_new_and_distinct(&x.t, d.hashes, num_fill))
         goto fallback; /* a repeated or indexed hash: the one-by-one path merges it */
     index_obj = PyBytes_FromStringAndSize(NULL, num_changed * (Py_ssize_t)sizeof(int32_t));
     offsets_obj = PyBytes_FromStringAndSize(NULL, (num_changed + 1) * (Py_ssize_t)sizeof(int32_t));
@@ -1934,14 +1970,14 @@ static PyObject *extend_rows(PyObject *self, PyObject *args)
     /* Commit, request by request in batch order: what _extend does for each, in its order. */
     Py_ssize_t gone = 0, added = 0, changed_at = 0, col_at = 0;
     int64_t evicted_pairs = 0, given_pairs = 0;
-    for (Py_ssize_t i = 0, j = 0, f = 0, offset = 0; i < n; offset += count[i], i++) {
-        const Py_ssize_t s = slot[i];
+    for (Py_ssize_t i = 0, j = 0, f = 0, offset = 0; i < n; offset += d.count[i], i++) {
+        const Py_ssize_t s = d.slot[i];
         if (j >= m || run[j].i != i) {
-            write_in_block(tl + s * bs, &nt[s], &ch[s], nt[s], count[i], tok + offset, bs);
+            write_in_block(d.tl + s * bs, &d.nt[s], &d.ch[s], d.nt[s], d.count[i], d.tok + offset, bs);
             continue;
         }
         rows_run_t *e = &run[j++];
-        const Py_ssize_t width = wd[s];
+        const Py_ssize_t width = d.wd[s];
         if (e->gives) { /* dead window blocks back, tail first, group by group; their columns emptied */
             const int64_t *was = given_rec + (e->gives - 1) * W, *stop = given_stop + (e->gives - 1) * W;
             PyObject *recycled = PyObject_GetAttr(e->req, recycled_name);
@@ -1978,7 +2014,7 @@ static PyObject *extend_rows(PyObject *self, PyObject *args)
                 next = at < next ? at : next;
             }
             Py_DECREF(recycled);
-            rec[s] = next; /* its cached view stays: a slice of the same table, which shows the columns emptied */
+            d.rec[s] = next; /* its cached view stays: a slice of the same table, which shows the columns emptied */
         }
         if (e->opens) { /* a block in every group, evictions leaving the index group by group */
             for (Py_ssize_t g = 0; g < G; g++) {
@@ -2020,26 +2056,23 @@ static PyObject *extend_rows(PyObject *self, PyObject *args)
             }
             if (record_opened(e->req) < 0)
                 goto fail;
-            memcpy(lb + s * G, fresh, (size_t)G * sizeof(int32_t));
-            wd[s] = (int32_t)(width + 1);
+            memcpy(d.lb + s * G, fresh, (size_t)G * sizeof(int32_t));
+            d.wd[s] = (int32_t)(width + 1);
         }
-        write_run_token(tl + s * bs, &nt[s], &ch[s], e->t, tok[offset], bs, e->opens || e->gives);
+        write_run_token(d.tl + s * bs, &d.nt[s], &d.ch[s], e->t, d.tok[offset], bs, e->opens || e->gives);
         if (e->fills) { /* its filled block, in every group, indexed and cached */
             int32_t *blocks = filled + f * G;
             if (blocks[0] < 0)
                 memcpy(blocks, fresh, (size_t)G * sizeof(int32_t));
             int64_t entry_id;
-            const Py_ssize_t in = insert_and_cache(&x, &p, hashes + f * KEY_BYTES, 1, blocks, &entry_id, b[31].buf,
-                                                   &num_spare, &num_entries);
+            const Py_ssize_t in = insert_and_cache(&x, &p, d.hashes + f * KEY_BYTES, 1, blocks, &entry_id,
+                                                   b[31].buf, &num_spare, &num_entries);
             if (in < 0)
                 goto fail;
             added += in;
-            memcpy(lh + s * KEY_BYTES, hashes + f * KEY_BYTES, KEY_BYTES);
+            memcpy(d.lh + s * KEY_BYTES, d.hashes + f * KEY_BYTES, KEY_BYTES);
             if (events) {
-                PyObject *item = Py_BuildValue("nLy#y#y#", i, (long long)(e->t / bs),
-                                               (const char *)(hashes + f * KEY_BYTES), (Py_ssize_t)KEY_BYTES,
-                                               (const char *)(parents + f * KEY_BYTES), (Py_ssize_t)KEY_BYTES,
-                                               (const char *)(blocks_tok + f * bs), bs * (Py_ssize_t)sizeof(uint32_t));
+                PyObject *item = stored_item(&d, f, i, e->t / bs);
                 if (!item || PyList_Append(stored, item) < 0) {
                     Py_XDECREF(item);
                     goto fail;
@@ -2048,7 +2081,7 @@ static PyObject *extend_rows(PyObject *self, PyObject *args)
             }
             f++;
         }
-        lim[s] = refreshed_limit(nt[s], wd[s], bs, hashing >= 0);
+        d.lim[s] = refreshed_limit(d.nt[s], d.wd[s], bs, hashing >= 0);
         if (!e->num_cols)
             continue;
         /* Its changed columns (given ones ascending, then the opened one) and their values in every row now. */
@@ -2088,7 +2121,7 @@ static PyObject *extend_rows(PyObject *self, PyObject *args)
         offsets_out[++changed_at] = (int32_t)col_at;
     }
     for (Py_ssize_t i = 0; i < n; i++)
-        lens[i] = wd[slot[i]];
+        d.lens[i] = d.wd[d.slot[i]];
     counted[0] += evicted_pairs;
     counted[1] += given_pairs;
     result = Py_BuildValue("OOOOOOnnnnOO", index_obj, offsets_obj, cols_obj, vals_obj, widen, givers, num_spare,
@@ -2108,20 +2141,15 @@ done:
     Py_XDECREF(givers);
     Py_XDECREF(removed);
     Py_XDECREF(stored);
-    PyMem_Free(slot);
     PyMem_Free(fill);
     PyMem_Free(run);
     PyMem_Free(group_size);
     PyMem_Free(given_rec);
     PyMem_Free(given_stop);
-    PyMem_Free(wide);
     PyMem_Free(filled);
     PyMem_Free(fresh);
-    PyMem_Free(blocks_tok);
-    PyMem_Free(parents);
-    PyMem_Free(hashes);
+    decode_close(&d);
     release_buffers(b, NB);
-    PyBuffer_Release(&given);
     return result;
 }
 
@@ -2184,8 +2212,7 @@ static PyObject *admit_commit(PyObject *self, PyObject *args)
     Py_ssize_t *revived = NULL, *lowest = NULL, *highest = NULL;
     pool_t p;
     index_t x;
-    if (open_pool(&p, b, "admit_commit") < 0
-        || open_index(&x, &b[9], seed, &b[10], &b[11], &b[12], &b[13], "admit_commit") < 0)
+    if (open_store(&p, &x, b, seed, "admit_commit") < 0)
         goto done;
     const Py_ssize_t G = p.rows, slots_len = b[19].len / (Py_ssize_t)sizeof(int64_t);
     const Py_ssize_t bs = slots_len ? b[22].len / (Py_ssize_t)sizeof(uint32_t) / slots_len : 0;
