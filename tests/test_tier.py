@@ -1056,10 +1056,28 @@ def test_per_layer_ranges_are_each_layers_copy_ranges(data) -> None:
         table[np.array(data.draw(st.lists(st.booleans(), min_size=rows * m, max_size=rows * m)),
                        dtype=bool).reshape(rows, m)] = -1
         tables.append(table)
-    ranges, cuts = copy_ranges_per_layer(src, tables[0], dst, tables[1], cell_rows=cells)
-    assert cuts.tolist() == sorted(cuts.tolist()) and cuts[0] == 0 and cuts[-1] == ranges.num_ranges
-    for layer in range(spec.num_layers):
-        alone = copy_ranges(src, tables[0], dst, tables[1], layers=[layer], cell_rows=cells)
-        part = ranges.select(slice(int(cuts[layer]), int(cuts[layer + 1])))
-        for got, want in zip(part, alone):
-            assert got.tolist() == want.tolist(), layer
+    inner = data.draw(st.sets(st.integers(1, spec.num_layers - 1), max_size=3)) if spec.num_layers > 1 else set()
+    bounds = [0, *sorted(inner), spec.num_layers]
+    groups = list(copy_ranges_per_layer(src, tables[0], dst, tables[1], bounds, cell_rows=cells))
+    assert len(groups) == len(bounds) - 1
+    for first, stop, (ranges, cuts) in zip(bounds, bounds[1:], groups):
+        assert cuts.tolist() == sorted(cuts.tolist()) and cuts[0] == 0 and cuts[-1] == ranges.num_ranges
+        assert cuts.size == stop - first + 1
+        for layer in range(first, stop):
+            alone = copy_ranges(src, tables[0], dst, tables[1], layers=[layer], cell_rows=cells)
+            part = ranges.select(slice(int(cuts[layer - first]), int(cuts[layer - first + 1])))
+            for got, want in zip(part, alone):
+                assert got.tolist() == want.tolist(), layer
+
+
+def test_per_layer_ranges_check_the_pairs_and_bounds_before_the_first_group() -> None:
+    """A destination written twice, or bounds that do not run from 0 to the layers, are refused at the call, before
+    any group is worked out (so a copy never starts half planned)."""
+    from kvcache.transfer.regions import copy_ranges_per_layer
+
+    spec = make_spec()
+    src, dst = Memory(spec, 8, seed=1).region, Memory(spec, 8, seed=2).region
+    with pytest.raises(KVCacheError, match="written twice"):
+        copy_ranges_per_layer(src, np.array([0, 1]), dst, np.array([2, 2]), [0, 3])
+    with pytest.raises(KVCacheError, match="bounds"):
+        copy_ranges_per_layer(src, np.array([0, 1]), dst, np.array([2, 3]), [0, 2])

@@ -766,32 +766,30 @@ def copy_layers(engine: LocalEngine, src: KVRegion, src_ids: np.ndarray, dst: KV
     kv head h reads row ``cells[l, h]``): one transfer per layer, in layer order on one engine (so layer l's is
     done when layer l+1's is), each within ``timeout`` seconds (the engine's when None).
 
-    Every layer's ranges are worked out at once, in C (``copy_ranges_per_layer``), and go to the
-    engine in groups growing fourfold (layers 0 | 1-3 | 4-15 | 16-63 ...): the first layer's copy
-    starts at once, and each later group is planned while the groups before it copy. With
+    Layers go to the engine in groups growing fourfold (layers 0 | 1-3 | 4-15 | 16-63 ...), each
+    group's ranges worked out in C (``copy_ranges_per_layer``): the first layer's copy starts once
+    its own ranges are known, and each later group is planned while the groups before it copy. With
     ``staged`` (a copier over the engine's runtime, which then takes every copy between the GPU
     and host memory, to keep them in one order), a copy whose host side comes in long runs is
     staged (``StagedCopier.suits``, judged on the first layer); others go through the copy kernel
     directly.
     """
-    ranges, cuts = copy_ranges_per_layer(src, src_ids, dst, dst_ids, cell_rows=cells)
+    bounds = [0]
+    while bounds[-1] < src.num_layers:
+        bounds.append(min(src.num_layers, 4 * bounds[-1] or 1))
+    groups = copy_ranges_per_layer(src, src_ids, dst, dst_ids, bounds, cell_rows=cells)
     cuda = src if src.is_cuda else dst
     device = cuda.device if cuda.is_cuda else "cpu"
     if src.is_cuda == dst.is_cuda:
         staged = None
     direct = False
     handles: list[TransferHandle] = []
-    first = 0
-    while first < src.num_layers:
-        stop = min(src.num_layers, 4 * first or 1)
-        a, b = int(cuts[first]), int(cuts[stop])
-        part, part_cuts = ranges.select(slice(a, b)), cuts[first:stop + 1] - a
+    for first, (ranges, cuts) in zip(bounds, groups):
         if staged is not None:
-            direct = direct if first else not staged.suits(part, to_host=src.is_cuda)
-            handles += staged.submit_parts(part, part_cuts, to_host=src.is_cuda, direct=direct, timeout=timeout)
+            direct = direct if first else not staged.suits(ranges, to_host=src.is_cuda)
+            handles += staged.submit_parts(ranges, cuts, to_host=src.is_cuda, direct=direct, timeout=timeout)
         else:
-            handles += engine.submit_parts(part, part_cuts, device=device, timeout=timeout)
-        first = stop
+            handles += engine.submit_parts(ranges, cuts, device=device, timeout=timeout)
     return handles
 
 

@@ -519,21 +519,37 @@ def copy_ranges_by_layers(src: KVRegion, src_blocks: Any, dst: KVRegion, dst_blo
     return each()
 
 
-def copy_ranges_per_layer(src: KVRegion, src_blocks: Any, dst: KVRegion, dst_blocks: Any,
-                          cell_rows: Any = None) -> tuple[CopyRanges, np.ndarray]:
-    """Every layer's ``copy_ranges`` in layer order, and where each layer's begin (int64 ``[num_layers + 1]``).
+def copy_ranges_per_layer(src: KVRegion, src_blocks: Any, dst: KVRegion, dst_blocks: Any, bounds: Sequence[int],
+                          cell_rows: Any = None) -> Iterator[tuple[CopyRanges, np.ndarray]]:
+    """For each group of layers ``[bounds[i], bounds[i + 1])``, its layers' ``copy_ranges`` in layer order and where
+    each layer's begin (int64 ``[layers + 1]``, from 0).
 
     A range never crosses a layer, so each layer's part can go on its own; one C pass over
-    (layer, tensor, pair) works them out (a bench-sized request's 16,384 ranges in tens of µs).
+    (layer, tensor, pair) works a group out. Lazy, like ``copy_ranges_by_layers``: a caller copies
+    one group while the next is worked out; the pairs are checked before the first yield.
     """
     classes = _row_pairs(src, src_blocks, dst, dst_blocks, None, cell_rows, None)
-    parts = [_layer_pair_ranges(src, dst, pairs, group) for group, pairs in classes]
-    if len(parts) == 1 and classes[0][0].size == src.num_layers:  # every layer reads the same rows: in order already
-        return parts[0]
-    layer = np.concatenate([np.repeat(group, np.diff(cuts)) for (group, _), (_, cuts) in zip(classes, parts)])
-    order = np.argsort(layer, kind="stable")
-    ranges = CopyRanges.concat([r for r, _ in parts]).select(order)
-    return ranges, np.searchsorted(layer[order], np.arange(src.num_layers + 1)).astype(np.int64)
+    edges = [int(b) for b in bounds]
+    if edges[0] != 0 or edges[-1] != src.num_layers or any(b <= a for a, b in zip(edges, edges[1:])):
+        raise KVCacheError(f"bounds: need rising layer indices from 0 to {src.num_layers}, got {edges}")
+
+    def each() -> Iterator[tuple[CopyRanges, np.ndarray]]:
+        for a, b in zip(edges, edges[1:]):
+            if len(classes) == 1:  # every layer reads the same rows: in order already
+                yield _layer_pair_ranges(src, dst, classes[0][1], np.arange(a, b))
+                continue
+            parts, layer = [], []
+            for group, pairs in classes:
+                mine = group[(group >= a) & (group < b)]
+                if mine.size:
+                    ranges, cuts = _layer_pair_ranges(src, dst, pairs, mine)
+                    parts.append(ranges)
+                    layer.append(np.repeat(mine, np.diff(cuts)))
+            order = np.argsort(np.concatenate(layer), kind="stable")
+            yield (CopyRanges.concat(parts).select(order),
+                   np.searchsorted(np.concatenate(layer)[order], np.arange(a, b + 1)).astype(np.int64))
+
+    return each()
 
 
 def _layer_pair_ranges(src: KVRegion, dst: KVRegion, pairs: _Pairs, layers: np.ndarray
