@@ -145,8 +145,7 @@ static PyObject *chunked(PyObject *self, PyObject *args)
     }
     Py_ssize_t total = 0;
     for (Py_ssize_t i = 0; i < len.count; i++) {
-        int64_t k = (len.data[i] + chunk - 1) / chunk;
-        total += k > 1 ? k : 1;
+        total += len.data[i] <= chunk ? 1 : (len.data[i] + chunk - 1) / chunk;
     }
     PyBuffer_Release(&len.view);
     return PyLong_FromSsize_t(total);
@@ -185,6 +184,9 @@ PyDoc_STRVAR(stage_plan_doc,
              "piece's slot, length, piece, in piece order; per piece: piece_starts (pieces + 1), dma_starts\n"
              "(pieces + 1); per DMA: host address, slot offset, length, piece; per layer: layer_end (its pieces\n"
              "end there). All arrays int64.");
+
+/* x / d for x >= 0, a shift where d is 2 ** shift */
+#define DIV(x, d, shift) ((shift) >= 0 ? (x) >> (shift) : (x) / (d))
 
 enum { SP_GPU, SP_OFFSET, SP_LENGTH, SP_PIECE, SP_PIECE_STARTS, SP_LAYER_END, SP_DMA_HOST, SP_DMA_OFFSET,
        SP_DMA_LENGTH, SP_DMA_PIECE, SP_DMA_STARTS, SP_OUTS };
@@ -234,13 +236,16 @@ static PyObject *stage_plan(PyObject *self, PyObject *args)
             goto done;
         }
     }
+    /* slots and chunks are powers of two in practice: shifts, not divisions (which cost most of a pass) */
+    int slot_shift = (slot & (slot - 1)) == 0 ? __builtin_ctzll((unsigned long long)slot) : -1;
+    int chunk_shift = (chunk & (chunk - 1)) == 0 ? __builtin_ctzll((unsigned long long)chunk) : -1;
     Py_ssize_t n = 0;
     for (Py_ssize_t i = 0; i < n_in; i++) {
         if (len_in[i] < 1) {
             PyErr_Format(PyExc_ValueError, "length: range %zd has %lld bytes", i, (long long)len_in[i]);
             goto done;
         }
-        n += (len_in[i] + chunk - 1) / chunk;
+        n += len_in[i] <= chunk ? 1 : DIV(len_in[i] + chunk - 1, chunk, chunk_shift);
     }
     for (int k = SP_GPU; k < SP_OUTS; k++) {
         Py_ssize_t need = k == SP_LAYER_END ? layers : (k == SP_PIECE_STARTS || k == SP_DMA_STARTS) ? n + 1 : n;
@@ -254,24 +259,28 @@ static PyObject *stage_plan(PyObject *self, PyObject *args)
     for (int k = 0; k < SP_OUTS; k++) {
         o[k] = (int64_t *)a[N_IN + k].data;
     }
-    /* scratch: chunked gpu, host, length, layer end (ecuts, layers + 1), piece, order, tmp; per layer lo/hi/base */
-    mem = PyMem_Malloc(sizeof(int64_t) * (size_t)(6 * n + 4 * (layers + 1) + 2));
+    /* scratch: piece, order, tmp; per layer ecuts (where its chunked ranges end), lo, hi, base; the chunked
+     * gpu, host, length when a range was cut (else the inputs serve) */
+    int cut = n != n_in;
+    mem = PyMem_Malloc(sizeof(int64_t) * (size_t)((cut ? 6 : 3) * n + 4 * (layers + 1) + 2));
     if (mem == NULL) {
         PyErr_NoMemory();
         goto done;
     }
-    int64_t *g = mem, *h = g + n, *ln = h + n, *piece = ln + n, *order = piece + n, *tmp = order + n;
+    int64_t *piece = mem, *order = piece + n, *tmp = order + n;
     int64_t *ecuts = tmp + n, *lo = ecuts + layers + 1, *hi = lo + layers + 1, *base = hi + layers + 1;
+    int64_t *cg = base + layers + 1, *ch = cg + n, *cl = ch + n;
+    const int64_t *g = cut ? cg : gpu_in, *h = cut ? ch : host_in, *ln = cut ? cl : len_in;
     Py_ssize_t m = 0;
     int mirrored = 1;
     ecuts[0] = 0;
     for (Py_ssize_t l = 0; l < layers; l++) {
         int64_t lmin = 0, lmax = 0, total = 0;
         for (int64_t i = cuts[l]; i < cuts[l + 1]; i++) {
-            for (int64_t done_bytes = 0; done_bytes < len_in[i]; done_bytes += chunk) {
-                g[m] = gpu_in[i] + done_bytes;
-                h[m] = host_in[i] + done_bytes;
-                ln[m] = len_in[i] - done_bytes < chunk ? len_in[i] - done_bytes : chunk;
+            for (int64_t done_bytes = 0; cut && done_bytes < len_in[i]; done_bytes += chunk) {
+                cg[m] = gpu_in[i] + done_bytes;
+                ch[m] = host_in[i] + done_bytes;
+                cl[m] = len_in[i] - done_bytes < chunk ? len_in[i] - done_bytes : chunk;
                 m++;
             }
             int64_t end = host_in[i] + len_in[i];
@@ -282,6 +291,9 @@ static PyObject *stage_plan(PyObject *self, PyObject *args)
                 lmax = end;
             }
             total += len_in[i];
+        }
+        if (!cut) {
+            m = cuts[l + 1];
         }
         ecuts[l + 1] = m;
         lo[l] = lmin;
@@ -296,7 +308,7 @@ static PyObject *stage_plan(PyObject *self, PyObject *args)
         /* windows of each layer's span; each range's piece is its host offset's window */
         base[0] = 0;
         for (Py_ssize_t l = 0; l < layers; l++) {
-            base[l + 1] = base[l] + (hi[l] - lo[l] + slot - 1) / slot;
+            base[l + 1] = base[l] + DIV(hi[l] - lo[l] + slot - 1, slot, slot_shift);
         }
         pieces = base[layers];
         int64_t *over = o[SP_DMA_OFFSET]; /* what ranges starting in a window carry past its end: dma_offset later */
@@ -305,7 +317,7 @@ static PyObject *stage_plan(PyObject *self, PyObject *args)
         memset(count, 0, sizeof(int64_t) * (size_t)(pieces + 1));
         for (Py_ssize_t l = 0; l < layers; l++) {
             for (int64_t i = ecuts[l]; i < ecuts[l + 1]; i++) {
-                int64_t rel = h[i] - lo[l], local = rel / slot, p = base[l] + local;
+                int64_t rel = h[i] - lo[l], local = DIV(rel, slot, slot_shift), p = base[l] + local;
                 int64_t past = rel + ln[i] - (local + 1) * slot;
                 piece[i] = p;
                 if (past > over[p]) {
@@ -366,7 +378,7 @@ static PyObject *stage_plan(PyObject *self, PyObject *args)
             }
             int64_t within = 0, local = -1;
             for (int64_t k = first; k < ecuts[l + 1]; k++) {
-                int64_t i = order[k], lp = within / slot, p = base[l] + lp;
+                int64_t i = order[k], lp = DIV(within, slot, slot_shift), p = base[l] + lp;
                 while (local < lp) {
                     starts[base[l] + ++local] = k;
                 }
