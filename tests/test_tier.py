@@ -995,7 +995,7 @@ def test_the_c_staged_plan_is_the_numpy_plan(data) -> None:
     unit = data.draw(st.sampled_from([16, 48, 4096]))
     per_layer = data.draw(st.lists(st.integers(0, 14), min_size=layers, max_size=layers))
     to_host = data.draw(st.booleans())
-    slot, chunk = data.draw(st.sampled_from([(64, 32), (8192, 4096), (1 << 20, 1 << 16)]))
+    slot, chunk = data.draw(st.sampled_from([(64, 32), (96, 40), (8192, 4096), (1 << 20, 1 << 16)]))
     total = sum(per_layer)
     lengths = np.array(data.draw(st.lists(st.integers(1, 40), min_size=total, max_size=total)), dtype=np.int64) * unit
     gpu_addr = np.array(data.draw(st.permutations(range(max(total, 1) * 2)))[:total], dtype=np.int64) * unit * 40
