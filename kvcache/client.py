@@ -870,7 +870,7 @@ class CacheClient:
             self._slots[op["req"]] = raw["slot"]
             table = self._mirror.put(op["req"], raw["table"])
             if kind == "reserve":
-                return Reservation(raw["cached"], table, raw["num_tokens"], tuple(raw["receivers"]))
+                return Reservation(raw["cached"], table, raw["num_tokens"], tuple(raw["receivers"]), raw.get("rows"))
             if "plan" in raw:
                 return Sending(raw["cached"], table, raw["num_tokens"], raw["plan"])
             return Admission(raw["cached"], table, raw["num_tokens"], raw.get("host_cached", 0))

@@ -37,7 +37,7 @@ from kvcache.host_tier import TIER_OPS, DaemonTier
 from kvcache.journal import JournalFull
 from kvcache.leases import Leases
 from kvcache.pd.state import MUTATING as _PD_MUTATING
-from kvcache.pd.state import MAX_ERROR, PD_OPS, PDState, validate_op
+from kvcache.pd.state import MAX_ERROR, PD_OPS, PDState, describe_layout, validate_op
 from kvcache.protocol import (
     INT64_MAX,
     INT64_MIN,
@@ -244,6 +244,8 @@ class DaemonState:
         self.layout = None if layout is None else tuple(layout)
         # The info reply's row cells at most: a msgpack int of a layer or head takes up to 5 bytes.
         self._cell_bytes = 5 * sum(len(r.layers) + len(r.kv_heads) for r in self.layout or ())
+        # A reserve reply's rows (the decode side's), which a prefill admit's destination must match row by row.
+        self.pd_rows = describe_layout(manager.rows, self.layout)
         self.extra_info = extra_info or {}  # more fields of the info reply (serve --model's plan and event groups)
         self.retries = _RetryCache(config.dedupe_window, config.dedupe_bytes)
         self.slots = _Slots(config.max_slots)
@@ -374,7 +376,7 @@ class DaemonState:
                 blocks = -(-op.tokens.size // bs)
                 total += 4 * rows * blocks * (3 if op.pd is not None else 1) + 64 * len(m.rows)
                 if kind == "reserve":
-                    total += receivers
+                    total += receivers + self._cell_bytes + 64 * len(m.rows)
                 elif op.pd is not None:  # a prefill admit's plan: its destination's receivers and decode daemon
                     total += sum(len(e) + 8 for e in op.pd["receivers"]) + len(op.pd.get("decode") or "") + 256
                 sent += op.tokens.size
@@ -442,7 +444,7 @@ class DaemonState:
                     if kind == "admit" and len(op) == 3:  # op, req and tokens: no optional field
                         ops.append(_Op(kind, req, tokens))
                     else:
-                        ops.append(self._admit_op(op, i, kind, req, tokens, slots_taken))
+                        ops.append(self._admit_op(op, i, kind, req, tokens, slots_taken, trusted))
                     live[req] = True
                     continue
                 if not is_live:
@@ -506,9 +508,11 @@ class DaemonState:
         ahead = op.get("lookahead")
         return 0 if ahead is None else check_int(ahead, f"ops[{i}].lookahead", most=self.config.max_tokens)
 
-    def _admit_op(self, op: dict, i: int, kind: str, req: Any, tokens: np.ndarray, slots_taken: dict[int, bool]
-                  ) -> _Op:
-        """An admit's or reserve's optional fields checked (num_tokens, slot, PD fields, salt, LoRA, multimodal)."""
+    def _admit_op(self, op: dict, i: int, kind: str, req: Any, tokens: np.ndarray, slots_taken: dict[int, bool],
+                  trusted: bool = False) -> _Op:
+        """An admit's or reserve's optional fields checked (num_tokens, slot, PD fields, salt, LoRA, multimodal).
+
+        ``trusted`` (a journal's): a destination's rows are not checked again (older journals' carry none)."""
         cfg, field = self.config, f"ops[{i}]"
         number = op.get("num_tokens")
         if number is not None:
@@ -529,7 +533,7 @@ class DaemonState:
             pd = {"timeout": self.pd.check_reserve(op, field)}
         elif op.get("dest") is not None:
             self.pd.check_role("sent", field)  # a destination needs --role prefill
-            pd = self.pd.check_dest(op, field, int(tokens.size))
+            pd = self.pd.check_dest(op, field, int(tokens.size), None if trusted else self.pd_rows)
         return _Op(kind, req, tokens, check_optional_str(op, "salt", field), check_lora(op, field),
                    check_mm(op.get("mm"), f"{field}.mm"), number, slot, pd=pd)
 
@@ -735,6 +739,7 @@ class DaemonState:
                                        time.monotonic(), dest)
                         if op.kind == "reserve":
                             result["receivers"] = list(self.pd.receivers)
+                            result["rows"] = self.pd_rows
                         else:  # the scheduler may hand it to the workers with the step: no plans round trip
                             result["plan"] = self._plans([op.req])[0]
                     results.append(result)

@@ -42,11 +42,12 @@ tables, such as FastDeploy's; no table deltas: the scheduler hands its tables to
 PD disaggregation (``kvcache serve --role prefill|decode``; see kvcache/pd/state.py for the flow)::
 
     decode:  {"op": "reserve", "req": ID, "tokens": TOKENS, "salt"?, "lora"?, "mm"?, "slot"?, "timeout"?: seconds}
-               → admit's result + "receivers": [endpoint per decode rank]
+               → admit's result + "receivers": [endpoint per decode rank] + "rows": [the daemon's rows]
              {"op": "attach", "rank": int, "endpoint": str, "key"?: int}   (a decode rank's CacheReceiver)
              {"op": "received", "req": ID, "rank": int, "key": int}  (every writer to that rank has finished)
     prefill: admit with "dest": {"receivers": [str], "table": int32[rows, blocks], "cached": int,
-                                 "decode": str, "timeout"?: seconds}
+                                 "decode": str, "rows"?: the reserve's rows, "timeout"?: seconds}
+             (a daemon of several rows needs "rows", and refuses rows whose policies or cells differ from its own)
              {"op": "attach", "rank": int, "key"?: int}         (a prefill rank's messager claims its rank)
              {"op": "plans", "reqs": [ID, ...]} → per request its plan or None (messagers)
              {"op": "sent", "req": ID, "rank": int, "key": int}  (a prefill rank wrote and notified all)

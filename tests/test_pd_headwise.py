@@ -8,6 +8,9 @@ row's blocks move to the same row's decode blocks, layer by layer, re-sliced acr
 """
 from __future__ import annotations
 
+import json
+import re
+
 import numpy as np
 import pytest
 
@@ -166,12 +169,53 @@ def test_a_prefill_daemon_refuses_a_destination_table_of_another_row_layout(daem
     uniform = daemon("--num-blocks", "64", "--block-size", "16", "--role", "prefill")
     dest = {"receivers": ["tcp://127.0.0.1:1"], "cached": 0, "decode": "ipc:///x"}
     with CacheClient(head_wise.endpoint) as c:
+        rows = [{k: v for k, v in row.items() if k != "num_blocks"} for row in c.info()["rows"]]
         with pytest.raises(DaemonError, match=r"dest.table: must be the decode side's int table \[4, blocks\]"):
-            c.admit("a", np.arange(40), dest={**dest, "table": np.zeros((1, 3), np.int32)})
+            c.admit("a", np.arange(40), dest={**dest, "rows": rows, "table": np.zeros((1, 3), np.int32)})
         holes = np.array([[0, -1, 2]] * 2 + [[0, 1, 2]] * 2, np.int32)
-        assert c.admit("b", np.arange(40), dest={**dest, "table": holes}) is not None
+        with pytest.raises(DaemonError, match=r"dest.rows: missing; this daemon has 4 rows"):
+            c.admit("b", np.arange(40), dest={**dest, "table": holes})
+        assert c.admit("b", np.arange(40), dest={**dest, "rows": rows, "table": holes}) is not None
         assert c.stats()["in_transfer"] == 1 and c.usage.max == 3 / 64
     with CacheClient(uniform.endpoint) as c:
         with pytest.raises(DaemonError, match=r"dest.table: block ids must be in \[0, 2\*\*31\)"):
             c.admit("a", np.arange(40), dest={**dest, "table": np.array([[0, -1, 2]], np.int32)})
         assert c.usage.max == 0.0
+
+
+# FastDeploy's head-wise window: half of each TP rank's query heads (its last ones) keep a 32-token window on the
+# odd layers. One rank windows kv heads 2 and 3; two ranks window kv head 1 (rank 0's last) and 3 (rank 1's).
+FASTDEPLOY_HEAD_WISE = {"num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 32,
+                        "sliding_window": 32, "window_attn_skip_freq": 2, "head_wise_swa_ratio": 0.5}
+
+
+@pytest.mark.parametrize("prefill_tp, decode_tp", [(1, 2), (2, 1)])
+def test_a_prefill_admit_refuses_a_decode_daemon_whose_head_wise_rows_hold_other_kv_heads(
+        daemon, tmp_path, prefill_tp, decode_tp):
+    """Both daemons serve the same FastDeploy config with --head-wise at different TP sizes: as many rows, but
+    not the same kv heads in each. The prefill admit names the first row that differs and changes nothing; at
+    one TP size the same destination is taken."""
+    from kvcache.client import DaemonError
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(FASTDEPLOY_HEAD_WISE))
+
+    def serve(role: str, tp: int):
+        return daemon("--num-blocks", "64", "--block-size", "16", "--role", role, "--tp", str(tp),
+                      "--model", str(config), "--head-wise")
+
+    prefill, decode, same = serve("prefill", prefill_tp), serve("decode", decode_tp), serve("prefill", decode_tp)
+    with CacheClient(prefill.endpoint) as p, CacheClient(decode.endpoint) as d, CacheClient(same.endpoint) as s:
+        assert p.info()["num_rows"] == d.info()["num_rows"] == 6
+        for rank in range(decode_tp):
+            d.attach(rank, f"tcp://127.0.0.1:{rank + 1}")
+        reservation = d.reserve("a", np.arange(40))
+        heads = {1: "(0, 1, 2, 3)", 2: "(0, 2)"}  # row 1 is kv head 1's full row: all layers at TP 1, even at TP 2
+        with pytest.raises(DaemonError, match=re.escape(
+                "ops[0].dest: the decode daemon's rows differ from this daemon's: row 1 holds "
+                f"layers {heads[decode_tp]}, kv heads (1,) there; layers {heads[prefill_tp]}, kv heads (1,) here")):
+            p.admit("a", np.arange(40), dest=reservation.dest(decode.endpoint))
+        assert p.usage.max == 0.0 and p.stats()["in_transfer"] == 0 and p.lookup(np.arange(40)) == 0
+        p.check_integrity()
+        assert s.admit("a", np.arange(40), dest=reservation.dest(decode.endpoint)) is not None
+        assert s.stats()["in_transfer"] == 1

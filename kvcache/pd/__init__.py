@@ -13,8 +13,10 @@ A request moves from a prefill node to a decode node like this (each arrow one d
     proxy/scheduler          decode daemon (--role decode)         prefill daemon (--role prefill)
     reserve(req, tokens) ->  admit, matching the decode prefix cache;
                              "receiving" until a deadline; result: table,
-                             cached tokens, the decode ranks' receivers
-    admit(req, tokens, dest={receivers, table, cached, decode}) ------->  admit (its own prefix hits skip
+                             cached tokens, the decode ranks' receivers,
+                             its rows
+    admit(req, tokens, dest={receivers, table, cached, decode, rows}) ->  refused unless the rows match its own;
+                                                                          admit (its own prefix hits skip
                                                                           compute); "sending" until a deadline
     prefill messagers:                                                    plans(reqs) -> what to write where
       write each layer's blocks past the decode side's cache

@@ -9,12 +9,15 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
 
 from kvcache.allocator.errors import KVCacheError
 from kvcache.allocator.manager import Admission
+from kvcache.allocator.rows import Row, describe_policy
+from kvcache.allocator.swa import AttentionPolicy
 from kvcache.protocol import ProtocolError, check_int, check_request_id, show
 
 ROLES = ("both", "prefill", "decode")
@@ -30,17 +33,21 @@ MAX_DURATIONS = 4096  # done transfers' durations kept for the metrics to drain 
 
 
 class Reservation(NamedTuple):
-    """A decode daemon's ``reserve``: an admission plus each decode rank's receiver endpoint."""
+    """A decode daemon's ``reserve``: an admission plus each decode rank's receiver endpoint and the daemon's rows
+    (each row's policy and cells: what the prefill daemon checks its own rows against)."""
 
     num_cached_tokens: int
     table: np.ndarray
     num_tokens: int
     receivers: tuple[str, ...]
+    rows: list[dict[str, Any]] | None = None
 
     def dest(self, decode_endpoint: str, timeout: float | None = None) -> dict[str, Any]:
         """The ``dest`` of the prefill daemon's admit: where this reservation's blocks are."""
         out = {"receivers": list(self.receivers), "table": np.ascontiguousarray(self.table, dtype=np.int32),
                "cached": self.num_cached_tokens, "decode": decode_endpoint}
+        if self.rows is not None:
+            out["rows"] = self.rows
         if timeout is not None:
             out["timeout"] = timeout
         return out
@@ -91,6 +98,45 @@ def check_timeout(value: Any, field: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 86_400:
         raise ProtocolError(f"{field}: must be seconds in (0, 86400], got {show(value)}")
     return float(value)
+
+
+def describe_layout(policies: Sequence[AttentionPolicy], layout: Sequence[Row] | None) -> list[dict[str, Any]]:
+    """A daemon's rows as its reserve reply carries them: each row's policy, and its cells (``layers``,
+    ``kv_heads``) where the daemon knows them (``--model``)."""
+    if layout is not None:
+        return [row.describe() for row in layout]
+    return [describe_policy(p) for p in policies]
+
+
+def check_same_rows(theirs: Any, ours: list[dict[str, Any]], field: str) -> None:
+    """Refuse a destination whose rows (the decode daemon's, ``theirs``) differ from this daemon's, naming the
+    first difference; None passes only where this daemon has one row."""
+    if theirs is None:
+        if len(ours) > 1:
+            raise ProtocolError(f"{field}.rows: missing; this daemon has {len(ours)} rows, so the destination must "
+                                "carry the decode daemon's (its reserve's rows, as Reservation.dest passes them)")
+        return
+    if not isinstance(theirs, list) or not all(isinstance(r, dict) for r in theirs):
+        raise ProtocolError(f"{field}.rows: must be a list of maps (the decode daemon's reserve's rows)")
+    if len(theirs) != len(ours):
+        raise ProtocolError(f"{field}: the decode daemon's rows differ from this daemon's: {len(theirs)} rows "
+                            f"there, {len(ours)} here")
+    for i, (there, here) in enumerate(zip(theirs, ours)):
+        if there == here:
+            continue
+        if _cells(there) != _cells(here):
+            raise ProtocolError(f"{field}: the decode daemon's rows differ from this daemon's: row {i} holds "
+                                f"{_cells(there)} there; {_cells(here)} here")
+        policy = [{k: v for k, v in row.items() if k not in ("layers", "kv_heads")} for row in (there, here)]
+        raise ProtocolError(f"{field}: the decode daemon's rows differ from this daemon's: row {i} is "
+                            f"{show(policy[0])} there, {show(policy[1])} here")
+
+
+def _cells(row: dict[str, Any]) -> str:
+    """A described row's cells for a message: its layers and kv heads as tuples ("unknown" where not described)."""
+    def items(value: Any) -> str:
+        return show(tuple(value)) if isinstance(value, list) else "unknown" if value is None else show(value)
+    return f"layers {items(row.get('layers'))}, kv heads {items(row.get('kv_heads'))}"
 
 
 def _check_str(value: Any, field: str, most: int) -> str:
@@ -167,11 +213,19 @@ class PDState:
     def _timeout(self, op: dict, field: str) -> float:
         return self.timeout if op.get("timeout") is None else check_timeout(op["timeout"], f"{field}.timeout")
 
-    def check_dest(self, op: dict, field: str, num_tokens: int) -> dict[str, Any]:
-        """A prefill admit's destination: the decode receivers, its table, its cached tokens, its daemon."""
+    def check_dest(self, op: dict, field: str, num_tokens: int, rows: list[dict[str, Any]] | None) -> dict[str, Any]:
+        """A prefill admit's destination: the decode receivers, its table, its cached tokens, its daemon.
+
+        ``rows`` are this daemon's rows (``describe_layout``); the decode daemon's (``dest.rows``, from its
+        reserve) must be the same cells with the same policies, row by row, or the messagers would write one
+        row's blocks into another's. A daemon of one row takes a destination without them (a uniform table);
+        ``rows`` None (a journal's admit, let in when it was made) skips the check.
+        """
         dest = op.get("dest")
         if not isinstance(dest, dict):
             raise ProtocolError(f"{field}.dest: must be a map with receivers, table, cached and decode")
+        if rows is not None:
+            check_same_rows(dest.get("rows"), rows, f"{field}.dest")
         receivers = dest.get("receivers")
         if not isinstance(receivers, list) or not 1 <= len(receivers) <= 1024:
             raise ProtocolError(f"{field}.dest.receivers: must be a list of 1 to 1024 endpoints (one per decode rank)")
