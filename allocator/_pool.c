@@ -139,9 +139,83 @@ done:
     return result;
 }
 
+PyDoc_STRVAR(hold_doc,
+"hold(ref, cached, stack, top, ring, lru_pos, head, tail, lru_count, row, blocks) -> int\n\n"
+"BlockPool.incref([[row]], blocks[None, :], unique=True) in one pass: blocks int32 [L] C-contiguous,\n"
+"distinct (-1 = hole, skipped). A cached free block leaves the LRU ring; where the revived entries are\n"
+"exactly the ring's newest, its tail moves back over them. Raises AssertionError, changing nothing, if a\n"
+"block is free and uncached or an id is out of range. Returns how many blocks were revived.");
+
+static PyObject *hold(PyObject *self, PyObject *args)
+{
+    (void)self;
+    Py_buffer b[POOL_ARRAYS + 1]; /* the pool's arrays, then blocks */
+    Py_ssize_t r;
+    if (!PyArg_ParseTuple(args, "O&O&O&O&O&O&O&O&O&nO&", write_array, &b[0], write_array, &b[1], write_array, &b[2],
+                          write_array, &b[3], write_array, &b[4], write_array, &b[5], write_array, &b[6], write_array,
+                          &b[7], write_array, &b[8], &r, read_array, &b[9]))
+        return NULL;
+    PyObject *result = NULL;
+    pool_t p;
+    if (open_pool(&p, b, "hold") < 0)
+        goto done;
+    const Py_ssize_t width = b[9].len / (Py_ssize_t)sizeof(int32_t);
+    const int32_t *blocks = b[9].buf;
+    if (b[9].len % (Py_ssize_t)sizeof(int32_t)) {
+        PyErr_SetString(PyExc_ValueError, "hold: blocks must be int32");
+        goto done;
+    }
+    if (r < 0 || r >= p.rows) {
+        PyErr_Format(PyExc_AssertionError, "incref: row %zd is not in [0, %zd)", r, p.rows);
+        goto done;
+    }
+    Py_ssize_t lost = 0, first = -1;
+    for (Py_ssize_t q = 0; q < width; q++) {
+        const int32_t blk = blocks[q];
+        if (blk == -1)
+            continue;
+        if (blk < -1 || blk >= p.n) {
+            PyErr_Format(PyExc_AssertionError, "incref: block %d is not in [0, %zd)", (int)blk, p.n);
+            goto done;
+        }
+        if (p.ref[r * p.n + blk] == 0 && p.lru_pos[r * p.n + blk] < 0 && lost++ == 0)
+            first = blk;
+    }
+    if (lost) {
+        PyErr_Format(PyExc_AssertionError, "incref of %zd free uncached blocks, first (row %zd, block %zd)", lost, r,
+                     first);
+        goto done;
+    }
+    Py_ssize_t revived = 0, low = PY_SSIZE_T_MAX, high = -1;
+    for (Py_ssize_t q = 0; q < width; q++) {
+        const int32_t blk = blocks[q];
+        if (blk < 0)
+            continue;
+        const Py_ssize_t flat = r * p.n + blk;
+        if (p.ref[flat]++ > 0)
+            continue;
+        const Py_ssize_t g = p.lru_pos[flat];
+        low = g < low ? g : low;
+        high = g > high ? g : high;
+        p.lru_pos[flat] = -1;
+        revived++;
+    }
+    if (revived) {
+        p.lru_count[r] -= revived;
+        const Py_ssize_t newest = r * p.cap + ((p.tail[r] - 1) & (p.cap - 1));
+        if (high == newest && high - low == revived - 1)
+            p.tail[r] -= revived;
+    }
+    result = PyLong_FromSsize_t(revived);
+done:
+    release_buffers(b, POOL_ARRAYS + 1);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"release", release, METH_VARARGS, release_doc},
     {"take", take, METH_VARARGS, take_doc},
+    {"hold", hold, METH_VARARGS, hold_doc},
     {NULL, NULL, 0, NULL},
 };
 

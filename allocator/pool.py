@@ -286,6 +286,9 @@ class BlockPool:
         if r.size == 1 and b.size == 1:
             self._incref_one(*self._one_pair(r, b))
             return
+        if unique and r.shape == (1, 1) and b.ndim == 2 and b.shape[0] == 1 and b.dtype == np.int32:
+            self.hold_row(int(r.item()), b[0])  # one table row of int32 ids: one C pass
+            return
         r, b, flat = self._pairs(r, b)
         if flat.size == 0:
             return
@@ -310,6 +313,15 @@ class BlockPool:
                 g = self._lru_pos[fz]
         if num_zero:
             self._revive(rz, fz, g, lowest)
+
+    def hold_row(self, row: int, blocks: np.ndarray) -> None:
+        """``incref([[row]], blocks[None, :], unique=True)`` for distinct int32 ``blocks`` [L] of one row (-1 =
+        hole): the C pass without incref's argument handling. Revives cached free blocks as incref does."""
+        try:
+            _pool.hold(*self._c_arrays(), row, np.ascontiguousarray(blocks, dtype=np.int32))
+        except AssertionError:  # nothing changed: an id out of range is the caller's error, named as such
+            self._check_pairs(np.full((1, 1), row, dtype=np.intp), blocks[None, :])
+            raise
 
     def release_table(self, rows: np.ndarray, blocks: np.ndarray, used: int = -1) -> None:
         """``decref(rows[:, None], blocks, unique=True)`` for int64 ``rows`` and a C-contiguous int32 ``blocks``

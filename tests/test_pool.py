@@ -906,3 +906,47 @@ def test_a_pool_state_saved_before_row_sizes_existed_restores_with_every_row_ful
     assert restored.row_blocks.tolist() == [8, 8]
     restored.check_integrity()
     assert restored.allocate(5) is not None and restored.allocate(1) is None
+
+
+def _pool_state(pool: BlockPool) -> list[np.ndarray]:
+    return [a.copy() for a in pool._c_arrays()]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2**31 - 1))
+def test_incref_of_one_int32_row_matches_the_general_path(seed):
+    """One distinct int32 row (the host tier pinning a load's blocks) takes a C pass with the same result."""
+    rng = np.random.default_rng(seed)
+    pools = [BlockPool(2, 16), BlockPool(2, 16)]
+    for pool in pools:  # the same history: allocate, cache some, release in a random order
+        got = pool.allocate(12, np.array([1])).blocks[0]
+        pool.mark_cached(np.ones(6, dtype=np.intp), got[:6])
+    order = np.random.default_rng(seed).permutation(12)
+    for pool in pools:
+        pool.decref(np.ones(12, dtype=np.intp), got[order], unique=True)
+    cached = got[:6]
+    pick = rng.permutation(cached)[: rng.integers(1, 7)].astype(np.int32)
+    if rng.integers(2):
+        pick = np.sort(pick)
+    pick = np.concatenate([pick, [-1]]).astype(np.int32)
+    rows = np.ones((1, 1), dtype=np.intp)
+    pools[0].incref(rows, pick[None, :], unique=True)
+    pools[1].incref(rows, pick[None, :].astype(np.int64), unique=True)  # the general numpy path
+    for a, b in zip(_pool_state(pools[0]), _pool_state(pools[1])):
+        np.testing.assert_array_equal(a, b)
+    pools[0].check_integrity()
+
+
+def test_incref_of_one_int32_row_checks_before_any_change():
+    pool = BlockPool(1, 8)
+    got = pool.allocate(4, np.array([0])).blocks[0]
+    pool.mark_cached(np.zeros(2, dtype=np.intp), got[:2])
+    pool.decref(np.zeros(4, dtype=np.intp), got, unique=True)
+    before = _pool_state(pool)
+    row = np.zeros((1, 1), dtype=np.intp)
+    with pytest.raises(AssertionError, match="incref of 2 free uncached blocks"):
+        pool.incref(row, np.array([got[:2].tolist() + got[2:].tolist()], dtype=np.int32), unique=True)
+    with pytest.raises(KVCacheError, match="blocks: ids must lie"):
+        pool.incref(row, np.array([[got[0], 8]], dtype=np.int32), unique=True)
+    for a, b in zip(_pool_state(pool), before):
+        np.testing.assert_array_equal(a, b)
