@@ -341,13 +341,15 @@ class CurveDaemon(NamedTuple):
     intruder: CurveConfig  # its own key pair with the daemon's public key; not in the clients folder
 
 
-def start_curve_daemon(daemon, tmp_path: Path, tcp_endpoint: str, *names: str) -> CurveDaemon:
+def start_curve_daemon(daemon, tmp_path: Path, tcp_endpoint: str, *names: str,
+                       flags: tuple[str, ...] = ("--num-blocks", "64", "--block-size", "4", "--events")) -> CurveDaemon:
+    """A CURVE daemon on ``tcp_endpoint`` started with ``flags``, with an allowed key pair for each of ``names``."""
     keys, hosts = tmp_path / "keys", tmp_path / "hosts"
     hosts.mkdir()
     for name in names:
         shutil.copy2(create_keys(keys, name).client_secret, hosts)  # each client keeps a copy of its secret
     other = create_keys(tmp_path / "other", "intruder")
-    d = daemon("--endpoint", tcp_endpoint, "--num-blocks", "64", "--block-size", "4", "--events",
+    d = daemon("--endpoint", tcp_endpoint, *flags,
                "--curve-server-cert", str(keys / "server.key_secret"), "--curve-clients-dir", str(keys / "clients"))
     resolved = ServeConfig(endpoint=tcp_endpoint).resolved()
     return CurveDaemon(d, {f: getattr(resolved, f) for f in FIELDS}, keys,

@@ -3,7 +3,6 @@ only from the agent attached as its rank, a decode rank's endpoint only from the
 that says when the daemon did not take it, and a SIGHUP during start-up that does not end the daemon."""
 from __future__ import annotations
 
-import os
 import re
 import signal
 import subprocess
@@ -188,16 +187,8 @@ def test_with_curve_a_decode_rank_is_owned_by_the_certificate_that_attached_it(d
     """A CURVE client claims a decode rank with a key derived from its secret certificate: a worker restarted with
     the same certificate (a new client) changes its rank's endpoint; a client of another allowed certificate
     cannot."""
-    from kvcache.auth import CurveConfig
-    from kvcache.keys import create_keys
-
-    keys = tmp_path / "keys"
-    for name in ("worker", "other"):
-        create_keys(keys, name)
-    d = daemon("--endpoint", tcp_endpoint, "--num-blocks", "32", "--block-size", "4", "--role", "decode",
-               "--curve-server-cert", str(keys / "server.key_secret"), "--curve-clients-dir", str(keys / "clients"))
-    curve = {name: CurveConfig.for_client(keys / f"{name}.key_secret", keys / "server.key")
-             for name in ("worker", "other")}
+    curve = start_curve_daemon(daemon, tmp_path, tcp_endpoint, "worker", "other",
+                               flags=("--num-blocks", "32", "--block-size", "4", "--role", "decode")).allowed
     with CacheClient(tcp_endpoint, timeout=5, curve=curve["worker"]) as first:
         first.attach(0, "tcp://127.0.0.1:1")
     with CacheClient(tcp_endpoint, timeout=5, curve=curve["worker"]) as restarted:
@@ -440,19 +431,12 @@ def test_a_tier_agent_reaches_a_daemon_that_requires_curve(daemon, tmp_path, tcp
     """TierAgent passes its CURVE keys to its own client: it attaches to a tcp:// daemon that requires CURVE and its
     copies land (offloaded and cached on host); a restarted agent with the same certificate attaches its rank again,
     one of another allowed certificate cannot."""
-    from kvcache.auth import CurveConfig
-    from kvcache.keys import create_keys
     from kvcache.worker import TableSubscriber
 
     from test_tier import Memory, make_spec
 
-    keys = tmp_path / "keys"
-    for name in ("worker", "other"):
-        create_keys(keys, name)
-    d = daemon("--endpoint", tcp_endpoint, "--num-blocks", "8", "--block-size", "4", "--host-block-budget", "32",
-               "--curve-server-cert", str(keys / "server.key_secret"), "--curve-clients-dir", str(keys / "clients"))
-    curve = {name: CurveConfig.for_client(keys / f"{name}.key_secret", keys / "server.key")
-             for name in ("worker", "other")}
+    curve = start_curve_daemon(daemon, tmp_path, tcp_endpoint, "worker", "other",
+                               flags=("--num-blocks", "8", "--block-size", "4", "--host-block-budget", "32")).allowed
     memory = Memory(make_spec("bf16", tp_size=1), 8, seed=0)
     with CacheClient(tcp_endpoint, timeout=5, curve=curve["worker"]) as client, \
             TableSubscriber(tcp_endpoint, rank=0, tp_size=1, curve=curve["worker"]) as sub:
