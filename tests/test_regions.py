@@ -453,3 +453,37 @@ def test_joined_copies_move_the_same_bytes_as_their_parts_in_no_more_ranges(data
     assert np.all(np.diff(joined.src) > 0)  # in source order
     if src_units == dst_units == list(range(units)):
         assert joined.num_ranges == 1  # neighbours on both sides: one range
+
+
+class _DeviceTensor:
+    """A CUDA tensor as a framework without DLPack shows it: the CUDA array interface plus a device object."""
+
+    def __init__(self, device: object) -> None:
+        self.device = device
+        self.__cuda_array_interface__ = {"shape": (4, 8), "typestr": "<u1", "data": (0x7F0000000000, False),
+                                         "version": 3, "strides": None}
+
+
+class _TorchDevice:
+    def __init__(self, index: int | None) -> None:
+        self.type, self.index = "cuda", index
+
+
+class _CupyDevice:
+    def __init__(self, id: int) -> None:
+        self.id = id
+
+
+@pytest.mark.parametrize("device, want", [(_TorchDevice(1), "cuda:1"), (_TorchDevice(0), "cuda:0"),
+                                          (_CupyDevice(3), "cuda:3")])
+def test_a_cuda_array_interface_tensor_is_on_the_device_its_framework_names(device, want) -> None:
+    """PyTorch names its device ``index`` and CuPy ``id``: a tensor on the second GPU is not taken for the first
+    (its copies would run on the wrong GPU and fault)."""
+    assert describe_tensor(_DeviceTensor(device)).device == want
+
+
+def test_a_cuda_tensor_whose_device_cannot_be_read_is_refused_not_guessed() -> None:
+    with pytest.raises(TypeError, match="CUDA device cannot be read"):
+        describe_tensor(_DeviceTensor(_TorchDevice(None)))
+    with pytest.raises(TypeError, match="CUDA device cannot be read"):
+        describe_tensor(_DeviceTensor(None))

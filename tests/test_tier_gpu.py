@@ -25,15 +25,15 @@ def make_spec(**overrides) -> CacheSpec:
     return CacheSpec(**fields)
 
 
-def random_caches(spec: CacheSpec, seed: int) -> list[list["torch.Tensor"]]:
-    """Per layer, per spec tensor: random bytes viewed as the tensor's dtype, on the GPU."""
+def random_caches(spec: CacheSpec, seed: int, device: str = "cuda") -> list[list["torch.Tensor"]]:
+    """Per layer, per spec tensor: random bytes viewed as the tensor's dtype, on ``device``."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(spec.num_layers):
         row = []
         for t in spec.tensors():
             raw = torch.randint(0, 256, (BLOCKS, t.bytes_per_block), dtype=torch.uint8, generator=g)
-            row.append(raw.view(DTYPES[t.dtype]).reshape(t.shape(BLOCKS)).to("cuda"))
+            row.append(raw.view(DTYPES[t.dtype]).reshape(t.shape(BLOCKS)).to(device))
         out.append(row)
     return out
 
@@ -43,11 +43,26 @@ def raw(x: "torch.Tensor") -> "torch.Tensor":
     return x.contiguous().view(torch.uint8).cpu()
 
 
-@pytest.mark.parametrize("mode, quant", [("uniform", "none"), ("head-wise", "none"), ("head-wise", "block_wise_fp8")])
-def test_evicted_blocks_reload_from_pinned_host_byte_for_byte(mode: str, quant: str) -> None:
-    """free -> offload to pinned host; every GPU block rewritten by new owners; admit -> load -> the old bytes."""
+def second_gpu() -> str:
+    """cuda:1 for a cache on another GPU than the process's current one (as a PD decode node beside its prefill
+    node), with cuda:0 in use first; skips on a one-GPU machine."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA devices")
+    torch.cuda.set_device(0)
+    torch.ones(1, device="cuda:0").sum().item()
+    return "cuda:1"
+
+
+@pytest.mark.parametrize("mode, quant, device", [("uniform", "none", "cuda:0"), ("head-wise", "none", "cuda:0"),
+                                                 ("head-wise", "block_wise_fp8", "cuda:0"),
+                                                 ("head-wise", "none", "cuda:1")])
+def test_evicted_blocks_reload_from_pinned_host_byte_for_byte(mode: str, quant: str, device: str) -> None:
+    """free -> offload to pinned host; every GPU block rewritten by new owners; admit -> load -> the old bytes.
+    Also with the cache on the second GPU: its copies run there, whichever device the process uses."""
     spec = make_spec(quant=quant)
-    caches = random_caches(spec, 1)
+    if device != "cuda:0":
+        device = second_gpu()
+    caches = random_caches(spec, 1, device)
     region = KVRegion.from_tensors(spec, caches)
     manager = KVCacheManager.from_spec(spec, BLOCKS, head_wise=mode == "head-wise", enable_events=True)
     with TransferManager(manager, region, HostTierConfig(host_blocks=BLOCKS)) as tm:
@@ -74,7 +89,7 @@ def test_evicted_blocks_reload_from_pinned_host_byte_for_byte(mode: str, quant: 
         load = tm.load("b")
         for layer in range(spec.num_layers):
             assert load.wait(layer, timeout=60) is TransferStatus.DONE
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(device)
         new = second.table
         heads = [None] if mode == "uniform" else range(new.shape[0])
         for layer, row in enumerate(caches):
@@ -94,11 +109,15 @@ def test_evicted_blocks_reload_from_pinned_host_byte_for_byte(mode: str, quant: 
         assert tm.stats().loaded_blocks == 10
 
 
-def test_offload_of_a_4096_token_request_lands_in_pinned_host_memory_byte_for_byte() -> None:
-    """The benchmark's shape at 4 layers: 256 scattered blocks out and back through the CUDA path."""
+@pytest.mark.parametrize("device", ["cuda:0", "cuda:1"])
+def test_offload_of_a_4096_token_request_lands_in_pinned_host_memory_byte_for_byte(device: str) -> None:
+    """The benchmark's shape at 4 layers: 256 scattered blocks out and back through the CUDA path (staged copies),
+    also from the second GPU."""
     spec = make_spec(num_layers=4)
     blocks = 512
-    caches = [[torch.randint(0, 256, (blocks, t.bytes_per_block), dtype=torch.uint8, device="cuda")
+    if device != "cuda:0":
+        device = second_gpu()
+    caches = [[torch.randint(0, 256, (blocks, t.bytes_per_block), dtype=torch.uint8, device=device)
                .view(torch.bfloat16).reshape(t.shape(blocks)) for t in spec.tensors()] for _ in range(spec.num_layers)]
     region = KVRegion.from_tensors(spec, caches)
     manager = KVCacheManager.from_spec(spec, blocks)

@@ -217,11 +217,19 @@ def _from_array_interface(obj: Any, cuda: bool) -> TensorInfo:
     shape = tuple(int(s) for s in face["shape"])
     strides = tuple(face["strides"]) if face.get("strides") else _contiguous_strides(shape, itemsize)
     addr = int(face["data"][0] or 0)
-    device = "cpu"
-    if cuda:
-        dev = getattr(obj, "device", None)
-        device = f"cuda:{int(getattr(dev, 'id', 0) or 0)}"
+    device = f"cuda:{_cuda_index(obj)}" if cuda else "cpu"
     return TensorInfo(addr, shape, strides, itemsize, dtype, device, False)
+
+
+def _cuda_index(obj: Any) -> int:
+    """The CUDA device of an array-interface tensor: PyTorch's ``device.index``, CuPy's ``device.id``. The
+    interface itself names no device, and a wrong guess sends its copies to another GPU, so none is guessed."""
+    dev = getattr(obj, "device", None)
+    for name in ("index", "id"):
+        index = getattr(dev, name, None)
+        if isinstance(index, int) and not isinstance(index, bool):
+            return index
+    raise TypeError(f"its CUDA device cannot be read (device {dev!r})")
 
 
 def _from_data_ptr(obj: Any) -> TensorInfo:
@@ -235,8 +243,10 @@ def _from_data_ptr(obj: Any) -> TensorInfo:
     place = getattr(obj, "device", None) or getattr(obj, "place", None)
     text = str(place).lower()
     if "cuda" in text or "gpu" in text:
-        digits = "".join(c for c in text.split(":")[-1] if c.isdigit())
-        device = f"cuda:{int(digits or 0)}"
+        digits = "".join(c for c in text.split(":")[-1] if c.isdigit()) if ":" in text else ""
+        if not digits:
+            raise TypeError(f"its CUDA device cannot be read (device {place!r})")
+        device = f"cuda:{int(digits)}"
     pinned = bool(getattr(obj, "is_pinned", lambda: False)()) if device == "cpu" else False
     return TensorInfo(int(obj.data_ptr()), shape, strides, itemsize, _dtype_name(str(obj.dtype)), device, pinned)
 
