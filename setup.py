@@ -43,6 +43,13 @@ EXTENSIONS: list[Extension] = [
         ["transfer/_ranges.c"],
         extra_compile_args=["-O3", "-std=gnu11", "-Wall", "-Wextra"],
     ),
+    # A host tier's load plan for a one-row manager (an admit's host hit) in one pass.
+    Extension(
+        "kvcache.transfer._tier",
+        ["transfer/_tier.c"],
+        depends=["allocator/_arrays.h", "allocator/_pool.h"],
+        extra_compile_args=["-O3", "-std=gnu11", "-Wall", "-Wextra"],
+    ),
     # Host memcpy over a whole list of KV byte ranges in one call, without the GIL.
     Extension(
         "kvcache.transfer._copy",

@@ -62,6 +62,81 @@ static PyObject *find(PyObject *self, PyObject *args)
     return result;
 }
 
+PyDoc_STRVAR(find_ready_doc,
+             "find_ready(slots, hash_of, seed, queries, entry_blocks, ready) -> bytearray\n\n"
+             "int32 [k, rows]: the block each row holds for each of the leading k packed queries where\n"
+             "ready[block] is set (-1 where the row holds none or its block is not ready); k stops at the\n"
+             "first query absent from the table or ready in no row. entry_blocks is int32 [entries, rows]\n"
+             "(PrefixIndex's blocks), ready one byte per block. Raises AssertionError for a block past ready.\n"
+             "Keeps the GIL: a prompt's lookup is shorter than a hand-over.");
+
+static PyObject *find_ready(PyObject *self, PyObject *args)
+{
+    Py_buffer slots, hash_of, queries, entry_blocks, ready;
+    unsigned long long seed;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "O&O&KO&O&O&", read_array, &slots, read_array, &hash_of, &seed, read_array, &queries,
+                          read_array, &entry_blocks, read_array, &ready)) {
+        return NULL;
+    }
+    PyObject *result = NULL;
+    table_t t;
+    if (open_table(&t, &slots, &hash_of, seed) < 0 || check_packed(&queries, "queries") < 0)
+        goto done;
+    const Py_ssize_t rows = t.num_keys ? entry_blocks.len / (Py_ssize_t)sizeof(int32_t) / t.num_keys : 0;
+    if (rows < 1 || entry_blocks.len != t.num_keys * rows * (Py_ssize_t)sizeof(int32_t)) {
+        PyErr_Format(PyExc_ValueError, "find_ready: entry_blocks (%zd bytes) is not int32 [%lld, rows]",
+                     entry_blocks.len, (long long)t.num_keys);
+        goto done;
+    }
+    const Py_ssize_t n = queries.len / KEY_BYTES;
+    result = PyByteArray_FromStringAndSize(NULL, n * rows * (Py_ssize_t)sizeof(int32_t));
+    if (result == NULL)
+        goto done;
+    int32_t *out = (int32_t *)PyByteArray_AS_STRING(result);
+    const int32_t *eb = entry_blocks.buf;
+    const uint8_t *is_ready = ready.buf, *q = queries.buf;
+    Py_ssize_t k = n;
+    /* Called between scheduler steps, when the table has left the caches: fetch a few queries' slots ahead. */
+    enum { AHEAD = 8 };
+    for (Py_ssize_t i = 0; i < n && i < AHEAD; i++)
+        __builtin_prefetch(&t.slots[tag_of(&t, q + i * KEY_BYTES) & t.mask]);
+    for (Py_ssize_t i = 0; i < n && k == n; i++) {
+        if (i + AHEAD < n)
+            __builtin_prefetch(&t.slots[tag_of(&t, q + (i + AHEAD) * KEY_BYTES) & t.mask]);
+        const uint8_t *key = q + i * KEY_BYTES;
+        const int32_t entry = t.slots[probe(&t, key, tag_of(&t, key))].entry;
+        if (entry < 0) {
+            k = i;
+            break;
+        }
+        int any = 0;
+        for (Py_ssize_t r = 0; r < rows; r++) {
+            const int32_t blk = eb[(Py_ssize_t)entry * rows + r];
+            if (blk >= ready.len) {
+                PyErr_Format(PyExc_AssertionError, "find_ready: block %d is past the %zd ready flags", (int)blk,
+                             ready.len);
+                Py_CLEAR(result);
+                goto done;
+            }
+            const int ok = blk >= 0 && is_ready[blk];
+            out[i * rows + r] = ok ? blk : -1;
+            any |= ok;
+        }
+        if (!any)
+            k = i;
+    }
+    if (k < n && PyByteArray_Resize(result, k * rows * (Py_ssize_t)sizeof(int32_t)) < 0)
+        Py_CLEAR(result);
+done:
+    PyBuffer_Release(&slots);
+    PyBuffer_Release(&hash_of);
+    PyBuffer_Release(&queries);
+    PyBuffer_Release(&entry_blocks);
+    PyBuffer_Release(&ready);
+    return result;
+}
+
 PyDoc_STRVAR(insert_doc,
              "insert(slots, hash_of, seed, new_keys, new_entries) -> int\n\n"
              "Insert each packed key under its int32 entry unless the key is present; hash_of[entry] must\n"
@@ -196,6 +271,7 @@ done:
 
 static PyMethodDef methods[] = {
     {"find", find, METH_VARARGS, find_doc},
+    {"find_ready", find_ready, METH_VARARGS, find_ready_doc},
     {"insert", insert, METH_VARARGS, insert_doc},
     {"remove", remove_keys, METH_VARARGS, remove_doc},
     {"insert_new", insert_new, METH_VARARGS, insert_new_doc},

@@ -165,48 +165,9 @@ static PyObject *hold(PyObject *self, PyObject *args)
         PyErr_SetString(PyExc_ValueError, "hold: blocks must be int32");
         goto done;
     }
-    if (r < 0 || r >= p.rows) {
-        PyErr_Format(PyExc_AssertionError, "incref: row %zd is not in [0, %zd)", r, p.rows);
-        goto done;
-    }
-    Py_ssize_t lost = 0, first = -1;
-    for (Py_ssize_t q = 0; q < width; q++) {
-        const int32_t blk = blocks[q];
-        if (blk == -1)
-            continue;
-        if (blk < -1 || blk >= p.n) {
-            PyErr_Format(PyExc_AssertionError, "incref: block %d is not in [0, %zd)", (int)blk, p.n);
-            goto done;
-        }
-        if (p.ref[r * p.n + blk] == 0 && p.lru_pos[r * p.n + blk] < 0 && lost++ == 0)
-            first = blk;
-    }
-    if (lost) {
-        PyErr_Format(PyExc_AssertionError, "incref of %zd free uncached blocks, first (row %zd, block %zd)", lost, r,
-                     first);
-        goto done;
-    }
-    Py_ssize_t revived = 0, low = PY_SSIZE_T_MAX, high = -1;
-    for (Py_ssize_t q = 0; q < width; q++) {
-        const int32_t blk = blocks[q];
-        if (blk < 0)
-            continue;
-        const Py_ssize_t flat = r * p.n + blk;
-        if (p.ref[flat]++ > 0)
-            continue;
-        const Py_ssize_t g = p.lru_pos[flat];
-        low = g < low ? g : low;
-        high = g > high ? g : high;
-        p.lru_pos[flat] = -1;
-        revived++;
-    }
-    if (revived) {
-        p.lru_count[r] -= revived;
-        const Py_ssize_t newest = r * p.cap + ((p.tail[r] - 1) & (p.cap - 1));
-        if (high == newest && high - low == revived - 1)
-            p.tail[r] -= revived;
-    }
-    result = PyLong_FromSsize_t(revived);
+    const Py_ssize_t revived = pool_hold(&p, r, blocks, width);
+    if (revived >= 0)
+        result = PyLong_FromSsize_t(revived);
 done:
     release_buffers(b, POOL_ARRAYS + 1);
     return result;

@@ -123,4 +123,54 @@ static inline Py_ssize_t pool_take(pool_t *p, Py_ssize_t r, Py_ssize_t want, int
     return from_ring;
 }
 
+/* BlockPool.incref([[r]], blocks[None, :], unique=True): ``width`` distinct int32 blocks of row r (-1 = hole,
+ * skipped) gain a reference; a cached free block leaves the LRU ring, and where the revived entries are exactly the
+ * ring's newest, its tail moves back over them. Returns how many were revived, or -1 with AssertionError set
+ * (changing nothing) for a row or block out of range or a free uncached block. */
+static inline Py_ssize_t pool_hold(pool_t *p, Py_ssize_t r, const int32_t *blocks, Py_ssize_t width)
+{
+    if (r < 0 || r >= p->rows) {
+        PyErr_Format(PyExc_AssertionError, "incref: row %zd is not in [0, %zd)", r, p->rows);
+        return -1;
+    }
+    Py_ssize_t lost = 0, first = -1;
+    for (Py_ssize_t q = 0; q < width; q++) {
+        const int32_t blk = blocks[q];
+        if (blk == -1)
+            continue;
+        if (blk < -1 || blk >= p->n) {
+            PyErr_Format(PyExc_AssertionError, "incref: block %d is not in [0, %zd)", (int)blk, p->n);
+            return -1;
+        }
+        if (p->ref[r * p->n + blk] == 0 && p->lru_pos[r * p->n + blk] < 0 && lost++ == 0)
+            first = blk;
+    }
+    if (lost) {
+        PyErr_Format(PyExc_AssertionError, "incref of %zd free uncached blocks, first (row %zd, block %zd)", lost, r,
+                     first);
+        return -1;
+    }
+    Py_ssize_t revived = 0, low = PY_SSIZE_T_MAX, high = -1;
+    for (Py_ssize_t q = 0; q < width; q++) {
+        const int32_t blk = blocks[q];
+        if (blk < 0)
+            continue;
+        const Py_ssize_t flat = r * p->n + blk;
+        if (p->ref[flat]++ > 0)
+            continue;
+        const Py_ssize_t g = p->lru_pos[flat];
+        low = g < low ? g : low;
+        high = g > high ? g : high;
+        p->lru_pos[flat] = -1;
+        revived++;
+    }
+    if (revived) {
+        p->lru_count[r] -= revived;
+        const Py_ssize_t newest = r * p->cap + ((p->tail[r] - 1) & (p->cap - 1));
+        if (high == newest && high - low == revived - 1)
+            p->tail[r] -= revived;
+    }
+    return revived;
+}
+
 #endif

@@ -562,6 +562,13 @@ class PrefixIndex:
         entries = self._find(hashes, stop_at_miss=True)
         return self._blocks[entries] if entries.size else self._blocks[:0]  # a miss: no gather
 
+    def match_ready(self, hashes: bytes, ready: np.ndarray) -> np.ndarray:
+        """Blocks (int32 ``[k, num_rows]``) of the longest run of leading hashes some row holds in a block that
+        ``ready`` (bool, per block) marks; -1 where a row lacks the hash or its block is unmarked (a lower tier's
+        findable copies: ``match`` and the mask in one C pass)."""
+        found = _hashtable.find_ready(self._slots, self._hash_of, self._seed, hashes, self._blocks, ready)
+        return np.frombuffer(found, dtype=np.int32).reshape(-1, self._rows)
+
     def blocks_of(self, hashes: bytes) -> np.ndarray:
         """Blocks (int32 ``[n, num_rows]``, -1 = row lacks it) of every packed hash, found or not (no run cut)."""
         entries = self._find(hashes, stop_at_miss=False)

@@ -159,7 +159,8 @@ class TierLink:
     def _match_tier(self, hashes: bytes, start: int, limit: int) -> tuple[int, np.ndarray | None]:
         """Blocks after a GPU hit of ``start`` blocks that the tier supplies, and which groups it holds them for.
 
-        Returns (n, bool ``[groups, n]``), or (0, None); hashes are the prompt's, ``limit`` the most blocks a hit may take.
+        Returns (n, bool ``[groups, n]``, or None where every group holds all n), or (0, None); hashes are the
+        prompt's, ``limit`` the most blocks a hit may take.
         """
         assert self.tier is not None
         if limit <= start:
@@ -167,6 +168,8 @@ class TierLink:
         held = np.asarray(self.tier.held(hashes[start * _H: limit * _H]), dtype=bool)
         if held.shape[0] == 0:
             return 0, None
+        if len(self.rows) == 1 and isinstance(self.rows[0], Full):  # held stops at the first block its row lacks
+            return held.shape[0], None
         num_groups = len(self._group_col)
         present = held if not self._expand and held.shape[1] == num_groups else np.stack(
             [held[:, self._row_group == g].all(axis=1) for g in range(num_groups)], axis=1)

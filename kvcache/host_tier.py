@@ -293,9 +293,8 @@ class DaemonTier(HostBooks):
         """Order the load of the tier's part of a hit; note loads in flight that the GPU part of it shares."""
         deps = self._loads_filling(table[:, :num_gpu_blocks]) if num_gpu_blocks and self._jobs else set()
         if len(hashes) // _H:
-            src, dst, host_ids = self._load_plan(table, num_gpu_blocks, hashes)
+            src, dst, host_ids = self._load_plan(table, num_gpu_blocks, hashes, self._next_job)
             job_id = self._order("load", src, dst, TierJob("load", host_ids, dst, [], owner=request_id))
-            self._mark(self._filling, dst, job_id)
             deps.add(job_id)
         if deps:
             self._waits[request_id] = deps

@@ -268,3 +268,43 @@ def test_more_hashes_than_blocks_grow_the_table_and_every_one_stays_findable() -
     assert sorted(bytes(g) for g in gone) == sorted(h(i) for i in ids[::2])
     index.check_integrity()
     assert [h(i) in index for i in ids[:4]] == [False, True, False, True]
+
+
+def _match_then_mask(index: PrefixIndex, hashes: bytes, ready: np.ndarray) -> np.ndarray:
+    """match_ready's reference: match, mask the blocks ``ready`` does not mark, cut at the first hash none holds."""
+    blocks = index.match(hashes)
+    ok = ready[blocks] & (blocks >= 0)
+    found = ok.any(axis=1)
+    k = found.size if found.all() else int(np.argmin(found))
+    return np.where(ok, blocks, -1)[:k]
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(1, 3), st.lists(st.integers(0, 40), max_size=30, unique=True), st.integers(0, 2**32 - 1),
+       st.lists(st.integers(0, 50), max_size=30))
+def test_match_ready_is_match_masked_by_the_ready_blocks(rows, ids, seed, queries):
+    """A lower tier's lookup in one C pass (match_ready) finds what match and the ready mask find: the blocks of
+    the leading hashes some row holds in a ready block, -1 for a row whose block is absent or not ready."""
+    num_blocks = 64
+    rng = np.random.default_rng(seed)
+    index = PrefixIndex(rows, num_blocks)
+    blocks = np.stack([rng.permutation(num_blocks)[: len(ids)] for _ in range(rows)], axis=1).astype(np.int32)
+    blocks[rng.random(blocks.shape) < 0.2] = -1  # a hash no row holds is not kept
+    index.insert(packed(ids), blocks)
+    ready = rng.random(num_blocks) < 0.8
+    chain = [i for i in ids if rng.random() < 0.9] + queries  # mostly known hashes first (a prompt's), then any
+    got = index.match_ready(packed(chain), ready)
+    expected = _match_then_mask(index, packed(chain), ready)
+    assert got.dtype == np.int32 and got.shape == expected.shape
+    np.testing.assert_array_equal(got, expected)
+
+
+def test_match_ready_refuses_a_block_past_the_ready_flags():
+    import pytest
+
+    index = PrefixIndex(1, 16)
+    index.insert(packed([1, 2]), np.array([[3], [12]], dtype=np.int32))
+    assert index.match_ready(packed([1, 2]), np.ones(16, dtype=bool)).tolist() == [[3], [12]]
+    assert index.match_ready(packed([1, 2]), np.arange(16) != 12).tolist() == [[3]]
+    with pytest.raises(AssertionError, match="past the 8 ready flags"):
+        index.match_ready(packed([1, 2]), np.ones(8, dtype=bool))

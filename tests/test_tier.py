@@ -21,6 +21,7 @@ from kvcache.allocator.prefix import BlockHasher
 from kvcache.allocator.tiers import tier_extension
 from kvcache.events import encode_batch
 from kvcache.transfer import HostTierConfig, KVRegion, TransferManager, TransferStatus
+from kvcache.transfer.manager import HostBooks
 from kvcache.transfer.regions import CopyRanges
 
 from caches import random_views
@@ -1081,3 +1082,83 @@ def test_per_layer_ranges_check_the_pairs_and_bounds_before_the_first_group() ->
         copy_ranges_per_layer(src, np.array([0, 1]), dst, np.array([2, 2]), [0, 3])
     with pytest.raises(KVCacheError, match="bounds"):
         copy_ranges_per_layer(src, np.array([0, 1]), dst, np.array([2, 3]), [0, 2])
+
+
+# --------------------------------------------------------------------------- a host hit's plan in one C pass
+
+
+def _books_state(books: HostBooks) -> list[np.ndarray]:
+    return [a.copy() for a in books._pool._c_arrays()] + [books._filling.copy()]
+
+
+def _host_history(books: HostBooks, rng: np.random.Generator) -> np.ndarray:
+    """Allocate host blocks, make most findable and release some (the LRU); returns the blocks a load may pin."""
+    pool, zero = books._pool, np.zeros(books.num_blocks, dtype=np.intp)
+    got = pool.allocate(int(rng.integers(1, books.num_blocks + 1)), ascending=True).blocks[0]
+    cached = got[rng.random(got.size) < 0.8]
+    pool.mark_cached(zero[: cached.size], cached)
+    released = rng.permutation(got)[: int(rng.integers(0, got.size + 1))]
+    pool.decref(zero[: released.size], released, unique=True)
+    return np.setdiff1d(got, released[~np.isin(released, cached)])  # not those free again and not findable
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.integers(1, 12), st.integers(0, 3))
+def test_a_one_row_host_hit_is_planned_in_c_as_numpy_plans_it(seed, k, start):
+    """A one-row tier plans a host hit's load in one C pass (``_tier.load_plan``): the same GPU and host blocks,
+    the same pins in the host pool and the same marks on the GPU blocks as the numpy plan, which tiers of several
+    rows still take; where a wanted column has no host block both refuse and change nothing."""
+    rng = np.random.default_rng(seed)
+    manager = KVCacheManager.from_spec(make_spec(), 32, hash_seed=SEED)
+    fast, numpy_path = HostBooks(manager, 24), HostBooks(manager, 24)
+    filled = rng.permutation(32)[:5]  # GPU blocks an earlier load fills
+    for books in (fast, numpy_path):
+        pinnable = _host_history(books, np.random.default_rng(seed))
+        books._filling[0, filled] = 3
+    found = np.full((k + 2, 1), -1, dtype=np.int32)  # held's blocks: two more columns than the hit takes
+    picked = rng.permutation(pinnable)[:k]
+    found[rng.permutation(k)[: picked.size], 0] = picked
+    table = rng.permutation(32)[None, : start + k + 1].astype(np.int32)
+    table[0, start:start + k][(found[:k, 0] < 0) | (rng.random(k) < 0.2)] = -1  # -1: a window row's skip
+    if rng.random() < 0.2 and (found[:k, 0] < 0).any():  # a column wanting a block the tier lacks
+        table[0, start + int(np.argmax(found[:k, 0] < 0))] = 31
+    hashes = bytes(range(32)) * k
+    for books in (fast, numpy_path):
+        books._last_held = (hashes + bytes(64), found)
+    before = _books_state(fast)
+    lacking = bool(((table[0, start:start + k] >= 0) & (found[:k, 0] < 0)).any())
+    if lacking:
+        with pytest.raises(AssertionError, match="lost a block"):
+            fast._load_plan(table, start, hashes, job=7)
+        with pytest.raises(AssertionError, match="lost a block"):
+            numpy_path._load_plan_rows(table[:, start:start + k], found[:k], job=7)
+        for a, b in zip(_books_state(fast), before):
+            np.testing.assert_array_equal(a, b)
+        return
+    src, dst, host_ids = fast._load_plan(table, start, hashes, job=7)
+    want_dst, want_src, want_ids = numpy_path._load_plan_rows(table[:, start:start + k], found[:k], job=7)
+    numpy_path._pool.hold_row(0, want_ids)
+    for got, want in ((src, want_src), (dst, want_dst), (host_ids, want_ids)):
+        assert got.dtype == np.int32
+        np.testing.assert_array_equal(got, want)
+    for a, b in zip(_books_state(fast), _books_state(numpy_path)):
+        np.testing.assert_array_equal(a, b)
+    fast._pool.check_integrity()
+
+
+def test_a_one_row_full_manager_takes_every_block_held_finds() -> None:
+    """With one Full row, the tier's part of a hit is every block ``held`` found (it stops at the first the row
+    lacks): the manager takes that count without ``tier_extension``, and the admit loads exactly those blocks."""
+    tier = Tier(make_spec(), num_blocks=12, host_blocks=16)
+    try:
+        prompt = list(range(19))
+        only_on_host(tier, prompt)
+        hashes = tier.manager._hasher.hash_blocks_packed(np.asarray(prompt[:-1], dtype=np.uint32))
+        n = len(hashes) // 32
+        held = tier.tm.held(hashes)
+        assert held.shape == (n, 1) and held.all()
+        assert tier.manager._match_tier(hashes, 0, n) == (tier_extension(held, 0, [Full()], 4), None) == (n, None)
+        assert tier.admit("b", prompt) == n * 4
+        tier.check_host()
+    finally:
+        tier.close()

@@ -49,6 +49,7 @@ from kvcache.allocator.events import BlockRemoved, BlockStored
 from kvcache.allocator.pool import BlockPool
 from kvcache.allocator.prefix import HASH_BYTES, PrefixIndex
 from kvcache.allocator.rows import table_cells
+from kvcache.transfer import _tier
 from kvcache.transfer.copies import Copy, Submitter
 from kvcache.transfer.copies import worst as _worst
 from kvcache.transfer.engines import CUDA_METHODS, DEFAULT_TIMEOUT, LocalEngine, TransferHandle, TransferStatus
@@ -68,7 +69,6 @@ _H = HASH_BYTES
 _EMPTY = np.empty(0, dtype=np.intp)
 TIER_CUDA_METHODS = (*CUDA_METHODS, "staged")
 """How a host tier's copies touch the GPU: ``staged`` (``kvcache.transfer.staged``), or a LocalEngine method."""
-_ROW0 = np.zeros((1, 1), dtype=np.intp)  # the host pool's one row, as a column against [1, n] blocks
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -273,14 +273,11 @@ class HostBooks:
 
     def held(self, hashes: bytes) -> np.ndarray:
         """bool ``[k, rows]``: rows whose copy of each leading hash is findable; stops at the first with none."""
-        blocks = self._index.match(hashes)
-        ok = self._ready[blocks] & (blocks >= 0)  # -1 reads the last block's flag, masked right after
-        found = ok.any(axis=1)
-        k = found.size if found.all() else int(np.argmin(found))
+        blocks = self._index.match_ready(hashes, self._ready)
         # The admit that asked names the same hashes (a prefix of these) to ``admitted`` next, nothing changing in
         # between (LowerTier.held): its load plan reads the blocks found here instead of looking them up again.
         self._last_held = (hashes, blocks)
-        return ok[:k]
+        return blocks >= 0
 
     def _blocks_of(self, hashes: bytes) -> np.ndarray:
         """int ``[n, rows]``: the host block each row's copy of each hash is in (-1 = none), as ``held`` saw it."""
@@ -291,21 +288,35 @@ class HostBooks:
             return seen[1][:n]
         return self._index.blocks_of(hashes)
 
-    def _load_plan(self, table: np.ndarray, num_gpu_blocks: int, hashes: bytes) -> tuple[np.ndarray, ...]:
+    def _load_plan(self, table: np.ndarray, num_gpu_blocks: int, hashes: bytes, job: int) -> tuple[np.ndarray, ...]:
         """The tier's part of a hit (the ``len(hashes) // 32`` columns after the GPU hit): host blocks ``src`` and
-        GPU blocks ``dst`` [rows, k] (-1 = none), and the host blocks it reads, pinned until ``_load_ended``."""
+        GPU blocks ``dst`` [rows, k] (-1 = none), and the host blocks it reads, pinned until ``_load_ended``;
+        ``dst`` is marked as being filled by load ``job``."""
         k = len(hashes) // _H
-        dst = np.array(table[:, num_gpu_blocks:num_gpu_blocks + k], dtype=np.int32)
+        found = self._blocks_of(hashes)
+        if self._rows == 1:  # one C pass, pins included (distinct hashes are in distinct host blocks)
+            out = np.empty((3, k), dtype=np.int32)
+            m = _tier.load_plan(*self._pool._c_arrays(), table, num_gpu_blocks, found, self._filling, job, out)
+            dst, src, host_ids = out[:1], out[1:2], out[2, :m]
+        else:
+            dst, src, host_ids = self._load_plan_rows(table[:, num_gpu_blocks:num_gpu_blocks + k], found, job)
+            self._pool.hold_row(0, host_ids)
+        self._counts["hit_tokens"] += k * self.manager.block_size
+        return src, dst, host_ids
+
+    def _load_plan_rows(self, columns: np.ndarray, found: np.ndarray, job: int) -> tuple[np.ndarray, ...]:
+        """``_load_plan``'s GPU blocks ``dst``, host blocks ``src`` and distinct host blocks read, for the table's
+        ``columns`` [rows, k] and the host blocks ``found`` [k, rows] of their hashes; marks ``dst`` for ``job``."""
+        dst = np.array(columns, dtype=np.int32)
         wanted = dst >= 0
-        src = np.where(wanted, self._blocks_of(hashes).T, -1).astype(np.int32, copy=False)
+        src = np.where(wanted, found.T, -1).astype(np.int32, copy=False)
         assert (wanted == (src >= 0)).all(), "the tier lost a block between held() and admitted()"
         if src.shape[0] == 1:  # one row: distinct hashes are in distinct host blocks
             host_ids = src[0][wanted[0]]
         else:
             host_ids = np.unique(src[wanted]).astype(np.int32, copy=False)
-        self._pool.incref(_ROW0, host_ids[None, :], unique=True)
-        self._counts["hit_tokens"] += k * self.manager.block_size
-        return src, dst, host_ids
+        self._mark(self._filling, dst, job)
+        return dst, src, host_ids
 
     def _offload_plan(self, hashes: bytes, blocks: np.ndarray) -> tuple[np.ndarray, ...] | None:
         """Host blocks for the released ``blocks`` [rows, n] (-1 = nothing to copy) whose hashes the host lacks,
@@ -570,11 +581,10 @@ class TransferManager(HostBooks):
         k = len(hashes) // _H
         launch = None
         if k:
-            src, dst, host_ids = self._load_plan(table, num_gpu_blocks, hashes)
             job = next(self._ids)
+            src, dst, host_ids = self._load_plan(table, num_gpu_blocks, hashes, job)
             copy, launch = self._copy(self._in, self.host, src, self.gpu, dst)
             self._loads[job] = _LoadJob(copy, request_id, host_ids, dst, k)
-            self._mark(self._filling, dst, job)
             deps.add(job)
         if deps:
             self._waits[request_id] = deps
