@@ -233,6 +233,7 @@ def _run_pd(case: Case, endpoints: dict[str, str], device: str = "cpu") -> dict[
             "blocks_checked": sum(proof.blocks_checked for proof in proofs),
             "rows": len(pair.spec.row_layout),
             "layer_blocks": blocks, "recycled": int(recycled),
+            "rank_devices": getattr(pair.prefill.attention, "devices", None),
             "steps": len(pair.prefill.stats) + len(pair.decode.stats)}
 
 
@@ -400,7 +401,7 @@ def _run(case: Case, endpoint: str | None, corrupt: bool, device: str = "cpu") -
     return {"requests": total, "mismatched": mismatched, "max_logit_diff": worst,
             "hit_tokens": sum(s.hit for s in engine.stats), "preempted": sum(s.preempted for s in engine.stats),
             "host_tokens": int(host_tokens), "rows": len(engine.spec.row_layout),
-            "layer_blocks": blocks,
+            "layer_blocks": blocks, "rank_devices": getattr(engine.attention, "devices", None),
             "recycled": int(recycled), "steps": len(engine.stats),
             "overlapped": sum(s.overlapped for s in engine.stats),
             "cache_faults": proof.faults, "blocks_checked": proof.blocks_checked}
@@ -435,7 +436,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'ok  ' if good else 'FAIL'} {name}: {r['requests'] - len(r['mismatched'])}/{r['requests']} match; "
               f"logits within {r['max_logit_diff']:.1e}; {r['blocks_checked']} blocks checked after steps, "
               f"{len(r['cache_faults'])} faults; rows {r['rows']} "
-              f"({'blocks ' + '/'.join(map(str, r['layer_blocks'])) if r['layer_blocks'] else 'a cache per TP rank'}), "
+              f"({'blocks ' + '/'.join(map(str, r['layer_blocks'])) if r['layer_blocks'] else 'a cache per TP rank'}"
+              f"{' on ' + ', '.join(r['rank_devices']) if r.get('rank_devices') and r['rank_devices'][0] else ''}), "
               f"{r['hit_tokens']} prefix-hit tokens ({r['host_tokens']} from host"
               f"{', %d on the decode node' % r['decode_hit_tokens'] if 'decode_hit_tokens' in r else ''}), {r['preempted']} preemptions, "
               f"{r['recycled']} window blocks given back, {r['steps']} steps"

@@ -35,12 +35,13 @@ class TPAttention:
                  ops: Any = None, max_batch: int = 16, max_tokens: int = 64) -> None:
         """``prefill``: the daemon is a PD prefill node; each rank then sends its heads' KV to the decode node,
         layer by layer, through a messager of its own (``begin_step`` tells them a step's requests). ``ops``: the
-        model's backend (default Paddle's); a PyTorch one puts each rank's cache on its device, read by flex
-        attention for steps of at most ``max_batch`` requests and ``max_tokens`` queries each."""
+        model's backend (default Paddle's); a PyTorch one puts each rank's cache on a GPU of its own where there
+        are enough (``rank_devices``), read by flex attention for steps of at most ``max_batch`` requests and
+        ``max_tokens`` queries each."""
         if config.kv_lora_rank or config.num_kv_heads % tp:
             raise ValueError(f"tp: {tp} ranks need kv heads they divide (GQA), got {config.num_kv_heads}")
         self.ops = ops if ops is not None else paddle_backend()
-        device = str(self.ops.device) if self.ops.name == "torch" else None
+        devices = self.devices = rank_devices(self.ops, tp)
         self.client, self.timeout = client, timeout
         self.heads = [rank_heads(config.num_kv_heads, tp, r) for r in range(tp)]
         self.q_per_kv = config.num_q_heads // config.num_kv_heads
@@ -50,7 +51,7 @@ class TPAttention:
             conn, child = ctx.Pipe()
             process = ctx.Process(target=_rank, daemon=True,
                                   args=(child, config, endpoint, rank, tp, block_size, head_wise, quant, prefill,
-                                        device, max_batch, max_tokens))
+                                        devices[rank], max_batch, max_tokens))
             process.start()
             self.conns.append(conn)
             self.processes.append(process)
@@ -102,6 +103,18 @@ class TPAttention:
             process.join(10)
             if process.is_alive():
                 process.kill()
+
+
+def rank_devices(ops: Any, tp: int) -> list[str | None]:
+    """Each TP rank's device: with PyTorch on a GPU, rank r on the r-th GPU from the model's (one GPU per rank
+    while there are enough, then around again), as TP runs; None (Paddle's caches on the CPU) otherwise."""
+    if ops.name != "torch":
+        return [None] * tp
+    device = ops.torch.device(str(ops.device))
+    if device.type != "cuda":
+        return [str(device)] * tp
+    count = ops.torch.cuda.device_count()
+    return [f"cuda:{((device.index or 0) + r) % count}" for r in range(tp)]
 
 
 def _rank(conn: Any, config: ModelConfig, endpoint: str, rank: int, tp: int, block_size: int, head_wise: bool,
