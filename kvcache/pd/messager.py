@@ -43,6 +43,7 @@ import numpy as np
 
 from kvcache.allocator.errors import KVCacheError
 from kvcache.allocator.rows import layer_classes, rows_blocks, table_cells
+from kvcache.pd.state import row_difference
 from kvcache.transfer.engines import TransferHandle, TransferStatus
 from kvcache.transfer.heads import Route, RouteLayout, head_routes, layout_ranges, rank_heads, route_layout
 from kvcache.transfer.regions import CopyRanges, KVRegion
@@ -185,6 +186,8 @@ class CacheMessager:
         # (id(peer region), route, layers) -> (that region, its layout): what every request to it starts from
         self._layouts: dict[tuple[int, Route, tuple[int, ...]], tuple[KVRegion, RouteLayout]] = {}
         self._cells_of: dict[int, np.ndarray] = {}  # table rows -> which row each (layer, global head) reads
+        self._rows = [r.describe() for r in spec.row_layout]  # what a decode rank's rows must be
+        self._row_checks: dict[int, tuple[KVRegion, str]] = {}  # id(peer region) -> (it, how its rows differ or "")
         self._progress: dict[Any, _Progress] = {}  # requests sent in chunks, between their steps (step thread only)
         self._steps: queue.SimpleQueue = queue.SimpleQueue()
         self._finishing: queue.SimpleQueue = queue.SimpleQueue()
@@ -260,8 +263,8 @@ class CacheMessager:
                 self._fail(plan.req, "cancelled", plan)
                 continue
             try:
-                self._check_rows(plan)
                 targets = self._targets(plan)
+                self._check_rows(plan, targets)
             except KVCacheError as exc:
                 self._progress.pop(chunk.req, None)
                 self._fail(plan.req, str(exc), plan)
@@ -353,12 +356,26 @@ class CacheMessager:
             p.progress.handles[p.d].append(handle)
             notified.add((p.plan.req, p.d))
 
-    def _check_rows(self, plan: TransferPlan) -> None:
-        """Both tables have the same rows, and rows this rank's cache can read (``_cells``); else the request fails."""
+    def _check_rows(self, plan: TransferPlan, targets: dict[int, tuple[KVRegion, str]] | None = None) -> None:
+        """Both tables have the same rows, rows this rank's cache can read (``_cells``), and every decode rank
+        written holds the same rows as this rank's cache: which layers and kv heads each row holds, and its
+        policy, as the rank's region says (its NIXL hello); else the request fails, naming the first row that
+        differs. A plan that skipped the daemons' check (``check_same_rows``) still never writes one row's
+        blocks into another's."""
         rows = (plan.src_blocks.shape[0], plan.dst_blocks.shape[0])
         if rows[0] != rows[1]:
             raise KVCacheError(f"tables of {rows[0]} (prefill) and {rows[1]} (decode) rows: both need the same rows")
         self._cells(rows[0])
+        for d, (remote, _) in (targets or {}).items():
+            held = self._row_checks.get(id(remote))
+            if held is None or held[0] is not remote:
+                if len(self._row_checks) >= 256:  # peers come and go: forget the oldest
+                    self._row_checks.pop(next(iter(self._row_checks)))
+                why = row_difference([r.describe() for r in remote.spec.row_layout], self._rows)
+                held = self._row_checks[id(remote)] = (remote, why)
+            if held[1]:
+                raise KVCacheError(f"decode rank {d} at {plan.receivers[d]}: its cache's rows differ from this "
+                                   f"prefill rank's: {held[1]}")
 
     def _cells(self, num_rows: int) -> np.ndarray:
         """int64 [layers, global kv heads]: which row of a table of ``num_rows`` rows each layer's head reads."""

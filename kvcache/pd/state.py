@@ -118,18 +118,24 @@ def check_same_rows(theirs: Any, ours: list[dict[str, Any]], field: str) -> None
         return
     if not isinstance(theirs, list) or not all(isinstance(r, dict) for r in theirs):
         raise ProtocolError(f"{field}.rows: must be a list of maps (the decode daemon's reserve's rows)")
+    why = row_difference(theirs, ours)
+    if why:
+        raise ProtocolError(f"{field}: the decode daemon's rows differ from this daemon's: {why}")
+
+
+def row_difference(theirs: list[dict[str, Any]], ours: list[dict[str, Any]]) -> str:
+    """The first difference between two described row layouts (``Row.describe``), ``theirs`` "there" and ``ours``
+    "here", in a few words ("" when they are the same): their counts, a row's cells, or a row's policy."""
     if len(theirs) != len(ours):
-        raise ProtocolError(f"{field}: the decode daemon's rows differ from this daemon's: {len(theirs)} rows "
-                            f"there, {len(ours)} here")
+        return f"{len(theirs)} rows there, {len(ours)} here"
     for i, (there, here) in enumerate(zip(theirs, ours)):
         if there == here:
             continue
         if _cells(there) != _cells(here):
-            raise ProtocolError(f"{field}: the decode daemon's rows differ from this daemon's: row {i} holds "
-                                f"{_cells(there)} there; {_cells(here)} here")
+            return f"row {i} holds {_cells(there)} there; {_cells(here)} here"
         policy = [{k: v for k, v in row.items() if k not in ("layers", "kv_heads")} for row in (there, here)]
-        raise ProtocolError(f"{field}: the decode daemon's rows differ from this daemon's: row {i} is "
-                            f"{show(policy[0])} there, {show(policy[1])} here")
+        return f"row {i} is {show(policy[0])} there, {show(policy[1])} here"
+    return ""
 
 
 def _cells(row: dict[str, Any]) -> str:
