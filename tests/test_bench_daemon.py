@@ -138,3 +138,21 @@ def test_a_failed_run_stops_every_process_it_started(capsys: pytest.CaptureFixtu
     assert main(["bench", "daemon", "--quick", "--num-blocks", "64"]) == 2
     assert "no room" in capsys.readouterr().err
     assert children() == []
+
+
+@pytest.mark.parametrize("run", [bench._run_client_path, bench._run_arrays_path])
+def test_a_client_that_starts_after_its_window_still_sends_one_message(daemon, run) -> None:
+    """On a loaded machine a client process may reach its timed run after the window closed: it still measures one
+    message, so no row reports 0 extends a second."""
+    import time
+
+    from kvcache.client import CacheClient
+
+    d = daemon("--num-blocks", "64")
+    with CacheClient(d.endpoint, timeout=10) as client:
+        ids = list(range(4))
+        for rid in ids:
+            assert client.admit(rid, [1, 2, 3]) is not None
+        past = time.monotonic() - 1.0
+        out = run(client, ids, past - 0.1, past)
+    assert out["messages"] == 1 and out["extends"] == 4 and out["p50_us"] > 0 and out["no_room"] == 0
