@@ -10,6 +10,10 @@
  *
  * stage_plan lays a group of layers' GPU<->host ranges out in slot-sized pieces for a staged copy
  * (kvcache.transfer.staged): the same plan as the numpy reference there, in two passes over the ranges.
+ *
+ * copy_pairs checks, filters and orders a copy's block pairs (kvcache.transfer.regions' numpy checks
+ * name what is wrong when it refuses); host_runs counts the runs a copy's host side forms; slot_table
+ * places a staged plan in the ring of slots and writes the copy kernel's table.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -422,10 +426,279 @@ done:
     return result;
 }
 
+/* ------------------------------------------------------------------ copy_pairs, host_runs */
+
+PyDoc_STRVAR(copy_pairs_doc,
+             "copy_pairs(src_block, src_row, dst_block, dst_row, width, src_limit, dst_limit, out_src_block,\n"
+             "           out_src_row, out_dst_block, out_dst_row) -> int\n\n"
+             "A copy's (block, row) pairs checked and in source order: the pairs where neither block is -1, sorted\n"
+             "stably by src_block * width + src_row, written to the outputs (room for every pair). Returns (pairs,\n"
+             "highest src block, highest dst block), -1 for none; or None, writing nothing useful, when a block id\n"
+             "is below -1 or not below its side's limit, when the sides differ in size, or when two kept pairs\n"
+             "write one (dst_block, dst_row): the caller's checks then say which. A row of None is all zeros. All\n"
+             "arrays int64.");
+
+static PyObject *copy_pairs(PyObject *self, PyObject *args)
+{
+    (void)self;
+    enum { N = 8 };
+    PyObject *objs[N];
+    long long width, limit[2];
+    if (!PyArg_ParseTuple(args, "OOOOLLLOOOO", &objs[0], &objs[1], &objs[2], &objs[3], &width, &limit[0],
+                          &limit[1], &objs[4], &objs[5], &objs[6], &objs[7])) {
+        return NULL;
+    }
+    static const char *names[N] = {"src_block", "src_row", "dst_block", "dst_row", "out_src_block", "out_src_row",
+                                   "out_dst_block", "out_dst_row"};
+    int64s a[N];
+    int have[N] = {0};
+    PyObject *result = NULL;
+    int64_t *mem = NULL;
+    for (int k = 0; k < N; k++) {
+        if ((k == 1 || k == 3) && objs[k] == Py_None) {
+            continue;
+        }
+        if (get_int64s(objs[k], names[k], k >= 4, &a[k]) != 0) {
+            goto done;
+        }
+        have[k] = 1;
+    }
+    if (!have[1] || !have[3]) {
+        if (have[1] || have[3]) {
+            PyErr_SetString(PyExc_ValueError, "src_row and dst_row: give both or neither");
+            goto done;
+        }
+    }
+    Py_ssize_t n = a[0].count;
+    if (width < 1) {
+        PyErr_Format(PyExc_ValueError, "width must be at least 1, got %lld", width);
+        goto done;
+    }
+    if (a[2].count != n) { /* the caller's checks name the shapes */
+        result = Py_NewRef(Py_None);
+        goto done;
+    }
+    if ((have[1] && a[1].count != n) || (have[3] && a[3].count != n)) {
+        PyErr_SetString(PyExc_ValueError, "a row array and its blocks differ in size");
+        goto done;
+    }
+    for (int k = 4; k < N; k++) {
+        if (a[k].count < n) {
+            PyErr_Format(PyExc_ValueError, "%s has room for %zd, needs %zd", names[k], a[k].count, n);
+            goto done;
+        }
+    }
+    const int64_t *sb = a[0].data, *sr = have[1] ? a[1].data : NULL, *db = a[2].data, *dr = have[3] ? a[3].data : NULL;
+    mem = PyMem_Malloc(sizeof(int64_t) * (size_t)(4 * n + 1));
+    if (mem == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    int64_t *idx = mem, *tmp = idx + n, *skey = tmp + n, *dkey = skey + n;
+    Py_ssize_t m = 0;
+    int sorted = 1;
+    int64_t stop = -1, dtop = -1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (sb[i] < -1 || sb[i] >= limit[0] || db[i] < -1 || db[i] >= limit[1]) {
+            result = Py_NewRef(Py_None);
+            goto done;
+        }
+        if (sb[i] < 0 || db[i] < 0) {
+            continue;
+        }
+        stop = sb[i] > stop ? sb[i] : stop;
+        dtop = db[i] > dtop ? db[i] : dtop;
+        skey[i] = sb[i] * width + (sr ? sr[i] : 0);
+        dkey[m] = db[i] * width + (dr ? dr[i] : 0);
+        if (m > 0 && skey[i] < skey[idx[m - 1]]) {
+            sorted = 0;
+        }
+        idx[m++] = i;
+    }
+    if (!sorted) {
+        sort_by_key(idx, tmp, m, skey);
+    }
+    /* a destination written twice: dkey sorted (by value, through tmp as keys) has two equal neighbours */
+    for (Py_ssize_t k = 0; k < m; k++) {
+        tmp[k] = k;
+    }
+    int dsorted = 1;
+    for (Py_ssize_t k = 1; k < m && dsorted; k++) {
+        dsorted = dkey[k] > dkey[k - 1];
+    }
+    if (!dsorted) {
+        int64_t *order = tmp, *scratch = skey; /* skey is no longer needed once idx is sorted */
+        sort_by_key(order, scratch, m, dkey);
+        for (Py_ssize_t k = 1; k < m; k++) {
+            if (dkey[order[k]] == dkey[order[k - 1]]) {
+                result = Py_NewRef(Py_None);
+                goto done;
+            }
+        }
+    }
+    int64_t *osb = (int64_t *)a[4].data, *osr = (int64_t *)a[5].data, *odb = (int64_t *)a[6].data;
+    int64_t *odr = (int64_t *)a[7].data;
+    for (Py_ssize_t k = 0; k < m; k++) {
+        Py_ssize_t i = idx[k];
+        osb[k] = sb[i];
+        osr[k] = sr ? sr[i] : 0;
+        odb[k] = db[i];
+        odr[k] = dr ? dr[i] : 0;
+    }
+    result = Py_BuildValue("(nLL)", m, (long long)stop, (long long)dtop);
+done:
+    PyMem_Free(mem);
+    for (int k = 0; k < N; k++) {
+        if (have[k]) {
+            PyBuffer_Release(&a[k].view);
+        }
+    }
+    return result;
+}
+
+PyDoc_STRVAR(host_runs_doc,
+             "host_runs(addr, length) -> (runs, bytes)\n\n"
+             "The ranges ordered by address (stably) and the runs they form there: a run ends where the next range\n"
+             "does not start at the previous one's end. Returns (runs, total bytes); int64 arrays of one size.");
+
+static PyObject *host_runs(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *objs[2];
+    if (!PyArg_ParseTuple(args, "OO", &objs[0], &objs[1])) {
+        return NULL;
+    }
+    int64s a[2];
+    int got = 0;
+    PyObject *result = NULL;
+    int64_t *mem = NULL;
+    for (; got < 2; got++) {
+        if (get_int64s(objs[got], got ? "length" : "addr", 0, &a[got]) != 0) {
+            goto done;
+        }
+    }
+    Py_ssize_t n = a[0].count;
+    const int64_t *addr = a[0].data, *len = a[1].data;
+    if (a[1].count != n) {
+        PyErr_SetString(PyExc_ValueError, "addr and length must have one size");
+        goto done;
+    }
+    long long total = 0;
+    int sorted = 1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        total += len[i];
+        if (i > 0 && addr[i] < addr[i - 1]) {
+            sorted = 0;
+        }
+    }
+    Py_ssize_t runs = n > 0;
+    if (sorted) {
+        for (Py_ssize_t i = 1; i < n; i++) {
+            runs += addr[i] != addr[i - 1] + len[i - 1];
+        }
+    } else {
+        mem = PyMem_Malloc(sizeof(int64_t) * (size_t)(2 * n));
+        if (mem == NULL) {
+            PyErr_NoMemory();
+            goto done;
+        }
+        int64_t *idx = mem, *tmp = mem + n;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            idx[i] = i;
+        }
+        sort_by_key(idx, tmp, n, addr);
+        for (Py_ssize_t k = 1; k < n; k++) {
+            runs += addr[idx[k]] != addr[idx[k - 1]] + len[idx[k - 1]];
+        }
+    }
+    result = Py_BuildValue("(nL)", runs, total);
+done:
+    PyMem_Free(mem);
+    for (int k = 0; k < got; k++) {
+        PyBuffer_Release(&a[k].view);
+    }
+    return result;
+}
+
+/* ------------------------------------------------------------------ slot_table */
+
+PyDoc_STRVAR(slot_table_doc,
+             "slot_table(piece, offset, gpu, length, dma_piece, dma_offset, slots, stride, first, count, to_host,\n"
+             "           out_table, out_dma_staged)\n\n"
+             "A staged plan placed in a ring of ``count`` slots ``stride`` bytes apart from address ``slots``, piece p\n"
+             "in slot (first + p) % count: out_table (3 x ranges, row after row) gets the copy kernel's table, source,\n"
+             "destination and length rows (gpu -> slot with to_host, else slot -> gpu); out_dma_staged each DMA's\n"
+             "address in its slot. All arrays int64.");
+
+static PyObject *slot_table(PyObject *self, PyObject *args)
+{
+    (void)self;
+    enum { N = 8 };
+    PyObject *objs[N];
+    long long slots, stride, first, count;
+    int to_host;
+    if (!PyArg_ParseTuple(args, "OOOOOOLLLLpOO", &objs[0], &objs[1], &objs[2], &objs[3], &objs[4], &objs[5], &slots,
+                          &stride, &first, &count, &to_host, &objs[6], &objs[7])) {
+        return NULL;
+    }
+    static const char *names[N] = {"piece", "offset", "gpu", "length", "dma_piece", "dma_offset", "out_table",
+                                   "out_dma_staged"};
+    int64s a[N];
+    int got = 0;
+    PyObject *result = NULL;
+    for (; got < N; got++) {
+        if (get_int64s(objs[got], names[got], got >= 6, &a[got]) != 0) {
+            goto done;
+        }
+    }
+    Py_ssize_t n = a[0].count, dmas = a[4].count;
+    if (a[1].count != n || a[2].count != n || a[3].count != n || a[5].count != dmas) {
+        PyErr_SetString(PyExc_ValueError, "piece, offset, gpu and length must have one size, dma_piece and "
+                                          "dma_offset another");
+        goto done;
+    }
+    if (a[6].count < 3 * n || a[7].count < dmas) {
+        PyErr_SetString(PyExc_ValueError, "an output array is too small");
+        goto done;
+    }
+    if (count < 1 || first < 0) {
+        PyErr_Format(PyExc_ValueError, "need count >= 1 and first >= 0, got %lld, %lld", count, first);
+        goto done;
+    }
+    const int64_t *piece = a[0].data, *offset = a[1].data, *gpu = a[2].data, *length = a[3].data;
+    int64_t *src = (int64_t *)a[6].data, *dst = src + n, *len = dst + n, *staged = (int64_t *)a[7].data;
+    int64_t *gpu_row = to_host ? src : dst, *slot_row = to_host ? dst : src;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (piece[i] < 0) {
+            PyErr_Format(PyExc_ValueError, "piece: range %zd has piece %lld", i, (long long)piece[i]);
+            goto done;
+        }
+        gpu_row[i] = gpu[i];
+        slot_row[i] = slots + ((first + piece[i]) % count) * stride + offset[i];
+        len[i] = length[i];
+    }
+    for (Py_ssize_t j = 0; j < dmas; j++) {
+        if (a[4].data[j] < 0) {
+            PyErr_Format(PyExc_ValueError, "dma_piece: DMA %zd has piece %lld", j, (long long)a[4].data[j]);
+            goto done;
+        }
+        staged[j] = slots + ((first + a[4].data[j]) % count) * stride + a[5].data[j];
+    }
+    result = Py_NewRef(Py_None);
+done:
+    for (int k = 0; k < got; k++) {
+        PyBuffer_Release(&a[k].view);
+    }
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"pair_ranges", pair_ranges, METH_VARARGS, pair_ranges_doc},
     {"chunked", chunked, METH_VARARGS, chunked_doc},
     {"stage_plan", stage_plan, METH_VARARGS, stage_plan_doc},
+    {"copy_pairs", copy_pairs, METH_VARARGS, copy_pairs_doc},
+    {"host_runs", host_runs, METH_VARARGS, host_runs_doc},
+    {"slot_table", slot_table, METH_VARARGS, slot_table_doc},
     {NULL, NULL, 0, NULL},
 };
 

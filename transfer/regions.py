@@ -544,10 +544,12 @@ def copy_ranges_per_layer(src: KVRegion, src_blocks: Any, dst: KVRegion, dst_blo
         raise KVCacheError(f"bounds: need rising layer indices from 0 to {src.num_layers}, got {edges}")
 
     def each() -> Iterator[tuple[CopyRanges, np.ndarray]]:
+        if len(classes) == 1:  # every layer reads the same rows: in order already
+            ranges = _LayerRanges(src, dst, classes[0][1])
+            for a, b in zip(edges, edges[1:]):
+                yield ranges.between(a, b)
+            return
         for a, b in zip(edges, edges[1:]):
-            if len(classes) == 1:  # every layer reads the same rows: in order already
-                yield _layer_pair_ranges(src, dst, classes[0][1], np.arange(a, b))
-                continue
             parts, layer = [], []
             for group, pairs in classes:
                 mine = group[(group >= a) & (group < b)]
@@ -579,6 +581,41 @@ def _layer_pair_ranges(src: KVRegion, dst: KVRegion, pairs: _Pairs, layers: np.n
     return CopyRanges(out[0, :n], out[1, :n], out[2, :n]), starts
 
 
+class _LayerRanges:
+    """``_layer_pair_ranges`` of one class of pairs that every layer reads, for runs of layers: what does not depend
+    on the layers (flat addresses, units, the highest block ids) is worked out once."""
+
+    def __init__(self, src: KVRegion, dst: KVRegion, pairs: _Pairs) -> None:
+        assert pairs.src_row is pairs.dst_row or np.array_equal(pairs.src_row, pairs.dst_row), \
+            "a pair moves one head to the same head"
+        # Python lists and no ufunc: the submit thread meets this path with cold caches, where numpy's first
+        # reduction costs tens of µs
+        tensors = src.tensors
+        self.src, self.dst, self.tensors = src, dst, len(tensors)
+        width = tensors[0].block_shape[0] if pairs.per_row else 1
+        self.unit = np.array([t.bytes_per_block // width for t in tensors] * src.num_layers, dtype=np.int64)
+        self.flat = [np.ascontiguousarray(x, dtype=np.int64).reshape(-1) for x in (src.addrs, src.block_strides,
+                                                                                   dst.addrs, dst.block_strides)]
+        self.pairs = [np.ascontiguousarray(x, dtype=np.int64) for x in (pairs.src_block, pairs.dst_block,
+                                                                        pairs.src_row)]
+        self.top = (pairs.src_top, pairs.dst_top)
+        self.limits = (src.layer_blocks.tolist(), dst.layer_blocks.tolist())
+
+    def between(self, a: int, b: int) -> tuple[CopyRanges, np.ndarray]:
+        """``_layer_pair_ranges`` of layers ``[a, b)``, with its checks."""
+        for region, top, limits in zip((self.src, self.dst), self.top, self.limits):
+            if top >= 0 and top >= min(limits[a:b]):
+                _short_layer(region, top, a + next(i for i, n in enumerate(limits[a:b]) if n <= top))
+        t = self.tensors
+        part = slice(a * t, b * t)
+        unit = self.unit[part]
+        out = np.empty((3, unit.size * self.pairs[0].size), dtype=np.int64)
+        starts = np.empty(b - a + 1, dtype=np.int64)
+        n = _ranges.pair_ranges(*(x[part] for x in self.flat), unit, unit, *self.pairs, t, out[0], out[1], out[2],
+                                starts)
+        return CopyRanges(out[0, :n], out[1, :n], out[2, :n]), starts
+
+
 def _row_pairs(src: KVRegion, src_blocks: Any, dst: KVRegion, dst_blocks: Any, rows: Any, cell_rows: Any,
                layers: Any) -> list[tuple[np.ndarray, _Pairs]]:
     """The checked pairs of each class of layers that read the same table rows, with the class's (selected) layers."""
@@ -599,11 +636,16 @@ def _row_pairs(src: KVRegion, src_blocks: Any, dst: KVRegion, dst_blocks: Any, r
         tables.append(arr)
     if tables[0].shape != tables[1].shape:
         raise KVCacheError(f"src_blocks {tables[0].shape} and dst_blocks {tables[1].shape}: tables pair up one to one")
-    if cells.size and (cells.min() < 0 or cells.max() >= tables[0].shape[0]):
+    listed = cells.tolist()  # lists, no ufunc: the submit thread meets this with cold caches
+    same = cells.size > 0 and all(r == listed[0] for r in listed)  # every layer reads the same rows: one class
+    row = listed[0] if same else None
+    if cells.size and ((min(row) < 0 or max(row) >= tables[0].shape[0]) if same else
+                       (cells.min() < 0 or cells.max() >= tables[0].shape[0])):
         raise KVCacheError(f"cell_rows: names a row outside the tables' {tables[0].shape[0]} rows")
+    classes = {tuple(row): selected} if same and selected.size else layer_classes(cells, selected.tolist())
     return [(np.array(group, dtype=np.int64),
              _copy_pairs(src, rows_blocks(tables[0], picks), dst, rows_blocks(tables[1], picks), None))
-            for picks, group in layer_classes(cells, selected.tolist()).items()]
+            for picks, group in classes.items()]
 
 
 class _Pairs(NamedTuple):
@@ -614,10 +656,36 @@ class _Pairs(NamedTuple):
     dst_block: np.ndarray
     dst_row: np.ndarray
     per_row: bool
+    src_top: int
+    """The highest source block id (-1: no pairs)."""
+    dst_top: int
+    """The highest destination block id (-1: no pairs)."""
 
 
 def _copy_pairs(src: KVRegion, src_blocks: Any, dst: KVRegion, dst_blocks: Any, rows: Any) -> _Pairs:
-    """``copy_ranges``'s checks and pairing, which do not depend on the layers."""
+    """``copy_ranges``'s checks and pairing, which do not depend on the layers: one C pass (``_ranges.copy_pairs``)
+    where both sides are whole blocks (1-D ids), else after ``_units``; where C refuses, ``_numpy_copy_pairs`` raises
+    the error naming what is wrong. The pairs are those ``_numpy_copy_pairs`` makes."""
+    _check_compatible(src, dst)
+    sb, db = np.asarray(src_blocks), np.asarray(dst_blocks)
+    sr = dr = None
+    per_row = not (rows is None and sb.ndim == 1 and db.ndim == 1 and sb.dtype.kind in "iu" and db.dtype.kind in "iu")
+    if per_row:
+        sb, sr, per_row = _units(src, src_blocks, rows, "src_blocks")
+        db, dr, _ = _units(dst, dst_blocks, rows, "dst_blocks")
+    out = np.empty((4, sb.size), dtype=np.int64)
+    got = _ranges.copy_pairs(np.ascontiguousarray(sb, dtype=np.int64), sr, np.ascontiguousarray(db, dtype=np.int64),
+                             dr, src.heads if per_row else 1, src.num_blocks, dst.num_blocks, *out)
+    if got is None:
+        _numpy_copy_pairs(src, src_blocks, dst, dst_blocks, rows)
+        raise AssertionError("_ranges.copy_pairs refused pairs that the numpy checks accept")
+    n, src_top, dst_top = got
+    row = out[1, :n]
+    return _Pairs(out[0, :n], row, out[2, :n], out[3, :n] if per_row else row, per_row, src_top, dst_top)
+
+
+def _numpy_copy_pairs(src: KVRegion, src_blocks: Any, dst: KVRegion, dst_blocks: Any, rows: Any) -> _Pairs:
+    """``_copy_pairs`` in numpy: the reference the C pass is tested against, and the errors it names."""
     _check_compatible(src, dst)
     sb, sr, per_row = _units(src, src_blocks, rows, "src_blocks")
     db, dr, _ = _units(dst, dst_blocks, rows, "dst_blocks")
@@ -634,7 +702,8 @@ def _copy_pairs(src: KVRegion, src_blocks: Any, dst: KVRegion, dst_blocks: Any, 
         where = f"block {dup // width}" + (f" head {dup % width}" if per_row else "")
         raise KVCacheError(f"dst_blocks: {where} is written twice in one copy")
     order = np.argsort(sb * width + sr, kind="stable")
-    return _Pairs(sb[order], sr[order], db[order], dr[order], per_row)
+    return _Pairs(sb[order], sr[order], db[order], dr[order], per_row, int(sb.max()) if sb.size else -1,
+                  int(db.max()) if db.size else -1)
 
 
 def _pair_ranges(src: KVRegion, dst: KVRegion, pairs: _Pairs, layers: Any) -> CopyRanges:
@@ -676,6 +745,8 @@ def _check_device(device: str) -> None:
 
 def _check_compatible(src: KVRegion, dst: KVRegion) -> None:
     """Raise unless both regions store the same tensors per block in the same number of layers."""
+    if src.spec is dst.spec:
+        return
     if src.num_layers != dst.num_layers:
         raise KVCacheError(f"src has {src.num_layers} layers but dst has {dst.num_layers}")
     if src.tensors != dst.tensors:
@@ -730,9 +801,13 @@ def _check_layer_blocks(region: KVRegion, block: np.ndarray, layers: np.ndarray)
     """Raise unless every id of ``block`` is a block of each of ``layers`` (a windowed layer may hold fewer)."""
     limit = region.layer_blocks[layers]
     if block.size and limit.size and int(block.max()) >= int(limit.min()):
-        layer = int(layers[np.argmax(limit <= int(block.max()))])
-        raise KVCacheError(f"blocks: {int(block.max())} is not a block id of layer {layer}, which holds "
-                           f"{int(region.layer_blocks[layer])} blocks")
+        _short_layer(region, int(block.max()), int(layers[np.argmax(limit <= int(block.max()))]))
+
+
+def _short_layer(region: KVRegion, block: int, layer: int) -> None:
+    """Raise: ``block`` is past the blocks of ``layer`` (a windowed layer may hold fewer)."""
+    raise KVCacheError(f"blocks: {block} is not a block id of layer {layer}, which holds "
+                       f"{int(region.layer_blocks[layer])} blocks")
 
 
 def _merge(addrs: tuple[np.ndarray, ...], length: np.ndarray) -> tuple[tuple[np.ndarray, ...], np.ndarray]:

@@ -62,7 +62,8 @@ class StagedCopier:
         self._free: list[int] = []  # per slot: an event recorded when its last user is done with it (0: never used)
         self._filled: list[int] = []  # per slot: an event recorded when its first half (gather, or DMA in) is done
         self._next = 0  # the slot the next piece takes
-        self._kernel: Any = None
+        self._kernel: Any = None  # the compiled copy kernel (a CuPy Function): launched without RawKernel's lookups
+        self._device_table: Any = None  # CuPy int64: range tables, one copy's after another (``_table``)
         self._staging: _Staging | None = None
         self._contexts: tuple[Any, Any] | None = None
 
@@ -76,11 +77,9 @@ class StagedCopier:
         """Whether a copy whose first ranges are ``ranges`` moves long runs of host memory (else the kernel wins)."""
         if ranges.num_ranges == 0:
             return True
-        host = ranges.dst if to_host else ranges.src
-        order = np.argsort(host, kind="stable")
-        host, length = host[order], ranges.length[order]
-        runs = 1 + int(np.count_nonzero(host[1:] != host[:-1] + length[:-1]))
-        return int(ranges.length.sum()) // runs >= MIN_RUN_BYTES
+        runs, total = _ranges.host_runs(np.ascontiguousarray(ranges.dst if to_host else ranges.src, dtype=np.int64),
+                                        np.ascontiguousarray(ranges.length, dtype=np.int64))
+        return total // runs >= MIN_RUN_BYTES
 
     def submit_parts(self, ranges: CopyRanges, cuts: np.ndarray, *, to_host: bool, direct: bool = False,
                      timeout: float | None = None) -> list[TransferHandle]:
@@ -115,6 +114,7 @@ class StagedCopier:
         for stream in self._streams:
             cuda.lib.cudaStreamDestroy(ctypes.c_void_p(stream))
         self._streams, self._slots, self._free, self._filled, self._contexts = None, None, [], [], None
+        self._device_table = None
 
     # ------------------------------------------------------------------ internals
 
@@ -139,7 +139,7 @@ class StagedCopier:
                 streams.append(s.value or 0)
             with cp.cuda.Device(self.device):
                 self._slots = cp.empty((SLOTS, SLOT_BYTES + CHUNK_BYTES), dtype=np.uint8)
-            self._kernel = cp.RawKernel(_KERNEL_SOURCE, "copy_ranges_unrolled")
+                self._kernel = cp.RawKernel(_KERNEL_SOURCE, "copy_ranges_unrolled").kernel  # compiled for this GPU
             with warnings.catch_warnings():  # CuPy 14 prefers Stream.from_external; both wrap the same raw stream
                 warnings.simplefilter("ignore", DeprecationWarning)
                 self._contexts = (cp.cuda.Device(self.device), cp.cuda.ExternalStream(streams[0]))
@@ -155,17 +155,13 @@ class StagedCopier:
         assert cuda is not None and self._streams is not None
         kernel_stream, dma_stream = self._streams
         plan = _plan(ranges, cuts, to_host)
-        slot_of = (self._next + np.arange(plan.num_pieces)) % SLOTS
-        slots = slot_of.tolist()
-        self._next = int(self._next + plan.num_pieces) % SLOTS
-        base = self._slots.data.ptr + slot_of.astype(np.int64) * self._slots.shape[1]
-        staged = base[plan.piece] + plan.offset  # each range's address in its slot
+        first = self._next
+        self._next = (first + plan.num_pieces) % SLOTS
+        rows, dma_staged = _slot_table(plan, self._slots.data.ptr, self._slots.shape[1], first, to_host)
         table = None
         if plan.num_ranges:
-            cp = _cupy()
-            table = cp.empty((3, plan.num_ranges), dtype=np.int64)
-            rows = (plan.gpu, staged, plan.length) if to_host else (staged, plan.gpu, plan.length)
-            self._staging.upload(table.data.ptr, rows, kernel_stream)
+            table = self._table(plan.num_ranges)
+            self._staging.upload(table.data.ptr, (rows,), kernel_stream)
         handles: list[TransferHandle] = []
         done_stream = dma_stream if to_host else kernel_stream
         dma_kind = _MEMCPY_DEFAULT
@@ -173,13 +169,13 @@ class StagedCopier:
         piece_starts = plan.piece_starts.tolist()
         dma_starts = plan.dma_starts.tolist()
         dma_host, dma_len = plan.dma_host.tolist(), plan.dma_length.tolist()
-        dma_staged = (base[plan.dma_piece] + plan.dma_offset).tolist()
+        dma_staged = dma_staged.tolist()
         layer_end = plan.layer_end_piece.tolist()
         bounds = cuts.tolist()
         p = 0
         for layer in range(cuts.size - 1):
             while p < layer_end[layer]:
-                s = slots[p]
+                s = (first + p) % SLOTS
                 a, b = piece_starts[p], piece_starts[p + 1]
                 waiting, moving = (k, d) if to_host else (d, k)
                 if self._free[s]:
@@ -219,7 +215,7 @@ class StagedCopier:
         self._join(kernel_stream, dma_stream)
         table = None
         if ranges.num_ranges:
-            table = _cupy().empty((3, ranges.num_ranges), dtype=np.int64)
+            table = self._table(ranges.num_ranges)
             self._staging.upload(table.data.ptr, (ranges.src, ranges.dst, ranges.length), kernel_stream)
         handles: list[TransferHandle] = []
         bounds = cuts.tolist()
@@ -241,6 +237,16 @@ class StagedCopier:
                    "cudaStreamWaitEvent")
         cuda.lib.cudaEventDestroy(ctypes.c_void_p(event))
 
+    def _table(self, n: int) -> Any:
+        """GPU room for a range table [3, n]: one buffer, reused by every copy and grown as needed.
+
+        Reuse is safe without waiting: tables are uploaded and read only on the kernel stream, so an upload runs
+        after every kernel reading the table before it. Handles keep the buffer they read alive (a grown one
+        replaces it here), as they kept a table of their own."""
+        if self._device_table is None or self._device_table.size < 3 * n:
+            self._device_table = _cupy().empty(max(3 * n, 1 << 15), dtype=np.int64)
+        return self._device_table
+
     def _launch(self, table: Any, a: int, b: int, n: int) -> None:
         """The copy kernel over ranges ``[a, b)`` of the uploaded ``table`` [3, n], on the kernel stream."""
         count = b - a
@@ -249,6 +255,17 @@ class StagedCopier:
         ptr = table.data.ptr
         self._kernel((min(count, 65535),), (256,), (np.uint64(ptr + 8 * a), np.uint64(ptr + 8 * (n + a)),
                                                    np.uint64(ptr + 8 * (2 * n + a)), np.int64(count)))
+
+
+def _slot_table(plan: _Plan, slots: int, stride: int, first: int, to_host: bool) -> tuple[np.ndarray, np.ndarray]:
+    """``plan`` placed in the ring from slot ``first`` (slots ``stride`` bytes apart from address ``slots``): the copy
+    kernel's table rows one after another (int64 [3 x ranges]: gpu -> slot with ``to_host``, else slot -> gpu) and
+    each DMA's address in its slot. One C pass (``_ranges.slot_table``)."""
+    rows = np.empty(3 * plan.num_ranges, dtype=np.int64)
+    staged = np.empty(plan.dma_piece.size, dtype=np.int64)
+    _ranges.slot_table(plan.piece, plan.offset, plan.gpu, plan.length, plan.dma_piece, plan.dma_offset, slots, stride,
+                       first, SLOTS, to_host, rows, staged)
+    return rows, staged
 
 
 class _Plan:
