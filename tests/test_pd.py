@@ -205,7 +205,8 @@ def test_a_prefill_worker_that_dies_fails_the_request_on_both_sides_at_the_deadl
         _, failed_p = wait_outcomes(prefill, {"w"}, timeout + 5)
         assert "timed out" in failed_d["w"] and "timed out" in failed_p["w"]
         assert time.monotonic() - start < timeout + 3
-        assert_nothing_held(prefill, decode)
+        # The decode node keeps the blocks one more timeout: no word that the dead writer stopped ever comes.
+        assert_nothing_held(prefill, decode, within=timeout + 2)
     assert not Path("/dev/shm", signal_of(cluster.cfg, 0)).exists()  # the dead writer's signal is gone too
 
 

@@ -32,7 +32,9 @@ memory copies inside the call, so the caller's ``write`` must not make it), exce
 asks to make itself (``submit(inline=True)``, when nothing else waits); a handle's ``wait`` returns
 at its deadline even if that thread is stuck inside NIXL. A peer that dies makes its transfers FAILED
 (UCX reports the disconnect) or TIMEOUT, never a hang, and ``close`` releases every transfer, remote
-agent and registration the engine made.
+agent and registration the engine made. A write that timed out may still land later (TCP retransmits
+what a downed link held once it is back); a receiver that must be sure it will not cuts the writer off
+(``cut_off``: the TCP connections its writes come over are reset).
 
 Who drives UCX (``progress``): ``thread`` (the default), NIXL's progress thread, which sleeps in
 poll() between events for up to PROGRESS_DELAY_US (whole milliseconds: poll()'s unit), so a
@@ -235,6 +237,7 @@ class NixlEngine(TransferEngine):
         self._server: threading.Thread | None = None
         self._stopping = threading.Event()
         self._endpoint: str | None = None
+        self._hello_from: dict[str, str] = {}  # agent -> the address its hello came from (``cut_off``)
         # The worker never calls SimpleQueue.get(timeout): CPython re-arms that wait with the time left, and a
         # thread preempted past its deadline then waits with a negative timeout, i.e. until the next put (3.11
         # to 3.13 at least). Waiting 50 µs at a time, the worker hit it: a write in flight went unpolled until
@@ -324,11 +327,18 @@ class NixlEngine(TransferEngine):
             while not self._stopping.is_set():
                 if not poller.poll(100):
                     continue
-                frames = sock.recv_multipart()
+                frames = sock.recv_multipart(copy=False)
                 try:
-                    request = msgpack.unpackb(frames[-1], raw=False)
+                    request = msgpack.unpackb(frames[-1].bytes, raw=False)
                     if not isinstance(request, dict) or request.get("op") != "hello":
                         raise ValueError(f"unknown request {request!r:.80}")
+                    agent, address = request.get("agent"), _peer_address(frames[-1])
+                    if isinstance(agent, str) and address:
+                        with self._lock:
+                            self._hello_from.pop(agent, None)
+                            if len(self._hello_from) >= 4096:  # peers come and go: forget the oldest
+                                self._hello_from.pop(next(iter(self._hello_from)))
+                            self._hello_from[agent] = address
                     if request.get("v") != PROTOCOL:
                         raise ValueError(f"v: protocol {request.get('v')!r} is not ours ({PROTOCOL})")
                     nonce = request.get("nonce")
@@ -340,7 +350,7 @@ class NixlEngine(TransferEngine):
                                           use_bin_type=True)
                 except Exception as exc:
                     reply = msgpack.packb({"v": PROTOCOL, "error": str(exc)}, use_bin_type=True)
-                sock.send_multipart([*frames[:-1], reply])
+                sock.send_multipart([*(f.bytes for f in frames[:-1]), reply])
         finally:
             sock.close()
 
@@ -447,6 +457,26 @@ class NixlEngine(TransferEngine):
                 self.agent.remove_remote_agent(agent)
             except Exception:
                 pass  # already gone with its process; nothing left to release
+
+    def cut_off(self, agent: str) -> int:
+        """Reset every TCP connection a peer that said hello as ``agent`` has into this engine's UCX listeners, so
+        nothing it still sends (a write it posted before it stopped, retransmitted by its TCP once a link comes
+        back) can land here; returns how many were reset.
+
+        Over NIXL's TCP transport our UCX writes a peer's bytes as they arrive, whatever the peer did with its
+        endpoint since (dropping it, as ``disconnect`` does, leaves its socket retransmitting): only the
+        connection stops them. The reset drops what the connection holds unread and answers whatever comes later
+        with a reset; the peer's UCX sees its endpoint fail and connects afresh for later writes. Connections
+        are picked by the peer's address (where its hello came from) and by a local port on which this process
+        listens other than our metadata socket: on one host, where every peer shares the address, every peer's
+        NIXL connections into this engine go. No hello from ``agent``: 0. Over RDMA there is none to reset.
+        """
+        with self._lock:
+            address = self._hello_from.get(agent)
+        if address is None:
+            return 0
+        served = int(self._endpoint.rsplit(":", 1)[1]) if self._endpoint and self._endpoint.startswith("tcp") else -1
+        return _reset_connections(address, exclude_port=served)
 
     # ----------------------------------------------------------------- transfers
 
@@ -1077,3 +1107,67 @@ def _make_agent(nixl: Any, name: str, config: Any, progress_delay_us: int) -> An
 
 def _mem_type(region: KVRegion) -> str:
     return "VRAM" if region.is_cuda else "DRAM"
+
+
+def _peer_address(frame: zmq.Frame) -> str:
+    """The address a ZMQ message came from ("" when the transport has none, as ipc://)."""
+    try:
+        return frame.get("Peer-Address") or ""
+    except (zmq.ZMQError, AttributeError, KeyError):
+        return ""
+
+
+def _tcp_sockets() -> list[tuple[int, socket.socket]]:
+    """This process's TCP sockets: (fd, a socket object over a duplicate of it, to close after use)."""
+    out = []
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        try:
+            if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+                continue
+            sock = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue
+        if sock.family in (socket.AF_INET, socket.AF_INET6) and sock.type == socket.SOCK_STREAM:
+            out.append((fd, sock))
+        else:
+            sock.close()
+    return out
+
+
+def _reset_connections(address: str, exclude_port: int) -> int:
+    """Reset (as a TCP RST: unread bytes dropped, later segments refused) every connection of this process from
+    ``address`` into a port this process listens on, but ``exclude_port``; how many.
+
+    ``connect(AF_UNSPEC)`` on a connected TCP socket is Linux's ``tcp_disconnect``: it drops both queues, sends a
+    reset and leaves the socket unconnected, while its owner (UCX) still holds the descriptor and sees the
+    connection fail.
+    """
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    unspec = (ctypes.c_ushort * 8)()  # a struct sockaddr of family AF_UNSPEC (0)
+    sockets = _tcp_sockets()
+    try:
+        listening = set()
+        for _, sock in sockets:
+            if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                listening.add(sock.getsockname()[1])
+        listening.discard(exclude_port)
+        reset = 0
+        for _, sock in sockets:
+            try:
+                peer, local = sock.getpeername(), sock.getsockname()
+            except OSError:
+                continue  # not connected
+            if peer[0] != address or local[1] not in listening:
+                continue
+            if libc.connect(sock.fileno(), ctypes.byref(unspec), ctypes.sizeof(unspec)) == 0:
+                reset += 1
+            else:
+                log.warning("could not reset the connection from %s:%d: %s", peer[0], peer[1],
+                            os.strerror(ctypes.get_errno()))
+        return reset
+    finally:
+        for _, sock in sockets:
+            sock.close()

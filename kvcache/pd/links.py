@@ -189,7 +189,8 @@ class DecodeLink:
         self._watcher: threading.Thread | None = None
         self.engine = engine or NixlEngine(f"decode-r{rank}-{id(self):x}", progress=progress)
         try:
-            self.receiver = CacheReceiver(self.engine, region, rank, on_received=self._received, endpoint=listen)
+            self.receiver = CacheReceiver(self.engine, region, rank, on_received=self._received,
+                                          on_stopped=self._stopped, endpoint=listen)
             with CacheClient(endpoint, timeout=timeout, curve=curve) as client:
                 self._attach(client)
             if watch:
@@ -313,3 +314,18 @@ class DecodeLink:
         for req, result in zip(reqs, results):
             if isinstance(result, DaemonError):  # cancelled or failed meanwhile
                 log.info("decode daemon refused received(%r): %s", req, result)
+
+    def _stopped(self, reqs: list[Any]) -> None:
+        """These requests' writers to this rank all ended, some giving up, and none can write here any more (the
+        receiver cut off those with a write on its way): fail each on the decode daemon, and report this rank's
+        writers done, which releases a request the daemon holds past its deadline (``PDState.fail``)."""
+        client = self._clients.get(self.endpoint)
+        for req in reqs:
+            batch = client.batch()
+            batch.op("transfer_failed", req=req, error=f"decode rank {self.rank}: the prefill side gave the "
+                                                      "transfer up")
+            batch.op("received", req=req, rank=self.rank, key=self.key)
+            try:
+                batch.send()
+            except DaemonError as exc:  # released meanwhile (its deadline, or a report from the prefill side)
+                log.info("decode daemon refused the end of %r: %s", req, exc)

@@ -155,6 +155,11 @@ def _notice(reqs: list[Any], rank: int, tp: int) -> bytes:
     return msgpack.packb({"reqs": reqs, "src": rank, "tp": tp}, use_bin_type=True)
 
 
+def _stopped(reqs: list[Any], rank: int, tp: int, cut: bool) -> bytes:
+    """What a receiver hears when prefill rank ``rank`` gave ``reqs`` up; ``cut``: a write of them may still land."""
+    return msgpack.packb({"stopped": reqs, "src": rank, "tp": tp, "cut": cut}, use_bin_type=True)
+
+
 class CacheMessager:
     """Sends one prefill rank's KV to the decode ranks, layer by layer, as the layer signals arrive.
 
@@ -233,14 +238,14 @@ class CacheMessager:
             except Exception as exc:  # a bug or a broken control plane: fail the step's requests, keep serving
                 log.exception("messager %d: step %d failed", self.rank, step)
                 for chunk in chunks:
-                    self._progress.pop(chunk.req, None)
+                    self._stop(chunk.req, self._progress.pop(chunk.req, None))
                     self._fail(chunk.req, f"messager error: {type(exc).__name__}: {exc}", None)
 
     def _send_step(self, step: int, chunks: list[Chunk], given: dict[Any, TransferPlan]) -> None:
         timings = {"start_ns": time.monotonic_ns()}
         now = time.monotonic()
         for req in [r for r, p in self._progress.items() if now >= p.deadline]:  # never finished: give up
-            del self._progress[req]
+            self._stop(req, self._progress.pop(req))
             self._fail(req, "the prompt's last chunk never came before the deadline", None)
         try:
             missing = [c.req for c in chunks if c.req not in given]
@@ -248,7 +253,7 @@ class CacheMessager:
             plans = [given[c.req] if c.req in given else fetched[c.req] for c in chunks]
         except Exception as exc:
             for chunk in chunks:
-                self._progress.pop(chunk.req, None)
+                self._stop(chunk.req, self._progress.pop(chunk.req, None))
                 self._fail(chunk.req, f"could not fetch the transfer plan: {exc}", None)
             return
         bs = self.region.spec.block_size
@@ -259,14 +264,14 @@ class CacheMessager:
                 self._progress.pop(chunk.req, None)
                 continue
             if plan.cancelled:
-                self._progress.pop(chunk.req, None)
+                self._stop(chunk.req, self._progress.pop(chunk.req, None))
                 self._fail(plan.req, "cancelled", plan)
                 continue
             try:
                 targets = self._targets(plan)
                 self._check_rows(plan, targets)
             except KVCacheError as exc:
-                self._progress.pop(chunk.req, None)
+                self._stop(chunk.req, self._progress.pop(chunk.req, None))
                 self._fail(plan.req, str(exc), plan)
                 continue
             progress = self._progress.setdefault(plan.req, _Progress(
@@ -294,7 +299,7 @@ class CacheMessager:
             # first (a step's layers run in order on one stream): the messager fell behind, the data is there.
             if status not in (WaitStatus.DONE, WaitStatus.STALE):
                 for plan, *_ in active:
-                    self._progress.pop(plan.req, None)
+                    self._stop(plan.req, self._progress.pop(plan.req, None))
                     self._fail(plan.req, f"layer {layer} of step {step} never completed ({status.name})", plan)
                 return
             # Layers that finished while we were busy go together, as one write per request and rank.
@@ -454,6 +459,28 @@ class CacheMessager:
         joined = CopyRanges.concat([p for p, _, _ in parts]).select(order)
         return joined, np.searchsorted(layer[order], np.arange(len(selected) + 1))
 
+    def _stop(self, req: Any, progress: _Progress | None) -> None:
+        """``req`` fails after this rank may have written some of it (``progress``: what it posted; None: nothing)."""
+        if progress is not None:
+            self._stop_writes(req, {progress.agents[d]: hs for d, hs in progress.handles.items()})
+
+    def _stop_writes(self, req: Any, handles: dict[str, list[TransferHandle]]) -> None:
+        """Tell each decode rank written for ``req`` that this rank stopped writing it (``_stopped``), before
+        the failure is reported: a rank with a write that did not land (still on its way, or lost) is asked to
+        cut this rank off, so that write can never land in blocks its daemon hands to another request; that
+        peer is dropped here and connected afresh for later requests."""
+        for agent, posted in handles.items():
+            cut = any(h.status() is not TransferStatus.DONE for h in posted)
+            try:
+                self.engine.notify(agent, _stopped([req], self.rank, self.region.spec.tp_size, cut))
+            except KVCacheError as exc:  # gone, or never connected: its daemon's deadline covers it
+                log.info("messager %d: could not tell %s that %r stopped: %s", self.rank, agent, req, exc)
+            if cut:
+                for endpoint, peer in list(self._peers.items()):
+                    if peer.agent == agent:
+                        del self._peers[endpoint]
+                        self.engine.disconnect(peer)
+
     def _fail(self, req: Any, error: str, plan: TransferPlan | None) -> None:
         try:
             self.on_failed(req, error, plan)
@@ -493,6 +520,7 @@ class CacheMessager:
             while len(self.sent_ns) > 4096:
                 self.sent_ns.pop(next(iter(self.sent_ns)))
             if errors:
+                self._stop_writes(plan.req, {agent: handles for agent, (handles, _) in by_agent.items()})
                 for endpoint in plan.receivers:  # the peer may be gone: connect afresh next time
                     peer = self._peers.pop(endpoint, None)
                     if peer is not None:
@@ -510,24 +538,29 @@ class CacheReceiver:
 
     ``on_received(reqs)`` runs (on the receiver's thread) with the requests for which every prefill
     rank that writes to this rank has notified that its writes are done: all that one poll of the
-    notifications completed, so a step's batch is reported in one call. Partial counts older than
-    ``stale_after`` seconds (a sender that failed half way) are dropped. Like the messager, it
+    notifications completed, so a step's batch is reported in one call. ``on_stopped(reqs)`` runs
+    with the requests whose writers to this rank have all ended, one or more having given up: a
+    writer that gave up with a write still on its way is cut off first (``NixlEngine.cut_off``), so
+    once ``on_stopped`` runs nothing of these requests can land here any more. Partial counts older
+    than ``stale_after`` seconds (a sender that failed half way) are dropped. Like the messager, it
     lowers the process's GIL switch interval to ``switch_interval``.
     """
 
     def __init__(self, engine: NixlEngine, region: KVRegion, rank: int, *, on_received: Callable[[list[Any]], None],
+                 on_stopped: Callable[[list[Any]], None] | None = None,
                  endpoint: str = "tcp://127.0.0.1:*", poll_interval: float = 2e-4, stale_after: float = 600.0,
                  switch_interval: float | None = SWITCH_INTERVAL_S) -> None:
         spec = region.spec
         if not 0 <= rank < spec.tp_size:
             raise KVCacheError(f"rank: {rank} is outside the region's tp_size {spec.tp_size}")
         self.engine, self.region, self.rank, self.on_received = engine, region, rank, on_received
+        self.on_stopped = on_stopped
         self.poll_interval, self.stale_after = poll_interval, stale_after
         shorten_switch_interval(switch_interval)
         engine.register(region)
         self.endpoint = engine.serve(endpoint)
         self.received_ns: dict[Any, int] = {}  # when each request completed here, for benchmarks (last 4096)
-        self._partial: dict[Any, tuple[float, set[int]]] = {}
+        self._partial: dict[Any, tuple[float, set[int], set[int]]] = {}  # req -> (first heard, done, gave up)
         self._writers: dict[int, frozenset[int]] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"receiver-{rank}", daemon=True)
@@ -550,19 +583,27 @@ class CacheReceiver:
                 time.sleep(idle)
                 continue
             idle = 0.0
-            complete = [req for messages in notes.values() for message in messages for req in self._note(message)]
-            if complete:
-                try:
-                    self.on_received(complete)
-                except Exception:
-                    log.exception("receiver %d: reporting %r received failed", self.rank, complete)
+            complete, stopped = [], []
+            for agent, messages in notes.items():
+                for message in messages:
+                    done, halted = self._note(agent, message)
+                    complete += done
+                    stopped += halted
+            for callback, reqs, what in ((self.on_received, complete, "received"), (self.on_stopped, stopped, "stopped")):
+                if reqs and callback is not None:
+                    try:
+                        callback(reqs)
+                    except Exception:
+                        log.exception("receiver %d: reporting %r %s failed", self.rank, reqs, what)
             self._prune()
 
-    def _note(self, message: bytes) -> list[Any]:
-        """Count one notification; the requests it completed."""
+    def _note(self, agent: str, message: bytes) -> tuple[list[Any], list[Any]]:
+        """Count one notification from ``agent``: the requests it completed, and those whose writers all ended with
+        one or more giving up (a notice that a writer stopped: ``_stopped``, cutting the writer off if it asks)."""
         try:
             note = msgpack.unpackb(message, raw=False)
-            reqs, src, tp = note["reqs"], int(note["src"]), int(note["tp"])
+            stopped = "stopped" in note
+            reqs, src, tp = note["stopped" if stopped else "reqs"], int(note["src"]), int(note["tp"])
             if not isinstance(reqs, list):
                 raise TypeError(f"reqs is a {type(reqs).__name__}, not a list")
             writers = self._writers.get(tp)
@@ -571,20 +612,29 @@ class CacheReceiver:
                 writers = self._writers[tp] = writers_of(spec.num_kv_heads, tp, spec.tp_size, self.rank)
         except Exception as exc:
             log.warning("receiver %d: ignoring a malformed notification (%s)", self.rank, exc)
-            return []
-        complete = []
+            return [], []
+        if stopped and note.get("cut"):  # a write of these may still be on its way: nothing of it may land now
+            reset = self.engine.cut_off(agent)
+            log.warning("receiver %d: %s gave up %d request(s) with writes still on their way; reset %d of its "
+                        "connections", self.rank, agent, len(reqs), reset)
+        complete, halted = [], []
         for req in reqs:
-            _, seen = self._partial.setdefault(req, (time.monotonic(), set()))
-            seen.add(src)
-            if seen >= writers:
+            if stopped and req in self.received_ns:
+                continue  # it landed here whole before the writer gave up elsewhere
+            _, done, gave_up = self._partial.setdefault(req, (time.monotonic(), set(), set()))
+            (gave_up if stopped else done).add(src)
+            if done | gave_up >= writers:
                 del self._partial[req]
+                if gave_up:
+                    halted.append(req)
+                    continue
                 self.received_ns[req] = time.monotonic_ns()
                 if len(self.received_ns) > 4096:
                     self.received_ns.pop(next(iter(self.received_ns)))
                 complete.append(req)
-        return complete
+        return complete, halted
 
     def _prune(self) -> None:
         now = time.monotonic()
-        for req in [r for r, (t, _) in self._partial.items() if now - t > self.stale_after]:
+        for req in [r for r, (t, *_) in self._partial.items() if now - t > self.stale_after]:
             del self._partial[req]

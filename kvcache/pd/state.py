@@ -30,6 +30,9 @@ MAX_ENDPOINT = 1024
 MAX_ERROR = 4096
 OUTCOMES = ("started", "done", "failed", "cancelled")
 MAX_DURATIONS = 4096  # done transfers' durations kept for the metrics to drain (the oldest go first)
+TIMED_OUT = "transfer timed out after "
+"""How the daemon's own expiry of a transfer (``CacheServer.expire_transfers``, journaled as a ``transfer_failed``)
+begins its error: ``PDState.fail`` tells it from a report by what it says, so a journal replays it the same way."""
 
 
 class Reservation(NamedTuple):
@@ -92,6 +95,7 @@ class Transfer:
     cancelled: bool = False
     dest: dict[str, Any] | None = None  # prefill: receivers, table, cached, decode
     arriving: tuple[np.ndarray, np.ndarray] | None = None  # decode: the (row, block) pairs it marked pending
+    held: bool = False  # decode: failed at its deadline; its blocks wait for its writers to stop (PDState.fail)
 
 
 def check_timeout(value: Any, field: str) -> float:
@@ -185,6 +189,8 @@ class PDState:
         now = time.monotonic()
         for t in self.transfers.values():
             t.deadline = now + t.timeout
+            if not hasattr(t, "held"):  # a snapshot from before held transfers
+                t.held = False
 
     def __getstate__(self) -> dict[str, Any]:
         """What a journal snapshot saves: no clock readings."""
@@ -333,14 +339,40 @@ class PDState:
         return self._settle(now_ns)
 
     def fail(self, req: Any, error: str) -> list[tuple[Any, int | None]]:
-        """``req`` failed (and whatever waits on its blocks): release them, tell their owners."""
+        """``req`` failed (and whatever waits on its blocks): release them, tell their owners.
+
+        On a decode node a request whose deadline passed (the daemon's expiry, its error beginning with
+        ``TIMED_OUT``) with ranks that never reported it is *held* instead: its owner hears now, but its
+        blocks leave the free pool only once every such rank reports it (``received``: its writers finished,
+        or they gave up and its receiver cut them off, so nothing of theirs can land any more) or the next
+        expiry, one more timeout later. A one-sided write still on its way (a TCP connection retransmitting
+        once a link is back) then lands in blocks nobody has. Other reports of its failure meanwhile change
+        nothing.
+        """
+        expired = error.startswith(TIMED_OUT)
         ends: list[tuple[Any, int | None]] = []
         queue = [req]
         while queue:
-            t = self.transfers.pop(queue.pop(), None)
+            t = self.transfers.get(queue.pop())
             if t is None:
                 continue
+            if t.held and not expired:
+                continue  # its writers have not all stopped yet
+            if self.role == "decode" and expired and not t.held and len(t.reported) < self.tp:
+                t.held = True
+                t.deadline = time.monotonic() + t.timeout
+                self.totals["cancelled" if t.cancelled else "failed"] += 1
+                if not t.cancelled:
+                    self._tell(t.owner, "failed", t.req, error)
+                queue += [d.req for d in self.transfers.values() if t.serial in d.deps]
+                error = f"a request it shares cached blocks with failed: {error}"
+                continue
+            del self.transfers[t.req]
             self._forget(t)
+            if t.held:  # one more timeout passed: its owner heard long ago
+                ends.append((t.req, t.own_blocks))
+                queue += [d.req for d in self.transfers.values() if t.serial in d.deps]
+                continue
             self.totals["cancelled" if t.cancelled else "failed"] += 1
             if not t.cancelled:
                 self._tell(t.owner, "failed", t.req, error)
@@ -358,7 +390,7 @@ class PDState:
         t = self.transfers[req]
         if release:
             t.reported.update(range(self.tp))
-        if not t.cancelled:
+        if not t.cancelled and not t.held:
             t.cancelled = True
             self._tell(t.owner, "failed", req, "cancelled")
         return self._settle(time.monotonic_ns())
@@ -422,7 +454,16 @@ class PDState:
         while progress:
             progress = False
             for t in list(self.transfers.values()):
-                if len(t.reported) < self.tp or (t.deps and not t.cancelled):
+                if t.req not in self.transfers or len(t.reported) < self.tp or (
+                        t.deps and not t.cancelled and not t.held):
+                    continue
+                if t.held:  # failed at its deadline, and now every rank's writers have stopped
+                    del self.transfers[t.req]
+                    self._forget(t)
+                    ends.append((t.req, t.own_blocks))
+                    for d in [d for d in self.transfers.values() if t.serial in d.deps]:
+                        ends += self.fail(d.req, "a request it shares cached blocks with failed: it timed out")
+                    progress = True
                     continue
                 del self.transfers[t.req]
                 begun = self._begun.get(t.serial)
