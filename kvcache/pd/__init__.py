@@ -32,7 +32,16 @@ Failures (transfer_failed from either side, cancel, a deadline passing) release 
 that daemon, and the error reaches its scheduler through ``pd_poll``. Decode blocks that never got
 their data leave the prefix index (``KVCacheManager.discard``), so nobody hits garbage. A
 cancelled request's blocks are kept until the writers stop (a report from every rank, a failure,
-or the deadline), so a late write never lands in blocks handed to someone else.
+or the deadline). A write can land after its deadline (TCP retransmits what a downed link held
+once it is back), so a decode request failing at its deadline is reported at once but keeps its
+blocks until every decode rank that had not reported it says its writers stopped (``received``),
+or one more timeout passes. A prefill messager that gives a request up with a write not landed
+tells the decode ranks it wrote to; each receiver resets that messager's NIXL connections into it
+(``NixlEngine.cut_off``) before it reports. Over TCP no write of an expired request then lands in
+blocks handed on, provided that word arrives within the extra timeout. Not covered: no word in
+time (a dead or long cut-off prefill node; keep the decode side's TCP keepalive under the
+timeout), RDMA (nothing to reset; untested), and a failure reported before the deadline, which
+releases at once.
 """
 from __future__ import annotations
 
