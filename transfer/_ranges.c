@@ -625,10 +625,10 @@ done:
 PyDoc_STRVAR(slot_table_doc,
              "slot_table(piece, offset, gpu, length, dma_piece, dma_offset, slots, stride, first, count, to_host,\n"
              "           out_table, out_dma_staged)\n\n"
-             "A staged plan placed in a ring of ``count`` slots ``stride`` bytes apart from address ``slots``, piece p\n"
-             "in slot (first + p) % count: out_table (3 x ranges, row after row) gets the copy kernel's table, source,\n"
-             "destination and length rows (gpu -> slot with to_host, else slot -> gpu); out_dma_staged each DMA's\n"
-             "address in its slot. All arrays int64.");
+             "A staged plan placed in a ring of ``count`` slots ``stride`` bytes apart from address ``slots``,\n"
+             "piece p in slot (first + p) % count: out_table (3 x ranges, row after row) gets the copy kernel's\n"
+             "table, source, destination and length rows (gpu -> slot with to_host, else slot -> gpu);\n"
+             "out_dma_staged each DMA's address in its slot. All arrays int64.");
 
 static PyObject *slot_table(PyObject *self, PyObject *args)
 {
