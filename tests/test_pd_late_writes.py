@@ -117,14 +117,16 @@ def wait_for(check, within: float) -> bool:
 
 @needs_nixl
 @needs_netns
-def test_a_write_that_lands_after_the_deadline_never_reaches_blocks_given_to_another_request(hosts):
+@pytest.mark.parametrize("link", ["thread", "process"])
+def test_a_write_that_lands_after_the_deadline_never_reaches_blocks_given_to_another_request(hosts, link):
     """Pull the prefill node's link while it streams a request: its writes wait in its TCP socket. Both nodes fail
     the request at the deadline. Once the decode node gives its blocks back, a new request takes them; when the link
     is back, the prefill node's TCP delivers what it had queued, and none of it may reach the new request's blocks.
     The decode node keeps the blocks past the deadline until the prefill node's word that it stopped comes over the
     restored link and the decode rank cut it off. The link then carries new requests byte for byte."""
     timeout = 4.0
-    with Cluster(layers=6, kv_heads=4, head_dim=64, num_blocks=160, timeout=timeout, hosts=hosts) as cluster:
+    with Cluster(layers=6, kv_heads=4, head_dim=64, num_blocks=160, timeout=timeout, hosts=hosts,
+                 link=link) as cluster:
         prefill, decode = clients(cluster)
         proxy = PDProxy(prefill, decode)
         assert run_batch(cluster, proxy, {"warm": np.arange(300)})["problems"] == []  # the messager is connected
