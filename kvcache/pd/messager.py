@@ -589,7 +589,8 @@ class CacheReceiver:
                     done, halted = self._note(agent, message)
                     complete += done
                     stopped += halted
-            for callback, reqs, what in ((self.on_received, complete, "received"), (self.on_stopped, stopped, "stopped")):
+            for callback, reqs, what in ((self.on_received, complete, "received"),
+                                         (self.on_stopped, stopped, "stopped")):
                 if reqs and callback is not None:
                     try:
                         callback(reqs)
