@@ -51,7 +51,7 @@ def test_wheel_installs_and_runs_outside_the_source_tree(wheel_site, tmp_path):
     for extension in ("kvcache/allocator/_chainhash", "kvcache/allocator/_hashtable", "kvcache/allocator/_tables",
                       "kvcache/allocator/_pool",
                       "kvcache/ops/_send_cache",
-                      "kvcache/transfer/_copy"):
+                      "kvcache/transfer/_copy", "kvcache/transfer/_tier"):
         assert any(n.startswith(extension) and n.endswith(".so") for n in names), f"{extension} not built"
     env = dict(os.environ, PYTHONPATH=str(site))
     probe = (
