@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import functools
 import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -590,10 +591,8 @@ class _LayerRanges:
             "a pair moves one head to the same head"
         # Python lists and no ufunc: the submit thread meets this path with cold caches, where numpy's first
         # reduction costs tens of µs
-        tensors = src.tensors
-        self.src, self.dst, self.tensors = src, dst, len(tensors)
-        width = tensors[0].block_shape[0] if pairs.per_row else 1
-        self.unit = np.array([t.bytes_per_block // width for t in tensors] * src.num_layers, dtype=np.int64)
+        self.src, self.dst, self.tensors = src, dst, src.addrs.shape[1]
+        self.unit = _layer_units(src.spec, pairs.per_row)
         self.flat = [np.ascontiguousarray(x, dtype=np.int64).reshape(-1) for x in (src.addrs, src.block_strides,
                                                                                    dst.addrs, dst.block_strides)]
         self.pairs = [np.ascontiguousarray(x, dtype=np.int64) for x in (pairs.src_block, pairs.dst_block,
@@ -614,6 +613,16 @@ class _LayerRanges:
         n = _ranges.pair_ranges(*(x[part] for x in self.flat), unit, unit, *self.pairs, t, out[0], out[1], out[2],
                                 starts)
         return CopyRanges(out[0, :n], out[1, :n], out[2, :n]), starts
+
+
+@functools.lru_cache(maxsize=64)
+def _layer_units(spec: CacheSpec, per_row: bool) -> np.ndarray:
+    """int64 [num_layers * tensors], layer-major: bytes of one unit (a block, or one head of it with ``per_row``) of
+    each (layer, tensor). Read-only, shared by every copy of the spec."""
+    width = spec.tensors()[0].block_shape[0] if per_row else 1
+    unit = np.array([t.bytes_per_block // width for t in spec.tensors()] * spec.num_layers, dtype=np.int64)
+    unit.flags.writeable = False
+    return unit
 
 
 def _row_pairs(src: KVRegion, src_blocks: Any, dst: KVRegion, dst_blocks: Any, rows: Any, cell_rows: Any,

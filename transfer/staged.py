@@ -19,7 +19,6 @@ an earlier one read it, and a later copy reading a host block after an earlier o
 """
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import warnings
 from typing import Any
@@ -89,15 +88,23 @@ class StagedCopier:
         deadline = self.engine._deadline(timeout)
         cuda = self._ready()
         previous = cuda.device()
-        with contextlib.ExitStack() as scope:
-            if previous != self.device:
-                cuda.check(cuda.lib.cudaSetDevice(self.device), f"cudaSetDevice({self.device})")
-                scope.callback(cuda.lib.cudaSetDevice, previous)
+        if previous != self.device:
+            cuda.check(cuda.lib.cudaSetDevice(self.device), f"cudaSetDevice({self.device})")
+        entered: list[Any] = []  # try/finally, not an ExitStack: this runs before a copy's first kernel or DMA
+        try:
             for context in self._contexts or ():
-                scope.enter_context(context)
+                context.__enter__()
+                entered.append(context)
             if direct:
                 return self._enqueue_direct(ranges, np.asarray(cuts, dtype=np.int64), deadline)
             return self._enqueue(ranges, np.asarray(cuts, dtype=np.int64), to_host, deadline)
+        finally:
+            try:
+                for context in reversed(entered):
+                    context.__exit__(None, None, None)
+            finally:
+                if previous != self.device:
+                    cuda.lib.cudaSetDevice(previous)
 
     def close(self) -> None:
         """Wait for the streams, free the slots and events. Idempotent."""
