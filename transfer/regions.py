@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import functools
 import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
@@ -592,7 +591,7 @@ class _LayerRanges:
         # Python lists and no ufunc: the submit thread meets this path with cold caches, where numpy's first
         # reduction costs tens of µs
         self.src, self.dst, self.tensors = src, dst, src.addrs.shape[1]
-        self.unit = _layer_units(src.spec, pairs.per_row)
+        self.unit = _spec_units(src.spec)[2 if pairs.per_row else 1]
         self.flat = [np.ascontiguousarray(x, dtype=np.int64).reshape(-1) for x in (src.addrs, src.block_strides,
                                                                                    dst.addrs, dst.block_strides)]
         self.pairs = [np.ascontiguousarray(x, dtype=np.int64) for x in (pairs.src_block, pairs.dst_block,
@@ -615,14 +614,26 @@ class _LayerRanges:
         return CopyRanges(out[0, :n], out[1, :n], out[2, :n]), starts
 
 
-@functools.lru_cache(maxsize=64)
-def _layer_units(spec: CacheSpec, per_row: bool) -> np.ndarray:
-    """int64 [num_layers * tensors], layer-major: bytes of one unit (a block, or one head of it with ``per_row``) of
-    each (layer, tensor). Read-only, shared by every copy of the spec."""
-    width = spec.tensors()[0].block_shape[0] if per_row else 1
-    unit = np.array([t.bytes_per_block // width for t in spec.tensors()] * spec.num_layers, dtype=np.int64)
-    unit.flags.writeable = False
-    return unit
+_SPEC_UNITS: dict[int, tuple[CacheSpec, int, np.ndarray, np.ndarray]] = {}
+
+
+def _spec_units(spec: CacheSpec) -> tuple[int, np.ndarray, np.ndarray]:
+    """``spec``'s kv heads per block, and int64 [num_layers * tensors] (layer-major) bytes of one unit of each
+    (layer, tensor): a whole block, and one head of it. Read-only arrays, worked out once per spec object: found by
+    identity, as hashing a spec (every field) costs more on the submit thread's cold path than the rest."""
+    hit = _SPEC_UNITS.get(id(spec))
+    if hit is not None and hit[0] is spec:
+        return hit[1], hit[2], hit[3]
+    tensors = spec.tensors()
+    heads = tensors[0].block_shape[0]
+    units = [np.array([t.bytes_per_block // width for t in tensors] * spec.num_layers, dtype=np.int64)
+             for width in (1, heads)]
+    for unit in units:
+        unit.flags.writeable = False
+    if len(_SPEC_UNITS) >= 64:  # a process holds a few specs; this only bounds a long test run
+        _SPEC_UNITS.pop(next(iter(_SPEC_UNITS)))
+    _SPEC_UNITS[id(spec)] = (spec, heads, units[0], units[1])  # holding the spec keeps its id from being reused
+    return heads, units[0], units[1]
 
 
 def _row_pairs(src: KVRegion, src_blocks: Any, dst: KVRegion, dst_blocks: Any, rows: Any, cell_rows: Any,
@@ -634,8 +645,9 @@ def _row_pairs(src: KVRegion, src_blocks: Any, dst: KVRegion, dst_blocks: Any, r
     if rows is not None:
         raise KVCacheError("rows: give either rows (heads of a head-wise table) or cell_rows, not both")
     cells = np.asarray(cell_rows)
-    if cells.shape != (src.num_layers, src.heads) or (cells.size and cells.dtype.kind not in "iu"):
-        raise KVCacheError(f"cell_rows: must be integers [{src.num_layers} layers, {src.heads} kv heads], "
+    heads = _spec_units(src.spec)[0]  # src.heads
+    if cells.shape != (src.num_layers, heads) or (cells.size and cells.dtype.kind not in "iu"):
+        raise KVCacheError(f"cell_rows: must be integers [{src.num_layers} layers, {heads} kv heads], "
                            f"got shape {cells.shape}")
     tables = []
     for name, blocks in (("src_blocks", src_blocks), ("dst_blocks", dst_blocks)):
