@@ -437,7 +437,8 @@ class DaemonState:
                     is_live = req in admitted
                 if kind == "admit" or kind == "reserve":
                     if is_live:
-                        raise ProtocolError(f"ops[{i}].req: request {req!r} is already admitted")
+                        raise ProtocolError(f"ops[{i}].req: request {req!r} is already admitted"
+                                            f"{pd.held_note(req)}")
                     tokens = check_tokens(op.get("tokens"), f"ops[{i}].tokens", cfg.max_tokens)
                     if tokens.size == 0:
                         raise ProtocolError(f"ops[{i}].tokens: must hold at least one token")

@@ -199,3 +199,24 @@ def test_a_decode_daemon_keeps_an_expired_requests_blocks_until_each_ranks_write
         assert c.usage.max == 0.0 and c.lookup(np.arange(40)) == c.lookup(np.arange(100, 140)) == 0
         assert c.pd_poll() == ({}, {})
         c.check_integrity()
+
+
+def test_a_held_request_says_why_its_id_is_still_taken(daemon):
+    """A scheduler told of the failure may free the request or reserve its id again: until the hold ends both are
+    refused in one line that says the request is held after its deadline, and for at most how long."""
+    from kvcache.allocator.errors import KVCacheError
+    from kvcache.client import CacheClient
+
+    d = daemon("--num-blocks", "32", "--block-size", "16", "--role", "decode", "--transfer-timeout", "1")
+    with CacheClient(d.endpoint) as c:
+        c.attach(0, "tcp://127.0.0.1:1", key=100)
+        c.reserve("a", np.arange(40))
+        failed: dict[Any, str] = {}
+        assert wait_for(lambda: failed.update(c.pd_poll().failed) or "a" in failed, 10)
+        for call in (lambda: c.free("a"), lambda: c.extend("a", [1]), lambda: c.reserve("a", np.arange(40))):
+            with pytest.raises(KVCacheError, match=r"failed at its transfer deadline and its blocks are held until "
+                                                   r"its writers stop .*, or \d+\.\d s more"):
+                call()
+        c.received("a", 0, key=100)
+        assert c.stats()["in_transfer"] == 0
+        assert c.reserve("a", np.arange(40)) is not None  # the id is free again

@@ -278,8 +278,19 @@ class PDState:
         A prefill node extends a request in transfer: its next prompt chunk (chunked prefill).
         """
         if req in self.transfers and not (kind == "extend" and self.role == "prefill"):
+            if self.transfers[req].held:
+                raise ProtocolError(f"{field}.req: request {show(req)}{self.held_note(req)}")
             raise ProtocolError(f"{field}.req: request {show(req)} is still in transfer; {kind} it once pd_poll "
                                 "reports it, or cancel it")
+
+    def held_note(self, req: Any) -> str:
+        """For a refusal naming a request held after its deadline: why its id is still taken, and until when."""
+        t = self.transfers.get(req)
+        if t is None or not t.held:
+            return ""
+        left = max(0.0, t.deadline - time.monotonic())
+        return (f": it failed at its transfer deadline and its blocks are held until its writers stop (every decode "
+                f"rank's received, or {left:.1f} s more); the daemon releases it then")
 
     # ------------------------------------------------------------------ apply (the server runs these in op order)
 
