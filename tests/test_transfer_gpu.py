@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch")
 
 from kvcache.allocator import CacheSpec  # noqa: E402
 from kvcache.transfer import KVRegion, LocalEngine, TransferStatus  # noqa: E402
-from kvcache.transfer.engines import _cupy  # noqa: E402
+from kvcache.transfer.cuda import cupy_module  # noqa: E402
 from kvcache.transfer.regions import copy_ranges  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -80,7 +80,7 @@ def engine_for(method: str) -> LocalEngine:
     if method == "batch" and engine.cuda.batch is None:
         engine.close()
         pytest.skip(f"CUDA runtime {engine.cuda.version} has no cudaMemcpyBatchAsync")
-    if method.startswith("kernel") and _cupy() is None:
+    if method.startswith("kernel") and cupy_module() is None:
         engine.close()
         pytest.skip("the kernel method needs CuPy")
     return engine
@@ -151,9 +151,9 @@ def test_parts_of_one_copy_finish_in_order_each_with_its_own_handle(method):
 @pytest.mark.parametrize("method", ("kernel", "kernel_unrolled"))
 def test_range_tables_staged_in_a_few_recycled_pinned_buffers_copy_every_write_exactly(method, monkeypatch):
     """Many writes in a row, each with its own range table, through a ring held to 2 pinned buffers."""
-    from kvcache.transfer import engines
+    from kvcache.transfer import cuda
 
-    monkeypatch.setattr(engines._Staging, "MAX_BUFFERS", 2)
+    monkeypatch.setattr(cuda.RangeTableStaging, "MAX_BUFFERS", 2)
     spec = make_spec()
     src = random_caches(spec, "cuda", 31, pinned=True)
     dst = random_caches(spec, "cuda", 32)

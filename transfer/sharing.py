@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from kvcache.allocator.errors import KVCacheError
-from kvcache.transfer.engines import CudaRuntime, IpcMemHandle
+from kvcache.transfer.cuda import CudaRuntime, IpcMemHandle
 from kvcache.transfer.regions import KVRegion
 
 __all__ = ["RegionShare", "SharedHostBuffer", "SharedRegion", "share_region"]

@@ -26,8 +26,9 @@ from typing import Any
 import numpy as np
 
 from kvcache.transfer import _ranges
-from kvcache.transfer.engines import _KERNEL_SOURCE, CudaRuntime, LocalEngine, TransferHandle, _CudaHandle, _cupy
-from kvcache.transfer.engines import _Staging
+from kvcache.transfer.base import TransferHandle
+from kvcache.transfer.cuda import COPY_KERNEL_SOURCE, CudaHandle, CudaRuntime, RangeTableStaging, cupy_module
+from kvcache.transfer.engines import LocalEngine
 from kvcache.transfer.regions import CopyRanges
 
 __all__ = ["SLOT_BYTES", "StagedCopier"]
@@ -63,13 +64,13 @@ class StagedCopier:
         self._next = 0  # the slot the next piece takes
         self._kernel: Any = None  # the compiled copy kernel (a CuPy Function): launched without RawKernel's lookups
         self._device_table: Any = None  # CuPy int64: range tables, one copy's after another (``_table``)
-        self._staging: _Staging | None = None
+        self._staging: RangeTableStaging | None = None
         self._contexts: tuple[Any, Any] | None = None
 
     @staticmethod
     def available() -> bool:
         """Whether staged copies can run in this process (CuPy compiles the gather/scatter kernel)."""
-        return _cupy() is not None
+        return cupy_module() is not None
 
     @staticmethod
     def suits(ranges: CopyRanges, to_host: bool) -> bool:
@@ -130,7 +131,7 @@ class StagedCopier:
         cuda = self._cuda = self._cuda or self.engine.cuda
         if self._streams is not None:
             return cuda
-        cp = _cupy()
+        cp = cupy_module()
         if cp is None:
             raise RuntimeError("staged copies need CuPy (pip install cupy-cuda12x)")
         fn = cuda.lib.cudaStreamWaitEvent
@@ -146,11 +147,11 @@ class StagedCopier:
                 streams.append(s.value or 0)
             with cp.cuda.Device(self.device):
                 self._slots = cp.empty((SLOTS, SLOT_BYTES + CHUNK_BYTES), dtype=np.uint8)
-                self._kernel = cp.RawKernel(_KERNEL_SOURCE, "copy_ranges_unrolled").kernel  # compiled for this GPU
+                self._kernel = cp.RawKernel(COPY_KERNEL_SOURCE, "copy_ranges_unrolled").kernel  # compiled for this GPU
             with warnings.catch_warnings():  # CuPy 14 prefers Stream.from_external; both wrap the same raw stream
                 warnings.simplefilter("ignore", DeprecationWarning)
                 self._contexts = (cp.cuda.Device(self.device), cp.cuda.ExternalStream(streams[0]))
-            self._staging = _Staging(cuda)
+            self._staging = RangeTableStaging(cuda)
             self._free, self._filled = [0] * SLOTS, [0] * SLOTS
             self._streams = (streams[0], streams[1])
         finally:
@@ -210,7 +211,7 @@ class StagedCopier:
             event = cuda.new_event()
             cuda.check(cuda.lib.cudaEventRecord(ctypes.c_void_p(event), ctypes.c_void_p(done_stream)), "cudaEventRecord")
             part = ranges.select(slice(bounds[layer], bounds[layer + 1]))
-            handles.append(_CudaHandle(cuda, part, event, deadline, (table,)))
+            handles.append(CudaHandle(cuda, part, event, deadline, (table,)))
         return handles
 
     def _enqueue_direct(self, ranges: CopyRanges, cuts: np.ndarray, deadline: float) -> list[TransferHandle]:
@@ -231,7 +232,7 @@ class StagedCopier:
             event = cuda.new_event()
             cuda.check(cuda.lib.cudaEventRecord(ctypes.c_void_p(event), ctypes.c_void_p(kernel_stream)),
                        "cudaEventRecord")
-            handles.append(_CudaHandle(cuda, CopyRanges(*(x[a:b] for x in ranges)), event, deadline, (table,)))
+            handles.append(CudaHandle(cuda, CopyRanges(*(x[a:b] for x in ranges)), event, deadline, (table,)))
         self._join(dma_stream, kernel_stream)
         return handles
 
@@ -251,7 +252,7 @@ class StagedCopier:
         after every kernel reading the table before it. Handles keep the buffer they read alive (a grown one
         replaces it here), as they kept a table of their own."""
         if self._device_table is None or self._device_table.size < 3 * n:
-            self._device_table = _cupy().empty(max(3 * n, 1 << 15), dtype=np.int64)
+            self._device_table = cupy_module().empty(max(3 * n, 1 << 15), dtype=np.int64)
         return self._device_table
 
     def _launch(self, table: Any, a: int, b: int, n: int) -> None:

@@ -242,9 +242,9 @@ def bench_gpu(layers: int, repeat: int) -> dict[str, Any] | str:
             if name == "batch" and engine.cuda.batch is None:
                 raise RuntimeError(f"runtime {engine.cuda.version} has no cudaMemcpyBatchAsync")
             if name.startswith("kernel"):
-                from kvcache.transfer.engines import _cupy
+                from kvcache.transfer.cuda import cupy_module
 
-                if _cupy() is None:
+                if cupy_module() is None:
                     raise RuntimeError("CuPy is not installed")
             methods[name] = None
         except Exception as exc:
