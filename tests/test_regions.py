@@ -487,3 +487,28 @@ def test_a_cuda_tensor_whose_device_cannot_be_read_is_refused_not_guessed() -> N
         describe_tensor(_DeviceTensor(_TorchDevice(None)))
     with pytest.raises(TypeError, match="CUDA device cannot be read"):
         describe_tensor(_DeviceTensor(None))
+
+
+class _PlacedTensor:
+    """A tensor read through ``data_ptr()`` with a Paddle-style place."""
+
+    def __init__(self, place: str) -> None:
+        self.place, self.shape, self.strides, self.dtype = place, (4, 8), None, "uint8"
+
+    def data_ptr(self) -> int:
+        return 0x7F0000000000
+
+    def element_size(self) -> int:
+        return 1
+
+
+@pytest.mark.parametrize("place, device, pinned", [("Place(gpu:1)", "cuda:1", False), ("Place(gpu:0)", "cuda:0", False),
+                                                   ("Place(gpu_pinned)", "cpu", True), ("Place(cpu)", "cpu", False)])
+def test_a_data_ptr_tensor_is_on_the_device_its_place_names(place: str, device: str, pinned: bool) -> None:
+    info = describe_tensor(_PlacedTensor(place))
+    assert (info.device, info.pinned) == (device, pinned)
+
+
+def test_a_data_ptr_tensor_on_a_gpu_of_no_number_is_refused_not_guessed() -> None:
+    with pytest.raises(TypeError, match="CUDA device cannot be read"):
+        describe_tensor(_PlacedTensor("gpu"))

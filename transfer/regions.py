@@ -242,6 +242,8 @@ def _from_data_ptr(obj: Any) -> TensorInfo:
     device = "cpu"
     place = getattr(obj, "device", None) or getattr(obj, "place", None)
     text = str(place).lower()
+    if "pinned" in text:  # Paddle's CUDAPinnedPlace: page-locked host memory
+        return TensorInfo(int(obj.data_ptr()), shape, strides, itemsize, _dtype_name(str(obj.dtype)), "cpu", True)
     if "cuda" in text or "gpu" in text:
         digits = "".join(c for c in text.split(":")[-1] if c.isdigit()) if ":" in text else ""
         if not digits:
