@@ -145,11 +145,27 @@ def test_row_pairs_find_the_classes_and_errors_layer_classes_finds(data) -> None
         assert same_pairs(pairs, want_pairs)
 
 
+def reference_layer_pair_ranges(src: KVRegion, dst: KVRegion, pairs: Any, layers: np.ndarray
+                                ) -> tuple[CopyRanges, np.ndarray]:
+    """The ranges of ``layers`` as they were worked out before ``_LayerRanges``: every array per call."""
+    for region, block in ((src, pairs.src_block), (dst, pairs.dst_block)):
+        regions._check_layer_blocks(region, block, layers)
+    unit = np.tile(src.block_bytes // (src.heads if pairs.per_row else 1), layers.size)
+    out = np.empty((3, unit.size * pairs.src_block.size), dtype=np.int64)
+    starts = np.empty(layers.size + 1, dtype=np.int64)
+    n = _ranges.pair_ranges(src.addrs[layers].ravel(), src.block_strides[layers].ravel(), dst.addrs[layers].ravel(),
+                            dst.block_strides[layers].ravel(), unit, unit, np.ascontiguousarray(pairs.src_block),
+                            np.ascontiguousarray(pairs.dst_block), np.ascontiguousarray(pairs.src_row),
+                            len(src.tensors), out[0], out[1], out[2], starts)
+    return CopyRanges(out[0, :n], out[1, :n], out[2, :n]), starts
+
+
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_layer_ranges_are_layer_pair_ranges_with_the_same_checks(data) -> None:
-    """``_LayerRanges.between`` (per-copy work done once) gives ``_layer_pair_ranges``'s ranges and layer starts for
-    any run of layers, and names the same layer when a windowed layer holds fewer blocks than an id."""
+    """``_LayerRanges`` (per-copy work done once) gives the reference's ranges and layer starts for any run of
+    layers (``between``) and any ascending selection of them (``layers``), and names the same layer when a windowed
+    layer holds fewer blocks than an id."""
     layers = data.draw(st.integers(1, 5))
     spec = CacheSpec(num_layers=layers, num_kv_heads=data.draw(st.sampled_from([1, 2])), head_dim=8, block_size=4)
     counts = [data.draw(st.integers(3, 8)) for _ in range(2)]
@@ -166,14 +182,18 @@ def test_layer_ranges_are_layer_pair_ranges_with_the_same_checks(data) -> None:
     pairs = regions._copy_pairs(src, sb, dst, db, None)
     a = data.draw(st.integers(0, layers - 1))
     b = data.draw(st.integers(a + 1, layers))
-    fast = outcome(regions._LayerRanges(src, dst, pairs).between, a, b)
-    reference = outcome(regions._layer_pair_ranges, src, dst, pairs, np.arange(a, b))
-    if isinstance(reference, str) or isinstance(fast, str):
-        assert fast == reference
-        return
-    (got, got_starts), (want, want_starts) = fast, reference
-    assert got_starts.tolist() == want_starts.tolist()
-    assert all(x.tolist() == y.tolist() for x, y in zip(got, want))
+    picked = np.array(sorted(data.draw(st.sets(st.integers(0, layers - 1), min_size=1))), dtype=np.int64)
+    ranges = regions._LayerRanges(src, dst, pairs)
+    for fast, reference in ((outcome(ranges.between, a, b),
+                             outcome(reference_layer_pair_ranges, src, dst, pairs, np.arange(a, b))),
+                            (outcome(ranges.layers, picked),
+                             outcome(reference_layer_pair_ranges, src, dst, pairs, picked))):
+        if isinstance(reference, str) or isinstance(fast, str):
+            assert fast == reference
+            continue
+        (got, got_starts), (want, want_starts) = fast, reference
+        assert got_starts.tolist() == want_starts.tolist()
+        assert all(x.tolist() == y.tolist() for x, y in zip(got, want))
 
 
 def numpy_runs(addr: np.ndarray, length: np.ndarray) -> tuple[int, int]:

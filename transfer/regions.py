@@ -551,12 +551,13 @@ def copy_ranges_per_layer(src: KVRegion, src_blocks: Any, dst: KVRegion, dst_blo
             for a, b in zip(edges, edges[1:]):
                 yield ranges.between(a, b)
             return
+        each_class = [(group, _LayerRanges(src, dst, pairs)) for group, pairs in classes]
         for a, b in zip(edges, edges[1:]):
             parts, layer = [], []
-            for group, pairs in classes:
+            for group, ranges_of in each_class:
                 mine = group[(group >= a) & (group < b)]
                 if mine.size:
-                    ranges, cuts = _layer_pair_ranges(src, dst, pairs, mine)
+                    ranges, cuts = ranges_of.layers(mine)
                     parts.append(ranges)
                     layer.append(np.repeat(mine, np.diff(cuts)))
             order = np.argsort(np.concatenate(layer), kind="stable")
@@ -566,26 +567,10 @@ def copy_ranges_per_layer(src: KVRegion, src_blocks: Any, dst: KVRegion, dst_blo
     return each()
 
 
-def _layer_pair_ranges(src: KVRegion, dst: KVRegion, pairs: _Pairs, layers: np.ndarray
-                       ) -> tuple[CopyRanges, np.ndarray]:
-    """``_pair_ranges`` of ``layers`` merged within each layer only (in C), and where each layer's ranges begin."""
-    for region, block in ((src, pairs.src_block), (dst, pairs.dst_block)):
-        _check_layer_blocks(region, block, layers)
-    assert np.array_equal(pairs.src_row, pairs.dst_row), "a pair moves one head to the same head"
-    unit = np.tile(src.block_bytes // (src.heads if pairs.per_row else 1), layers.size)
-    count = unit.size * pairs.src_block.size
-    out = np.empty((3, count), dtype=np.int64)
-    starts = np.empty(layers.size + 1, dtype=np.int64)
-    n = _ranges.pair_ranges(src.addrs[layers].ravel(), src.block_strides[layers].ravel(), dst.addrs[layers].ravel(),
-                            dst.block_strides[layers].ravel(), unit, unit, np.ascontiguousarray(pairs.src_block),
-                            np.ascontiguousarray(pairs.dst_block), np.ascontiguousarray(pairs.src_row),
-                            len(src.tensors), out[0], out[1], out[2], starts)
-    return CopyRanges(out[0, :n], out[1, :n], out[2, :n]), starts
-
-
 class _LayerRanges:
-    """``_layer_pair_ranges`` of one class of pairs that every layer reads, for runs of layers: what does not depend
-    on the layers (flat addresses, units, the highest block ids) is worked out once."""
+    """One class of pairs' ranges (``_pair_ranges``, merged within each layer only, in C) for the layers that read
+    them, and where each layer's ranges begin: what does not depend on the layers (flat addresses, units, the
+    highest block ids) is worked out once."""
 
     def __init__(self, src: KVRegion, dst: KVRegion, pairs: _Pairs) -> None:
         assert pairs.src_row is pairs.dst_row or np.array_equal(pairs.src_row, pairs.dst_row), \
@@ -602,17 +587,27 @@ class _LayerRanges:
         self.limits = (src.layer_blocks.tolist(), dst.layer_blocks.tolist())
 
     def between(self, a: int, b: int) -> tuple[CopyRanges, np.ndarray]:
-        """``_layer_pair_ranges`` of layers ``[a, b)``, with its checks."""
-        for region, top, limits in zip((self.src, self.dst), self.top, self.limits):
-            if top >= 0 and top >= min(limits[a:b]):
-                _short_layer(region, top, a + next(i for i, n in enumerate(limits[a:b]) if n <= top))
+        """The ranges of layers ``[a, b)``."""
         t = self.tensors
-        part = slice(a * t, b * t)
+        return self._ranges(range(a, b), slice(a * t, b * t))
+
+    def layers(self, layers: np.ndarray) -> tuple[CopyRanges, np.ndarray]:
+        """The ranges of ``layers`` (int64, ascending)."""
+        t = self.tensors
+        return self._ranges(layers.tolist(), (layers[:, None] * t + np.arange(t)).ravel())
+
+    def _ranges(self, layers: Sequence[int], part: slice | np.ndarray) -> tuple[CopyRanges, np.ndarray]:
+        """The ranges of ``layers``, whose (layer, tensor) entries of the flat arrays ``part`` selects; raises if a
+        block id is past a (windowed) layer's blocks, naming the first such layer."""
+        for region, top, limits in zip((self.src, self.dst), self.top, self.limits):
+            held = [limits[layer] for layer in layers]
+            if top >= 0 and top >= min(held):
+                _short_layer(region, top, layers[next(i for i, n in enumerate(held) if n <= top)])
         unit = self.unit[part]
         out = np.empty((3, unit.size * self.pairs[0].size), dtype=np.int64)
-        starts = np.empty(b - a + 1, dtype=np.int64)
-        n = _ranges.pair_ranges(*(x[part] for x in self.flat), unit, unit, *self.pairs, t, out[0], out[1], out[2],
-                                starts)
+        starts = np.empty(len(layers) + 1, dtype=np.int64)
+        n = _ranges.pair_ranges(*(x[part] for x in self.flat), unit, unit, *self.pairs, self.tensors, out[0], out[1],
+                                out[2], starts)
         return CopyRanges(out[0, :n], out[1, :n], out[2, :n]), starts
 
 
