@@ -50,6 +50,15 @@ def assert_nothing_held(prefill: CacheClient, decode: CacheClient, within: float
     decode.check_integrity()
 
 
+def assert_new_requests_move(cluster: Cluster, proxy: PDProxy, prefill: CacheClient, decode: CacheClient) -> None:
+    """After a failure: both nodes hold nothing (within 10 s), then new requests move byte for byte over the same
+    workers, and again nothing stays held."""
+    assert_nothing_held(prefill, decode, within=10)
+    fresh = {f"after{i}": np.random.default_rng(20 + i).integers(0, 50_000, n) for i, n in enumerate((129, 640))}
+    assert run_batch(cluster, proxy, fresh)["problems"] == []
+    assert_nothing_held(prefill, decode)
+
+
 def assert_nodes_left_nothing(hosts: Hosts, cluster: Cluster) -> None:
     """After ``cluster.close()``: no process in either node's namespace, nothing of the cluster's in /dev/shm."""
     assert hosts.pids("prefill") == [] and hosts.pids("decode") == []
@@ -112,10 +121,7 @@ def test_a_link_pulled_mid_transfer_fails_the_request_on_both_nodes_at_the_deadl
         hosts.restore("decode")
         done, failed = wait_outcomes(decode, set(prompts), 30)
         assert not done and set(failed) == set(prompts), (done, failed)
-        assert_nothing_held(prefill, decode, within=10)
-        fresh = {f"after{i}": np.random.default_rng(20 + i).integers(0, 50_000, n) for i, n in enumerate((129, 640))}
-        assert run_batch(cluster, proxy, fresh)["problems"] == []
-        assert_nothing_held(prefill, decode)
+        assert_new_requests_move(cluster, proxy, prefill, decode)
     assert_nodes_left_nothing(hosts, cluster)
 
 
